@@ -1,0 +1,108 @@
+"""ABI6 completion records and packed logprob positions: layouts and host-side decoding.
+
+A record is one int64 vector ``[16 + T]`` per lane per frame: the header fields below,
+then T emitted token ids. A packed position is int32 ``[2 + 2*A]``: chosen id, chosen
+FP32 logprob bits, then (id, FP32 bits) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from ignition.catalog.contract import INVALID_TOKEN_ID, PACKED_CHOSEN_WORDS, RECORD_HEADER_WORDS
+from ignition.catalog.enums import FinishReason, Operation, RoundKind
+
+
+class RecordField(IntEnum):
+    """Header word index of an ABI6 record."""
+
+    SLOT = 0  # physical slot of the lane (-1: none)
+    EPOCH = 1  # the slot's generation counter when the record was written
+    ROUND_KIND = 2  # RoundKind
+    EMITTED_COUNT = 3  # emitted token ids at positions [0, count)
+    FINISH_REASON = 4  # FinishReason of the last emitted token (0: still running)
+    FORCED_MASK = 5  # bit i: position i is a forced token and has no logprob entry
+    PAYLOAD_MASK = 6  # bit i: position i has a packed logprob payload in this frame
+    GENERATED_BEFORE = 7  # tokens the request had generated before this round
+    SEQUENCE_LENGTH = 8  # KV length of the slot after this round
+    FRAME = 9  # frame index the record was written into
+    OPERATION = 10  # Operation of the producing graph
+    RESERVED_11 = 11
+    RESERVED_12 = 12
+    RESERVED_13 = 13
+    RESERVED_14 = 14
+    RESERVED_15 = 15
+
+
+assert len(RecordField) == RECORD_HEADER_WORDS
+
+MAX_RECORD_POSITIONS = 64
+"""T is bounded by the 64-bit FORCED_MASK/PAYLOAD_MASK words."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    slot: int
+    epoch: int
+    round_kind: RoundKind
+    emitted: tuple[int, ...]
+    finish_reason: FinishReason
+    forced: tuple[bool, ...]
+    payload: tuple[bool, ...]
+    generated_before: int
+    sequence_length: int
+    frame: int
+    operation: int
+
+
+def decode_record(words) -> Record:
+    """Decode one int64 ``[16 + T]`` record (numpy or list)."""
+    w = np.asarray(words, dtype=np.int64)
+    count = int(w[RecordField.EMITTED_COUNT])
+    t = w.shape[0] - RECORD_HEADER_WORDS
+    if not 0 <= count <= t:
+        raise ValueError(f"record emitted count {count} outside [0, T={t}]")
+    forced_mask = int(w[RecordField.FORCED_MASK]) & ((1 << 64) - 1)
+    payload_mask = int(w[RecordField.PAYLOAD_MASK]) & ((1 << 64) - 1)
+    return Record(
+        slot=int(w[RecordField.SLOT]),
+        epoch=int(w[RecordField.EPOCH]),
+        round_kind=RoundKind(int(w[RecordField.ROUND_KIND])),
+        emitted=tuple(int(x) for x in w[RECORD_HEADER_WORDS:RECORD_HEADER_WORDS + count]),
+        finish_reason=FinishReason(int(w[RecordField.FINISH_REASON])),
+        forced=tuple(bool(forced_mask >> i & 1) for i in range(count)),
+        payload=tuple(bool(payload_mask >> i & 1) for i in range(count)),
+        generated_before=int(w[RecordField.GENERATED_BEFORE]),
+        sequence_length=int(w[RecordField.SEQUENCE_LENGTH]),
+        frame=int(w[RecordField.FRAME]),
+        operation=int(w[RecordField.OPERATION]),
+    )
+
+
+def bits_to_float(bits) -> np.ndarray:
+    return np.asarray(bits, dtype=np.int32).view(np.float32)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedPosition:
+    chosen_id: int
+    chosen_logprob: float
+    alternatives: tuple[tuple[int, float], ...]  # (id, logprob); unused pairs (id -1) dropped
+
+
+def decode_packed_position(words, pairs: int) -> PackedPosition:
+    """Decode the chosen pair and the first ``pairs`` alternative pairs of one position."""
+    w = np.asarray(words, dtype=np.int32)
+    ids = w[PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + 2 * pairs:2]
+    values = bits_to_float(w[PACKED_CHOSEN_WORDS + 1:PACKED_CHOSEN_WORDS + 2 * pairs:2])
+    return PackedPosition(
+        chosen_id=int(w[0]),
+        chosen_logprob=float(bits_to_float(w[1:2])[0]),
+        alternatives=tuple((int(i), float(v)) for i, v in zip(ids, values) if i != INVALID_TOKEN_ID),
+    )
+
+
+__all__ = ["RecordField", "Record", "decode_record", "PackedPosition", "decode_packed_position", "Operation"]

@@ -1,0 +1,96 @@
+"""The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
+
+Shapes are expressions over the geometry symbols ``capacity``, ``T`` and ``C`` (scored
+chunk capacity) and the contract constants; ``resolve_shape`` evaluates them and
+``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
+is written exactly once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ignition.catalog import contract
+from ignition.catalog.enums import Role, ValueSource
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    name: str
+    dtype: str  # torch dtype name
+    shape: tuple[str, ...]  # each dim: a sum of symbols / constant names / integers
+    role: Role
+    source: ValueSource | None  # binding for INPUT buffers
+    meaning: str
+
+
+COMPLETION_BUFFERS = (
+    BufferSpec("completion_records", "int64", ("FRAMES", "capacity", "RECORD_HEADER_WORDS+T"), Role.OUTPUT, None,
+               "ABI6 completion vectors"),
+    BufferSpec("completion_logprobs", "int32", ("FRAMES", "capacity", "T", "PACKED_WIDTH"), Role.OUTPUT, None,
+               "Packed token statistics: the chosen pair and up to 128 alternative pairs"),
+    BufferSpec("logprob_requested", "int32", ("capacity",), Role.INPUT, ValueSource.LOGPROB_REQUESTED,
+               "Nonzero for requesting lanes in this submission"),
+    BufferSpec("logprob_token_ids", "int32", ("capacity", "MAX_SELECTED_IDS"), Role.INPUT, ValueSource.LOGPROB_TOKEN_IDS,
+               "Caller-selected token IDs per slot"),
+    BufferSpec("logprob_token_id_counts", "int32", ("capacity",), Role.INPUT, ValueSource.LOGPROB_TOKEN_ID_COUNTS,
+               "Number of selected IDs per slot; zero selects the K natural alternatives"),
+)
+"""The CompletionOutputs bundle, in the specification's order."""
+
+PROMPT_BUFFERS = (
+    BufferSpec("prompt_logprobs", "int32", ("FRAMES", "C", "PROMPT_ROW_WIDTH"), Role.OUTPUT, None,
+               "Per prompt row: actual id, FP32 logprob bits, rank, then 20 (id, bits) alternatives"),
+    BufferSpec("prompt_target_tokens", "int32", ("C",), Role.INPUT, ValueSource.PROMPT_TARGET_TOKEN,
+               "Prompt token at chunk_start + j + 1, or -1 at the prompt end and inside image spans"),
+)
+
+LANE_INPUTS = (
+    BufferSpec("input_ids", "int64", ("capacity",), Role.INPUT, ValueSource.TOKEN_IDS, "Token each lane consumes"),
+    BufferSpec("positions", "int64", ("capacity",), Role.INPUT, ValueSource.POSITIONS, "Absolute position of each lane's token"),
+    BufferSpec("slot_ids", "int64", ("capacity",), Role.INPUT, ValueSource.SLOT_IDS, "Physical slot of each lane"),
+    BufferSpec("slot_epochs", "int64", ("capacity",), Role.INPUT, ValueSource.SLOT_EPOCHS, "Generation counter of each lane's slot"),
+    BufferSpec("active_lanes", "int32", ("capacity",), Role.INPUT, ValueSource.ACTIVE_LANES, "Nonzero for lanes in this submission"),
+    BufferSpec("frame_index", "int64", ("1",), Role.INPUT, ValueSource.FRAME_INDEX, "Completion frame this submission writes"),
+    BufferSpec("generated_counts", "int64", ("capacity",), Role.INPUT, ValueSource.GENERATED_COUNTS,
+               "Tokens each lane's request generated before this round"),
+    BufferSpec("token_budget", "int64", ("capacity",), Role.INPUT, ValueSource.TOKEN_BUDGET, "Each lane's max_tokens"),
+    BufferSpec("eos_token_ids", "int64", ("capacity",), Role.INPUT, ValueSource.EOS_TOKEN_ID, "Each lane's EOS id, -1 to ignore"),
+    BufferSpec("forced_token_ids", "int64", ("capacity",), Role.INPUT, ValueSource.FORCED_TOKEN_ID,
+               "Token to emit instead of sampling (no logprob entry), -1 for none"),
+)
+"""Per-submission inputs of every sampling graph (decode lanes; prefill has capacity 1)."""
+
+CHUNK_INPUTS = (
+    BufferSpec("chunk_input_ids", "int64", ("C",), Role.INPUT, ValueSource.TOKEN_IDS, "Prompt chunk tokens, padded to C"),
+    BufferSpec("chunk_start", "int64", ("1",), Role.INPUT, ValueSource.CHUNK_START, "Absolute position of the chunk's first row"),
+    BufferSpec("chunk_length", "int64", ("1",), Role.INPUT, ValueSource.CHUNK_LENGTH, "Valid rows of the chunk"),
+)
+"""Additional inputs of prefill graphs (one request per submission)."""
+
+BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS}
+RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
+PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
+ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
+
+_CONSTANTS = {name: getattr(contract, name) for name in (
+    "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH")}
+
+
+def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
+    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=`` (and ``PACKED_WIDTH=`` override)."""
+    env = {**_CONSTANTS, **geometry}
+    shape = []
+    for dim in spec.shape:
+        total = 0
+        for term in dim.split("+"):
+            total += int(term) if term.isdigit() else env[term]
+        shape.append(total)
+    return shape
+
+
+def shape_expression(spec: BufferSpec, **overrides: str) -> str:
+    """``[2, capacity, 16+T]``: constants substituted, geometry symbols kept."""
+    env = {name: str(value) for name, value in _CONSTANTS.items()} | overrides
+    dims = ["+".join(env.get(term, term) for term in dim.split("+")) for dim in spec.shape]
+    return "[" + ", ".join(dims) + "]"

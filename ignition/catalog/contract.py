@@ -1,0 +1,79 @@
+"""The contract's numbers, written once.
+
+Every other module (buffers, validator, components, loader, docs) reads these names; a
+literal 20, 128, 16 or 258 anywhere else is a bug.
+"""
+
+from __future__ import annotations
+
+FRAMES = 2
+"""Each completion output has two frames: a submission writes one while the host reads the other."""
+
+RECORD_HEADER_WORDS = 16
+"""ABI6 records: 16 int64 header fields, then T emitted token ids."""
+
+DEFAULT_COMPLETION_TOKEN_CAPACITY = 8
+"""T when the core's completion_token_capacity is 0 or omitted."""
+
+NATURAL_K = 20
+"""Natural alternatives an export provides per position (K). Requests select 0..K."""
+
+MAX_SELECTED_IDS = 128
+"""Largest number of caller-selected token ids (logprob_token_ids) per request."""
+
+PACKED_CHOSEN_WORDS = 2
+"""Each packed position starts with the chosen pair: token id, FP32 logprob bits."""
+
+PACKED_WIDTH = PACKED_CHOSEN_WORDS + 2 * MAX_SELECTED_IDS
+"""Last extent of completion_logprobs when the explicit-ID inputs are declared (258)."""
+
+PROMPT_ROW_HEADER_WORDS = 3
+"""Prompt rows: actual token id, FP32 logprob bits, rank; then the alternatives."""
+
+PROMPT_ROW_WIDTH = PROMPT_ROW_HEADER_WORDS + 2 * NATURAL_K
+"""Last extent of prompt_logprobs (43)."""
+
+SCORED_BASE_CAPACITY = 128
+SCORED_GROWTH = 4
+"""Scored-prefill capacities: 128 * 4**k below the chunk limit, then the chunk limit."""
+
+SCORING_ROW_BLOCK = 64
+"""The scoring component projects at most this many hidden rows at a time."""
+
+INVALID_TOKEN_ID = -1
+NAN_BITS = 0x7FC00000
+"""FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""
+
+FORMAT_VERSION = 1
+"""Core format version written into and required from every manifest."""
+
+
+def packed_width(k: int, explicit_ids: bool) -> int:
+    """Last extent of completion_logprobs: 2 + 2*A, A = 128 with explicit IDs, else K."""
+    alternatives = MAX_SELECTED_IDS if explicit_ids else k
+    return PACKED_CHOSEN_WORDS + 2 * alternatives
+
+
+def resolve_completion_token_capacity(value: int | None) -> int:
+    """T: zero or omission means eight, positive values are literal, negatives are errors."""
+    if value is None or value == 0:
+        return DEFAULT_COMPLETION_TOKEN_CAPACITY
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(
+            f"completion_token_capacity must be a non-negative integer (0 means "
+            f"{DEFAULT_COMPLETION_TOKEN_CAPACITY}), got {value!r}"
+        )
+    return value
+
+
+def scored_capacities(chunk_limit: int) -> list[int]:
+    """128, 512, 2048, ... strictly below the chunk limit, then the chunk limit itself."""
+    if chunk_limit < 1:
+        raise ValueError(f"chunk limit must be positive, got {chunk_limit}")
+    capacities = []
+    capacity = SCORED_BASE_CAPACITY
+    while capacity < chunk_limit:
+        capacities.append(capacity)
+        capacity *= SCORED_GROWTH
+    capacities.append(chunk_limit)
+    return capacities

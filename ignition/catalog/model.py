@@ -1,0 +1,84 @@
+"""In-memory form of catalog entries: declared buffers and graph variants, to and from JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ignition.catalog.enums import Operation, Role, ValueSource
+
+MANIFEST_FILE = "manifest.json"
+CATALOG_FILE = "catalog.json"
+KERNELS_FILE = "kernels.json"
+WEIGHTS_FILE = "weights.safetensors"
+GRAPHS_DIR = "graphs"
+
+
+@dataclass(frozen=True, slots=True)
+class BufferDecl:
+    """A declared graph argument, return value or state tensor."""
+
+    name: str
+    dtype: str  # torch dtype name, e.g. "int32"
+    shape: list[int]
+    role: Role = Role.INPUT
+
+    def __post_init__(self):
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"buffer {self.name!r}: unknown dtype {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for extent in self.shape:
+            count *= extent
+        return count * self.torch_dtype.itemsize
+
+    def empty(self, device=None) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.torch_dtype, device=device)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "role": self.role.name.lower()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BufferDecl":
+        return cls(name=data["name"], dtype=data["dtype"], shape=list(data["shape"]),
+                   role=Role[data.get("role", "input").upper()])
+
+
+@dataclass(slots=True)
+class Variant:
+    """One graph variant: an operation at one capacity, its arguments, returns and contract."""
+
+    name: str
+    operation: Operation
+    capacity: int
+    arguments: list[BufferDecl]  # graph inputs, in call order
+    returns: list[BufferDecl]
+    bindings: dict[str, ValueSource]  # INPUT argument name -> value source
+    layout: dict  # requested output layout (see docs/api.md "Semantic contract")
+    launches: list[str] = field(default_factory=list)  # prepared kernel keys
+
+    @property
+    def graph_file(self) -> str:
+        return f"{GRAPHS_DIR}/{self.name}.pt2"
+
+    def argument(self, name: str) -> BufferDecl | None:
+        return next((a for a in self.arguments if a.name == name), None)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "operation": int(self.operation),
+            "capacity": self.capacity,
+            "graph": self.graph_file,
+            "arguments": [a.to_json() for a in self.arguments],
+            "returns": [r.to_json() for r in self.returns],
+            "contract": {"layout": self.layout, "bindings": {k: int(v) for k, v in self.bindings.items()}},
+            "launches": list(self.launches),
+        }

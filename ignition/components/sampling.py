@@ -1,0 +1,303 @@
+"""Shared token sampling that can be captured by ``torch.export``.
+
+Everything here is plain tensor arithmetic with static shapes: no ``.item()``,
+no Python branching on tensor values, no ``torch.multinomial``/``torch.rand``.
+Randomness comes from a counter-based Philox4x32-10 keyed by each request's
+seed and counted by its offset (the generated-token index), so a row's token
+depends only on its own logits and parameters, never on batch composition or
+on hidden RNG state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "SAMPLING_DEFAULTS",
+    "SAMPLING_FIELDS",
+    "SamplingTensors",
+    "apply_penalties",
+    "philox4x32_10",
+    "philox_uniform",
+    "sample",
+    "update_output_counts",
+]
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_ROUNDS = 10
+_PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_KEY_BUMPS = (0x9E3779B9, 0xBB67AE85)
+_UNIFORM_BITS = 24
+
+# NOTE: like vLLM's _SAMPLING_EPS, temperatures this small are treated as
+# greedy: dividing logits by ~0 overflows to inf and softmax turns it into NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+# ---- Philox4x32-10 on int64 tensors ----
+def _mulhilo32(word: torch.Tensor, multiplier: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) 32-bit halves of ``word * multiplier`` for 32-bit operands.
+
+    NOTE: the full product needs 64 unsigned bits, which overflows int64, so the
+    constant is split into 16-bit halves: each partial product is < 2**48.
+    """
+    partial_lo = word * (multiplier & 0xFFFF)  # < 2**48
+    partial_hi = word * (multiplier >> 16)  # < 2**48
+    low = (partial_lo + ((partial_hi & 0xFFFF) << 16)) & _MASK32
+    high = ((partial_lo >> 16) + partial_hi) >> 16
+    return high, low
+
+
+def philox4x32_10(
+    counter: Sequence[torch.Tensor], key: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Philox4x32-10 block function (Salmon et al., SC11) on int64 tensors.
+
+    ``counter`` is four tensors and ``key`` two tensors, each holding 32-bit
+    words in [0, 2**32) as int64; all broadcast together. Returns the four
+    output words with the broadcast shape, also in [0, 2**32).
+    """
+    word0, word1, word2, word3 = counter
+    key0, key1 = key
+    for round_index in range(_PHILOX_ROUNDS):
+        if round_index > 0:
+            key0 = (key0 + _PHILOX_KEY_BUMPS[0]) & _MASK32
+            key1 = (key1 + _PHILOX_KEY_BUMPS[1]) & _MASK32
+        high0, low0 = _mulhilo32(word0, _PHILOX_MULTIPLIERS[0])
+        high1, low1 = _mulhilo32(word2, _PHILOX_MULTIPLIERS[1])
+        word0, word1, word2, word3 = high1 ^ word1 ^ key0, low1, high0 ^ word3 ^ key1, low0
+    return word0, word1, word2, word3
+
+
+def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Tensor:
+    """Counter-based uniforms in [0, 1): ``int64[B], int64[B] -> float32[B, n]``.
+
+    Key = the 64 bits of ``seed`` (low word, high word). Counter = (offset low,
+    offset high, block low, block high) where block = column // 4; the block's
+    four output words give columns 4*block .. 4*block+3. Column ``c`` therefore
+    has the same value for every ``n > c``. Each uniform is the word's 24 high
+    bits / 2**24, so 1.0 is never produced.
+    """
+    num_blocks = (n + 3) // 4
+    seed = seed.to(torch.int64).reshape(-1, 1)  # [B, 1]
+    offset = offset.to(torch.int64).reshape(-1, 1)  # [B, 1]
+    block = torch.arange(num_blocks, dtype=torch.int64, device=seed.device).reshape(1, -1)  # [1, nb]
+    zeros = torch.zeros_like(seed) + torch.zeros_like(block)  # [B, nb]
+    counter = (
+        (offset & _MASK32) + zeros,
+        ((offset >> 32) & _MASK32) + zeros,
+        (block & _MASK32) + zeros,
+        ((block >> 32) & _MASK32) + zeros,
+    )
+    key = (seed & _MASK32, (seed >> 32) & _MASK32)  # NOTE: arithmetic shift then mask = raw bits
+    words = torch.stack(philox4x32_10(counter, key), dim=-1)  # [B, nb, 4]
+    words = words.reshape(seed.shape[0], num_blocks * 4)[:, :n]  # [B, n]
+    return (words >> (32 - _UNIFORM_BITS)).to(torch.float32) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+# ---- Per-row sampling parameters ----
+# (name, dtype): the graph-input table the exporter declares, in this order.
+SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
+    ("temperature", torch.float32),  # < GREEDY_TEMPERATURE -> greedy
+    ("top_k", torch.int32),  # <= 0 or >= vocab_size -> off
+    ("top_p", torch.float32),  # >= 1.0 -> off
+    ("min_p", torch.float32),  # 0 -> off
+    ("repetition_penalty", torch.float32),  # 1.0 -> off
+    ("presence_penalty", torch.float32),  # 0 -> off
+    ("frequency_penalty", torch.float32),  # 0 -> off
+    ("seed", torch.int64),  # Philox key (64 bits)
+    ("offset", torch.int64),  # Philox counter: the request's generated-token index
+)
+
+# Value used by ``SamplingTensors.from_requests`` when a request omits a field.
+SAMPLING_DEFAULTS: dict[str, float | int] = dict(
+    temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+    presence_penalty=0.0, frequency_penalty=0.0, seed=0, offset=0,
+)
+
+
+def _signed64(value: int) -> int:
+    """Reinterpret an int in [-2**63, 2**64) as the int64 with the same 64 bits."""
+    value = int(value) & 0xFFFFFFFFFFFFFFFF
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+# NOTE: eq=False: a generated __eq__ would compare tensors and raise on bool().
+@dataclass(slots=True, eq=False)
+class SamplingTensors:
+    """Per-row sampling parameters, one tensor of shape ``[B]`` per field.
+
+    Field order and dtypes are given by ``FIELDS`` (== ``SAMPLING_FIELDS``) so an
+    exporter can declare them as graph inputs; ``as_tuple``/``from_tuple``
+    convert to and from that flat order.
+    """
+
+    temperature: torch.Tensor  # float32[B]
+    top_k: torch.Tensor  # int32[B]
+    top_p: torch.Tensor  # float32[B]
+    min_p: torch.Tensor  # float32[B]
+    repetition_penalty: torch.Tensor  # float32[B]
+    presence_penalty: torch.Tensor  # float32[B]
+    frequency_penalty: torch.Tensor  # float32[B]
+    seed: torch.Tensor  # int64[B]
+    offset: torch.Tensor  # int64[B]
+
+    FIELDS: ClassVar[tuple[tuple[str, torch.dtype], ...]] = SAMPLING_FIELDS
+
+    @classmethod
+    def from_requests(
+        cls, requests: Sequence[Mapping[str, Any] | Any], device: torch.device | str | None = None
+    ) -> SamplingTensors:
+        """Build from per-request parameters (mappings or attribute objects).
+
+        Missing or ``None`` values take ``SAMPLING_DEFAULTS``.
+        Seeds may be any int in [-2**63, 2**64); they are kept as raw 64 bits.
+        NOTE: an unseeded request gets seed 0; the runtime should draw a seed
+        per request if it wants unseeded requests to differ.
+        """
+        columns: dict[str, torch.Tensor] = {}
+        for name, dtype in SAMPLING_FIELDS:
+            default, values = SAMPLING_DEFAULTS[name], []
+            for request in requests:
+                value = request.get(name) if isinstance(request, Mapping) else getattr(request, name, None)
+                value = default if value is None else value
+                values.append(_signed64(value) if dtype == torch.int64 else value)
+            columns[name] = torch.tensor(values, dtype=dtype, device=device)  # [B]
+        return cls(**columns)
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        """The tensors in ``FIELDS`` order."""
+        return tuple(getattr(self, name) for name, _ in SAMPLING_FIELDS)
+
+    @classmethod
+    def from_tuple(cls, tensors: Sequence[torch.Tensor]) -> SamplingTensors:
+        """Inverse of ``as_tuple``."""
+        return cls(*tensors)
+
+
+# NOTE: registering lets exported modules take SamplingTensors directly.
+torch.export.register_dataclass(SamplingTensors, serialized_type_name=f"{__name__}.SamplingTensors")
+
+
+# ---- Penalties, sampling, count bookkeeping ----
+def apply_penalties(
+    logits: torch.Tensor, output_counts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingTensors
+) -> torch.Tensor:
+    """Repetition, frequency and presence penalties with vLLM semantics.
+
+    ``logits [B, V]`` (any float dtype), ``output_counts int32[B, V]``,
+    ``prompt_mask bool[B, V]`` -> new ``float32[B, V]``; inputs are not modified.
+
+    1. Repetition: for tokens seen in the prompt or the output, positive
+       logits are divided by the penalty, non-positive ones multiplied.
+    2. Frequency: subtract ``frequency_penalty * count`` (output tokens only).
+    3. Presence: subtract ``presence_penalty`` where ``count > 0``.
+    """
+    logits = logits.to(torch.float32)  # NOTE: may alias a float32 input; every op below is out-of-place
+    output_seen = output_counts > 0  # [B, V]
+    seen = prompt_mask | output_seen  # [B, V]
+    repetition = params.repetition_penalty.reshape(-1, 1)  # [B, 1]
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - params.frequency_penalty.reshape(-1, 1) * output_counts.to(torch.float32)
+    logits = logits - params.presence_penalty.reshape(-1, 1) * output_seen.to(torch.float32)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingTensors,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size).
+
+    ``logits`` is never modified (raw logits also feed the logprob reduction).
+    Lanes ``>= vocab_size`` (vocabulary padding) are never selected.
+
+    Steps, in order:
+    1. Upcast to a float32 copy; padded lanes -> -inf.
+    2. Penalties (``apply_penalties``).
+    3. Greedy candidate: argmax of the penalized logits, ties -> smallest id.
+    4. Temperature: divide by it (greedy rows divide by 1; result discarded).
+    5. Sort descending (stable, so equal logits keep ascending id order).
+    6. Top-k: keep logits >= the k-th largest. Tie rule: every token tied with
+       the k-th value is kept (vLLM's rule), so more than k may survive.
+    7. Top-p on the softmax of the top-k survivors: keep the shortest
+       descending prefix whose mass reaches top_p, then also every token whose
+       probability equals the last kept one (ties at the cutoff all kept).
+    8. Min-p: drop tokens with probability < min_p * max probability (ratio is
+       the same before or after renormalizing, so no renormalization needed).
+    9. Draw by inverse CDF over the filtered probabilities in sorted order,
+       with one Philox uniform per row from (seed, offset): the token is the
+       first position whose cumulative mass exceeds ``u * total``.
+    10. Greedy rows (temperature < GREEDY_TEMPERATURE) take the step-3 token.
+    """
+    width = logits.shape[-1]
+    lane_ids = torch.arange(width, device=logits.device)  # [V]
+    padded_lane = (lane_ids >= vocab_size).reshape(1, -1)  # [1, V]
+    work = torch.where(padded_lane, float("-inf"), logits.to(torch.float32))  # new [B, V]
+    work = apply_penalties(work, output_counts, prompt_mask, params)
+
+    # NOTE: explicit smallest-id tie rule rather than relying on argmax's backend behaviour.
+    row_max = work.amax(dim=-1, keepdim=True)  # [B, 1]
+    greedy_tokens = torch.where(work == row_max, lane_ids, width).amin(dim=-1)  # [B]
+    greedy_tokens = greedy_tokens.clamp(max=vocab_size - 1)  # NaN rows match nothing
+
+    greedy_rows = params.temperature < GREEDY_TEMPERATURE  # [B]
+    temperature = torch.where(greedy_rows, 1.0, params.temperature).reshape(-1, 1)  # [B, 1]
+    scaled = work / temperature  # [B, V]
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V] x2
+
+    top_k = params.top_k.to(torch.int64)
+    top_k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k)  # [B]
+    kth_logit = sorted_logits.gather(-1, (top_k - 1).reshape(-1, 1))  # [B, 1]
+    sorted_logits = torch.where(sorted_logits >= kth_logit, sorted_logits, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)  # [B, V], descending
+
+    top_p = params.top_p.reshape(-1, 1)  # [B, 1]
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [B, V]
+    in_nucleus = (mass_before < top_p) | (lane_ids == 0)  # position 0 always kept
+    cutoff_prob = torch.where(in_nucleus, probs, float("inf")).amin(dim=-1, keepdim=True)  # [B, 1]
+    # NOTE: top_p >= 1 bypasses the cutoff: fp32 cumsum can reach 1 before the tail ends.
+    keep = (probs >= cutoff_prob) | (top_p >= 1.0)
+    probs = torch.where(keep, probs, 0.0)
+
+    min_prob = params.min_p.reshape(-1, 1) * probs[:, :1]  # [B, 1]; position 0 is the max
+    probs = torch.where(probs >= min_prob, probs, 0.0)
+
+    cdf = probs.cumsum(dim=-1)  # [B, V]
+    uniform = philox_uniform(params.seed, params.offset, 1)  # [B, 1]
+    position = (cdf <= uniform * cdf[:, -1:]).sum(dim=-1)  # [B]
+    # NOTE: kept tokens form a prefix of the sorted row. In fp32, u * total < total
+    # for u <= 1 - 2**-24, so a monotone cdf never passes the last kept position;
+    # the clamp guards backends whose parallel cumsum is not exactly monotone.
+    last_kept = ((probs > 0).sum(dim=-1) - 1).clamp(min=0)  # [B]
+    position = torch.minimum(position, last_kept)
+    sampled_tokens = sorted_ids.gather(-1, position.reshape(-1, 1)).reshape(-1)  # [B]
+
+    return torch.where(greedy_rows, greedy_tokens, sampled_tokens).to(torch.int64)
+
+
+def update_output_counts(
+    output_counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor, active: torch.Tensor
+) -> torch.Tensor:
+    """Add one to ``output_counts[slots[b], tokens[b]]`` for every active row, in place.
+
+    ``output_counts int32[S, V]``, ``slots int64[B]``, ``tokens int64[B]``,
+    ``active bool[B]`` (or an integer flag, nonzero = active). Duplicate (slot, token) pairs accumulate. Inactive rows
+    add zero, and their (possibly garbage) indices are clamped into range.
+    Returns ``output_counts``.
+    """
+    num_slots, width = output_counts.shape
+    safe_slots = slots.to(torch.int64).clamp(0, num_slots - 1)  # [B]
+    safe_tokens = tokens.to(torch.int64).clamp(0, width - 1)  # [B]
+    increments = (active != 0).to(output_counts.dtype)  # [B]; NOTE: int32 lane flags may be any nonzero
+    output_counts.index_put_((safe_slots, safe_tokens), increments, accumulate=True)
+    return output_counts

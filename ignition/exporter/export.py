@@ -1,0 +1,123 @@
+"""export-core: run a recipe, prepare kernels, capture every variant, write and validate a core.
+
+Stages, in order: build (recipe reads the checkpoint), prepare kernels (ahead of any
+capture), capture (``torch.export`` per variant), write (weights once, catalog, manifest
+with a sha256 per file), validate; only a valid core is renamed into place.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ignition.catalog.contract import FORMAT_VERSION
+from ignition.catalog.enums import Role
+from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
+from ignition.exporter.writer import dump_json, hash_tree, publish, staging_dir
+from ignition.recipes.base import ExportOptions, RecipeBuild
+from ignition.recipes.registry import build_recipe
+
+Progress = Callable[[str, str], None]  # (stage, item)
+
+
+class ExportError(Exception):
+    """The export produced no core; the message says why (validation findings included)."""
+
+
+def example_buffers(graph, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tracing inputs: real weights, zeros for everything the runtime binds or owns."""
+    return {a.name: weights[a.name] if a.role is Role.WEIGHT else a.empty() for a in graph.variant.arguments}
+
+
+def capture(graph, weights) -> torch.export.ExportedProgram:
+    program = torch.export.export(graph.module, (example_buffers(graph, weights),), strict=False)
+    program._example_inputs = None  # sample inputs would embed a copy of the weights in every .pt2
+    return program
+
+
+def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, str], kernels: bool) -> dict:
+    has_ids = any(g.variant.layout.get("logprobs") and g.variant.layout["logprobs"]["explicit_ids"] for g in build.graphs)
+    scored = any(g.variant.layout.get("prompt_logprobs") for g in build.graphs)
+    return {
+        "format_version": FORMAT_VERSION,
+        "recipe": build.recipe,
+        "model": build.model,
+        "vocab_size": build.vocab_size,
+        "vocab_padded": build.vocab_padded,
+        "completion_token_capacity": build.token_capacity,
+        "k": build.k,
+        "capacities": sorted({g.variant.capacity for g in build.graphs if g.variant.operation.name == "DECODE"}),
+        "chunk_limit": build.chunk_limit,
+        "padding_rule": "smallest_capacity_at_least_batch",
+        "eos_token_id": build.eos_token_id,
+        "features": {"allow_logprobs": build.k > 0, "max_logprobs": build.k,
+                     "explicit_ids": has_ids, "prompt_logprobs": scored},
+        "state": [s.to_json() for s in build.state],
+        "weights": WEIGHTS_FILE,
+        "catalog": CATALOG_FILE,
+        "kernels": KERNELS_FILE if kernels else None,
+        "targets": list(options.targets),
+        "tokenizer": "tokenizer" if build.tokenizer_dir else None,
+        "files": files,
+    }
+
+
+def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
+                progress: Progress = lambda stage, item: None) -> dict[str, float]:
+    """Export a core to ``out``; returns wall seconds per stage."""
+    from ignition.validate.core import validate_core  # validation is the last export stage
+
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    progress("build", options.recipe)
+    build = build_recipe(options)
+    timings["build"] = time.perf_counter() - started
+    out = Path(out)
+    staging = staging_dir(out)
+    try:
+        started = time.perf_counter()
+        kernels = None
+        if options.targets:
+            from ignition.exporter.prepare import prepare_build_kernels
+            progress("prepare", ",".join(options.targets))
+            kernels = prepare_build_kernels(build, options.targets, staging)
+            (staging / KERNELS_FILE).write_bytes(dump_json(kernels))
+        timings["prepare"] = time.perf_counter() - started
+
+        (staging / "graphs").mkdir()
+        for graph in build.graphs:
+            started = time.perf_counter()
+            progress("capture", graph.variant.name)
+            program = capture(graph, build.weights)
+            torch.export.save(program, staging / graph.variant.graph_file)
+            timings[f"capture:{graph.variant.name}"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        progress("write", str(out))
+        save_file({name: t.contiguous() for name, t in build.weights.items()}, str(staging / WEIGHTS_FILE))
+        if build.tokenizer_dir is not None:
+            shutil.copytree(build.tokenizer_dir, staging / "tokenizer")
+        for name, data in build.extra_files.items():
+            (staging / name).write_bytes(data)
+        (staging / CATALOG_FILE).write_bytes(dump_json({"variants": [g.variant.to_json() for g in build.graphs]}))
+        files = hash_tree(staging, exclude=(MANIFEST_FILE,))
+        (staging / MANIFEST_FILE).write_bytes(dump_json(manifest_for(build, options, files, kernels is not None)))
+        timings["write"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        progress("validate", str(out))
+        report = validate_core(staging)
+        timings["validate"] = time.perf_counter() - started
+        if not report.ok:
+            raise ExportError("the exported core failed validation and was not published:\n"
+                              + "\n".join(f"  {v}" for v in report.violations))
+        publish(staging, out, overwrite)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return timings

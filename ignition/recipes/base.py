@@ -1,0 +1,100 @@
+"""What a recipe hands the exporter: weights, state declarations and graph variants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.buffers import BUFFERS, COMPLETION_BUFFERS, LANE_INPUTS, LOGPROBS, RECORDS, REQUESTED, ID_INPUTS, BufferSpec
+from ignition.catalog.contract import NATURAL_K, packed_width
+from ignition.catalog.enums import Role, ValueSource
+from ignition.catalog.model import BufferDecl, Variant
+from ignition.components.completion import CompletionOutputs, declare
+
+
+class RecipeError(Exception):
+    """A recipe cannot build a core from the given checkpoint or options."""
+
+
+@dataclass(slots=True)
+class ExportOptions:
+    """Everything ``export-core`` accepts, validated once."""
+
+    recipe: str
+    checkpoint: Path | None = None
+    capacities: tuple[int, ...] = (1, 2, 4, 8)
+    chunk_limit: int = 256
+    completion_token_capacity: int | None = None
+    targets: tuple[str, ...] = ()
+    dtype: str | None = None
+    logprobs: bool = True
+    prompt_logprobs: bool = False
+    max_seq_len: int = 512
+    num_slots: int | None = None
+    compile: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
+            raise RecipeError(f"capacities must be distinct positive integers, got {list(self.capacities)}")
+        self.capacities = tuple(sorted(self.capacities))
+        if self.chunk_limit < 1:
+            raise RecipeError(f"chunk limit must be positive, got {self.chunk_limit}")
+        if self.dtype not in (None, "bfloat16", "float16", "float32"):
+            raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.compile not in (None, "inductor"):
+            raise RecipeError(f"--compile must be 'inductor', got {self.compile!r}")
+
+    @property
+    def slots(self) -> int:
+        return self.num_slots or max(self.capacities)
+
+
+@dataclass(slots=True)
+class GraphBuild:
+    variant: Variant
+    module: torch.nn.Module  # forward(buffers: dict[str, Tensor]) -> tuple of returns
+
+
+@dataclass(slots=True)
+class RecipeBuild:
+    recipe: str
+    model: dict  # summary for the manifest: architecture, sizes, dtype
+    vocab_size: int
+    vocab_padded: int
+    token_capacity: int  # T, resolved
+    k: int  # natural alternatives exported (0 without logprob outputs)
+    weights: dict[str, torch.Tensor]
+    state: list[BufferDecl]
+    graphs: list[GraphBuild]
+    eos_token_id: int | None = None
+    chunk_limit: int | None = None
+    tokenizer_dir: Path | None = None
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+
+
+def weight_arguments(weights: dict[str, torch.Tensor]) -> list[BufferDecl]:
+    return [BufferDecl(name, str(t.dtype).removeprefix("torch."), list(t.shape), Role.WEIGHT) for name, t in weights.items()]
+
+
+def spec_arguments(specs: tuple[BufferSpec, ...], **geometry: int) -> tuple[list[BufferDecl], dict[str, ValueSource]]:
+    decls = [declare(spec, **geometry) for spec in specs]
+    return decls, {spec.name: spec.source for spec in specs if spec.role is Role.INPUT}
+
+
+def completion_arguments(capacity: int, token_capacity: int, logprobs: bool):
+    """The CompletionOutputs bundle (or records alone) as arguments, plus bindings and layout."""
+    bundle = CompletionOutputs.allocate(capacity, token_capacity, device="meta")
+    decls = bundle.declarations() if logprobs else [declare(BUFFERS[RECORDS], capacity=capacity, T=bundle.token_capacity)]
+    bindings = {spec.name: spec.source for spec in COMPLETION_BUFFERS if spec.role is Role.INPUT and logprobs}
+    layout = {"records": RECORDS, "token_capacity": bundle.token_capacity, "logprobs": None, "prompt_logprobs": None}
+    if logprobs:
+        layout["logprobs"] = {"buffer": LOGPROBS, "k": NATURAL_K, "width": packed_width(NATURAL_K, True),
+                              "explicit_ids": True, "flags": REQUESTED, "id_inputs": list(ID_INPUTS)}
+    return decls, bindings, layout
+
+
+def lane_arguments(capacity: int):
+    return spec_arguments(LANE_INPUTS, capacity=capacity)

@@ -1,0 +1,19 @@
+"""Recipe names -> build functions. Recipes are imported lazily so a missing optional
+dependency of one recipe never breaks another."""
+
+from __future__ import annotations
+
+import importlib
+
+from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
+
+RECIPES = {
+    "toy": "ignition.recipes.toy",
+}
+
+
+def build_recipe(options: ExportOptions) -> RecipeBuild:
+    module_name = RECIPES.get(options.recipe)
+    if module_name is None:
+        raise RecipeError(f"unknown recipe {options.recipe!r}; available: {', '.join(sorted(RECIPES))}")
+    return importlib.import_module(module_name).build(options)

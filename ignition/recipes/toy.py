@@ -1,0 +1,98 @@
+"""The toy recipe: a bigram language model (embedding -> lm_head) with greedy decode graphs.
+
+Small enough to export in seconds, real enough to exercise the whole contract: padded
+vocabulary lanes, ABI6 records, both frames, natural alternatives and explicit IDs.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors import safe_open
+
+from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity
+from ignition.catalog.enums import Operation, Role
+from ignition.catalog.model import BufferDecl
+from ignition.catalog.model import Variant
+from ignition.components.commit import commit_sampling_round
+from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, completion_arguments,
+                                   lane_arguments, weight_arguments)
+
+VOCAB_SIZE = 250
+VOCAB_PADDED = 256  # padded lanes exist on purpose: they must never enter a result
+HIDDEN = 32
+WEIGHT_NAMES = ("embedding.weight", "lm_head.weight")
+
+
+class ToyDecode(torch.nn.Module):
+    def __init__(self, vocab_size: int, k: int):
+        super().__init__()
+        self.vocab_size, self.k = vocab_size, k
+
+    def forward(self, buffers: dict[str, torch.Tensor]):
+        embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
+        token_ids = buffers["input_ids"].clamp(0, embedding.shape[0] - 1)
+        hidden = embedding[token_ids]  # [capacity, hidden]
+        logits = hidden.float() @ lm_head.float().T  # raw logits: [capacity, vocab_padded]
+        sampled = logits[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
+        tokens = commit_sampling_round(buffers, logits, sampled, operation=Operation.DECODE,
+                                       vocab_size=self.vocab_size, k=self.k,
+                                       sequence_lengths=buffers["positions"] + 1)
+        return (tokens,)
+
+
+def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
+    if options.checkpoint is None:
+        generator = torch.Generator().manual_seed(options.seed)
+        return {
+            "embedding.weight": torch.randn(VOCAB_PADDED, HIDDEN, generator=generator),
+            "lm_head.weight": torch.randn(VOCAB_PADDED, HIDDEN, generator=generator) * 0.5,
+        }
+    path = options.checkpoint
+    if not path.is_file():
+        raise RecipeError(f"toy checkpoint {path}: expected a .safetensors file with {', '.join(WEIGHT_NAMES)}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = set(f.keys())
+            if names != set(WEIGHT_NAMES):
+                raise RecipeError(f"toy checkpoint {path}: expected tensors {sorted(WEIGHT_NAMES)}, found {sorted(names)}")
+            weights = {name: f.get_tensor(name).float().contiguous() for name in WEIGHT_NAMES}
+    except RecipeError:
+        raise
+    except Exception as exc:  # safetensors raises several types for corrupt headers
+        raise RecipeError(f"toy checkpoint {path}: not a readable safetensors file ({exc})") from None
+    for name, tensor in weights.items():
+        if tensor.dim() != 2 or tensor.shape[0] != VOCAB_PADDED or tensor.shape[1] != weights["embedding.weight"].shape[1]:
+            raise RecipeError(f"toy checkpoint {path}: tensor {name} has shape {list(tensor.shape)}, "
+                              f"expected [{VOCAB_PADDED}, hidden]")
+    return weights
+
+
+def build(options: ExportOptions) -> RecipeBuild:
+    weights = load_weights(options)
+    token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
+    k = NATURAL_K if options.logprobs else 0
+    graphs = []
+    for capacity in options.capacities:
+        lanes, lane_bindings = lane_arguments(capacity)
+        outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, options.logprobs)
+        variant = Variant(
+            name=f"decode.c{capacity}",
+            operation=Operation.DECODE,
+            capacity=capacity,
+            arguments=weight_arguments(weights) + lanes + outputs,
+            returns=[BufferDecl("next_tokens", "int64", [capacity], Role.OUTPUT)],
+            bindings=lane_bindings | output_bindings,
+            layout=layout,
+        )
+        graphs.append(GraphBuild(variant, ToyDecode(VOCAB_SIZE, k)))
+    return RecipeBuild(
+        recipe="toy",
+        model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},
+        vocab_size=VOCAB_SIZE,
+        vocab_padded=VOCAB_PADDED,
+        token_capacity=token_capacity,
+        k=k,
+        weights=weights,
+        state=[],
+        graphs=graphs,
+    )

@@ -1,0 +1,224 @@
+"""Semantic rules of the logprob contract that JSON Schema cannot express.
+
+Input: the schema-valid manifest and catalog documents. Output: every violation found.
+"""
+
+from __future__ import annotations
+
+from ignition.catalog import buffers as B
+from ignition.catalog.abi import MAX_RECORD_POSITIONS
+from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
+from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, packed_width, scored_capacities
+from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.validate.report import Violation
+
+_DIM_RULES = {"FRAMES": "BUF-FRAMES", "capacity": "BUF-CAPACITY", "C": "BUF-CAPACITY", "T": "BUF-T",
+              "RECORD_HEADER_WORDS+T": "BUF-T"}
+_LOGPROB_INPUT_SOURCES = {ValueSource.LOGPROB_REQUESTED, ValueSource.LOGPROB_TOKEN_IDS, ValueSource.LOGPROB_TOKEN_ID_COUNTS}
+
+
+def _enum(enum, code):
+    try:
+        return enum(code)
+    except ValueError:
+        return None
+
+
+def check_core_geometry(manifest: dict) -> list[Violation]:
+    found = []
+    t = manifest["completion_token_capacity"]
+    if not 1 <= t <= MAX_RECORD_POSITIONS:
+        found.append(Violation("GEOM-T", "manifest.json:completion_token_capacity",
+                               f"expected 1..{MAX_RECORD_POSITIONS}, found {t}"))
+    if manifest["vocab_size"] > manifest["vocab_padded"]:
+        found.append(Violation("GEOM-VOCAB", "manifest.json:vocab_size",
+                               f"vocab_size {manifest['vocab_size']} exceeds vocab_padded {manifest['vocab_padded']}"))
+    return found
+
+
+def _check_buffer(variant: dict, decl: dict, t: int, width: int | None) -> list[Violation]:
+    spec = BUFFERS[decl["name"]]
+    where = f"variant {variant['name']}: buffer {decl['name']}"
+    found = []
+    if decl["role"] != spec.role.name.lower():
+        found.append(Violation("BUF-ROLE", where, f"expected role {spec.role.name.lower()}, found {decl['role']}"))
+    if decl["dtype"] != spec.dtype:
+        found.append(Violation("BUF-DTYPE", where, f"expected dtype {spec.dtype}, found {decl['dtype']}"))
+    geometry = {"capacity": variant["capacity"], "T": t, "C": variant["capacity"]}
+    if width is not None:
+        geometry["PACKED_WIDTH"] = width
+    expected = resolve_shape(spec, **geometry)
+    found_shape = decl["shape"]
+    if found_shape != expected:
+        rule = "BUF-SHAPE"
+        if len(found_shape) == len(expected):
+            rule = next((_DIM_RULES.get(sym, "BUF-SHAPE") for sym, e, f in zip(spec.shape, expected, found_shape) if e != f))
+        found.append(Violation(rule, where, f"expected shape {expected} {shape_expression(spec)} with capacity="
+                               f"{variant['capacity']}, T={t}; found {found_shape}"))
+    return found
+
+
+def check_variant(variant: dict, manifest: dict) -> list[Violation]:
+    name = variant["name"]
+    where = f"variant {name}"
+    found = []
+    operation = _enum(Operation, variant["operation"])
+    if operation is None:
+        found.append(Violation("ENUM-OPERATION", where, f"unknown operation code {variant['operation']}; "
+                               f"known: {', '.join(f'{o.name}={o.value}' for o in Operation)}"))
+    args = {}
+    for decl in variant["arguments"]:
+        if decl["name"] in args:
+            found.append(Violation("CATALOG-DUP", where, f"argument {decl['name']!r} declared twice"))
+        args[decl["name"]] = decl
+    bindings = variant["contract"]["bindings"]
+    for arg_name, code in bindings.items():
+        source = _enum(ValueSource, code)
+        if source is None:
+            found.append(Violation("ENUM-SOURCE", f"{where}: binding {arg_name}", f"unknown value source code {code}"))
+        if arg_name not in args:
+            found.append(Violation("BIND-UNKNOWN", f"{where}: binding {arg_name}", "names no declared argument"))
+        elif args[arg_name]["role"] != "input":
+            found.append(Violation("BIND-OUTPUT", f"{where}: binding {arg_name}",
+                                   f"a {args[arg_name]['role']} argument cannot be uploaded; found binding {code}"))
+    for arg_name, decl in args.items():
+        if decl["role"] == "input" and arg_name not in bindings:
+            found.append(Violation("BIND-MISSING", f"{where}: argument {arg_name}", "input argument has no value binding"))
+        spec = BUFFERS.get(arg_name)
+        if spec is not None and spec.source is not None and arg_name in bindings and bindings[arg_name] != spec.source:
+            found.append(Violation("BIND-SOURCE" if spec.source is not ValueSource.PROMPT_TARGET_TOKEN else "PROMPT-BIND",
+                                   f"{where}: binding {arg_name}",
+                                   f"expected {spec.source.name} ({int(spec.source)}), found {bindings[arg_name]}"))
+    found += _check_logprob_bundle(variant, args, bindings, manifest)
+    found += _check_prompt_buffers(variant, args, operation)
+    return found
+
+
+def _check_logprob_bundle(variant, args, bindings, manifest) -> list[Violation]:
+    where = f"variant {variant['name']}"
+    t = manifest["completion_token_capacity"]
+    layout = variant["contract"]["layout"]
+    present = [spec.name for spec in B.COMPLETION_BUFFERS if spec.name in args]
+    has_lp, has_flags = B.LOGPROBS in args, B.REQUESTED in args
+    id_inputs = [n for n in B.ID_INPUTS if n in args]
+    found = []
+    if has_lp != has_flags:
+        missing = B.REQUESTED if has_lp else B.LOGPROBS
+        found.append(Violation("LP-PARTIAL", where, f"declares {B.LOGPROBS if has_lp else B.REQUESTED} without {missing}"))
+    if has_lp and B.RECORDS not in args:
+        found.append(Violation("LP-PARTIAL", where, f"declares {B.LOGPROBS} without {B.RECORDS}"))
+    if id_inputs and len(present) != len(B.COMPLETION_BUFFERS):
+        absent = [spec.name for spec in B.COMPLETION_BUFFERS if spec.name not in args]
+        found.append(Violation("LP-IDS-ALL", where, f"declares {', '.join(id_inputs)} but not {', '.join(absent)}; "
+                               "a core declaring the ID inputs declares all five buffers"))
+    width = None
+    if has_lp:
+        lp_shape = args[B.LOGPROBS]["shape"]
+        width = lp_shape[-1] if lp_shape else 0
+        if id_inputs:
+            if width != packed_width(NATURAL_K, True):
+                found.append(Violation("LP-WIDTH", f"{where}: buffer {B.LOGPROBS}",
+                                       f"with explicit-ID inputs the last extent must be {packed_width(NATURAL_K, True)}, found {width}"))
+        elif (width - PACKED_CHOSEN_WORDS) % 2 or not 1 <= (width - PACKED_CHOSEN_WORDS) // 2 <= NATURAL_K:
+            found.append(Violation("LP-WIDTH", f"{where}: buffer {B.LOGPROBS}",
+                                   f"without ID inputs the last extent must be 2+2K with 1<=K<={NATURAL_K}, found {width}"))
+    for name in present:
+        found += _check_buffer(variant, args[name], t, width if name == B.LOGPROBS else None)
+    sampling = B.RECORDS in args
+    if has_lp and sampling and bindings.get(B.REQUESTED) != ValueSource.LOGPROB_REQUESTED:
+        found.append(Violation("BIND-FLAG", where, f"sampling graph with logprob outputs must bind {B.REQUESTED} "
+                               f"to LOGPROB_REQUESTED ({int(ValueSource.LOGPROB_REQUESTED)})"))
+    if has_lp and sampling:
+        for name in id_inputs:
+            if bindings.get(name) != BUFFERS[name].source:
+                found.append(Violation("BIND-IDS", where, f"ID input {name} must be bound to {BUFFERS[name].source.name}"))
+    if not has_lp:
+        stray = [n for n in (B.REQUESTED, *B.ID_INPUTS) if n in args]
+        stray += [n for n, code in bindings.items() if code in {int(s) for s in _LOGPROB_INPUT_SOURCES} and n not in stray]
+        if stray:
+            found.append(Violation("BIND-NONE", where, f"graph without logprob outputs declares or binds {', '.join(stray)}"))
+    lp_layout = layout.get("logprobs")
+    if has_lp and lp_layout is None or not has_lp and lp_layout is not None:
+        found.append(Violation("LAYOUT", where, f"layout.logprobs must describe {B.LOGPROBS} exactly when it is declared"))
+    elif lp_layout is not None:
+        expected = {"buffer": B.LOGPROBS, "width": width, "explicit_ids": bool(id_inputs), "flags": B.REQUESTED,
+                    "id_inputs": list(B.ID_INPUTS) if id_inputs else [], "k": manifest["k"]}
+        for key, value in expected.items():
+            if lp_layout.get(key) != value:
+                rule = "LP-K" if key == "k" else "LAYOUT"
+                found.append(Violation(rule, f"{where}: layout.logprobs.{key}", f"expected {value!r}, found {lp_layout.get(key)!r}"))
+        if not id_inputs and width is not None and lp_layout.get("k") != (width - PACKED_CHOSEN_WORDS) // 2:
+            found.append(Violation("LP-K", f"{where}: layout.logprobs.k", f"width {width} implies K={(width - 2) // 2}"))
+    if layout.get("records") != (B.RECORDS if sampling else None) or layout.get("token_capacity") != t:
+        found.append(Violation("LAYOUT", f"{where}: layout.records", f"expected records={B.RECORDS if sampling else None!r}, "
+                               f"token_capacity={t}; found {layout.get('records')!r}, {layout.get('token_capacity')!r}"))
+    return found
+
+
+def _check_prompt_buffers(variant, args, operation) -> list[Violation]:
+    where = f"variant {variant['name']}"
+    present = [spec.name for spec in B.PROMPT_BUFFERS if spec.name in args]
+    found = []
+    scored = operation is Operation.SCORED_PREFILL
+    if present and len(present) != len(B.PROMPT_BUFFERS):
+        found.append(Violation("PROMPT-PARTIAL", where, f"declares {present[0]} without the other prompt buffer"))
+    if present and not scored:
+        found.append(Violation("PROMPT-PARTIAL", where, f"prompt buffers in a {operation.name if operation else '?'} variant; "
+                               "only SCORED_PREFILL variants score prompts"))
+    if scored and len(present) != len(B.PROMPT_BUFFERS):
+        found.append(Violation("PROMPT-PARTIAL", where, "SCORED_PREFILL variant without prompt_logprobs and prompt_target_tokens"))
+    for name in present:
+        found += _check_buffer(variant, args[name], 1, None)
+    layout = variant["contract"]["layout"].get("prompt_logprobs")
+    if bool(layout) != (len(present) == len(B.PROMPT_BUFFERS)):
+        found.append(Violation("LAYOUT", f"{where}: layout.prompt_logprobs", "must describe the prompt buffers exactly when declared"))
+    return found
+
+
+def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
+    """Core-level rules across variants: names, K, capacities, prompt scoring, features, state."""
+    variants = catalog["variants"]
+    found = check_core_geometry(manifest)
+    names = [v["name"] for v in variants]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        found.append(Violation("CATALOG-DUP", f"variant {dup}", "variant name used more than once"))
+    for variant in variants:
+        found += check_variant(variant, manifest)
+    declares = lambda name: any(a["name"] == name for v in variants for a in v["arguments"])  # noqa: E731
+    has_lp, has_ids = declares(B.LOGPROBS), declares(B.TOKEN_IDS)
+    if not has_lp and manifest["k"] != 0:
+        found.append(Violation("LP-K", "manifest.json:k", f"a core without logprob buffers has K=0, found {manifest['k']}"))
+    if has_lp and not 1 <= manifest["k"] <= NATURAL_K:
+        found.append(Violation("LP-K", "manifest.json:k", f"expected 1..{NATURAL_K}, found {manifest['k']}"))
+    decode = sorted({v["capacity"] for v in variants if v["operation"] == Operation.DECODE})
+    if manifest["capacities"] != decode:
+        found.append(Violation("CATALOG-CAPACITIES", "manifest.json:capacities", f"expected {decode}, found {manifest['capacities']}"))
+    scored = sorted(v["capacity"] for v in variants if v["operation"] == Operation.SCORED_PREFILL)
+    if scored:
+        if manifest["k"] != NATURAL_K or not has_lp:
+            found.append(Violation("PROMPT-K", "manifest.json:k", f"prompt scoring requires K={NATURAL_K} generation outputs, "
+                                   f"found K={manifest['k']}"))
+        limit = manifest["chunk_limit"]
+        expected = scored_capacities(limit) if isinstance(limit, int) and limit >= 1 else None
+        if scored != expected:
+            found.append(Violation("PROMPT-CAPACITIES", "catalog.json", f"scored capacities must be {expected} for chunk "
+                                   f"limit {limit}, found {scored}"))
+    features = {"allow_logprobs": has_lp, "max_logprobs": manifest["k"] if has_lp else 0,
+                "explicit_ids": has_ids, "prompt_logprobs": bool(scored)}
+    for key, value in features.items():
+        if manifest["features"].get(key) != value:
+            found.append(Violation("FEAT-MISMATCH", f"manifest.json:features.{key}", f"catalog implies {value!r}, "
+                                   f"found {manifest['features'].get(key)!r}"))
+    state = {s["name"]: s for s in manifest["state"]}
+    for variant in variants:
+        for decl in variant["arguments"]:
+            if decl["role"] == "state":
+                declared = state.get(decl["name"])
+                if declared is None or (declared["dtype"], declared["shape"]) != (decl["dtype"], decl["shape"]):
+                    found.append(Violation("STATE-DECL", f"variant {variant['name']}: argument {decl['name']}",
+                                           f"expected a manifest state entry with dtype {decl['dtype']} shape "
+                                           f"{decl['shape']}, found {declared}"))
+    return found
+
+
+__all__ = ["check_catalog", "check_variant", "Role"]

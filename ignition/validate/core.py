@@ -1,0 +1,113 @@
+"""validate-core: JSON Schema first, then every semantic rule; all findings, never a traceback."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ignition.catalog.contract import FORMAT_VERSION
+from ignition.catalog.model import MANIFEST_FILE
+from ignition.validate.contract_rules import check_catalog
+from ignition.validate.files import check_files, check_weights, safe_path
+from ignition.validate.report import Violation
+from ignition.validate.schema import schema_violations
+
+
+@dataclass(slots=True)
+class ValidationReport:
+    path: Path
+    violations: list[Violation] = field(default_factory=list)
+    manifest: dict | None = None
+    catalog: dict | None = None
+    kernels: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def as_dict(self) -> dict:
+        return {"core": str(self.path), "valid": self.ok, "violations": [v.as_dict() for v in self.violations]}
+
+
+def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
+    path, problems = safe_path(root, rel, where)
+    report.violations += problems
+    if path is None:
+        return None
+    if not path.is_file():
+        report.violations.append(Violation("FILE-MISSING", rel, f"named by {where} but absent"))
+        return None
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        report.violations.append(Violation("JSON-PARSE", rel, f"not UTF-8 JSON: {exc}"))
+        return None
+
+
+def validate_core(path: str | Path, *, check_graphs: bool = True) -> ValidationReport:
+    root = Path(path)
+    report = ValidationReport(root)
+    try:
+        _validate(root, report, check_graphs)
+    except Exception as exc:  # a validator bug must still produce a clean rejection
+        report.violations.append(Violation("VALIDATOR-ERROR", str(root), f"{type(exc).__name__}: {exc}"))
+    return report
+
+
+def _validate(root: Path, report: ValidationReport, check_graphs: bool) -> None:
+    if not (root / MANIFEST_FILE).is_file():
+        report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
+        return
+    manifest = _read_json(root, MANIFEST_FILE, "core", report)
+    if manifest is None:
+        return
+    schema_found = schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
+    report.violations += schema_found
+    if schema_found:
+        return
+    report.manifest = manifest
+    if manifest["format_version"] != FORMAT_VERSION:
+        report.violations.append(Violation("FORMAT-VERSION", f"{MANIFEST_FILE}:format_version",
+                                           f"expected {FORMAT_VERSION}, found {manifest['format_version']}"))
+        return
+    catalog = _read_json(root, manifest["catalog"], f"{MANIFEST_FILE}:catalog", report)
+    if catalog is None:
+        return
+    schema_found = schema_violations(catalog, "catalog.schema.json", manifest["catalog"])
+    report.violations += schema_found
+    if schema_found:
+        return
+    report.catalog = catalog
+    variants = catalog["variants"]
+    named = {manifest["catalog"]: "manifest.json:catalog", manifest["weights"]: "manifest.json:weights"}
+    named |= {v["graph"]: f"variant {v['name']}" for v in variants}
+    if manifest["kernels"] is not None:
+        named[manifest["kernels"]] = "manifest.json:kernels"
+    report.violations += check_catalog(manifest, catalog)
+    kernel_table = None
+    if manifest["kernels"] is not None:
+        kernel_table = _read_json(root, manifest["kernels"], f"{MANIFEST_FILE}:kernels", report)
+        if kernel_table is not None:
+            found = schema_violations(kernel_table, "kernels.schema.json", manifest["kernels"])
+            report.violations += found
+            if not found:
+                from ignition.validate.kernels import validate_kernel_table
+                report.kernels = kernel_table
+                named |= {k["file"]: f"{manifest['kernels']}: {k['key']}" for k in kernel_table["kernels"]}
+                report.violations += validate_kernel_table(root, kernel_table, {v["name"]: v["launches"] for v in variants})
+    elif any(v["launches"] for v in variants):
+        report.violations.append(Violation("KERNEL-MISSING", MANIFEST_FILE, "variants name launches but the core has no kernel table"))
+    file_found = check_files(root, manifest["files"], named)
+    report.violations += file_found
+    broken = {v.where for v in file_found}
+    weights_path, _ = safe_path(root, manifest["weights"], "weights")
+    if weights_path is not None and weights_path.is_file():
+        report.violations += check_weights(weights_path, variants)
+    if check_graphs:
+        from ignition.validate.graphs import check_graph
+        for variant in variants:
+            graph_path, _ = safe_path(root, variant["graph"], variant["name"])
+            if graph_path is None or not graph_path.is_file() or variant["graph"] in broken:
+                continue  # already reported as a file finding
+            report.violations += check_graph(graph_path, variant)

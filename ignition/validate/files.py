@@ -1,0 +1,74 @@
+"""File rules: safe relative paths, existence, sha256, nothing unlisted, weights as declared."""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+from safetensors import safe_open
+
+from ignition.exporter.writer import sha256_file
+from ignition.validate.report import Violation
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F64": "float64"}
+
+
+def safe_path(root: Path, rel: str, where: str) -> tuple[Path | None, list[Violation]]:
+    """Resolve a core-relative path; refuse absolute paths, '..', backslashes and escapes."""
+    pure = PurePosixPath(rel)
+    if not rel or pure.is_absolute() or ".." in pure.parts or "\\" in rel or rel.startswith("~"):
+        return None, [Violation("FILE-PATH", where, f"expected a relative path inside the core, found {rel!r}")]
+    path = root / pure
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return None, [Violation("FILE-PATH", where, f"{rel!r} resolves outside the core")]
+    return path, []
+
+
+def check_files(root: Path, listed: dict[str, str], named: dict[str, str]) -> list[Violation]:
+    """``listed``: manifest files (path -> sha256); ``named``: path -> who names it."""
+    found = []
+    for rel, digest in sorted(listed.items()):
+        path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
+        found += problems
+        if path is None:
+            continue
+        if not path.is_file():
+            found.append(Violation("FILE-MISSING", rel, "listed in manifest.json but absent"))
+        elif sha256_file(path) != digest:
+            found.append(Violation("FILE-HASH", rel, f"expected sha256 {digest}, found {sha256_file(path)}"))
+    for rel, who in sorted(named.items()):
+        path, problems = safe_path(root, rel, who)
+        found += problems
+        if path is not None and rel not in listed:
+            found.append(Violation("FILE-UNLISTED", rel, f"named by {who} but has no sha256 in manifest.json"))
+            if not path.is_file():
+                found.append(Violation("FILE-MISSING", rel, f"named by {who} but absent"))
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and rel != "manifest.json" and rel not in listed:
+            found.append(Violation("FILE-EXTRA", rel, "file in the core that manifest.json does not list"))
+    return found
+
+
+def check_weights(path: Path, variants: list[dict]) -> list[Violation]:
+    """Weight arguments exist in the safetensors file with the declared dtype and shape."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = {}
+            for name in f.keys():
+                sl = f.get_slice(name)
+                header[name] = (_SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape()))
+    except Exception as exc:  # safetensors raises several exception types for corrupt headers
+        return [Violation("WEIGHT-DECL", path.name, f"not a readable safetensors file: {exc}")]
+    found = []
+    for variant in variants:
+        for decl in variant["arguments"]:
+            if decl["role"] != "weight":
+                continue
+            stored = header.get(decl["name"])
+            if stored != (decl["dtype"], decl["shape"]):
+                found.append(Violation("WEIGHT-DECL", f"variant {variant['name']}: weight {decl['name']}",
+                                       f"expected {decl['dtype']} {decl['shape']} in {path.name}, found {stored}"))
+    return found

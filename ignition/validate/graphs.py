@@ -1,0 +1,93 @@
+"""Graph rules: each .pt2 loads and really has the declared arguments, returns and mutations."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ignition.validate.report import Violation
+
+_WRITES_EXPECTED = {"output", "state"}
+
+
+def _argument_names(program) -> list[str] | None:
+    """Declared call order, read from the program's input tree (one dict argument)."""
+    spec = program.call_spec.in_spec
+    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    args, kwargs = tree
+    if kwargs or len(args) != 1 or not isinstance(args[0], dict):
+        return None
+    return list(args[0].keys())
+
+
+def _mutated_placeholders(program) -> set[str]:
+    """Placeholders written by any node, following view chains back to their base."""
+    def base(node):
+        while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            schema = node.target._schema
+            first = schema.arguments[0] if schema.arguments else None
+            if first is None or first.alias_info is None or first.alias_info.is_write:
+                break
+            node = node.args[0]
+        return node
+
+    written = set()
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for i, arg in enumerate(node.target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(value, torch.fx.Node):
+                    written.add(base(value).name)
+    return written
+
+
+def check_graph(path: Path, variant: dict) -> list[Violation]:
+    where = f"variant {variant['name']}: {variant['graph']}"
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)  # torch logs every deserialization failure at WARNING with a traceback
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:  # a corrupt archive can fail in many ways
+        return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")]
+    finally:
+        export_log.setLevel(level)
+    declared = variant["arguments"]
+    names = _argument_names(program)
+    if names is None:
+        return [Violation("GRAPH-SIGNATURE", where, "expected one dict argument of named buffers")]
+    found = []
+    if names != [d["name"] for d in declared]:
+        found.append(Violation("GRAPH-SIGNATURE", where, f"expected arguments {[d['name'] for d in declared]}, found {names}"))
+        return found
+    user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    for decl, node_name in zip(declared, user_inputs):
+        val = placeholders[node_name].meta.get("val")
+        found_sig = (str(val.dtype).removeprefix("torch."), list(val.shape)) if val is not None else None
+        if found_sig != (decl["dtype"], decl["shape"]):
+            found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {decl['name']}",
+                                   f"expected {decl['dtype']} {decl['shape']}, found {found_sig}"))
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    outputs = [o for o in pytree.tree_leaves(output_node.args[0]) if isinstance(o, torch.fx.Node)]
+    user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind.name == "USER_OUTPUT"]
+    out_vals = {o.name: o.meta.get("val") for o in outputs}
+    found_returns = [(str(out_vals[n].dtype).removeprefix("torch."), list(out_vals[n].shape)) for n in user_outputs if n in out_vals]
+    expected_returns = [(r["dtype"], r["shape"]) for r in variant["returns"]]
+    if found_returns != expected_returns:
+        found.append(Violation("GRAPH-SIGNATURE", f"{where}: returns", f"expected {expected_returns}, found {found_returns}"))
+    written = _mutated_placeholders(program)
+    for decl, node_name in zip(declared, user_inputs):
+        writes = node_name in written
+        if decl["role"] in _WRITES_EXPECTED and not writes:
+            found.append(Violation("GRAPH-MUTATION", f"{where}: argument {decl['name']}",
+                                   f"declared {decl['role']} but the graph never writes it"))
+        elif decl["role"] not in _WRITES_EXPECTED and writes:
+            found.append(Violation("GRAPH-MUTATION", f"{where}: argument {decl['name']}",
+                                   f"declared {decl['role']} but the graph writes it"))
+    return found

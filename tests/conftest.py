@@ -1,0 +1,62 @@
+"""Shared fixtures: one exported toy core per session, copied for tests that mutate it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ignition.exporter.export import export_core
+from ignition.exporter.writer import dump_json, sha256_file
+from ignition.recipes.base import ExportOptions
+
+
+@pytest.fixture(scope="session")
+def toy_core(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cores") / "toy"
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4)), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_core_no_logprobs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cores") / "toy-nolp"
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False), out)
+    return out
+
+
+class CoreCopy:
+    """A writable copy of a core with helpers that keep the file hashes honest."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def load(self, name: str) -> dict:
+        return json.loads((self.root / name).read_text())
+
+    def save(self, name: str, data: dict, rehash: bool = True) -> None:
+        (self.root / name).write_bytes(dump_json(data))
+        if rehash and name != "manifest.json":
+            self.rehash(name)
+
+    def rehash(self, rel: str) -> None:
+        manifest = self.load("manifest.json")
+        manifest["files"][rel] = sha256_file(self.root / rel)
+        self.save("manifest.json", manifest)
+
+    def edit(self, name: str, fn) -> None:
+        data = self.load(name)
+        fn(data)
+        self.save(name, data)
+
+    def variant(self, catalog: dict, name: str) -> dict:
+        return next(v for v in catalog["variants"] if v["name"] == name)
+
+
+@pytest.fixture
+def core_copy(toy_core, tmp_path) -> CoreCopy:
+    dest = tmp_path / "core"
+    shutil.copytree(toy_core, dest)
+    return CoreCopy(dest)

@@ -1,0 +1,393 @@
+"""Tests for ignition.components.sampling (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from ignition.components.sampling import (
+    SAMPLING_DEFAULTS,
+    SAMPLING_FIELDS,
+    SamplingTensors,
+    apply_penalties,
+    philox4x32_10,
+    philox_uniform,
+    sample,
+    update_output_counts,
+)
+
+MASK32 = 0xFFFFFFFF
+MASK64 = (1 << 64) - 1
+
+
+# ---- Pure-Python references ----
+def reference_philox(counter: tuple[int, ...], key: tuple[int, int]) -> tuple[int, ...]:
+    """Philox4x32-10 from the algorithm definition, on Python ints."""
+    word0, word1, word2, word3 = counter
+    key0, key1 = key
+    for round_index in range(10):
+        if round_index:
+            key0, key1 = (key0 + 0x9E3779B9) & MASK32, (key1 + 0xBB67AE85) & MASK32
+        product0, product1 = 0xD2511F53 * word0, 0xCD9E8D57 * word2
+        word0, word1, word2, word3 = (
+            (product1 >> 32) ^ word1 ^ key0,
+            product1 & MASK32,
+            (product0 >> 32) ^ word3 ^ key1,
+            product0 & MASK32,
+        )
+    return word0, word1, word2, word3
+
+
+def reference_uniform(seed: int, offset: int, column: int) -> float:
+    seed, offset, block = seed & MASK64, offset & MASK64, column // 4
+    counter = (offset & MASK32, offset >> 32, block & MASK32, block >> 32)
+    words = reference_philox(counter, (seed & MASK32, seed >> 32))
+    return (words[column % 4] >> 8) / float(1 << 24)
+
+
+def reference_distribution(logits, vocab_size, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """Expected fp64 token distribution over the padded width, same tie rules as `sample`."""
+    x = np.full(len(logits), -np.inf)
+    x[:vocab_size] = np.asarray(logits[:vocab_size], dtype=np.float64) / temperature
+    if 0 < top_k < vocab_size:
+        kth = np.sort(x[:vocab_size])[::-1][top_k - 1]
+        x = np.where(x >= kth, x, -np.inf)  # ties with the k-th value kept
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if top_p < 1.0:
+        descending = np.sort(probs)[::-1]
+        last_kept = int(np.argmax(np.cumsum(descending) >= top_p))
+        probs = np.where(probs >= descending[last_kept], probs, 0.0)  # ties at the cutoff kept
+    probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+def chi_squared_p_value(observed: np.ndarray, expected_probs: np.ndarray) -> float:
+    support = expected_probs > 0
+    expected = expected_probs[support] * observed.sum()
+    statistic = float((((observed[support] - expected) ** 2) / expected).sum())
+    dof = int(support.sum()) - 1
+    # chi2 survival function = regularized upper incomplete gamma Q(dof/2, x/2)
+    half_dof, half_statistic = torch.tensor([dof / 2, statistic / 2], dtype=torch.float64)
+    return float(torch.special.gammaincc(half_dof, half_statistic))
+
+
+make_params = SamplingTensors.from_requests
+
+
+def no_history(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(batch, width, dtype=torch.int32), torch.zeros(batch, width, dtype=torch.bool)
+
+
+# ---- Philox ----
+# Random123 tests/kat_vectors for philox4x32-10: (counter, key, output).
+PHILOX_KNOWN_ANSWERS = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((MASK32,) * 4, (MASK32,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),  # pi digits
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KNOWN_ANSWERS)
+def test_philox_known_answers(counter, key, expected):
+    assert reference_philox(counter, key) == expected
+    words = philox4x32_10([torch.tensor([w]) for w in counter], [torch.tensor([k]) for k in key])
+    assert tuple(int(w) for w in words) == expected
+
+
+def test_philox_uniform_bit_exact_against_reference():
+    rng = random.Random(1234)
+    seeds = [0, 1, MASK64, 1 << 63, 0xDEADBEEF] + [rng.getrandbits(64) for _ in range(43)]
+    offsets = [0, 1, (1 << 63) - 1, MASK32, 1 << 32]
+    offsets += [rng.getrandbits(rng.choice([8, 32, 63])) for _ in range(43)]
+    num_columns = 11  # not a multiple of 4: exercises the partial last block
+    params = make_params([{"seed": s, "offset": o} for s, o in zip(seeds, offsets)])
+    got = philox_uniform(params.seed, params.offset, num_columns)  # [48, 11]
+    assert got.dtype == torch.float32 and got.shape == (len(seeds), num_columns)
+    expected = [[reference_uniform(s, o, c) for c in range(num_columns)] for s, o in zip(seeds, offsets)]
+    assert torch.equal(got, torch.tensor(expected, dtype=torch.float32))
+    # A column's value does not depend on how many columns were asked for.
+    assert torch.equal(philox_uniform(params.seed, params.offset, 3), got[:, :3])
+
+
+def test_philox_uniform_range_and_spread():
+    seed = torch.arange(512, dtype=torch.int64) * 7919
+    uniforms = philox_uniform(seed, torch.zeros_like(seed), 2048).flatten()  # 1M values
+    assert float(uniforms.min()) >= 0.0 and float(uniforms.max()) < 1.0
+    assert abs(float(uniforms.mean()) - 0.5) < 2e-3
+    counts = torch.bincount((uniforms * 16).long(), minlength=16).numpy()
+    assert chi_squared_p_value(counts, np.full(16, 1 / 16)) > 1e-4
+
+
+def test_largest_uniform_times_total_stays_below_total():
+    """Inverse-CDF relies on fp32 `u * total < total` for every u the Philox path can emit."""
+    largest_uniform = torch.tensor((MASK32 >> 8) / float(1 << 24), dtype=torch.float32)
+    totals = torch.cat([
+        torch.rand(200000, generator=torch.Generator().manual_seed(3), dtype=torch.float32) * 2 + 1e-6,
+        2.0 ** torch.arange(-30, 4, dtype=torch.float32),  # powers of two: the rounding-tie case
+        torch.nextafter(2.0 ** torch.arange(-30, 4, dtype=torch.float32), torch.tensor(0.0)),
+    ])
+    assert bool((largest_uniform * totals < totals).all())
+
+
+# ---- SamplingTensors ----
+def test_sampling_tensors_table_and_builder():
+    assert [f.name for f in dataclasses.fields(SamplingTensors)] == [name for name, _ in SAMPLING_FIELDS]
+    assert set(SAMPLING_DEFAULTS) == {name for name, _ in SAMPLING_FIELDS}
+    as_object = SimpleNamespace(temperature=0.5, top_k=3, seed=None)
+    params = SamplingTensors.from_requests([{"top_p": 0.9, "seed": MASK64, "offset": 7}, as_object])
+    for name, dtype in SamplingTensors.FIELDS:
+        assert getattr(params, name).dtype == dtype and getattr(params, name).shape == (2,)
+    assert params.seed.tolist() == [-1, 0] and params.offset.tolist() == [7, 0]
+    assert params.temperature.tolist() == [1.0, 0.5] and params.top_k.tolist() == [0, 3]
+    round_trip = SamplingTensors.from_tuple(params.as_tuple())
+    assert all(a is b for a, b in zip(round_trip.as_tuple(), params.as_tuple()))
+    with pytest.raises(AttributeError):
+        params.not_a_field = 1  # slotted
+
+
+# ---- Penalties ----
+def reference_penalties(logits, counts, prompt_mask, rep, presence, frequency) -> np.ndarray:
+    out = np.array(logits, dtype=np.float32)
+    for row in range(out.shape[0]):
+        for token in range(out.shape[1]):
+            value, count = out[row, token], counts[row, token]
+            if prompt_mask[row, token] or count > 0:
+                value = value / rep[row] if value > 0 else value * rep[row]
+            value = value - frequency[row] * np.float32(count)
+            value = value - presence[row] * np.float32(count > 0)
+            out[row, token] = value
+    return out
+
+
+def test_penalties_match_loop_reference_bit_exact():
+    generator = torch.Generator().manual_seed(0)
+    batch, width = 6, 40
+    logits = torch.randn(batch, width, generator=generator) * 3
+    logits[:, :3] = torch.tensor([0.0, -0.0, float("-inf")])
+    counts = torch.randint(0, 4, (batch, width), generator=generator, dtype=torch.int32)
+    counts[counts == 1] = 0  # sparser history
+    prompt_mask = torch.rand(batch, width, generator=generator) < 0.3
+    settings = [(1.0, 0.0, 0.0), (1.3, 0.0, 0.0), (0.7, 0.5, 0.0), (1.1, 0.0, 0.25), (2.0, -0.4, 1.5), (1.17, 0.3, 0.3)]
+    params = make_params([
+        {"repetition_penalty": r, "presence_penalty": p, "frequency_penalty": f} for r, p, f in settings
+    ])
+    before = (logits.clone(), counts.clone(), prompt_mask.clone())
+    got = apply_penalties(logits, counts, prompt_mask, params)
+    expected = reference_penalties(
+        logits.numpy(), counts.numpy(), prompt_mask.numpy(),
+        params.repetition_penalty.numpy(), params.presence_penalty.numpy(), params.frequency_penalty.numpy(),
+    )
+    np.testing.assert_array_equal(got.numpy(), expected)
+    assert torch.equal(got[0], logits[0])  # all-off row is the identity
+    assert all(torch.equal(a, b) for a, b in zip(before, (logits, counts, prompt_mask)))
+
+
+def test_penalties_change_sampling_like_reference():
+    """Greedy sees the penalized logits: a repeated top token loses to the runner-up."""
+    logits = torch.tensor([[4.0, 3.0, 1.0, 0.0]] * 2)
+    counts, prompt_mask = no_history(2, 4)
+    counts[:, 0] = 2
+    params = make_params([
+        {"temperature": 0.0, "repetition_penalty": 1.5},
+        {"temperature": 0.0, "frequency_penalty": 0.6},
+    ])
+    assert sample(logits, counts, prompt_mask, params, vocab_size=4).tolist() == [1, 1]
+
+
+# ---- Greedy, padding, determinism ----
+def test_greedy_ties_pick_smallest_id_and_padding_never_selected():
+    vocab_size, width = 10, 16
+    logits = torch.zeros(3, width)
+    logits[0, [7, 3, 9]] = 5.0
+    logits[1, vocab_size:] = float("inf")
+    logits[1, 4] = 1.0
+    logits[2, vocab_size:] = 1e30
+    counts, prompt_mask = no_history(3, width)
+    params = make_params([{"temperature": 0.0}] * 3)
+    assert sample(logits, counts, prompt_mask, params, vocab_size).tolist() == [3, 4, 0]
+
+
+def test_padding_never_selected_when_sampling():
+    vocab_size, width, rows = 10, 16, 4000
+    logits = torch.zeros(rows, width)
+    logits[:, vocab_size:] = float("inf")
+    logits[1::2, vocab_size:] = 1e30
+    counts, prompt_mask = no_history(rows, width)
+    params = make_params([{"seed": 3, "offset": i, "top_p": 0.95 if i % 3 else 1.0} for i in range(rows)])
+    tokens = sample(logits, counts, prompt_mask, params, vocab_size)
+    assert int(tokens.max()) < vocab_size and len(tokens.unique()) == vocab_size
+
+
+def _mixed_requests() -> tuple[torch.Tensor, list[dict]]:
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 32, generator=generator) * 2
+    requests = [
+        {"seed": 11, "offset": 0},
+        {"seed": 11, "offset": 5, "temperature": 0.8, "top_k": 5},
+        {"seed": 12345678901, "offset": 2, "top_p": 0.7},
+        {"seed": -5, "offset": 9, "min_p": 0.1, "temperature": 1.4},
+        {"temperature": 0.0},
+        {"seed": 99, "offset": 1, "top_k": 8, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 1.2},
+    ]
+    return logits, requests
+
+
+def test_same_seed_offset_same_token_regardless_of_batch():
+    logits, requests = _mixed_requests()
+    counts, prompt_mask = no_history(6, 32)
+    tokens = sample(logits, counts, prompt_mask, make_params(requests), vocab_size=30)
+    assert torch.equal(tokens, sample(logits, counts, prompt_mask, make_params(requests), vocab_size=30))
+    # Reverse the rows and surround them with unrelated requests.
+    filler_logits = torch.randn(4, 32)
+    order = list(reversed(range(6)))
+    big_logits = torch.cat([filler_logits[:2], logits[order], filler_logits[2:]])
+    big_requests = [{"seed": 1}, {"top_k": 2}] + [requests[i] for i in order] + [{"seed": 4}, {"temperature": 0.0}]
+    big_counts, big_prompt = no_history(10, 32)
+    big_tokens = sample(big_logits, big_counts, big_prompt, make_params(big_requests), vocab_size=30)
+    assert torch.equal(big_tokens[2:8], tokens[order])
+    # Each request alone.
+    for row, request in enumerate(requests):
+        alone = sample(logits[row : row + 1], counts[:1], prompt_mask[:1], make_params([request]), vocab_size=30)
+        assert int(alone) == int(tokens[row])
+
+
+def test_different_offsets_and_seeds_give_different_draws():
+    rows, width = 256, 16
+    logits = torch.zeros(rows, width)  # uniform over 16 tokens
+    counts, prompt_mask = no_history(rows, width)
+    def draw(requests):
+        return sample(logits, counts, prompt_mask, make_params(requests), width)
+
+    by_offset = draw([{"seed": 5, "offset": i} for i in range(rows)])
+    by_seed = draw([{"seed": i, "offset": 0} for i in range(rows)])
+    assert len(by_offset.unique()) == width and len(by_seed.unique()) == width
+    assert not torch.equal(by_offset, by_seed)
+    repeated_offset = draw([{"seed": 5, "offset": 0}] * rows)
+    assert len(repeated_offset.unique()) == 1  # same (seed, offset) -> same draw
+
+
+# ---- Distributions ----
+VOCAB_SIZE, PADDED_WIDTH, DRAWS = 12, 16, 20000
+# Token probabilities, shuffled over ids so tied tokens are not neighbours.
+BASE_PROBS = np.array([0.03, 0.15, 0.02, 0.30, 0.05, 0.15, 0.01, 0.10, 0.05, 0.10, 0.02, 0.02])
+BASE_LOGITS = np.log(BASE_PROBS) + 1.7
+
+DISTRIBUTION_CASES = {
+    "plain": {},
+    "temperature": {"temperature": 0.6},
+    "hot": {"temperature": 1.8},
+    # sorted probs 0.30, 0.15, 0.15, 0.10, 0.10, ...: the 4th value (0.10) is tied -> 5 kept
+    "top_k_tie": {"top_k": 4},
+    "top_k_no_tie": {"top_k": 3, "temperature": 0.9},
+    # mass 0.30, 0.45 < 0.5, crosses at the first 0.15 -> its tie (ids 1 and 5) both kept
+    "top_p_tie": {"top_p": 0.4},
+    "top_p": {"top_p": 0.8},
+    # 0.25 * 0.30 = 0.075: keeps probs >= 0.10
+    "min_p": {"min_p": 0.25},
+    "combined": {"temperature": 1.3, "top_k": 7, "top_p": 0.85, "min_p": 0.08},
+}
+
+
+@pytest.mark.parametrize("case", sorted(DISTRIBUTION_CASES))
+def test_sampled_distribution_matches_reference(case):
+    config = DISTRIBUTION_CASES[case]
+    logits_row = np.full(PADDED_WIDTH, 50.0, dtype=np.float32)  # huge padded lanes must be ignored
+    logits_row[:VOCAB_SIZE] = BASE_LOGITS
+    logits = torch.from_numpy(np.tile(logits_row, (DRAWS, 1)))
+    counts, prompt_mask = no_history(DRAWS, PADDED_WIDTH)
+    requests = [{**config, "seed": 1000 + i // 200, "offset": i % 200} for i in range(DRAWS)]
+    tokens = sample(logits, counts, prompt_mask, make_params(requests), VOCAB_SIZE)
+    observed = np.bincount(tokens.numpy(), minlength=PADDED_WIDTH)
+    expected = reference_distribution(logits_row, VOCAB_SIZE, **config)
+    assert observed[expected == 0].sum() == 0, f"filtered tokens drawn: {observed}"
+    p_value = chi_squared_p_value(observed, expected)
+    assert p_value > 1e-4, f"{case}: p={p_value:.2e} observed={observed} expected={np.round(expected * DRAWS)}"
+
+
+def test_tie_rules_documented_by_expected_support():
+    expected_top_k = reference_distribution(BASE_LOGITS, VOCAB_SIZE, top_k=4)
+    assert sorted(np.flatnonzero(expected_top_k)) == [1, 3, 5, 7, 9]  # 5 survive top_k=4
+    expected_top_p = reference_distribution(BASE_LOGITS, VOCAB_SIZE, top_p=0.4)
+    assert sorted(np.flatnonzero(expected_top_p)) == [1, 3, 5]
+
+
+# ---- Output counts ----
+def test_update_output_counts_accumulates_active_rows_only():
+    counts = torch.zeros(4, 8, dtype=torch.int32)
+    slots = torch.tensor([2, 0, 2, 3, -1])
+    tokens = torch.tensor([5, 1, 5, 7, 99])  # last row is padding with garbage indices
+    active = torch.tensor([True, True, True, False, False])
+    result = update_output_counts(counts, slots, tokens, active)
+    assert result is counts
+    expected = torch.zeros(4, 8, dtype=torch.int32)
+    expected[2, 5], expected[0, 1] = 2, 1
+    assert torch.equal(counts, expected)
+    # Integer lane flags (the runtime's int32 ACTIVE_LANES): any nonzero adds exactly one.
+    update_output_counts(counts, slots, tokens, torch.tensor([3, 0, 0, 0, 0], dtype=torch.int32))
+    expected[2, 5] = 3
+    assert torch.equal(counts, expected)
+
+
+# ---- torch.export ----
+class SampleModule(torch.nn.Module):
+    """Takes the sampling tensors flat, in SAMPLING_FIELDS order, as an exporter would declare them."""
+
+    def forward(self, logits, output_counts, prompt_mask, *sampling_inputs):
+        params = SamplingTensors.from_tuple(sampling_inputs)
+        return sample(logits, output_counts, prompt_mask, params, vocab_size=30)
+
+
+class StructuredSampleModule(torch.nn.Module):
+    def forward(self, logits, output_counts, prompt_mask, params: SamplingTensors):
+        return sample(logits, output_counts, prompt_mask, params, vocab_size=30)
+
+
+class CountModule(torch.nn.Module):
+    def forward(self, output_counts, slots, tokens, active):
+        update_output_counts(output_counts, slots, tokens, active)
+        return output_counts.sum()
+
+
+def test_export_matches_eager_and_leaves_logits_untouched():
+    logits, requests = _mixed_requests()
+    counts, prompt_mask = no_history(6, 32)
+    counts[5, :4] = 1
+    prompt_mask[3, 4:9] = True
+    params = make_params(requests)
+    logits_before = logits.clone()
+    eager = sample(logits, counts, prompt_mask, params, vocab_size=30)
+    assert torch.equal(logits, logits_before)
+
+    flat_inputs = (logits, counts, prompt_mask, *params.as_tuple())
+    exported = torch.export.export(SampleModule(), flat_inputs)
+    graph_ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert not [op for op in graph_ops if any(word in op for word in ("rand", "multinomial", "exponential", "_local_scalar_dense"))]
+    assert torch.equal(exported.module()(*flat_inputs), eager)
+    structured = torch.export.export(StructuredSampleModule(), (logits, counts, prompt_mask, params))
+    assert torch.equal(structured.module()(logits, counts, prompt_mask, params), eager)
+    assert torch.equal(logits, logits_before)
+    # Different offsets through the exported graph still follow eager.
+    moved = dataclasses.replace(params, offset=params.offset + 17)
+    assert torch.equal(
+        exported.module()(logits, counts, prompt_mask, *moved.as_tuple()),
+        sample(logits, counts, prompt_mask, moved, vocab_size=30),
+    )
+
+
+def test_export_update_output_counts():
+    slots, tokens, active = torch.tensor([0, 2, 0]), torch.tensor([4, 4, 4]), torch.tensor([True, True, False])
+    inputs = (torch.zeros(3, 8, dtype=torch.int32), slots, tokens, active)
+    exported = torch.export.export(CountModule(), inputs)
+    counts = torch.zeros(3, 8, dtype=torch.int32)
+    assert int(exported.module()(counts, *inputs[1:])) == 2
+    assert counts[0, 4] == 1 and counts[2, 4] == 1 and int(counts.sum()) == 2
