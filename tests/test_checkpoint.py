@@ -17,7 +17,7 @@ from ignition.recipes.checkpoint import (
     open_checkpoint,
     read_config,
 )
-from ignition.recipes.transformer import ModelConfig, expected_shapes, load_weights
+from ignition.recipes.config import ModelConfig, expected_shapes, load_weights
 
 TINY_QWEN3 = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)

@@ -234,3 +234,8 @@ def test_op_is_one_node_in_an_exported_graph():
     reduce_logprobs(args[0], args[1], args[2], expected, vocab_size=30, k=4)
     program.module()(*args)
     assert torch.equal(args[3], expected)
+
+
+def test_no_requested_rows_writes_nothing():
+    out = run(torch.randn(3, 40), torch.tensor([1, 2, 3]), requested=torch.zeros(3, dtype=torch.int32))
+    assert (out == SENTINEL).all()

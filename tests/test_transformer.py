@@ -10,15 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ignition.recipes.checkpoint import CheckpointError, open_checkpoint, read_config
-from ignition.recipes.transformer import (
-    ModelConfig,
-    decode_hidden,
-    kv_cache_shape,
-    lm_head_logits,
-    load_weights,
-    prefill_hidden,
-    rope_frequencies,
-)
+from ignition.recipes.config import ModelConfig, kv_cache_shape, load_weights
+from ignition.recipes.rope import rope_frequencies
+from ignition.recipes.transformer import decode_hidden, lm_head_logits, prefill_hidden
 
 # fp32: both sides run the same ops in the same order except matmul reduction order (attention
 # over the padded cache length, chunked prefill). Measured max difference is ~2e-6 on logits of

@@ -65,10 +65,26 @@ CHUNK_INPUTS = (
     BufferSpec("chunk_input_ids", "int64", ("C",), Role.INPUT, ValueSource.TOKEN_IDS, "Prompt chunk tokens, padded to C"),
     BufferSpec("chunk_start", "int64", ("1",), Role.INPUT, ValueSource.CHUNK_START, "Absolute position of the chunk's first row"),
     BufferSpec("chunk_length", "int64", ("1",), Role.INPUT, ValueSource.CHUNK_LENGTH, "Valid rows of the chunk"),
+    BufferSpec("chunk_emits", "int32", ("1",), Role.INPUT, ValueSource.CHUNK_EMITS,
+               "Nonzero: the chunk ends the prompt and samples the first token; zero: records only"),
 )
 """Additional inputs of prefill graphs (one request per submission)."""
 
-BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS}
+SAMPLING_INPUTS = (
+    BufferSpec("temperature", "float32", ("capacity",), Role.INPUT, ValueSource.TEMPERATURE, "Below 1e-5: greedy"),
+    BufferSpec("top_k", "int32", ("capacity",), Role.INPUT, ValueSource.TOP_K, "0 or >= vocabulary: off"),
+    BufferSpec("top_p", "float32", ("capacity",), Role.INPUT, ValueSource.TOP_P, ">= 1.0: off"),
+    BufferSpec("min_p", "float32", ("capacity",), Role.INPUT, ValueSource.MIN_P, "0: off"),
+    BufferSpec("repetition_penalty", "float32", ("capacity",), Role.INPUT, ValueSource.REPETITION_PENALTY, "1.0: off"),
+    BufferSpec("presence_penalty", "float32", ("capacity",), Role.INPUT, ValueSource.PRESENCE_PENALTY, "0: off"),
+    BufferSpec("frequency_penalty", "float32", ("capacity",), Role.INPUT, ValueSource.FREQUENCY_PENALTY, "0: off"),
+    BufferSpec("seed", "int64", ("capacity",), Role.INPUT, ValueSource.SEED, "Philox key of the lane's request"),
+    BufferSpec("offset", "int64", ("capacity",), Role.INPUT, ValueSource.RNG_OFFSET,
+               "Philox counter: the request's generated-token index"),
+)
+"""Per-lane sampling parameters (ignition.components.sampling reads its field order from here)."""
+
+BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)

@@ -35,6 +35,7 @@ class ValueSource(IntEnum):
     TOKEN_BUDGET = 10  # int64[capacity]: the lane's max_tokens
     EOS_TOKEN_ID = 11  # int64[capacity]: the lane's EOS id (-1: ignore EOS)
     FORCED_TOKEN_ID = 12  # int64[capacity]: token to emit instead of sampling (-1: none)
+    CHUNK_EMITS = 13  # int32[1]: nonzero when a prompt chunk ends the prompt and samples the next token
     LOGPROB_REQUESTED = 20  # int32[capacity]: the flag vector
     LOGPROB_TOKEN_IDS = 21  # int32[capacity, 128]: caller-selected ids
     LOGPROB_TOKEN_ID_COUNTS = 22  # int32[capacity]: selected-id count (0: natural alternatives)

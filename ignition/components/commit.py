@@ -36,6 +36,7 @@ def commit_sampling_round(
     sequence_lengths: torch.Tensor,  # int64 [capacity]: KV length after this round
     round_kind: RoundKind = RoundKind.SAMPLING,
     emits: torch.Tensor | None = None,  # bool [capacity]: lanes that emit (default: active lanes)
+    idle_round_kind: RoundKind = RoundKind.PROMPT,  # active lanes that do not emit (non-final prompt chunks)
 ) -> torch.Tensor:
     """Write records and packed logprobs for the frame in ``buffers['frame_index']``; return emitted tokens."""
     records = buffers[RECORDS]  # int64 [2, capacity, 16+T]
@@ -57,7 +58,8 @@ def commit_sampling_round(
     fields = {
         RecordField.SLOT: torch.where(active, buffers["slot_ids"], -1),
         RecordField.EPOCH: torch.where(active, buffers["slot_epochs"], 0),
-        RecordField.ROUND_KIND: torch.where(active, int(round_kind), int(RoundKind.INVALID)),
+        RecordField.ROUND_KIND: torch.where(active, torch.where(emitting, int(round_kind), int(idle_round_kind)),
+                                            int(RoundKind.INVALID)),
         RecordField.EMITTED_COUNT: emitting.to(torch.int64),
         RecordField.FINISH_REASON: finish.to(torch.int64),
         RecordField.FORCED_MASK: forced.to(torch.int64),

@@ -138,7 +138,7 @@ def _pack(ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """Interleave (id, FP32 bits) pairs: [rows, n] x 2 -> [rows, 2n] int32."""
     bits = (values + 0.0).view(torch.int32)  # -0.0 reported as +0.0, as ordered
     bits = torch.where(torch.isnan(values), torch.full_like(bits, NAN_BITS), bits)
-    return torch.stack([ids.to(torch.int32), bits], dim=-1).reshape(ids.shape[0], -1)
+    return torch.stack([ids.to(torch.int32), bits], dim=-1).reshape(ids.shape[0], 2 * ids.shape[1])
 
 
 def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k):
@@ -146,6 +146,8 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
     check_reduction_args(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k)
     flat_out = out.view(-1, out.shape[-1])
     requested_rows = torch.nonzero(requested != 0).flatten()
+    if requested_rows.numel() == 0:
+        return  # a zero request flag bypasses vocabulary reads and payload writes
     for block in requested_rows.split(ROW_BLOCK):
         block_logits = logits[block]  # [block, vocab_padded] in the input dtype
         lse = _normalization(block_logits, vocab_size)  # [block]

@@ -11,10 +11,12 @@ on hidden RNG state.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
+
+from ignition.catalog.buffers import SAMPLING_INPUTS
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -101,17 +103,9 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, n: int) -> torch.Te
 
 
 # ---- Per-row sampling parameters ----
-# (name, dtype): the graph-input table the exporter declares, in this order.
-SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = (
-    ("temperature", torch.float32),  # < GREEDY_TEMPERATURE -> greedy
-    ("top_k", torch.int32),  # <= 0 or >= vocab_size -> off
-    ("top_p", torch.float32),  # >= 1.0 -> off
-    ("min_p", torch.float32),  # 0 -> off
-    ("repetition_penalty", torch.float32),  # 1.0 -> off
-    ("presence_penalty", torch.float32),  # 0 -> off
-    ("frequency_penalty", torch.float32),  # 0 -> off
-    ("seed", torch.int64),  # Philox key (64 bits)
-    ("offset", torch.int64),  # Philox counter: the request's generated-token index
+# (name, dtype) in graph-argument order, read from the catalog's SAMPLING_INPUTS table (the one source).
+SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = tuple(
+    (spec.name, getattr(torch, spec.dtype)) for spec in SAMPLING_INPUTS
 )
 
 # Value used by ``SamplingTensors.from_requests`` when a request omits a field.
@@ -178,6 +172,18 @@ class SamplingTensors:
     def from_tuple(cls, tensors: Sequence[torch.Tensor]) -> SamplingTensors:
         """Inverse of ``as_tuple``."""
         return cls(*tensors)
+
+    @classmethod
+    def from_buffers(cls, buffers: Mapping[str, torch.Tensor]) -> SamplingTensors:
+        """The sampling inputs of a graph's argument dict, by their catalog names."""
+        return cls(**{name: buffers[name] for name, _ in SAMPLING_FIELDS})
+
+
+# NOTE: the dataclass spells the fields out for readers and type checkers; the table decides.
+if tuple(f.name for f in fields(SamplingTensors)) != tuple(name for name, _ in SAMPLING_FIELDS) or set(
+        SAMPLING_DEFAULTS) != {name for name, _ in SAMPLING_FIELDS}:
+    raise ImportError("SamplingTensors fields and SAMPLING_DEFAULTS must follow "
+                      "ignition.catalog.buffers.SAMPLING_INPUTS in order")
 
 
 # NOTE: registering lets exported modules take SamplingTensors directly.

@@ -73,6 +73,22 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+_REQUIRED = object()
+
+
+def read_field(config: Mapping[str, Any], key: str, kind: type, source: str, default: Any = _REQUIRED) -> Any:
+    """``config[key]`` checked to be ``kind`` (int excludes bool; float accepts int); ``default`` if absent."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise CheckpointError(f"{source}: field {key!r} is required; expected {kind.__name__}, found nothing")
+        return default
+    accepted = (int, float) if kind is float else (kind,)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
+        raise CheckpointError(f"{source}: field {key!r} must be {kind.__name__}; found {value!r}")
+    return kind(value)
+
+
 def family_of(config: Mapping[str, Any], source: str = CONFIG_FILE) -> str:
     """Map ``config["architectures"][0]`` to a family name via :data:`ARCHITECTURES`."""
     architectures = config.get("architectures")

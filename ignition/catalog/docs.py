@@ -1,0 +1,77 @@
+"""Render the generated sections of docs/api.md from the contract tables.
+
+``python -m ignition.catalog.docs`` rewrites the blocks between ``<!-- BEGIN GENERATED: x -->``
+and ``<!-- END GENERATED: x -->``; ``--check`` exits 1 when the file is stale. A test runs
+the check, so the documented contract cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from ignition.catalog.abi import RecordField
+from ignition.catalog.buffers import (CHUNK_INPUTS, COMPLETION_BUFFERS, LANE_INPUTS, PROMPT_BUFFERS, SAMPLING_INPUTS,
+                                      shape_expression)
+from ignition.catalog.enums import ENUMS
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def _enum_tables() -> str:
+    parts = []
+    for enum in ENUMS:
+        rows = "\n".join(f"| `{member.name}` | {member.value} |" for member in enum)
+        parts.append(f"#### {enum.__name__}\n\n| name | code |\n|---|---|\n{rows}\n")
+    return "\n".join(parts)
+
+
+def _buffer_table(specs) -> str:
+    rows = "\n".join(
+        f"| `{s.name}` | {s.dtype} | `{shape_expression(s)}` | {s.role.name.lower()} | "
+        f"{s.source.name + f' ({s.source.value})' if s.source else '-'} | {s.meaning} |" for s in specs)
+    return "| buffer | dtype | shape | role | value source | meaning |\n|---|---|---|---|---|---|\n" + rows + "\n"
+
+
+def _record_fields() -> str:
+    rows = "\n".join(f"| {f.value} | `{f.name}` |" for f in RecordField)
+    return "| word | field |\n|---|---|\n" + rows + "\n| 16 .. 16+T-1 | emitted token ids, position 0 first |\n"
+
+
+def _rules() -> str:
+    from ignition.validate.rules import RULES
+    rows = "\n".join(f"| `{rule}` | {text} |" for rule, text in RULES.items())
+    return "| rule id | what it requires |\n|---|---|\n" + rows + "\n"
+
+
+SECTIONS = {
+    "enums": _enum_tables,
+    "completion-buffers": lambda: _buffer_table(COMPLETION_BUFFERS),
+    "prompt-buffers": lambda: _buffer_table(PROMPT_BUFFERS),
+    "lane-inputs": lambda: _buffer_table(LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS),
+    "record-fields": _record_fields,
+    "rules": _rules,
+}
+
+
+def render(text: str) -> str:
+    for name, fn in SECTIONS.items():
+        pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"docs/api.md lacks the generated block {name!r}")
+        text = pattern.sub(lambda m: m.group(1) + fn() + m.group(2), text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    current = DOC.read_text()
+    fresh = render(current)
+    if "--check" in argv:
+        return 0 if fresh == current else 1
+    DOC.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,121 @@
+"""Ahead-of-time kernel preparation: compile every launch for every named target, no GPU needed.
+
+The runtime never compiles: each (launch, target) becomes a cubin under ``kernels/`` plus one
+entry of the kernel table (``kernels.json``, schema ``kernels.schema.json``). Preparation is
+hermetic and reproducible: a fresh Triton cache directory per call, line information off
+(it would embed this checkout's absolute source paths in the binary), and FP fusion set
+explicitly. Preparing the same specs twice gives byte-identical files and table.
+
+Triton is imported only inside ``prepare_kernels``, so the validator can read ``TARGETS``
+without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ignition.components.triton_logprobs import LaunchSpec
+
+KERNELS_DIR = "kernels"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    backend: str
+    arch: int  # compute capability, major * 10 + minor
+    warp_size: int
+    max_shared_bytes: int  # per-block limit with opt-in (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+
+# Per-block opt-in shared memory, CUDA C++ Programming Guide (13.1), "Compute Capabilities":
+# 9.0 (Hopper, "Shared Memory" of CC 9.0): a block addresses up to 227 KB = 232448 bytes;
+# 12.0 (consumer/workstation Blackwell, section 20.10.3): "up to 99 KB" = 101376 bytes.
+TARGETS: dict[str, Target] = {
+    "cuda:90": Target("cuda", 90, 32, 232448),
+    "cuda:120": Target("cuda", 120, 32, 101376),
+}
+
+
+class KernelPreparationError(RuntimeError):
+    """A launch cannot be prepared for a target (compilation failed or it does not fit)."""
+
+
+def parse_targets(text: str) -> list[str]:
+    """``"cuda:90,cuda:120"`` -> ``["cuda:90", "cuda:120"]``; unknown or repeated names raise ValueError."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TARGETS]
+    if unknown:
+        raise ValueError(f"unknown kernel target(s) {', '.join(map(repr, unknown))}; known targets: "
+                         f"{', '.join(TARGETS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"kernel targets repeat a name: {text!r}")
+    if not names:
+        raise ValueError(f"no kernel target named in {text!r}; known targets: {', '.join(TARGETS)}")
+    return names
+
+
+def launch_key(spec: LaunchSpec) -> str:
+    """Stable key of one launch: its name plus a digest of everything that defines it."""
+    config = {"kernel": f"{spec.kernel.fn.__module__}.{spec.kernel.fn.__qualname__}", "signature": spec.signature,
+              "constexprs": spec.constexprs, "num_warps": spec.num_warps, "num_stages": spec.num_stages,
+              "grid": list(spec.grid)}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return f"{spec.name}.{digest[:12]}"
+
+
+def prepare_kernels(specs: list[LaunchSpec], targets: list[str], out_dir: Path) -> dict:
+    """Compile each distinct spec for each target into ``out_dir/kernels``; returns the kernel table."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ignition.components.triton_logprobs import ENABLE_FP_FUSION
+
+    targets = parse_targets(",".join(targets))
+    unique = {launch_key(spec): spec for spec in specs}
+    (Path(out_dir) / KERNELS_DIR).mkdir(parents=True, exist_ok=True)
+    entries = []
+    with tempfile.TemporaryDirectory(prefix="ignition-triton-") as cache_dir, \
+            triton.knobs.cache.scope(), triton.knobs.compilation.scope(), triton.knobs.runtime.scope():
+        triton.knobs.cache.dir = cache_dir
+        triton.knobs.compilation.disable_line_info = True
+        triton.knobs.compilation.override = False
+        triton.knobs.compilation.dump_ir = False
+        triton.knobs.runtime.override_arch = None
+        for key, spec in sorted(unique.items()):
+            for target_name in sorted(targets):
+                target = TARGETS[target_name]
+                source = ASTSource(fn=spec.kernel, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
+                try:
+                    compiled = triton.compile(source, target=GPUTarget(target.backend, target.arch, target.warp_size),
+                                              options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                                                       "enable_fp_fusion": ENABLE_FP_FUSION})
+                except Exception as exc:
+                    raise KernelPreparationError(f"kernel {spec.name} ({key}) failed to compile for {target_name}: "
+                                                 f"{exc}") from exc
+                entries.append(_write_binary(Path(out_dir), key, spec, target_name, target, compiled))
+    return {"triton_version": triton.__version__, "targets": sorted(targets), "kernels": entries}
+
+
+def _write_binary(out_dir: Path, key: str, spec: LaunchSpec, target_name: str, target: Target, compiled) -> dict:
+    shared = int(compiled.metadata.shared)
+    if shared > target.max_shared_bytes:
+        raise KernelPreparationError(f"kernel {spec.name} ({key}) needs {shared} bytes of shared memory per block "
+                                     f"on {target_name}; the target allows {target.max_shared_bytes}")
+    binary = compiled.asm["cubin"]
+    digest = hashlib.sha256(binary).hexdigest()
+    rel = f"{KERNELS_DIR}/{spec.name}.{target_name.replace(':', '_')}.{digest[:16]}.cubin"
+    path = out_dir / rel
+    if not path.is_file() or path.read_bytes() != binary:
+        path.write_bytes(binary)
+    return {"key": key, "name": spec.name, "target": target_name, "file": rel, "sha256": digest,
+            "triton_hash": compiled.hash, "kernel_name": compiled.metadata.name,
+            "signature": [{"name": name, "type": kind} for name, kind in spec.signature.items()],  # call order
+            "constexprs": dict(spec.constexprs), "num_warps": spec.num_warps,
+            "num_stages": spec.num_stages, "shared_bytes": shared, "grid": list(spec.grid)}

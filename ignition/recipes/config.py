@@ -1,0 +1,204 @@
+"""Qwen3 / Llama model configuration and weight layout, parsed from a Hugging Face checkpoint.
+
+``ModelConfig.from_hf_config`` reads ``config.json``; ``WEIGHT_MAP`` maps HF tensor names to ours
+(a table, not code); ``load_weights`` validates a checkpoint against the layout the config implies
+and loads it. Every failure is a CheckpointError naming the file, field or tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, family_of, read_field
+from ignition.recipes.rope import RopeScaling
+
+# family -> whether attention applies RMSNorm to each q/k head before RoPE.
+FAMILY_QK_NORM: dict[str, bool] = {"qwen3": True, "llama": False}
+
+# config.json `dtype` / `torch_dtype` -> torch dtype.
+CONFIG_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Static description of a Qwen3 / Llama decoder, parsed from a Hugging Face ``config.json``."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILY_QK_NORM:
+            raise CheckpointError(f"ModelConfig.family must be one of {sorted(FAMILY_QK_NORM)}; found {self.family!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise CheckpointError(f"ModelConfig.{name} must be a positive int; found {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"ModelConfig.num_heads must be a multiple of num_kv_heads; "
+                f"found num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise CheckpointError(f"ModelConfig.head_dim must be even for rotate_half RoPE; found {self.head_dim}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise CheckpointError(
+                f"ModelConfig.rms_norm_eps and rope_theta must be > 0; "
+                f"found {self.rms_norm_eps!r}, {self.rope_theta!r}")
+        if self.dtype not in CONFIG_DTYPES.values():
+            raise CheckpointError(f"ModelConfig.dtype must be one of {list(CONFIG_DTYPES)}; found {self.dtype}")
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def untied_lm_head(self) -> bool:
+        return not self.tie_word_embeddings
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
+        """Parse a Hugging Face ``config.json`` dict; invalid or unsupported fields raise CheckpointError."""
+        family = family_of(config, source)
+        hidden_size = read_field(config, "hidden_size", int, source)
+        num_heads = read_field(config, "num_attention_heads", int, source)
+        head_dim = config.get("head_dim")
+        if head_dim is None and family == "llama":
+            head_dim = hidden_size // num_heads if num_heads > 0 else 0  # HF Llama derives it
+        head_dim = read_field({"head_dim": head_dim}, "head_dim", int, source)
+        if read_field(config, "hidden_act", str, source, "silu") != "silu":
+            raise CheckpointError(f"{source}: field 'hidden_act' must be 'silu'; found {config['hidden_act']!r}")
+        if read_field(config, "use_sliding_window", bool, source, False):
+            raise CheckpointError(f"{source}: field 'use_sliding_window' must be false; found true")
+        layer_types = config.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise CheckpointError(
+                f"{source}: field 'layer_types' must contain only 'full_attention'; found {sorted(set(layer_types))}")
+        dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"  # HF loads fp32 when unset
+        if dtype_name not in CONFIG_DTYPES:
+            raise CheckpointError(f"{source}: field 'dtype' must be one of {list(CONFIG_DTYPES)}; found {dtype_name!r}")
+        max_positions = read_field(config, "max_position_embeddings", int, source)
+        rope_theta, rope_scaling = RopeScaling.from_hf_config(config, max_positions, source)
+        return cls(
+            family=family,
+            vocab_size=read_field(config, "vocab_size", int, source),
+            hidden_size=hidden_size,
+            intermediate_size=read_field(config, "intermediate_size", int, source),
+            num_layers=read_field(config, "num_hidden_layers", int, source),
+            num_heads=num_heads,
+            num_kv_heads=read_field(config, "num_key_value_heads", int, source, num_heads),
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
+            rms_norm_eps=read_field(config, "rms_norm_eps", float, source, 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=read_field(config, "tie_word_embeddings", bool, source, False),
+            qk_norm=FAMILY_QK_NORM[family],
+            attention_bias=read_field(config, "attention_bias", bool, source, False),
+            mlp_bias=read_field(config, "mlp_bias", bool, source, False),
+            dtype=CONFIG_DTYPES[dtype_name],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSpec:
+    """Our name for one HF tensor, its shape as ModelConfig attributes, and the flag gating its presence."""
+
+    ours: str
+    shape: tuple[str, ...]
+    present_if: str | None = None
+
+
+_LAYER = "model.layers.{layer}."
+# HF tensor name -> our name / shape / presence flag. `{layer}` expands to 0..num_layers-1.
+WEIGHT_MAP: dict[str, WeightSpec] = {
+    "model.embed_tokens.weight": WeightSpec("embed", ("vocab_size", "hidden_size")),
+    "model.norm.weight": WeightSpec("final_norm", ("hidden_size",)),
+    "lm_head.weight": WeightSpec("lm_head", ("vocab_size", "hidden_size"), "untied_lm_head"),
+    _LAYER + "input_layernorm.weight": WeightSpec("layers.{layer}.attn_norm", ("hidden_size",)),
+    _LAYER + "self_attn.q_proj.weight": WeightSpec("layers.{layer}.q_proj", ("q_width", "hidden_size")),
+    _LAYER + "self_attn.q_proj.bias": WeightSpec("layers.{layer}.q_bias", ("q_width",), "attention_bias"),
+    _LAYER + "self_attn.k_proj.weight": WeightSpec("layers.{layer}.k_proj", ("kv_width", "hidden_size")),
+    _LAYER + "self_attn.k_proj.bias": WeightSpec("layers.{layer}.k_bias", ("kv_width",), "attention_bias"),
+    _LAYER + "self_attn.v_proj.weight": WeightSpec("layers.{layer}.v_proj", ("kv_width", "hidden_size")),
+    _LAYER + "self_attn.v_proj.bias": WeightSpec("layers.{layer}.v_bias", ("kv_width",), "attention_bias"),
+    _LAYER + "self_attn.o_proj.weight": WeightSpec("layers.{layer}.o_proj", ("hidden_size", "q_width")),
+    _LAYER + "self_attn.o_proj.bias": WeightSpec("layers.{layer}.o_bias", ("hidden_size",), "attention_bias"),
+    _LAYER + "self_attn.q_norm.weight": WeightSpec("layers.{layer}.q_norm", ("head_dim",), "qk_norm"),
+    _LAYER + "self_attn.k_norm.weight": WeightSpec("layers.{layer}.k_norm", ("head_dim",), "qk_norm"),
+    _LAYER + "post_attention_layernorm.weight": WeightSpec("layers.{layer}.mlp_norm", ("hidden_size",)),
+    _LAYER + "mlp.gate_proj.weight": WeightSpec("layers.{layer}.gate_proj", ("intermediate_size", "hidden_size")),
+    _LAYER + "mlp.gate_proj.bias": WeightSpec("layers.{layer}.gate_bias", ("intermediate_size",), "mlp_bias"),
+    _LAYER + "mlp.up_proj.weight": WeightSpec("layers.{layer}.up_proj", ("intermediate_size", "hidden_size")),
+    _LAYER + "mlp.up_proj.bias": WeightSpec("layers.{layer}.up_bias", ("intermediate_size",), "mlp_bias"),
+    _LAYER + "mlp.down_proj.weight": WeightSpec("layers.{layer}.down_proj", ("hidden_size", "intermediate_size")),
+    _LAYER + "mlp.down_proj.bias": WeightSpec("layers.{layer}.down_bias", ("hidden_size",), "mlp_bias"),
+}
+
+
+def weight_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF name -> (our name, shape) for every tensor ``cfg`` requires."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for hf_template, spec in WEIGHT_MAP.items():
+        if spec.present_if is not None and not getattr(cfg, spec.present_if):
+            continue
+        shape = tuple(getattr(cfg, dim) for dim in spec.shape)
+        layers = range(cfg.num_layers) if "{layer}" in hf_template else [None]
+        for layer in layers:
+            layout[hf_template.format(layer=layer)] = (spec.ours.format(layer=layer), shape)
+    return layout
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor the checkpoint must hold (no ``lm_head.weight`` when tied)."""
+    return {hf_name: shape for hf_name, (_, shape) in weight_layout(cfg).items()}
+
+
+def load_weights(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Validate ``checkpoint`` against ``cfg`` and load every tensor under our names, cast to ``dtype``.
+
+    With tied embeddings ``weights["lm_head"] is weights["embed"]`` (shared, not copied); a tied
+    checkpoint may still carry ``lm_head.weight``, which is shape-checked and ignored like HF does.
+    """
+    dtype = cfg.dtype if dtype is None else dtype
+    tied_extra = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
+    checkpoint.validate(expected_shapes(cfg), optional=tied_extra)
+    weights = {ours: checkpoint.load(hf_name).to(dtype) for hf_name, (ours, _) in weight_layout(cfg).items()}
+    if cfg.tie_word_embeddings:
+        weights["lm_head"] = weights["embed"]
+    return weights
+
+
+def kv_cache_shape(cfg: ModelConfig, num_slots: int, max_seq_len: int) -> tuple[int, int, int, int, int]:
+    """Shape of ``k_cache`` and ``v_cache``: ``[num_layers, num_slots, max_seq_len, num_kv_heads, head_dim]``."""
+    for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"kv_cache_shape: {name} must be a positive int; found {value!r}")
+    return (cfg.num_layers, num_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+

@@ -1,0 +1,65 @@
+"""Kernel table rules JSON Schema cannot express: coverage, files, checksums, targets, shared memory.
+
+Defensive by design: a malformed table yields violations, never an exception, so the same
+function can run before or after the schema check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ignition.exporter.kernels import TARGETS
+from ignition.exporter.writer import sha256_file
+from ignition.validate.files import safe_path
+from ignition.validate.report import Violation
+
+
+def validate_kernel_table(core_dir: Path, table: dict, variant_launches: dict[str, list[str]]) -> list[Violation]:
+    """Violations of KERNEL-TARGET, KERNEL-FILE, KERNEL-HASH, KERNEL-SMEM and KERNEL-MISSING."""
+    if not isinstance(table, dict) or not isinstance(table.get("kernels"), list):
+        return [Violation("KERNEL-MISSING", "kernels.json", "expected an object with a 'kernels' list")]
+    targets = table.get("targets")
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        return [Violation("KERNEL-TARGET", "kernels.json:targets", f"expected a list of target names, found {targets!r}")]
+    found = [Violation("KERNEL-TARGET", "kernels.json:targets", f"unknown target {t!r}; known: {', '.join(TARGETS)}")
+             for t in targets if t not in TARGETS]
+    prepared = set()
+    for index, entry in enumerate(table["kernels"]):
+        where = f"kernels.json:kernels/{index}"
+        if not isinstance(entry, dict):
+            found.append(Violation("KERNEL-FILE", where, f"expected a kernel entry object, found {type(entry).__name__}"))
+            continue
+        where = f"kernels.json:{entry.get('key')}@{entry.get('target')}"
+        found += _check_entry(Path(core_dir), entry, targets, where)
+        prepared.add((str(entry.get("key")), str(entry.get("target"))))
+    for variant, launches in sorted(variant_launches.items()):
+        for key in launches if isinstance(launches, list) else [launches]:
+            missing = [t for t in targets if t in TARGETS and (str(key), t) not in prepared]
+            if missing:
+                found.append(Violation("KERNEL-MISSING", f"variant {variant}: launch {key}",
+                                       f"no prepared binary for target(s) {', '.join(missing)}"))
+    return found
+
+
+def _check_entry(core_dir: Path, entry: dict, targets: list[str], where: str) -> list[Violation]:
+    found = []
+    target = TARGETS.get(entry.get("target")) if isinstance(entry.get("target"), str) else None
+    if target is None or entry.get("target") not in targets:
+        found.append(Violation("KERNEL-TARGET", where, f"target {entry.get('target')!r} is not one of the table's "
+                                                       f"known targets {[t for t in targets if t in TARGETS]}"))
+    shared = entry.get("shared_bytes")
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        found.append(Violation("KERNEL-SMEM", where, f"expected a non-negative shared_bytes, found {shared!r}"))
+    elif target is not None and shared > target.max_shared_bytes:
+        found.append(Violation("KERNEL-SMEM", where, f"needs {shared} bytes of shared memory per block; "
+                                                     f"{entry['target']} allows {target.max_shared_bytes}"))
+    rel = entry.get("file")
+    path, problems = safe_path(core_dir, rel, where) if isinstance(rel, str) else (None, [])
+    if not isinstance(rel, str) or problems:
+        found.append(Violation("KERNEL-FILE", where, f"expected a relative path inside the core, found {rel!r}"))
+    elif not path.is_file():
+        found.append(Violation("KERNEL-FILE", where, f"binary {rel} is missing"))
+    elif sha256_file(path) != entry.get("sha256"):
+        found.append(Violation("KERNEL-HASH", where, f"{rel}: expected sha256 {entry.get('sha256')}, "
+                                                     f"found {sha256_file(path)}"))
+    return found
