@@ -113,6 +113,62 @@ def inspect_core_cmd(
         console.print(f"[yellow]warning:[/yellow] the core has {len(report.violations)} violation(s); run validate-core")
 
 
+@app.command("run")
+def run_cmd(
+    core: Path = typer.Argument(..., help="Core directory"),
+    prompt: Optional[str] = typer.Argument(None, help="Prompt text (needs the core's tokenizer)"),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids"),
+    max_tokens: int = typer.Option(16, "--max-tokens"),
+    temperature: float = typer.Option(0.0), top_k: int = typer.Option(0), top_p: float = typer.Option(1.0),
+    min_p: float = typer.Option(0.0), seed: Optional[int] = typer.Option(None),
+    repetition_penalty: float = typer.Option(1.0), presence_penalty: float = typer.Option(0.0),
+    frequency_penalty: float = typer.Option(0.0),
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Natural alternatives per token (0..K)"),
+    logprob_token_ids: Optional[str] = typer.Option(None, "--logprob-token-ids", help="Comma-separated ids to report"),
+    prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
+) -> None:
+    """Generate with a core through the minimal loader and show tokens with their logprobs."""
+    from ignition.runtime.core import CoreLoadError, load_core
+    from ignition.runtime.present import render_run, run_json
+    from ignition.runtime.requests import AdmissionError, Request, SamplingParams
+
+    try:
+        loaded = load_core(core)
+    except CoreLoadError as exc:
+        console.print(f"[red]cannot load core:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(1)
+    if (prompt is None) == (prompt_ids is None):
+        console.print("[red]error:[/red] give either a prompt text or --prompt-ids")
+        raise typer.Exit(2)
+    if prompt is not None:
+        if loaded.tokenizer is None:
+            console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
+            raise typer.Exit(2)
+        ids = loaded.tokenizer.encode(prompt).ids
+    else:
+        ids = list(_int_list(prompt_ids, "--prompt-ids"))
+    request = Request(
+        prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        logprob_token_ids=list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None,
+        ignore_eos=ignore_eos,
+        sampling=SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                                frequency_penalty, seed))
+    from ignition.runtime.engine import Engine
+    engine = Engine(loaded)
+    try:
+        (result,) = engine.generate([request])
+    except AdmissionError as exc:
+        console.print(f"[red]rejected:[/red] {exc}")
+        raise typer.Exit(1)
+    if as_json:
+        print(json.dumps(run_json(result, loaded.tokenizer)))
+    else:
+        render_run(result, loaded.tokenizer, Console())
+    raise typer.Exit(0 if result.error is None else 1)
+
+
 def main() -> None:
     app()
 

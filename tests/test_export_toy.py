@@ -173,7 +173,7 @@ def test_cli_inspect(toy_core):
     summary = json.loads(result.stdout)
     assert summary["features"] == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True,
                                    "prompt_logprobs": False, "k": 20}
-    assert [v["name"] for v in summary["variants"]] == ["decode.c1", "decode.c4"]
+    assert [v["name"] for v in summary["variants"]] == ["decode.c1", "decode.c4", "prefill.t256"]
     assert summary["memory"]["completion_frame_bytes"] > 0
     result = runner.invoke(app, ["inspect-core", str(toy_core), "--memory"])
     assert result.exit_code == 0 and "decode.c4" in result.output

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.buffers import BUFFERS, COMPLETION_BUFFERS, LANE_INPUTS, LOGPROBS, RECORDS, REQUESTED, ID_INPUTS, BufferSpec
+from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, ID_INPUTS, LANE_INPUTS, LOGPROBS, RECORDS,
+                                     REQUESTED, SAMPLING_INPUTS, BufferSpec)
 from ignition.catalog.contract import NATURAL_K, packed_width
 from ignition.catalog.enums import Role, ValueSource
 from ignition.catalog.model import BufferDecl, Variant
@@ -98,3 +99,16 @@ def completion_arguments(capacity: int, token_capacity: int, logprobs: bool):
 
 def lane_arguments(capacity: int):
     return spec_arguments(LANE_INPUTS, capacity=capacity)
+
+
+def sampling_arguments(capacity: int):
+    return spec_arguments(SAMPLING_INPUTS, capacity=capacity)
+
+
+def chunk_arguments(chunk_limit: int):
+    return spec_arguments(CHUNK_INPUTS, C=chunk_limit)
+
+
+def next_tokens_return(capacity: int) -> list[BufferDecl]:
+    """The one return value of every sampling graph: each lane's emitted token, -1 where none."""
+    return [BufferDecl("next_tokens", "int64", [capacity], Role.OUTPUT)]

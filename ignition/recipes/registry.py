@@ -9,6 +9,8 @@ from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 
 RECIPES = {
     "toy": "ignition.recipes.toy",
+    "qwen3": "ignition.recipes.llama",
+    "llama": "ignition.recipes.llama",
 }
 
 

@@ -14,13 +14,23 @@ from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import BufferDecl
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round
+from ignition.catalog.buffers import CHUNK_INPUTS
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, completion_arguments,
-                                   lane_arguments, weight_arguments)
+                                   lane_arguments, spec_arguments, weight_arguments)
 
 VOCAB_SIZE = 250
 VOCAB_PADDED = 256  # padded lanes exist on purpose: they must never enter a result
 HIDDEN = 32
 WEIGHT_NAMES = ("embedding.weight", "lm_head.weight")
+
+
+def batch_invariant_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """hidden @ lm_head.T with a per-row reduction order that does not depend on the batch.
+
+    NOTE: BLAS picks different kernels for 1 and 4 rows, which changes the last ulp; the toy
+    model avoids that so tests can demand bit-identical results alone and in a batch.
+    """
+    return (hidden.float().unsqueeze(1) * lm_head.float().unsqueeze(0)).sum(dim=-1)
 
 
 class ToyDecode(torch.nn.Module):
@@ -32,11 +42,32 @@ class ToyDecode(torch.nn.Module):
         embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
         token_ids = buffers["input_ids"].clamp(0, embedding.shape[0] - 1)
         hidden = embedding[token_ids]  # [capacity, hidden]
-        logits = hidden.float() @ lm_head.float().T  # raw logits: [capacity, vocab_padded]
+        logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [capacity, vocab_padded]
         sampled = logits[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
         tokens = commit_sampling_round(buffers, logits, sampled, operation=Operation.DECODE,
                                        vocab_size=self.vocab_size, k=self.k,
                                        sequence_lengths=buffers["positions"] + 1)
+        return (tokens,)
+
+
+class ToyPrefill(torch.nn.Module):
+    """One request's prompt chunk: the bigram needs only the last valid row's token."""
+
+    def __init__(self, vocab_size: int, k: int):
+        super().__init__()
+        self.vocab_size, self.k = vocab_size, k
+
+    def forward(self, buffers: dict[str, torch.Tensor]):
+        embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
+        chunk = buffers["chunk_input_ids"]  # [C]
+        last_row = (buffers["chunk_length"] - 1).clamp(0, chunk.shape[0] - 1)  # [1]
+        token_ids = chunk.index_select(0, last_row).clamp(0, embedding.shape[0] - 1)
+        logits = batch_invariant_logits(embedding[token_ids], lm_head)  # raw logits: [1, vocab_padded]
+        sampled = logits[:, :self.vocab_size].argmax(dim=1)
+        tokens = commit_sampling_round(buffers, logits, sampled, operation=Operation.PREFILL,
+                                       vocab_size=self.vocab_size, k=self.k,
+                                       sequence_lengths=buffers["chunk_start"] + buffers["chunk_length"],
+                                       emits=buffers["chunk_emits"] != 0)
         return (tokens,)
 
 
@@ -67,6 +98,22 @@ def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
     return weights
 
 
+def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool, module) -> GraphBuild:
+    lanes, lane_bindings = lane_arguments(1)
+    chunk, chunk_bindings = spec_arguments(CHUNK_INPUTS, C=chunk_limit)
+    outputs, output_bindings, layout = completion_arguments(1, token_capacity, logprobs)
+    variant = Variant(
+        name=f"prefill.t{chunk_limit}",
+        operation=Operation.PREFILL,
+        capacity=1,
+        arguments=weight_arguments(weights) + lanes + chunk + outputs,
+        returns=[BufferDecl("next_tokens", "int64", [1], Role.OUTPUT)],
+        bindings=lane_bindings | chunk_bindings | output_bindings,
+        layout=layout,
+    )
+    return GraphBuild(variant, module)
+
+
 def build(options: ExportOptions) -> RecipeBuild:
     weights = load_weights(options)
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
@@ -85,6 +132,7 @@ def build(options: ExportOptions) -> RecipeBuild:
             layout=layout,
         )
         graphs.append(GraphBuild(variant, ToyDecode(VOCAB_SIZE, k)))
+    graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.logprobs, ToyPrefill(VOCAB_SIZE, k)))
     return RecipeBuild(
         recipe="toy",
         model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},
@@ -95,4 +143,5 @@ def build(options: ExportOptions) -> RecipeBuild:
         weights=weights,
         state=[],
         graphs=graphs,
+        chunk_limit=options.chunk_limit,
     )

@@ -1,0 +1,125 @@
+"""Prefill and decode graph modules of the decoder recipes (Qwen3, Llama).
+
+Each module's ``forward(buffers)`` reads only the dict of declared arguments and returns
+``(next_tokens int64[capacity],)``. One sampling round, in order:
+
+1. the decoder writes K/V of valid rows into the runtime-owned caches;
+2. the lm_head gives the *raw* logits (model dtype), never modified afterwards;
+3. ``sample`` draws from a float32 copy with the slot's penalty state;
+4. ``commit_sampling_round`` writes the ABI6 records and reduces logprobs from the raw logits;
+5. emitted tokens are counted into the slot's penalty state.
+
+Penalty state is one runtime-owned ``int32 [num_slots, 2, vocab_padded]`` tensor: plane
+``PROMPT_PLANE`` counts prompt tokens (repetition penalty), plane ``OUTPUT_PLANE`` counts
+emitted tokens (all three penalties). A prefill chunk at ``chunk_start == 0`` resets its slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ignition.catalog.enums import Operation, Role
+from ignition.catalog.model import BufferDecl
+from ignition.components.commit import commit_sampling_round
+from ignition.components.sampling import SamplingTensors, sample, update_output_counts
+from ignition.recipes.config import ModelConfig, kv_cache_shape
+from ignition.recipes.transformer import decode_hidden, lm_head_logits, prefill_hidden
+
+K_CACHE, V_CACHE, PENALTY_COUNTS = "k_cache", "v_cache", "penalty_counts"
+PROMPT_PLANE, OUTPUT_PLANE = 0, 1
+PENALTY_PLANES = 2
+
+
+def state_declarations(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_seq_len: int,
+                       vocab_padded: int) -> list[BufferDecl]:
+    """The runtime-owned state every decoder variant reads and updates, in argument order."""
+    cache_shape = list(kv_cache_shape(cfg, num_slots, max_seq_len))
+    cache_dtype = str(dtype).removeprefix("torch.")
+    return [
+        BufferDecl(K_CACHE, cache_dtype, cache_shape, Role.STATE),
+        BufferDecl(V_CACHE, cache_dtype, cache_shape, Role.STATE),
+        BufferDecl(PENALTY_COUNTS, "int32", [num_slots, PENALTY_PLANES, vocab_padded], Role.STATE),
+    ]
+
+
+class _DecoderGraph(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, k: int):
+        super().__init__()
+        self.cfg, self.vocab_size, self.k = cfg, vocab_size, k
+
+    def weights(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weight arguments under the decoder's names; a tied lm_head is the embedding itself."""
+        weights = dict(buffers)
+        if self.cfg.tie_word_embeddings:
+            weights["lm_head"] = buffers["embed"]
+        return weights
+
+    def sample_and_commit(self, buffers: Mapping[str, torch.Tensor], raw_logits: torch.Tensor,
+                          slots: torch.Tensor, operation: Operation, sequence_lengths: torch.Tensor,
+                          emits: torch.Tensor | None = None) -> torch.Tensor:
+        """Steps 3-5 for ``raw_logits [capacity, vocab_padded]`` of lanes in ``slots int64[capacity]``."""
+        penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
+        safe_slots = slots.clamp(0, penalty.shape[0] - 1)
+        history = penalty.index_select(0, safe_slots)  # [capacity, 2, V]
+        sampled = sample(raw_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
+                         SamplingTensors.from_buffers(buffers), self.vocab_size)
+        tokens = commit_sampling_round(buffers, raw_logits, sampled, operation=operation, vocab_size=self.vocab_size,
+                                       k=self.k, sequence_lengths=sequence_lengths, emits=emits)
+        # tokens is -1 for lanes that emitted nothing; forced tokens are output tokens and count.
+        update_output_counts(penalty.select(1, OUTPUT_PLANE), safe_slots, tokens, tokens >= 0)
+        return tokens
+
+
+class DecodeGraph(_DecoderGraph):
+    """One token per active lane: ``decode.c{capacity}``."""
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        weights = self.weights(buffers)
+        positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
+        active = buffers["active_lanes"] != 0
+        hidden = decode_hidden(weights, self.cfg, buffers["input_ids"], positions, slots, active,
+                               buffers[K_CACHE], buffers[V_CACHE])  # [capacity, d_model]
+        raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
+        return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)
+
+
+class PrefillGraph(_DecoderGraph):
+    """One request's prompt chunk of up to C rows: ``prefill.t{C}`` (capacity 1).
+
+    Valid rows (``< chunk_length``, lane active) write K/V at ``chunk_start + row``. A chunk at
+    ``chunk_start == 0`` resets the slot's penalty state; every chunk counts its prompt tokens.
+    With ``chunk_emits != 0`` the last valid row's raw logits sample the first generated token
+    (round kind SAMPLING); otherwise the active lane gets a PROMPT record without a token.
+    """
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        weights = self.weights(buffers)
+        chunk_ids = buffers["chunk_input_ids"]  # int64 [C]
+        chunk_start, chunk_length = buffers["chunk_start"], buffers["chunk_length"]  # int64 [1]
+        slot = buffers["slot_ids"]  # int64 [1]
+        active = buffers["active_lanes"] != 0  # bool [1]
+        valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
+        hidden = prefill_hidden(weights, self.cfg, chunk_ids, chunk_start, valid_length, slot,
+                                buffers[K_CACHE], buffers[V_CACHE])  # [C, d_model]
+        last_row = (chunk_length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
+        raw_logits = lm_head_logits(weights, self.cfg, hidden.index_select(0, last_row))  # [1, vocab_padded]
+        self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
+                                 reset=active & (chunk_start == 0))
+        tokens = self.sample_and_commit(buffers, raw_logits, slot, Operation.PREFILL, chunk_start + chunk_length,
+                                        emits=buffers["chunk_emits"] != 0)
+        return (tokens,)
+
+    @staticmethod
+    def count_prompt_tokens(penalty: torch.Tensor, slot: torch.Tensor, chunk_ids: torch.Tensor,
+                            valid_length: torch.Tensor, reset: torch.Tensor) -> None:
+        """Reset the slot's planes when ``reset``; add the chunk's valid tokens to its prompt plane."""
+        num_slots, _, width = penalty.shape
+        safe_slot = slot.clamp(0, num_slots - 1)  # [1]
+        history = torch.where(reset.view(1, 1, 1), 0, penalty.index_select(0, safe_slot))  # [1, 2, V]
+        valid = torch.arange(chunk_ids.shape[0], device=chunk_ids.device) < valid_length  # [C]
+        hits = torch.zeros(width, dtype=penalty.dtype, device=penalty.device).index_add(
+            0, chunk_ids.clamp(0, width - 1), valid.to(penalty.dtype))  # [V]
+        history[:, PROMPT_PLANE] += hits  # history is a fresh tensor (torch.where), not a view of the state
+        penalty.index_put_((safe_slot,), history)

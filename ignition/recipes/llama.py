@@ -1,0 +1,146 @@
+"""The ``qwen3`` and ``llama`` recipes: a Hugging Face decoder checkpoint -> prefill and decode variants.
+
+Reads ``config.json`` and the (single or sharded) safetensors weights, checks every tensor
+against the layout the config implies, and declares one chunked prefill variant
+``prefill.t{chunk_limit}`` (capacity 1) plus one ``decode.c{capacity}`` variant per decode
+capacity. Weights are stored once; with tied embeddings the graphs bind the lm_head to ``embed``.
+The vocabulary is the checkpoint's own (``vocab_padded == vocab_size``): HF checkpoints already
+pad their embedding rows, and a second padding would store a new copy of a tied head.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.buffers import LANE_INPUTS
+from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity
+from ignition.catalog.enums import Operation
+from ignition.catalog.model import BufferDecl, Variant
+from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
+                                   completion_arguments, next_tokens_return, sampling_arguments, spec_arguments,
+                                   weight_arguments)
+from ignition.recipes.checkpoint import ARCHITECTURES, CONFIG_FILE, CheckpointError, open_checkpoint, read_config
+from ignition.recipes.config import ModelConfig, load_weights
+from ignition.recipes.graphs import DecodeGraph, PrefillGraph, state_declarations
+
+RECIPE_FAMILIES = {"qwen3": "qwen3", "llama": "llama"}
+"""Recipe name -> the ModelConfig family (HF architecture) it accepts."""
+
+PREFILL_LANE_INPUTS = tuple(spec for spec in LANE_INPUTS if spec.name not in ("input_ids", "positions"))
+"""Prefill lanes take their tokens and positions from the chunk inputs (chunk_input_ids, chunk_start)."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+"""Checkpoint files copied into the core's ``tokenizer/`` directory (when tokenizer.json or .model exists)."""
+
+
+def build(options: ExportOptions) -> RecipeBuild:
+    if options.checkpoint is None:
+        raise RecipeError(f"recipe {options.recipe}: a Hugging Face checkpoint directory is required")
+    directory = Path(options.checkpoint)
+    config = read_config(directory)
+    cfg = ModelConfig.from_hf_config(config, source=str(directory / CONFIG_FILE))
+    _check_family(options.recipe, cfg, config, directory)
+    _check_geometry(options, cfg)
+    dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
+    weights = load_weights(open_checkpoint(directory), cfg, dtype)
+    if cfg.tie_word_embeddings:
+        del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
+    token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
+    k = NATURAL_K if options.logprobs else 0
+    vocab_padded = cfg.vocab_size
+    state = state_declarations(cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
+    fixed = weight_arguments(weights) + state
+    graphs = [GraphBuild(prefill_variant(fixed, options.chunk_limit, token_capacity, options.logprobs),
+                         PrefillGraph(cfg, cfg.vocab_size, k))]
+    graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.logprobs),
+                          DecodeGraph(cfg, cfg.vocab_size, k)) for capacity in options.capacities]
+    return RecipeBuild(
+        recipe=options.recipe,
+        model={"architecture": config["architectures"][0], "hidden_size": cfg.hidden_size,
+               "num_layers": cfg.num_layers, "dtype": str(dtype).removeprefix("torch."),
+               "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+               "max_seq_len": options.max_seq_len, "num_slots": options.slots},
+        vocab_size=cfg.vocab_size,
+        vocab_padded=vocab_padded,
+        token_capacity=token_capacity,
+        k=k,
+        weights=weights,
+        state=state,
+        graphs=graphs,
+        eos_token_id=eos_token_id(config, cfg, directory),
+        chunk_limit=options.chunk_limit,
+        tokenizer_dir=tokenizer_dir(directory),
+    )
+
+
+def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int, logprobs: bool) -> Variant:
+    """``decode.c{capacity}``: weights, state, lane inputs, sampling inputs, completion bundle."""
+    lanes, lane_bindings = spec_arguments(LANE_INPUTS, capacity=capacity)
+    sampling, sampling_bindings = sampling_arguments(capacity)
+    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprobs)
+    return Variant(name=f"decode.c{capacity}", operation=Operation.DECODE, capacity=capacity,
+                   arguments=fixed + lanes + sampling + outputs, returns=next_tokens_return(capacity),
+                   bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int, logprobs: bool) -> Variant:
+    """``prefill.t{C}``: weights, state, lane inputs (capacity 1), chunk inputs, sampling inputs, bundle."""
+    lanes, lane_bindings = spec_arguments(PREFILL_LANE_INPUTS, capacity=1)
+    chunk, chunk_bindings = chunk_arguments(chunk_limit)
+    sampling, sampling_bindings = sampling_arguments(1)
+    outputs, output_bindings, layout = completion_arguments(1, token_capacity, logprobs)
+    return Variant(name=f"prefill.t{chunk_limit}", operation=Operation.PREFILL, capacity=1,
+                   arguments=fixed + lanes + chunk + sampling + outputs, returns=next_tokens_return(1),
+                   bindings=lane_bindings | chunk_bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def _check_family(recipe: str, cfg: ModelConfig, config: dict, directory: Path) -> None:
+    expected = RECIPE_FAMILIES.get(recipe)
+    if expected is None:
+        raise RecipeError(f"recipe {recipe!r} is not a decoder recipe; expected one of {sorted(RECIPE_FAMILIES)}")
+    if cfg.family != expected:
+        wanted = [name for name, family in ARCHITECTURES.items() if family == expected]
+        raise RecipeError(f"{directory / CONFIG_FILE}: recipe {recipe} expects architectures[0] in {wanted}, "
+                          f"found {config['architectures'][0]!r} (use --recipe {cfg.family})")
+
+
+def _check_geometry(options: ExportOptions, cfg: ModelConfig) -> None:
+    if options.max_seq_len > cfg.max_position_embeddings:
+        raise RecipeError(f"--max-seq-len {options.max_seq_len} exceeds the checkpoint's max_position_embeddings "
+                          f"{cfg.max_position_embeddings}")
+    if options.chunk_limit > options.max_seq_len:
+        raise RecipeError(f"--chunk-limit {options.chunk_limit} exceeds --max-seq-len {options.max_seq_len}")
+    if max(options.capacities) > options.slots:
+        raise RecipeError(f"decode capacity {max(options.capacities)} exceeds num_slots {options.slots}: "
+                          f"active lanes must use distinct slots")
+
+
+def eos_token_id(config: dict, cfg: ModelConfig, directory: Path) -> int | None:
+    """``config.json`` eos_token_id (the first one when it lists several), checked against the vocabulary."""
+    value = config.get("eos_token_id")
+    if isinstance(value, list):
+        value = value[0] if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < cfg.vocab_size:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: field 'eos_token_id' must be a token id in "
+                              f"[0, {cfg.vocab_size}); found {config.get('eos_token_id')!r}")
+    return value
+
+
+def tokenizer_dir(directory: Path) -> Path | None:
+    """A private copy of the checkpoint's tokenizer files (the export copies it into ``tokenizer/``)."""
+    present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
+    if not {"tokenizer.json", "tokenizer.model"} & set(present):
+        return None
+    staging = Path(tempfile.mkdtemp(prefix="ignition-tokenizer-"))
+    atexit.register(shutil.rmtree, staging, True)
+    for name in present:
+        shutil.copyfile(directory / name, staging / name)
+    return staging

@@ -1,0 +1,93 @@
+"""Fill a variant's input arguments from their value sources for one submission.
+
+The full flag and count vectors are uploaded every submission (unused lanes cleared);
+only each selecting lane's ID prefix is uploaded. Only lanes in the submission may set
+flags, and a nonzero count requires that lane's flag: both are checked before upload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ignition.catalog.buffers import REQUESTED, TOKEN_ID_COUNTS, TOKEN_IDS
+from ignition.catalog.enums import ValueSource as S
+
+
+@dataclass(slots=True)
+class Lane:
+    state: object  # RequestState
+    chunk: tuple[int, list[int], bool] | None = None  # prefill: (start, tokens, emits)
+
+
+def _seed(state) -> int:
+    seed = state.request.sampling.seed
+    return seed if seed is not None else hash(state.request_id) & 0x7FFFFFFF
+
+
+def _lane_values(lane: Lane, eos: int | None) -> dict[S, object]:
+    state, request = lane.state, lane.state.request
+    sampling = request.sampling
+    generated = len(state.generated)
+    if lane.chunk is not None:
+        start, tokens, _ = lane.chunk
+        token, position = tokens[-1], start + len(tokens) - 1
+    else:
+        token, position = state.generated[-1], len(request.prompt_ids) + generated - 1
+    return {
+        S.TOKEN_IDS: token, S.POSITIONS: position, S.SLOT_IDS: state.slot, S.SLOT_EPOCHS: state.epoch,
+        S.ACTIVE_LANES: 1, S.GENERATED_COUNTS: generated, S.TOKEN_BUDGET: request.max_tokens,
+        S.EOS_TOKEN_ID: -1 if request.ignore_eos or eos is None else eos,
+        S.FORCED_TOKEN_ID: request.forced_tokens.get(generated, -1),
+        S.TEMPERATURE: sampling.temperature, S.TOP_K: sampling.top_k, S.TOP_P: sampling.top_p, S.MIN_P: sampling.min_p,
+        S.REPETITION_PENALTY: sampling.repetition_penalty, S.PRESENCE_PENALTY: sampling.presence_penalty,
+        S.FREQUENCY_PENALTY: sampling.frequency_penalty, S.SEED: _seed(state), S.RNG_OFFSET: generated,
+    }
+
+
+_IDLE = {S.SLOT_IDS: -1, S.EOS_TOKEN_ID: -1, S.FORCED_TOKEN_ID: -1, S.TOP_P: 1.0, S.REPETITION_PENALTY: 1.0}
+
+
+def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarray, int]:
+    """Upload every bound input; return the lane request mask and W (pairs to read back)."""
+    b = variant.buffers
+    eos = core.manifest.get("eos_token_id")
+    per_lane = [_lane_values(lane, eos) for lane in lanes]
+    for name, source in variant.bindings.items():
+        target = b[name]
+        if source is S.FRAME_INDEX:
+            target.fill_(frame)
+        elif source in (S.CHUNK_START, S.CHUNK_LENGTH, S.CHUNK_EMITS) or (source is S.TOKEN_IDS and name == "chunk_input_ids"):
+            start, tokens, emits = lanes[0].chunk
+            value = {S.CHUNK_START: start, S.CHUNK_LENGTH: len(tokens), S.CHUNK_EMITS: int(emits)}.get(source)
+            if value is None:
+                target.zero_()
+                target[:len(tokens)] = torch.tensor(tokens, dtype=target.dtype)
+            else:
+                target.fill_(value)
+        elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
+            continue  # below: the logprob inputs follow their own upload rules
+        else:
+            values = [values[source] for values in per_lane] + [_IDLE.get(source, 0)] * (variant.capacity - len(lanes))
+            target.copy_(torch.tensor(values, dtype=target.dtype))
+    flags = np.zeros(variant.capacity, dtype=np.int32)
+    counts = np.zeros(variant.capacity, dtype=np.int32)
+    for index, lane in enumerate(lanes):
+        request = lane.state.request
+        emits = lane.chunk is None or lane.chunk[2]
+        if request.wants_logprobs and emits:
+            flags[index] = 1
+            counts[index] = len(request.logprob_token_ids or ())
+    if np.any((counts > 0) & (flags == 0)) or np.any(flags[len(lanes):]):
+        raise RuntimeError("upload rule violated: a count without its flag, or a flag outside the submission")
+    if REQUESTED in b:
+        b[REQUESTED].copy_(torch.from_numpy(flags))
+    if TOKEN_ID_COUNTS in b:
+        b[TOKEN_ID_COUNTS].copy_(torch.from_numpy(counts))
+        for index, lane in enumerate(lanes):
+            if counts[index]:
+                b[TOKEN_IDS][index, :counts[index]] = torch.tensor(lane.state.request.logprob_token_ids, dtype=torch.int32)
+    pairs = max([core.k] + [int(c) for c in counts]) if flags.any() else 0
+    return flags.astype(bool), pairs

@@ -1,0 +1,118 @@
+"""load_core: validate, load weights once and every variant, allocate the buffers the runtime owns."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import ignition  # noqa: F401  (registers the ops the graphs call)
+from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.model import BufferDecl
+from ignition.validate.core import validate_core
+
+
+class CoreLoadError(Exception):
+    """The core is invalid or cannot be loaded; the message lists every finding."""
+
+
+@dataclass(slots=True)
+class LoadedVariant:
+    name: str
+    operation: Operation
+    capacity: int
+    arguments: list[BufferDecl]
+    bindings: dict[str, ValueSource]
+    layout: dict
+    run: object  # callable(buffers: dict) -> tuple
+    buffers: dict[str, torch.Tensor]  # every argument, in call order: weights/state shared, inputs/outputs owned
+    next_frame: int = 0
+
+    def owned_bytes(self, role: Role) -> int:
+        return sum(a.nbytes for a in self.arguments if a.role is role)
+
+
+@dataclass(slots=True)
+class LoadedCore:
+    path: Path
+    manifest: dict
+    weights: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+    variants: dict[str, LoadedVariant]
+    tokenizer: object | None = None
+    compiled: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def features(self) -> dict:
+        return self.manifest["features"]
+
+    @property
+    def k(self) -> int:
+        return self.manifest["k"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["vocab_size"]
+
+    @property
+    def token_capacity(self) -> int:
+        return self.manifest["completion_token_capacity"]
+
+    def by_operation(self, operation: Operation) -> list[LoadedVariant]:
+        return sorted((v for v in self.variants.values() if v.operation is operation), key=lambda v: v.capacity)
+
+    def memory_report(self) -> dict[str, int]:
+        """Physical bytes of weights, state (KV), completion frames and other owned buffers."""
+        frames = sum(v.buffers[a.name].numel() * v.buffers[a.name].element_size()
+                     for v in self.variants.values() for a in v.arguments if a.role is Role.OUTPUT)
+        inputs = sum(v.owned_bytes(Role.INPUT) for v in self.variants.values())
+        return {
+            "weights_bytes": sum(t.numel() * t.element_size() for t in self.weights.values()),
+            "state_bytes": sum(t.numel() * t.element_size() for t in self.state.values()),
+            "completion_frame_bytes": frames,
+            "input_bytes": inputs,
+        }
+
+
+def _load_tokenizer(path: Path):
+    file = path / "tokenizer" / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(file))
+
+
+def load_core(path: str | Path, device: str = "cpu") -> LoadedCore:
+    """Validate the core (refusing an invalid one with the validator's findings), then load it."""
+    root = Path(path)
+    report = validate_core(root)
+    if not report.ok:
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
+    manifest, catalog = report.manifest, report.catalog
+    weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
+    state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
+    variants = {}
+    for entry in catalog["variants"]:
+        arguments = [BufferDecl.from_json(a) for a in entry["arguments"]]
+        buffers = {}
+        for arg in arguments:
+            if arg.role is Role.WEIGHT:
+                buffers[arg.name] = weights[arg.name]
+            elif arg.role is Role.STATE:
+                buffers[arg.name] = state[arg.name]
+            else:
+                buffers[arg.name] = arg.empty(device)
+        program = torch.export.load(str(root / entry["graph"]))
+        variants[entry["name"]] = LoadedVariant(
+            name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
+            arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
+            layout=entry["contract"]["layout"], run=program.module(), buffers=buffers)
+    return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
+                      tokenizer=_load_tokenizer(root))
+
+
+def describe(core: LoadedCore) -> str:
+    return json.dumps({"core": str(core.path), "features": core.features, "variants": sorted(core.variants)})

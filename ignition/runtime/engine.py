@@ -1,0 +1,192 @@
+"""A small scheduler over a loaded core: prefill chunks, batched decode, slots with epochs.
+
+Each step is one submission: the prefill chunk of one request, or one decode round for up
+to the largest capacity of running requests, run in the smallest decode variant that fits
+(the core's padding rule). Inputs are filled by value source (ignition.runtime.bindings);
+records and payload are read back and decoded by ignition.runtime.frames.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ignition.catalog.enums import FinishReason, Operation, RoundKind
+from ignition.runtime.bindings import Lane, fill_inputs
+from ignition.runtime.core import LoadedCore, LoadedVariant
+from ignition.runtime.frames import FrameReader, PendingFrame, TokenEntry
+from ignition.runtime.requests import Request, check_admission
+
+
+@dataclass(slots=True)
+class RequestState:
+    request: Request
+    request_id: str
+    slot: int = -1
+    epoch: int = 0
+    prefilled: int = 0  # prompt tokens already in the KV state
+    generated: list[int] = field(default_factory=list)
+    entries: list[TokenEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Result:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    entries: list[TokenEntry]
+    finish_reason: str
+    error: str | None
+
+
+class Engine:
+    """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
+
+    def __init__(self, core: LoadedCore):
+        self.core = core
+        self.decode_variants = core.by_operation(Operation.DECODE)
+        prefill = core.by_operation(Operation.PREFILL)
+        if not self.decode_variants or not prefill:
+            raise ValueError(f"core {core.path} needs PREFILL and DECODE variants to generate")
+        self.prefill = prefill[-1]
+        self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
+        model = core.manifest["model"]
+        self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
+        self.max_context = model.get("max_seq_len")
+        self.epochs = [0] * self.num_slots
+        self.free_slots = deque(range(self.num_slots))
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.finished: dict[str, RequestState] = {}
+        self.readers = {v.name: FrameReader(v.buffers, core.k) for v in core.variants.values()
+                        if v.layout.get("records")}
+        self.submissions = 0
+        self._ids = itertools.count()
+        self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
+
+    # -- admission -------------------------------------------------------------------------
+    def submit(self, request: Request) -> str:
+        """Admit a request (AdmissionError before any state changes) and return its id."""
+        check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        self.waiting.append(RequestState(request, request_id))
+        return request_id
+
+    def _assign_slots(self) -> None:
+        while self.waiting and self.free_slots:
+            state = self.waiting.popleft()
+            state.slot = self.free_slots.popleft()
+            self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
+            state.epoch = self.epochs[state.slot]
+            self.running.append(state)
+
+    def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
+        state.finish_reason, state.error = reason, error
+        self.running.remove(state)
+        self.free_slots.append(state.slot)
+        self.finished[state.request_id] = state
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one submission; False when nothing is left to do."""
+        self._assign_slots()
+        prefilling = [s for s in self.running if s.prefilled < len(s.request.prompt_ids)]
+        if prefilling:
+            self._prefill_chunk(prefilling[0])
+            return True
+        decoding = [s for s in self.running if not s.done]
+        if not decoding:
+            return bool(self.waiting)
+        largest = self.decode_variants[-1].capacity
+        for start in range(0, len(decoding), largest):
+            batch = decoding[start:start + largest]
+            variant = next(v for v in self.decode_variants if v.capacity >= len(batch))
+            self._submit(variant, [Lane(state=s) for s in batch])
+        return True
+
+    def run(self) -> dict[str, Result]:
+        while self.step():
+            pass
+        return {rid: self.result(rid) for rid in self.finished}
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        ids = [self.submit(r) for r in requests]
+        self.run()
+        return [self.result(rid) for rid in ids]
+
+    def result(self, request_id: str) -> Result:
+        s = self.finished[request_id]
+        return Result(request_id, list(s.request.prompt_ids), list(s.generated), list(s.entries),
+                      s.finish_reason, s.error)
+
+    def _prefill_chunk(self, state: RequestState) -> None:
+        prompt = state.request.prompt_ids
+        start = state.prefilled
+        length = min(self.chunk, len(prompt) - start)
+        last = start + length == len(prompt)
+        emits = last and state.request.max_tokens > 0
+        lane = Lane(state=state, chunk=(start, prompt[start:start + length], emits))
+        self._submit(self.prefill, [lane])
+        state.prefilled = start + length
+        if last and not emits:
+            self._finish(state, "length")
+
+    # -- one submission --------------------------------------------------------------------
+    def _submit(self, variant: LoadedVariant, lanes: list[Lane]) -> None:
+        frame = variant.next_frame
+        variant.next_frame ^= 1  # frames alternate: the host reads one while the next submission writes the other
+        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
+        variant.run(variant.buffers)
+        self.submissions += 1
+        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.capacity - len(lanes))
+        pending = PendingFrame(frame, owners, request_mask, pairs)
+        reader = self.readers[variant.name]
+        reader.read(variant.buffers, pending)
+        if self.decode_hook is not None:
+            self.decode_hook(variant, reader, pending)
+        for index, lane in enumerate(lanes):
+            self._decode_lane(reader, pending, index, lane)
+
+    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane) -> None:
+        state, request = lane.state, lane.state.request
+        if lane.chunk is not None and not lane.chunk[2]:
+            return  # a non-final prompt chunk emits nothing
+        record = reader.record(index)
+        if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind is not RoundKind.SAMPLING:
+            self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
+                                         f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
+            return
+        for position, token in enumerate(record.emitted):
+            if record.forced[position]:
+                entry = TokenEntry(token, None)
+            elif request.wants_logprobs:
+                try:
+                    entry = reader.entry(index, position, pending, token, request.logprobs,
+                                         len(request.logprob_token_ids or ()))
+                except ValueError as exc:
+                    self._finish(state, "error", str(exc))
+                    return  # an error suppresses this request's later tokens in the frame
+            else:
+                entry = TokenEntry(token, None)
+            if token in request.stop_token_ids:
+                self._finish(state, "stop")  # a token-id stop has no entry
+                return
+            if record.finish_reason is FinishReason.EOS and position == len(record.emitted) - 1:
+                self._finish(state, "stop")  # a terminating EOS has no entry
+                return
+            state.generated.append(token)
+            state.entries.append(entry)
+        if record.finish_reason is FinishReason.LENGTH or len(state.generated) >= request.max_tokens:
+            self._finish(state, "length")
+
+
+__all__ = ["Engine", "Result", "np"]

@@ -1,0 +1,80 @@
+"""Frame readback and decoding, as the native worker does it.
+
+A requesting frame copies only its own half of the packed output, and of each position
+only the chosen pair and the first W pairs (W = max(K, largest selected-ID count in the
+frame)) into preallocated host storage; a frame without a requesting lane copies no
+payload. The pending frame keeps its physical-lane request mask, so stale payload of
+other lanes is never decoded. Positions are chosen by record emission, never by payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ignition.catalog.abi import Record, decode_packed_position, decode_record
+from ignition.catalog.buffers import LOGPROBS, RECORDS
+from ignition.catalog.contract import PACKED_CHOSEN_WORDS
+
+
+@dataclass(slots=True)
+class TokenEntry:
+    id: int
+    logprob: float | None  # None for a forced token
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PendingFrame:
+    """One submitted frame waiting to be decoded: its lanes' ownership and request mask."""
+
+    frame: int
+    lane_owner: list[tuple[int, int] | None]  # (slot, epoch) per lane, None for unused lanes
+    request_mask: np.ndarray  # bool [capacity]: lanes that requested logprobs in this submission
+    pairs: int  # W: pairs copied per position
+
+
+class FrameReader:
+    """Preallocated host storage for one variant's records and packed payload."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], k: int):
+        records = buffers[RECORDS]
+        self.k = k
+        self.records_host = torch.empty(records.shape[1:], dtype=records.dtype)  # [capacity, 16+T]
+        payload = buffers.get(LOGPROBS)
+        self.payload_host = None if payload is None else torch.empty(payload.shape[1:], dtype=payload.dtype)
+        self.payload_copies = 0
+        self.payload_words_copied = 0
+
+    def read(self, buffers: dict[str, torch.Tensor], pending: PendingFrame) -> None:
+        """Copy the pending frame's records, and its payload only when a lane requested logprobs."""
+        self.records_host.copy_(buffers[RECORDS][pending.frame])
+        if self.payload_host is not None and pending.request_mask.any():
+            width = PACKED_CHOSEN_WORDS + 2 * pending.pairs
+            source = buffers[LOGPROBS][pending.frame, :, :, :width]
+            self.payload_host[:, :, :width].copy_(source)
+            self.payload_copies += 1
+            self.payload_words_copied += source.numel()
+
+    def record(self, lane: int) -> Record:
+        return decode_record(self.records_host[lane].numpy())
+
+    def entry(self, lane: int, position: int, pending: PendingFrame, token: int, natural: int | None,
+              selected: int) -> TokenEntry:
+        """Decode one position's payload; raise ValueError if it is missing or disagrees with the record."""
+        if not pending.request_mask[lane] or self.payload_host is None:
+            raise ValueError(f"missing logprob payload for lane {lane} position {position}")
+        words = self.payload_host[lane, position].numpy()
+        packed = decode_packed_position(words[:PACKED_CHOSEN_WORDS + 2 * pending.pairs], pending.pairs)
+        if packed.chosen_id != token:
+            raise ValueError(f"logprob payload chosen id {packed.chosen_id} does not match emitted token {token} "
+                             f"(lane {lane}, position {position})")
+        if np.isnan(packed.chosen_logprob):
+            raise ValueError(f"logprob payload for token {token} holds NaN (lane {lane}, position {position})")
+        count = selected if selected else (natural or 0)
+        top = list(packed.alternatives[:count])
+        if selected and len(top) != selected:
+            raise ValueError(f"logprob payload lists {len(top)} of {selected} selected ids (lane {lane})")
+        return TokenEntry(token, packed.chosen_logprob, top)

@@ -1,0 +1,92 @@
+"""Requests and admission: everything a request can get wrong is rejected before it is admitted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ignition.catalog.contract import MAX_SELECTED_IDS
+
+
+class AdmissionError(ValueError):
+    """A request the core cannot serve; the HTTP front end maps it to 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request, in token ids."""
+
+    prompt_ids: list[int]
+    max_tokens: int = 16
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None  # natural alternatives 0..K (None: no logprobs)
+    logprob_token_ids: list[int] | None = None  # explicit ids, reported in caller order
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    forced_tokens: dict[int, int] = field(default_factory=dict)  # generated index -> token emitted without logprob
+    prompt_logprobs: int | None = None
+    request_id: str = ""
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or bool(self.logprob_token_ids)
+
+
+def check_admission(request: Request, features: dict, vocab_size: int, max_context: int | None) -> None:
+    """Raise AdmissionError with an exact message for anything this core cannot serve."""
+    k = features["max_logprobs"] if features["allow_logprobs"] else 0
+    if not request.prompt_ids:
+        raise AdmissionError("prompt must contain at least one token", "prompt")
+    bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+    if request.max_tokens < 0:
+        raise AdmissionError(f"max_tokens must be >= 0, got {request.max_tokens}", "max_tokens")
+    if max_context is not None and len(request.prompt_ids) + request.max_tokens > max_context:
+        raise AdmissionError(f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
+                             f"the core's context of {max_context} tokens", "max_tokens")
+    if request.wants_logprobs and not features["allow_logprobs"]:
+        raise AdmissionError("this core was exported without logprob outputs (allow_logprobs: false)", "logprobs")
+    if request.logprobs is not None and not 0 <= request.logprobs <= k:
+        raise AdmissionError(f"logprobs must be between 0 and {k}, got {request.logprobs}", "logprobs")
+    if request.logprob_token_ids is not None:
+        ids = request.logprob_token_ids
+        if not features["explicit_ids"]:
+            raise AdmissionError("this core does not support logprob_token_ids (no explicit-ID inputs)", "logprob_token_ids")
+        if request.logprobs not in (None, 0):
+            raise AdmissionError("logprob_token_ids cannot be combined with logprobs > 0", "logprob_token_ids")
+        if not 1 <= len(ids) <= MAX_SELECTED_IDS:
+            raise AdmissionError(f"logprob_token_ids must hold 1 to {MAX_SELECTED_IDS} ids, got {len(ids)}",
+                                 "logprob_token_ids")
+        if len(set(ids)) != len(ids):
+            duplicate = next(t for t in ids if ids.count(t) > 1)
+            raise AdmissionError(f"logprob_token_ids contains duplicate id {duplicate}", "logprob_token_ids")
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise AdmissionError(f"logprob_token_ids id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                                 "logprob_token_ids")
+    if request.prompt_logprobs is not None:
+        if not features["prompt_logprobs"]:
+            raise AdmissionError("this core was exported without prompt scoring (--prompt-logprobs)", "prompt_logprobs")
+        if not 0 <= request.prompt_logprobs <= k:
+            raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
+                                 "prompt_logprobs")
+    s = request.sampling
+    if s.temperature < 0 or s.top_p <= 0 or s.top_p > 1 or not 0 <= s.min_p <= 1 or s.top_k < 0 or s.repetition_penalty <= 0:
+        raise AdmissionError("sampling parameters out of range: temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
+                             "top_k >= 0, repetition_penalty > 0", "sampling")

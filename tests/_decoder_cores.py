@@ -1,0 +1,147 @@
+"""Test helpers: tiny HF decoder checkpoints and a by-hand replay of an exported core's graphs.
+
+``CoreReplay`` does what a runtime does, with nothing but the core's files: it reads the
+manifest and catalog, allocates the declared state and outputs, binds every argument by its
+declaration and calls ``torch.export.load(graph).module()(buffers)``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from ignition.catalog.abi import PackedPosition, Record, decode_packed_position, decode_record
+from ignition.catalog.contract import NATURAL_K
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+
+@dataclass(frozen=True, slots=True)
+class TinyCase:
+    family: str  # qwen3 | llama (also the recipe name)
+    dtype: torch.dtype
+    tie: bool
+    vocab_size: int
+    max_shard_size: str | None = None
+    rope: dict | None = None
+
+
+def build_hf_model(case: TinyCase) -> torch.nn.Module:
+    """Seeded tiny HF model (GQA: 4 query heads, 2 KV heads) with O(1) logits."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=case.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=case.tie, rope_parameters=dict(case.rope) if case.rope else None)
+    if case.family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:
+                parameter.copy_(1.0 + 0.1 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(torch.randn_like(parameter) / parameter.shape[1] ** 0.5)
+    return model.to(case.dtype)
+
+
+def save_checkpoint(case: TinyCase, directory: Path) -> torch.nn.Module:
+    """Write the case with ``save_pretrained``; return transformers' own reload of it (eager attention)."""
+    extra = {"max_shard_size": case.max_shard_size} if case.max_shard_size else {}
+    build_hf_model(case).save_pretrained(directory, **extra)
+    hf_class = Qwen3ForCausalLM if case.family == "qwen3" else LlamaForCausalLM
+    hf = hf_class.from_pretrained(directory, dtype=case.dtype, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+INPUT_DEFAULTS = {"active_lanes": 1, "token_budget": 1 << 20, "eos_token_ids": -1, "forced_token_ids": -1,
+                  "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "logprob_requested": 1}
+"""Inputs not given to ``CoreReplay.run``: greedy, no penalties, logprobs requested, no stop."""
+
+
+@dataclass(slots=True)
+class Emitted:
+    token: int
+    record: Record
+    packed: PackedPosition | None  # None when the record has no payload
+
+
+@dataclass(slots=True)
+class CoreReplay:
+    core: Path
+    manifest: dict = field(init=False)
+    variants: dict = field(init=False)
+    weights: dict = field(init=False)
+    state: dict = field(init=False)
+    programs: dict = field(init=False, default_factory=dict)
+    frame: int = 0
+
+    def __post_init__(self):
+        self.manifest = json.loads((self.core / "manifest.json").read_text())
+        catalog = json.loads((self.core / self.manifest["catalog"]).read_text())
+        self.variants = {v["name"]: v for v in catalog["variants"]}
+        self.weights = load_file(str(self.core / self.manifest["weights"]))
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        self.state = {s["name"]: torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"])) for s in self.manifest["state"]}
+
+    def program(self, name: str):
+        if name not in self.programs:
+            self.programs[name] = torch.export.load(str(self.core / self.variants[name]["graph"])).module()
+        return self.programs[name]
+
+    def run(self, name: str, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Bind every declared argument (inputs broadcast from scalars or lists) and call the graph."""
+        buffers = {}
+        for arg in self.variants[name]["arguments"]:
+            arg_name, role = arg["name"], arg["role"]
+            if role == "weight":
+                buffers[arg_name] = self.weights[arg_name]
+            elif role == "state":
+                buffers[arg_name] = self.state[arg_name]
+            else:
+                tensor = torch.zeros(arg["shape"], dtype=getattr(torch, arg["dtype"]))
+                if role == "input":
+                    tensor[...] = torch.as_tensor(inputs.pop(arg_name, INPUT_DEFAULTS.get(arg_name, 0)))
+                buffers[arg_name] = tensor
+        if inputs:
+            raise KeyError(f"{name} declares no inputs {sorted(inputs)}")
+        (tokens,) = self.program(name)(buffers)
+        return tokens, buffers
+
+    def emitted(self, buffers: dict, lane: int) -> Emitted:
+        frame = int(buffers["frame_index"][0])
+        record = decode_record(buffers["completion_records"][frame, lane].numpy())
+        packed = None
+        if record.payload and record.payload[0]:
+            packed = decode_packed_position(buffers["completion_logprobs"][frame, lane, 0].numpy(), NATURAL_K)
+        return Emitted(record.emitted[0] if record.emitted else -1, record, packed)
+
+    def next_frame(self) -> int:
+        self.frame ^= 1
+        return self.frame
+
+    def prefill(self, prompt: list[int], slot: int, **inputs) -> Emitted:
+        """All chunks of ``prompt``; the last one emits. Returns the emitted token of the last chunk."""
+        name = next(n for n, v in self.variants.items() if v["operation"] == 1)
+        chunk = self.manifest["chunk_limit"]
+        for start in range(0, len(prompt), chunk):
+            rows = prompt[start:start + chunk]
+            last = start + chunk >= len(prompt)
+            _, buffers = self.run(name, chunk_input_ids=rows + [0] * (chunk - len(rows)), chunk_start=start,
+                                  chunk_length=len(rows), chunk_emits=int(last), slot_ids=slot,
+                                  frame_index=self.next_frame(), **inputs)
+        return self.emitted(buffers, 0)
+
+    def decode(self, capacity: int, **inputs) -> list[Emitted]:
+        _, buffers = self.run(f"decode.c{capacity}", frame_index=self.next_frame(), **inputs)
+        return [self.emitted(buffers, lane) for lane in range(capacity)]
