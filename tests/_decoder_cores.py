@@ -74,6 +74,9 @@ class Emitted:
     packed: PackedPosition | None  # None when the record has no payload
 
 
+_PROGRAMS: dict[Path, torch.nn.Module] = {}
+
+
 @dataclass(slots=True)
 class CoreReplay:
     core: Path
@@ -81,7 +84,6 @@ class CoreReplay:
     variants: dict = field(init=False)
     weights: dict = field(init=False)
     state: dict = field(init=False)
-    programs: dict = field(init=False, default_factory=dict)
     frame: int = 0
 
     def __post_init__(self):
@@ -95,9 +97,10 @@ class CoreReplay:
         self.state = {s["name"]: torch.zeros(s["shape"], dtype=getattr(torch, s["dtype"])) for s in self.manifest["state"]}
 
     def program(self, name: str):
-        if name not in self.programs:
-            self.programs[name] = torch.export.load(str(self.core / self.variants[name]["graph"])).module()
-        return self.programs[name]
+        path = self.core / self.variants[name]["graph"]
+        if path not in _PROGRAMS:  # loading is the slow part; a loaded module keeps no state between calls
+            _PROGRAMS[path] = torch.export.load(str(path)).module()
+        return _PROGRAMS[path]
 
     def run(self, name: str, **inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Bind every declared argument (inputs broadcast from scalars or lists) and call the graph."""

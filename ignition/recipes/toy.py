@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
-from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity
+from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import BufferDecl
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round
+from ignition.components.prompt_scoring import prompt_arguments, score_hidden_rows
 from ignition.catalog.buffers import CHUNK_INPUTS
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, completion_arguments,
                                    lane_arguments, spec_arguments, weight_arguments)
@@ -71,6 +72,17 @@ class ToyPrefill(torch.nn.Module):
         return (tokens,)
 
 
+class ToyScoredPrefill(ToyPrefill):
+    """Prefill that also scores every prompt row (64 hidden rows projected at a time)."""
+
+    def forward(self, buffers: dict[str, torch.Tensor]):
+        embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
+        chunk = buffers["chunk_input_ids"].clamp(0, embedding.shape[0] - 1)  # [C]
+        score_hidden_rows(embedding[chunk], buffers["prompt_target_tokens"], buffers["prompt_logprobs"],
+                          buffers["frame_index"], lambda rows: batch_invariant_logits(rows, lm_head), self.vocab_size)
+        return super().forward(buffers)
+
+
 def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
     if options.checkpoint is None:
         generator = torch.Generator().manual_seed(options.seed)
@@ -98,14 +110,18 @@ def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
     return weights
 
 
-def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool, module) -> GraphBuild:
+def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool, module,
+                  scored: bool = False) -> GraphBuild:
     lanes, lane_bindings = lane_arguments(1)
     chunk, chunk_bindings = spec_arguments(CHUNK_INPUTS, C=chunk_limit)
     outputs, output_bindings, layout = completion_arguments(1, token_capacity, logprobs)
+    if scored:
+        prompt, prompt_bindings, layout["prompt_logprobs"] = prompt_arguments(chunk_limit)
+        outputs, output_bindings = outputs + prompt, output_bindings | prompt_bindings
     variant = Variant(
-        name=f"prefill.t{chunk_limit}",
-        operation=Operation.PREFILL,
-        capacity=1,
+        name=f"{'scored' if scored else 'prefill'}.t{chunk_limit}",
+        operation=Operation.SCORED_PREFILL if scored else Operation.PREFILL,
+        capacity=chunk_limit if scored else 1,
         arguments=weight_arguments(weights) + lanes + chunk + outputs,
         returns=[BufferDecl("next_tokens", "int64", [1], Role.OUTPUT)],
         bindings=lane_bindings | chunk_bindings | output_bindings,
@@ -133,6 +149,11 @@ def build(options: ExportOptions) -> RecipeBuild:
         )
         graphs.append(GraphBuild(variant, ToyDecode(VOCAB_SIZE, k)))
     graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.logprobs, ToyPrefill(VOCAB_SIZE, k)))
+    if options.prompt_logprobs:
+        if not options.logprobs:
+            raise RecipeError("--prompt-logprobs requires the K=20 generation logprob outputs (drop --no-logprobs)")
+        for capacity in scored_capacities(options.chunk_limit):
+            graphs.append(prefill_graph(weights, capacity, token_capacity, True, ToyScoredPrefill(VOCAB_SIZE, k), scored=True))
     return RecipeBuild(
         recipe="toy",
         model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},

@@ -17,9 +17,17 @@ from ignition.catalog.enums import ValueSource as S
 
 
 @dataclass(slots=True)
+class ChunkPlan:
+    start: int  # absolute position of the chunk's first row
+    tokens: list[int]
+    emits: bool  # the chunk ends the context and samples the next token
+    targets: list[int] | None = None  # scored prefill: prompt token at start + j + 1, or -1
+
+
+@dataclass(slots=True)
 class Lane:
     state: object  # RequestState
-    chunk: tuple[int, list[int], bool] | None = None  # prefill: (start, tokens, emits)
+    chunk: ChunkPlan | None = None
 
 
 def _seed(state) -> int:
@@ -32,8 +40,7 @@ def _lane_values(lane: Lane, eos: int | None) -> dict[S, object]:
     sampling = request.sampling
     generated = len(state.generated)
     if lane.chunk is not None:
-        start, tokens, _ = lane.chunk
-        token, position = tokens[-1], start + len(tokens) - 1
+        token, position = lane.chunk.tokens[-1], lane.chunk.start + len(lane.chunk.tokens) - 1
     else:
         token, position = state.generated[-1], len(request.prompt_ids) + generated - 1
     return {
@@ -60,23 +67,27 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
         if source is S.FRAME_INDEX:
             target.fill_(frame)
         elif source in (S.CHUNK_START, S.CHUNK_LENGTH, S.CHUNK_EMITS) or (source is S.TOKEN_IDS and name == "chunk_input_ids"):
-            start, tokens, emits = lanes[0].chunk
-            value = {S.CHUNK_START: start, S.CHUNK_LENGTH: len(tokens), S.CHUNK_EMITS: int(emits)}.get(source)
+            plan = lanes[0].chunk
+            value = {S.CHUNK_START: plan.start, S.CHUNK_LENGTH: len(plan.tokens), S.CHUNK_EMITS: int(plan.emits)}.get(source)
             if value is None:
                 target.zero_()
-                target[:len(tokens)] = torch.tensor(tokens, dtype=target.dtype)
+                target[:len(plan.tokens)] = torch.tensor(plan.tokens, dtype=target.dtype)
             else:
                 target.fill_(value)
+        elif source is S.PROMPT_TARGET_TOKEN:
+            targets = lanes[0].chunk.targets
+            target.fill_(-1)
+            target[:len(targets)] = torch.tensor(targets, dtype=target.dtype)
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
         else:
-            values = [values[source] for values in per_lane] + [_IDLE.get(source, 0)] * (variant.capacity - len(lanes))
+            values = [values[source] for values in per_lane] + [_IDLE.get(source, 0)] * (variant.lanes - len(lanes))
             target.copy_(torch.tensor(values, dtype=target.dtype))
-    flags = np.zeros(variant.capacity, dtype=np.int32)
-    counts = np.zeros(variant.capacity, dtype=np.int32)
+    flags = np.zeros(variant.lanes, dtype=np.int32)
+    counts = np.zeros(variant.lanes, dtype=np.int32)
     for index, lane in enumerate(lanes):
         request = lane.state.request
-        emits = lane.chunk is None or lane.chunk[2]
+        emits = lane.chunk is None or lane.chunk.emits
         if request.wants_logprobs and emits:
             flags[index] = 1
             counts[index] = len(request.logprob_token_ids or ())

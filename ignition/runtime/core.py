@@ -31,6 +31,12 @@ class LoadedVariant:
     buffers: dict[str, torch.Tensor]  # every argument, in call order: weights/state shared, inputs/outputs owned
     next_frame: int = 0
 
+    @property
+    def lanes(self) -> int:
+        """Lanes per submission: the capacity of a decode variant, one for the prefill family."""
+        records = self.buffers.get("completion_records")
+        return records.shape[1] if records is not None else self.capacity
+
     def owned_bytes(self, role: Role) -> int:
         return sum(a.nbytes for a in self.arguments if a.role is role)
 

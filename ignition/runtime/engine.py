@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
-from ignition.runtime.bindings import Lane, fill_inputs
+from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
 from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.frames import FrameReader, PendingFrame, TokenEntry
 from ignition.runtime.requests import Request, check_admission
@@ -27,8 +27,9 @@ class RequestState:
     request_id: str
     slot: int = -1
     epoch: int = 0
-    prefilled: int = 0  # prompt tokens already in the KV state
+    prefilled: int = 0  # context tokens already in the KV state
     generated: list[int] = field(default_factory=list)
+    prompt_entries: list[dict | None] = field(default_factory=list)  # published prompt scores, position 0 first
     entries: list[TokenEntry] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -36,6 +37,13 @@ class RequestState:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    def context(self) -> list[int]:
+        """Tokens the KV state must hold before the next decode: the prompt, then all but the last generated."""
+        return self.request.prompt_ids + self.generated[:-1]
+
+    def scoring(self) -> bool:
+        return self.request.prompt_logprobs is not None and len(self.prompt_entries) < len(self.request.prompt_ids)
 
 
 @dataclass(slots=True)
@@ -46,6 +54,7 @@ class Result:
     entries: list[TokenEntry]
     finish_reason: str
     error: str | None
+    prompt_entries: list[dict | None] | None = None
 
 
 class Engine:
@@ -58,6 +67,7 @@ class Engine:
         if not self.decode_variants or not prefill:
             raise ValueError(f"core {core.path} needs PREFILL and DECODE variants to generate")
         self.prefill = prefill[-1]
+        self.scored = core.by_operation(Operation.SCORED_PREFILL)
         self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
         model = core.manifest["model"]
         self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
@@ -99,7 +109,7 @@ class Engine:
     def step(self) -> bool:
         """Run one submission; False when nothing is left to do."""
         self._assign_slots()
-        prefilling = [s for s in self.running if s.prefilled < len(s.request.prompt_ids)]
+        prefilling = [s for s in self.running if s.prefilled < len(s.context())]
         if prefilling:
             self._prefill_chunk(prefilling[0])
             return True
@@ -126,19 +136,59 @@ class Engine:
     def result(self, request_id: str) -> Result:
         s = self.finished[request_id]
         return Result(request_id, list(s.request.prompt_ids), list(s.generated), list(s.entries),
-                      s.finish_reason, s.error)
+                      s.finish_reason, s.error, s.prompt_entries if s.request.prompt_logprobs is not None else None)
+
+    def preempt(self, request_id: str) -> None:
+        """Free a running request's slot; it is readmitted later and re-prefills its context.
+
+        The prompt end and the published score position are kept: readmission finishes any
+        remaining prompt scores and never publishes a position twice.
+        """
+        state = next(s for s in self.running if s.request_id == request_id)
+        self.running.remove(state)
+        self.free_slots.append(state.slot)
+        state.slot, state.prefilled = -1, 0
+        self.waiting.appendleft(state)
 
     def _prefill_chunk(self, state: RequestState) -> None:
-        prompt = state.request.prompt_ids
+        context, prompt = state.context(), state.request.prompt_ids
         start = state.prefilled
-        length = min(self.chunk, len(prompt) - start)
-        last = start + length == len(prompt)
-        emits = last and state.request.max_tokens > 0
-        lane = Lane(state=state, chunk=(start, prompt[start:start + length], emits))
-        self._submit(self.prefill, [lane])
+        variant, chunk = self.prefill, self.chunk
+        if state.scoring():  # prompt-logprob requests always take scored prefill, never the ordinary one
+            variant = next((v for v in self.scored if v.capacity >= len(context) - start), self.scored[-1])
+            chunk = variant.capacity
+        length = min(chunk, len(context) - start)
+        last = start + length == len(context)
+        emits = last and not state.generated and state.request.max_tokens > 0
+        targets = None
+        if variant.operation is Operation.SCORED_PREFILL:
+            targets = [prompt[p] if p < len(prompt) else -1 for p in range(start + 1, start + length + 1)]
+        lane = Lane(state=state, chunk=ChunkPlan(start, context[start:start + length], emits, targets))
+        self._submit(variant, [lane])
         state.prefilled = start + length
-        if last and not emits:
+        if last and not emits and not state.generated:
             self._finish(state, "length")
+
+    def _publish_prompt_rows(self, variant: LoadedVariant, frame: int, lane: Lane) -> None:
+        """Decode this chunk's prompt rows in order; positions already published are skipped."""
+        state, plan = lane.state, lane.chunk
+        if not state.prompt_entries:
+            state.prompt_entries.append(None)  # position 0 has no score
+        rows = variant.buffers["prompt_logprobs"][frame, :len(plan.tokens)].numpy()  # host copy of this chunk only
+        wanted = state.request.prompt_logprobs
+        for j, row in enumerate(rows):
+            position = plan.start + j + 1
+            if position != len(state.prompt_entries) or position >= len(state.request.prompt_ids):
+                continue
+            if int(row[0]) != state.request.prompt_ids[position]:
+                raise ValueError(f"prompt row {position} scores token {int(row[0])}, expected "
+                                 f"{state.request.prompt_ids[position]}")
+            values = row[3:].view(np.float32)
+            state.prompt_entries.append({
+                "id": int(row[0]), "logprob": float(row[1:2].view(np.float32)[0]), "rank": int(row[2]),
+                "top_logprobs": [{"id": int(row[3 + 2 * i]), "logprob": float(values[2 * i + 1])} for i in range(wanted)
+                                 if int(row[3 + 2 * i]) >= 0],
+            })
 
     # -- one submission --------------------------------------------------------------------
     def _submit(self, variant: LoadedVariant, lanes: list[Lane]) -> None:
@@ -147,18 +197,24 @@ class Engine:
         request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
         variant.run(variant.buffers)
         self.submissions += 1
-        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.capacity - len(lanes))
+        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
         pending = PendingFrame(frame, owners, request_mask, pairs)
         reader = self.readers[variant.name]
         reader.read(variant.buffers, pending)
         if self.decode_hook is not None:
             self.decode_hook(variant, reader, pending)
+        if variant.operation is Operation.SCORED_PREFILL:
+            try:
+                self._publish_prompt_rows(variant, frame, lanes[0])
+            except ValueError as exc:
+                self._finish(lanes[0].state, "error", str(exc))
+                return
         for index, lane in enumerate(lanes):
             self._decode_lane(reader, pending, index, lane)
 
     def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane) -> None:
         state, request = lane.state, lane.state.request
-        if lane.chunk is not None and not lane.chunk[2]:
+        if lane.chunk is not None and not lane.chunk.emits:
             return  # a non-final prompt chunk emits nothing
         record = reader.record(index)
         if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind is not RoundKind.SAMPLING:

@@ -44,7 +44,10 @@ def _check_buffer(variant: dict, decl: dict, t: int, width: int | None) -> list[
         found.append(Violation("BUF-ROLE", where, f"expected role {spec.role.name.lower()}, found {decl['role']}"))
     if decl["dtype"] != spec.dtype:
         found.append(Violation("BUF-DTYPE", where, f"expected dtype {spec.dtype}, found {decl['dtype']}"))
-    geometry = {"capacity": variant["capacity"], "T": t, "C": variant["capacity"]}
+    # Prefill-family variants run one request: their completion buffers have one lane, and a
+    # SCORED_PREFILL variant's capacity is its prompt-row capacity C.
+    lanes = 1 if variant["operation"] == Operation.SCORED_PREFILL else variant["capacity"]
+    geometry = {"capacity": lanes, "T": t, "C": variant["capacity"]}
     if width is not None:
         geometry["PACKED_WIDTH"] = width
     expected = resolve_shape(spec, **geometry)
@@ -54,7 +57,7 @@ def _check_buffer(variant: dict, decl: dict, t: int, width: int | None) -> list[
         if len(found_shape) == len(expected):
             rule = next((_DIM_RULES.get(sym, "BUF-SHAPE") for sym, e, f in zip(spec.shape, expected, found_shape) if e != f))
         found.append(Violation(rule, where, f"expected shape {expected} {shape_expression(spec)} with capacity="
-                               f"{variant['capacity']}, T={t}; found {found_shape}"))
+                               f"{lanes}, C={variant['capacity']}, T={t}; found {found_shape}"))
     return found
 
 
