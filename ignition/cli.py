@@ -39,6 +39,7 @@ def export_core_cmd(
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
     seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (toy)"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
@@ -49,7 +50,8 @@ def export_core_cmd(
             recipe=recipe, checkpoint=checkpoint, capacities=_int_list(capacities, "--capacities"),
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed)
+            prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
+            tokenizer=tokenizer)
     except (RecipeError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
@@ -93,6 +95,8 @@ def inspect_core_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     as_json: bool = typer.Option(False, "--json", help="Print the inspection as JSON"),
     memory: bool = typer.Option(False, "--memory", help="Show physical bytes per buffer class"),
+    memory_budget: Optional[int] = typer.Option(None, "--memory-budget",
+                                                help="Device bytes for state: report the KV capacity prompt scoring displaces"),
 ) -> None:
     """Show a core's features, variants, buffers (with bytes) and prepared launches."""
     from ignition.catalog.inspect import inspect_core, render_inspection
@@ -104,7 +108,7 @@ def inspect_core_cmd(
         for violation in report.violations:
             console.print(f"  {violation}", markup=False, highlight=False)
         raise typer.Exit(1)
-    summary = inspect_core(report)
+    summary = inspect_core(report, memory_budget)
     if as_json:
         print(json.dumps(summary, indent=2))
     else:
@@ -167,6 +171,19 @@ def run_cmd(
     else:
         render_run(result, loaded.tokenizer, Console())
     raise typer.Exit(0 if result.error is None else 1)
+
+
+@app.command("serve")
+def serve_cmd(
+    core: Path = typer.Argument(..., help="Core directory"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id reported by /v1/models"),
+) -> None:
+    """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
+    from ignition.runtime.server import serve
+
+    serve(core, host=host, port=port, model_name=model_name)
 
 
 def main() -> None:

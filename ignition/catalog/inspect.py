@@ -11,7 +11,35 @@ from ignition.catalog.model import BufferDecl
 _CLASSES = {"output": "completion frames and outputs", "state": "state (KV)", "weight": "weights", "input": "inputs"}
 
 
-def inspect_core(report) -> dict:
+def kv_bytes_per_token(manifest: dict) -> int | None:
+    """Bytes one cached token costs: state buffers laid out [layers, slots, max_seq_len, ...]."""
+    slots, seq = manifest["model"].get("num_slots"), manifest["model"].get("max_seq_len")
+    if not slots or not seq:
+        return None
+    per_token = [BufferDecl.from_json(s).nbytes // (slots * seq) for s in manifest["state"]
+                 if s["shape"][1:3] == [slots, seq]]
+    return sum(per_token) or None
+
+
+def scoring_cost(report, budget: int | None) -> dict:
+    """Fixed bytes the --prompt-logprobs flag adds, and the KV capacity it displaces under a budget."""
+    scored = [v for v in report.catalog["variants"] if v["operation"] == Operation.SCORED_PREFILL]
+    buffers = sum(BufferDecl.from_json(a).nbytes for v in scored for a in v["arguments"]
+                  if a["name"] in ("prompt_logprobs", "prompt_target_tokens"))
+    graphs = sum((report.path / v["graph"]).stat().st_size for v in scored if (report.path / v["graph"]).is_file())
+    cost = {"prompt_scoring_buffer_bytes": buffers, "prompt_scoring_graph_bytes": graphs,
+            "kv_bytes_per_token": kv_bytes_per_token(report.manifest)}
+    if budget is not None and cost["kv_bytes_per_token"]:
+        per_token = cost["kv_bytes_per_token"]
+        without = budget // per_token
+        with_flag = max(0, budget - buffers - graphs) // per_token
+        cost |= {"memory_budget_bytes": budget, "kv_tokens_without_scoring": without,
+                 "kv_tokens_with_scoring": with_flag,
+                 "kv_capacity_loss": round(1 - with_flag / without, 6) if without else None}
+    return cost
+
+
+def inspect_core(report, budget: int | None = None) -> dict:
     manifest, catalog = report.manifest, report.catalog
     variants = []
     for v in catalog["variants"]:
@@ -37,7 +65,7 @@ def inspect_core(report) -> dict:
         "targets": manifest["targets"],
         "variants": variants,
         "memory": {"weights_bytes": sum(weights.values()), "state_bytes": state,
-                   "completion_frame_bytes": sum(outputs.values())},
+                   "completion_frame_bytes": sum(outputs.values())} | scoring_cost(report, budget),
     }
 
 
@@ -68,5 +96,5 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
         table.add_column("class")
         table.add_column("bytes", justify="right")
         for name, value in summary["memory"].items():
-            table.add_row(name.removesuffix("_bytes"), f"{value:,}")
+            table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
         console.print(table)

@@ -216,19 +216,18 @@ def launch_reduction(logits, chosen, requested, out, out_rows, token_ids, token_
         raise ValueError(f"reduce_logprobs_triton: logits must have unit vocabulary stride (stride {logits.stride()}) "
                          f"and every tensor must be on {device} (not: {misplaced})")
     rows = logits.shape[0]
-    tile, tiles = _tiling(rows, vocab_size)
+    plan = launch_plan(rows, logits.shape[1], vocab_size, k, token_ids is not None, logits.dtype) if rows else []
+    tiles = plan[0].grid[1] if plan else 0
     workspace = ReductionWorkspace(torch.empty(rows, tiles, 2, dtype=torch.float32, device=device),
                                    torch.empty(rows, dtype=torch.float32, device=device),
                                    torch.empty(rows, tiles, TILE_KEYS, dtype=torch.int64, device=device))
-    if rows == 0:
-        return workspace
     args = {"logits_ptr": logits, "chosen_ptr": chosen.to(torch.int64), "requested_ptr": requested,
             "token_ids_ptr": token_ids if token_ids is not None else requested,  # never read without HAS_IDS
             "counts_ptr": token_id_counts if token_id_counts is not None else requested,
             "stats_ptr": workspace.stats, "lse_ptr": workspace.lse, "keys_ptr": workspace.keys, "out_ptr": out,
             "out_rows_ptr": out_rows, "logits_row_stride": logits.stride(0), "vocab_size": vocab_size,
             "num_tiles": tiles}
-    for spec in launch_plan(rows, logits.shape[1], vocab_size, k, token_ids is not None, logits.dtype):
+    for spec in plan:
         runtime_args = {name: args[name] for name, kind in spec.signature.items() if kind != "constexpr"}
         spec.kernel[spec.grid](**runtime_args, **spec.constexprs, num_warps=spec.num_warps,
                                num_stages=spec.num_stages, enable_fp_fusion=ENABLE_FP_FUSION)

@@ -36,6 +36,7 @@ class ExportOptions:
     num_slots: int | None = None
     compile: str | None = None
     seed: int = 0
+    tokenizer: Path | None = None  # a directory with tokenizer.json (+ tokenizer_config.json) to ship in the core
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):

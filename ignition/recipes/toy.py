@@ -130,6 +130,18 @@ def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool
     return GraphBuild(variant, module)
 
 
+def toy_tokenizer(directory):
+    if directory is None:
+        return None
+    if not (directory / "tokenizer.json").is_file():
+        raise RecipeError(f"tokenizer directory {directory}: expected tokenizer.json")
+    from tokenizers import Tokenizer
+    size = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()
+    if size > VOCAB_SIZE:
+        raise RecipeError(f"tokenizer {directory}: {size} tokens do not fit the toy vocabulary of {VOCAB_SIZE}")
+    return directory
+
+
 def build(options: ExportOptions) -> RecipeBuild:
     weights = load_weights(options)
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
@@ -165,4 +177,5 @@ def build(options: ExportOptions) -> RecipeBuild:
         state=[],
         graphs=graphs,
         chunk_limit=options.chunk_limit,
+        tokenizer_dir=toy_tokenizer(options.tokenizer),
     )

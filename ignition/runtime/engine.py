@@ -150,6 +150,25 @@ class Engine:
         state.slot, state.prefilled = -1, 0
         self.waiting.appendleft(state)
 
+    def state(self, request_id: str) -> RequestState:
+        """The live state of a waiting, running or finished request (entries grow as it runs)."""
+        for state in itertools.chain(self.waiting, self.running):
+            if state.request_id == request_id:
+                return state
+        return self.finished[request_id]
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request (a client disconnect): its slot is freed at once."""
+        for state in list(self.waiting):
+            if state.request_id == request_id:
+                self.waiting.remove(state)
+                state.finish_reason = "abort"
+                self.finished[request_id] = state
+                return
+        state = next((s for s in self.running if s.request_id == request_id), None)
+        if state is not None:
+            self._finish(state, "abort")
+
     def _prefill_chunk(self, state: RequestState) -> None:
         context, prompt = state.context(), state.request.prompt_ids
         start = state.prefilled
