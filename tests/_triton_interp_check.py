@@ -1,7 +1,8 @@
 """Runs the Triton logprob launches under TRITON_INTERPRET=1 and checks them; one JSON line per case.
 
 Started in a subprocess by tests/test_triton_logprobs.py: TRITON_INTERPRET must be set before
-Triton is imported and breaks torch.export in the same process.
+Triton is imported and breaks torch.export in the same process. On a machine with a GPU,
+``python tests/_triton_interp_check.py --device cuda`` runs the same checks on the compiled kernels.
 
 Every case is checked three ways:
 
@@ -31,11 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, packed_width
+from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, packed_width
 from ignition.components.logprobs import reduce_logprobs_reference, sort_keys
 from ignition.components.triton_logprobs import _sort_keys, launch_reduction
 
 SENTINEL = 0x5A5A5A5A
+DEVICE = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"  # where the kernels run
 # The reference's top-k prefilter compares against NaN, so it drops NaN reported values (ids -1,
 # or skipped lanes) instead of ranking them as -inf like sort_keys; those rows use the oracle only.
 NO_REFERENCE = {"nonfinite"}
@@ -67,7 +69,7 @@ def tolerance(values, lse):
     return 2.0**-17 + 2.0**-22 * (lse.abs() + values.abs())
 
 
-def make_case(name, logits, *, vocab_size, k=20, requested=None, chosen=None, token_ids=None, counts=None,
+def make_case(name, logits, *, vocab_size, k=NATURAL_K, requested=None, chosen=None, token_ids=None, counts=None,
               out_rows=None, out_slots=None):
     rows = logits.shape[0]
     requested = torch.ones(rows, dtype=torch.int32) if requested is None else torch.tensor(requested, dtype=torch.int32)
@@ -98,7 +100,8 @@ def cases():
     bf16 = padded_logits(7, 127, 128, torch.bfloat16, 1e30, g, scale=1.0)  # bf16: many exact ties
     yield make_case("vocab127_mixed_requests_bf16", bf16, vocab_size=127, requested=[1, 0, 1, 1, 0, 1, 1],
                     chosen=[0, 3, 126, 127, 5, 64, 1], out_rows=[6, 5, 4, 3, 2, 1, 0], out_slots=8)
-    yield make_case("vocab20_equals_k_fp16", padded_logits(3, 20, 24, torch.float16, float("inf"), g), vocab_size=20)
+    yield make_case("vocab20_equals_k_fp16", padded_logits(3, NATURAL_K, 24, torch.float16, float("inf"), g),
+                    vocab_size=NATURAL_K)
     equal = torch.full((3, 1830), 0.5)
     equal[1, ::3] = -0.0  # -0.0 and +0.0 logits tie on value: id order decides
     equal[1, 1::3] = 0.0
@@ -113,9 +116,9 @@ def cases():
     yield make_case("neg_inf_and_signed_zero_fp32", sparse, vocab_size=127, chosen=[40, 0, 50])
     yield make_case("selected_ids_fp32", padded_logits(7, 1823, 1825, torch.float32, 1e30, g), vocab_size=1823,
                     requested=[1, 1, 1, 0, 1, 1, 1], chosen=[3, 2, 1, 0, 1823, 4, 5],
-                    token_ids=[[1822, -5, 0, 1823, 7], [9], list(range(1822, 1822 - 128, -1)), [1, 2, 3],
+                    token_ids=[[1822, -5, 0, 1823, 7], [9], list(range(1822, 1822 - MAX_SELECTED_IDS, -1)), [1, 2, 3],
                                [], [2**31 - 1, 1824, 11], [500, 3, 500, 2, 1]],
-                    counts=[5, 1, 128, 3, 0, 3, 5], out_rows=[1, 3, 5, 7, 9, 11, 13], out_slots=14)
+                    counts=[5, 1, MAX_SELECTED_IDS, 3, 0, 3, 5], out_rows=[1, 3, 5, 7, 9, 11, 13], out_slots=14)
     yield make_case("selected_ids_k0_bf16", padded_logits(3, 127, 130, torch.bfloat16, float("inf"), g),
                     vocab_size=127, k=0, token_ids=[[126, 0], [], [5]], counts=[2, 0, 1])
     yield make_case("k0_chosen_only_fp16", padded_logits(3, 1823, 1823, torch.float16, 0.0, g), vocab_size=1823, k=0)
@@ -156,8 +159,9 @@ def check_sort_keys():
     values = torch.cat([torch.tensor(special), torch.randn(1024 - len(special)) * 50]).float()
     ids = torch.randint(0, 2**31 - 1, (1024,), dtype=torch.int32)
     ids[:4] = torch.tensor([0, 1, 2**31 - 1, 151935])
-    keys = torch.empty(1024, dtype=torch.int64)
-    sort_keys_kernel[(1,)](values, ids, keys, BLOCK=1024)
+    keys = torch.empty(1024, dtype=torch.int64, device=DEVICE)
+    sort_keys_kernel[(1,)](values.to(DEVICE), ids.to(DEVICE), keys, BLOCK=1024)
+    keys = keys.cpu()
     expected = sort_keys(values, ids)
     if torch.equal(keys, expected):
         return []
@@ -168,7 +172,10 @@ def check_sort_keys():
 def check(name, args):
     logits, chosen, requested, out, out_rows, token_ids, counts, vocab_size, k = args
     triton_out, reference_out = out.clone(), out.clone()
-    lse = launch_reduction(logits, chosen, requested, triton_out, out_rows, token_ids, counts, vocab_size, k).lse
+    on_device = [t.to(DEVICE) if t is not None else None for t in (logits, chosen, requested, triton_out, out_rows,
+                                                                    token_ids, counts)]
+    lse = launch_reduction(*on_device, vocab_size, k).lse.cpu()
+    triton_out = on_device[3].cpu()
     reduce_logprobs_reference(logits, chosen, requested, reference_out, out_rows, token_ids, counts, vocab_size, k)
     failures = []
     expected = oracle(logits, lse, chosen, requested, out, out_rows, token_ids, counts, vocab_size, k)
@@ -188,7 +195,8 @@ def check(name, args):
         width = out.shape[-1]
         got, want = triton_out.view(-1, width), reference_out.view(-1, width)
         if not torch.equal(got[:, 0::2], want[:, 0::2]):
-            failures.append(f"ids differ from the reference at {(got[:, 0::2] != want[:, 0::2]).nonzero().tolist()[:6]}")
+            bad = (got[:, 0::2] != want[:, 0::2]).nonzero().tolist()[:6]
+            failures.append(f"ids differ from the reference at {bad}")
         row_lse = torch.zeros(got.shape[0])
         row_lse[out_rows[live]] = lse[live]
         bits_t, bits_r = got[:, 1::2].contiguous(), want[:, 1::2].contiguous()
@@ -215,6 +223,6 @@ CASE_NAMES = ("sort_keys_layout", "vocab5_below_k_fp32", "vocab1823_permuted_out
               "k5_multi_tile_bf16", "nonfinite")
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1")
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (or --device cuda on a GPU machine)")
     main()

@@ -33,14 +33,11 @@ def test_compiled_decode_matches_exported_program(tmp_path) -> None:
     replay.prefill([5, 6, 7], slot=0)
     inputs = dict(input_ids=[9, 3], positions=[3, 0], slot_ids=[0, 1], active_lanes=[1, 1], frame_index=1,
                   temperature=1.0, top_k=20, repetition_penalty=1.2, seed=[3, 4], logprob_requested=[1, 0])
-    state = {name: tensor.clone() for name, tensor in replay.state.items()}
+    state_before = {name: tensor.clone() for name, tensor in replay.state.items()}
     tokens, expected = replay.run("decode.c2", **inputs)
-    replay.state = state  # the same state again, for the compiled package
-    buffers = {name: tensor.clone() for name, tensor in expected.items()}
-    for name, tensor in state.items():
-        buffers[name] = tensor
-    buffers["completion_records"].zero_()
-    buffers["completion_logprobs"].zero_()
+    buffers = dict(expected) | state_before  # same inputs and starting state, fresh outputs
+    for name in ("completion_records", "completion_logprobs"):
+        buffers[name] = torch.zeros_like(expected[name])
     (compiled_tokens,) = load_compiled(package)(buffers)
     assert torch.equal(compiled_tokens, tokens)
     for name in ("completion_records", "penalty_counts"):
@@ -48,8 +45,10 @@ def test_compiled_decode_matches_exported_program(tmp_path) -> None:
     ours, reference = buffers["completion_logprobs"], expected["completion_logprobs"]
     ids = torch.ones(ours.shape[-1], dtype=torch.bool)
     ids[1::2] = False  # chosen id, then (id, value bits) pairs: even words are ids
-    diff = (ours.view(torch.float32) - reference.view(torch.float32))[..., ~ids]
-    print("IDS", torch.equal(ours[..., ids], reference[..., ids]), diff.abs().max())
+    assert torch.equal(ours[..., ids], reference[..., ids])
+    # fused kernels round the logits differently: measured logprob differences <= 1e-6
+    torch.testing.assert_close(ours.view(torch.float32)[..., ~ids], reference.view(torch.float32)[..., ~ids],
+                               atol=1e-5, rtol=0, equal_nan=True)
     for name in ("k_cache", "v_cache"):  # fused kernels may round the projections differently
         torch.testing.assert_close(buffers[name], expected[name], atol=1e-5, rtol=1e-5)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ignition.catalog.contract import NATURAL_K
 from ignition.components.triton_logprobs import launch_plan
 from ignition.exporter.kernels import (TARGETS, KernelPreparationError, Target, launch_key, parse_targets,
                                        prepare_kernels)
@@ -21,9 +22,9 @@ BOTH = ["cuda:90", "cuda:120"]
 
 
 def specs():
-    small = launch_plan(4, 1003, 1000, 20, True, torch.bfloat16)
-    return small + launch_plan(4, 1003, 1000, 20, True, torch.bfloat16) + launch_plan(
-        64, 151936, 151936, 20, False, torch.float16)
+    small = launch_plan(4, 1003, 1000, NATURAL_K, True, torch.bfloat16)
+    return small + launch_plan(4, 1003, 1000, NATURAL_K, True, torch.bfloat16) + launch_plan(
+        64, 151936, 151936, NATURAL_K, False, torch.float16)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +129,6 @@ def test_validator_never_raises_on_malformed_tables(tmp_path, table):
 
 def test_preparation_refuses_kernels_over_the_shared_memory_limit(monkeypatch, tmp_path):
     monkeypatch.setitem(TARGETS, "cuda:120", Target("cuda", 120, 32, 8))
-    tile_stats = launch_plan(4, 1000, 1000, 20, False, torch.float32)[0]
+    tile_stats = launch_plan(4, 1000, 1000, NATURAL_K, False, torch.float32)[0]
     with pytest.raises(KernelPreparationError, match=r"logprobs.tile_stats .* on cuda:120; the target allows 8"):
         prepare_kernels([tile_stats], ["cuda:120"], tmp_path)

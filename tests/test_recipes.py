@@ -18,9 +18,11 @@ from _decoder_cores import LLAMA3_ROPE, CoreReplay, TinyCase, save_checkpoint
 from ignition.catalog.abi import RecordField
 from ignition.catalog.contract import NATURAL_K
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
+from ignition.components.sampling import SAMPLING_DEFAULTS, SamplingTensors, sample
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.graphs import OUTPUT_PLANE, PENALTY_COUNTS, PROMPT_PLANE
+from ignition.recipes.registry import build_recipe
 from ignition.validate.core import validate_core
 
 CASES = {
@@ -210,3 +212,43 @@ def test_forced_token_eos_budget_and_prompt_chunks(exported) -> None:
     assert budget.record.finish_reason is FinishReason.LENGTH
     words = replay.run("decode.c1", input_ids=42, positions=len(prompt), slot_ids=1, frame_index=0)[1]
     assert int(words["completion_records"][0, 0, RecordField.OPERATION]) == Operation.DECODE
+
+
+def test_penalties_read_the_slot_state(exported) -> None:
+    """Greedy with all three penalties equals eager ``sample`` on transformers' logits and the slot's history."""
+    core, hf = exported("qwen3_fp32_sharded")
+    vocab = CASES["qwen3_fp32_sharded"].vocab_size
+    penalties = dict(temperature=0.0, repetition_penalty=3.0, presence_penalty=0.5, frequency_penalty=0.7)
+    replay = CoreReplay(core)
+    prompt = torch.randint(0, vocab, (10,), generator=torch.Generator().manual_seed(5)).tolist()
+    sequence, generated, penalized_steps = list(prompt), [], 0
+    for step in range(4):
+        if step == 0:
+            emitted = replay.prefill(prompt, slot=1, **penalties)
+        else:
+            emitted = replay.decode(1, input_ids=sequence[-1], positions=len(sequence) - 1, slot_ids=1,
+                                    generated_counts=step, **penalties)[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([sequence])).logits[0, -1:]  # [1, vocab]
+        output_counts = torch.bincount(torch.tensor(generated, dtype=torch.int64), minlength=vocab).int()[None]
+        prompt_mask = torch.bincount(torch.tensor(prompt), minlength=vocab)[None] > 0
+        params = SamplingTensors.from_requests([dict(SAMPLING_DEFAULTS) | penalties])
+        assert emitted.token == int(sample(logits, output_counts, prompt_mask, params, vocab)[0]), f"step {step}"
+        penalized_steps += emitted.token != int(logits.argmax())
+        sequence.append(emitted.token)
+        generated.append(emitted.token)
+    assert penalized_steps >= 2  # the penalties changed the greedy choice
+
+
+def test_dtype_and_slots_options_shape_weights_and_state(exported) -> None:
+    core, _ = exported("qwen3_fp32_sharded")
+    build = build_recipe(ExportOptions(recipe="qwen3", checkpoint=core.parent / "checkpoint", capacities=(1, 2),
+                                       chunk_limit=8, max_seq_len=32, dtype="bfloat16", num_slots=3))
+    assert {tensor.dtype for tensor in build.weights.values()} == {torch.bfloat16}
+    state = {decl.name: decl for decl in build.state}
+    assert (state["k_cache"].dtype, state["k_cache"].shape) == ("bfloat16", [2, 3, 32, 2, 16])
+    assert (state[PENALTY_COUNTS].dtype, state[PENALTY_COUNTS].shape) == ("int32", [3, 2, 150])
+    assert (build.model["dtype"], build.model["num_slots"], build.chunk_limit) == ("bfloat16", 3, 8)
+    prefill = build.graphs[0].variant
+    assert [a.name for a in prefill.arguments if a.role.name == "INPUT"][:3] == ["slot_ids", "slot_epochs",
+                                                                                  "active_lanes"]

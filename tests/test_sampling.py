@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from ignition.catalog.buffers import SAMPLING_INPUTS
 from ignition.components.sampling import (
     SAMPLING_DEFAULTS,
     SAMPLING_FIELDS,
@@ -140,6 +141,13 @@ def test_largest_uniform_times_total_stays_below_total():
 
 
 # ---- SamplingTensors ----
+def test_sampling_fields_are_the_catalog_table():
+    assert SAMPLING_FIELDS == tuple((spec.name, getattr(torch, spec.dtype)) for spec in SAMPLING_INPUTS)
+    buffers = {name: torch.zeros(3, dtype=dtype) for name, dtype in SAMPLING_FIELDS} | {"input_ids": torch.zeros(3)}
+    params = SamplingTensors.from_buffers(buffers)
+    assert all(a is buffers[name] for a, (name, _) in zip(params.as_tuple(), SAMPLING_FIELDS))
+
+
 def test_sampling_tensors_table_and_builder():
     assert [f.name for f in dataclasses.fields(SamplingTensors)] == [name for name, _ in SAMPLING_FIELDS]
     assert set(SAMPLING_DEFAULTS) == {name for name, _ in SAMPLING_FIELDS}

@@ -105,14 +105,19 @@ def _natural_alternatives(logits, lse, vocab_size, k):
     for start in range(0, vocab_size, VOCAB_CHUNK):
         stop = min(start + VOCAB_CHUNK, vocab_size)
         values = logits[:, start:stop].float() - lse[:, None]  # reported values: [rows, chunk]
+        values.masked_fill_(values.isnan(), float("-inf"))  # NaN ranks as -inf (torch.topk ranks it first)
         take = min(k, stop - start)
         top = values.topk(take, dim=1)  # torch.topk's tie order is unspecified: keys decide
         at_or_above = values >= top.values[:, -1:]
-        if bool((at_or_above.sum(dim=1) == take).all()):
+        counts = at_or_above.sum(dim=1)
+        if bool((counts == take).all()):
             chunk_keys = sort_keys(top.values, top.indices + start)  # no tie straddles the cutoff
-        else:
-            lane_ids = torch.arange(start, stop).expand(rows, -1)
-            chunk_keys = torch.where(at_or_above, sort_keys(values, lane_ids), _NO_KEY)
+        else:  # keys only for the lanes at or above the cutoff, packed per row
+            row_idx, col_idx = torch.nonzero(at_or_above, as_tuple=True)  # row-major: rows ascending
+            first = torch.cumsum(counts, 0) - counts
+            chunk_keys = torch.full((rows, int(counts.max())), _NO_KEY, dtype=torch.int64)
+            slot = torch.arange(row_idx.numel()) - first[row_idx]
+            chunk_keys[row_idx, slot] = sort_keys(values[row_idx, col_idx], col_idx + start)
         merged = torch.cat([best_keys, chunk_keys], dim=1)
         best_keys = merged.topk(min(k, merged.shape[1]), dim=1).values
     ids = key_token_ids(best_keys)
@@ -149,15 +154,20 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
     if requested_rows.numel() == 0:
         return  # a zero request flag bypasses vocabulary reads and payload writes
     for block in requested_rows.split(ROW_BLOCK):
-        block_logits = logits[block]  # [block, vocab_padded] in the input dtype
+        first, count = int(block[0]), block.numel()
+        contiguous = int(block[-1]) - first + 1 == count
+        block_logits = logits[first:first + count] if contiguous else logits[block]  # a view when possible
         lse = _normalization(block_logits, vocab_size)  # [block]
         chosen_ids = chosen[block].to(torch.int64)
         packed = [_pack(chosen_ids[:, None], _gather_values(block_logits, lse, chosen_ids[:, None], vocab_size))]
         counts = token_id_counts[block] if token_id_counts is not None else torch.zeros_like(block, dtype=torch.int32)
+        counts = counts.clamp(0, MAX_SELECTED_IDS)
         natural = counts == 0
         target = out_rows[block]
         if natural.any() and k > 0:
-            ids, values = _natural_alternatives(block_logits[natural], lse[natural], vocab_size, k)
+            every = bool(natural.all())
+            ids, values = _natural_alternatives(block_logits if every else block_logits[natural],
+                                                lse if every else lse[natural], vocab_size, k)
             flat_out[target[natural], PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + 2 * k] = _pack(ids, values)
         if (~natural).any():
             selected = token_ids[block][~natural].to(torch.int64)  # [n_rows, 128]

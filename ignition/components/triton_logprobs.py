@@ -209,9 +209,9 @@ class ReductionWorkspace(NamedTuple):
 def launch_reduction(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k):
     """Allocate the workspaces and run the four launches; returns the workspaces."""
     device = logits.device
-    misplaced = [name for name, t in (("chosen", chosen), ("requested", requested), ("out", out), ("out_rows", out_rows),
-                                      ("token_ids", token_ids), ("token_id_counts", token_id_counts))
-                 if t is not None and t.device != device]
+    tensors = {"chosen": chosen, "requested": requested, "out": out, "out_rows": out_rows, "token_ids": token_ids,
+               "token_id_counts": token_id_counts}
+    misplaced = [name for name, t in tensors.items() if t is not None and t.device != device]
     if misplaced or logits.stride(-1) != 1:
         raise ValueError(f"reduce_logprobs_triton: logits must have unit vocabulary stride (stride {logits.stride()}) "
                          f"and every tensor must be on {device} (not: {misplaced})")

@@ -141,6 +141,7 @@ def tokenizer_dir(directory: Path) -> Path | None:
         return None
     staging = Path(tempfile.mkdtemp(prefix="ignition-tokenizer-"))
     atexit.register(shutil.rmtree, staging, True)
+    staging.chmod(0o755)  # mkdtemp's 0700 would be copied into the core
     for name in present:
         shutil.copyfile(directory / name, staging / name)
     return staging

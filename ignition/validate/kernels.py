@@ -20,14 +20,16 @@ def validate_kernel_table(core_dir: Path, table: dict, variant_launches: dict[st
         return [Violation("KERNEL-MISSING", "kernels.json", "expected an object with a 'kernels' list")]
     targets = table.get("targets")
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        return [Violation("KERNEL-TARGET", "kernels.json:targets", f"expected a list of target names, found {targets!r}")]
+        return [Violation("KERNEL-TARGET", "kernels.json:targets",
+                          f"expected a list of target names, found {targets!r}")]
     found = [Violation("KERNEL-TARGET", "kernels.json:targets", f"unknown target {t!r}; known: {', '.join(TARGETS)}")
              for t in targets if t not in TARGETS]
     prepared = set()
     for index, entry in enumerate(table["kernels"]):
         where = f"kernels.json:kernels/{index}"
         if not isinstance(entry, dict):
-            found.append(Violation("KERNEL-FILE", where, f"expected a kernel entry object, found {type(entry).__name__}"))
+            found.append(Violation("KERNEL-FILE", where,
+                                   f"expected a kernel entry object, found {type(entry).__name__}"))
             continue
         where = f"kernels.json:{entry.get('key')}@{entry.get('target')}"
         found += _check_entry(Path(core_dir), entry, targets, where)
