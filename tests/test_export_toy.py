@@ -198,3 +198,28 @@ def test_cli_toy_checkpoint_errors(tmp_path):
     result = runner.invoke(app, ["export-core", str(bad), "--recipe", "toy", "--out", str(tmp_path / "y")])
     assert result.exit_code == 1 and "not a readable safetensors file" in result.output
     assert not (tmp_path / "y").exists()
+
+
+def test_export_prepares_kernels_for_every_variant(tmp_path):
+    out = tmp_path / "prepared"
+    timings = export_core(ExportOptions(recipe="toy", capacities=(1, 4), targets=("cuda:90", "cuda:120")), out)
+    assert list(timings)[:2] == ["build", "prepare"]  # kernels are prepared before any capture
+    report = validate_core(out)
+    assert report.ok, report.violations
+    catalog = json.loads((out / "catalog.json").read_text())
+    table = json.loads((out / "kernels.json").read_text())
+    prepared = {(k["key"], k["target"]) for k in table["kernels"]}
+    for variant in catalog["variants"]:
+        assert len(variant["launches"]) == 4
+        assert {(key, t) for key in variant["launches"] for t in ("cuda:90", "cuda:120")} <= prepared
+    table["kernels"] = [k for k in table["kernels"] if not (k["target"] == "cuda:120" and "merge" in k["key"])]
+    (out / "kernels.json").write_text(json.dumps(table))
+    from conftest import CoreCopy
+    CoreCopy(out).rehash("kernels.json")
+    assert "KERNEL-MISSING" in {v.rule for v in validate_core(out, check_graphs=False).violations}
+
+
+def test_unknown_target_is_a_usage_error(tmp_path):
+    result = runner.invoke(app, ["export-core", "--recipe", "toy", "--out", str(tmp_path / "z"), "--targets", "cuda:75"])
+    assert result.exit_code == 1 and "unknown kernel target(s) 'cuda:75'" in " ".join(result.output.split())
+    assert not (tmp_path / "z").exists()

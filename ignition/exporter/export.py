@@ -94,6 +94,11 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             started = time.perf_counter()
             progress("capture", graph.variant.name)
             program = capture(graph, build.weights)
+            if kernels is not None:
+                from ignition.exporter.prepare import check_captured_launches
+                mismatch = check_captured_launches(build, graph, program)
+                if mismatch:
+                    raise ExportError(f"variant {graph.variant.name}: {mismatch}")
             torch.export.save(program, staging / graph.variant.graph_file)
             timings[f"capture:{graph.variant.name}"] = time.perf_counter() - started
 

@@ -1,0 +1,57 @@
+"""Kernel preparation for a recipe build: every launch a variant replays, for every target.
+
+Runs before any graph is captured. The launch plan of a variant follows from its declared
+contract: one reduction row per lane (decode: capacity lanes; prefill family: one lane),
+the core's padded vocabulary, K, explicit IDs, and the dtype of the raw logits (the model
+dtype). After capture, ``check_captured_launches`` confirms the graph's reduction node
+really has that shape, so a prepared core never misses a launch configuration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.buffers import RECORDS
+from ignition.exporter.kernels import launch_key, parse_targets, prepare_kernels
+from ignition.recipes.base import GraphBuild, RecipeBuild
+
+
+def _lanes(graph: GraphBuild) -> int:
+    records = graph.variant.argument(RECORDS)
+    return records.shape[1] if records is not None else graph.variant.capacity
+
+
+def variant_plan(build: RecipeBuild, graph: GraphBuild):
+    from ignition.components.triton_logprobs import launch_plan
+
+    layout = graph.variant.layout.get("logprobs")
+    if layout is None:
+        return []
+    dtype = getattr(torch, build.model["dtype"])
+    return launch_plan(_lanes(graph), build.vocab_padded, build.vocab_size, layout["k"], layout["explicit_ids"], dtype)
+
+
+def prepare_build_kernels(build: RecipeBuild, targets, staging: Path) -> dict:
+    """Compile the launches of every variant, record their keys on the variants, return the kernel table."""
+    targets = parse_targets(",".join(targets))
+    specs = []
+    for graph in build.graphs:
+        plan = variant_plan(build, graph)
+        graph.variant.launches = [launch_key(spec) for spec in plan]
+        specs += plan
+    return prepare_kernels(specs, targets, staging)
+
+
+def check_captured_launches(build: RecipeBuild, graph: GraphBuild, program) -> str | None:
+    """None when the captured reduction node matches the prepared plan, else what differs."""
+    if not graph.variant.launches:
+        return None
+    nodes = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target) == "ignition.reduce_logprobs.default"]
+    if len(nodes) != 1:
+        return f"expected one ignition::reduce_logprobs node, found {len(nodes)}"
+    logits = nodes[0].args[0].meta["val"]
+    expected = (_lanes(graph), build.vocab_padded, getattr(torch, build.model["dtype"]))
+    found = (logits.shape[0], logits.shape[1], logits.dtype)
+    return None if found == expected else f"prepared launches for logits {expected}, the graph reduces {found}"
