@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers.utils import logging as hf_logging
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB = 300  # 256 byte symbols + 3 specials + 41 merges
@@ -62,6 +63,7 @@ def build_model(vocab_size: int, eos_token_id: int, dtype: torch.dtype, seed: in
 def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Write the tiny checkpoint (config.json, model.safetensors, tokenizer files) into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     model = build_model(vocab_size, tokenizer.eos_token_id, dtype, seed)

@@ -252,3 +252,19 @@ def test_dtype_and_slots_options_shape_weights_and_state(exported) -> None:
     prefill = build.graphs[0].variant
     assert [a.name for a in prefill.arguments if a.role.name == "INPUT"][:3] == ["slot_ids", "slot_epochs",
                                                                                   "active_lanes"]
+
+
+def test_minimal_loader_serves_the_core_like_transformers(exported) -> None:
+    """The runtime's own scheduling (chunking, padded decode capacities) reproduces HF greedy generation."""
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    core, hf = exported("llama_fp32_tied_llama3")
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 300, (length,), generator=generator).tolist() for length in (3, 9, 17)]
+    results = Engine(load_core(core)).generate([Request(prompt_ids=p, max_tokens=4, ignore_eos=True) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4)[0, len(prompt):]
+        assert result.token_ids == expected.tolist() and result.error is None

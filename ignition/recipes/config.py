@@ -163,15 +163,13 @@ WEIGHT_MAP: dict[str, WeightSpec] = {
 
 
 def weight_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF name -> (our name, shape) for every tensor ``cfg`` requires."""
-    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for hf_template, spec in WEIGHT_MAP.items():
-        if spec.present_if is not None and not getattr(cfg, spec.present_if):
-            continue
-        shape = tuple(getattr(cfg, dim) for dim in spec.shape)
-        layers = range(cfg.num_layers) if "{layer}" in hf_template else [None]
-        for layer in layers:
-            layout[hf_template.format(layer=layer)] = (spec.ours.format(layer=layer), shape)
+    """HF name -> (our name, shape) for every tensor ``cfg`` requires: model-level tensors, then layer by layer."""
+    present = {hf: spec for hf, spec in WEIGHT_MAP.items() if spec.present_if is None or getattr(cfg, spec.present_if)}
+    shape_of = lambda spec: tuple(getattr(cfg, dim) for dim in spec.shape)  # noqa: E731
+    layout = {hf: (spec.ours, shape_of(spec)) for hf, spec in present.items() if "{layer}" not in hf}
+    for layer in range(cfg.num_layers):
+        layout |= {hf.format(layer=layer): (spec.ours.format(layer=layer), shape_of(spec))
+                   for hf, spec in present.items() if "{layer}" in hf}
     return layout
 
 

@@ -45,6 +45,8 @@ def state_declarations(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max
 
 
 class _DecoderGraph(torch.nn.Module):
+    """What prefill and decode share: weight naming and steps 3-5 of a sampling round."""
+
     def __init__(self, cfg: ModelConfig, vocab_size: int, k: int):
         super().__init__()
         self.cfg, self.vocab_size, self.k = cfg, vocab_size, k

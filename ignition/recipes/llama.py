@@ -75,7 +75,8 @@ def build(options: ExportOptions) -> RecipeBuild:
         graphs=graphs,
         eos_token_id=eos_token_id(config, cfg, directory),
         chunk_limit=options.chunk_limit,
-        tokenizer_dir=tokenizer_dir(directory),
+        tokenizer_dir=tokenizer_dir(Path(options.tokenizer) if options.tokenizer else directory,
+                                    required=options.tokenizer is not None),
     )
 
 
@@ -134,10 +135,16 @@ def eos_token_id(config: dict, cfg: ModelConfig, directory: Path) -> int | None:
     return value
 
 
-def tokenizer_dir(directory: Path) -> Path | None:
-    """A private copy of the checkpoint's tokenizer files (the export copies it into ``tokenizer/``)."""
+def tokenizer_dir(directory: Path, required: bool = False) -> Path | None:
+    """A private copy of the tokenizer files in ``directory`` (the export copies it into ``tokenizer/``).
+
+    ``directory`` is ``--tokenizer`` when given (``required``), else the checkpoint itself.
+    """
     present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
     if not {"tokenizer.json", "tokenizer.model"} & set(present):
+        if required:
+            raise RecipeError(f"tokenizer directory {directory}: expected tokenizer.json or tokenizer.model, "
+                              f"found {sorted(p.name for p in directory.iterdir()) if directory.is_dir() else 'nothing'}")
         return None
     staging = Path(tempfile.mkdtemp(prefix="ignition-tokenizer-"))
     atexit.register(shutil.rmtree, staging, True)

@@ -90,3 +90,22 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
     if s.temperature < 0 or s.top_p <= 0 or s.top_p > 1 or not 0 <= s.min_p <= 1 or s.top_k < 0 or s.repetition_penalty <= 0:
         raise AdmissionError("sampling parameters out of range: temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
                              "top_k >= 0, repetition_penalty > 0", "sampling")
+
+
+INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
+
+
+def check_server_request(request: Request, vocab_size: int) -> None:
+    """What the HTTP front end checks on top of check_admission: values the input buffers must hold."""
+    outside = [t for t in request.stop_token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise AdmissionError(f"stop_token_ids id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                             "stop_token_ids")
+    if request.max_tokens > INT32_MAX:
+        raise AdmissionError(f"max_tokens must be <= {INT32_MAX}, got {request.max_tokens}", "max_tokens")
+    if request.sampling.top_k > INT32_MAX:
+        raise AdmissionError(f"top_k must be <= {INT32_MAX} (or -1 for no limit), got {request.sampling.top_k}",
+                             "top_k")
+    seed = request.sampling.seed
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+        raise AdmissionError(f"seed must fit in int64, got {seed}", "seed")

@@ -1,0 +1,120 @@
+"""The vLLM-compatible HTTP front end of the minimal loader: FastAPI app factory and ``ignition serve``.
+
+Endpoints: GET /health, GET /v1/models (with the core's features), POST /v1/completions and
+POST /v1/chat/completions (JSON or server-sent events). Every rejection before admission is a
+400 with vLLM's error envelope; see docs/serving.md for the presentation rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from ignition.catalog.contract import MAX_SELECTED_IDS
+from ignition.runtime.core import LoadedCore, load_core
+from ignition.runtime.detokenize import TokenTable
+from ignition.runtime.engine import Engine
+from ignition.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, ModelCard,
+                                              ModelList, ModelPermission)
+from ignition.runtime.requests import AdmissionError
+from ignition.runtime.serving_chat import chat_template_of, create_chat_completion
+from ignition.runtime.serving_common import ApiError, ServerContext
+from ignition.runtime.serving_completion import create_completion
+from ignition.runtime.serving_engine import AsyncEngine, EngineStopped
+
+log = logging.getLogger("ignition.serve")
+
+
+def _tokenizer_config(core: LoadedCore) -> dict:
+    path = core.path / "tokenizer" / "tokenizer_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors)
+    return message or "invalid request body", ".".join(location) or None
+
+
+def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4) -> FastAPI:
+    """The app serving one core; its engine thread runs while the app's lifespan does."""
+    loaded = core if isinstance(core, LoadedCore) else load_core(core)
+    engine = AsyncEngine(Engine(loaded), queue_capacity=queue_capacity)
+    config = _tokenizer_config(loaded)
+    ctx = ServerContext(core=loaded, engine=engine, table=TokenTable(loaded.tokenizer, loaded.vocab_size),
+                        model_name=model_name or str(core if not isinstance(core, LoadedCore) else loaded.path),
+                        tokenizer_config=config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    app = FastAPI(title="Ignition", lifespan=lifespan)
+    app.state.ctx = ctx
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(AdmissionError)
+    async def _admission_error(request: Request, exc: AdmissionError) -> JSONResponse:
+        return ApiError(str(exc), exc.param).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return ApiError(*_validation_message(exc)).response()
+
+    @app.exception_handler(EngineStopped)
+    async def _engine_stopped(request: Request, exc: EngineStopped) -> JSONResponse:
+        return ApiError(str(exc), status=503, err_type="ServiceUnavailableError").response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return ApiError(f"the engine stopped: {engine.dead}", status=503,
+                            err_type="ServiceUnavailableError").response()
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        features = loaded.features
+        card = ModelCard(
+            id=ctx.model_name, root=str(loaded.path), max_model_len=ctx.max_context,
+            permission=[ModelPermission(allow_logprobs=features["allow_logprobs"])],
+            features=CoreFeatures(allow_logprobs=features["allow_logprobs"],
+                                  max_logprobs=features["max_logprobs"] if features["allow_logprobs"] else 0,
+                                  explicit_ids=features["explicit_ids"],
+                                  max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
+                                  prompt_logprobs=features["prompt_logprobs"],
+                                  chat_template=chat_template_of(config) is not None))
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    return app
+
+
+def serve(core: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> None:
+    """``ignition serve``: load the core and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(core, model_name=model_name), host=host, port=port, log_level="info")

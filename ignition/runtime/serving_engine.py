@@ -1,0 +1,170 @@
+"""The engine behind the HTTP server: one thread drives the (not thread-safe) Engine.
+
+Handlers talk to it through a command queue (submit, cancel) and receive each request's
+output through a bounded asyncio queue of deltas. A delta is sent only while the request's
+queue has room; otherwise new entries wait in the engine and are coalesced into the next
+delta, so a slow reader never blocks generation for others and never grows a queue.
+Delivered entries are moved out of the engine state: nothing keeps a response history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from ignition.runtime.engine import Engine, RequestState
+from ignition.runtime.frames import TokenEntry
+from ignition.runtime.requests import AdmissionError, Request
+
+log = logging.getLogger("ignition.serve")
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one request produced since the previous delta."""
+
+    entries: list[TokenEntry] = field(default_factory=list)
+    prompt_entries: list[dict | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread stopped serving (a loader failure); the server answers 503."""
+
+
+class RequestStream:
+    """The handler's end of one admitted request."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop, wake, capacity: int):
+        self.request_id = request_id
+        self.loop, self._wake = loop, wake
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue(maxsize=capacity)
+        self.capacity = capacity
+        self.scheduled = 0  # written by the engine thread only
+        self.received = 0  # written by the event loop only
+
+    def has_room(self) -> bool:
+        return self.scheduled - self.received < self.capacity
+
+    async def get(self) -> Delta:
+        delta = await self.queue.get()
+        self.received += 1
+        self._wake()  # room again: the engine thread may owe this request a coalesced delta
+        return delta
+
+
+@dataclass(slots=True)
+class _Tracked:
+    stream: RequestStream
+    state: RequestState
+    prompt_sent: int = 0
+
+
+class AsyncEngine:
+    """Owns the Engine and the single thread that steps it."""
+
+    def __init__(self, engine: Engine, queue_capacity: int = 4):
+        self.engine = engine
+        self.queue_capacity = queue_capacity
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stopping = False
+        self.dead: str | None = None  # why the engine thread stopped serving, if it did
+        self._thread = threading.Thread(target=self._run, name="ignition-engine", daemon=True)
+
+    # -- handler side (event loop) ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+
+    async def submit(self, request: Request) -> RequestStream:
+        """Admit a request; AdmissionError is raised here, before anything is sent to the client."""
+        if self.dead is not None:
+            raise EngineStopped(f"the engine stopped: {self.dead}")
+        stream = RequestStream(request.request_id, asyncio.get_running_loop(), self._wakeup.set, self.queue_capacity)
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("submit", request, stream, admitted))
+        self._wakeup.set()
+        await asyncio.wrap_future(admitted)
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request (client gone, or a stop string ended it); its slot is freed on the engine thread."""
+        self._commands.put(("cancel", request_id, None, None))
+        self._wakeup.set()
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wakeup.clear()
+            self._apply_commands()
+            worked = self.dead is None and self._step()
+            self._deliver()
+            if not worked:
+                self._wakeup.wait(timeout=1.0)
+        for tracked in self._tracked.values():
+            self.engine.cancel(tracked.stream.request_id)
+
+    def _step(self) -> bool:
+        try:
+            return self.engine.step()
+        except Exception as exc:  # a loader bug must fail its requests, not hang their clients
+            log.exception("engine step failed")
+            self.dead = f"{type(exc).__name__}: {exc}"
+            for tracked in self._tracked.values():
+                tracked.state.finish_reason, tracked.state.error = "error", self.dead
+            return False
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, payload, stream, admitted = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                if self.dead is not None:
+                    admitted.set_exception(EngineStopped(f"the engine stopped: {self.dead}"))
+                    continue
+                try:
+                    request_id = self.engine.submit(payload)
+                except AdmissionError as exc:
+                    admitted.set_exception(exc)
+                    continue
+                self._tracked[request_id] = _Tracked(stream, self.engine.state(request_id))
+                admitted.set_result(request_id)
+            elif self._tracked.pop(payload, None) is not None:
+                self.engine.cancel(payload)
+                self.engine.finished.pop(payload, None)
+
+    def _deliver(self) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            state, stream = tracked.state, tracked.stream
+            finished = state.finish_reason is not None
+            fresh_prompt = len(state.prompt_entries) > tracked.prompt_sent
+            if not (state.entries or fresh_prompt or finished) or not stream.has_room():
+                continue
+            delta = Delta(state.entries, state.prompt_entries[tracked.prompt_sent:])
+            state.entries = []  # handed over: the engine keeps no response history
+            tracked.prompt_sent = len(state.prompt_entries)
+            if finished:
+                delta.finish_reason, delta.error = state.finish_reason, state.error
+                del self._tracked[request_id]
+                self.engine.finished.pop(request_id, None)
+            stream.scheduled += 1
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+    # -- introspection (tests, /health) ------------------------------------------------------
+    def load(self) -> dict[str, int]:
+        engine = self.engine
+        return {"running": len(engine.running), "waiting": len(engine.waiting),
+                "free_slots": len(engine.free_slots), "num_slots": engine.num_slots, "tracked": len(self._tracked)}

@@ -1,0 +1,400 @@
+"""The HTTP front end against a real uvicorn server: the official openai client, plain HTTP for vLLM fields.
+
+Every value is compared with the loader (a separate Engine on the same core): token ids,
+logprobs, alternatives, prompt scores. Text, bytes and offsets are compared with the UTF-8
+oracles of _serving_tokenizers. Cores: A byte-level BPE with prompt scoring and a chat
+template, B byte fallback with an EOS and no template, C (conftest) without logprobs or tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from safetensors.torch import load_file
+
+from _serving_tokenizers import (byte_fallback_tokenizer, byte_level_tokenizer, offsets_oracle, splits_a_character,
+                                 write_tokenizer_dir)
+from ignition.exporter.export import export_core
+from ignition.recipes.base import ExportOptions
+from ignition.recipes.toy import batch_invariant_logits
+from ignition.runtime.core import load_core
+from ignition.runtime.engine import Engine
+from ignition.runtime.frames import TokenEntry
+from ignition.runtime.requests import Request
+from ignition.runtime.server import create_app
+
+VOCAB = 250
+
+
+class Served:
+    """A uvicorn server on a free 127.0.0.1 port, in a thread, plus a reference engine on the same core."""
+
+    def __init__(self, core_dir, tokenizer=None):
+        self.app = create_app(core_dir, model_name="toy")
+        self.ctx = self.app.state.ctx
+        self.table, self.tokenizer = self.ctx.table, tokenizer
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+        self.reference = Engine(load_core(core_dir))
+        weights = load_file(str(core_dir / "weights.safetensors"))
+        logits = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB]
+        self.successor = logits.argmax(dim=1).tolist()  # the toy is a greedy bigram: next token of each token
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=60)
+
+    def sse(self, path: str, body: dict) -> list[dict]:
+        with httpx.stream("POST", self.url + path, json=body, timeout=60) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def generate(self, prompt_ids, **kwargs):
+        (result,) = self.reference.generate([Request(list(prompt_ids), **kwargs)])
+        return result
+
+    def chain(self, token: int, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            token = self.successor[token]
+            out.append(token)
+        return out
+
+    def pieces(self, ids) -> list[bytes]:
+        return [b"" if i in self.table.special else self.table.bytes[i] for i in ids]
+
+    def text(self, ids) -> str:
+        return b"".join(self.pieces(ids)).decode("utf-8", "replace")
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            load = self.ctx.engine.load()
+            if load["tracked"] == load["running"] == load["waiting"] == 0 and load["free_slots"] == load["num_slots"]:
+                return load
+            assert time.monotonic() < deadline, f"engine not idle: {load}"
+            time.sleep(0.01)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    a = root / "a"
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True,
+                              tokenizer=write_tokenizer_dir(byte_level_tokenizer(), root / "tok-a")), a)
+    b = root / "b"
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4),
+                              tokenizer=write_tokenizer_dir(byte_fallback_tokenizer(), root / "tok-b", None)), b)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def served(cores):
+    server = Served(cores[0], byte_level_tokenizer())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def served_eos(cores):
+    """Core B with an EOS: the third token the greedy chain from token 7 produces."""
+    core = cores[1]
+    weights = load_file(str(core / "weights.safetensors"))
+    successor = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB].argmax(1)
+    chain = [int(successor[7])]
+    for _ in range(2):
+        chain.append(int(successor[chain[-1]]))
+    assert chain[2] not in chain[:2]
+    manifest = json.loads((core / "manifest.json").read_text())
+    manifest["eos_token_id"] = chain[2]
+    (core / "manifest.json").write_text(json.dumps(manifest))
+    server = Served(core, byte_fallback_tokenizer())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def served_plain(toy_core_no_logprobs):
+    server = Served(toy_core_no_logprobs)
+    yield server
+    server.close()
+
+
+def completion_expectation(served: Served, entries: list[TokenEntry], base: int = 0, text_before: str = ""):
+    """Completions logprobs the loader's entries must produce (the chosen token first in top_logprobs)."""
+    names, offsets = served.table.names, offsets_oracle(served.pieces([e.id for e in entries]))
+    top = []
+    for e in entries:
+        row = {names[e.id]: e.logprob}
+        for token_id, value in e.top:
+            row.setdefault(names[token_id], value)
+        top.append(row)
+    return {"tokens": [names[e.id] for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": top, "text_offset": [base + o for o in offsets]}
+
+
+def merge_completion_chunks(chunks: list[dict]) -> dict:
+    text, logprobs = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    finish = None
+    for chunk in chunks:
+        if not chunk["choices"]:
+            continue
+        choice = chunk["choices"][0]
+        text += choice["text"]
+        for key in logprobs:
+            logprobs[key] += (choice.get("logprobs") or {}).get(key, [])
+        finish = choice.get("finish_reason") or finish
+    return {"text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+# -- models and health ----------------------------------------------------------------------------
+def test_models_advertise_the_core_features(served, served_eos, served_plain):
+    (card,) = served.client.models.list().data
+    assert card.id == "toy"
+    assert card.features == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True,
+                             "max_logprob_token_ids": 128, "prompt_logprobs": True, "chat_template": True}
+    assert card.permission[0]["allow_logprobs"] is True
+    plain = httpx.get(served_plain.url + "/v1/models").json()
+    assert plain["data"][0]["features"]["allow_logprobs"] is False
+    assert plain["data"][0]["features"]["max_logprobs"] == 0
+    assert plain["data"][0]["permission"][0]["allow_logprobs"] is False
+    features = httpx.get(served_eos.url + "/v1/models").json()["data"][0]["features"]
+    assert (features["prompt_logprobs"], features["chat_template"]) == (False, False)
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+# -- Completions --------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_equal_the_loader(served, stream):
+    prompt = [11, 42, 99]
+    expected = served.generate(prompt, max_tokens=8, logprobs=5)
+    if stream:
+        chunks = list(served.client.completions.create(model="toy", prompt=prompt, max_tokens=8, logprobs=5,
+                                                       stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+        got = merge_completion_chunks([c.model_dump() for c in chunks])
+    else:
+        response = served.client.completions.create(model="toy", prompt=prompt, max_tokens=8, logprobs=5)
+        assert response.usage.prompt_tokens == 3 and response.usage.completion_tokens == 8
+        got = response.choices[0].model_dump()
+    assert got["text"] == served.text(expected.token_ids)
+    assert got["finish_reason"] == "length"
+    assert {k: got["logprobs"][k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")} \
+        == completion_expectation(served, expected.entries)
+
+
+def test_completion_without_logprobs_and_with_zero(served):
+    prompt = "the cat"
+    response = served.client.completions.create(model="toy", prompt=prompt, max_tokens=6)
+    ids = byte_level_tokenizer().encode(prompt).ids
+    expected = served.generate(ids, max_tokens=6, logprobs=0)
+    assert response.choices[0].logprobs is None
+    assert response.choices[0].text == served.text(expected.token_ids)
+    zero = served.client.completions.create(model="toy", prompt=prompt, max_tokens=6, logprobs=0).choices[0].logprobs
+    assert zero.top_logprobs == [{served.table.names[e.id]: e.logprob} for e in expected.entries]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_with_prompt_logprobs(served, stream):
+    prompt = "héllo € 中 😀"
+    ids = byte_level_tokenizer().encode(prompt).ids
+    expected = served.generate(ids, max_tokens=5, logprobs=3, prompt_logprobs=3)
+    body = {"model": "toy", "prompt": prompt, "max_tokens": 5, "logprobs": 3, "echo": True}
+    if stream:
+        chunks = served.sse("/v1/completions", dict(body, stream=True))
+        assert chunks[0]["choices"][0]["text"].startswith(prompt)  # the echo leads the first chunk
+        got = merge_completion_chunks(chunks)
+    else:
+        got = served.post("/v1/completions", body).json()["choices"][0]
+        scores = got["prompt_logprobs"]
+        assert scores[0] is None and len(scores) == len(ids)
+        for position, (row, entry) in enumerate(zip(scores[1:], expected.prompt_entries[1:]), start=1):
+            keys = list(row)
+            assert keys[0] == str(ids[position])
+            assert row[keys[0]] == {"logprob": entry["logprob"], "rank": entry["rank"],
+                                    "decoded_token": served.table.names[ids[position]]}
+            alternatives = [a for a in entry["top_logprobs"] if a["id"] != ids[position]]
+            assert [(int(k), v["logprob"], v["rank"]) for k, v in list(row.items())[1:]] == [
+                (a["id"], a["logprob"], entry["top_logprobs"].index(a) + 1) for a in alternatives]
+    assert got["text"] == prompt + served.text(expected.token_ids)
+    lp = got["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    prompt_part = completion_expectation(served, [TokenEntry(e["id"], e["logprob"], [
+        (a["id"], a["logprob"]) for a in e["top_logprobs"]]) for e in expected.prompt_entries[1:]])
+    assert lp["tokens"][:len(ids)] == [served.table.names[i] for i in ids]
+    assert lp["token_logprobs"][1:len(ids)] == prompt_part["token_logprobs"]
+    assert lp["top_logprobs"][1:len(ids)] == prompt_part["top_logprobs"]
+    assert lp["text_offset"][:len(ids)] == offsets_oracle(served.pieces(ids))
+    generated = completion_expectation(served, expected.entries, base=len(prompt))
+    assert {k: lp[k][len(ids):] for k in generated} == generated
+
+
+def test_explicit_logprob_token_ids(served):
+    prompt, selected = [5, 6], [200, 3, 17]
+    expected = served.generate(prompt, max_tokens=4, logprob_token_ids=selected)
+    assert [[t for t, _ in e.top] for e in expected.entries] == [selected] * 4
+    response = served.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "logprobs": 0,
+                                                "logprob_token_ids": selected}).json()
+    assert response["choices"][0]["logprobs"]["top_logprobs"] == completion_expectation(
+        served, expected.entries)["top_logprobs"]
+    chat = served.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                                                "logprobs": True, "logprob_token_ids": selected}).json()
+    for item in chat["choices"][0]["logprobs"]["content"]:
+        assert [t["token"] for t in item["top_logprobs"]] == [served.table.names[i] for i in selected]
+
+
+def test_prompt_logprobs_without_echo(served):
+    ids = [3, 1, 4, 1, 5]
+    expected = served.generate(ids, max_tokens=2, prompt_logprobs=0)
+    got = served.post("/v1/completions", {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    scores = got["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None
+    assert [{int(k): v["logprob"] for k, v in row.items()} for row in scores[1:]] == [
+        {e["id"]: e["logprob"]} for e in expected.prompt_entries[1:]]
+    assert got["choices"][0]["logprobs"] is None
+    only_prompt = served.post("/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+    assert only_prompt["choices"][0]["text"] == served.text(ids)
+    assert len(only_prompt["choices"][0]["logprobs"]["tokens"]) == len(ids)
+
+
+
+# -- Chat ------------------------------------------------------------------------------------------
+def chat_expectation(served: Served, entries: list[TokenEntry]) -> list[dict]:
+    names, raw = served.table.names, served.table.bytes
+    return [{"token": names[e.id], "logprob": e.logprob, "bytes": list(raw[e.id]),
+             "top_logprobs": [{"token": names[t], "logprob": v, "bytes": list(raw[t])} for t, v in e.top]}
+            for e in entries]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_equal_the_loader(served, stream):
+    messages = [{"role": "user", "content": "héllo"}]
+    prompt_ids = byte_level_tokenizer().encode("<|user|>héllo<|assistant|>", add_special_tokens=False).ids
+    expected = served.generate(prompt_ids, max_tokens=6, logprobs=3)
+    if stream:
+        chunks = list(served.client.chat.completions.create(model="toy", messages=messages, max_tokens=6,
+                                                            logprobs=True, top_logprobs=3, stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        content = [item.model_dump() for c in chunks if c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        response = served.client.chat.completions.create(model="toy", messages=messages, max_tokens=6, logprobs=True,
+                                                         top_logprobs=3, extra_body={"return_token_ids": True})
+        assert response.model_extra["prompt_token_ids"] == prompt_ids  # the checkpoint's template rendered it
+        choice = response.choices[0]
+        text, finish = choice.message.content, choice.finish_reason
+        content = [item.model_dump() for item in choice.logprobs.content]
+    assert text == served.text(expected.token_ids) and finish == "length"
+    assert content == chat_expectation(served, expected.entries)
+    for item, entry in zip(content, expected.entries):  # natural alternatives only: the sampled token displaces none
+        assert len(item["top_logprobs"]) == 3
+
+
+def test_chat_without_logprobs_and_echo(served):
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "the "}]
+    response = served.post("/v1/chat/completions", {"messages": messages, "max_tokens": 3, "echo": True,
+                                                    "add_generation_prompt": False}).json()
+    choice = response["choices"][0]
+    assert choice["logprobs"] is None and choice["message"]["role"] == "assistant"
+    prompt_ids = byte_level_tokenizer().encode("<|user|>x<|assistant|>the ", add_special_tokens=False).ids
+    assert choice["message"]["content"] == "the " + served.text(served.generate(prompt_ids, max_tokens=3).token_ids)
+
+
+# -- token presentation: split characters, both tokenizers ----------------------------------------------
+@pytest.mark.parametrize("which", ["byte_level", "byte_fallback"])
+def test_split_characters_bytes_and_offsets(served, served_eos, which):
+    server = served if which == "byte_level" else served_eos
+    eos = server.ctx.core.manifest["eos_token_id"]
+    start = next(t for t in range(VOCAB) if eos not in server.chain(t, 10)
+                 and splits_a_character(server.pieces(server.chain(t, 10))))
+    chain = server.chain(start, 10)
+    body = {"prompt": [start], "max_tokens": 10, "logprobs": 1, "return_token_ids": True}
+    full = server.post("/v1/completions", body).json()["choices"][0]
+    assert full["token_ids"] == chain
+    assert full["text"] == server.text(chain)
+    assert full["logprobs"]["text_offset"] == offsets_oracle(server.pieces(chain))
+    assert full["logprobs"]["tokens"] == [server.table.names[i] for i in chain]
+    chunks = server.sse("/v1/completions", dict(body, stream=True))
+    released = b""
+    for chunk in chunks:  # each chunk ends on a character boundary: a split character travels in one chunk
+        choice = chunk["choices"][0]
+        released += b"".join(server.pieces(choice["token_ids"]))
+        assert released.decode("utf-8", "replace") == server.text(chain)[:len(released.decode("utf-8", "replace"))]
+        assert choice["text"] == "" or released.decode("utf-8", "replace").endswith(choice["text"])
+    assert merge_completion_chunks(chunks)["logprobs"]["text_offset"] == full["logprobs"]["text_offset"]
+    chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10,
+                                                "logprobs": True, "chat_template": "{{ messages[0]['content'] }}"})
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    chat_ids = server.chain(server.tokenizer.encode("x", add_special_tokens=False).ids[-1], 10)
+    chat_ids = chat_ids[:chat_ids.index(eos)] if eos in chat_ids else chat_ids
+    assert [bytes(item["bytes"]) for item in content] == server.pieces(chat_ids)  # raw bytes, before replacement
+
+
+# -- stops ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_keeps_contributing_tokens_only(served, stream):
+    def stop_inside_a_token(start):  # a stop that begins at the second character of a later token
+        chain = served.chain(start, 12)
+        text, offsets, pieces = served.text(chain), offsets_oracle(served.pieces(chain)), served.pieces(chain)
+        for i in range(2, 11):
+            if pieces[i].decode("utf-8", "replace") == pieces[i].decode("utf-8", "ignore") and len(pieces[i].decode()) > 1:
+                stop_at = offsets[i] + 1
+                if text.find(text[stop_at:stop_at + 2]) == stop_at:
+                    return chain, text, offsets, stop_at
+        return None
+
+    start = next(t for t in range(VOCAB) if stop_inside_a_token(t))
+    chain, text, offsets, stop_at = stop_inside_a_token(start)
+    stop = text[stop_at:stop_at + 2]
+    body = {"prompt": [start], "max_tokens": 12, "logprobs": 0, "stop": [stop, "never-there"]}
+    got = merge_completion_chunks(served.sse("/v1/completions", dict(body, stream=True))) if stream else \
+        served.post("/v1/completions", body).json()["choices"][0]
+    assert got["text"] == text[:stop_at] and got["finish_reason"] == "stop"
+    kept = [t for t, o in zip(chain, offsets) if o < stop_at]
+    assert got["logprobs"]["tokens"] == [served.table.names[t] for t in kept]  # the partial token keeps all its bytes
+    if not stream:
+        assert got["stop_reason"] == stop
+    served.wait_idle()  # the stop cancelled the rest: the slot is free
+
+
+def test_eos_and_stop_token_ids(served_eos):
+    server = served_eos
+    chain = server.chain(7, 5)
+    eos = server.ctx.core.manifest["eos_token_id"]
+    assert chain[2] == eos
+    stopped = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0,
+                                              "return_token_ids": True}).json()["choices"][0]
+    assert (stopped["finish_reason"], stopped["token_ids"]) == ("stop", chain[:2])  # a terminating EOS: no entry
+    assert len(stopped["logprobs"]["tokens"]) == 2
+    ignored = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0, "ignore_eos": True,
+                                              "return_token_ids": True}).json()["choices"][0]
+    assert (ignored["finish_reason"], ignored["token_ids"]) == ("length", chain)  # an ignored EOS keeps its place
+    assert ignored["logprobs"]["tokens"] == [server.table.names[t] for t in chain]
+    by_id = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0, "ignore_eos": True,
+                                            "stop_token_ids": [chain[3]], "return_token_ids": True}).json()
+    assert (by_id["choices"][0]["finish_reason"], by_id["choices"][0]["token_ids"]) == ("stop", chain[:3])
