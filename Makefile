@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-CORE := build/toy-core
+CHECKPOINT := build/tiny-qwen3
+CORE := build/qwen3-core
 
 .PHONY: demo test venv clean bench
 
@@ -17,15 +18,18 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/ignition export-core --recipe toy --out $(CORE) --overwrite
+	$(PY) examples/make_tiny_qwen3.py $(CHECKPOINT)
+	$(VENV)/bin/ignition export-core $(CHECKPOINT) --recipe qwen3 --out $(CORE) --overwrite --prompt-logprobs
 	$(VENV)/bin/ignition validate-core $(CORE)
 	$(VENV)/bin/ignition inspect-core $(CORE) --memory
+	$(VENV)/bin/ignition run $(CORE) "Hello world" --max-tokens 8 --logprobs 3
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.reduction --quick
+	$(PY) -m benchmarks.export_time
 
 clean:
 	rm -rf build $(VENV)

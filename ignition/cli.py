@@ -39,7 +39,7 @@ def export_core_cmd(
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
     seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
-    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (toy)"),
+    tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core

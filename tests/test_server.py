@@ -398,3 +398,209 @@ def test_eos_and_stop_token_ids(served_eos):
     by_id = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0, "ignore_eos": True,
                                             "stop_token_ids": [chain[3]], "return_token_ids": True}).json()
     assert (by_id["choices"][0]["finish_reason"], by_id["choices"][0]["token_ids"]) == ("stop", chain[:3])
+
+
+# -- errors: every rejection is a 400 before admission ----------------------------------------------
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+USER = [{"role": "user", "content": "x"}]
+REJECTIONS = [  # (server, path, body, param, message part)
+    ("served", CMPL, {"prompt": [1], "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20, got 21"),
+    ("served", CMPL, {"prompt": [1], "logprobs": -1}, "logprobs", "between 0 and 20, got -1"),
+    ("served", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
+    ("served", CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
+    ("served", CMPL, {"prompt": [1], "logprob_token_ids": [1]}, "logprob_token_ids", "`logprobs` must be set"),
+    ("served", CHAT, {"messages": USER, "logprob_token_ids": [1]}, "logprob_token_ids", "must be set to true"),
+    ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [3, 3]}, "logprob_token_ids", "duplicate id 3"),
+    ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [250]}, "logprob_token_ids", "outside"),
+    ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": list(range(129))}, "logprob_token_ids",
+     "1 to 128 ids, got 129"),
+    ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": []}, "logprob_token_ids", "got 0"),
+    ("served", CMPL, {"prompt": [1], "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream=True"),
+    ("served", CHAT, {"messages": USER, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs", "stream=True"),
+    ("served", CMPL, {"prompt": [1], "prompt_logprobs": 21}, "prompt_logprobs", "between 0 and 20, got 21"),
+    ("served", CMPL, {"prompt": [1, 250]}, "prompt", "prompt token id 250 is outside the vocabulary"),
+    ("served", CMPL, {"prompt": []}, "prompt", "at least one token"),
+    ("served", CMPL, {"max_tokens": 3}, "prompt", "prompt is required"),
+    ("served", CMPL, {"prompt": ["a", "b"]}, "prompt", "batched prompts (2)"),
+    ("served", CMPL, {"prompt": [1], "n": 2}, "n", "not supported"),
+    ("served", CMPL, {"prompt": [1], "best_of": 3}, "best_of", "not supported"),
+    ("served", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "not supported"),
+    ("served", CMPL, {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options", "stream=True"),
+    ("served", CMPL, {"prompt": [1], "max_tokens": "a"}, "max_tokens", "valid integer"),
+    ("served", CMPL, {"prompt": [1], "max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),
+    ("served", CMPL, {"prompt": [1], "top_p": 0}, "sampling", "sampling parameters out of range"),
+    ("served", CMPL, {"prompt": [1], "top_k": 2**40}, "top_k", "top_k must be <="),
+    ("served", CMPL, {"prompt": [1], "seed": 2**70}, "seed", "int64"),
+    ("served", CMPL, {"prompt": [1], "stop_token_ids": [999]}, "stop_token_ids", "outside the vocabulary"),
+    ("served", CHAT, {"messages": USER, "continue_final_message": True}, "continue_final_message", "Cannot set both"),
+    ("served", CHAT, {"messages": []}, "messages", "at least one message"),
+    ("served", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content",
+     "only text"),
+    ("served", CHAT, {"messages": USER, "chat_template": "{{ raise_exception('no system role') }}"}, "messages",
+     "no system role"),
+    ("served_eos", CMPL, {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs", "without prompt scoring"),
+    ("served_eos", CMPL, {"prompt": [1], "echo": True, "logprobs": 1}, "echo", "without prompt scoring"),
+    ("served_eos", CHAT, {"messages": USER}, "messages", "no chat template"),
+    ("served_plain", CMPL, {"prompt": [1], "logprobs": 0}, "logprobs", "allow_logprobs: false"),
+    ("served_plain", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [2]}, "logprobs", "allow_logprobs"),
+    ("served_plain", CMPL, {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs", "without prompt scoring"),
+    ("served_plain", CMPL, {"prompt": "text"}, "prompt", "has no tokenizer"),
+    ("served_plain", CHAT, {"messages": USER, "chat_template": "x"}, "messages", "has no tokenizer"),
+    ("served_plain", CMPL, {"prompt": [1], "stop": "x"}, "stop", "need a tokenizer"),
+]
+
+
+@pytest.mark.parametrize("server, path, body, param, message", REJECTIONS,
+                         ids=[f"{r[0]}-{r[3]}-{i}" for i, r in enumerate(REJECTIONS)])
+def test_rejections_are_400_before_admission(request, monkeypatch, server, path, body, param, message):
+    served = request.getfixturevalue(server)
+    admitted = []
+    engine = served.ctx.engine.engine
+    monkeypatch.setattr(engine, "submit", lambda r, submit=engine.submit: admitted.append(r) or submit(r))
+    response = served.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"], error["param"]) == ("BadRequestError", 400, param)
+    assert message in error["message"]
+    assert admitted == []
+
+
+def test_other_errors_use_the_envelope(served, monkeypatch):
+    json_type = {"content-type": "application/json"}
+    response = httpx.post(served.url + CMPL, content=b'{"prompt": [1], "temperature": NaN}', headers=json_type)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature"
+    response = httpx.post(served.url + CMPL, content=b"{not json", headers=json_type)
+    assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
+    missing = served.post(CMPL, {"model": "other", "prompt": [1]})
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"  # as vLLM answers
+    monkeypatch.setitem(served.ctx.core.features, "explicit_ids", False)
+    response = served.post(CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [2]})
+    assert response.status_code == 400 and "does not support logprob_token_ids" in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as caught:  # the official client sees the same envelope
+        served.client.completions.create(model="toy", prompt=[1], logprobs=30)
+    assert caught.value.body["param"] == "logprobs"
+
+
+# -- lifecycle: disconnects, concurrency, bounded queues ---------------------------------------------
+@pytest.fixture
+def slow_engine(served, monkeypatch):
+    """Steps take 10 ms and cancels are recorded, so a long request is still running when its client leaves."""
+    engine, cancelled = served.ctx.engine.engine, []
+    monkeypatch.setattr(engine, "step", lambda step=engine.step: time.sleep(0.01) or step())
+    monkeypatch.setattr(engine, "cancel", lambda rid, cancel=engine.cancel: cancelled.append(rid) or cancel(rid))
+    return cancelled
+
+
+def test_disconnect_mid_stream_frees_the_slot(served, slow_engine):
+    body = {"prompt": [1], "max_tokens": 5000, "logprobs": 2, "stream": True}
+    with httpx.stream("POST", served.url + CMPL, json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert served.ctx.engine.load()["running"] == 1
+    load = served.wait_idle()
+    assert load["free_slots"] == 4 and len(slow_engine) == 1 and slow_engine[0].startswith("cmpl-")
+
+
+def test_disconnect_while_waiting_for_a_full_response(served, slow_engine):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + CHAT, json={"messages": USER, "max_tokens": 5000}, timeout=0.5)
+    served.wait_idle()
+    assert len(slow_engine) == 1 and slow_engine[0].startswith("chatcmpl-")
+
+
+def test_concurrent_requests_all_complete_correctly(served):
+    starts = list(range(40, 72))
+    expected = served.reference.generate([Request([t], max_tokens=8, logprobs=2) for t in starts])
+    client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0)
+
+    async def one(index: int, start: int):
+        if index % 2:
+            chunks = [c async for c in await client.completions.create(
+                model="toy", prompt=[start], max_tokens=8, logprobs=2, stream=True)]
+            return merge_completion_chunks([c.model_dump() for c in chunks])
+        return (await client.completions.create(model="toy", prompt=[start], max_tokens=8, logprobs=2)
+                ).choices[0].model_dump()
+
+    async def everything():
+        return await asyncio.wait_for(asyncio.gather(*(one(i, t) for i, t in enumerate(starts))), timeout=60)
+
+    results = asyncio.run(everything())
+    for got, want in zip(results, expected):
+        assert got["text"] == served.text(want.token_ids)
+        assert got["logprobs"]["token_logprobs"] == [e.logprob for e in want.entries]
+        assert got["logprobs"]["top_logprobs"] == completion_expectation(served, want.entries)["top_logprobs"]
+    served.wait_idle()
+
+
+def test_output_queue_is_bounded_and_coalesces(served):
+    from ignition.runtime.serving_engine import AsyncEngine
+
+    expected = served.generate([9], max_tokens=40, logprobs=1)
+
+    async def run():
+        engine = AsyncEngine(Engine(served.reference.core), queue_capacity=2)
+        engine.start()
+        try:
+            stream = await engine.submit(Request([9], max_tokens=40, logprobs=1, request_id="slow-reader"))
+            state = engine._tracked["slow-reader"].state
+            while state.finish_reason is None:
+                await asyncio.sleep(0.01)  # the whole request runs while nobody reads
+            await asyncio.sleep(0.05)
+            assert stream.queue.qsize() == 2  # bounded: the rest waits in the engine, coalesced
+            entries, finish = [], None
+            while finish is None:
+                delta = await stream.get()
+                entries += delta.entries
+                finish = delta.finish_reason
+            assert (finish, [e.id for e in entries]) == ("length", expected.token_ids)
+            assert [e.logprob for e in entries] == [e.logprob for e in expected.entries]
+            assert engine.load()["tracked"] == 0 and "slow-reader" not in engine.engine.finished
+        finally:
+            engine.stop()
+
+    asyncio.run(run())
+
+
+# -- presentation rules the toy cannot produce: -inf, forced tokens -------------------------------------
+def test_minus_infinity_is_clamped_and_forced_tokens_have_no_entry(served):
+    from ignition.runtime.detokenize import Span
+    from ignition.runtime.openai_protocol import CompletionLogProbs
+    from ignition.runtime.serving_logprobs import Presenter, add_completion_logprobs, chat_logprobs, prompt_logprobs
+
+    presenter, inf = Presenter(served.table), float("-inf")
+    spans = [Span(10, TokenEntry(10, inf, [(11, inf)]), 0), Span(12, TokenEntry(12, None), 1), Span(13, None, 2)]
+    out = CompletionLogProbs()
+    add_completion_logprobs(out, spans, presenter, 5)
+    names = served.table.names
+    assert out.tokens == [names[10], names[13]] and out.text_offset == [5, 7]
+    assert out.token_logprobs == [-9999.0, None] and out.top_logprobs == [{names[10]: -9999.0, names[11]: -9999.0}, None]
+    assert [(c.token, c.logprob, [t.logprob for t in c.top_logprobs]) for c in chat_logprobs(spans, presenter)] == [
+        (names[10], -9999.0, [-9999.0])]
+    rows = prompt_logprobs([None, {"id": 3, "logprob": inf, "rank": 250, "top_logprobs": [{"id": 4, "logprob": inf}]}],
+                           presenter)
+    assert rows[0] is None and (rows[1][3].logprob, rows[1][3].rank, rows[1][4].rank) == (-9999.0, 250, 1)
+
+
+def test_ignition_serve_command(cores):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-c", "from ignition.cli import main; main()", "serve",
+                                str(cores[1]), "--port", str(port), "--served-model-name", "b"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and process.poll() is None, "ignition serve did not come up"
+                time.sleep(0.2)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "b"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -20,9 +20,11 @@ from collections.abc import Mapping
 
 import torch
 
+from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round
+from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.sampling import SamplingTensors, sample, update_output_counts
 from ignition.recipes.config import ModelConfig, kv_cache_shape
 from ignition.recipes.transformer import decode_hidden, lm_head_logits, prefill_hidden
@@ -97,6 +99,9 @@ class PrefillGraph(_DecoderGraph):
     """
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        return self.prefill_chunk(buffers, score=False)
+
+    def prefill_chunk(self, buffers: dict[str, torch.Tensor], score: bool) -> tuple[torch.Tensor]:
         weights = self.weights(buffers)
         chunk_ids = buffers["chunk_input_ids"]  # int64 [C]
         chunk_start, chunk_length = buffers["chunk_start"], buffers["chunk_length"]  # int64 [1]
@@ -105,6 +110,9 @@ class PrefillGraph(_DecoderGraph):
         valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
         hidden = prefill_hidden(weights, self.cfg, chunk_ids, chunk_start, valid_length, slot,
                                 buffers[K_CACHE], buffers[V_CACHE])  # [C, d_model]
+        if score:  # every row scores its next prompt token, projecting 64 hidden rows at a time
+            score_hidden_rows(hidden, buffers[PROMPT_TARGETS], buffers[PROMPT_LOGPROBS], buffers["frame_index"],
+                              lambda rows: lm_head_logits(weights, self.cfg, rows), self.vocab_size)
         last_row = (chunk_length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
         raw_logits = lm_head_logits(weights, self.cfg, hidden.index_select(0, last_row))  # [1, vocab_padded]
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
@@ -125,3 +133,14 @@ class PrefillGraph(_DecoderGraph):
             0, chunk_ids.clamp(0, width - 1), valid.to(penalty.dtype))  # [V]
         history[:, PROMPT_PLANE] += hits  # history is a fresh tensor (torch.where), not a view of the state
         penalty.index_put_((safe_slot,), history)
+
+
+class ScoredPrefillGraph(PrefillGraph):
+    """``scored.t{C}`` (SCORED_PREFILL): prefill that also writes ``prompt_logprobs[frame, :C]``.
+
+    It advances exactly the same KV and penalty state as ``PrefillGraph`` and may sample the
+    final chunk's next token through the completion contract.
+    """
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        return self.prefill_chunk(buffers, score=True)

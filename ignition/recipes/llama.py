@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.buffers import LANE_INPUTS
-from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity
+from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
@@ -26,7 +26,8 @@ from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, Recip
                                    weight_arguments)
 from ignition.recipes.checkpoint import ARCHITECTURES, CONFIG_FILE, CheckpointError, open_checkpoint, read_config
 from ignition.recipes.config import ModelConfig, load_weights
-from ignition.recipes.graphs import DecodeGraph, PrefillGraph, state_declarations
+from ignition.components.prompt_scoring import prompt_arguments
+from ignition.recipes.graphs import DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
 
 RECIPE_FAMILIES = {"qwen3": "qwen3", "llama": "llama"}
 """Recipe name -> the ModelConfig family (HF architecture) it accepts."""
@@ -60,6 +61,12 @@ def build(options: ExportOptions) -> RecipeBuild:
                          PrefillGraph(cfg, cfg.vocab_size, k))]
     graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.logprobs),
                           DecodeGraph(cfg, cfg.vocab_size, k)) for capacity in options.capacities]
+    if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
+        if not options.logprobs:
+            raise RecipeError("--prompt-logprobs requires the K=20 generation logprob outputs (drop --no-logprobs)")
+        graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, True, scored=True),
+                              ScoredPrefillGraph(cfg, cfg.vocab_size, k))
+                   for capacity in scored_capacities(options.chunk_limit)]
     return RecipeBuild(
         recipe=options.recipe,
         model={"architecture": config["architectures"][0], "hidden_size": cfg.hidden_size,
@@ -90,13 +97,22 @@ def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int, 
                    bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
 
 
-def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int, logprobs: bool) -> Variant:
-    """``prefill.t{C}``: weights, state, lane inputs (capacity 1), chunk inputs, sampling inputs, bundle."""
+def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int, logprobs: bool,
+                    scored: bool = False) -> Variant:
+    """``prefill.t{C}``: weights, state, lane inputs (capacity 1), chunk inputs, sampling inputs, bundle.
+
+    ``scored``: ``scored.t{C}`` (SCORED_PREFILL, capacity C) adds the prompt-scoring buffers.
+    """
     lanes, lane_bindings = spec_arguments(PREFILL_LANE_INPUTS, capacity=1)
     chunk, chunk_bindings = chunk_arguments(chunk_limit)
     sampling, sampling_bindings = sampling_arguments(1)
     outputs, output_bindings, layout = completion_arguments(1, token_capacity, logprobs)
-    return Variant(name=f"prefill.t{chunk_limit}", operation=Operation.PREFILL, capacity=1,
+    if scored:
+        prompt, prompt_bindings, layout["prompt_logprobs"] = prompt_arguments(chunk_limit)
+        outputs, output_bindings = outputs + prompt, output_bindings | prompt_bindings
+    return Variant(name=f"{'scored' if scored else 'prefill'}.t{chunk_limit}",
+                   operation=Operation.SCORED_PREFILL if scored else Operation.PREFILL,
+                   capacity=chunk_limit if scored else 1,
                    arguments=fixed + lanes + chunk + sampling + outputs, returns=next_tokens_return(1),
                    bindings=lane_bindings | chunk_bindings | sampling_bindings | output_bindings, layout=layout)
 
