@@ -58,3 +58,33 @@ def test_compile_errors_name_the_package(tmp_path, monkeypatch) -> None:
     program = torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),))
     with pytest.raises(CompileError, match=r"x\.aoti\.pt2: --compile inductor needs a C\+\+ compiler"):
         compile_inductor(program, tmp_path / "x.aoti.pt2")
+
+
+def test_export_compile_inductor_packages_are_validated_and_preferred(tmp_path):
+    """--compile inductor stores a package per variant beside its .pt2; the loader prefers it."""
+    import json
+
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+    from ignition.validate.core import validate_core
+
+    out = tmp_path / "compiled"
+    timings = export_core(ExportOptions(recipe="toy", capacities=(1,), chunk_limit=8, compile="inductor"), out)
+    assert [t for t in timings if t.startswith("compile:")] == ["compile:decode.c1", "compile:prefill.t8"]
+    catalog = json.loads((out / "catalog.json").read_text())
+    assert [v["packages"] for v in catalog["variants"]] == [{"inductor": "graphs/decode.c1.aoti.pt2"},
+                                                             {"inductor": "graphs/prefill.t8.aoti.pt2"}]
+    assert validate_core(out).ok
+    compiled, portable = load_core(out), load_core(out, prefer_compiled=False)
+    assert not isinstance(compiled.variants["decode.c1"].run, torch.fx.GraphModule)
+    request = Request([3, 4, 5], max_tokens=5, logprobs=4)
+    (a,), (b,) = Engine(compiled).generate([request]), Engine(portable).generate([request])
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.entries, b.entries):
+        assert [i for i, _ in x.top] == [i for i, _ in y.top]
+        assert abs(x.logprob - y.logprob) < 1e-5  # fused kernels round differently (< 1e-6 seen)
+    (out / "graphs" / "decode.c1.aoti.pt2").write_bytes(b"tampered")
+    assert "FILE-HASH" in {v.rule for v in validate_core(out, check_graphs=False).violations}

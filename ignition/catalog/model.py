@@ -63,6 +63,7 @@ class Variant:
     bindings: dict[str, ValueSource]  # INPUT argument name -> value source
     layout: dict  # requested output layout (see docs/api.md "Semantic contract")
     launches: list[str] = field(default_factory=list)  # prepared kernel keys
+    packages: dict[str, str] = field(default_factory=dict)  # additional compiled targets, e.g. {"inductor": path}
 
     @property
     def graph_file(self) -> str:
@@ -81,4 +82,4 @@ class Variant:
             "returns": [r.to_json() for r in self.returns],
             "contract": {"layout": self.layout, "bindings": {k: int(v) for k, v in self.bindings.items()}},
             "launches": list(self.launches),
-        }
+        } | ({"packages": dict(self.packages)} if self.packages else {})

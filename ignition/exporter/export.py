@@ -101,6 +101,14 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
                     raise ExportError(f"variant {graph.variant.name}: {mismatch}")
             torch.export.save(program, staging / graph.variant.graph_file)
             timings[f"capture:{graph.variant.name}"] = time.perf_counter() - started
+            if options.compile == "inductor":  # after kernel preparation; the reduction stays one opaque op
+                from ignition.exporter.compile import compile_inductor, package_path
+                started = time.perf_counter()
+                progress("compile", graph.variant.name)
+                package = package_path(Path(graph.variant.graph_file)).as_posix()
+                compile_inductor(program, staging / package)
+                graph.variant.packages["inductor"] = package
+                timings[f"compile:{graph.variant.name}"] = time.perf_counter() - started
 
         started = time.perf_counter()
         progress("write", str(out))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,7 +92,20 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(file))
 
 
-def load_core(path: str | Path, device: str = "cpu") -> LoadedCore:
+def _load_runnable(root: Path, entry: dict, prefer_compiled: bool):
+    """The variant's AOTInductor package when the core has one (preferred), else its torch.export program."""
+    package = entry.get("packages", {}).get("inductor")
+    if package is not None and prefer_compiled:
+        from ignition.exporter.compile import load_compiled
+        try:
+            return load_compiled(root / package)
+        except Exception as exc:  # a package built for another machine: the portable program still runs
+            warnings.warn(f"variant {entry['name']}: cannot load {package} ({type(exc).__name__}: {exc}); "
+                          f"using {entry['graph']}", stacklevel=3)
+    return torch.export.load(str(root / entry["graph"])).module()
+
+
+def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = True) -> LoadedCore:
     """Validate the core (refusing an invalid one with the validator's findings), then load it."""
     root = Path(path)
     report = validate_core(root)
@@ -111,11 +125,11 @@ def load_core(path: str | Path, device: str = "cpu") -> LoadedCore:
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        program = torch.export.load(str(root / entry["graph"]))
+        run = _load_runnable(root, entry, prefer_compiled)
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
-            layout=entry["contract"]["layout"], run=program.module(), buffers=buffers)
+            layout=entry["contract"]["layout"], run=run, buffers=buffers)
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=_load_tokenizer(root))
 

@@ -82,6 +82,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool) -> None:
     variants = catalog["variants"]
     named = {manifest["catalog"]: "manifest.json:catalog", manifest["weights"]: "manifest.json:weights"}
     named |= {v["graph"]: f"variant {v['name']}" for v in variants}
+    named |= {path: f"variant {v['name']}: packages.{kind}" for v in variants for kind, path in v.get("packages", {}).items()}
     if manifest["kernels"] is not None:
         named[manifest["kernels"]] = "manifest.json:kernels"
     report.violations += check_catalog(manifest, catalog)
