@@ -111,8 +111,8 @@ def main() -> None:
         lat = latencies[name]
         print(f"{name:<14}{len(lat):>10}{len(lat) / walls[name]:>10.2f}{1e3 * percentile(lat, 0.5):>10.1f}"
               f"{1e3 * percentile(lat, 0.99):>10.1f}{1e3 * statistics.fmean(lat):>10.1f}")
-    ratio = (len(latencies["logprobs=5"]) / walls["logprobs=5"]) / (len(latencies["no logprobs"]) / walls["no logprobs"])
-    print(f"throughput with logprobs=5 / without: {ratio:.2f}x")
+    rates = {name: len(latencies[name]) / walls[name] for name in modes}
+    print(f"throughput with logprobs=5 / without: {rates['logprobs=5'] / rates['no logprobs']:.2f}x")
 
 
 if __name__ == "__main__":

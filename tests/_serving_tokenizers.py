@@ -12,7 +12,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{%
 # a literal U+FFFD is frequent enough to become one token of its own.
 CORPUS = ["the cat sat on the mat. héllo wörld, naïve café, zürich, señor",
           "price: €100 — 中文 字 人 国 😀 😃 ∑ ≈ → ü ñ ç ø å ß",
-          "\ufffd\ufffd broken \ufffd text \ufffd", "ελληνικά кириллица עברית العربية"] * 10
+          "\ufffd\ufffd broken \ufffd text \ufffd",
+          "ελληνικά кириллица עברית العربية"] * 10
 
 
 def _train(model, pre_tokenizer, decoder, normalizer, vocab_size: int):

@@ -96,6 +96,7 @@ class Served:
             time.sleep(0.01)
 
     def close(self):
+        self.client.close()
         self.server.should_exit = True
         self.thread.join(timeout=10)
 
@@ -362,7 +363,8 @@ def test_stop_string_keeps_contributing_tokens_only(served, stream):
         chain = served.chain(start, 12)
         text, offsets, pieces = served.text(chain), offsets_oracle(served.pieces(chain)), served.pieces(chain)
         for i in range(2, 11):
-            if pieces[i].decode("utf-8", "replace") == pieces[i].decode("utf-8", "ignore") and len(pieces[i].decode()) > 1:
+            valid = pieces[i].decode("utf-8", "replace") == pieces[i].decode("utf-8", "ignore")
+            if valid and len(pieces[i].decode()) > 1:
                 stop_at = offsets[i] + 1
                 if text.find(text[stop_at:stop_at + 2]) == stop_at:
                     return chain, text, offsets, stop_at
@@ -411,7 +413,8 @@ REJECTIONS = [  # (server, path, body, param, message part)
     ("served", CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
     ("served", CMPL, {"prompt": [1], "logprob_token_ids": [1]}, "logprob_token_ids", "`logprobs` must be set"),
     ("served", CHAT, {"messages": USER, "logprob_token_ids": [1]}, "logprob_token_ids", "must be set to true"),
-    ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [3, 3]}, "logprob_token_ids", "duplicate id 3"),
+    ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [3, 3]}, "logprob_token_ids",
+     "duplicate id 3"),
     ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [250]}, "logprob_token_ids", "outside"),
     ("served", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": list(range(129))}, "logprob_token_ids",
      "1 to 128 ids, got 129"),
@@ -525,7 +528,8 @@ def test_concurrent_requests_all_complete_correctly(served):
                 ).choices[0].model_dump()
 
     async def everything():
-        return await asyncio.wait_for(asyncio.gather(*(one(i, t) for i, t in enumerate(starts))), timeout=60)
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(i, t) for i, t in enumerate(starts))), timeout=60)
 
     results = asyncio.run(everything())
     for got, want in zip(results, expected):
@@ -576,7 +580,8 @@ def test_minus_infinity_is_clamped_and_forced_tokens_have_no_entry(served):
     add_completion_logprobs(out, spans, presenter, 5)
     names = served.table.names
     assert out.tokens == [names[10], names[13]] and out.text_offset == [5, 7]
-    assert out.token_logprobs == [-9999.0, None] and out.top_logprobs == [{names[10]: -9999.0, names[11]: -9999.0}, None]
+    assert out.token_logprobs == [-9999.0, None]
+    assert out.top_logprobs == [{names[10]: -9999.0, names[11]: -9999.0}, None]
     assert [(c.token, c.logprob, [t.logprob for t in c.top_logprobs]) for c in chat_logprobs(spans, presenter)] == [
         (names[10], -9999.0, [-9999.0])]
     rows = prompt_logprobs([None, {"id": 3, "logprob": inf, "rank": 250, "top_logprobs": [{"id": 4, "logprob": inf}]}],

@@ -260,8 +260,9 @@ class Engine:
                 return
             state.generated.append(token)
             state.entries.append(entry)
+        state.prefilled = record.sequence_length  # the KV now holds everything before the newest token
         if record.finish_reason is FinishReason.LENGTH or len(state.generated) >= request.max_tokens:
             self._finish(state, "length")
 
 
-__all__ = ["Engine", "Result", "np"]
+__all__ = ["Engine", "Result"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
@@ -12,11 +11,11 @@ from fastapi.responses import Response
 from ignition.runtime.detokenize import TextStream
 from ignition.runtime.openai_protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, UsageInfo,
-                                              random_id)
+                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
 from ignition.runtime.serving_common import (ApiError, EngineStreamingResponse, GenerationError, RequestOutput,
-                                             ServerContext, build_request, collect, error_event, sse, until_disconnect)
-from ignition.runtime.serving_logprobs import Presenter, chat_logprobs, prompt_logprobs
+                                             ResponseView, ServerContext, build_request, collect, error_event, sse,
+                                             until_disconnect)
+from ignition.runtime.serving_logprobs import chat_logprobs, prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
 
@@ -70,7 +69,8 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
     try:
         rendered = _compiled(template).render(
             messages=messages, add_generation_prompt=body.add_generation_prompt,
-            bos_token=_special(ctx.tokenizer_config, "bos_token"), eos_token=_special(ctx.tokenizer_config, "eos_token"),
+            bos_token=_special(ctx.tokenizer_config, "bos_token"),
+            eos_token=_special(ctx.tokenizer_config, "eos_token"),
             **(body.chat_template_kwargs or {}))
     except (TemplateError, ValueError, TypeError) as exc:
         raise ApiError(f"the chat template failed: {exc}", "messages") from exc
@@ -100,27 +100,22 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
                             logprobs=top if body.logprobs else None, prompt_logprobs=body.prompt_logprobs)
     text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
                       include_stop=body.include_stop_str_in_output)
+    view = _ChatView(ctx, body, request.request_id, prompt_ids)
     output = RequestOutput(ctx.engine, await ctx.engine.submit(request), text)
-    as_ids = body.return_tokens_as_token_ids if body.return_tokens_as_token_ids is not None else not ctx.table.has_tokenizer
-    view = _ChatView(ctx, body, request.request_id, prompt_ids, Presenter(ctx.table, as_ids))
     if body.stream:
         return EngineStreamingResponse(view.stream(output), output)
-    return await until_disconnect(http, view.full(output))
+    return await until_disconnect(http, view.full(output), output)
 
 
-class _ChatView:
-    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
-                 presenter: Presenter):
-        self.ctx, self.body, self.request_id, self.prompt_ids, self.presenter = ctx, body, request_id, prompt_ids, presenter
-        self.created = int(time.time())
+class _ChatView(ResponseView):
+    """Turns released pieces into Chat responses for one request."""
+
+    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, request_id: str, prompt_ids: list[int]):
+        super().__init__(ctx, body, request_id, prompt_ids)
         last = body.messages[-1]
         self.role = "assistant" if body.add_generation_prompt else last.get("role", "assistant")
         # echo: the last message is continued when it has the response's role (synthetic text: no token entries)
         self.echo = _text_content(last, len(body.messages) - 1) if body.echo and last.get("role") == self.role else ""
-
-    def _usage(self, generated: int) -> UsageInfo:
-        return UsageInfo(prompt_tokens=len(self.prompt_ids), completion_tokens=generated,
-                         total_tokens=len(self.prompt_ids) + generated)
 
     async def full(self, output: RequestOutput) -> Response:
         texts, spans, scores, last = await collect(output)
@@ -132,7 +127,8 @@ class _ChatView:
             token_ids=[s.token_id for s in spans] if body.return_token_ids else None)
         response = ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.ctx.model_name, choices=[choice],
-            usage=self._usage(last.generated), prompt_logprobs=prompt_logprobs(scores, self.presenter) if scores else None,
+            usage=self.usage(last.generated),
+            prompt_logprobs=prompt_logprobs(scores, self.presenter) if scores else None,
             prompt_token_ids=self.prompt_ids if body.return_token_ids else None)
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -164,8 +160,8 @@ class _ChatView:
                                   piece.finish_reason, piece.stop_reason,
                                   [s.token_id for s in piece.spans] if body.return_token_ids else None)
             if options is not None and options.include_usage:
-                final = ChatCompletionStreamResponse(id=self.request_id, created=self.created,
-                                                     model=self.ctx.model_name, choices=[], usage=self._usage(generated))
+                final = ChatCompletionStreamResponse(id=self.request_id, created=self.created, choices=[],
+                                                     model=self.ctx.model_name, usage=self.usage(generated))
                 yield sse(final.model_dump_json(exclude_unset=True, exclude_none=True))
         except GenerationError as exc:
             yield error_event(exc)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
@@ -12,9 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ignition.runtime.core import LoadedCore
 from ignition.runtime.detokenize import Span, TextStream, TokenTable
-from ignition.runtime.openai_protocol import UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields
+from ignition.runtime.openai_protocol import UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields, UsageInfo
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
 from ignition.runtime.serving_engine import AsyncEngine, RequestStream
+from ignition.runtime.serving_logprobs import Presenter
 
 
 class ApiError(Exception):
@@ -97,6 +99,20 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
     return request
 
 
+class ResponseView:
+    """What every response of one request needs: ids, token presentation, usage."""
+
+    def __init__(self, ctx: ServerContext, body: GenerationFields, request_id: str, prompt_ids: list[int]):
+        self.ctx, self.body, self.request_id, self.prompt_ids = ctx, body, request_id, prompt_ids
+        self.created = int(time.time())
+        as_ids = body.return_tokens_as_token_ids
+        self.presenter = Presenter(ctx.table, not ctx.table.has_tokenizer if as_ids is None else as_ids)
+
+    def usage(self, generated: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=len(self.prompt_ids), completion_tokens=generated,
+                         total_tokens=len(self.prompt_ids) + generated)
+
+
 @dataclass(slots=True)
 class Piece:
     """Released output: text and its token spans, new prompt scores, and the finish when it is the last piece."""
@@ -150,22 +166,21 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
-async def until_disconnect(http: HttpRequest, work) -> Response:
-    """Run a non-streaming handler; a client disconnect cancels it (and so its engine request)."""
+async def until_disconnect(http: HttpRequest, work, output: RequestOutput) -> Response:
+    """Run a non-streaming handler; a client disconnect cancels it and its engine request."""
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(http))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+        if task in done:
+            return task.result()
         task.cancel()
-        raise
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nobody reads it: the client is gone
     finally:
         watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return Response(status_code=499)  # nobody reads it: the client is gone
+        task.cancel()
+        output.close()  # a no-op once the request finished
 
 
 def sse(payload: str) -> str:
@@ -203,6 +218,4 @@ async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[di
             last = piece
     except GenerationError as exc:
         raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
-    finally:
-        output.close()
     return texts, spans, scores, last

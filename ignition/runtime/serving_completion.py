@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from ignition.runtime.detokenize import Release, TextStream, decode_all
 from ignition.runtime.openai_protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                               CompletionResponseChoice, CompletionResponseStreamChoice,
-                                              CompletionStreamResponse, UsageInfo, random_id)
+                                              CompletionStreamResponse, random_id)
 from ignition.runtime.serving_common import (ApiError, EngineStreamingResponse, GenerationError, RequestOutput,
-                                             ServerContext, build_request, collect, error_event, sse, until_disconnect)
-from ignition.runtime.serving_logprobs import Presenter, add_completion_logprobs, prompt_entry, prompt_logprobs
+                                             ResponseView, ServerContext, build_request, collect, error_event, sse,
+                                             until_disconnect)
+from ignition.runtime.serving_logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) Completions default
 
@@ -52,21 +51,18 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
                             prompt_logprobs=prompt_scores)
     text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
                       include_stop=body.include_stop_str_in_output)
+    view = _CompletionView(ctx, body, request.request_id, prompt_ids)
     output = RequestOutput(ctx.engine, await ctx.engine.submit(request), text)
-    as_ids = body.return_tokens_as_token_ids if body.return_tokens_as_token_ids is not None else not ctx.table.has_tokenizer
-    view = _CompletionView(ctx, body, request.request_id, prompt_ids, Presenter(ctx.table, as_ids))
     if body.stream:
         return EngineStreamingResponse(view.stream(output), output)
-    return await until_disconnect(http, view.full(output))
+    return await until_disconnect(http, view.full(output), output)
 
 
-class _CompletionView:
+class _CompletionView(ResponseView):
     """Turns released pieces into Completions responses for one request."""
 
-    def __init__(self, ctx: ServerContext, body: CompletionRequest, request_id: str, prompt_ids: list[int],
-                 presenter: Presenter):
-        self.ctx, self.body, self.request_id, self.prompt_ids, self.presenter = ctx, body, request_id, prompt_ids, presenter
-        self.created = int(time.time())
+    def __init__(self, ctx: ServerContext, body: CompletionRequest, request_id: str, prompt_ids: list[int]):
+        super().__init__(ctx, body, request_id, prompt_ids)
         self.echo: Release | None = None
         if body.echo:  # the detokenized prompt; its offsets start the response's text
             self.echo = decode_all(ctx.table, prompt_ids, skip_special=body.skip_special_tokens,
@@ -77,10 +73,6 @@ class _CompletionView:
         for span, score in zip(self.echo.spans, scores):
             span.payload = prompt_entry(score)
         add_completion_logprobs(out, self.echo.spans, self.presenter, 0)
-
-    def _usage(self, generated: int) -> UsageInfo:
-        return UsageInfo(prompt_tokens=len(self.prompt_ids), completion_tokens=generated,
-                         total_tokens=len(self.prompt_ids) + generated)
 
     async def full(self, output: RequestOutput) -> Response:
         texts, spans, scores, last = await collect(output)
@@ -98,7 +90,7 @@ class _CompletionView:
             token_ids=[s.token_id for s in spans] if body.return_token_ids else None,
             prompt_token_ids=self.prompt_ids if body.return_token_ids else None)
         response = CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                      choices=[choice], usage=self._usage(last.generated))
+                                      choices=[choice], usage=self.usage(last.generated))
         return Response(response.model_dump_json(), media_type="application/json")
 
     async def stream(self, output: RequestOutput):
@@ -131,11 +123,11 @@ class _CompletionView:
                 chunk = CompletionStreamResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
                                                  choices=[choice])
                 if options is not None and options.continuous_usage_stats:
-                    chunk.usage = self._usage(generated)
+                    chunk.usage = self.usage(generated)
                 yield sse(chunk.model_dump_json(exclude_unset=True))
             if options is not None and options.include_usage:
                 final = CompletionStreamResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                                 choices=[], usage=self._usage(generated))
+                                                 choices=[], usage=self.usage(generated))
                 yield sse(final.model_dump_json(exclude_none=True))
         except GenerationError as exc:
             yield error_event(exc)

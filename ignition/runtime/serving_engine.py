@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ignition.runtime.engine import Engine, RequestState
 from ignition.runtime.frames import TokenEntry
-from ignition.runtime.requests import AdmissionError, Request
+from ignition.runtime.requests import Request
 
 log = logging.getLogger("ignition.serve")
 
@@ -88,14 +88,18 @@ class AsyncEngine:
         self._thread.join(timeout=10)
 
     async def submit(self, request: Request) -> RequestStream:
-        """Admit a request; AdmissionError is raised here, before anything is sent to the client."""
+        """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
         if self.dead is not None:
             raise EngineStopped(f"the engine stopped: {self.dead}")
         stream = RequestStream(request.request_id, asyncio.get_running_loop(), self._wakeup.set, self.queue_capacity)
         admitted: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("submit", request, stream, admitted))
         self._wakeup.set()
-        await asyncio.wrap_future(admitted)
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:  # the handler went away while waiting: the request must not run on
+            self.cancel(request.request_id)
+            raise
         return stream
 
     def cancel(self, request_id: str) -> None:
@@ -137,7 +141,7 @@ class AsyncEngine:
                     continue
                 try:
                     request_id = self.engine.submit(payload)
-                except AdmissionError as exc:
+                except Exception as exc:  # AdmissionError (a 400), or a loader bug: the handler reports it
                     admitted.set_exception(exc)
                     continue
                 self._tracked[request_id] = _Tracked(stream, self.engine.state(request_id))
@@ -161,9 +165,14 @@ class AsyncEngine:
                 del self._tracked[request_id]
                 self.engine.finished.pop(request_id, None)
             stream.scheduled += 1
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            except RuntimeError:  # the handler's event loop is closed: nobody will read this request
+                self._tracked.pop(request_id, None)
+                self.engine.cancel(request_id)
+                self.engine.finished.pop(request_id, None)
 
-    # -- introspection (tests, /health) ------------------------------------------------------
+    # -- introspection ---------------------------------------------------------------------
     def load(self) -> dict[str, int]:
         engine = self.engine
         return {"running": len(engine.running), "waiting": len(engine.waiting),
