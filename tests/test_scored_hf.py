@@ -93,3 +93,19 @@ def test_preempted_and_readmitted_mid_prompt(setup):
     for a, b in zip(result.prompt_entries[1:], alone.prompt_entries[1:]):
         assert abs(a["logprob"] - b["logprob"]) < TOL
     assert result.token_ids == alone.token_ids and engine.result(other).finish_reason == "length"
+
+
+def test_loader_generation_matches_transformers_teacher_forced(setup):
+    """Greedy tokens equal HF's; each position's logprob and top-5 equal log_softmax of HF's logits."""
+    hf, core = setup
+    prompts = [[(5 * i + 1) % VOCAB for i in range(40)], [(3 * i + 2) % VOCAB for i in range(9)]]
+    results = Engine(core).generate([Request(p, max_tokens=12, logprobs=5, ignore_eos=True) for p in prompts])
+    for prompt, result in zip(prompts, results):
+        oracle = hf_values(hf, prompt + result.token_ids)  # teacher forcing over the generated text
+        for step, (token, entry) in enumerate(zip(result.token_ids, result.entries)):
+            row = oracle[len(prompt) + step - 1]
+            assert token == int(row.argmax())
+            assert abs(entry.logprob - row[token].item()) < TOL
+            values = torch.tensor([v for _, v in entry.top], dtype=torch.float64)
+            torch.testing.assert_close(values, torch.sort(row, descending=True).values[:5], atol=TOL, rtol=0)
+            torch.testing.assert_close(values, row[[i for i, _ in entry.top]], atol=TOL, rtol=0)
