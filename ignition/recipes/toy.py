@@ -34,42 +34,35 @@ def batch_invariant_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch
     return (hidden.float().unsqueeze(1) * lm_head.float().unsqueeze(0)).sum(dim=-1)
 
 
-class ToyDecode(torch.nn.Module):
+class ToyGraph(torch.nn.Module):
+    """Greedy sampling from the bigram logits of ``token_ids``, then the shared commit."""
+
     def __init__(self, vocab_size: int, k: int):
         super().__init__()
         self.vocab_size, self.k = vocab_size, k
 
-    def forward(self, buffers: dict[str, torch.Tensor]):
+    def commit(self, buffers, token_ids, operation, sequence_lengths, emits=None):
         embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
-        token_ids = buffers["input_ids"].clamp(0, embedding.shape[0] - 1)
-        hidden = embedding[token_ids]  # [capacity, hidden]
-        logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [capacity, vocab_padded]
+        hidden = embedding[token_ids.clamp(0, embedding.shape[0] - 1)]  # [rows, hidden]
+        logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [rows, vocab_padded]
         sampled = logits[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
-        tokens = commit_sampling_round(buffers, logits, sampled, operation=Operation.DECODE,
-                                       vocab_size=self.vocab_size, k=self.k,
-                                       sequence_lengths=buffers["positions"] + 1)
-        return (tokens,)
+        return (commit_sampling_round(buffers, logits, sampled, operation=operation, vocab_size=self.vocab_size,
+                                      k=self.k, sequence_lengths=sequence_lengths, emits=emits),)
 
 
-class ToyPrefill(torch.nn.Module):
+class ToyDecode(ToyGraph):
+    def forward(self, buffers: dict[str, torch.Tensor]):
+        return self.commit(buffers, buffers["input_ids"], Operation.DECODE, buffers["positions"] + 1)
+
+
+class ToyPrefill(ToyGraph):
     """One request's prompt chunk: the bigram needs only the last valid row's token."""
 
-    def __init__(self, vocab_size: int, k: int):
-        super().__init__()
-        self.vocab_size, self.k = vocab_size, k
-
     def forward(self, buffers: dict[str, torch.Tensor]):
-        embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
         chunk = buffers["chunk_input_ids"]  # [C]
         last_row = (buffers["chunk_length"] - 1).clamp(0, chunk.shape[0] - 1)  # [1]
-        token_ids = chunk.index_select(0, last_row).clamp(0, embedding.shape[0] - 1)
-        logits = batch_invariant_logits(embedding[token_ids], lm_head)  # raw logits: [1, vocab_padded]
-        sampled = logits[:, :self.vocab_size].argmax(dim=1)
-        tokens = commit_sampling_round(buffers, logits, sampled, operation=Operation.PREFILL,
-                                       vocab_size=self.vocab_size, k=self.k,
-                                       sequence_lengths=buffers["chunk_start"] + buffers["chunk_length"],
-                                       emits=buffers["chunk_emits"] != 0)
-        return (tokens,)
+        return self.commit(buffers, chunk.index_select(0, last_row), Operation.PREFILL,
+                           buffers["chunk_start"] + buffers["chunk_length"], emits=buffers["chunk_emits"] != 0)
 
 
 class ToyScoredPrefill(ToyPrefill):
