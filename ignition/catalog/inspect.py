@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from ignition.catalog.buffers import PROMPT_BUFFERS
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl
 
@@ -25,7 +26,7 @@ def scoring_cost(report, budget: int | None) -> dict:
     """Fixed bytes the --prompt-logprobs flag adds, and the KV capacity it displaces under a budget."""
     scored = [v for v in report.catalog["variants"] if v["operation"] == Operation.SCORED_PREFILL]
     buffers = sum(BufferDecl.from_json(a).nbytes for v in scored for a in v["arguments"]
-                  if a["name"] in ("prompt_logprobs", "prompt_target_tokens"))
+                  if a["name"] in {spec.name for spec in PROMPT_BUFFERS})
     graphs = sum((report.path / v["graph"]).stat().st_size for v in scored if (report.path / v["graph"]).is_file())
     cost = {"prompt_scoring_buffer_bytes": buffers, "prompt_scoring_graph_bytes": graphs,
             "kv_bytes_per_token": kv_bytes_per_token(report.manifest)}

@@ -15,7 +15,7 @@ from ignition.catalog.model import BufferDecl
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round
 from ignition.components.prompt_scoring import prompt_arguments, score_hidden_rows
-from ignition.catalog.buffers import CHUNK_INPUTS
+from ignition.catalog.buffers import CHUNK_INPUTS, PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, completion_arguments,
                                    lane_arguments, spec_arguments, weight_arguments)
 
@@ -71,7 +71,7 @@ class ToyScoredPrefill(ToyPrefill):
     def forward(self, buffers: dict[str, torch.Tensor]):
         embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
         chunk = buffers["chunk_input_ids"].clamp(0, embedding.shape[0] - 1)  # [C]
-        score_hidden_rows(embedding[chunk], buffers["prompt_target_tokens"], buffers["prompt_logprobs"],
+        score_hidden_rows(embedding[chunk], buffers[PROMPT_TARGETS], buffers[PROMPT_LOGPROBS],
                           buffers["frame_index"], lambda rows: batch_invariant_logits(rows, lm_head), self.vocab_size)
         return super().forward(buffers)
 

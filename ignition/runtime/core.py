@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
+from ignition.catalog.buffers import RECORDS
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.model import BufferDecl
 from ignition.validate.core import validate_core
@@ -35,7 +36,7 @@ class LoadedVariant:
     @property
     def lanes(self) -> int:
         """Lanes per submission: the capacity of a decode variant, one for the prefill family."""
-        records = self.buffers.get("completion_records")
+        records = self.buffers.get(RECORDS)
         return records.shape[1] if records is not None else self.capacity
 
     def owned_bytes(self, role: Role) -> int:

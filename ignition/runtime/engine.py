@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ignition.catalog.buffers import PROMPT_LOGPROBS
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
 from ignition.runtime.core import LoadedCore, LoadedVariant
@@ -193,7 +194,7 @@ class Engine:
         state, plan = lane.state, lane.chunk
         if not state.prompt_entries:
             state.prompt_entries.append(None)  # position 0 has no score
-        rows = variant.buffers["prompt_logprobs"][frame, :len(plan.tokens)].numpy()  # host copy of this chunk only
+        rows = variant.buffers[PROMPT_LOGPROBS][frame, :len(plan.tokens)].numpy()  # host copy of this chunk only
         wanted = state.request.prompt_logprobs
         for j, row in enumerate(rows):
             position = plan.start + j + 1
