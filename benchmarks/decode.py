@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: OpenMP spinning makes 2-thread timings erratic on a shared machine)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also measure a core exported with --compile inductor (AOTInductor, ~1 min extra)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -73,6 +75,11 @@ def main() -> None:
         print(f"loader, buffers present, no request {tokens / t_none:8.1f} tok/s")
         print(f"loader, core without logprob buffers {tokens / t_absent:8.1f} tok/s   "
               f"cost of present-but-unused buffers {t_none / t_absent:.3f}x")
+        if args.compile:
+            compiled = load_core(export(checkpoint, tmp / "aoti", compile="inductor", capacities=(args.batch,),
+                                        max_seq_len=256, chunk_limit=64))
+            t_aoti = best_of(lambda: ours(compiled, 5), args.repeats)
+            print(f"loader, AOTInductor core, logprobs=5 {tokens / t_aoti:8.1f} tok/s   ratio ours/HF {t_hf / t_aoti:.2f}x")
 
 
 if __name__ == "__main__":
