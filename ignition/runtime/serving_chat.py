@@ -8,13 +8,11 @@ import json
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from ignition.runtime.detokenize import TextStream
 from ignition.runtime.openai_protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
-from ignition.runtime.serving_common import (ApiError, EngineStreamingResponse, GenerationError, RequestOutput,
-                                             ResponseView, ServerContext, build_request, collect, error_event, sse,
-                                             until_disconnect)
+from ignition.runtime.serving_common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
+                                             build_request, collect, error_event, respond, sse)
 from ignition.runtime.serving_logprobs import chat_logprobs, prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
@@ -98,13 +96,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
     request = build_request(ctx, body, prompt_ids, random_id("chatcmpl"), max_tokens=max_tokens,
                             logprobs=top if body.logprobs else None, prompt_logprobs=body.prompt_logprobs)
-    text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
-                      include_stop=body.include_stop_str_in_output)
-    view = _ChatView(ctx, body, request.request_id, prompt_ids)
-    output = RequestOutput(ctx.engine, await ctx.engine.submit(request), text)
-    if body.stream:
-        return EngineStreamingResponse(view.stream(output), output)
-    return await until_disconnect(http, view.full(output), output)
+    return await respond(ctx, http, body, request, _ChatView(ctx, body, request.request_id, prompt_ids))
 
 
 class _ChatView(ResponseView):

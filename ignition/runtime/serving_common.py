@@ -219,3 +219,14 @@ async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[di
     except GenerationError as exc:
         raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
     return texts, spans, scores, last
+
+
+async def respond(ctx: ServerContext, http: HttpRequest, body: GenerationFields, request: Request,
+                  view: ResponseView) -> Response:
+    """Submit an admitted request and answer with the view: an SSE stream or one full response."""
+    text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
+                      include_stop=body.include_stop_str_in_output)
+    output = RequestOutput(ctx.engine, await ctx.engine.submit(request), text)
+    if body.stream:
+        return EngineStreamingResponse(view.stream(output), output)
+    return await until_disconnect(http, view.full(output), output)

@@ -5,13 +5,12 @@ from __future__ import annotations
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from ignition.runtime.detokenize import Release, TextStream, decode_all
+from ignition.runtime.detokenize import Release, decode_all
 from ignition.runtime.openai_protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                               CompletionResponseChoice, CompletionResponseStreamChoice,
                                               CompletionStreamResponse, random_id)
-from ignition.runtime.serving_common import (ApiError, EngineStreamingResponse, GenerationError, RequestOutput,
-                                             ResponseView, ServerContext, build_request, collect, error_event, sse,
-                                             until_disconnect)
+from ignition.runtime.serving_common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
+                                             build_request, collect, error_event, respond, sse)
 from ignition.runtime.serving_logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) Completions default
@@ -49,13 +48,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     request = build_request(ctx, body, prompt_ids, random_id("cmpl"), max_tokens=max_tokens, logprobs=body.logprobs,
                             prompt_logprobs=prompt_scores)
-    text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
-                      include_stop=body.include_stop_str_in_output)
-    view = _CompletionView(ctx, body, request.request_id, prompt_ids)
-    output = RequestOutput(ctx.engine, await ctx.engine.submit(request), text)
-    if body.stream:
-        return EngineStreamingResponse(view.stream(output), output)
-    return await until_disconnect(http, view.full(output), output)
+    return await respond(ctx, http, body, request, _CompletionView(ctx, body, request.request_id, prompt_ids))
 
 
 class _CompletionView(ResponseView):
