@@ -13,7 +13,7 @@ from enum import IntEnum
 import numpy as np
 
 from ignition.catalog.contract import INVALID_TOKEN_ID, PACKED_CHOSEN_WORDS, RECORD_HEADER_WORDS
-from ignition.catalog.enums import FinishReason, Operation, RoundKind
+from ignition.catalog.enums import FinishReason, RoundKind
 
 
 class RecordField(IntEnum):
@@ -105,4 +105,4 @@ def decode_packed_position(words, pairs: int) -> PackedPosition:
     )
 
 
-__all__ = ["RecordField", "Record", "decode_record", "PackedPosition", "decode_packed_position", "Operation"]
+__all__ = ["RecordField", "Record", "decode_record", "PackedPosition", "decode_packed_position"]

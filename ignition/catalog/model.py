@@ -15,6 +15,15 @@ WEIGHTS_FILE = "weights.safetensors"
 GRAPHS_DIR = "graphs"
 
 
+PREFILL_FAMILY = (Operation.PREFILL, Operation.SCORED_PREFILL)
+
+
+def lane_count(operation: int, capacity: int) -> int:
+    """Lanes per submission: a decode variant's capacity; one request for the prefill family
+    (a SCORED_PREFILL variant's capacity is its prompt-row capacity C)."""
+    return 1 if operation in PREFILL_FAMILY else capacity
+
+
 @dataclass(frozen=True, slots=True)
 class BufferDecl:
     """A declared graph argument, return value or state tensor."""
@@ -68,9 +77,6 @@ class Variant:
     @property
     def graph_file(self) -> str:
         return f"{GRAPHS_DIR}/{self.name}.pt2"
-
-    def argument(self, name: str) -> BufferDecl | None:
-        return next((a for a in self.arguments if a.name == name), None)
 
     def to_json(self) -> dict:
         return {

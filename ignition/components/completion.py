@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ignition.catalog.buffers import COMPLETION_BUFFERS, BufferSpec, resolve_shape
-from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity
+from ignition.catalog.contract import resolve_completion_token_capacity
 from ignition.catalog.model import BufferDecl
 
 
@@ -50,10 +50,6 @@ class CompletionOutputs:
 
     def physical_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    @property
-    def natural_k(self) -> int:
-        return NATURAL_K
 
 
 def declare(spec: BufferSpec, **geometry: int) -> BufferDecl:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ignition.catalog.contract import FORMAT_VERSION
-from ignition.catalog.enums import Role
+from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from ignition.exporter.writer import dump_json, hash_tree, publish, staging_dir
 from ignition.recipes.base import ExportOptions, RecipeBuild
@@ -51,7 +51,7 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
         "vocab_padded": build.vocab_padded,
         "completion_token_capacity": build.token_capacity,
         "k": build.k,
-        "capacities": sorted({g.variant.capacity for g in build.graphs if g.variant.operation.name == "DECODE"}),
+        "capacities": sorted({g.variant.capacity for g in build.graphs if g.variant.operation is Operation.DECODE}),
         "chunk_limit": build.chunk_limit,
         "padding_rule": "smallest_capacity_at_least_batch",
         "eos_token_id": build.eos_token_id,

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.buffers import RECORDS
+from ignition.catalog.model import lane_count
 from ignition.exporter.kernels import launch_key, parse_targets, prepare_kernels
 from ignition.recipes.base import GraphBuild, RecipeBuild
 
 
 def _lanes(graph: GraphBuild) -> int:
-    records = graph.variant.argument(RECORDS)
-    return records.shape[1] if records is not None else graph.variant.capacity
+    return lane_count(graph.variant.operation, graph.variant.capacity)
 
 
 def variant_plan(build: RecipeBuild, graph: GraphBuild):

@@ -10,9 +10,10 @@ import torch
 from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, ID_INPUTS, LANE_INPUTS, LOGPROBS, RECORDS,
                                      REQUESTED, SAMPLING_INPUTS, BufferSpec)
 from ignition.catalog.contract import NATURAL_K, packed_width
-from ignition.catalog.enums import Role, ValueSource
+from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.components.completion import CompletionOutputs, declare
+from ignition.components.prompt_scoring import prompt_arguments
 
 
 class RecipeError(Exception):
@@ -48,6 +49,8 @@ class ExportOptions:
             raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.compile not in (None, "inductor"):
             raise RecipeError(f"--compile must be 'inductor', got {self.compile!r}")
+        if self.prompt_logprobs and not self.logprobs:
+            raise RecipeError("--prompt-logprobs requires the K=20 generation logprob outputs (drop --no-logprobs)")
 
     @property
     def slots(self) -> int:
@@ -113,3 +116,19 @@ def chunk_arguments(chunk_limit: int):
 def next_tokens_return(capacity: int) -> list[BufferDecl]:
     """The one return value of every sampling graph: each lane's emitted token, -1 where none."""
     return [BufferDecl("next_tokens", "int64", [capacity], Role.OUTPUT)]
+
+
+def prefill_family(chunk_limit: int, token_capacity: int, logprobs: bool, scored: bool):
+    """Identity and outputs of a prefill-family variant.
+
+    ``prefill.t{C}`` is PREFILL with one lane; ``scored.t{C}`` is SCORED_PREFILL of row capacity C
+    and adds the prompt-scoring buffers. Returns (Variant identity kwargs, outputs, bindings, layout).
+    """
+    outputs, bindings, layout = completion_arguments(1, token_capacity, logprobs)
+    if scored:
+        prompt, prompt_bindings, layout["prompt_logprobs"] = prompt_arguments(chunk_limit)
+        outputs, bindings = outputs + prompt, bindings | prompt_bindings
+    identity = {"name": f"{'scored' if scored else 'prefill'}.t{chunk_limit}",
+                "operation": Operation.SCORED_PREFILL if scored else Operation.PREFILL,
+                "capacity": chunk_limit if scored else 1}
+    return identity, outputs, bindings, layout

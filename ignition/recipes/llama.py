@@ -22,11 +22,10 @@ from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capaci
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
-                                   completion_arguments, next_tokens_return, sampling_arguments, spec_arguments,
-                                   weight_arguments)
+                                   completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
+                                   spec_arguments, weight_arguments)
 from ignition.recipes.checkpoint import ARCHITECTURES, CONFIG_FILE, CheckpointError, open_checkpoint, read_config
 from ignition.recipes.config import ModelConfig, load_weights
-from ignition.components.prompt_scoring import prompt_arguments
 from ignition.recipes.graphs import DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
 
 RECIPE_FAMILIES = {"qwen3": "qwen3", "llama": "llama"}
@@ -62,8 +61,6 @@ def build(options: ExportOptions) -> RecipeBuild:
     graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.logprobs),
                           DecodeGraph(cfg, cfg.vocab_size, k)) for capacity in options.capacities]
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
-        if not options.logprobs:
-            raise RecipeError("--prompt-logprobs requires the K=20 generation logprob outputs (drop --no-logprobs)")
         graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, True, scored=True),
                               ScoredPrefillGraph(cfg, cfg.vocab_size, k))
                    for capacity in scored_capacities(options.chunk_limit)]
@@ -106,13 +103,8 @@ def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: i
     lanes, lane_bindings = spec_arguments(PREFILL_LANE_INPUTS, capacity=1)
     chunk, chunk_bindings = chunk_arguments(chunk_limit)
     sampling, sampling_bindings = sampling_arguments(1)
-    outputs, output_bindings, layout = completion_arguments(1, token_capacity, logprobs)
-    if scored:
-        prompt, prompt_bindings, layout["prompt_logprobs"] = prompt_arguments(chunk_limit)
-        outputs, output_bindings = outputs + prompt, output_bindings | prompt_bindings
-    return Variant(name=f"{'scored' if scored else 'prefill'}.t{chunk_limit}",
-                   operation=Operation.SCORED_PREFILL if scored else Operation.PREFILL,
-                   capacity=chunk_limit if scored else 1,
+    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprobs, scored)
+    return Variant(**identity,
                    arguments=fixed + lanes + chunk + sampling + outputs, returns=next_tokens_return(1),
                    bindings=lane_bindings | chunk_bindings | sampling_bindings | output_bindings, layout=layout)
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch
 from safetensors import safe_open
 
+from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
-from ignition.catalog.enums import Operation, Role
-from ignition.catalog.model import BufferDecl
+from ignition.catalog.enums import Operation
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round
-from ignition.components.prompt_scoring import prompt_arguments, score_hidden_rows
-from ignition.catalog.buffers import CHUNK_INPUTS, PROMPT_LOGPROBS, PROMPT_TARGETS
-from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, completion_arguments,
-                                   lane_arguments, spec_arguments, weight_arguments)
+from ignition.components.prompt_scoring import score_hidden_rows
+from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
+                                   completion_arguments, lane_arguments, next_tokens_return, prefill_family,
+                                   weight_arguments)
 
 VOCAB_SIZE = 250
 VOCAB_PADDED = 256  # padded lanes exist on purpose: they must never enter a result
@@ -106,20 +106,11 @@ def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
 def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool, module,
                   scored: bool = False) -> GraphBuild:
     lanes, lane_bindings = lane_arguments(1)
-    chunk, chunk_bindings = spec_arguments(CHUNK_INPUTS, C=chunk_limit)
-    outputs, output_bindings, layout = completion_arguments(1, token_capacity, logprobs)
-    if scored:
-        prompt, prompt_bindings, layout["prompt_logprobs"] = prompt_arguments(chunk_limit)
-        outputs, output_bindings = outputs + prompt, output_bindings | prompt_bindings
-    variant = Variant(
-        name=f"{'scored' if scored else 'prefill'}.t{chunk_limit}",
-        operation=Operation.SCORED_PREFILL if scored else Operation.PREFILL,
-        capacity=chunk_limit if scored else 1,
-        arguments=weight_arguments(weights) + lanes + chunk + outputs,
-        returns=[BufferDecl("next_tokens", "int64", [1], Role.OUTPUT)],
-        bindings=lane_bindings | chunk_bindings | output_bindings,
-        layout=layout,
-    )
+    chunk, chunk_bindings = chunk_arguments(chunk_limit)
+    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprobs, scored)
+    variant = Variant(**identity, arguments=weight_arguments(weights) + lanes + chunk + outputs,
+                      returns=next_tokens_return(1), bindings=lane_bindings | chunk_bindings | output_bindings,
+                      layout=layout)
     return GraphBuild(variant, module)
 
 
@@ -148,15 +139,13 @@ def build(options: ExportOptions) -> RecipeBuild:
             operation=Operation.DECODE,
             capacity=capacity,
             arguments=weight_arguments(weights) + lanes + outputs,
-            returns=[BufferDecl("next_tokens", "int64", [capacity], Role.OUTPUT)],
+            returns=next_tokens_return(capacity),
             bindings=lane_bindings | output_bindings,
             layout=layout,
         )
         graphs.append(GraphBuild(variant, ToyDecode(VOCAB_SIZE, k)))
     graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.logprobs, ToyPrefill(VOCAB_SIZE, k)))
-    if options.prompt_logprobs:
-        if not options.logprobs:
-            raise RecipeError("--prompt-logprobs requires the K=20 generation logprob outputs (drop --no-logprobs)")
+    if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
         for capacity in scored_capacities(options.chunk_limit):
             graphs.append(prefill_graph(weights, capacity, token_capacity, True, ToyScoredPrefill(VOCAB_SIZE, k), scored=True))
     return RecipeBuild(

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
-from ignition.catalog.buffers import RECORDS
 from ignition.catalog.enums import Operation, Role, ValueSource
-from ignition.catalog.model import BufferDecl
+from ignition.catalog.model import BufferDecl, lane_count
 from ignition.validate.core import validate_core
 
 
@@ -35,9 +33,7 @@ class LoadedVariant:
 
     @property
     def lanes(self) -> int:
-        """Lanes per submission: the capacity of a decode variant, one for the prefill family."""
-        records = self.buffers.get(RECORDS)
-        return records.shape[1] if records is not None else self.capacity
+        return lane_count(self.operation, self.capacity)
 
     def owned_bytes(self, role: Role) -> int:
         return sum(a.nbytes for a in self.arguments if a.role is role)
@@ -51,7 +47,6 @@ class LoadedCore:
     state: dict[str, torch.Tensor]
     variants: dict[str, LoadedVariant]
     tokenizer: object | None = None
-    compiled: dict[str, str] = field(default_factory=dict)
 
     @property
     def features(self) -> dict:
@@ -93,8 +88,9 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(file))
 
 
-def _load_runnable(root: Path, entry: dict, prefer_compiled: bool):
-    """The variant's AOTInductor package when the core has one (preferred), else its torch.export program."""
+def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program):
+    """The variant's AOTInductor package when the core has one (preferred), else its torch.export program
+    (already loaded once by validation)."""
     package = entry.get("packages", {}).get("inductor")
     if package is not None and prefer_compiled:
         from ignition.exporter.compile import load_compiled
@@ -103,7 +99,7 @@ def _load_runnable(root: Path, entry: dict, prefer_compiled: bool):
         except Exception as exc:  # a package built for another machine: the portable program still runs
             warnings.warn(f"variant {entry['name']}: cannot load {package} ({type(exc).__name__}: {exc}); "
                           f"using {entry['graph']}", stacklevel=3)
-    return torch.export.load(str(root / entry["graph"])).module()
+    return program.module()
 
 
 def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = True) -> LoadedCore:
@@ -126,7 +122,7 @@ def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = Tru
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        run = _load_runnable(root, entry, prefer_compiled)
+        run = _load_runnable(root, entry, prefer_compiled, report.programs[entry["name"]])
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
@@ -134,6 +130,3 @@ def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = Tru
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=_load_tokenizer(root))
 
-
-def describe(core: LoadedCore) -> str:
-    return json.dumps({"core": str(core.path), "features": core.features, "variants": sorted(core.variants)})

@@ -78,9 +78,8 @@ class Engine:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.finished: dict[str, RequestState] = {}
-        self.readers = {v.name: FrameReader(v.buffers, core.k) for v in core.variants.values()
+        self.readers = {v.name: FrameReader(v.buffers) for v in core.variants.values()
                         if v.layout.get("records")}
-        self.submissions = 0
         self._ids = itertools.count()
         self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
 
@@ -216,7 +215,6 @@ class Engine:
         variant.next_frame ^= 1  # frames alternate: the host reads one while the next submission writes the other
         request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
         variant.run(variant.buffers)
-        self.submissions += 1
         owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
         pending = PendingFrame(frame, owners, request_mask, pairs)
         reader = self.readers[variant.name]

@@ -39,9 +39,8 @@ class PendingFrame:
 class FrameReader:
     """Preallocated host storage for one variant's records and packed payload."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor], k: int):
+    def __init__(self, buffers: dict[str, torch.Tensor]):
         records = buffers[RECORDS]
-        self.k = k
         self.records_host = torch.empty(records.shape[1:], dtype=records.dtype)  # [capacity, 16+T]
         payload = buffers.get(LOGPROBS)
         self.payload_host = None if payload is None else torch.empty(payload.shape[1:], dtype=payload.dtype)

@@ -9,7 +9,8 @@ from ignition.catalog import buffers as B
 from ignition.catalog.abi import MAX_RECORD_POSITIONS
 from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, packed_width, scored_capacities
-from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.enums import Operation, ValueSource
+from ignition.catalog.model import lane_count
 from ignition.validate.report import Violation
 
 _DIM_RULES = {"FRAMES": "BUF-FRAMES", "capacity": "BUF-CAPACITY", "C": "BUF-CAPACITY", "T": "BUF-T",
@@ -44,9 +45,7 @@ def _check_buffer(variant: dict, decl: dict, t: int, width: int | None) -> list[
         found.append(Violation("BUF-ROLE", where, f"expected role {spec.role.name.lower()}, found {decl['role']}"))
     if decl["dtype"] != spec.dtype:
         found.append(Violation("BUF-DTYPE", where, f"expected dtype {spec.dtype}, found {decl['dtype']}"))
-    # Prefill-family variants run one request: their completion buffers have one lane, and a
-    # SCORED_PREFILL variant's capacity is its prompt-row capacity C.
-    lanes = 1 if variant["operation"] == Operation.SCORED_PREFILL else variant["capacity"]
+    lanes = lane_count(variant["operation"], variant["capacity"])
     geometry = {"capacity": lanes, "T": t, "C": variant["capacity"]}
     if width is not None:
         geometry["PACKED_WIDTH"] = width
@@ -224,4 +223,4 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
     return found
 
 
-__all__ = ["check_catalog", "check_variant", "Role"]
+__all__ = ["check_catalog", "check_variant"]

@@ -21,6 +21,7 @@ class ValidationReport:
     manifest: dict | None = None
     catalog: dict | None = None
     kernels: dict | None = None
+    programs: dict = field(default_factory=dict)  # variant name -> loaded torch.export program (reused by loaders)
 
     @property
     def ok(self) -> bool:
@@ -111,4 +112,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool) -> None:
             graph_path, _ = safe_path(root, variant["graph"], variant["name"])
             if graph_path is None or not graph_path.is_file() or variant["graph"] in broken:
                 continue  # already reported as a file finding
-            report.violations += check_graph(graph_path, variant)
+            found, program = check_graph(graph_path, variant)
+            report.violations += found
+            if program is not None:
+                report.programs[variant["name"]] = program

@@ -46,7 +46,8 @@ def _mutated_placeholders(program) -> set[str]:
     return written
 
 
-def check_graph(path: Path, variant: dict) -> list[Violation]:
+def check_graph(path: Path, variant: dict):
+    """Load the variant's program and check it; returns (violations, program or None when it cannot load)."""
     where = f"variant {variant['name']}: {variant['graph']}"
     export_log = logging.getLogger("torch.export")
     level = export_log.level
@@ -54,9 +55,13 @@ def check_graph(path: Path, variant: dict) -> list[Violation]:
     try:
         program = torch.export.load(str(path))
     except Exception as exc:  # a corrupt archive can fail in many ways
-        return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")]
+        return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")], None
     finally:
         export_log.setLevel(level)
+    return _check_program(program, variant, where), program
+
+
+def _check_program(program, variant: dict, where: str) -> list[Violation]:
     declared = variant["arguments"]
     names = _argument_names(program)
     if names is None:
