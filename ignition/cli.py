@@ -132,6 +132,8 @@ def run_cmd(
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N"),
+    eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.core import CoreLoadError, load_core
@@ -139,7 +141,7 @@ def run_cmd(
     from ignition.runtime.requests import AdmissionError, Request, SamplingParams
 
     try:
-        loaded = load_core(core)
+        loaded = load_core(core, device=device, eager=eager)
     except CoreLoadError as exc:
         console.print(f"[red]cannot load core:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(1)
@@ -179,11 +181,18 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id reported by /v1/models"),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N"),
+    eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
+    from ignition.runtime.core import CoreLoadError
     from ignition.runtime.server import serve
 
-    serve(core, host=host, port=port, model_name=model_name)
+    try:
+        serve(core, host=host, port=port, model_name=model_name, device=device, eager=eager)
+    except CoreLoadError as exc:
+        console.print(f"[red]cannot load core:[/red] {exc}", markup=True, highlight=False)
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -40,6 +40,13 @@ SCORED_GROWTH = 4
 SCORING_ROW_BLOCK = 64
 """The scoring component projects at most this many hidden rows at a time."""
 
+TILE_SORT_KEYS = 32
+"""Integer sort keys each vocabulary tile retains for the final merge (and the sharded exchange)."""
+
+SCRATCH_POINTERS = 2
+"""Trailing null pointers every prepared launch takes after its non-constexpr arguments (Triton's
+global and profile scratch); prepared kernels must not need either buffer."""
+
 INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""

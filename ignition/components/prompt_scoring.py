@@ -56,7 +56,7 @@ def score_rows_reference(logits, targets, out, out_rows, vocab_size):
     check_scoring_args(logits, targets, out, out_rows, vocab_size)
     flat = out.view(-1, PROMPT_ROW_WIDTH)
     valid = (targets >= 0) & (targets < vocab_size)
-    rows = torch.zeros(logits.shape[0], PROMPT_ROW_WIDTH, dtype=torch.int32)
+    rows = torch.zeros(logits.shape[0], PROMPT_ROW_WIDTH, dtype=torch.int32, device=logits.device)
     rows[:, 0] = INVALID_TOKEN_ID
     rows[:, 1] = NAN_BITS
     rows[:, 3::2] = INVALID_TOKEN_ID
@@ -69,7 +69,7 @@ def score_rows_reference(logits, targets, out, out_rows, vocab_size):
         lse = L._normalization(block_logits, vocab_size)  # [block]
         target = targets[block].to(torch.int64)
         value = block_logits.gather(1, target[:, None]).float()[:, 0] - lse  # FP32 reported value
-        greater = torch.zeros(block.numel(), dtype=torch.int64)
+        greater = torch.zeros(block.numel(), dtype=torch.int64, device=logits.device)
         for start in range(0, vocab_size, L.VOCAB_CHUNK):
             chunk = block_logits[:, start:min(start + L.VOCAB_CHUNK, vocab_size)].float() - lse[:, None]
             greater += (chunk > value[:, None]).sum(dim=1)  # strictly greater reported values

@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, packed_width
-from ignition.components.logprobs import check_reduction_args, reduce_logprobs_op
+from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, TILE_SORT_KEYS, packed_width
+from ignition.components.logprobs import check_reduction_args
 
-TILE_KEYS = 32  # keys a tile retains: the width of the sharded candidate exchange
+TILE_KEYS = TILE_SORT_KEYS  # keys a tile retains: the width of the sharded candidate exchange
 _NO_KEY = tl.constexpr(-(2**63))  # below every real key (NaN ranks as -inf, whose key is larger)
 _NAN_BITS = tl.constexpr(NAN_BITS)
 _INF = tl.constexpr(float("inf"))
@@ -304,5 +304,3 @@ def launch_plan(rows: int, vocab_padded: int, vocab_size: int, k: int, explicit_
              max(1, min(8, candidates_block // 1024)), (rows,)),
     ]
 
-
-reduce_logprobs_op.register_kernel("cuda")(reduce_logprobs_triton)

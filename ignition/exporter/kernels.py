@@ -104,6 +104,11 @@ def prepare_kernels(specs: list[LaunchSpec], targets: list[str], out_dir: Path) 
 
 
 def _write_binary(out_dir: Path, key: str, spec: LaunchSpec, target_name: str, target: Target, compiled) -> dict:
+    scratch = {name: int(getattr(compiled.metadata, name, 0) or 0)
+               for name in ("global_scratch_size", "profile_scratch_size")}
+    if any(scratch.values()):  # the launcher passes null scratch pointers (SCRATCH_POINTERS), never buffers
+        raise KernelPreparationError(f"kernel {spec.name} ({key}) needs Triton scratch memory on {target_name} "
+                                     f"({scratch}); prepared launches get null scratch pointers")
     shared = int(compiled.metadata.shared)
     if shared > target.max_shared_bytes:
         raise KernelPreparationError(f"kernel {spec.name} ({key}) needs {shared} bytes of shared memory per block "

@@ -12,6 +12,11 @@ from safetensors.torch import load_file
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.model import BufferDecl, lane_count
+from ignition.components.device_reduction import install_reduction, jit_opted_in
+from ignition.runtime.device import move_program, resolve_device
+from ignition.runtime.graphs import CaptureReport, capture_variants
+from ignition.runtime.launcher import LauncherError, PreparedReduction
+from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 
 
@@ -47,6 +52,10 @@ class LoadedCore:
     state: dict[str, torch.Tensor]
     variants: dict[str, LoadedVariant]
     tokenizer: object | None = None
+    device: torch.device = torch.device("cpu")
+    transfer: HostTransfer | None = None
+    reduction: PreparedReduction | None = None  # CUDA: the prepared-kernel launcher
+    capture: CaptureReport | None = None  # CUDA graphs (None when eager)
 
     @property
     def features(self) -> dict:
@@ -72,12 +81,18 @@ class LoadedCore:
         frames = sum(v.buffers[a.name].numel() * v.buffers[a.name].element_size()
                      for v in self.variants.values() for a in v.arguments if a.role is Role.OUTPUT)
         inputs = sum(v.owned_bytes(Role.INPUT) for v in self.variants.values())
-        return {
+        report = {
             "weights_bytes": sum(t.numel() * t.element_size() for t in self.weights.values()),
             "state_bytes": sum(t.numel() * t.element_size() for t in self.state.values()),
             "completion_frame_bytes": frames,
             "input_bytes": inputs,
         }
+        if self.device.type == "cuda":
+            report["reduction_workspace_bytes"] = self.reduction.workspace_bytes if self.reduction else 0
+            report["capture_pool_bytes"] = self.capture.pool_bytes if self.capture else 0
+            report["device_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+            report["device_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        return report
 
 
 def _load_tokenizer(path: Path):
@@ -88,27 +103,59 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(file))
 
 
-def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program):
-    """The variant's AOTInductor package when the core has one (preferred), else its torch.export program
-    (already loaded once by validation)."""
+def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device):
+    """The variant's AOTInductor package when the core has one (preferred; CPU packages only), else its
+    torch.export program (already loaded once by validation), moved to the device."""
     package = entry.get("packages", {}).get("inductor")
-    if package is not None and prefer_compiled:
+    if package is not None and prefer_compiled and device.type == "cpu":
         from ignition.exporter.compile import load_compiled
         try:
             return load_compiled(root / package)
         except Exception as exc:  # a package built for another machine: the portable program still runs
             warnings.warn(f"variant {entry['name']}: cannot load {package} ({type(exc).__name__}: {exc}); "
                           f"using {entry['graph']}", stacklevel=3)
+    try:
+        program = move_program(program, device)
+    except ValueError as exc:
+        raise CoreLoadError(f"variant {entry['name']}: {exc}") from None
     return program.module()
 
 
-def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = True) -> LoadedCore:
-    """Validate the core (refusing an invalid one with the validator's findings), then load it."""
+def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
+    """Install the op's implementation for a CUDA device: the core's prepared cubins (or JIT, opted in)."""
+    if device.type != "cuda":
+        return None
+    if jit_opted_in():
+        warnings.warn("IGNITION_TRITON_JIT=1: the reduction JIT-compiles Triton instead of launching the core's "
+                      "prepared kernels (development only)", stacklevel=3)
+        install_reduction(device, None)
+        return None
+    try:
+        reduction = PreparedReduction.load(root, report.manifest, report.catalog, report.kernels, device)
+    except LauncherError as exc:
+        raise CoreLoadError(f"{root}: {exc}") from None
+    install_reduction(device, reduction)
+    return reduction
+
+
+def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True,
+              eager: bool = False) -> LoadedCore:
+    """Validate the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
+
+    ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. On CUDA the reduction launches the core's
+    prepared cubins (a core without a binary for the device's architecture is refused), and every
+    capturable variant is captured as a CUDA graph unless ``eager``.
+    """
     root = Path(path)
+    try:
+        device = resolve_device(device)
+    except ValueError as exc:
+        raise CoreLoadError(str(exc)) from None
     report = validate_core(root)
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    reduction = _device_reduction(root, report, device)
     weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants = {}
@@ -122,11 +169,15 @@ def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = Tru
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        run = _load_runnable(root, entry, prefer_compiled, report.programs[entry["name"]])
+        run = _load_runnable(root, entry, prefer_compiled, report.programs[entry["name"]], device)
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
             layout=entry["contract"]["layout"], run=run, buffers=buffers)
+    capture = None
+    if device.type == "cuda" and not eager:
+        capture = capture_variants(variants, report.programs, state, device)
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
-                      tokenizer=_load_tokenizer(root))
+                      tokenizer=_load_tokenizer(root), device=device, transfer=HostTransfer(device),
+                      reduction=reduction, capture=capture)
 

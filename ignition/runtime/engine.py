@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ignition.catalog.buffers import PROMPT_LOGPROBS
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
 from ignition.runtime.core import LoadedCore, LoadedVariant
@@ -78,7 +77,7 @@ class Engine:
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.finished: dict[str, RequestState] = {}
-        self.readers = {v.name: FrameReader(v.buffers) for v in core.variants.values()
+        self.readers = {v.name: FrameReader(v.buffers, core.transfer) for v in core.variants.values()
                         if v.layout.get("records")}
         self._ids = itertools.count()
         self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
@@ -188,12 +187,12 @@ class Engine:
         if last and not emits and not state.generated:
             self._finish(state, "length")
 
-    def _publish_prompt_rows(self, variant: LoadedVariant, frame: int, lane: Lane) -> None:
-        """Decode this chunk's prompt rows in order; positions already published are skipped."""
+    def _publish_prompt_rows(self, reader: FrameReader, lane: Lane) -> None:
+        """Decode this chunk's prompt rows (already read back) in order; published positions are skipped."""
         state, plan = lane.state, lane.chunk
         if not state.prompt_entries:
             state.prompt_entries.append(None)  # position 0 has no score
-        rows = variant.buffers[PROMPT_LOGPROBS][frame, :len(plan.tokens)].numpy()  # host copy of this chunk only
+        rows = reader.prompt_host[:len(plan.tokens)].numpy()  # host copy of this chunk only
         wanted = state.request.prompt_logprobs
         for j, row in enumerate(rows):
             position = plan.start + j + 1
@@ -218,12 +217,13 @@ class Engine:
         owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
         pending = PendingFrame(frame, owners, request_mask, pairs)
         reader = self.readers[variant.name]
-        reader.read(variant.buffers, pending)
+        scored = variant.operation is Operation.SCORED_PREFILL
+        reader.read(variant.buffers, pending, prompt_rows=len(lanes[0].chunk.tokens) if scored else 0)
         if self.decode_hook is not None:
             self.decode_hook(variant, reader, pending)
-        if variant.operation is Operation.SCORED_PREFILL:
+        if scored:
             try:
-                self._publish_prompt_rows(variant, frame, lanes[0])
+                self._publish_prompt_rows(reader, lanes[0])
             except ValueError as exc:
                 self._finish(lanes[0].state, "error", str(exc))
                 return

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from ignition.catalog.abi import Record, decode_packed_position, decode_record
-from ignition.catalog.buffers import LOGPROBS, RECORDS
+from ignition.catalog.buffers import LOGPROBS, PROMPT_LOGPROBS, RECORDS
 from ignition.catalog.contract import PACKED_CHOSEN_WORDS
+from ignition.runtime.transfer import HostTransfer
 
 
 @dataclass(slots=True)
@@ -37,25 +38,33 @@ class PendingFrame:
 
 
 class FrameReader:
-    """Preallocated host storage for one variant's records and packed payload."""
+    """Preallocated host storage (pinned on CUDA) for one variant's records, packed payload and prompt rows."""
 
-    def __init__(self, buffers: dict[str, torch.Tensor]):
+    def __init__(self, buffers: dict[str, torch.Tensor], transfer: HostTransfer | None = None):
+        self.transfer = transfer or HostTransfer(torch.device("cpu"))
         records = buffers[RECORDS]
-        self.records_host = torch.empty(records.shape[1:], dtype=records.dtype)  # [capacity, 16+T]
+        self.records_host = self.transfer.host_empty(records.shape[1:], records.dtype)  # [capacity, 16+T]
         payload = buffers.get(LOGPROBS)
-        self.payload_host = None if payload is None else torch.empty(payload.shape[1:], dtype=payload.dtype)
+        self.payload_host = None if payload is None else self.transfer.host_empty(payload.shape[1:], payload.dtype)
+        prompt = buffers.get(PROMPT_LOGPROBS)
+        self.prompt_host = None if prompt is None else self.transfer.host_empty(prompt.shape[1:], prompt.dtype)
         self.payload_copies = 0
         self.payload_words_copied = 0
 
-    def read(self, buffers: dict[str, torch.Tensor], pending: PendingFrame) -> None:
-        """Copy the pending frame's records, and its payload only when a lane requested logprobs."""
-        self.records_host.copy_(buffers[RECORDS][pending.frame])
+    def read(self, buffers: dict[str, torch.Tensor], pending: PendingFrame, prompt_rows: int = 0) -> None:
+        """Copy the pending frame's records, its payload only when a lane requested logprobs, and the
+        first ``prompt_rows`` scored prompt rows; returns once the copies have landed."""
+        self.transfer.begin()
+        self.transfer.copy(self.records_host, buffers[RECORDS][pending.frame])
         if self.payload_host is not None and pending.request_mask.any():
             width = PACKED_CHOSEN_WORDS + 2 * pending.pairs
             source = buffers[LOGPROBS][pending.frame, :, :, :width]
-            self.payload_host[:, :, :width].copy_(source)
+            self.transfer.copy(self.payload_host[:, :, :width], source)
             self.payload_copies += 1
             self.payload_words_copied += source.numel()
+        if prompt_rows:
+            self.transfer.copy(self.prompt_host[:prompt_rows], buffers[PROMPT_LOGPROBS][pending.frame, :prompt_rows])
+        self.transfer.finish()
 
     def record(self, lane: int) -> Record:
         return decode_record(self.records_host[lane].numpy())

@@ -113,8 +113,10 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     return app
 
 
-def serve(core: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> None:
-    """``ignition serve``: load the core and serve it with uvicorn until interrupted."""
+def serve(core: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          device: str = "auto", eager: bool = False) -> None:
+    """``ignition serve``: load the core onto ``device`` and serve it with uvicorn until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(core, model_name=model_name), host=host, port=port, log_level="info")
+    loaded = load_core(core, device=device, eager=eager)
+    uvicorn.run(create_app(loaded, model_name=model_name or str(core)), host=host, port=port, log_level="info")

@@ -1,0 +1,87 @@
+"""CUDA graphs: every variant captured once after warm-up, with static buffers and one shared pool.
+
+A variant's inputs, outputs and state are the loader's persistent buffers, which the engine
+fills in place, so a replay reads and writes exactly what an eager call would. Warm-up and
+capture run on zeroed inputs (slot 0, no requesting lane), and the state is zeroed again
+afterwards. A variant whose graph calls a host-synchronizing op cannot be captured: it is
+replayed eagerly and reported, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ignition.catalog.enums import Role
+
+HOST_SYNCING_OPS = {
+    "ignition.score_prompt_rows.default": "prompt scoring runs its torch reference (host-synchronizing) on CUDA",
+}
+WARMUP_RUNS = 2
+
+
+@dataclass(slots=True)
+class CaptureReport:
+    captured: list[str] = field(default_factory=list)
+    eager: dict[str, str] = field(default_factory=dict)  # variant -> why it replays eagerly
+    pool_bytes: int = 0  # device memory the capture pool reserved
+
+
+class GraphReplay:
+    """``run(buffers)`` for a captured variant: replays the graph on the current stream."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, eager_run):
+        self.graph, self.eager_run = graph, eager_run
+
+    def __call__(self, buffers):
+        self.graph.replay()
+
+
+def eager_reason(program) -> str | None:
+    for node in program.graph.nodes:
+        reason = HOST_SYNCING_OPS.get(str(node.target))
+        if reason is not None:
+            return reason
+    return None
+
+
+def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tensor],
+                     device: torch.device) -> CaptureReport:
+    """Capture every capturable variant into one pool; ``variant.run`` becomes its replay."""
+    report = CaptureReport()
+    pool = torch.cuda.graph_pool_handle()
+    torch.cuda.synchronize(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    for variant in sorted(variants.values(), key=lambda v: -sum(a.nbytes for a in v.arguments)):  # largest first
+        reason = eager_reason(programs[variant.name])
+        if reason is not None:
+            report.eager[variant.name] = reason
+            continue
+        for arg in variant.arguments:
+            if arg.role is Role.INPUT:
+                variant.buffers[arg.name].zero_()
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_RUNS):
+                    variant.run(variant.buffers)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                variant.run(variant.buffers)
+        except Exception as exc:  # replay eagerly, loudly: a capture failure must not stop serving
+            torch.cuda.synchronize(device)
+            report.eager[variant.name] = f"capture failed: {type(exc).__name__}: {exc}"
+            warnings.warn(f"variant {variant.name}: CUDA-graph capture failed ({type(exc).__name__}: {exc}); "
+                          f"it replays eagerly", stacklevel=2)
+            continue
+        variant.run = GraphReplay(graph, variant.run)
+        report.captured.append(variant.name)
+    torch.cuda.synchronize(device)
+    for tensor in state.values():
+        tensor.zero_()
+    report.pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
+    return report
