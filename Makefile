@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHECKPOINT := build/tiny-qwen3
 CORE := build/qwen3-core
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test venv clean bench gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.reduction --quick
 	$(PY) -m benchmarks.export_time
+
+# On a CUDA machine (e.g. the H200 image: torch 2.11, Triton 3.6, cuda-bindings preinstalled):
+# no venv, the checkout on PYTHONPATH. Exports, runs `pytest -m cuda`, benchmarks; build/gpu-check/results.md.
+gpu-check:
+	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check --out build/gpu-check
 
 clean:
 	rm -rf build $(VENV)

@@ -134,6 +134,8 @@ def run_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N"),
     eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant",
+                                         help="Decode in the largest variant: results independent of co-batching"),
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.core import CoreLoadError, load_core
@@ -162,7 +164,7 @@ def run_cmd(
         sampling=SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
                                 frequency_penalty, seed))
     from ignition.runtime.engine import Engine
-    engine = Engine(loaded)
+    engine = Engine(loaded, batch_invariant=batch_invariant)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:
@@ -183,13 +185,16 @@ def serve_cmd(
     model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id reported by /v1/models"),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N"),
     eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
+    batch_invariant: bool = typer.Option(False, "--batch-invariant",
+                                         help="Decode in the largest variant: results independent of co-batching"),
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
     from ignition.runtime.core import CoreLoadError
     from ignition.runtime.server import serve
 
     try:
-        serve(core, host=host, port=port, model_name=model_name, device=device, eager=eager)
+        serve(core, host=host, port=port, model_name=model_name, device=device, eager=eager,
+              batch_invariant=batch_invariant)
     except CoreLoadError as exc:
         console.print(f"[red]cannot load core:[/red] {exc}", markup=True, highlight=False)
         raise typer.Exit(1)

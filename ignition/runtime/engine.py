@@ -60,8 +60,11 @@ class Result:
 class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
-    def __init__(self, core: LoadedCore):
+    def __init__(self, core: LoadedCore, batch_invariant: bool = False):
+        """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
+        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md)."""
         self.core = core
+        self.batch_invariant = batch_invariant
         self.decode_variants = core.by_operation(Operation.DECODE)
         prefill = core.by_operation(Operation.PREFILL)
         if not self.decode_variants or not prefill:
@@ -118,7 +121,8 @@ class Engine:
         largest = self.decode_variants[-1].capacity
         for start in range(0, len(decoding), largest):
             batch = decoding[start:start + largest]
-            variant = next(v for v in self.decode_variants if v.capacity >= len(batch))
+            variant = self.decode_variants[-1] if self.batch_invariant else \
+                next(v for v in self.decode_variants if v.capacity >= len(batch))
             self._submit(variant, [Lane(state=s) for s in batch])
         return True
 

@@ -157,10 +157,14 @@ class PreparedReduction:
         self.launch_count = 0
 
     @classmethod
-    def load(cls, root: Path, manifest: dict, catalog: dict, table: dict | None, device: torch.device):
-        shapes = reduction_shapes(manifest, catalog)
+    def load(cls, root: Path, manifest: dict, catalog: dict, table: dict | None,
+             device: torch.device) -> "PreparedReduction | None":
+        """The launcher for ``device``; None when no graph of the core reduces logprobs."""
+        if not any(entry["contract"]["layout"].get("logprobs") for entry in catalog["variants"]):
+            return None
         capability = torch.cuda.get_device_capability(device)
         target = select_target(capability, list(table["targets"]) if table else [], str(device))
+        shapes = reduction_shapes(manifest, catalog)
         driver = _driver()
         torch.zeros(1, device=device)  # makes torch's primary context current on this thread
         if int(check(driver.cuCtxGetCurrent())) == 0:

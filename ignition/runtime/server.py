@@ -45,10 +45,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message or "invalid request body", ".".join(location) or None
 
 
-def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4) -> FastAPI:
+def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
+               batch_invariant: bool = False) -> FastAPI:
     """The app serving one core; its engine thread runs while the app's lifespan does."""
     loaded = core if isinstance(core, LoadedCore) else load_core(core)
-    engine = AsyncEngine(Engine(loaded), queue_capacity=queue_capacity)
+    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant), queue_capacity=queue_capacity)
     config = _tokenizer_config(loaded)
     ctx = ServerContext(core=loaded, engine=engine, table=TokenTable(loaded.tokenizer, loaded.vocab_size),
                         model_name=model_name or str(core if not isinstance(core, LoadedCore) else loaded.path),
@@ -114,9 +115,10 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 
 
 def serve(core: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          device: str = "auto", eager: bool = False) -> None:
+          device: str = "auto", eager: bool = False, batch_invariant: bool = False) -> None:
     """``ignition serve``: load the core onto ``device`` and serve it with uvicorn until interrupted."""
     import uvicorn
 
     loaded = load_core(core, device=device, eager=eager)
-    uvicorn.run(create_app(loaded, model_name=model_name or str(core)), host=host, port=port, log_level="info")
+    app = create_app(loaded, model_name=model_name or str(core), batch_invariant=batch_invariant)
+    uvicorn.run(app, host=host, port=port, log_level="info")
