@@ -83,9 +83,9 @@ def _driver():
     return driver
 
 
-def check(result):
+def check(result, driver=None):
     """Unwrap a cuda-python ``(CUresult, *values)`` tuple, raising LauncherError on failure."""
-    driver = _driver()
+    driver = driver or _driver()
     error, *values = result if isinstance(result, tuple) else (result,)
     if error != driver.CUresult.CUDA_SUCCESS:
         _, name = driver.cuGetErrorName(error)
@@ -149,25 +149,29 @@ class ReductionWorkspace:
 class PreparedReduction:
     """The CUDA implementation of ``ignition::reduce_logprobs`` for one device and one core."""
 
-    def __init__(self, device: torch.device, target: str, launches: dict, workspaces: dict, modules: list):
+    def __init__(self, device: torch.device, target: str, launches: dict, workspaces: dict, modules: list,
+                 driver=None):
         self.device, self.target = device, target
+        self.driver = driver or _driver()
         self.launches: dict[ReductionShape, list[PreparedLaunch]] = launches
         self.workspaces: dict[ReductionShape, ReductionWorkspace] = workspaces
         self._modules = modules  # CUmodules stay loaded while the core is
         self.launch_count = 0
 
     @classmethod
-    def load(cls, root: Path, manifest: dict, catalog: dict, table: dict | None,
-             device: torch.device) -> "PreparedReduction | None":
-        """The launcher for ``device``; None when no graph of the core reduces logprobs."""
+    def load(cls, root: Path, manifest: dict, catalog: dict, table: dict | None, device: torch.device,
+             driver=None) -> "PreparedReduction | None":
+        """The launcher for ``device``; None when no graph of the core reduces logprobs.
+
+        ``driver`` defaults to ``cuda.bindings.driver`` (tests pass an emulation of it)."""
         if not any(entry["contract"]["layout"].get("logprobs") for entry in catalog["variants"]):
             return None
         capability = torch.cuda.get_device_capability(device)
         target = select_target(capability, list(table["targets"]) if table else [], str(device))
         shapes = reduction_shapes(manifest, catalog)
-        driver = _driver()
+        driver = driver or _driver()
         torch.zeros(1, device=device)  # makes torch's primary context current on this thread
-        if int(check(driver.cuCtxGetCurrent())) == 0:
+        if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
             raise LauncherError(f"no CUDA context is current for {device}")
         entries = {(e["key"], e["target"]): e for e in table["kernels"]}
         functions, modules, launches, workspaces = {}, [], {}, {}
@@ -179,19 +183,20 @@ class PreparedReduction:
                     raise LauncherError(f"kernels.json has no {target} binary for launch {key}")
                 if entry["file"] not in functions:
                     image = np.frombuffer((Path(root) / entry["file"]).read_bytes(), dtype=np.uint8)
-                    module = check(driver.cuModuleLoadData(image.ctypes.data))
+                    module = check(driver.cuModuleLoadData(image.ctypes.data), driver)
                     modules.append(module)
-                    functions[entry["file"]] = check(driver.cuModuleGetFunction(module, entry["kernel_name"].encode()))
+                    functions[entry["file"]] = check(driver.cuModuleGetFunction(module, entry["kernel_name"].encode()),
+                                                     driver)
                 function = functions[entry["file"]]
                 if entry["shared_bytes"] > 48 * 1024:  # above the default dynamic limit: opt in, as Triton does
                     attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                    check(driver.cuFuncSetAttribute(function, attribute, entry["shared_bytes"]))
+                    check(driver.cuFuncSetAttribute(function, attribute, entry["shared_bytes"]), driver)
                 grid = tuple(entry["grid"]) + (1,) * (3 - len(entry["grid"]))
                 launches[shape].append(PreparedLaunch(key, function, entry["signature"], grid,
                                                       entry["num_warps"] * 32, entry["shared_bytes"]))
             tiles = launches[shape][0].grid[1]  # launch 1 runs over (rows, tiles)
             workspaces[shape] = ReductionWorkspace.allocate(shape.rows, tiles, device)
-        return cls(device, target, launches, workspaces, modules)
+        return cls(device, target, launches, workspaces, modules, driver)
 
     @property
     def workspace_bytes(self) -> int:
@@ -218,10 +223,13 @@ class PreparedReduction:
                   "keys_ptr": workspace.keys.data_ptr(), "out_ptr": out.data_ptr(),
                   "out_rows_ptr": out_rows.data_ptr(), "logits_row_stride": logits.stride(0),
                   "vocab_size": vocab_size, "num_tiles": workspace.tiles}
-        driver = _driver()
-        stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        driver = self.driver
+        stream = driver.CUstream(self.current_stream())
         for launch in launches:
             params, _holders = pack_params(launch.signature, values)
             check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
-                                        stream, ctypes.addressof(params), 0))
+                                        stream, ctypes.addressof(params), 0), driver)
         self.launch_count += len(launches)
+
+    def current_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream

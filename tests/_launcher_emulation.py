@@ -1,0 +1,156 @@
+"""The prepared launcher's exact driver calls, executed on the CPU by an emulated CUDA driver.
+
+Started in a subprocess by tests/test_launcher_emulation.py with TRITON_INTERPRET=1 (the
+interpreter must be set before Triton is imported). ``PreparedReduction`` is loaded from a
+real core's kernel table and called as the CUDA op would call it; the emulated driver
+identifies each cubin it is handed by content, decodes the ``cuLaunchKernel`` parameter
+array by the kernel table's signature, checks grid, threads, shared memory and the null
+scratch pointers, and runs the named kernel in Triton's interpreter on the tensors those
+pointers address. The packed output must equal the reference's, word for word.
+
+    python tests/_launcher_emulation.py CORE_DIR  -> prints one JSON object {case: [problems]}
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.contract import MAX_SELECTED_IDS, SCRATCH_POINTERS, packed_width
+from ignition.components import triton_logprobs as T
+from ignition.components.logprobs import reduce_logprobs_reference
+from ignition.runtime.launcher import PreparedReduction
+
+KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
+                                      T.merge_kernel)}
+
+
+class EmulatedDriver:
+    """The slice of ``cuda.bindings.driver`` the launcher uses; launches run in the interpreter."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    class CUfunction_attribute:
+        CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+    def __init__(self, core: Path, table: dict):
+        self.binaries = {}
+        for entry in table["kernels"]:
+            self.binaries.setdefault((core / entry["file"]).read_bytes(), []).append(entry)
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.problems: list[str] = []
+        self.launched: list[str] = []
+
+    def CUstream(self, handle):  # noqa: N802 - the driver's name
+        return handle
+
+    def cuGetErrorName(self, error):  # noqa: N802
+        return 0, b"EMULATED_ERROR"
+
+    def cuCtxGetCurrent(self):  # noqa: N802
+        return 0, 1
+
+    def cuModuleLoadData(self, address: int):  # noqa: N802
+        header = ctypes.string_at(address, 64)
+        shoff, = struct.unpack_from("<Q", header, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", header, 0x3A)
+        prefix = ctypes.string_at(address, shoff + shentsize * shnum)  # within every ELF image
+        matches = [entries for binary, entries in self.binaries.items() if binary.startswith(prefix)]
+        if len(matches) != 1:
+            raise AssertionError(f"module image matches {len(matches)} prepared cubins")
+        return 0, matches[0]
+
+    def cuModuleGetFunction(self, module, name: bytes):  # noqa: N802
+        if any(entry["kernel_name"] != name.decode() for entry in module):
+            raise AssertionError(f"function {name!r} is not the module's kernel")
+        return 0, module  # every table entry of this binary: they differ only in grid
+
+    def cuFuncSetAttribute(self, function, attribute, value):  # noqa: N802
+        return (0,)
+
+    def cuLaunchKernel(self, entries, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: N802
+        padded = [tuple(e["grid"]) + (1,) * (3 - len(e["grid"])) for e in entries]
+        if (gx, gy, gz) not in padded:
+            self.problems.append(f"{entries[0]['name']}: grid {(gx, gy, gz)} is none of the table's {padded}")
+            return (0,)
+        entry = entries[padded.index((gx, gy, gz))]
+        runtime = [p for p in entry["signature"] if p["type"] != "constexpr"]
+        slots = (ctypes.c_void_p * (len(runtime) + SCRATCH_POINTERS)).from_address(params)
+        args = {}
+        for index, param in enumerate(runtime):
+            if param["type"].startswith("*"):
+                pointer = ctypes.c_void_p.from_address(slots[index]).value
+                if pointer not in self.tensors:
+                    self.problems.append(f"{entry['name']}: {param['name']} = {pointer:#x} addresses no known tensor")
+                    return (0,)
+                args[param["name"]] = self.tensors[pointer]
+            else:
+                args[param["name"]] = ctypes.c_int32.from_address(slots[index]).value
+        scratch = [ctypes.c_void_p.from_address(slots[len(runtime) + i]).value for i in range(SCRATCH_POINTERS)]
+        grid = tuple(entry["grid"]) + (1,) * (3 - len(entry["grid"]))
+        expected = (grid, (entry["num_warps"] * 32, 1, 1), entry["shared_bytes"], [None] * SCRATCH_POINTERS, 0)
+        found = ((gx, gy, gz), (bx, by, bz), shared, scratch, extra)
+        if found != expected:
+            self.problems.append(f"{entry['name']}: launched with {found}, expected {expected}")
+        KERNELS[entry["kernel_name"]][tuple(entry["grid"])](**args, **entry["constexprs"],
+                                                           num_warps=entry["num_warps"], num_stages=entry["num_stages"])
+        self.launched.append(entry["name"])
+        return (0,)
+
+
+def run_case(launcher: PreparedReduction, driver: EmulatedDriver, rows: int, chosen_dtype, seed: int) -> list[str]:
+    shape = next(s for s in launcher.launches if s.rows == rows)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, shape.vocab_padded, generator=g) * 3
+    logits[:, shape.vocab_size:] = 1e4  # padded lanes hold huge values: they must never enter
+    logits[0, :40] = logits[0, 40]  # ties at the top of row 0
+    chosen = torch.randint(0, shape.vocab_size, (rows,), generator=g).to(chosen_dtype)
+    requested = (torch.arange(rows) % 3 != 2).to(torch.int32)
+    requested[0] = 1
+    token_ids = torch.randint(-2, shape.vocab_size + 3, (rows, MAX_SELECTED_IDS), generator=g, dtype=torch.int32)
+    counts = torch.where(torch.arange(rows) % 2 == 1, torch.arange(rows) * 7 % 129, 0).to(torch.int32)
+    width = packed_width(shape.k, True)
+    outs = {name: torch.full((2, rows, 3, width), 0x5A5A5A5A, dtype=torch.int32) for name in ("launcher", "reference")}
+    out_rows = torch.arange(rows, dtype=torch.int64) * 3 + rows * 3  # frame 1, position 0 of each lane
+    workspace = launcher.workspaces[shape]
+    driver.tensors = {t.data_ptr(): t for t in (logits, chosen, requested, token_ids, counts, outs["launcher"],
+                                                out_rows, workspace.stats, workspace.lse, workspace.keys,
+                                                workspace.chosen)}
+    launcher(logits, chosen, requested, outs["launcher"], out_rows, token_ids, counts, shape.vocab_size, shape.k)
+    reduce_logprobs_reference(logits, chosen, requested, outs["reference"], out_rows, token_ids, counts,
+                              shape.vocab_size, shape.k)
+    problems = list(driver.problems)
+    if not torch.equal(outs["launcher"], outs["reference"]):
+        diff = (outs["launcher"] != outs["reference"]).nonzero()[:5].tolist()
+        problems.append(f"packed words differ from the reference at {diff}")
+    if not (outs["launcher"][0] == 0x5A5A5A5A).all():
+        problems.append("the launcher wrote outside the addressed frame")
+    return problems
+
+
+def main(core: Path) -> None:
+    manifest = json.loads((core / "manifest.json").read_text())
+    catalog = json.loads((core / manifest["catalog"]).read_text())
+    table = json.loads((core / manifest["kernels"]).read_text())
+    driver = EmulatedDriver(core, table)
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    launcher = PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+    launcher.current_stream = lambda: 0
+    results = {}
+    for rows in sorted({s.rows for s in launcher.launches}):
+        for dtype in (torch.int64, torch.int32):
+            driver.problems = []
+            results[f"rows{rows}-{str(dtype)[6:]}"] = run_case(launcher, driver, rows, dtype, seed=rows)
+    results["launches"] = [] if launcher.launch_count == len(driver.launched) else [
+        f"launch_count {launcher.launch_count} != {len(driver.launched)} emulated launches"]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
