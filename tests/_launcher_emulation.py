@@ -120,8 +120,7 @@ def run_case(launcher: PreparedReduction, driver: EmulatedDriver, rows: int, cho
     out_rows = torch.arange(rows, dtype=torch.int64) * 3 + rows * 3  # frame 1, position 0 of each lane
     workspace = launcher.workspaces[shape]
     driver.tensors = {t.data_ptr(): t for t in (logits, chosen, requested, token_ids, counts, outs["launcher"],
-                                                out_rows, workspace.stats, workspace.lse, workspace.keys,
-                                                workspace.chosen)}
+                                                out_rows, *workspace.tensors())}
     launcher(logits, chosen, requested, outs["launcher"], out_rows, token_ids, counts, shape.vocab_size, shape.k)
     reduce_logprobs_reference(logits, chosen, requested, outs["reference"], out_rows, token_ids, counts,
                               shape.vocab_size, shape.k)

@@ -71,7 +71,9 @@ def test_launch_plan_geometry(rows, vocab):
     for spec in plan:  # every parameter typed; constexprs exactly the "constexpr" parameters
         assert list(spec.signature) == spec.kernel.arg_names
         assert {n for n, t in spec.signature.items() if t == "constexpr"} == set(spec.constexprs)
-    workspace_bytes = rows * tiles * (2 * 4 + TILE_KEYS * 8) + rows * 4  # stats, keys, lse
+    sub = plan[0].constexprs["SUB"]
+    assert plan[1].constexprs["MAXIMA_BLOCK"] >= tiles * sub and tile % sub == 0
+    workspace_bytes = rows * tiles * (2 * 4 + sub * 4 + TILE_KEYS * 8) + rows * 8  # stats, maxima, keys, lse, cutoff
     if vocab >= 4096:
         assert workspace_bytes * 4 < rows * vocab * 4, "workspace should be far below a [rows, vocab] FP32 copy"
     assert launch_plan(rows, vocab + 3, vocab, NATURAL_K, True, torch.bfloat16) == plan  # no hidden state

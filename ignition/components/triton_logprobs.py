@@ -1,9 +1,16 @@
 """Generation logprob reduction on the GPU: four prepared Triton launches.
 
-1. ``tile_stats`` (row, vocabulary tile): FP32 tile maximum and ``sum(exp(x - max))``.
-2. ``row_normalization`` (row): combines the tile statistics into ``lse``.
+1. ``tile_stats`` (row, vocabulary tile): FP32 tile maximum and ``sum(exp(x - max))``, plus
+   the maxima of the tile's ``SUB`` sub-blocks.
+2. ``row_normalization`` (row): combines the tile statistics into ``lse``, and the sub-block
+   maxima into a cutoff: with ``tau`` the K-th largest sub-block maximum (counting equal
+   values), at least K lanes have ``x >= tau``, so every natural alternative has a reported
+   value ``>= fl(tau - lse)`` (subtracting the same ``lse`` is monotone, ties included).
 3. ``tile_candidates`` (row, tile): the tile's best sort keys of the reported values
-   ``x - lse`` (the same int64 keys as ``logprobs.sort_keys``).
+   ``x - lse`` (the same int64 keys as ``logprobs.sort_keys``), looking only at lanes at or
+   above the cutoff: one read of the tile, and as many selection steps as lanes pass (a
+   handful), not K. A cutoff of -inf or NaN (fewer than K finite maxima, infinite logits)
+   selects from every lane, exactly as before.
 4. ``merge`` (row): the chosen pair plus either the K best candidates or, for a row with
    selected ids, each id's raw logit minus ``lse``.
 
@@ -11,7 +18,8 @@ Workspaces between launches are explicit tensors, so the vocabulary-parallel var
 composition (all-gather the stats after launch 1, the candidates after launch 3):
 
 * ``stats``: fp32 ``[rows, tiles, 2]`` (tile max, exp-sum relative to that max)
-* ``lse``: fp32 ``[rows]``
+* ``maxima``: fp32 ``[rows, tiles, SUB]`` sub-block maxima
+* ``lse``, ``cutoff``: fp32 ``[rows]``
 * ``keys``: int64 ``[rows, tiles, TILE_KEYS]``, each tile's best ``min(k, 32)`` keys in
   descending order, remaining slots ``NO_KEY``.
 
@@ -58,12 +66,14 @@ def tile_stats_kernel(
     logits_ptr,  # [rows, vocab_padded] fp32/bf16/fp16, unit stride along the vocabulary
     requested_ptr,  # [rows] int32
     stats_ptr,  # [rows, num_tiles, 2] fp32: tile max, sum(exp(x - tile max))
+    maxima_ptr,  # [rows, num_tiles, SUB] fp32: maxima of the tile's SUB sub-blocks
     logits_row_stride,
     vocab_size,
     num_tiles,
     TILE: tl.constexpr,
+    SUB: tl.constexpr,
 ):
-    """Launch 1: FP32 maximum and exponential mass of one vocabulary tile of one row."""
+    """Launch 1: FP32 maximum and exponential mass of one vocabulary tile of one row, and its sub-block maxima."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     if tl.load(requested_ptr + row) == 0:
@@ -76,17 +86,25 @@ def tile_stats_kernel(
     stats = stats_ptr + (row * num_tiles + tile) * 2
     tl.store(stats, tile_max)
     tl.store(stats + 1, tile_sum)
+    sub_max = tl.max(tl.reshape(x, (SUB, TILE // SUB)), axis=1)  # [SUB]: padded lanes are -inf
+    tl.store(maxima_ptr + (row * num_tiles + tile) * SUB + tl.arange(0, SUB), sub_max)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
 def row_normalization_kernel(
     stats_ptr,  # [rows, num_tiles, 2] fp32
+    maxima_ptr,  # [rows, num_tiles, SUB] fp32
     requested_ptr,  # [rows] int32
     lse_ptr,  # [rows] fp32
+    cutoff_ptr,  # [rows] fp32: natural alternatives have reported values >= cutoff (-inf: no cutoff)
     num_tiles,
     TILES_BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    MAXIMA_BLOCK: tl.constexpr,
+    K: tl.constexpr,
 ):
-    """Launch 2: lse = M + log(sum_t s_t * exp(m_t - M)); +-inf M is lse, any NaN logit is NaN."""
+    """Launch 2: lse = M + log(sum_t s_t * exp(m_t - M)); +-inf M is lse, any NaN logit is NaN.
+    cutoff = fl(tau - lse), tau the K-th largest sub-block maximum counted with multiplicity."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(requested_ptr + row) == 0:
         return
@@ -98,7 +116,21 @@ def row_normalization_kernel(
     safe_max = tl.where(tl.abs(row_max) == _INF, 0.0, row_max)
     total = tl.sum(tile_sum * tl.exp(tile_max - safe_max), axis=0)
     lse = tl.where(tl.abs(row_max) == _INF, row_max, safe_max + tl.log(total))
-    tl.store(lse_ptr + row, tl.where(total != total, total, lse))
+    lse = tl.where(total != total, total, lse)
+    tl.store(lse_ptr + row, lse)
+    tau = tl.full([], -float("inf"), tl.float32)
+    if K > 0:
+        index = tl.arange(0, MAXIMA_BLOCK)
+        maxima = tl.load(maxima_ptr + row * num_tiles * SUB + index, mask=index < num_tiles * SUB, other=-_INF)
+        maxima = tl.where(maxima != maxima, -_INF, maxima)  # a NaN maximum bounds nothing
+        remaining = tl.full([], K, tl.int32)
+        for i in range(K):  # each step retires every copy of the largest value left
+            top = tl.max(maxima, axis=0)
+            tau = tl.where(remaining > 0, top, tau)
+            remaining -= tl.sum((maxima == top).to(tl.int32), axis=0)
+            maxima = tl.where(maxima == top, -_INF, maxima)
+    cutoff = tau - lse  # NaN (tau or lse infinite) or -inf: no cutoff
+    tl.store(cutoff_ptr + row, tl.where((tau > -_INF) & (cutoff == cutoff), cutoff, -_INF))
 
 
 @triton.jit(do_not_specialize=["logits_row_stride", "vocab_size", "num_tiles"])
@@ -107,6 +139,7 @@ def tile_candidates_kernel(
     requested_ptr,  # [rows] int32
     counts_ptr,  # [rows] int32 selected-id counts (read only when HAS_IDS)
     lse_ptr,  # [rows] fp32
+    cutoff_ptr,  # [rows] fp32
     keys_ptr,  # [rows, num_tiles, TILE_KEYS] int64
     logits_row_stride,
     vocab_size,
@@ -116,7 +149,8 @@ def tile_candidates_kernel(
     SELECT: tl.constexpr,
     HAS_IDS: tl.constexpr,
 ):
-    """Launch 3: the tile's best SELECT keys of x - lse, by repeated maximum (keys are unique)."""
+    """Launch 3: the tile's best SELECT keys of x - lse among lanes at or above the row's cutoff,
+    by repeated maximum over the lanes that pass (keys are unique)."""
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1).to(tl.int64)
     if tl.load(requested_ptr + row) == 0:
@@ -130,8 +164,13 @@ def tile_candidates_kernel(
         lanes = tile * TILE + tl.arange(0, TILE)
         in_vocab = lanes < vocab_size
         x = tl.load(logits_ptr + row * logits_row_stride + lanes, mask=in_vocab, other=0.0).to(tl.float32)
-        keys = tl.where(in_vocab, _sort_keys(x - tl.load(lse_ptr + row), lanes), _NO_KEY)
-        for i in range(SELECT):
+        reported = x - tl.load(lse_ptr + row)
+        cutoff = tl.load(cutoff_ptr + row)
+        ranked = tl.where(reported != reported, -_INF, reported)  # NaN ranks as -inf: it passes only a -inf cutoff
+        passes = in_vocab & (ranked >= cutoff)
+        keys = tl.where(passes, _sort_keys(reported, lanes), _NO_KEY)
+        steps = tl.minimum(tl.sum(passes.to(tl.int32), axis=0), SELECT)
+        for i in range(steps):
             top = tl.max(keys, axis=0)
             best = tl.where(slots == i, top, best)
             keys = tl.where(keys == top, _NO_KEY, keys)
@@ -204,6 +243,8 @@ class ReductionWorkspace(NamedTuple):
     stats: torch.Tensor  # [rows, tiles, 2] fp32
     lse: torch.Tensor  # [rows] fp32
     keys: torch.Tensor  # [rows, tiles, TILE_KEYS] int64
+    maxima: torch.Tensor  # [rows, tiles, SUB] fp32
+    cutoff: torch.Tensor  # [rows] fp32
 
 
 def launch_reduction(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k):
@@ -218,13 +259,17 @@ def launch_reduction(logits, chosen, requested, out, out_rows, token_ids, token_
     rows = logits.shape[0]
     plan = launch_plan(rows, logits.shape[1], vocab_size, k, token_ids is not None, logits.dtype) if rows else []
     tiles = plan[0].grid[1] if plan else 0
+    sub = plan[0].constexprs["SUB"] if plan else 1
     workspace = ReductionWorkspace(torch.empty(rows, tiles, 2, dtype=torch.float32, device=device),
                                    torch.empty(rows, dtype=torch.float32, device=device),
-                                   torch.empty(rows, tiles, TILE_KEYS, dtype=torch.int64, device=device))
+                                   torch.empty(rows, tiles, TILE_KEYS, dtype=torch.int64, device=device),
+                                   torch.empty(rows, tiles, sub, dtype=torch.float32, device=device),
+                                   torch.empty(rows, dtype=torch.float32, device=device))
     args = {"logits_ptr": logits, "chosen_ptr": chosen.to(torch.int64), "requested_ptr": requested,
             "token_ids_ptr": token_ids if token_ids is not None else requested,  # never read without HAS_IDS
             "counts_ptr": token_id_counts if token_id_counts is not None else requested,
             "stats_ptr": workspace.stats, "lse_ptr": workspace.lse, "keys_ptr": workspace.keys, "out_ptr": out,
+            "maxima_ptr": workspace.maxima, "cutoff_ptr": workspace.cutoff,
             "out_rows_ptr": out_rows, "logits_row_stride": logits.stride(0), "vocab_size": vocab_size,
             "num_tiles": tiles}
     for spec in plan:
@@ -244,6 +289,7 @@ def reduce_logprobs_triton(logits, chosen, requested, out, out_rows, token_ids, 
 ENABLE_FP_FUSION = False  # explicit, so JIT and prepared binaries agree (Triton 3.10's default)
 _TARGET_PROGRAMS = 1024  # enough (row, tile) programs to cover a large GPU several times
 _MIN_TILE, _MAX_TILE, _MAX_TILES = 1024, 8192, 256
+SUB_BLOCKS = 32  # sub-block maxima per tile: the cutoff's resolution (K-th of tiles x SUB maxima)
 _POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}
 
 
@@ -271,6 +317,7 @@ def _tiling(rows: int, vocab_size: int) -> tuple[int, int]:
 def _signature(kernel, logits_type: str) -> dict[str, str]:
     types = {"logits_ptr": logits_type, "chosen_ptr": "*i64", "requested_ptr": "*i32", "counts_ptr": "*i32",
              "token_ids_ptr": "*i32", "stats_ptr": "*fp32", "lse_ptr": "*fp32", "keys_ptr": "*i64",
+             "maxima_ptr": "*fp32", "cutoff_ptr": "*fp32",
              "out_ptr": "*i32", "out_rows_ptr": "*i64", "logits_row_stride": "i32", "vocab_size": "i32",
              "num_tiles": "i32"}
     return {name: types.get(name, "constexpr") for name in kernel.arg_names}
@@ -287,13 +334,17 @@ def launch_plan(rows: int, vocab_padded: int, vocab_size: int, k: int, explicit_
     tile, tiles = _tiling(rows, vocab_size)
     tile_warps = max(1, min(8, tile // 256))
     candidates_block = triton.next_power_of_2(tiles * TILE_KEYS)
+    sub = min(SUB_BLOCKS, tile)
+    maxima_block = triton.next_power_of_2(tiles * sub)
 
     def spec(name, kernel, constexprs, num_warps, grid):
         return LaunchSpec(f"logprobs.{name}", kernel, _signature(kernel, logits_type), constexprs, num_warps, 1, grid)
 
     return [
-        spec("tile_stats", tile_stats_kernel, {"TILE": tile}, tile_warps, (rows, tiles)),
-        spec("row_normalization", row_normalization_kernel, {"TILES_BLOCK": triton.next_power_of_2(tiles)}, 1, (rows,)),
+        spec("tile_stats", tile_stats_kernel, {"TILE": tile, "SUB": sub}, tile_warps, (rows, tiles)),
+        spec("row_normalization", row_normalization_kernel,
+             {"TILES_BLOCK": triton.next_power_of_2(tiles), "SUB": sub, "MAXIMA_BLOCK": maxima_block,
+              "K": min(k, TILE_KEYS)}, max(1, min(8, maxima_block // 1024)), (rows,)),
         spec("tile_candidates", tile_candidates_kernel,
              {"TILE": tile, "TILE_KEYS": TILE_KEYS, "SELECT": min(k, TILE_KEYS), "HAS_IDS": explicit_ids},
              tile_warps, (rows, tiles)),

@@ -130,20 +130,26 @@ class ReductionWorkspace:
 
     tiles: int
     stats: torch.Tensor  # [rows, tiles, 2] fp32
+    maxima: torch.Tensor  # [rows, tiles, SUB] fp32 sub-block maxima
     lse: torch.Tensor  # [rows] fp32
+    cutoff: torch.Tensor  # [rows] fp32
     keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
     chosen: torch.Tensor  # [rows] int64: chosen ids widened when a graph passes int32
 
     @classmethod
-    def allocate(cls, rows: int, tiles: int, device: torch.device) -> "ReductionWorkspace":
-        return cls(tiles, torch.empty(rows, tiles, 2, dtype=torch.float32, device=device),
-                   torch.empty(rows, dtype=torch.float32, device=device),
+    def allocate(cls, rows: int, tiles: int, sub: int, device: torch.device) -> "ReductionWorkspace":
+        def fp32(*shape):
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        return cls(tiles, fp32(rows, tiles, 2), fp32(rows, tiles, sub), fp32(rows), fp32(rows),
                    torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
                    torch.empty(rows, dtype=torch.int64, device=device))
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.stats, self.maxima, self.lse, self.cutoff, self.keys, self.chosen
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.stats, self.lse, self.keys, self.chosen))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 class PreparedReduction:
@@ -194,8 +200,9 @@ class PreparedReduction:
                 grid = tuple(entry["grid"]) + (1,) * (3 - len(entry["grid"]))
                 launches[shape].append(PreparedLaunch(key, function, entry["signature"], grid,
                                                       entry["num_warps"] * 32, entry["shared_bytes"]))
-            tiles = launches[shape][0].grid[1]  # launch 1 runs over (rows, tiles)
-            workspaces[shape] = ReductionWorkspace.allocate(shape.rows, tiles, device)
+            first = entries[(keys[0], target)]  # launch 1 runs over (rows, tiles) with SUB sub-blocks per tile
+            workspaces[shape] = ReductionWorkspace.allocate(shape.rows, first["grid"][1], first["constexprs"]["SUB"],
+                                                            device)
         return cls(device, target, launches, workspaces, modules, driver)
 
     @property
@@ -220,6 +227,7 @@ class PreparedReduction:
         values = {"logits_ptr": logits.data_ptr(), "chosen_ptr": chosen.data_ptr(), "requested_ptr": requested.data_ptr(),
                   "token_ids_ptr": ids.data_ptr(), "counts_ptr": counts.data_ptr(),
                   "stats_ptr": workspace.stats.data_ptr(), "lse_ptr": workspace.lse.data_ptr(),
+                  "maxima_ptr": workspace.maxima.data_ptr(), "cutoff_ptr": workspace.cutoff.data_ptr(),
                   "keys_ptr": workspace.keys.data_ptr(), "out_ptr": out.data_ptr(),
                   "out_rows_ptr": out_rows.data_ptr(), "logits_row_stride": logits.stride(0),
                   "vocab_size": vocab_size, "num_tiles": workspace.tiles}
