@@ -88,6 +88,15 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(file))
 
 
+def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
+    packaged = [v["name"] for v in catalog["variants"] if v.get("packages", {}).get("inductor")]
+    if packaged and not trusted:
+        warnings.warn(f"not loading the compiled packages of {', '.join(packaged)}: they hold native code and the "
+                      "core is not trusted (pass trust_compiled=True / --trust-compiled, or a trusted key that "
+                      "signed it); using the portable .pt2 programs", stacklevel=3)
+    return trusted
+
+
 def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program):
     """The variant's AOTInductor package when the core has one (preferred), else its torch.export program
     (already loaded once by validation)."""
@@ -102,13 +111,23 @@ def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program):
     return program.module()
 
 
-def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = True) -> LoadedCore:
-    """Validate the core (refusing an invalid one with the validator's findings), then load it."""
+def load_core(path: str | Path, device: str = "cpu", prefer_compiled: bool = True, *,
+              trust_compiled: bool = False, trusted_key=None) -> LoadedCore:
+    """Validate the core (refusing an invalid one with the validator's findings), then load it.
+
+    Compiled packages hold native code, so they are loaded only when ``trust_compiled`` is set or the
+    core's signature verifies against ``trusted_key`` (an Ed25519 public key or its PEM path; with a
+    key, an unsigned or wrongly signed core is refused). Otherwise the portable ``.pt2`` runs, with a warning.
+    """
     root = Path(path)
-    report = validate_core(root)
+    try:
+        report = validate_core(root, trusted_key=trusted_key)
+    except ValueError as exc:  # SigningError: the trusted key file itself is unusable
+        raise CoreLoadError(str(exc)) from None
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    prefer_compiled = prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants = {}

@@ -113,7 +113,8 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     return app
 
 
-def serve(core: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> None:
+def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
+          model_name: str | None = None) -> None:
     """``ignition serve``: load the core and serve it with uvicorn until interrupted."""
     import uvicorn
 

@@ -24,7 +24,8 @@ class ValidationReport:
     kernels: dict | None = None
     programs: dict = field(default_factory=dict)  # variant name -> loaded torch.export program (reused by loaders)
     digest: str | None = None  # core digest: sha256 of the canonical manifest (which hashes every file)
-    signer: str | None = None  # key id of a signature that verified against the trusted key, else None
+    signed_by: str | None = None  # key id of a signature.json that verifies (against trusted_key when given)
+    trusted: bool = False  # the core's signature verified against the caller's trusted key
 
     @property
     def ok(self) -> bool:
@@ -56,7 +57,7 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
 
     ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
     Ed25519 public key (or a PEM file path, loaded first: SigningError names a bad one) whose
-    signature the core must carry (SIGNATURE); ``report.signer`` is set when it verifies.
+    signature the core must carry (SIGNATURE); ``report.trusted`` is set when it verifies.
     """
     root = Path(path)
     report = ValidationReport(root)
@@ -81,7 +82,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
         return
     provenance = check_provenance(root, manifest, expect_digest, trusted_key)
     report.violations += provenance.violations
-    report.digest, report.signer = provenance.digest, provenance.signer
+    report.digest, report.signed_by, report.trusted = provenance.digest, provenance.signed_by, provenance.trusted
     schema_found = schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
     report.violations += schema_found
     if schema_found:

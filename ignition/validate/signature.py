@@ -18,7 +18,8 @@ _MAX_SIGNATURE_BYTES = 64 << 10
 @dataclass(slots=True)
 class Provenance:
     digest: str | None = None  # sha256 of the canonical manifest
-    signer: str | None = None  # key id of a signature that verified against the trusted key
+    signed_by: str | None = None  # key id of a signature.json that verifies (against the trusted key, if given)
+    trusted: bool = False  # the signature verified against the caller's trusted key
     violations: list[Violation] = field(default_factory=list)
 
 
@@ -60,6 +61,5 @@ def _signature(root: Path, found: Provenance, trusted_key) -> list[Violation]:
         problem = f"the embedded public key is unusable: {exc}"
     if problem is not None:
         return [Violation("SIGNATURE", SIGNATURE_FILE, problem)]
-    if trusted_key is not None:
-        found.signer = document["key_id"]
+    found.signed_by, found.trusted = document["key_id"], trusted_key is not None
     return []
