@@ -92,7 +92,7 @@ def export_core_cmd(
     total = sum(timings.values())
     console.print(f"[green]exported[/green] {out} in {total:.1f} s")
     console.print(f"  digest sha256:{core_digest(json.loads((out / 'manifest.json').read_bytes()))}"
-                  + (" (signed)" if signing_key is not None else ""), highlight=False)
+                  + (" (signed)" if signing_key is not None else ""), highlight=False, soft_wrap=True)
     for stage, seconds in timings.items():
         console.print(f"  {stage:<28} {seconds:8.2f} s")
 
@@ -118,7 +118,8 @@ def validate_core_cmd(
         print(json.dumps(report.as_dict(), indent=2))
     elif report.ok:
         signed = f", signed by {report.signed_by}" + (" (trusted key)" if report.trusted else "") if report.signed_by else ""
-        console.print(f"[green]valid[/green] {core} (digest sha256:{report.digest}{signed})", highlight=False)
+        console.print(f"[green]valid[/green] {core} (digest sha256:{report.digest}{signed})", highlight=False,
+                      soft_wrap=True)
     else:
         console.print(f"[red]invalid[/red] {core}: {len(report.violations)} violation(s)")
         for violation in report.violations:

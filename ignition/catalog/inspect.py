@@ -81,7 +81,7 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
                      str(summary["completion_token_capacity"]), str(summary["vocab_size"]), ",".join(summary["targets"]) or "-")
     console.print(features)
     console.print(f"digest sha256:{summary['digest']}  "
-                  f"{'signed by ' + summary['signed_by'] if summary['signed_by'] else 'unsigned'}", highlight=False)
+                  f"{'signed by ' + summary['signed_by'] if summary['signed_by'] else 'unsigned'}", highlight=False, soft_wrap=True)
     variants = Table(title="variants")
     for column in ("variant", "operation", "capacity", "buffer", "dtype", "shape", "role", "bytes"):
         variants.add_column(column, justify="right" if column in ("capacity", "bytes") else "left")
