@@ -130,8 +130,9 @@ def test_cli_digest_and_trust(signed_core, keys, toy_core):
     assert runner.invoke(app, ["validate-core", str(signed_core), "--expect-digest", "abc"]).exit_code == 2
     summary = json.loads(runner.invoke(app, ["inspect-core", str(signed_core), "--json"]).stdout)
     assert summary["digest"] == digest and summary["signed_by"].startswith("sha256:")
-    result = runner.invoke(app, ["run", str(toy_core), "--prompt-ids", "1,2", "--trusted-key", str(keys[1])])
-    assert result.exit_code == 1 and "SIGNATURE" in result.output and "Traceback" not in result.output
+    for command in (["run", str(toy_core), "--prompt-ids", "1,2"], ["serve", str(toy_core)]):
+        result = runner.invoke(app, [*command, "--trusted-key", str(keys[1])])  # unsigned: refused before serving
+        assert result.exit_code == 1 and "SIGNATURE" in result.output and "Traceback" not in result.output
     result = runner.invoke(app, ["run", str(signed_core), "--prompt-ids", "1,2", "--max-tokens", "2",
                                  "--trusted-key", str(keys[1]), "--json"])
     assert result.exit_code == 0, result.output

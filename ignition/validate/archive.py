@@ -21,7 +21,6 @@ import io
 import json
 import re
 import zipfile
-from collections.abc import Callable
 
 from ignition.validate.program_json import program_violations
 from ignition.validate.report import Violation
@@ -152,18 +151,20 @@ def _payload_config(content: bytes, folder: str, prefix: str, at: str, raw: dict
     entries = document.get("config") if isinstance(document, dict) else None
     if not isinstance(entries, dict) or set(document) != {"config"}:
         return [Violation("PT2-MEMBER", at, f"expected {{\"config\": {{...}}}}, found {str(document)[:80]}")]
-    check: Callable[[bool, str, str], None] = lambda ok, rule, msg: ok or found.append(Violation(rule, at, msg))
     for fqn, meta in entries.items():
+        entry = f"{at}: entry {fqn!r}"
         if not isinstance(meta, dict):
-            check(False, "PT2-MEMBER", f"entry {fqn!r}: expected an object, found {type(meta).__name__}")
+            found.append(Violation("PT2-MEMBER", entry, f"expected an object, found {type(meta).__name__}"))
             continue
+        if meta.get("use_pickle") is not False:
+            found.append(Violation("PT2-PICKLE", entry, f"expected use_pickle false, found {meta.get('use_pickle')!r}"))
+        if not isinstance(meta.get("tensor_meta"), dict):
+            found.append(Violation("PT2-MEMBER", entry, "expected a tensor_meta (a raw tensor's dtype and shape)"))
         path = meta.get("path_name")
-        check(meta.get("use_pickle") is False, "PT2-PICKLE",
-              f"entry {fqn!r}: expected use_pickle false, found {meta.get('use_pickle')!r}")
-        check(isinstance(meta.get("tensor_meta"), dict), "PT2-MEMBER", f"entry {fqn!r}: expected a tensor_meta")
         if isinstance(path, str) and re.fullmatch(rf"{prefix}[0-9]+", path):
             raw[folder + path] = at
         else:
-            check(False, "PT2-PICKLE" if isinstance(path, str) and path.startswith(("custom_obj_", "opaque_obj_"))
-                  else "PT2-MEMBER", f"entry {fqn!r}: expected a raw tensor file {prefix}<n>, found {path!r}")
+            unpickled = isinstance(path, str) and path.startswith(("custom_obj_", "opaque_obj_"))
+            found.append(Violation("PT2-PICKLE" if unpickled else "PT2-MEMBER", entry,
+                                   f"expected a raw tensor file {prefix}<n>, found {path!r}"))
     return found
