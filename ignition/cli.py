@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -21,6 +22,22 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+
+
+def _trusted_key(path: Optional[Path]):
+    """The --trusted-key PEM, loaded before any work; a bad key file is a usage error (exit 2)."""
+    if path is None:
+        return None
+    from ignition.exporter.signing import SigningError, load_trusted_key
+    try:
+        return load_trusted_key(path)
+    except SigningError as exc:
+        console.print(f"[red]error:[/red] --trusted-key {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2)
+
+
+TRUSTED_KEY_HELP = "Ed25519 public key (PEM): the core must carry a signature by it; a signed core may load compiled packages"
+TRUST_COMPILED_HELP = "Load AOTInductor packages (native code) even from an unsigned core"
 
 
 @app.command("export-core")
@@ -40,10 +57,18 @@ def export_core_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
     seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
+    sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
+    from ignition.exporter.signing import SigningError, core_digest, load_signing_key
     from ignition.recipes.base import ExportOptions, RecipeError
+
+    try:
+        signing_key = load_signing_key(sign_key) if sign_key is not None else None
+    except SigningError as exc:
+        console.print(f"[red]error:[/red] --sign-key {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2)
 
     try:
         options = ExportOptions(
@@ -59,13 +84,15 @@ def export_core_cmd(
     try:
         with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
             task = bar.add_task("export", total=None, item="")
-            timings = export_core(options, out, overwrite=overwrite,
+            timings = export_core(options, out, overwrite=overwrite, signing_key=signing_key,
                                   progress=lambda stage, item: bar.update(task, description=stage, item=item))
     except (ExportError, RecipeError, FileExistsError, ValueError) as exc:
         console.print(f"[red]export failed:[/red] {exc}")
         raise typer.Exit(1)
     total = sum(timings.values())
     console.print(f"[green]exported[/green] {out} in {total:.1f} s")
+    console.print(f"  digest sha256:{core_digest(json.loads((out / 'manifest.json').read_bytes()))}"
+                  + (" (signed)" if signing_key is not None else ""), highlight=False, soft_wrap=True)
     for stage, seconds in timings.items():
         console.print(f"  {stage:<28} {seconds:8.2f} s")
 
@@ -74,15 +101,25 @@ def export_core_cmd(
 def validate_core_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON"),
+    expect_digest: Optional[str] = typer.Option(None, "--expect-digest", help="The core digest (sha256 hex) the core must have"),
+    trusted_key: Optional[Path] = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP),
 ) -> None:
     """Check a core against the JSON Schemas and every semantic rule (exit 0 valid, 1 invalid)."""
+    import re
+
     from ignition.validate.core import validate_core
 
-    report = validate_core(core)
+    if expect_digest is not None and not re.fullmatch(r"(sha256:)?[0-9a-fA-F]{64}", expect_digest):
+        console.print(f"[red]error:[/red] --expect-digest: expected 64 hex digits (optionally 'sha256:' first), "
+                      f"found {escape(repr(expect_digest))}", highlight=False)
+        raise typer.Exit(2)
+    report = validate_core(core, expect_digest=expect_digest, trusted_key=_trusted_key(trusted_key))
     if as_json:
         print(json.dumps(report.as_dict(), indent=2))
     elif report.ok:
-        console.print(f"[green]valid[/green] {core}")
+        signed = f", signed by {report.signed_by}" + (" (trusted key)" if report.trusted else "") if report.signed_by else ""
+        console.print(f"[green]valid[/green] {core} (digest sha256:{report.digest}{signed})", highlight=False,
+                      soft_wrap=True)
     else:
         console.print(f"[red]invalid[/red] {core}: {len(report.violations)} violation(s)")
         for violation in report.violations:
@@ -136,6 +173,8 @@ def run_cmd(
     eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
     batch_invariant: bool = typer.Option(False, "--batch-invariant",
                                          help="Decode in the largest variant: results independent of co-batching"),
+    trust_compiled: bool = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP),
+    trusted_key: Optional[Path] = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP),
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.core import CoreLoadError, load_core
@@ -143,9 +182,10 @@ def run_cmd(
     from ignition.runtime.requests import AdmissionError, Request, SamplingParams
 
     try:
-        loaded = load_core(core, device=device, eager=eager)
+        loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
+                           trusted_key=_trusted_key(trusted_key))
     except CoreLoadError as exc:
-        console.print(f"[red]cannot load core:[/red] {exc}", markup=True, highlight=False)
+        console.print(f"[red]cannot load core:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1)
     if (prompt is None) == (prompt_ids is None):
         console.print("[red]error:[/red] give either a prompt text or --prompt-ids")
@@ -187,17 +227,20 @@ def serve_cmd(
     eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
     batch_invariant: bool = typer.Option(False, "--batch-invariant",
                                          help="Decode in the largest variant: results independent of co-batching"),
+    trust_compiled: bool = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP),
+    trusted_key: Optional[Path] = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP),
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
-    from ignition.runtime.core import CoreLoadError
+    from ignition.runtime.core import CoreLoadError, load_core
     from ignition.runtime.server import serve
 
     try:
-        serve(core, host=host, port=port, model_name=model_name, device=device, eager=eager,
-              batch_invariant=batch_invariant)
+        loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
+                           trusted_key=_trusted_key(trusted_key))
     except CoreLoadError as exc:
-        console.print(f"[red]cannot load core:[/red] {exc}", markup=True, highlight=False)
+        console.print(f"[red]cannot load core:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(1)
+    serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant)
 
 
 def main() -> None:

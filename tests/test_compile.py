@@ -61,7 +61,7 @@ def test_compile_errors_name_the_package(tmp_path, monkeypatch) -> None:
 
 
 def test_export_compile_inductor_packages_are_validated_and_preferred(tmp_path):
-    """--compile inductor stores a package per variant beside its .pt2; the loader prefers it."""
+    """--compile inductor stores a package per variant beside its .pt2; a trusting loader prefers it."""
     import json
 
     from ignition.exporter.export import export_core
@@ -78,7 +78,7 @@ def test_export_compile_inductor_packages_are_validated_and_preferred(tmp_path):
     assert [v["packages"] for v in catalog["variants"]] == [{"inductor": "graphs/decode.c1.aoti.pt2"},
                                                              {"inductor": "graphs/prefill.t8.aoti.pt2"}]
     assert validate_core(out).ok
-    compiled, portable = load_core(out), load_core(out, prefer_compiled=False)
+    compiled, portable = load_core(out, trust_compiled=True), load_core(out, prefer_compiled=False)
     assert not isinstance(compiled.variants["decode.c1"].run, torch.fx.GraphModule)
     request = Request([3, 4, 5], max_tokens=5, logprobs=4)
     (a,), (b,) = Engine(compiled).generate([request]), Engine(portable).generate([request])

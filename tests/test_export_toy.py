@@ -160,7 +160,8 @@ def test_cli_validate_exit_codes(toy_core, core_copy):
     result = runner.invoke(app, ["validate-core", str(toy_core)])
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["validate-core", str(toy_core), "--json"])
-    assert json.loads(result.stdout) == {"core": str(toy_core), "valid": True, "violations": []}
+    assert json.loads(result.stdout) == {"core": str(toy_core), "valid": True, "violations": [],
+                                         "digest": validate_core(toy_core, check_graphs=False).digest}
     core_copy.edit("manifest.json", lambda m: m.update(capacities=[3]))
     result = runner.invoke(app, ["validate-core", str(core_copy.root)])
     assert result.exit_code == 1 and "CATALOG-CAPACITIES" in result.output and "Traceback" not in result.output

@@ -58,6 +58,8 @@ def inspect_core(report, budget: int | None = None) -> dict:
     state = sum(BufferDecl.from_json(s).nbytes for s in manifest["state"])
     return {
         "core": str(report.path),
+        "digest": report.digest,  # sha256 of the canonical manifest
+        "signed_by": report.signed_by,  # key id of a signature.json that verifies, else None
         "recipe": manifest["recipe"],
         "model": manifest["model"],
         "vocab_size": manifest["vocab_size"],
@@ -78,6 +80,8 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
     features.add_row(str(f["allow_logprobs"]), str(f["k"]), str(f["explicit_ids"]), str(f["prompt_logprobs"]),
                      str(summary["completion_token_capacity"]), str(summary["vocab_size"]), ",".join(summary["targets"]) or "-")
     console.print(features)
+    console.print(f"digest sha256:{summary['digest']}  "
+                  f"{'signed by ' + summary['signed_by'] if summary['signed_by'] else 'unsigned'}", highlight=False, soft_wrap=True)
     variants = Table(title="variants")
     for column in ("variant", "operation", "capacity", "buffer", "dtype", "shape", "role", "bytes"):
         variants.add_column(column, justify="right" if column in ("capacity", "bytes") else "left")

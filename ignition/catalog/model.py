@@ -9,6 +9,7 @@ import torch
 from ignition.catalog.enums import Operation, Role, ValueSource
 
 MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = "signature.json"  # detached signature over the manifest digest; never listed in it
 CATALOG_FILE = "catalog.json"
 KERNELS_FILE = "kernels.json"
 WEIGHTS_FILE = "weights.safetensors"

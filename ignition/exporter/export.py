@@ -18,9 +18,11 @@ from safetensors.torch import save_file
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
+from ignition.exporter.signing import sign_core
 from ignition.exporter.writer import dump_json, hash_tree, publish, staging_dir
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.registry import build_recipe
+from ignition.validate.archive import check_archive
 
 Progress = Callable[[str, str], None]  # (stage, item)
 
@@ -38,6 +40,16 @@ def capture(graph, weights) -> torch.export.ExportedProgram:
     program = torch.export.export(graph.module, (example_buffers(graph, weights),), strict=False)
     program._example_inputs = None  # sample inputs would embed a copy of the weights in every .pt2
     return program
+
+
+def save_program(program: torch.export.ExportedProgram, staging: Path, graph_file: str) -> None:
+    """``torch.export.save``, then the validator's safe reader: a graph that loading would refuse (a pickle,
+    code, a foreign member) fails the export here instead of every load later."""
+    torch.export.save(program, staging / graph_file)
+    refused = check_archive((staging / graph_file).read_bytes(), graph_file)
+    if refused:
+        raise ExportError(f"{graph_file}: torch.export.save wrote an archive that loading refuses:\n"
+                          + "\n".join(f"  {v}" for v in refused))
 
 
 def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, str], kernels: bool) -> dict:
@@ -68,8 +80,9 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
 
 
 def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
-                progress: Progress = lambda stage, item: None) -> dict[str, float]:
-    """Export a core to ``out``; returns wall seconds per stage."""
+                progress: Progress = lambda stage, item: None, signing_key=None) -> dict[str, float]:
+    """Export a core to ``out``; returns wall seconds per stage. ``signing_key`` (an Ed25519 private
+    key, see ``ignition.exporter.signing``) adds signature.json over the validated core's digest."""
     from ignition.validate.core import validate_core  # validation is the last export stage
 
     timings: dict[str, float] = {}
@@ -99,7 +112,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
                 mismatch = check_captured_launches(build, graph, program)
                 if mismatch:
                     raise ExportError(f"variant {graph.variant.name}: {mismatch}")
-            torch.export.save(program, staging / graph.variant.graph_file)
+            save_program(program, staging, graph.variant.graph_file)
             timings[f"capture:{graph.variant.name}"] = time.perf_counter() - started
             if options.compile == "inductor":  # after kernel preparation; the reduction stays one opaque op
                 from ignition.exporter.compile import compile_inductor, package_path
@@ -129,6 +142,8 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         if not report.ok:
             raise ExportError("the exported core failed validation and was not published:\n"
                               + "\n".join(f"  {v}" for v in report.violations))
+        if signing_key is not None:
+            sign_core(staging, signing_key)
         publish(staging, out, overwrite)
     finally:
         if staging.exists():

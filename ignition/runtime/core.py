@@ -103,6 +103,15 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_file(str(file))
 
 
+def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
+    packaged = [v["name"] for v in catalog["variants"] if v.get("packages", {}).get("inductor")]
+    if packaged and not trusted:
+        warnings.warn(f"not loading the compiled packages of {', '.join(packaged)}: they hold native code and the "
+                      "core is not trusted (pass trust_compiled=True / --trust-compiled, or a trusted key that "
+                      "signed it); using the portable .pt2 programs", stacklevel=3)
+    return trusted
+
+
 def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device):
     """The variant's AOTInductor package when the core has one (preferred; CPU packages only), else its
     torch.export program (already loaded once by validation), moved to the device."""
@@ -138,23 +147,31 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
     return reduction
 
 
-def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True,
-              eager: bool = False) -> LoadedCore:
+def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True, *,
+              eager: bool = False, trust_compiled: bool = False, trusted_key=None) -> LoadedCore:
     """Validate the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
 
     ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. On CUDA the reduction launches the core's
     prepared cubins (a core without a binary for the device's architecture is refused), and every
     capturable variant is captured as a CUDA graph unless ``eager``.
+
+    Compiled packages hold native code, so they are loaded only when ``trust_compiled`` is set or the
+    core's signature verifies against ``trusted_key`` (an Ed25519 public key or its PEM path; with a
+    key, an unsigned or wrongly signed core is refused). Otherwise the portable ``.pt2`` runs, with a warning.
     """
     root = Path(path)
     try:
         device = resolve_device(device)
     except ValueError as exc:
         raise CoreLoadError(str(exc)) from None
-    report = validate_core(root)
+    try:
+        report = validate_core(root, trusted_key=trusted_key)
+    except ValueError as exc:  # SigningError: the trusted key file itself is unusable
+        raise CoreLoadError(str(exc)) from None
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    prefer_compiled = prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = _device_reduction(root, report, device)
     weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}

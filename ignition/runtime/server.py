@@ -114,11 +114,12 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     return app
 
 
-def serve(core: str | Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          device: str = "auto", eager: bool = False, batch_invariant: bool = False) -> None:
-    """``ignition serve``: load the core onto ``device`` and serve it with uvicorn until interrupted."""
+def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
+          model_name: str | None = None, device: str = "auto", eager: bool = False,
+          batch_invariant: bool = False) -> None:
+    """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn."""
     import uvicorn
 
-    loaded = load_core(core, device=device, eager=eager)
-    app = create_app(loaded, model_name=model_name or str(core), batch_invariant=batch_invariant)
+    loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
+    app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant)
     uvicorn.run(app, host=host, port=port, log_level="info")

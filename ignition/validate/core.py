@@ -12,6 +12,7 @@ from ignition.validate.contract_rules import check_catalog
 from ignition.validate.files import check_files, check_weights, safe_path
 from ignition.validate.report import Violation
 from ignition.validate.schema import schema_violations
+from ignition.validate.signature import check_provenance
 
 
 @dataclass(slots=True)
@@ -22,13 +23,17 @@ class ValidationReport:
     catalog: dict | None = None
     kernels: dict | None = None
     programs: dict = field(default_factory=dict)  # variant name -> loaded torch.export program (reused by loaders)
+    digest: str | None = None  # core digest: sha256 of the canonical manifest (which hashes every file)
+    signed_by: str | None = None  # key id of a signature.json that verifies (against trusted_key when given)
+    trusted: bool = False  # the core's signature verified against the caller's trusted key
 
     @property
     def ok(self) -> bool:
         return not self.violations
 
     def as_dict(self) -> dict:
-        return {"core": str(self.path), "valid": self.ok, "violations": [v.as_dict() for v in self.violations]}
+        return {"core": str(self.path), "valid": self.ok, "digest": self.digest,
+                "violations": [v.as_dict() for v in self.violations]}
 
 
 def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
@@ -46,23 +51,38 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
         return None
 
 
-def validate_core(path: str | Path, *, check_graphs: bool = True) -> ValidationReport:
+def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
+                  trusted_key=None) -> ValidationReport:
+    """All findings for the core at ``path``; never raises for a bad core.
+
+    ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
+    Ed25519 public key (or a PEM file path, loaded first: SigningError names a bad one) whose
+    signature the core must carry (SIGNATURE); ``report.trusted`` is set when it verifies.
+    """
     root = Path(path)
     report = ValidationReport(root)
+    if isinstance(trusted_key, (str, Path)):
+        from ignition.exporter.signing import load_trusted_key
+        trusted_key = load_trusted_key(trusted_key)
+    if expect_digest is not None:
+        expect_digest = expect_digest.lower().removeprefix("sha256:")
     try:
-        _validate(root, report, check_graphs)
+        _validate(root, report, check_graphs, expect_digest, trusted_key)
     except Exception as exc:  # a validator bug must still produce a clean rejection
         report.violations.append(Violation("VALIDATOR-ERROR", str(root), f"{type(exc).__name__}: {exc}"))
     return report
 
 
-def _validate(root: Path, report: ValidationReport, check_graphs: bool) -> None:
+def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key) -> None:
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
     manifest = _read_json(root, MANIFEST_FILE, "core", report)
     if manifest is None:
         return
+    provenance = check_provenance(root, manifest, expect_digest, trusted_key)
+    report.violations += provenance.violations
+    report.digest, report.signed_by, report.trusted = provenance.digest, provenance.signed_by, provenance.trusted
     schema_found = schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
     report.violations += schema_found
     if schema_found:

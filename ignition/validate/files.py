@@ -6,6 +6,7 @@ from pathlib import Path, PurePosixPath
 
 from safetensors import safe_open
 
+from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
 from ignition.exporter.writer import sha256_file
 from ignition.validate.report import Violation
 
@@ -47,7 +48,7 @@ def check_files(root: Path, listed: dict[str, str], named: dict[str, str]) -> li
                 found.append(Violation("FILE-MISSING", rel, f"named by {who} but absent"))
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if path.is_file() and rel != "manifest.json" and rel not in listed:
+        if path.is_file() and rel not in (MANIFEST_FILE, SIGNATURE_FILE) and rel not in listed:
             found.append(Violation("FILE-EXTRA", rel, "file in the core that manifest.json does not list"))
     return found
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ignition.validate.archive import check_archive
 from ignition.validate.report import Violation
 
 _WRITES_EXPECTED = {"output", "state"}
@@ -47,13 +49,18 @@ def _mutated_placeholders(program) -> set[str]:
 
 
 def check_graph(path: Path, variant: dict):
-    """Load the variant's program and check it; returns (violations, program or None when it cannot load)."""
+    """Check the archive with our own reader, then load the variant's program and check it; returns
+    (violations, program or None when it cannot or may not load)."""
     where = f"variant {variant['name']}: {variant['graph']}"
+    data = path.read_bytes()  # read once: torch loads exactly the bytes the safe reader accepted
+    refused = check_archive(data, where)
+    if refused:
+        return refused, None
     export_log = logging.getLogger("torch.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # torch logs every deserialization failure at WARNING with a traceback
     try:
-        program = torch.export.load(str(path))
+        program = torch.export.load(io.BytesIO(data))
     except Exception as exc:  # a corrupt archive can fail in many ways
         return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")], None
     finally:

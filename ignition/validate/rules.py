@@ -41,7 +41,18 @@ RULES = {
     "FEAT-MISMATCH": "The manifest's features equal what the catalog declares.",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",
     "WEIGHT-DECL": "Weight arguments exist in the weights file with the declared dtype and shape.",
-    "GRAPH-LOAD": "Every variant's .pt2 loads with torch.export.load.",
+    "CORE-DIGEST": "The core digest (sha256 of the canonical manifest) equals the expected one (--expect-digest).",
+    "SIGNATURE": "signature.json, when present or required by a trusted key, is an Ed25519 signature over the core "
+                 "digest that verifies (with the trusted key, when one is given).",
+    "PT2-ARCHIVE": "A graph .pt2 is a plain zip: one root folder, stored members, unique names, nothing before "
+                   "the first member or after the end record.",
+    "PT2-MEMBER": "A graph .pt2 holds only what torch.export.save writes for an Ignition graph, each member with "
+                  "its content kind (fixed text, JSON, raw tensor bytes named by a payload config).",
+    "PT2-PICKLE": "No .pt2 member is a pickle or is configured to be unpickled (pickled tensors, custom or opaque "
+                  "objects, non-empty sample inputs).",
+    "PT2-PROGRAM": "The serialized program is static: tensor inputs only, no guards_code, symbolic expressions, "
+                   "range constraints or custom objects; node targets in allowed operator namespaces.",
+    "GRAPH-LOAD": "Every variant's .pt2 loads with torch.export.load (after the safe reader accepted it).",
     "GRAPH-SIGNATURE": "The .pt2's inputs and outputs have the declared names, dtypes and shapes, in order.",
     "GRAPH-MUTATION": "The graph writes its outputs and state, and never writes inputs or weights.",
     "KERNEL-MISSING": "Every launch of every variant has a prepared binary for every target.",

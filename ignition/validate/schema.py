@@ -11,7 +11,8 @@ from referencing import Registry, Resource
 
 from ignition.validate.report import Violation
 
-SCHEMA_FILES = ("buffer.schema.json", "manifest.schema.json", "catalog.schema.json", "kernels.schema.json")
+SCHEMA_FILES = ("buffer.schema.json", "manifest.schema.json", "catalog.schema.json", "kernels.schema.json",
+                "signature.schema.json")
 
 
 @cache

@@ -1,0 +1,92 @@
+"""PT2-PROGRAM: the serialized program (``models/model.json``) of an Ignition graph is static.
+
+Three fields of that JSON become code when torch deserializes or unlifts the program:
+``guards_code`` strings are ``exec``'d by ``ExportedProgram.module()``; every ``expr_str``
+(symbolic shapes, range constraints) goes through ``sympy.sympify``, which ``eval``s; and a
+placeholder holding a string constant is pasted into generated guard code. Our graphs take
+one dict of tensors of fixed shapes, so none of these may appear. Node targets are limited to
+operator namespaces we emit, and pytree specs to the plain containers our signature uses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from ignition.validate.report import Violation
+
+OP_NAMESPACES = ("aten", "prims", "ignition", "_c10d_functional", "higher_order")
+_TARGET = re.compile(rf"torch\.ops\.({'|'.join(OP_NAMESPACES)})\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
+_SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
+_REPORT_AT_MOST = 5
+
+
+def program_violations(document, at: str) -> list[Violation]:
+    """Every reason torch could execute code while loading or unlifting this program; [] when none."""
+    def bad(message: str) -> Violation:
+        return Violation("PT2-PROGRAM", at, message)
+
+    if not isinstance(document, dict) or not isinstance(document.get("graph_module"), dict):
+        return [bad("expected an object with a graph_module")]
+    found = []
+    if document.get("guards_code") not in (None, []):
+        found.append(bad(f"expected no guards_code (torch execs it), found {str(document['guards_code'])[:80]}"))
+    if document.get("range_constraints") not in (None, {}):
+        found.append(bad("expected no range_constraints (static shapes; torch sympifies them), "
+                         f"found {str(document['range_constraints'])[:80]}"))
+    graph = document["graph_module"].get("graph")
+    inputs = graph.get("inputs") if isinstance(graph, dict) else None
+    if not isinstance(inputs, list):
+        return found + [bad("expected graph_module.graph.inputs to be a list")]
+    for index, arg in enumerate(inputs):
+        if not (isinstance(arg, dict) and set(arg) == {"as_tensor"}):
+            found.append(bad(f"graph input {index}: expected a tensor, found {str(arg)[:80]}"))
+    found += _walk(document, bad)
+    return found
+
+
+def _walk(document, bad) -> list[Violation]:
+    """One iterative pass over the whole tree (nested subgraphs included), without recursion."""
+    found: list[Violation] = []
+    stack = [document]
+    while stack and len(found) < _REPORT_AT_MOST:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if "expr_str" in node:
+            found.append(bad(f"expected static shapes, found the symbolic expression {str(node['expr_str'])[:80]!r} "
+                             "(torch parses it with sympify, which evaluates Python)"))
+        if node.get("as_custom_obj") is not None or node.get("custom_obj_values"):
+            found.append(bad("expected no custom objects (torch unpickles them)"))
+        target = node.get("target")
+        if "inputs" in node and "outputs" in node and target is not None:
+            if not (isinstance(target, str) and _TARGET.fullmatch(target)):
+                found.append(bad(f"node target {str(target)[:80]!r} is not an operator in the allowed namespaces "
+                                 f"{', '.join(OP_NAMESPACES)}"))
+        for key in ("in_spec", "out_spec"):
+            if isinstance(node.get(key), str):
+                found += _spec_violations(node[key], key, bad)
+        stack.extend(node.values())
+    return found
+
+
+def _spec_violations(text: str, key: str, bad) -> list[Violation]:
+    """Pytree specs name container types that torch rebuilds; ours use plain tuples, lists and dicts."""
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return [bad(f"{key}: expected a JSON pytree spec, found {type(exc).__name__}")]
+    found, stack = [], [spec]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if "type" in item and item["type"] not in _SPEC_TYPES:
+                found.append(bad(f"{key}: expected only tuple, list and dict containers, found {str(item['type'])[:80]}"))
+                break
+            stack.extend(v for k, v in item.items() if k != "context")
+    return found

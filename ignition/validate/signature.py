@@ -1,0 +1,65 @@
+"""Provenance rules: the core digest against an expected one (CORE-DIGEST), and signature.json (SIGNATURE)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
+from ignition.exporter.signing import core_digest, key_id, verify
+from ignition.validate.files import safe_path
+from ignition.validate.report import Violation
+from ignition.validate.schema import schema_violations
+
+_MAX_SIGNATURE_BYTES = 64 << 10
+
+
+@dataclass(slots=True)
+class Provenance:
+    digest: str | None = None  # sha256 of the canonical manifest
+    signed_by: str | None = None  # key id of a signature.json that verifies (against the trusted key, if given)
+    trusted: bool = False  # the signature verified against the caller's trusted key
+    violations: list[Violation] = field(default_factory=list)
+
+
+def check_provenance(root: Path, manifest, expect_digest: str | None, trusted_key) -> Provenance:
+    found = Provenance()
+    try:
+        found.digest = core_digest(manifest)
+    except (TypeError, ValueError) as exc:  # NaN or infinities have no canonical JSON
+        found.violations.append(Violation("CORE-DIGEST", MANIFEST_FILE, f"the manifest has no canonical JSON: {exc}"))
+        return found
+    if expect_digest is not None and found.digest != expect_digest:
+        found.violations.append(Violation("CORE-DIGEST", MANIFEST_FILE,
+                                          f"expected digest {expect_digest}, found {found.digest}"))
+    found.violations += _signature(root, found, trusted_key)
+    return found
+
+
+def _signature(root: Path, found: Provenance, trusted_key) -> list[Violation]:
+    path, problems = safe_path(root, SIGNATURE_FILE, "core")
+    if problems:
+        return [Violation("SIGNATURE", SIGNATURE_FILE, problems[0].message)]
+    if not path.exists() and not path.is_symlink():
+        if trusted_key is None:
+            return []  # unsigned cores are valid; only a trusted key demands a signature
+        return [Violation("SIGNATURE", SIGNATURE_FILE,
+                          f"expected a signature by the trusted key {key_id(trusted_key)}, found an unsigned core")]
+    if not path.is_file() or path.stat().st_size > _MAX_SIGNATURE_BYTES:
+        return [Violation("SIGNATURE", SIGNATURE_FILE, f"expected a JSON file under {_MAX_SIGNATURE_BYTES} bytes")]
+    try:
+        document = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return [Violation("SIGNATURE", SIGNATURE_FILE, f"expected UTF-8 JSON, found {type(exc).__name__}: {exc}")]
+    shape = schema_violations(document, "signature.schema.json", SIGNATURE_FILE)
+    if shape:
+        return [Violation("SIGNATURE", v.where, v.message) for v in shape]
+    try:
+        problem = verify(document, found.digest, trusted_key)
+    except ValueError as exc:  # an embedded key that is not a curve point
+        problem = f"the embedded public key is unusable: {exc}"
+    if problem is not None:
+        return [Violation("SIGNATURE", SIGNATURE_FILE, problem)]
+    found.signed_by, found.trusted = document["key_id"], trusted_key is not None
+    return []
