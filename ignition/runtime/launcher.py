@@ -219,11 +219,15 @@ class PreparedReduction:
         if logits.stride(-1) != 1:
             raise LauncherError(f"logits must have unit vocabulary stride, got strides {logits.stride()}")
         workspace = self.workspaces[shape]
-        if chosen.dtype != torch.int64:
+        if chosen.dtype != torch.int64 or not chosen.is_contiguous():  # kernels index ids with unit stride
             workspace.chosen.copy_(chosen)
             chosen = workspace.chosen
         ids = token_ids if token_ids is not None else requested  # never read without HAS_IDS
         counts = token_id_counts if token_id_counts is not None else requested
+        strided = [name for name, t in (("requested", requested), ("out_rows", out_rows), ("token_ids", ids),
+                                        ("token_id_counts", counts)) if not t.is_contiguous()]
+        if strided:
+            raise LauncherError(f"prepared launches index {', '.join(strided)} with unit stride; got strided views")
         values = {"logits_ptr": logits.data_ptr(), "chosen_ptr": chosen.data_ptr(), "requested_ptr": requested.data_ptr(),
                   "token_ids_ptr": ids.data_ptr(), "counts_ptr": counts.data_ptr(),
                   "stats_ptr": workspace.stats.data_ptr(), "lse_ptr": workspace.lse.data_ptr(),
