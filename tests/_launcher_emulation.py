@@ -110,7 +110,8 @@ def run_case(launcher: PreparedReduction, driver: EmulatedDriver, rows: int, cho
     logits = torch.randn(rows, shape.vocab_padded, generator=g) * 3
     logits[:, shape.vocab_size:] = 1e4  # padded lanes hold huge values: they must never enter
     logits[0, :40] = logits[0, 40]  # ties at the top of row 0
-    chosen = torch.randint(0, shape.vocab_size, (rows,), generator=g).to(chosen_dtype)
+    chosen = torch.randint(0, shape.vocab_size, (rows,), generator=g)
+    chosen = torch.stack([chosen, -chosen], 1)[:, 0] if chosen_dtype == "strided" else chosen.to(chosen_dtype)
     requested = (torch.arange(rows) % 3 != 2).to(torch.int32)
     requested[0] = 1
     token_ids = torch.randint(-2, shape.vocab_size + 3, (rows, MAX_SELECTED_IDS), generator=g, dtype=torch.int32)
@@ -143,9 +144,9 @@ def main(core: Path) -> None:
     launcher.current_stream = lambda: 0
     results = {}
     for rows in sorted({s.rows for s in launcher.launches}):
-        for dtype in (torch.int64, torch.int32):
+        for dtype in (torch.int64, torch.int32, "strided"):  # strided: a column view of the records
             driver.problems = []
-            results[f"rows{rows}-{str(dtype)[6:]}"] = run_case(launcher, driver, rows, dtype, seed=rows)
+            results[f"rows{rows}-{str(dtype).removeprefix('torch.')}"] = run_case(launcher, driver, rows, dtype, rows)
     results["launches"] = [] if launcher.launch_count == len(driver.launched) else [
         f"launch_count {launcher.launch_count} != {len(driver.launched)} emulated launches"]
     print(json.dumps(results))

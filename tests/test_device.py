@@ -186,7 +186,7 @@ def test_serving_never_imports_triton(toy_core):
 
 def test_prepared_launcher_drives_the_kernels_exactly(prepared_core):
     """The launcher's real driver calls, run by an emulated driver in Triton's interpreter, write
-    exactly the reference's words (both reduction shapes, int64 and int32 chosen ids)."""
+    exactly the reference's words (both reduction shapes; int64, int32 and strided chosen ids)."""
     import os
 
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -194,5 +194,5 @@ def test_prepared_launcher_drives_the_kernels_exactly(prepared_core):
                           capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(results) == {"rows1-int64", "rows1-int32", "rows4-int64", "rows4-int32", "launches"}
+    assert set(results) == {f"rows{r}-{kind}" for r in (1, 4) for kind in ("int64", "int32", "strided")} | {"launches"}
     assert {case: problems for case, problems in results.items() if problems} == {}
