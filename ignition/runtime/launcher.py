@@ -201,8 +201,8 @@ class PreparedReduction:
                 launches[shape].append(PreparedLaunch(key, function, entry["signature"], grid,
                                                       entry["num_warps"] * 32, entry["shared_bytes"]))
             first = entries[(keys[0], target)]  # launch 1 runs over (rows, tiles) with SUB sub-blocks per tile
-            workspaces[shape] = ReductionWorkspace.allocate(shape.rows, first["grid"][1], first["constexprs"].get("SUB", 1),
-                                                            device)
+            sub = first["constexprs"].get("SUB", 1)  # tables prepared before the cutoff have no sub-blocks
+            workspaces[shape] = ReductionWorkspace.allocate(shape.rows, first["grid"][1], sub, device)
         return cls(device, target, launches, workspaces, modules, driver)
 
     @property
