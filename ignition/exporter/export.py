@@ -78,12 +78,12 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
     for line in recover(out):
         progress("recover", line)
     check_output(out, overwrite, {"checkpoint": options.checkpoint, "tokenizer directory": options.tokenizer})
-    started = time.perf_counter()
-    progress("build", options.recipe)
-    build = build_recipe(options)
-    timings["build"] = time.perf_counter() - started
-    staging = staging_dir(out)
+    staging = staging_dir(out)  # before any work: proves --out's directory is writable
     try:
+        started = time.perf_counter()
+        progress("build", options.recipe)
+        build = build_recipe(options)
+        timings["build"] = time.perf_counter() - started
         started = time.perf_counter()
         kernels = None
         if options.targets:
