@@ -28,7 +28,7 @@ class Range:
     integer: bool
     why: str
     open_low: bool = False
-    label: str | None = None  # how messages state the range, e.g. "fit in int64"
+    label: str | None = None  # how messages state the range: "{name} must {label}", e.g. "fit in int64"
 
     def __str__(self) -> str:
         low = f"({self.low}" if self.open_low else f"[{self.low}"
@@ -48,10 +48,10 @@ class Range:
         if self.label:
             bound = self.label
         elif not low_ok:
-            bound = f"{'>' if self.open_low else '>='} {self.low}"
+            bound = f"be {'>' if self.open_low else '>='} {self.low}"
         else:
-            bound = f"<= {self.high}"
-        return f"{name} must be {bound}, got {value!r}"
+            bound = f"be <= {self.high}"
+        return f"{name} must {bound}, got {value!r}"
 
 
 LIMITS: dict[str, Range] = {
