@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -231,7 +232,15 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):  # paths from non-UTF-8 argv print escaped, not as a crash
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    app()
+    try:
+        app()
+    except Exception as exc:  # every input has its own clean error; reaching this is a bug
+        if os.environ.get("IGNITION_TRACEBACK"):
+            raise
+        console.print(f"internal error: {type(exc).__name__}: {exc}", markup=False, highlight=False)
+        console.print("this is a bug in ignition; rerun with IGNITION_TRACEBACK=1 and report the traceback",
+                      markup=False, highlight=False)
+        sys.exit(70)  # EX_SOFTWARE
 
 
 if __name__ == "__main__":

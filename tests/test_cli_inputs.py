@@ -115,3 +115,20 @@ def test_non_utf8_argv_in_a_real_process(toy_core, argv, code, message):
     stderr = done.stderr.decode("utf-8", "replace")
     assert done.returncode == code, stderr
     assert message in stderr and "Traceback" not in stderr
+
+
+def test_an_unexpected_error_is_reported_not_dumped(monkeypatch, capsys):
+    import ignition.cli as cli
+
+    def broken():
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(cli, "app", broken)
+    monkeypatch.delenv("IGNITION_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as raised:
+        cli.main()
+    assert raised.value.code == 70
+    err = capsys.readouterr().err
+    assert "internal error: RuntimeError: a bug" in err and "Traceback" not in err
+    monkeypatch.setenv("IGNITION_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main()

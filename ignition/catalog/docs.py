@@ -47,7 +47,7 @@ def _rules() -> str:
 
 def _limits() -> str:
     from ignition.catalog.limits import LIMITS
-    rows = "\n".join(f"| `{name}` | {'integer' if r.integer else 'finite number'} | `{r}` | {r.why} |"
+    rows = "\n".join(f"| `{name}` | {'integer' if r.integer else 'finite number'} | {r} | {r.why} |"
                      for name, r in LIMITS.items())
     return "| value | kind | range | why |\n|---|---|---|---|\n" + rows + "\n"
 

@@ -21,7 +21,7 @@ MAX_JSON_DEPTH = 32
 
 @dataclass(frozen=True, slots=True)
 class Range:
-    """A closed interval (``open_low`` excludes ``low``); ``high=None``: any finite value."""
+    """A closed interval (``open_low`` excludes ``low``); ``high=None``: no upper bound but finite."""
 
     low: int | float
     high: int | float | None
@@ -31,8 +31,9 @@ class Range:
     label: str | None = None  # how messages state the range: "{name} must {label}", e.g. "fit in int64"
 
     def __str__(self) -> str:
-        low = f"({self.low}" if self.open_low else f"[{self.low}"
-        return f"{low}, {'finite' if self.high is None else self.high}]"
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {self.low}"
+        return f"in {'(' if self.open_low else '['}{self.low}, {self.high}]"
 
     def problem(self, name: str, value) -> str | None:
         """None when ``value`` is in range, else a message naming the field, the range and the value."""
@@ -41,7 +42,7 @@ class Range:
         if self.integer and not isinstance(value, int):
             return f"{name} must be an integer, got {value!r}"
         if not math.isfinite(value):
-            return f"{name} must be a finite number in {self}, got {value!r}"
+            return f"{name} must be a finite number {self}, got {value!r}"
         low_ok = value > self.low if self.open_low else value >= self.low
         if low_ok and (self.high is None or value <= self.high):
             return None
