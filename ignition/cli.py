@@ -73,7 +73,8 @@ def export_core_cmd(
             tokenizer=tokenizer)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
-    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False), TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),
+               TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
             task = bar.add_task("export", total=None, item="")
@@ -170,6 +171,8 @@ def run_cmd(
         check_sampling(sampling)
     except AdmissionError as exc:
         raise _fail(f"--{exc.param.replace('_', '-')}: {exc}") from None
+    ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
+    selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
     try:
         loaded = load_core(core)
     except CoreLoadError as exc:
@@ -180,12 +183,8 @@ def run_cmd(
             console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
             raise typer.Exit(2)
         ids = loaded.tokenizer.encode(prompt).ids
-    else:
-        ids = list(_int_list(prompt_ids, "--prompt-ids"))
-    request = Request(
-        prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        logprob_token_ids=list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None,
-        ignore_eos=ignore_eos, sampling=sampling)
+    request = Request(prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     from ignition.runtime.engine import Engine
     engine = Engine(loaded)
     try:

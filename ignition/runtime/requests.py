@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ignition.catalog.contract import MAX_SELECTED_IDS
-from ignition.catalog.limits import INT32_MAX, INT64_MAX, INT64_MIN, check_limit  # noqa: F401  (re-exported)
+from ignition.catalog.limits import check_limit
 
 
 class AdmissionError(ValueError):
