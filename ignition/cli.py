@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -15,6 +16,22 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
 console = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``message`` as an error (markup off: paths and values print as given) and return the exit."""
+    console.print(f"error: {message}", markup=False, highlight=False)
+    return typer.Exit(code)
+
+
+def _check_limits(**values) -> None:
+    """Each ``option_name=value`` against its range in catalog/limits.py; exit 2 naming the first bad one."""
+    from ignition.catalog.limits import check_limit
+
+    for name, value in values.items():
+        problem = None if value is None else check_limit(name, value, "--" + name.replace("_", "-"))
+        if problem:
+            raise _fail(problem)
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
@@ -62,6 +79,7 @@ def export_core_cmd(
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
     from ignition.exporter.signing import SigningError, core_digest, load_signing_key
+    from ignition.exporter.publish import PublishError
     from ignition.recipes.base import ExportOptions, RecipeError
 
     try:
@@ -78,19 +96,21 @@ def export_core_cmd(
             prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
             tokenizer=tokenizer)
     except (RecipeError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2)
-    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}"), TimeElapsedColumn())
+        raise _fail(str(exc))
+    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),
+               TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
             task = bar.add_task("export", total=None, item="")
             timings = export_core(options, out, overwrite=overwrite, signing_key=signing_key,
                                   progress=lambda stage, item: bar.update(task, description=stage, item=item))
+    except PublishError as exc:  # --out cannot be written or replaced: nothing was touched
+        raise _fail(str(exc))
     except (ExportError, RecipeError, FileExistsError, ValueError) as exc:
-        console.print(f"[red]export failed:[/red] {exc}")
+        console.print("[red]export failed:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     total = sum(timings.values())
-    console.print(f"[green]exported[/green] {out} in {total:.1f} s")
+    console.print(f"[green]exported[/green] {escape(str(out))} in {total:.1f} s")
     console.print(f"  digest sha256:{core_digest(json.loads((out / 'manifest.json').read_bytes()))}"
                   + (" (signed)" if signing_key is not None else ""), highlight=False, soft_wrap=True)
     for stage, seconds in timings.items():
@@ -118,10 +138,10 @@ def validate_core_cmd(
         print(json.dumps(report.as_dict(), indent=2))
     elif report.ok:
         signed = f", signed by {report.signed_by}" + (" (trusted key)" if report.trusted else "") if report.signed_by else ""
-        console.print(f"[green]valid[/green] {core} (digest sha256:{report.digest}{signed})", highlight=False,
-                      soft_wrap=True)
+        console.print(f"[green]valid[/green] {escape(str(core))} (digest sha256:{report.digest}{signed})",
+                      highlight=False, soft_wrap=True)
     else:
-        console.print(f"[red]invalid[/red] {core}: {len(report.violations)} violation(s)")
+        console.print(f"[red]invalid[/red] {escape(str(core))}: {len(report.violations)} violation(s)")
         for violation in report.violations:
             console.print(f"  {violation}", markup=False, highlight=False)
     raise typer.Exit(0 if report.ok else 1)
@@ -139,9 +159,10 @@ def inspect_core_cmd(
     from ignition.catalog.inspect import inspect_core, render_inspection
     from ignition.validate.core import validate_core
 
+    _check_limits(memory_budget=memory_budget)
     report = validate_core(core, check_graphs=False)
     if report.manifest is None or report.catalog is None:
-        console.print(f"[red]cannot inspect[/red] {core}:")
+        console.print(f"[red]cannot inspect[/red] {escape(str(core))}:")
         for violation in report.violations:
             console.print(f"  {violation}", markup=False, highlight=False)
         raise typer.Exit(1)
@@ -179,36 +200,40 @@ def run_cmd(
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.core import CoreLoadError, load_core
     from ignition.runtime.present import render_run, run_json
-    from ignition.runtime.requests import AdmissionError, Request, SamplingParams
+    from ignition.runtime.requests import AdmissionError, Request, SamplingParams, check_sampling
 
+    if (prompt is None) == (prompt_ids is None):
+        raise _fail("give either a prompt text or --prompt-ids")
+    if prompt is not None and not _is_utf8(prompt):
+        raise _fail(f"the prompt is not valid UTF-8: {prompt!r}")
+    sampling = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                              frequency_penalty, seed)
+    _check_limits(max_tokens=max_tokens)
+    try:
+        check_sampling(sampling)
+    except AdmissionError as exc:
+        raise _fail(f"--{exc.param.replace('_', '-')}: {exc}") from None
+    ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
+    selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
     try:
         loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
                            trusted_key=_trusted_key(trusted_key))
     except CoreLoadError as exc:
-        console.print(f"[red]cannot load core:[/red] {escape(str(exc))}", highlight=False)
+        console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
-    if (prompt is None) == (prompt_ids is None):
-        console.print("[red]error:[/red] give either a prompt text or --prompt-ids")
-        raise typer.Exit(2)
     if prompt is not None:
         if loaded.tokenizer is None:
             console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
             raise typer.Exit(2)
         ids = loaded.tokenizer.encode(prompt).ids
-    else:
-        ids = list(_int_list(prompt_ids, "--prompt-ids"))
-    request = Request(
-        prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        logprob_token_ids=list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None,
-        ignore_eos=ignore_eos,
-        sampling=SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-                                frequency_penalty, seed))
+    request = Request(prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     from ignition.runtime.engine import Engine
     engine = Engine(loaded, batch_invariant=batch_invariant)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:
-        console.print(f"[red]rejected:[/red] {exc}")
+        console.print("[red]rejected:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     if as_json:
         print(json.dumps(run_json(result, loaded.tokenizer)))
@@ -234,17 +259,38 @@ def serve_cmd(
     from ignition.runtime.core import CoreLoadError, load_core
     from ignition.runtime.server import serve
 
+    _check_limits(port=port)
     try:
         loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
                            trusted_key=_trusted_key(trusted_key))
     except CoreLoadError as exc:
-        console.print(f"[red]cannot load core:[/red] {escape(str(exc))}", highlight=False)
+        console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant)
 
 
+def _is_utf8(text: str) -> bool:
+    """False for argv bytes that were not UTF-8 (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def main() -> None:
-    app()
+    for stream in (sys.stdout, sys.stderr):  # paths from non-UTF-8 argv print escaped, not as a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+    try:
+        app()
+    except Exception as exc:  # every input has its own clean error; reaching this is a bug
+        if os.environ.get("IGNITION_TRACEBACK"):
+            raise
+        console.print(f"internal error: {type(exc).__name__}: {exc}", markup=False, highlight=False)
+        console.print("this is a bug in ignition; rerun with IGNITION_TRACEBACK=1 and report the traceback",
+                      markup=False, highlight=False)
+        sys.exit(70)  # EX_SOFTWARE
 
 
 if __name__ == "__main__":

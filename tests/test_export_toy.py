@@ -22,6 +22,7 @@ from ignition.catalog.abi import decode_packed_position, decode_record
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.cli import app
 from ignition.exporter.export import export_core
+from ignition.exporter.publish import PublishError
 from ignition.recipes.base import ExportOptions
 from ignition.validate.core import validate_core
 
@@ -69,7 +70,7 @@ def test_killed_export_never_validates(tmp_path):
 def test_existing_core_is_not_overwritten_silently(tmp_path, toy_core):
     out = tmp_path / "exists"
     out.mkdir()
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(PublishError, match="--overwrite"):
         export_core(ExportOptions(recipe="toy", capacities=(1,)), out)
     assert list(out.iterdir()) == []
     assert not list(tmp_path.glob(".exists.*"))
@@ -184,7 +185,7 @@ def test_cli_inspect(toy_core):
     (["--recipe", "nope"], 1, "unknown recipe 'nope'"),
     (["--recipe", "toy", "--capacities", "1,x"], 2, "comma-separated integers"),
     (["--recipe", "toy", "--capacities", "0"], 2, "capacities must be distinct positive integers"),
-    (["--recipe", "toy", "--completion-token-capacity", "-3"], 1, "completion_token_capacity"),
+    (["--recipe", "toy", "--completion-token-capacity", "-3"], 2, "--completion-token-capacity must be >= 0"),
 ])
 def test_cli_export_errors(tmp_path, args, code, message):
     result = runner.invoke(app, ["export-core", "--out", str(tmp_path / "x"), *args])

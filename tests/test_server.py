@@ -433,7 +433,7 @@ REJECTIONS = [  # (server, path, body, param, message part)
     ("served", CMPL, {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options", "stream=True"),
     ("served", CMPL, {"prompt": [1], "max_tokens": "a"}, "max_tokens", "valid integer"),
     ("served", CMPL, {"prompt": [1], "max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),
-    ("served", CMPL, {"prompt": [1], "top_p": 0}, "sampling", "sampling parameters out of range"),
+    ("served", CMPL, {"prompt": [1], "top_p": 0}, "top_p", "sampling parameters out of range: top_p must be > 0.0"),
     ("served", CMPL, {"prompt": [1], "top_k": 2**40}, "top_k", "top_k must be <="),
     ("served", CMPL, {"prompt": [1], "seed": 2**70}, "seed", "int64"),
     ("served", CMPL, {"prompt": [1], "stop_token_ids": [999]}, "stop_token_ids", "outside the vocabulary"),

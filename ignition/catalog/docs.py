@@ -45,6 +45,22 @@ def _rules() -> str:
     return "| rule id | what it requires |\n|---|---|\n" + rows + "\n"
 
 
+def _limits() -> str:
+    from ignition.catalog.limits import LIMITS
+    rows = "\n".join(f"| `{name}` | {'integer' if r.integer else 'finite number'} | {r} | {r.why} |"
+                     for name, r in LIMITS.items())
+    return "| value | kind | range | why |\n|---|---|---|---|\n" + rows + "\n"
+
+
+def _geometry() -> str:
+    from ignition.catalog.geometry import FIELDS, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS
+    tensors = [("state", n, e) for n, e in STATE_SHAPES.items()] + [("weight", n, e) for n, e in VOCAB_WEIGHTS.items()]
+    rows = "\n".join(f"| {kind} | `{name}` | `[{', '.join(map(str, e))}]` |" for kind, name, e in tensors)
+    symbols = "\n".join(f"| `{s}` | `{'.'.join(path)}` | {SYMBOL_RULES.get(s, 'GEOM-MODEL')} |" for s, path in FIELDS.items())
+    return ("| kind | tensor | shape |\n|---|---|---|\n" + rows + "\n\n| symbol | manifest field | rule |\n|---|---|---|\n"
+            + symbols + "\n")
+
+
 SECTIONS = {
     "enums": _enum_tables,
     "completion-buffers": lambda: _buffer_table(COMPLETION_BUFFERS),
@@ -52,6 +68,8 @@ SECTIONS = {
     "lane-inputs": lambda: _buffer_table(LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS),
     "record-fields": _record_fields,
     "rules": _rules,
+    "limits": _limits,
+    "geometry": _geometry,
 }
 
 

@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
+from ignition.exporter.publish import check_output, publish, recover, staging_dir
 from ignition.exporter.signing import sign_core
-from ignition.exporter.writer import dump_json, hash_tree, publish, staging_dir
+from ignition.exporter.writer import dump_json, hash_tree
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.registry import build_recipe
 from ignition.validate.archive import check_archive
@@ -86,13 +87,16 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
     from ignition.validate.core import validate_core  # validation is the last export stage
 
     timings: dict[str, float] = {}
-    started = time.perf_counter()
-    progress("build", options.recipe)
-    build = build_recipe(options)
-    timings["build"] = time.perf_counter() - started
     out = Path(out)
-    staging = staging_dir(out)
+    for line in recover(out):
+        progress("recover", line)
+    check_output(out, overwrite, {"checkpoint": options.checkpoint, "tokenizer directory": options.tokenizer})
+    staging = staging_dir(out)  # before any work: proves --out's directory is writable
     try:
+        started = time.perf_counter()
+        progress("build", options.recipe)
+        build = build_recipe(options)
+        timings["build"] = time.perf_counter() - started
         started = time.perf_counter()
         kernels = None
         if options.targets:
@@ -126,8 +130,8 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         started = time.perf_counter()
         progress("write", str(out))
         save_file({name: t.contiguous() for name, t in build.weights.items()}, str(staging / WEIGHTS_FILE))
-        if build.tokenizer_dir is not None:
-            shutil.copytree(build.tokenizer_dir, staging / "tokenizer")
+        if build.tokenizer_dir is not None:  # a private copy the recipe made (recipes/tokenizer.py): no links
+            shutil.copytree(build.tokenizer_dir, staging / "tokenizer", symlinks=True)
         for name, data in build.extra_files.items():
             (staging / name).write_bytes(data)
         (staging / CATALOG_FILE).write_bytes(dump_json({"variants": [g.variant.to_json() for g in build.graphs]}))

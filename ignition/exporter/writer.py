@@ -1,13 +1,11 @@
-"""Atomic, deterministic core directories: write into a private temporary directory, hash
-every file, validate, then rename into place. A killed export leaves only the temporary
-directory, which never validates (its manifest is written last)."""
+"""Deterministic core files: canonical JSON and the sha256 of every file. The export writes
+into a private staging directory and publishes it (exporter/publish.py); a killed export
+leaves only the staging directory, which never validates (its manifest is written last)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 
@@ -24,14 +22,6 @@ def dump_json(data) -> bytes:
     return (json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def staging_dir(out: Path) -> Path:
-    staging = out.parent / f".{out.name}.partial-{os.getpid()}"
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    return staging
-
-
 def hash_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
     """sha256 of every file below root, keyed by its POSIX path relative to root."""
     files = {}
@@ -41,15 +31,3 @@ def hash_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
             files[rel] = sha256_file(path)
     return files
 
-
-def publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished staging directory to ``out``; an existing core is replaced only with overwrite."""
-    if out.exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
-        retired = out.parent / f".{out.name}.retired-{os.getpid()}"
-        os.rename(out, retired)
-        os.rename(staging, out)
-        shutil.rmtree(retired)
-    else:
-        os.rename(staging, out)

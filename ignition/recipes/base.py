@@ -11,6 +11,7 @@ from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS,
                                      REQUESTED, SAMPLING_INPUTS, BufferSpec)
 from ignition.catalog.contract import NATURAL_K, packed_width
 from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.limits import check_limit
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.components.completion import CompletionOutputs, declare
 from ignition.components.prompt_scoring import prompt_arguments
@@ -45,6 +46,15 @@ class ExportOptions:
         self.capacities = tuple(sorted(self.capacities))
         if self.chunk_limit < 1:
             raise RecipeError(f"chunk limit must be positive, got {self.chunk_limit}")
+        ranged = [("capacity", c, "--capacities") for c in self.capacities] + [
+            ("chunk_limit", self.chunk_limit, "--chunk-limit"),
+            ("completion_token_capacity", self.completion_token_capacity, "--completion-token-capacity"),
+            ("max_seq_len", self.max_seq_len, "--max-seq-len"), ("num_slots", self.num_slots, "--num-slots"),
+            ("export_seed", self.seed, "--seed")]
+        for name, value, option in ranged:
+            problem = None if value is None else check_limit(name, value, option)
+            if problem:
+                raise RecipeError(problem)
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.compile not in (None, "inductor"):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ignition.catalog.geometry import K_CACHE, state_shape
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, family_of, read_field
 from ignition.recipes.rope import RopeScaling
 
@@ -198,5 +199,6 @@ def kv_cache_shape(cfg: ModelConfig, num_slots: int, max_seq_len: int) -> tuple[
     for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"kv_cache_shape: {name} must be a positive int; found {value!r}")
-    return (cfg.num_layers, num_slots, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+    return tuple(state_shape(K_CACHE, num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
+                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
 

@@ -22,27 +22,27 @@ import torch
 
 from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.enums import Operation, Role
+from ignition.catalog.geometry import K_CACHE, PENALTY_COUNTS, V_CACHE, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.sampling import SamplingTensors, sample, update_output_counts
-from ignition.recipes.config import ModelConfig, kv_cache_shape
+from ignition.recipes.config import ModelConfig
 from ignition.recipes.transformer import decode_hidden, lm_head_logits, prefill_hidden
 
-K_CACHE, V_CACHE, PENALTY_COUNTS = "k_cache", "v_cache", "penalty_counts"
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
-PENALTY_PLANES = 2
 
 
 def state_declarations(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_seq_len: int,
                        vocab_padded: int) -> list[BufferDecl]:
     """The runtime-owned state every decoder variant reads and updates, in argument order."""
-    cache_shape = list(kv_cache_shape(cfg, num_slots, max_seq_len))
+    geometry = dict(num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
+                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_padded=vocab_padded)
     cache_dtype = str(dtype).removeprefix("torch.")
     return [
-        BufferDecl(K_CACHE, cache_dtype, cache_shape, Role.STATE),
-        BufferDecl(V_CACHE, cache_dtype, cache_shape, Role.STATE),
-        BufferDecl(PENALTY_COUNTS, "int32", [num_slots, PENALTY_PLANES, vocab_padded], Role.STATE),
+        BufferDecl(K_CACHE, cache_dtype, state_shape(K_CACHE, **geometry), Role.STATE),
+        BufferDecl(V_CACHE, cache_dtype, state_shape(V_CACHE, **geometry), Role.STATE),
+        BufferDecl(PENALTY_COUNTS, "int32", state_shape(PENALTY_COUNTS, **geometry), Role.STATE),
     ]
 
 

@@ -10,9 +10,6 @@ pad their embedding rows, and a second padding would store a new copy of a tied 
 
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,16 +24,13 @@ from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, Recip
 from ignition.recipes.checkpoint import ARCHITECTURES, CONFIG_FILE, CheckpointError, open_checkpoint, read_config
 from ignition.recipes.config import ModelConfig, load_weights
 from ignition.recipes.graphs import DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
+from ignition.recipes.tokenizer import tokenizer_dir
 
 RECIPE_FAMILIES = {"qwen3": "qwen3", "llama": "llama"}
 """Recipe name -> the ModelConfig family (HF architecture) it accepts."""
 
 PREFILL_LANE_INPUTS = tuple(spec for spec in LANE_INPUTS if spec.name not in ("input_ids", "positions"))
 """Prefill lanes take their tokens and positions from the chunk inputs (chunk_input_ids, chunk_start)."""
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
-"""Checkpoint files copied into the core's ``tokenizer/`` directory (when tokenizer.json or .model exists)."""
 
 
 def build(options: ExportOptions) -> RecipeBuild:
@@ -80,7 +74,7 @@ def build(options: ExportOptions) -> RecipeBuild:
         eos_token_id=eos_token_id(config, cfg, directory),
         chunk_limit=options.chunk_limit,
         tokenizer_dir=tokenizer_dir(Path(options.tokenizer) if options.tokenizer else directory,
-                                    required=options.tokenizer is not None),
+                                    required=options.tokenizer is not None, vocab_size=cfg.vocab_size),
     )
 
 
@@ -142,21 +136,3 @@ def eos_token_id(config: dict, cfg: ModelConfig, directory: Path) -> int | None:
                               f"[0, {cfg.vocab_size}); found {config.get('eos_token_id')!r}")
     return value
 
-
-def tokenizer_dir(directory: Path, required: bool = False) -> Path | None:
-    """A private copy of the tokenizer files in ``directory`` (the export copies it into ``tokenizer/``).
-
-    ``directory`` is ``--tokenizer`` when given (``required``), else the checkpoint itself.
-    """
-    present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
-    if not {"tokenizer.json", "tokenizer.model"} & set(present):
-        if required:
-            raise RecipeError(f"tokenizer directory {directory}: expected tokenizer.json or tokenizer.model, "
-                              f"found {sorted(p.name for p in directory.iterdir()) if directory.is_dir() else 'nothing'}")
-        return None
-    staging = Path(tempfile.mkdtemp(prefix="ignition-tokenizer-"))
-    atexit.register(shutil.rmtree, staging, True)
-    staging.chmod(0o755)  # mkdtemp's 0700 would be copied into the core
-    for name in present:
-        shutil.copyfile(directory / name, staging / name)
-    return staging

@@ -18,6 +18,7 @@ from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, lane_arguments, next_tokens_return, prefill_family,
                                    weight_arguments)
+from ignition.recipes.tokenizer import tokenizer_dir
 
 VOCAB_SIZE = 250
 VOCAB_PADDED = 256  # padded lanes exist on purpose: they must never enter a result
@@ -119,11 +120,7 @@ def toy_tokenizer(directory):
         return None
     if not (directory / "tokenizer.json").is_file():
         raise RecipeError(f"tokenizer directory {directory}: expected tokenizer.json")
-    from tokenizers import Tokenizer
-    size = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()
-    if size > VOCAB_SIZE:
-        raise RecipeError(f"tokenizer {directory}: {size} tokens do not fit the toy vocabulary of {VOCAB_SIZE}")
-    return directory
+    return tokenizer_dir(directory, required=True, vocab_size=VOCAB_SIZE)
 
 
 def build(options: ExportOptions) -> RecipeBuild:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ignition.catalog.contract import MAX_SELECTED_IDS
+from ignition.catalog.limits import check_limit
 
 
 class AdmissionError(ValueError):
@@ -55,8 +56,9 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
     bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
-    if request.max_tokens < 0:
-        raise AdmissionError(f"max_tokens must be >= 0, got {request.max_tokens}", "max_tokens")
+    problem = check_limit("max_tokens", request.max_tokens)
+    if problem:
+        raise AdmissionError(problem, "max_tokens")
     if max_context is not None and len(request.prompt_ids) + request.max_tokens > max_context:
         raise AdmissionError(f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
                              f"the core's context of {max_context} tokens", "max_tokens")
@@ -86,13 +88,20 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
         if not 0 <= request.prompt_logprobs <= k:
             raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
                                  "prompt_logprobs")
-    s = request.sampling
-    if s.temperature < 0 or s.top_p <= 0 or s.top_p > 1 or not 0 <= s.min_p <= 1 or s.top_k < 0 or s.repetition_penalty <= 0:
-        raise AdmissionError("sampling parameters out of range: temperature >= 0, 0 < top_p <= 1, 0 <= min_p <= 1, "
-                             "top_k >= 0, repetition_penalty > 0", "sampling")
+    check_sampling(request.sampling)
 
 
-INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "seed")
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    """Every sampling value against its range in ``catalog.limits.LIMITS`` (NaN and infinities included)."""
+    for name in SAMPLING_FIELDS:
+        value = getattr(sampling, name)
+        problem = None if value is None else check_limit(name, value)
+        if problem:
+            raise AdmissionError(f"sampling parameters out of range: {problem}", name)
 
 
 def check_server_request(request: Request, vocab_size: int) -> None:
@@ -101,11 +110,3 @@ def check_server_request(request: Request, vocab_size: int) -> None:
     if outside:
         raise AdmissionError(f"stop_token_ids id {outside[0]} is outside the vocabulary [0, {vocab_size})",
                              "stop_token_ids")
-    if request.max_tokens > INT32_MAX:
-        raise AdmissionError(f"max_tokens must be <= {INT32_MAX}, got {request.max_tokens}", "max_tokens")
-    if request.sampling.top_k > INT32_MAX:
-        raise AdmissionError(f"top_k must be <= {INT32_MAX} (or -1 for no limit), got {request.sampling.top_k}",
-                             "top_k")
-    seed = request.sampling.seed
-    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
-        raise AdmissionError(f"seed must fit in int64, got {seed}", "seed")

@@ -10,18 +10,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from http import HTTPStatus
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.runtime.core import LoadedCore, load_core
 from ignition.runtime.detokenize import TokenTable
 from ignition.runtime.engine import Engine
-from ignition.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, ModelCard,
-                                              ModelList, ModelPermission)
+from ignition.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, ErrorResponse,
+                                              ModelCard, ModelList, ModelPermission)
 from ignition.runtime.requests import AdmissionError
 from ignition.runtime.serving_chat import chat_template_of, create_chat_completion
 from ignition.runtime.serving_common import ApiError, ServerContext
@@ -29,6 +31,15 @@ from ignition.runtime.serving_completion import create_completion
 from ignition.runtime.serving_engine import AsyncEngine, EngineStopped
 
 log = logging.getLogger("ignition.serve")
+
+GENERATION_RESPONSES = {
+    200: {"description": "One response, or server-sent events with `stream: true`",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    400: {"model": ErrorResponse, "description": "Rejected before admission (vLLM's error envelope)"},
+    404: {"model": ErrorResponse, "description": "`model` names another model"},
+    503: {"model": ErrorResponse, "description": "The engine stopped"},
+}
+"""What /openapi.json documents for Completions and Chat (schemathesis checks responses against it)."""
 
 
 def _tokenizer_config(core: LoadedCore) -> dict:
@@ -78,11 +89,21 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return ApiError(*_validation_message(exc)).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own rejections (an unparseable body, an unknown path or method) in the same envelope."""
+        status = HTTPStatus(exc.status_code)
+        err_type = "BadRequestError" if status is HTTPStatus.BAD_REQUEST else status.phrase.replace(" ", "") + "Error"
+        response = ApiError(str(exc.detail), status=status, err_type=err_type).response()
+        response.headers.update(exc.headers or {})
+        return response
+
     @app.exception_handler(EngineStopped)
     async def _engine_stopped(request: Request, exc: EngineStopped) -> JSONResponse:
         return ApiError(str(exc), status=503, err_type="ServiceUnavailableError").response()
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs (empty body)"},
+                                                          503: GENERATION_RESPONSES[503]})
     async def health() -> Response:
         if engine.dead is not None:
             return ApiError(f"the engine stopped: {engine.dead}", status=503,
@@ -103,11 +124,11 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
                                   chat_template=chat_template_of(config) is not None))
         return ModelList(data=[card])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 

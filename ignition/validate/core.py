@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,8 +9,9 @@ from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.model import MANIFEST_FILE
 from ignition.validate.contract_rules import check_catalog
 from ignition.validate.files import check_files, check_weights, safe_path
+from ignition.validate.geometry import check_geometry
 from ignition.validate.report import Violation
-from ignition.validate.schema import schema_violations
+from ignition.validate.schema import parse_json, schema_violations
 from ignition.validate.signature import check_provenance
 
 
@@ -44,11 +44,9 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
     if not path.is_file():
         report.violations.append(Violation("FILE-MISSING", rel, f"named by {where} but absent"))
         return None
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        report.violations.append(Violation("JSON-PARSE", rel, f"not UTF-8 JSON: {exc}"))
-        return None
+    document, problems = parse_json(path.read_bytes(), rel)
+    report.violations += problems
+    return document
 
 
 def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
@@ -107,6 +105,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     if manifest["kernels"] is not None:
         named[manifest["kernels"]] = "manifest.json:kernels"
     report.violations += check_catalog(manifest, catalog)
+    report.violations += check_geometry(root, manifest, catalog)
     kernel_table = None
     if manifest["kernels"] is not None:
         kernel_table = _read_json(root, manifest["kernels"], f"{MANIFEST_FILE}:kernels", report)

@@ -1,8 +1,11 @@
 """Rule ids of validate-core: each id appears in findings and in docs/api.md."""
 
+from ignition.catalog.limits import MAX_JSON_DEPTH
+
 RULES = {
     "CORE-MISSING": "The core path is a directory holding manifest.json.",
-    "JSON-PARSE": "Every metadata file is UTF-8 JSON.",
+    "JSON-PARSE": f"Every metadata file is strict UTF-8 JSON (no NaN/Infinity), nested at most {MAX_JSON_DEPTH} "
+                  "levels deep.",
     "SCHEMA": "Every metadata file matches its JSON Schema (draft 2020-12); unknown fields are rejected.",
     "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads.",
     "ENUM-OPERATION": "A variant's operation is a known Operation code.",
@@ -13,9 +16,20 @@ RULES = {
     "FILE-UNLISTED": "Every file the catalog, manifest or kernel table names is listed with a sha256.",
     "FILE-EXTRA": "The core holds no file that the manifest does not list.",
     "GEOM-T": "completion_token_capacity T is in [1, 64] (FORCED_MASK/PAYLOAD_MASK are 64-bit).",
-    "GEOM-VOCAB": "vocab_size <= vocab_padded.",
+    "GEOM-VOCAB": "vocab_size <= vocab_padded, and eos_token_id < vocab_size.",
+    "GEOM-SLOTS": "model.num_slots is the slot extent of every slot-indexed state tensor (KV caches, penalty "
+                  "counts) and at least the widest decode capacity.",
+    "GEOM-SEQ": "model.max_seq_len is the position extent of the KV caches and holds a chunk_limit prefill chunk.",
+    "GEOM-VOCAB-TENSOR": "vocab_padded is the row count of the vocabulary weights (embedding, lm_head) in the "
+                         "weights file and the last extent of penalty_counts.",
+    "GEOM-MODEL": "The model's sizes (layers, KV heads, head_dim, hidden_size) and dtype match the state and "
+                  "vocabulary weight tensors.",
+    "GEOM-TOKENIZER": "The tokenizer's token ids (added tokens included) are below vocab_size.",
+    "TOKENIZER-PARSE": "The core's tokenizer JSON files parse and tokenizer.json loads.",
     "CATALOG-DUP": "Variant names and argument names within a variant are unique.",
     "CATALOG-CAPACITIES": "The manifest's capacities are exactly the decode variants' capacities.",
+    "CATALOG-PREFILL": "The catalog has exactly one PREFILL variant; its chunk capacity is the manifest's chunk_limit.",
+    "CATALOG-DECODE": "The catalog has at least one DECODE variant.",
     "BUF-ROLE": "Contract buffers have their table role: records/logprobs are outputs, flags/IDs/targets inputs.",
     "BUF-DTYPE": "Contract buffers have their exact table dtype.",
     "BUF-FRAMES": "Frame extents of completion_records, completion_logprobs and prompt_logprobs are 2.",

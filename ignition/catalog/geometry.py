@@ -1,0 +1,64 @@
+"""Model geometry as data: which manifest field each extent of a state or weight tensor is.
+
+The decoder recipes build their state declarations from ``STATE_SHAPES``; validate-core
+resolves the same expressions with the manifest's fields and compares them with the declared
+state and with the header of the weights file (the GEOM-* rules). An extent is a manifest
+symbol (``FIELDS``) or a literal int.
+"""
+
+from __future__ import annotations
+
+K_CACHE, V_CACHE, PENALTY_COUNTS = "k_cache", "v_cache", "penalty_counts"
+PENALTY_PLANES = 2
+"""penalty_counts planes: prompt-token counts, emitted-token counts."""
+
+_KV_CACHE = ("num_layers", "num_slots", "max_seq_len", "num_kv_heads", "head_dim")
+STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
+    K_CACHE: _KV_CACHE,
+    V_CACHE: _KV_CACHE,
+    PENALTY_COUNTS: ("num_slots", PENALTY_PLANES, "vocab_padded"),
+}
+"""Runtime-owned state tensors by name. The KV caches are in the model dtype."""
+
+MODEL_DTYPE_STATE = (K_CACHE, V_CACHE)
+
+VOCAB_WEIGHTS: dict[str, tuple[str | int, ...]] = {
+    "embed": ("vocab_padded", "hidden_size"),  # decoder recipes (qwen3, llama); a tied lm_head is stored as embed
+    "lm_head": ("vocab_padded", "hidden_size"),
+    "embedding.weight": ("vocab_padded", "hidden_size"),  # toy
+    "lm_head.weight": ("vocab_padded", "hidden_size"),
+}
+"""Weights whose rows are the padded vocabulary; every core stores at least one of them."""
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "num_layers": ("model", "num_layers"),
+    "num_slots": ("model", "num_slots"),
+    "max_seq_len": ("model", "max_seq_len"),
+    "num_kv_heads": ("model", "num_kv_heads"),
+    "head_dim": ("model", "head_dim"),
+    "hidden_size": ("model", "hidden_size"),
+    "vocab_padded": ("vocab_padded",),
+}
+"""Symbol -> its path in manifest.json."""
+
+SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "vocab_padded": "GEOM-VOCAB-TENSOR"}
+"""The validator rule for a mismatched extent; every other symbol is GEOM-MODEL."""
+
+
+def field_name(symbol: str) -> str:
+    return "manifest.json:" + ".".join(FIELDS[symbol])
+
+
+def manifest_value(manifest: dict, symbol: str):
+    """The manifest's value of ``symbol``, or None when the manifest does not state it."""
+    value = manifest
+    for key in FIELDS[symbol]:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def state_shape(name: str, **geometry: int) -> list[int]:
+    """The shape of state tensor ``name`` for the given symbol values."""
+    return [extent if isinstance(extent, int) else geometry[extent] for extent in STATE_SHAPES[name]]

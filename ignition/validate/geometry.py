@@ -1,0 +1,151 @@
+"""Geometry rules: the manifest's numbers against the tensors they describe.
+
+A manifest field is only trusted when a tensor confirms it: num_slots, max_seq_len and the
+model sizes against the declared state (catalog/geometry.py says which extent is which field),
+vocab_padded and hidden_size against the weights file's header (read without loading a tensor),
+the tokenizer's ids against vocab_size, and the catalog's operations against what the runtime
+needs (one prefill at the chunk limit, at least one decode). The graphs' signatures are tied to
+the same declarations by STATE-DECL, WEIGHT-DECL and GRAPH-SIGNATURE.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ignition.catalog.enums import Operation
+from ignition.catalog.geometry import (MODEL_DTYPE_STATE, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS, field_name,
+                                       manifest_value)
+from ignition.validate.files import safe_path
+from ignition.validate.report import Violation
+from ignition.validate.schema import parse_json
+
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _compare(manifest: dict, what: str, expression: tuple, shape: list[int]) -> list[Violation]:
+    """Each extent of ``shape`` against the manifest field its expression names."""
+    if len(shape) != len(expression):
+        return [Violation("GEOM-MODEL", what, f"expected {len(expression)} dimensions {list(expression)}, found {shape}")]
+    found = []
+    for axis, (symbol, extent) in enumerate(zip(expression, shape)):
+        expected = symbol if isinstance(symbol, int) else manifest_value(manifest, symbol)
+        if expected == extent:
+            continue
+        rule = "GEOM-MODEL" if isinstance(symbol, int) else SYMBOL_RULES.get(symbol, "GEOM-MODEL")
+        source = f"the constant {symbol}" if isinstance(symbol, int) else f"{field_name(symbol)} = {expected}"
+        if expected is None:
+            source = f"{field_name(symbol)}, which the manifest lacks"
+        found.append(Violation(rule, what, f"dimension {axis} ({symbol}) must equal {source}; the tensor has {extent}"))
+    return found
+
+
+def check_state(manifest: dict) -> list[Violation]:
+    found = []
+    for decl in manifest["state"]:
+        expression = STATE_SHAPES.get(decl["name"])
+        if expression is None:
+            continue
+        what = f"manifest.json:state {decl['name']} {decl['shape']}"
+        found += _compare(manifest, what, expression, decl["shape"])
+        if decl["name"] in MODEL_DTYPE_STATE and decl["dtype"] != manifest["model"]["dtype"]:
+            found.append(Violation("GEOM-MODEL", what, f"expected the model dtype {manifest['model']['dtype']}, "
+                                   f"found {decl['dtype']}"))
+    return found
+
+
+def weight_shapes(path: Path) -> dict[str, tuple[str, list[int]]] | None:
+    """name -> (dtype, shape) from the safetensors header; None when unreadable (WEIGHT-DECL reports it)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: (_DTYPES.get(f.get_slice(name).get_dtype(), f.get_slice(name).get_dtype()),
+                           list(f.get_slice(name).get_shape())) for name in f.keys()}
+    except Exception:  # safetensors raises several exception types for corrupt headers
+        return None
+
+
+def check_vocab_weights(manifest: dict, header: dict[str, tuple[str, list[int]]], weights_file: str) -> list[Violation]:
+    present = [name for name in VOCAB_WEIGHTS if name in header]
+    if not present:
+        return [Violation("GEOM-VOCAB-TENSOR", weights_file, f"no tensor carries the vocabulary: expected one of "
+                          f"{sorted(VOCAB_WEIGHTS)} with {manifest['vocab_padded']} rows")]
+    found = []
+    for name in present:
+        dtype, shape = header[name]
+        found += _compare(manifest, f"{weights_file}: {name} {shape}", VOCAB_WEIGHTS[name], shape)
+        if dtype != manifest["model"]["dtype"]:
+            found.append(Violation("GEOM-MODEL", f"{weights_file}: {name}",
+                                   f"expected the model dtype {manifest['model']['dtype']}, found {dtype}"))
+    return found
+
+
+def check_limits(manifest: dict, variants: list[dict]) -> list[Violation]:
+    """Fields that bound others: slots hold the widest decode, the KV holds a chunk, EOS is a token."""
+    found = []
+    slots, seq = manifest_value(manifest, "num_slots"), manifest_value(manifest, "max_seq_len")
+    widest = max((v["capacity"] for v in variants if v["operation"] == Operation.DECODE), default=0)
+    if slots is not None and slots < widest:
+        found.append(Violation("GEOM-SLOTS", field_name("num_slots"), f"expected at least the widest decode "
+                               f"capacity {widest} (every lane needs its own slot), found {slots}"))
+    limit = manifest["chunk_limit"]
+    if seq is not None and limit is not None and limit > seq:
+        found.append(Violation("GEOM-SEQ", "manifest.json:chunk_limit", f"a prefill chunk of {limit} rows does not "
+                               f"fit {field_name('max_seq_len')} = {seq}"))
+    eos = manifest["eos_token_id"]
+    if eos is not None and eos >= manifest["vocab_size"]:
+        found.append(Violation("GEOM-VOCAB", "manifest.json:eos_token_id",
+                               f"expected a token id below vocab_size {manifest['vocab_size']}, found {eos}"))
+    return found
+
+
+def check_operations(manifest: dict, variants: list[dict]) -> list[Violation]:
+    prefill = [v for v in variants if v["operation"] == Operation.PREFILL]
+    found = []
+    if len(prefill) != 1:
+        found.append(Violation("CATALOG-PREFILL", "catalog.json", f"expected exactly one PREFILL variant, found "
+                               f"{len(prefill)} ({', '.join(v['name'] for v in prefill) or 'none'})"))
+    for variant in prefill:
+        chunk = next((a["shape"] for a in variant["arguments"] if a["name"] == "chunk_input_ids"), None)
+        if chunk != [manifest["chunk_limit"]]:
+            found.append(Violation("CATALOG-PREFILL", f"variant {variant['name']}: chunk_input_ids", f"expected shape "
+                                   f"[{manifest['chunk_limit']}] (manifest.json:chunk_limit), found {chunk}"))
+    if not any(v["operation"] == Operation.DECODE for v in variants):
+        found.append(Violation("CATALOG-DECODE", "catalog.json", "expected at least one DECODE variant, found none"))
+    return found
+
+
+def check_tokenizer(root: Path, manifest: dict) -> list[Violation]:
+    """The tokenizer's JSON files parse, tokenizer.json loads, and its ids stay below vocab_size."""
+    if manifest["tokenizer"] is None:
+        return []
+    directory, problems = safe_path(root, manifest["tokenizer"], "manifest.json:tokenizer")
+    if directory is None or not directory.is_dir():
+        return problems or [Violation("FILE-MISSING", manifest["tokenizer"], "named by manifest.json:tokenizer but absent")]
+    found = []
+    for path in sorted(directory.glob("*.json")):
+        found += parse_json(path.read_bytes(), path.relative_to(root).as_posix())[1]
+    tokenizer_json = directory / "tokenizer.json"
+    rel = tokenizer_json.relative_to(root).as_posix()
+    if found or not tokenizer_json.is_file():
+        return [Violation("TOKENIZER-PARSE", v.where, v.message) for v in found]
+    from tokenizers import Tokenizer
+    try:
+        tokenizer = Tokenizer.from_str(tokenizer_json.read_bytes().decode("utf-8"))
+    except Exception as exc:  # tokenizers raises a bare Exception for every malformed file
+        return [Violation("TOKENIZER-PARSE", rel, f"does not load as a tokenizer: {str(exc)[:200]}")]
+    id_end = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if id_end > manifest["vocab_size"]:
+        return [Violation("GEOM-TOKENIZER", rel, f"token ids must stay below manifest.json:vocab_size = "
+                          f"{manifest['vocab_size']}; the tokenizer's reach {id_end - 1}")]
+    return []
+
+
+def check_geometry(root: Path, manifest: dict, catalog: dict) -> list[Violation]:
+    """Every GEOM-*, CATALOG-PREFILL/-DECODE and TOKENIZER-PARSE finding of a schema-valid core."""
+    variants = catalog["variants"]
+    found = check_state(manifest) + check_limits(manifest, variants) + check_operations(manifest, variants)
+    weights_path, _ = safe_path(root, manifest["weights"], "manifest.json:weights")
+    header = weight_shapes(weights_path) if weights_path is not None and weights_path.is_file() else None
+    if header is not None:
+        found += check_vocab_weights(manifest, header, manifest["weights"])
+    return found + check_tokenizer(root, manifest)

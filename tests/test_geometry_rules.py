@@ -1,0 +1,168 @@
+"""The manifest's geometry against the tensors: every red-team edit is caught by exactly its new rule.
+
+Each case edits a real exported core (a tiny Qwen3 with KV caches, or the toy with a tokenizer)
+and rehashes what it touched, so no older rule (FILE-HASH, SCHEMA, ...) can be what catches it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from _decoder_cores import TinyCase, save_checkpoint
+from conftest import CoreCopy
+from ignition.cli import app
+from ignition.exporter.export import export_core
+from ignition.recipes.base import ExportOptions
+from ignition.runtime.core import CoreLoadError
+from ignition.runtime.server import create_app
+from ignition.validate.core import validate_core
+from ignition.validate.rules import RULES
+from test_publish import word_tokenizer
+
+
+def rules_of(root, check_graphs=False) -> set[str]:
+    report = validate_core(root, check_graphs=check_graphs)
+    assert all(v.rule in RULES for v in report.violations), report.violations
+    return {v.rule for v in report.violations}
+
+
+@pytest.fixture(scope="module")
+def decoder_core(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=150), root / "checkpoint")
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2), chunk_limit=8,
+                              max_seq_len=32), root / "core")
+    return root / "core"
+
+
+@pytest.fixture(scope="module")
+def toy_with_tokenizer(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy-tok")
+    export_core(ExportOptions(recipe="toy", capacities=(1,), tokenizer=word_tokenizer(root / "tok", 40)), root / "core")
+    return root / "core"
+
+
+def copy_of(core, tmp_path) -> CoreCopy:
+    shutil.copytree(core, tmp_path / "core")
+    return CoreCopy(tmp_path / "core")
+
+
+def test_exported_cores_pass_every_geometry_rule(decoder_core, toy_with_tokenizer):
+    assert rules_of(decoder_core) == set()
+    assert rules_of(toy_with_tokenizer) == set()
+
+
+@pytest.mark.parametrize("edit, rule", [
+    (lambda m: m["model"].update(num_slots=16), "GEOM-SLOTS"),  # 16 slots over a 2-slot KV cache
+    (lambda m: m["model"].pop("num_slots"), "GEOM-SLOTS"),  # the loader would guess the slot count
+    (lambda m: m["model"].update(max_seq_len=4096), "GEOM-SEQ"),  # admits prompts that overflow the cache
+    (lambda m: m["model"].pop("max_seq_len"), "GEOM-SEQ"),  # no context bound at all
+    (lambda m: m.update(vocab_size=10**18, vocab_padded=10**18), "GEOM-VOCAB-TENSOR"),  # MemoryError in serve
+    (lambda m: m.update(vocab_size=100, vocab_padded=100), "GEOM-VOCAB-TENSOR"),
+    (lambda m: m["model"].update(num_layers=3), "GEOM-MODEL"),
+    (lambda m: m["model"].update(head_dim=8), "GEOM-MODEL"),
+    (lambda m: m["model"].update(hidden_size=64), "GEOM-MODEL"),
+    (lambda m: m["model"].update(dtype="bfloat16"), "GEOM-MODEL"),
+    (lambda m: m.update(eos_token_id=150), "GEOM-VOCAB"),
+    (lambda m: m.update(chunk_limit=16), "CATALOG-PREFILL"),
+])
+def test_manifest_geometry_edit_is_caught_by_its_rule(decoder_core, tmp_path, edit, rule):
+    core = copy_of(decoder_core, tmp_path)
+    core.edit("manifest.json", edit)
+    assert rules_of(core.root) == {rule}
+
+
+def test_num_slots_below_the_widest_decode(decoder_core, tmp_path):
+    core = copy_of(decoder_core, tmp_path)
+    core.edit("manifest.json", lambda m: m["model"].update(num_slots=1))
+    assert "GEOM-SLOTS" in rules_of(core.root)
+
+
+def test_vocab_size_as_a_float_is_not_an_integer(decoder_core, tmp_path):
+    core = copy_of(decoder_core, tmp_path)
+    core.edit("manifest.json", lambda m: m.update(vocab_size=1e18))
+    assert rules_of(core.root) == {"SCHEMA"}
+
+
+def test_a_core_without_vocabulary_weights(core_copy):
+    from safetensors.torch import load_file, save_file
+    weights = load_file(str(core_copy.root / "weights.safetensors"))
+    save_file({"renamed." + name: t for name, t in weights.items()}, str(core_copy.root / "weights.safetensors"))
+    core_copy.rehash("weights.safetensors")
+    assert "GEOM-VOCAB-TENSOR" in rules_of(core_copy.root)  # alongside WEIGHT-DECL for the renamed arguments
+
+
+def _drop_variant(core: CoreCopy, name: str) -> None:
+    catalog = core.load("catalog.json")
+    variant = core.variant(catalog, name)
+    catalog["variants"].remove(variant)
+    (core.root / variant["graph"]).unlink()
+    core.save("catalog.json", catalog)
+    core.edit("manifest.json", lambda m: m["files"].pop(variant["graph"]))
+
+
+def test_catalog_without_prefill_is_refused(core_copy):
+    _drop_variant(core_copy, "prefill.t256")
+    assert rules_of(core_copy.root, check_graphs=True) == {"CATALOG-PREFILL"}
+
+
+def test_catalog_without_decode_is_refused(core_copy):
+    _drop_variant(core_copy, "decode.c1")
+    _drop_variant(core_copy, "decode.c4")
+    core_copy.edit("manifest.json", lambda m: m.update(capacities=[]))
+    assert rules_of(core_copy.root) == {"CATALOG-DECODE"}
+
+
+def test_tokenizer_vocabulary_larger_than_the_core(toy_with_tokenizer, tmp_path):
+    core = copy_of(toy_with_tokenizer, tmp_path)
+    word_tokenizer(tmp_path / "big", 300)
+    shutil.copyfile(tmp_path / "big" / "tokenizer.json", core.root / "tokenizer" / "tokenizer.json")
+    core.rehash("tokenizer/tokenizer.json")
+    assert rules_of(core.root) == {"GEOM-TOKENIZER"}
+
+
+@pytest.mark.parametrize("name, content", [
+    ("tokenizer.json", b'{"version": "1.0", "model": {"type": "Nope"}}'),
+    ("tokenizer.json", b"not json"),
+    ("tokenizer_config.json", b"[" * 100_000 + b"]" * 100_000),
+    ("tokenizer_config.json", b'{"eos_token": NaN}'),
+])
+def test_corrupt_tokenizer_files_in_a_core(toy_with_tokenizer, tmp_path, name, content):
+    core = copy_of(toy_with_tokenizer, tmp_path)
+    (core.root / "tokenizer" / name).write_bytes(content)
+    core.rehash(f"tokenizer/{name}")
+    assert rules_of(core.root) == {"TOKENIZER-PARSE"}
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "catalog.json"])
+def test_deeply_nested_json_is_a_parse_finding(core_copy, name):
+    (core_copy.root / name).write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    if name != "manifest.json":
+        core_copy.rehash(name)
+    assert rules_of(core_copy.root) == {"JSON-PARSE"}
+
+
+def test_nesting_just_beyond_the_limit_is_a_parse_finding(core_copy):
+    core_copy.edit("manifest.json", lambda m: m["model"].update(architecture=json.loads("[" * 40 + "]" * 40)))
+    assert rules_of(core_copy.root) == {"JSON-PARSE"}
+
+
+def test_serve_refuses_more_slots_than_the_kv_cache(decoder_core, tmp_path):
+    core = copy_of(decoder_core, tmp_path)
+    core.edit("manifest.json", lambda m: m["model"].update(num_slots=16))
+    with pytest.raises(CoreLoadError, match="GEOM-SLOTS"):
+        create_app(core.root)
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt-ids", "1,2"], ["serve", "--port", "1"]])
+def test_run_and_serve_refuse_a_geometry_edit_cleanly(core_copy, command):
+    core_copy.edit("manifest.json", lambda m: m.update(vocab_size=10**18, vocab_padded=10**18))
+    result = CliRunner().invoke(app, [command[0], str(core_copy.root), *command[1:]])
+    assert result.exit_code == 1, result.output
+    assert "cannot load core" in result.output and "GEOM-VOCAB-TENSOR" in result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # typer.Exit, not an escaped error
