@@ -33,11 +33,12 @@ from ignition.catalog.contract import (
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 VOCAB_CHUNK = 16384  # lanes per normalization chunk: fixes the FP32 summation order, hence lse's bits
-ROW_BLOCK = 4  # rows per exp-sum: a [ROW_BLOCK, VOCAB_CHUNK] FP32 scratch (256 KB)
+ROW_BLOCK = 8  # rows per exp-sum: a [ROW_BLOCK, VOCAB_CHUNK] FP32 scratch (512 KB)
 GROUP = 128  # lanes per group maximum (the width used divides VOCAB_CHUNK: see _group_width)
 ROWS_PER_PASS = 64  # rows sharing one pass: group maxima [64, vocab / GROUP]
 READ_LANES = 16384  # lanes per candidate read: [64 rows, 2 groups of 128]
 MERGE_EVERY = 4  # candidate reads kept ([rows, k] each) before they are merged
+SPARE_GROUPS = 8  # groups ranked beyond the k-th, so ties at the floor rarely need a second ranking
 
 _LOW32 = 0xFFFFFFFF
 _NO_KEY = torch.iinfo(torch.int64).min  # below every real key (NaN maps to -inf's key)
@@ -166,14 +167,17 @@ def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=
     whole = vocab_size // group  # groups of exactly `group` lanes; the partial last group is always read
     finite = torch.isfinite(lse)
     searched = finite if wanted is None else finite & wanted
-    candidate = group_maxima[:, :whole].to(torch.float32, copy=True).sub_(lse[:, None])  # reported group maxima
-    if whole > k:
-        candidate.ge_(candidate.topk(k, dim=1).values[:, -1:])  # 1.0 where a winner may lie, else 0.0
-    else:
-        candidate.fill_(1.0)
-    candidate.mul_(searched[:, None])
-    order = candidate.topk(int(candidate.sum(dim=1).max()), dim=1).indices  # candidates first: [rows, n]
-    del candidate
+    group_values = group_maxima[:, :whole].float() - lse[:, None]  # reported value of each group's maximum
+    ranked = group_values.topk(min(k + SPARE_GROUPS, whole), dim=1)  # candidates first: [rows, k + spares]
+    floor = ranked.values[:, k - 1:k] if whole > k else torch.full((rows, 1), float("-inf"))
+    width = int(((ranked.values >= floor) & searched[:, None]).sum(dim=1).max())  # most candidates in a row
+    if width < ranked.indices.shape[1] or width == whole:
+        order = ranked.indices[:, :width]
+    else:  # ties at the floor may outnumber the spares: count and rank every group (row blocks keep temporaries small)
+        candidate = (group_values >= floor) & searched[:, None]
+        width = max(int(block.sum(dim=1, dtype=torch.int32).max()) for block in candidate.split(8))
+        order = group_values.topk(width, dim=1).indices
+    del group_values
 
     grouped = logits[:, :whole * group].unflatten(1, (whole, group))  # a view: [rows, whole, group]
     every_row = torch.arange(rows)[:, None]
