@@ -167,7 +167,7 @@ def main():
         dtype = getattr(torch, dtype_name)
         element = torch.tensor([], dtype=dtype).element_size()
         args = make_inputs(rows, vocab, mode, dtype, options.device)
-        repeats = options.repeats or (100 if on_cuda else max(5, min(30, int(4e7 // (rows * vocab)))))
+        repeats = options.repeats or (100 if on_cuda else max(11, min(30, int(4e7 // (rows * vocab)))))
         ours_times, base_times = times_ms((ours, baseline), args, repeats)
         ours_ms, base_ms = statistics.median(ours_times), statistics.median(base_times)
         best_ratio = min(base_times) / min(ours_times)
