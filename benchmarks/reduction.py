@@ -142,7 +142,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="only 64 x 151936 at K=20 and 128 ids")
-    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=0, help="timed calls per path (default: by size)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op CPU threads (default: torch's)")
     options = parser.parse_args()
@@ -175,7 +176,8 @@ def main():
         floor_bytes = rows * vocab * element
         floor = (f"{1e3 * floor_bytes / HBM_BYTES_PER_S:8.4f} {ours_ms / (1e3 * floor_bytes / HBM_BYTES_PER_S):10.1f}x"
                  if on_cuda else f"{floor_bytes / 2**20:8.2f}")
-        print(f"{dtype_name:>8} {rows:>4} {vocab:>7} {mode:>6} | {ours_ms:8.2f} {base_ms:8.2f} {base_ms / ours_ms:6.2f}x "
+        print(f"{dtype_name:>8} {rows:>4} {vocab:>7} {mode:>6} | {ours_ms:8.2f} {base_ms:8.2f} "
+              f"{base_ms / ours_ms:6.2f}x "
               f"{best_ratio:6.2f}x | {ours_mb:8.3f} {base_mb:8.2f} | {floor}")
 
 

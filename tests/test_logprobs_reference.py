@@ -339,7 +339,7 @@ def test_random_adversarial_rows_match_oracle_word_for_word(seed, chunk):
     g = torch.Generator().manual_seed(seed)
     for case in range(6):
         rows = int(torch.randint(1, 14, (1,), generator=g))
-        vocab = int(torch.randint(1, 40, (1,), generator=g)) if case == 0 else int(torch.randint(1, 2600, (1,), generator=g))
+        vocab = int(torch.randint(1, 40 if case == 0 else 2600, (1,), generator=g))
         padded = vocab + int(torch.randint(0, 5, (1,), generator=g))
         dtype = (torch.float32, torch.bfloat16, torch.float16)[(seed + case) % 3]
         k = (20, 20, 1, 5, 0, 19)[case]
@@ -386,7 +386,8 @@ def test_production_vocabulary_matches_oracle(dtype, kinds):
     out = run(logits, chosen, requested=requested, vocab_size=vocab)
     if kinds[0] == 0:
         assert out[0, 2::2].tolist() == list(range(1000, 1020))
-    assert torch.equal(out, oracle_out(logits, chosen, requested, None, None, vocab, 20, torch.full_like(out, SENTINEL)))
+    expected = oracle_out(logits, chosen, requested, None, None, vocab, 20, torch.full_like(out, SENTINEL))
+    assert torch.equal(out, expected)
 
 
 def test_sort_keys_bit_layout():
