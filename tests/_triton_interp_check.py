@@ -38,9 +38,6 @@ from ignition.components.triton_logprobs import _sort_keys, launch_reduction
 
 SENTINEL = 0x5A5A5A5A
 DEVICE = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"  # where the kernels run
-# The reference's top-k prefilter compares against NaN, so it drops NaN reported values (ids -1,
-# or skipped lanes) instead of ranking them as -inf like sort_keys; those rows use the oracle only.
-NO_REFERENCE = {"nonfinite"}
 
 
 def oracle(logits, lse, chosen, requested, out, out_rows, token_ids, counts, vocab_size, k):
@@ -131,6 +128,48 @@ def cases():
     nonfinite[4] = float("-inf")
     nonfinite[4, 11] = float("nan")
     yield make_case("nonfinite", nonfinite, vocab_size=20, k=5, chosen=[2, 9, 0, 4, 11])
+    yield from adversarial_cases(g)
+
+
+def adversarial_cases(generator):
+    """Ties at the cutoff, cutoffs across tiles, equal rows, -inf rows and K near the tile width.
+
+    Vocabularies of 3000-4100 lanes take 1024-lane tiles (launch_plan's minimum for these few
+    rows), so ties and winners are placed on both sides of tile boundaries. Vocabularies of at
+    most 32 lanes take one tile of 16 or 32 lanes, so K=20 selects most or more than a whole tile.
+    """
+    plateau = torch.randn(3, 3000, generator=generator)  # fp32; 3 tiles of 1024
+    spread = torch.linspace(5, 2995, 50).long()  # 50 tied lanes spread over every tile
+    plateau[0, spread] = 8.0  # 50 equal winners: the 20 smallest ids, in two tiles of three
+    plateau[1, spread[:10]] = 9.0 + torch.arange(10) * 0.25  # 10 distinct leaders, then 40 tied at the cutoff
+    plateau[1, spread[10:]] = 8.0
+    plateau[2, 1014:1034] = 8.0  # the cutoff's ties straddle the first tile boundary ...
+    plateau[2, 2040:2056] = 8.0  # ... and the second: 36 tied lanes, the 20 smallest ids win
+    yield make_case("many_equal_at_cutoff_fp32", plateau, vocab_size=3000, chosen=[5, 2995, 1033])
+
+    crossing = (torch.randn(2, 4100, generator=generator) * 2).to(torch.bfloat16)  # 5 tiles, the last partial
+    crossing[0, torch.tensor([3, 1023, 1024, 2047, 2048, 3071, 3072, 4095, 4096, 4099])] = 20.0  # tile edges
+    crossing[1, 4080:4100] = 20.0  # all winners in the partial last tile
+    yield make_case("cutoff_crosses_tiles_bf16", crossing, vocab_size=4100, chosen=[4099, 0])
+
+    equal = torch.full((2, 4100), -3.25, dtype=torch.bfloat16)  # every lane equal: ids 0..19 in order
+    equal[1] = 0.0
+    equal[1, 1::2] = -0.0  # signed zeros tie on value
+    yield make_case("every_lane_equal_bf16", equal, vocab_size=4100, chosen=[4099, 7])
+
+    neg_inf = torch.full((4, 3000), float("-inf"))
+    neg_inf[1, 2500] = 1.0  # a single finite lane: value 0.0 first, then -inf lanes by id
+    neg_inf[2, [40, 1500, 2999]] = 2.0  # three tied finite lanes in different tiles
+    neg_inf[3] = torch.randn(3000, generator=generator)
+    neg_inf[3, ::2] = float("-inf")  # half the lanes -inf: finite lanes win, then -inf lanes by id
+    yield make_case("neg_inf_rows_fp32", neg_inf, vocab_size=3000, chosen=[0, 2500, 1500, 1])
+
+    narrow = padded_logits(3, 31, 32, torch.bfloat16, 1e30, generator, scale=0.5)  # one 32-lane tile
+    narrow[1, :31] = narrow[1, 5]  # every lane tied: 20 of 31
+    yield make_case("k20_of_tile32_bf16", narrow, vocab_size=31, chosen=[30, 0, 15])
+    tiny = padded_logits(2, 16, 16, torch.float16, 0.0, generator)  # one 16-lane tile: K=20 exceeds it
+    tiny[1, 8:] = tiny[1, 0]
+    yield make_case("k20_over_tile16_fp16", tiny, vocab_size=16, chosen=[15, 8])
 
 
 def subtraction_ties(generator):
@@ -191,19 +230,18 @@ def check(name, args):
         failures.append(f"lse {lse[live].tolist()} differs from fp64 logsumexp {exact[live].tolist()}")
     if name == "subtraction_ties_fp32" and not torch.equal(lse, torch.full_like(lse, 1e8)):
         failures.append(f"lse should be exactly 1e8, got {lse.tolist()}")
-    if name not in NO_REFERENCE:
-        width = out.shape[-1]
-        got, want = triton_out.view(-1, width), reference_out.view(-1, width)
-        if not torch.equal(got[:, 0::2], want[:, 0::2]):
-            bad = (got[:, 0::2] != want[:, 0::2]).nonzero().tolist()[:6]
-            failures.append(f"ids differ from the reference at {bad}")
-        row_lse = torch.zeros(got.shape[0])
-        row_lse[out_rows[live]] = lse[live]
-        bits_t, bits_r = got[:, 1::2].contiguous(), want[:, 1::2].contiguous()
-        values_t, values_r = bits_t.view(torch.float32), bits_r.view(torch.float32)
-        same = ((values_t - values_r).abs() <= tolerance(values_r, row_lse[:, None])) | (bits_t == bits_r)
-        if not same.all():
-            failures.append(f"values differ from the reference beyond tolerance at {(~same).nonzero().tolist()[:6]}")
+    width = out.shape[-1]
+    got, want = triton_out.view(-1, width), reference_out.view(-1, width)
+    if not torch.equal(got[:, 0::2], want[:, 0::2]):
+        bad = (got[:, 0::2] != want[:, 0::2]).nonzero().tolist()[:6]
+        failures.append(f"ids differ from the reference at {bad}")
+    row_lse = torch.zeros(got.shape[0])
+    row_lse[out_rows[live]] = lse[live]
+    bits_t, bits_r = got[:, 1::2].contiguous(), want[:, 1::2].contiguous()
+    values_t, values_r = bits_t.view(torch.float32), bits_r.view(torch.float32)
+    same = ((values_t - values_r).abs() <= tolerance(values_r, row_lse[:, None])) | (bits_t == bits_r)
+    if not same.all():
+        failures.append(f"values differ from the reference beyond tolerance at {(~same).nonzero().tolist()[:6]}")
     return failures
 
 
@@ -220,7 +258,8 @@ def main():
 CASE_NAMES = ("sort_keys_layout", "vocab5_below_k_fp32", "vocab1823_permuted_out_fp32", "vocab127_mixed_requests_bf16",
               "vocab20_equals_k_fp16", "equal_logits_across_tiles_fp32", "subtraction_ties_fp32",
               "neg_inf_and_signed_zero_fp32", "selected_ids_fp32", "selected_ids_k0_bf16", "k0_chosen_only_fp16",
-              "k5_multi_tile_bf16", "nonfinite")
+              "k5_multi_tile_bf16", "nonfinite", "many_equal_at_cutoff_fp32", "cutoff_crosses_tiles_bf16",
+              "every_lane_equal_bf16", "neg_inf_rows_fp32", "k20_of_tile32_bf16", "k20_over_tile16_fp16")
 
 if __name__ == "__main__":
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

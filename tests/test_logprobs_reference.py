@@ -1,15 +1,19 @@
-"""The reference reduction against an independent fp64 numpy oracle.
+"""The reference reduction against independent oracles.
 
-Tolerance: reported values are ``fp32(x) - lse32``. lse32 accumulates V exponentials in
-FP32 chunk by chunk, so its error against the fp64 logsumexp is bounded by about
-log2(V) * 2**-24 relative on the sum, i.e. < 2e-6 absolute on the log for V <= 2**20;
-the final subtraction adds half an ulp of the result (< 2e-6 for |value| < 32). We allow
-5e-6 absolute: a wrong normalization (e.g. including one padded lane or dropping one
-vocabulary chunk) moves values by orders of magnitude more.
+Normalization: ``chunked_lse`` below is the reference's FP32 summation order written as the
+plain loop it was first implemented as (chunks of VOCAB_CHUNK lanes, each summing
+exp(x - running max), the running sum rescaled chunk by chunk). The reference must match it
+bit for bit, so its packed words do not change when its implementation is made faster. Both
+are checked against an fp64 logsumexp: lse32 accumulates V exponentials in FP32 chunk by
+chunk, so its error is bounded by about log2(V) * 2**-24 relative on the sum, i.e. < 2e-6
+absolute on the log for V <= 2**20; the final subtraction adds half an ulp of the result
+(< 2e-6 for |value| < 32). We allow 5e-6 absolute: a wrong normalization (e.g. including one
+padded lane or dropping one vocabulary chunk) moves values by orders of magnitude more.
 
-Ordering is bit-exact: the oracle sorts, in numpy, the FP32 values ``fp32(x) - lse32``
-with lse32 from the reference's own normalization (itself checked against fp64), so
-ties introduced by the subtraction are predicted exactly.
+Words: ``oracle_out`` computes every packed word from the contract's definition with numpy,
+given lse32: reported values ``fp32(x) - lse32``, a full stable sort by (value desc, id asc)
+with -0.0 == +0.0 and NaN ranked as -inf, so ties introduced by the subtraction are predicted
+exactly. The reference must match every word, untouched rows included.
 """
 
 from __future__ import annotations
@@ -40,6 +44,52 @@ def oracle_order(x32: np.ndarray, lse32: float, k: int) -> list[int]:
     return order + [-1] * (k - len(order))
 
 
+def chunked_lse(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The reference's FP32 normalization as a plain loop over VOCAB_CHUNK-lane chunks."""
+    rows = logits.shape[0]
+    running_max = torch.full((rows,), float("-inf"))
+    running_sum = torch.zeros(rows)
+    for start in range(0, vocab_size, L.VOCAB_CHUNK):
+        chunk = logits[:, start:min(start + L.VOCAB_CHUNK, vocab_size)].float()
+        new_max = torch.maximum(running_max, chunk.amax(dim=1))
+        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        chunk_sum = (chunk - safe_max[:, None]).exp_().sum(dim=1)
+        running_sum = running_sum * torch.exp(running_max - safe_max) + chunk_sum
+        running_max = new_max
+    safe_max = torch.where(torch.isinf(running_max), torch.zeros_like(running_max), running_max)
+    return torch.where(torch.isinf(running_max), running_max, safe_max + torch.log(running_sum))
+
+
+def value_bits(values: np.ndarray) -> list[int]:
+    """Packed FP32 words: -0.0 stored as +0.0, every NaN as NAN_BITS."""
+    values = np.where(values == 0, np.float32(0), values).astype(np.float32)
+    return [NAN_BITS if np.isnan(v) else int(b) for v, b in zip(values, values.view(np.int32))]
+
+
+def oracle_out(logits, chosen, requested, token_ids, counts, vocab_size, k, out):
+    """Every word of ``out`` after the reduction, from the contract's definition (numpy, full sort)."""
+    expected = out.clone()
+    lse32 = chunked_lse(logits, vocab_size).numpy()
+    x = logits[:, :vocab_size].float().numpy()
+    for r in range(logits.shape[0]):
+        if requested[r] == 0:
+            continue
+        with np.errstate(invalid="ignore", over="ignore"):
+            values = (x[r] - lse32[r]).astype(np.float32)  # one FP32 subtraction, as specified
+        count = int(counts[r]) if counts is not None else 0
+        if count:
+            tokens = token_ids[r, :count].tolist()
+        else:
+            ranked = np.where(np.isnan(values), np.float32(-np.inf), values)
+            tokens = np.lexsort((np.arange(vocab_size), -ranked))[:k].tolist()  # value desc, then id asc
+            tokens += [-1] * (k - len(tokens))
+        tokens = [int(chosen[r])] + tokens
+        picked = np.array([values[t] if 0 <= t < vocab_size else np.nan for t in tokens], dtype=np.float32)
+        words = [w for pair in zip(tokens, value_bits(picked)) for w in pair]
+        expected[r, :len(words)] = torch.tensor(words, dtype=torch.int64).to(torch.int32)
+    return expected
+
+
 def run(logits, chosen, k=20, requested=None, token_ids=None, counts=None, vocab_size=None):
     rows = logits.shape[0]
     vocab_size = vocab_size or logits.shape[1]
@@ -67,8 +117,13 @@ def check_natural(logits, out, vocab_size, k, rows=None):
 
 @pytest.fixture(params=[None, 64], ids=["one-chunk", "chunk-64"])
 def chunk(request, monkeypatch):
+    """chunk-64: chunks of 64 lanes, groups of 64 (gcd with GROUP), one group per candidate read,
+    and merges every two reads, so small vocabularies take every multi-chunk and multi-read path."""
     if request.param:
         monkeypatch.setattr(L, "VOCAB_CHUNK", request.param)
+        monkeypatch.setattr(L, "READ_LANES", 1)
+        monkeypatch.setattr(L, "MERGE_EVERY", 2)
+        monkeypatch.setattr(L, "ROWS_PER_PASS", 3)
     return request.param
 
 
@@ -239,3 +294,111 @@ def test_op_is_one_node_in_an_exported_graph():
 def test_no_requested_rows_writes_nothing():
     out = run(torch.randn(3, 40), torch.tensor([1, 2, 3]), requested=torch.zeros(3, dtype=torch.int32))
     assert (out == SENTINEL).all()
+
+
+def adversarial_logits(g: torch.Generator, kinds: list[int], vocab: int, padded: int, dtype: torch.dtype):
+    """Random rows, row r of adversarial kind kinds[r] (0-10); padded lanes hold one huge or non-finite value.
+
+    Kinds 1, 9 and 10 make every group a candidate; a batch holding one is searched exhaustively,
+    so the candidate bound is exercised by batches without them.
+    """
+    rows = len(kinds)
+    x = torch.randn(rows, padded, generator=g) * float(torch.rand(1, generator=g) * 8 + 0.1)
+    for r, kind in enumerate(kinds):
+        lane = int(torch.randint(0, vocab, (1,), generator=g))
+        if kind == 1:  # every lane equal
+            x[r] = x[r, 0]
+        elif kind == 2:  # -inf row: lse = -inf, every value NaN
+            x[r] = float("-inf")
+        elif kind == 3:  # a NaN lane: lse NaN
+            x[r, lane] = float("nan")
+        elif kind == 4:  # a +inf lane: lse +inf
+            x[r, lane] = float("inf")
+        elif kind == 5:  # ties created by the subtraction: ulp(1e8) = 8 swallows every other logit
+            x[r] = torch.rand(padded, generator=g) * 7.9 - 3.95
+            x[r, lane] = 1e8
+        elif kind == 6:  # a plateau of equal values straddling the k-th place
+            top, plateau = x[r, :vocab].max(), torch.randperm(vocab, generator=g)[:60]
+            x[r, plateau] = top - 1
+            x[r, plateau[:5]] = top + 1
+        elif kind == 7:  # signed zeros everywhere
+            x[r, ::3], x[r, 1::3] = -0.0, 0.0
+        elif kind == 8:  # mostly -inf
+            x[r, torch.rand(padded, generator=g) < 0.8] = float("-inf")
+        elif kind == 9:  # integers: many exact ties
+            x[r] = torch.round(x[r])
+        elif kind == 10:  # one -0.0 among -inf: lse = 0, reported -0.0 stored as +0.0
+            x[r] = float("-inf")
+            x[r, lane] = -0.0
+    x[:, vocab:] = [float("inf"), 1e30, float("nan"), -1e30][int(torch.randint(0, 4, (1,), generator=g))]
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_adversarial_rows_match_oracle_word_for_word(seed, chunk):
+    g = torch.Generator().manual_seed(seed)
+    for case in range(6):
+        rows = int(torch.randint(1, 14, (1,), generator=g))
+        vocab = int(torch.randint(1, 40 if case == 0 else 2600, (1,), generator=g))
+        padded = vocab + int(torch.randint(0, 5, (1,), generator=g))
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[(seed + case) % 3]
+        k = (20, 20, 1, 5, 0, 19)[case]
+        kinds = [int(torch.randint(0, 11, (1,), generator=g))] * rows if case % 3 else [r % 11 for r in range(rows)]
+        logits = adversarial_logits(g, kinds, vocab, padded, dtype)
+        chosen = torch.randint(-2, vocab + 2, (rows,), generator=g)
+        requested = (torch.rand(rows, generator=g) < 0.8).to(torch.int32)
+        token_ids = counts = None
+        if case % 2:  # some rows select ids (out-of-vocabulary ones included), the rest are natural
+            token_ids = torch.randint(-3, vocab + 3, (rows, MAX_SELECTED_IDS), generator=g, dtype=torch.int32)
+            counts = torch.randint(1, MAX_SELECTED_IDS + 1, (rows,), generator=g, dtype=torch.int32)
+            counts[torch.rand(rows, generator=g) < 0.5] = 0
+        out = run(logits, chosen, k=k, requested=requested, token_ids=token_ids, counts=counts, vocab_size=vocab)
+        sentinel = torch.full_like(out, SENTINEL)
+        expected = oracle_out(logits, chosen, requested, token_ids, counts, vocab, k, sentinel)
+        assert torch.equal(out, expected), f"case {case}: rows {rows} vocab {vocab} {dtype} k {k}: " \
+            f"first differences at {(out != expected).nonzero()[:4].tolist()}"
+
+
+def test_normalization_bits_match_the_chunked_loop(chunk):
+    g = torch.Generator().manual_seed(21)
+    for vocab in (1, 63, 64, 65, 1000, 4097):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = adversarial_logits(g, list(range(11)), vocab, vocab + 3, dtype)
+            lse, expected = L._normalization(logits, vocab), chunked_lse(logits, vocab)
+            assert torch.equal(lse.view(torch.int32), expected.view(torch.int32)), f"vocab {vocab} {dtype}"
+            finite = torch.isfinite(expected)
+            torch.testing.assert_close(lse[finite].double(), torch.logsumexp(logits[finite, :vocab].double(), 1),
+                                       atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kinds", [[0, 5, 6, 7, 8, 2, 5], [1, 9, 10, 3, 4]], ids=["bounded", "exhaustive"])
+def test_production_vocabulary_matches_oracle(dtype, kinds):
+    """151,936 lanes (vocabulary 151,900) with the default chunking: several chunks, a partial group."""
+    g = torch.Generator().manual_seed(4)
+    vocab = 151_900
+    logits = adversarial_logits(g, kinds, vocab, 151_936, dtype)
+    if kinds[0] == 0:
+        logits[0, 1000:1040] = logits[0, :vocab].max().float() + 1  # 40 equal winners: the 20 smallest ids
+    rows = len(kinds)
+    chosen = torch.randint(0, vocab, (rows,), generator=g)
+    requested = torch.ones(rows, dtype=torch.int32)
+    out = run(logits, chosen, requested=requested, vocab_size=vocab)
+    if kinds[0] == 0:
+        assert out[0, 2::2].tolist() == list(range(1000, 1020))
+    expected = oracle_out(logits, chosen, requested, None, None, vocab, 20, torch.full_like(out, SENTINEL))
+    assert torch.equal(out, expected)
+
+
+def test_sort_keys_bit_layout():
+    """sort_keys against its definition: (order-preserving image of the value, 0xFFFFFFFF - id)."""
+    special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38, 1.0, -1.0]
+    values = torch.cat([torch.tensor(special), torch.randint(-2**31, 2**31 - 1, (5000,), dtype=torch.int32)
+                        .view(torch.float32)])
+    ids = torch.randint(0, 2**31 - 1, values.shape, dtype=torch.int32)
+    keys = sort_keys(values, ids)
+    for value, token, key in zip(values.tolist(), ids.tolist(), keys.tolist()):
+        value = float("-inf") if np.isnan(value) else value + 0.0
+        bits = int(np.float32(value).view(np.uint32))
+        ordered = (bits ^ 0xFFFFFFFF) if bits >> 31 else (bits | 0x80000000)  # unsigned, order-preserving
+        assert key == ((ordered - 2**31) << 32) + 0xFFFFFFFF - token

@@ -79,6 +79,15 @@ def test_launch_plan_geometry(rows, vocab):
     assert launch_plan(rows, vocab + 3, vocab, NATURAL_K, True, torch.bfloat16) == plan  # no hidden state
 
 
+@pytest.mark.parametrize("rows,vocab,tile", [(3, 3000, 1024), (2, 4100, 1024), (4, 3000, 1024), (3, 31, 32),
+                                              (2, 16, 16)])
+def test_interpreter_cases_take_the_intended_tiles(rows, vocab, tile):
+    """The adversarial interpreter cases rely on these tiles (ties across 1024-lane tiles, K=20 near a tiny tile)."""
+    from ignition.components.triton_logprobs import launch_plan
+
+    assert launch_plan(rows, vocab, vocab, NATURAL_K, False, torch.float32)[0].constexprs["TILE"] == tile
+
+
 def test_launch_plan_rejects_bad_arguments():
     from ignition.components.triton_logprobs import launch_plan
 

@@ -18,6 +18,8 @@ Triton launches are tested against.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ignition.catalog.contract import (
@@ -30,11 +32,15 @@ from ignition.catalog.contract import (
 )
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-VOCAB_CHUNK = 16384
-ROW_BLOCK = 4
+VOCAB_CHUNK = 16384  # lanes per normalization chunk: fixes the FP32 summation order, hence lse's bits
+ROW_BLOCK = 8  # rows per exp-sum: a [ROW_BLOCK, VOCAB_CHUNK] FP32 scratch (512 KB)
+GROUP = 128  # lanes per group maximum (the width used divides VOCAB_CHUNK: see _group_width)
+ROWS_PER_PASS = 64  # rows sharing one pass: group maxima [64, vocab / GROUP]
+READ_LANES = 16384  # lanes per candidate read: [64 rows, 2 groups of 128]
+MERGE_EVERY = 4  # candidate reads kept ([rows, k] each) before they are merged
+SPARE_GROUPS = 8  # groups ranked beyond the k-th, so ties at the floor rarely need a second ranking
 
 _LOW32 = 0xFFFFFFFF
-_SIGN32 = 0x80000000
 _NO_KEY = torch.iinfo(torch.int64).min  # below every real key (NaN maps to -inf's key)
 
 
@@ -42,12 +48,12 @@ def sort_keys(values: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """int64 keys whose descending order is (value desc, token id asc).
 
     High 32 bits: the order-preserving image of the FP32 value with -0.0 mapped to +0.0 and
-    NaN below -inf; low 32 bits: the inverse token id, so equal values prefer smaller ids.
+    NaN ranked as -inf; low 32 bits: the inverse token id, so equal values prefer smaller ids.
     """
-    values = torch.where(torch.isnan(values), torch.full_like(values, float("-inf")), values)
-    bits = (values + 0.0).view(torch.int32).to(torch.int64) & _LOW32  # + 0.0 turns -0.0 into +0.0
-    ordered = torch.where(bits >= _SIGN32, bits ^ _LOW32, bits | _SIGN32)
-    return ((ordered - _SIGN32) << 32) + (_LOW32 - token_ids.to(torch.int64))
+    values = torch.where(torch.isnan(values), float("-inf"), values) + 0.0  # + 0.0 turns -0.0 into +0.0
+    bits = values.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # signed, order-preserving
+    return ((ordered + 1) << 32) - 1 - token_ids.to(torch.int64)  # low word: 0xFFFFFFFF - id
 
 
 def key_token_ids(keys: torch.Tensor) -> torch.Tensor:
@@ -81,55 +87,146 @@ def check_reduction_args(logits, chosen, requested, out, out_rows, token_ids, to
         raise ValueError("reduce_logprobs: " + "; ".join(problems))
 
 
-def _normalization(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """FP32 logsumexp over the first vocab_size lanes, one vocabulary chunk at a time."""
-    rows = logits.shape[0]
-    running_max = torch.full((rows,), float("-inf"), dtype=torch.float32)
-    running_sum = torch.zeros(rows, dtype=torch.float32)
-    for start in range(0, vocab_size, VOCAB_CHUNK):
-        chunk = logits[:, start:min(start + VOCAB_CHUNK, vocab_size)].float()  # [rows, chunk]; may alias fp32 input
-        chunk_max = chunk.amax(dim=1)
-        new_max = torch.maximum(running_max, chunk_max)
-        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        chunk_sum = (chunk - safe_max[:, None]).exp_().sum(dim=1)
-        running_sum = running_sum * torch.exp(running_max - safe_max) + chunk_sum
-        running_max = new_max
-    safe_max = torch.where(torch.isinf(running_max), torch.zeros_like(running_max), running_max)
-    return torch.where(torch.isinf(running_max), running_max, safe_max + torch.log(running_sum))
+def _group_width() -> int:
+    """GROUP, or a divisor of it that divides VOCAB_CHUNK, so chunk maxima are maxima of groups."""
+    return math.gcd(GROUP, VOCAB_CHUNK)
 
 
-def _natural_alternatives(logits, lse, vocab_size, k):
-    """Best k (ids, values) per row by (reported value desc, id asc); ids -1 where vocab < k."""
+def _group_maxima(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Raw maximum of each group of the first vocab_size lanes: [rows, ceil(vocab_size / group width)].
+
+    In the logits' own dtype (conversion to FP32 is exact and monotone); NaN propagates.
+    """
+    group = _group_width()
+    whole = vocab_size // group * group
+    maxima = logits[:, :whole].unflatten(1, (-1, group)).amax(dim=2)  # [rows, whole / group]
+    if whole < vocab_size:
+        maxima = torch.cat([maxima, logits[:, whole:vocab_size].amax(dim=1, keepdim=True)], dim=1)
+    return maxima
+
+
+def _normalization(logits: torch.Tensor, vocab_size: int, group_maxima: torch.Tensor | None = None) -> torch.Tensor:
+    """FP32 logsumexp over the first vocab_size lanes, combined one VOCAB_CHUNK at a time.
+
+    Each chunk sums exp(x - m) with m the running maximum through that chunk, and the running
+    sum is rescaled chunk by chunk: this fixed order defines lse's bits (the previous
+    chunk-at-a-time loop, tested against a copy of it). Chunk maxima come from the group maxima,
+    so each chunk costs one subtraction, one exp and one sum, ROW_BLOCK rows at a time.
+    """
     rows = logits.shape[0]
-    best_keys = torch.empty(rows, 0, dtype=torch.int64)
-    for start in range(0, vocab_size, VOCAB_CHUNK):
-        stop = min(start + VOCAB_CHUNK, vocab_size)
-        values = logits[:, start:stop].float() - lse[:, None]  # reported values: [rows, chunk]
-        values.masked_fill_(values.isnan(), float("-inf"))  # NaN ranks as -inf (torch.topk ranks it first)
-        take = min(k, stop - start)
-        top = values.topk(take, dim=1)  # torch.topk's tie order is unspecified: keys decide
-        at_or_above = values >= top.values[:, -1:]
-        counts = at_or_above.sum(dim=1)
-        if bool((counts == take).all()):
-            chunk_keys = sort_keys(top.values, top.indices + start)  # no tie straddles the cutoff
-        else:  # keys only for the lanes at or above the cutoff, packed per row
-            row_idx, col_idx = torch.nonzero(at_or_above, as_tuple=True)  # row-major: rows ascending
-            first = torch.cumsum(counts, 0) - counts
-            chunk_keys = torch.full((rows, int(counts.max())), _NO_KEY, dtype=torch.int64)
-            slot = torch.arange(row_idx.numel()) - first[row_idx]
-            chunk_keys[row_idx, slot] = sort_keys(values[row_idx, col_idx], col_idx + start)
-        merged = torch.cat([best_keys, chunk_keys], dim=1)
-        best_keys = merged.topk(min(k, merged.shape[1]), dim=1).values
-    ids = key_token_ids(best_keys)
-    valid = best_keys != _NO_KEY
-    ids = torch.where(valid, ids, torch.full_like(ids, INVALID_TOKEN_ID))
+    if group_maxima is None:
+        group_maxima = _group_maxima(logits, vocab_size)
+    groups_per_chunk = VOCAB_CHUNK // _group_width()
+    chunks = -(-vocab_size // VOCAB_CHUNK)
+    padded = torch.full((rows, chunks * groups_per_chunk), float("-inf"))
+    padded[:, :group_maxima.shape[1]] = group_maxima
+    chunk_max = padded.view(rows, chunks, groups_per_chunk).amax(dim=2)  # [rows, chunks]
+    del padded
+    running_max = [torch.full((rows,), float("-inf"))]  # running_max[c + 1]: maximum through chunk c
+    for c in range(chunks):
+        running_max.append(torch.maximum(running_max[-1], chunk_max[:, c]))
+    shift = torch.stack([torch.where(torch.isinf(m), torch.zeros_like(m), m) for m in running_max[1:]], dim=1)
+
+    chunk_sum = torch.empty(rows, chunks)  # sum(exp(x - shift)) of each chunk
+    scratch = torch.empty(min(ROW_BLOCK, rows), min(VOCAB_CHUNK, vocab_size))  # FP32, reused by every block
+    for first in range(0, rows, ROW_BLOCK):
+        block = slice(first, min(first + ROW_BLOCK, rows))
+        for c in range(chunks):
+            start, stop = c * VOCAB_CHUNK, min((c + 1) * VOCAB_CHUNK, vocab_size)
+            shifted = scratch[:block.stop - first, :stop - start]
+            chunk = logits[block, start:stop]
+            if chunk.dtype == torch.float32:
+                torch.sub(chunk, shift[block, c, None], out=shifted)
+            else:  # convert in place: a promoting sub would allocate its own FP32 copy
+                shifted.copy_(chunk).sub_(shift[block, c, None])
+            chunk_sum[block, c] = shifted.exp_().sum(dim=1)
+
+    running_sum = torch.zeros(rows)
+    for c in range(chunks):
+        running_sum = running_sum * torch.exp(running_max[c] - shift[:, c]) + chunk_sum[:, c]
+    row_max = running_max[-1]
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    return torch.where(torch.isinf(row_max), row_max, safe_max + torch.log(running_sum))
+
+
+def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=None):
+    """Best k (ids, values) per row by (reported value desc, id asc); ids -1 where vocab < k.
+
+    Only groups that can hold a winner are read again. Rounding ``x - lse`` is monotone in x,
+    so every top-k lane reports at least the value of the k-th largest group maximum, and a
+    group whose maximum reports less holds no winner. The candidate groups (about k per row)
+    are read a few per row at a time; each read keeps its k best lanes by (value, id), and
+    sort_keys orders the kept lanes, ties created by the subtraction included. A row with a
+    non-finite lse reports only NaN or -inf: all its keys tie, so ids 0..k-1 win. Rows with
+    ``wanted`` False are not searched.
+    """
+    rows = logits.shape[0]
+    if group_maxima is None:
+        group_maxima = _group_maxima(logits, vocab_size)
+    group = _group_width()
+    whole = vocab_size // group  # groups of exactly `group` lanes; the partial last group is always read
+    finite = torch.isfinite(lse)
+    searched = finite if wanted is None else finite & wanted
+    group_values = group_maxima[:, :whole].float() - lse[:, None]  # reported value of each group's maximum
+    ranked = group_values.topk(min(k + SPARE_GROUPS, whole), dim=1)  # candidates first: [rows, k + spares]
+    floor = ranked.values[:, k - 1:k] if whole > k else torch.full((rows, 1), float("-inf"))
+    width = int(((ranked.values >= floor) & searched[:, None]).sum(dim=1).max())  # most candidates in a row
+    if width < ranked.indices.shape[1] or width == whole:
+        order = ranked.indices[:, :width]
+    else:  # ties at the floor may outnumber the spares: count and rank every group (row blocks keep temporaries small)
+        candidate = (group_values >= floor) & searched[:, None]
+        width = max(int(block.sum(dim=1, dtype=torch.int32).max()) for block in candidate.split(8))
+        order = group_values.topk(width, dim=1).indices
+    del group_values
+
+    grouped = logits[:, :whole * group].unflatten(1, (whole, group))  # a view: [rows, whole, group]
+    every_row = torch.arange(rows)[:, None]
+    kept = [_keep_best(logits[:, whole * group:vocab_size], lse, torch.tensor([[whole * group]]), group, k)]
+    step = max(1, READ_LANES // (rows * group))
+    for column in range(0, order.shape[1], step):  # padding columns read non-candidate groups: harmless
+        picked = order[:, column:column + step].sort(dim=1).values  # [rows, step] groups, ascending
+        kept.append(_keep_best(grouped[every_row, picked].flatten(1), lse, picked * group, group, k))
+        if len(kept) == MERGE_EVERY:  # bounded memory even when every group is a candidate
+            kept = [_merge_kept(kept, k)]
+    ids = _merge_kept(kept, k)[1]
+    if ids.shape[1] < k:  # vocabulary smaller than k
+        ids = torch.cat([ids, torch.full((rows, k - ids.shape[1]), INVALID_TOKEN_ID)], dim=1)
+    smallest_ids = torch.arange(k).expand(rows, k)
+    ids = torch.where(finite[:, None], ids, torch.where(smallest_ids < vocab_size, smallest_ids, INVALID_TOKEN_ID))
     values = logits.gather(1, ids.clamp(min=0)).float() - lse[:, None]
-    if ids.shape[1] < k:
-        pad = k - ids.shape[1]
-        ids = torch.cat([ids, torch.full((rows, pad), INVALID_TOKEN_ID, dtype=ids.dtype)], dim=1)
-        values = torch.cat([values, torch.full((rows, pad), float("nan"))], dim=1)
-        valid = torch.cat([valid, torch.zeros(rows, pad, dtype=torch.bool)], dim=1)
-    return ids, torch.where(valid, values, torch.full_like(values, float("nan")))
+    return ids, torch.where(ids >= 0, values, float("nan"))
+
+
+def _keep_best(raw, lse, group_starts, group, k):
+    """(values, ids) of each row's best min(k, lanes) lanes by (value desc, id asc).
+
+    raw: [rows, lanes], consecutive runs of ``group`` lanes (the last may be shorter) holding the
+    tokens group_starts[:, g] + 0, 1, ...; group_starts ascends along each row.
+    """
+    values = torch.sub(raw, lse[:, None]).nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    rows, lanes = values.shape
+    group_starts = group_starts.expand(rows, -1)
+    if lanes > k:
+        top = values.topk(k + 1, dim=1)  # torch.topk's tie order is unspecified
+        if bool((top.values[:, k] < top.values[:, k - 1]).all()):  # no tie straddles the k-th value
+            index = top.indices[:, :k]
+            return top.values[:, :k], group_starts.gather(1, index // group) + index % group
+    token_ids = (group_starts[:, :, None] + torch.arange(group)).flatten(1)[:, :lanes]  # ascending along rows
+    if lanes <= k:
+        return values, token_ids
+    kth = top.values[:, k - 1:k]
+    tied = values == kth
+    short = k - (top.values[:, :k] > kth).sum(dim=1, keepdim=True)  # every lane above the k-th is in top
+    take = (values > kth) | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= short))  # ties: smallest ids
+    return values[take].view(rows, k), token_ids[take].view(rows, k)
+
+
+def _merge_kept(kept, k):
+    """One (values, ids) pair: the best min(k, total) of the kept lanes, in key order."""
+    values = torch.cat([v for v, _ in kept], dim=1)
+    token_ids = torch.cat([t for _, t in kept], dim=1)
+    best = sort_keys(values, token_ids).topk(min(k, values.shape[1]), dim=1).indices
+    return values.gather(1, best), token_ids.gather(1, best)
 
 
 def _gather_values(logits, lse, ids, vocab_size):
@@ -150,35 +247,42 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
     """Reference implementation: writes ``out.view(-1, W)[out_rows[r]]`` for requested rows."""
     check_reduction_args(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k)
     flat_out = out.view(-1, out.shape[-1])
-    requested_rows = torch.nonzero(requested != 0).flatten()
-    if requested_rows.numel() == 0:
-        return  # a zero request flag bypasses vocabulary reads and payload writes
-    for block in requested_rows.split(ROW_BLOCK):
-        first, count = int(block[0]), block.numel()
-        contiguous = int(block[-1]) - first + 1 == count
-        block_logits = logits[first:first + count] if contiguous else logits[block]  # a view when possible
-        lse = _normalization(block_logits, vocab_size)  # [block]
+    for first, count in _row_runs(requested):
+        block = torch.arange(first, first + count)
+        block_logits = logits[first:first + count]  # a view: rows are never copied
+        maxima = _group_maxima(block_logits, vocab_size)  # [block, groups]
+        lse = _normalization(block_logits, vocab_size, maxima)  # [block]
         chosen_ids = chosen[block].to(torch.int64)
-        packed = [_pack(chosen_ids[:, None], _gather_values(block_logits, lse, chosen_ids[:, None], vocab_size))]
+        chosen_pair = _pack(chosen_ids[:, None], _gather_values(block_logits, lse, chosen_ids[:, None], vocab_size))
         counts = token_id_counts[block] if token_id_counts is not None else torch.zeros_like(block, dtype=torch.int32)
         counts = counts.clamp(0, MAX_SELECTED_IDS)
         natural = counts == 0
         target = out_rows[block]
         if natural.any() and k > 0:
-            every = bool(natural.all())
-            ids, values = _natural_alternatives(block_logits if every else block_logits[natural],
-                                                lse if every else lse[natural], vocab_size, k)
-            flat_out[target[natural], PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + 2 * k] = _pack(ids, values)
+            ids, values = _natural_alternatives(block_logits, lse, vocab_size, k, maxima, natural)
+            flat_out[target[natural], PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + 2 * k] = _pack(ids, values)[natural]
         if (~natural).any():
-            selected = token_ids[block][~natural].to(torch.int64)  # [n_rows, 128]
-            values = _gather_values(block_logits[~natural], lse[~natural], selected, vocab_size)
+            selected = token_ids[block].to(torch.int64)  # [block, 128]; rows with natural alternatives dropped below
+            values = _gather_values(block_logits, lse, selected, vocab_size)
             width = 2 * int(counts.max())
-            sel_packed = _pack(selected, values)[:, :width]
+            sel_packed = _pack(selected, values)[~natural, :width]
             keep = torch.arange(width)[None, :] < 2 * counts[~natural][:, None]
             rows_out = target[~natural]
             existing = flat_out[rows_out, PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + width]
             flat_out[rows_out, PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + width] = torch.where(keep, sel_packed, existing)
-        flat_out[target, :PACKED_CHOSEN_WORDS] = packed[0]
+        flat_out[target, :PACKED_CHOSEN_WORDS] = chosen_pair
+
+
+def _row_runs(requested: torch.Tensor) -> list[tuple[int, int]]:
+    """(first row, row count) of each run of consecutive requested rows, at most ROWS_PER_PASS long."""
+    runs = []
+    for row in torch.nonzero(requested != 0).flatten().tolist():
+        first, count = runs[-1] if runs else (-2, 0)
+        if first + count == row and count < ROWS_PER_PASS:
+            runs[-1] = (first, count + 1)
+        else:
+            runs.append((row, 1))
+    return runs
 
 
 @torch.library.custom_op("ignition::reduce_logprobs", mutates_args=("out",))
