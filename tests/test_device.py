@@ -196,3 +196,30 @@ def test_prepared_launcher_drives_the_kernels_exactly(prepared_core):
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(results) == {f"rows{r}-{kind}" for r in (1, 4) for kind in ("int64", "int32", "strided")} | {"launches"}
     assert {case: problems for case, problems in results.items() if problems} == {}
+
+
+def test_references_allocate_on_their_inputs_device():
+    """The torch references (the reduction, and scoring, which CUDA runs until its kernels land) create
+    every tensor on the logits' device: with factories defaulting to meta, CPU inputs give the same words."""
+    from ignition.catalog.contract import PROMPT_ROW_WIDTH
+    from ignition.components.logprobs import reduce_logprobs_reference
+    from ignition.components.prompt_scoring import score_rows_reference
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 40000, generator=g).to(torch.bfloat16)
+    logits[1, :300] = 2.0  # ties at the top
+    chosen = torch.tensor([0, 1, 2, 3, 4, 39999])
+    requested = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.int32)
+    token_ids = torch.randint(-1, 40001, (6, 128), generator=g, dtype=torch.int32)
+    counts = torch.tensor([0, 0, 0, 5, 128, 0], dtype=torch.int32)
+    targets = torch.tensor([5, -1, 39999, 0, 7, 40000], dtype=torch.int32)
+    rows, outs = torch.arange(6), []
+    for default in (torch.device("cpu"), META):
+        out = torch.zeros(6, 258, dtype=torch.int32)
+        scores = torch.zeros(6, PROMPT_ROW_WIDTH, dtype=torch.int32)
+        with default:
+            reduce_logprobs_reference(logits, chosen, requested, out, rows, token_ids, counts, 39990, 20)
+            score_rows_reference(logits, targets, scores, rows, 39990)
+        outs.append((out, scores))
+    assert outs[0][0].any() and outs[0][1].any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

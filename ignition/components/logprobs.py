@@ -118,17 +118,18 @@ def _normalization(logits: torch.Tensor, vocab_size: int, group_maxima: torch.Te
         group_maxima = _group_maxima(logits, vocab_size)
     groups_per_chunk = VOCAB_CHUNK // _group_width()
     chunks = -(-vocab_size // VOCAB_CHUNK)
-    padded = torch.full((rows, chunks * groups_per_chunk), float("-inf"))
+    device = logits.device
+    padded = torch.full((rows, chunks * groups_per_chunk), float("-inf"), device=device)
     padded[:, :group_maxima.shape[1]] = group_maxima
     chunk_max = padded.view(rows, chunks, groups_per_chunk).amax(dim=2)  # [rows, chunks]
     del padded
-    running_max = [torch.full((rows,), float("-inf"))]  # running_max[c + 1]: maximum through chunk c
+    running_max = [torch.full((rows,), float("-inf"), device=device)]  # [c + 1]: maximum through chunk c
     for c in range(chunks):
         running_max.append(torch.maximum(running_max[-1], chunk_max[:, c]))
     shift = torch.stack([torch.where(torch.isinf(m), torch.zeros_like(m), m) for m in running_max[1:]], dim=1)
 
-    chunk_sum = torch.empty(rows, chunks)  # sum(exp(x - shift)) of each chunk
-    scratch = torch.empty(min(ROW_BLOCK, rows), min(VOCAB_CHUNK, vocab_size))  # FP32, reused by every block
+    chunk_sum = torch.empty(rows, chunks, device=device)  # sum(exp(x - shift)) of each chunk
+    scratch = torch.empty(min(ROW_BLOCK, rows), min(VOCAB_CHUNK, vocab_size), device=device)  # FP32, reused
     for first in range(0, rows, ROW_BLOCK):
         block = slice(first, min(first + ROW_BLOCK, rows))
         for c in range(chunks):
@@ -141,7 +142,7 @@ def _normalization(logits: torch.Tensor, vocab_size: int, group_maxima: torch.Te
                 shifted.copy_(chunk).sub_(shift[block, c, None])
             chunk_sum[block, c] = shifted.exp_().sum(dim=1)
 
-    running_sum = torch.zeros(rows)
+    running_sum = torch.zeros(rows, device=device)
     for c in range(chunks):
         running_sum = running_sum * torch.exp(running_max[c] - shift[:, c]) + chunk_sum[:, c]
     row_max = running_max[-1]
@@ -169,7 +170,8 @@ def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=
     searched = finite if wanted is None else finite & wanted
     group_values = group_maxima[:, :whole].float() - lse[:, None]  # reported value of each group's maximum
     ranked = group_values.topk(min(k + SPARE_GROUPS, whole), dim=1)  # candidates first: [rows, k + spares]
-    floor = ranked.values[:, k - 1:k] if whole > k else torch.full((rows, 1), float("-inf"))
+    device = logits.device
+    floor = ranked.values[:, k - 1:k] if whole > k else torch.full((rows, 1), float("-inf"), device=device)
     width = int(((ranked.values >= floor) & searched[:, None]).sum(dim=1).max())  # most candidates in a row
     if width < ranked.indices.shape[1] or width == whole:
         order = ranked.indices[:, :width]
@@ -180,8 +182,9 @@ def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=
     del group_values
 
     grouped = logits[:, :whole * group].unflatten(1, (whole, group))  # a view: [rows, whole, group]
-    every_row = torch.arange(rows)[:, None]
-    kept = [_keep_best(logits[:, whole * group:vocab_size], lse, torch.tensor([[whole * group]]), group, k)]
+    every_row = torch.arange(rows, device=device)[:, None]
+    tail_start = torch.tensor([[whole * group]], device=device)
+    kept = [_keep_best(logits[:, whole * group:vocab_size], lse, tail_start, group, k)]
     step = max(1, READ_LANES // (rows * group))
     for column in range(0, order.shape[1], step):  # padding columns read non-candidate groups: harmless
         picked = order[:, column:column + step].sort(dim=1).values  # [rows, step] groups, ascending
@@ -190,8 +193,8 @@ def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=
             kept = [_merge_kept(kept, k)]
     ids = _merge_kept(kept, k)[1]
     if ids.shape[1] < k:  # vocabulary smaller than k
-        ids = torch.cat([ids, torch.full((rows, k - ids.shape[1]), INVALID_TOKEN_ID)], dim=1)
-    smallest_ids = torch.arange(k).expand(rows, k)
+        ids = torch.cat([ids, torch.full((rows, k - ids.shape[1]), INVALID_TOKEN_ID, device=device)], dim=1)
+    smallest_ids = torch.arange(k, device=device).expand(rows, k)
     ids = torch.where(finite[:, None], ids, torch.where(smallest_ids < vocab_size, smallest_ids, INVALID_TOKEN_ID))
     values = logits.gather(1, ids.clamp(min=0)).float() - lse[:, None]
     return ids, torch.where(ids >= 0, values, float("nan"))
@@ -211,7 +214,7 @@ def _keep_best(raw, lse, group_starts, group, k):
         if bool((top.values[:, k] < top.values[:, k - 1]).all()):  # no tie straddles the k-th value
             index = top.indices[:, :k]
             return top.values[:, :k], group_starts.gather(1, index // group) + index % group
-    token_ids = (group_starts[:, :, None] + torch.arange(group)).flatten(1)[:, :lanes]  # ascending along rows
+    token_ids = (group_starts[:, :, None] + torch.arange(group, device=raw.device)).flatten(1)[:, :lanes]  # ascending
     if lanes <= k:
         return values, token_ids
     kth = top.values[:, k - 1:k]
@@ -248,7 +251,7 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
     check_reduction_args(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k)
     flat_out = out.view(-1, out.shape[-1])
     for first, count in _row_runs(requested):
-        block = torch.arange(first, first + count)
+        block = torch.arange(first, first + count, device=logits.device)
         block_logits = logits[first:first + count]  # a view: rows are never copied
         maxima = _group_maxima(block_logits, vocab_size)  # [block, groups]
         lse = _normalization(block_logits, vocab_size, maxima)  # [block]
@@ -266,7 +269,7 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
             values = _gather_values(block_logits, lse, selected, vocab_size)
             width = 2 * int(counts.max())
             sel_packed = _pack(selected, values)[~natural, :width]
-            keep = torch.arange(width)[None, :] < 2 * counts[~natural][:, None]
+            keep = torch.arange(width, device=logits.device)[None, :] < 2 * counts[~natural][:, None]
             rows_out = target[~natural]
             existing = flat_out[rows_out, PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + width]
             flat_out[rows_out, PACKED_CHOSEN_WORDS:PACKED_CHOSEN_WORDS + width] = torch.where(keep, sel_packed, existing)
