@@ -10,7 +10,8 @@ Steps, each timed and reported even when a later one fails:
 5. decode tokens/s at batch 1, 8 and 32 with logprobs 0, 5 and 20 against Hugging Face
    ``generate(output_logits=True)`` + ``log_softmax`` + ``topk`` on the same checkpoint and GPU;
 6. a core with logprob buffers serving requests that ask for none, against one without them;
-7. scored-prefill throughput as a ratio of ordinary prefill at K=0 and K=20.
+7. scored-prefill throughput as a ratio of ordinary prefill at K=0 and K=20;
+8. ``benchmarks.reduction --device cuda``: the reduction against the vLLM-style path and the one-read floor.
 
 Results go to ``OUT/results.md`` (a table per step with the command) and ``OUT/log.txt``.
 """
@@ -254,6 +255,13 @@ def main() -> None:
                        [["ordinary", f"{tokens / plain:,.0f}", "1.00x"], ["scored K=0", f"{tokens / k0:,.0f}",
                         f"{plain / k0:.2f}x"], ["scored K=20", f"{tokens / k20:,.0f}", f"{plain / k20:.2f}x"]],
                        ["mode", "prompt tokens/s", "of ordinary"])
+
+    @step("reduction")
+    def _():
+        done = subprocess.run([sys.executable, "-m", "benchmarks.reduction", "--device", "cuda"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        report.note("### python -m benchmarks.reduction --device cuda\n\n```\n"
+                    + (done.stdout[-6000:] + done.stderr[-1500:]).strip() + "\n```")
 
     for name, fn in steps:
         started = time.perf_counter()
