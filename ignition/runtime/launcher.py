@@ -167,14 +167,20 @@ class PreparedReduction:
     @classmethod
     def load(cls, root: Path, manifest: dict, catalog: dict, table: dict | None, device: torch.device,
              driver=None) -> "PreparedReduction | None":
-        """The launcher for ``device``; None when no graph of the core reduces logprobs.
+        """The launcher for a core on ``device``; None when no graph of the core reduces logprobs.
 
         ``driver`` defaults to ``cuda.bindings.driver`` (tests pass an emulation of it)."""
         if not any(entry["contract"]["layout"].get("logprobs") for entry in catalog["variants"]):
             return None
-        capability = torch.cuda.get_device_capability(device)
-        target = select_target(capability, list(table["targets"]) if table else [], str(device))
-        shapes = reduction_shapes(manifest, catalog)
+        target = select_target(torch.cuda.get_device_capability(device), list(table["targets"]) if table else [],
+                               str(device))
+        return cls.from_table(root, table, reduction_shapes(manifest, catalog), device, target, driver)
+
+    @classmethod
+    def from_table(cls, root: Path, table: dict, shapes: dict[ReductionShape, list[str]], device: torch.device,
+                   target: str, driver=None) -> "PreparedReduction":
+        """Load the binaries of ``target`` that ``shapes`` launch (a kernel table and the files it names under
+        ``root``) and size each shape's workspace."""
         driver = driver or _driver()
         torch.zeros(1, device=device)  # makes torch's primary context current on this thread
         if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
