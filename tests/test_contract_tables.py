@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ignition.catalog import docs
-from ignition.catalog.abi import RecordField, decode_packed_position, decode_record
+from ignition.catalog.abi import RecordField, decode_packed_position, decode_record, has_payload
 from ignition.catalog.buffers import BUFFERS, COMPLETION_BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import ENUMS, Operation, RoundKind, ValueSource
@@ -75,10 +75,11 @@ def test_completion_outputs_rejects_bad_capacity(capacity):
 
 
 def test_record_worked_example_from_docs():
-    words = [5, 3, 1, 1, 0, 0, 1, 4, 12, 1, 2, 0, 0, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0, 0]
+    words = [5, 3, 1, 1, 0, 0, 0, 4, 12, 1, 2, 0, 0, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0, 0]
     record = decode_record(words)
     assert (record.slot, record.epoch, record.round_kind, record.emitted) == (5, 3, RoundKind.SAMPLING, (17,))
-    assert record.payload == (True,) and record.forced == (False,)
+    assert record.forced == (False,) and has_payload(record, 0, requested=True)
+    assert not has_payload(record, 0, requested=False) and not has_payload(record, 1, requested=True)
     assert (record.generated_before, record.sequence_length, record.frame, record.operation) == (4, 12, 1, 2)
     assert RecordField.OPERATION == 10
 

@@ -13,7 +13,7 @@ from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import Variant
-from ignition.components.commit import commit_sampling_round
+from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, lane_arguments, next_tokens_return, prefill_family,
@@ -41,13 +41,14 @@ class ToyGraph(torch.nn.Module):
         super().__init__()
         self.vocab_size, self.k = vocab_size, k
 
-    def commit(self, buffers, token_ids, operation, sequence_lengths, emits=None):
+    def commit(self, buffers, token_ids, operation, sequence_lengths, emits=None, idle_round_kind=None):
         embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
         hidden = embedding[token_ids.clamp(0, embedding.shape[0] - 1)]  # [rows, hidden]
         logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [rows, vocab_padded]
         sampled = logits[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
         return (commit_sampling_round(buffers, logits, sampled, operation=operation, vocab_size=self.vocab_size,
-                                      k=self.k, sequence_lengths=sequence_lengths, emits=emits),)
+                                      k=self.k, sequence_lengths=sequence_lengths, emits=emits,
+                                      idle_round_kind=idle_round_kind),)
 
 
 class ToyDecode(ToyGraph):
@@ -62,7 +63,8 @@ class ToyPrefill(ToyGraph):
         chunk = buffers["chunk_input_ids"]  # [C]
         last_row = (buffers["chunk_length"] - 1).clamp(0, chunk.shape[0] - 1)  # [1]
         return self.commit(buffers, chunk.index_select(0, last_row), Operation.PREFILL,
-                           buffers["chunk_start"] + buffers["chunk_length"], emits=buffers["chunk_emits"] != 0)
+                           buffers["chunk_start"] + buffers["chunk_length"], emits=buffers["chunk_emits"] != 0,
+                           idle_round_kind=prompt_round_kind(buffers["chunk_start"]))
 
 
 class ToyScoredPrefill(ToyPrefill):

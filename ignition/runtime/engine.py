@@ -239,6 +239,8 @@ class Engine:
         if lane.chunk is not None and not lane.chunk.emits:
             return  # a non-final prompt chunk emits nothing
         record = reader.record(index)
+        # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
+        # check asserts the same facts and fails only this request if a record is stale or foreign.
         if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind is not RoundKind.SAMPLING:
             self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
                                          f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ignition.catalog import buffers as B
 from ignition.catalog.abi import MAX_RECORD_POSITIONS
 from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
-from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, packed_width, scored_capacities
+from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_token_capacity, packed_width, scored_capacities
 from ignition.catalog.enums import Operation, ValueSource
 from ignition.catalog.model import lane_count
 from ignition.validate.report import Violation
@@ -27,10 +27,11 @@ def _enum(enum, code):
 
 def check_core_geometry(manifest: dict) -> list[Violation]:
     found = []
-    t = manifest["completion_token_capacity"]
+    t = manifest_token_capacity(manifest)  # 0 or omitted resolves to 8
     if not 1 <= t <= MAX_RECORD_POSITIONS:
         found.append(Violation("GEOM-T", "manifest.json:completion_token_capacity",
-                               f"expected 1..{MAX_RECORD_POSITIONS}, found {t}"))
+                               f"expected 1..{MAX_RECORD_POSITIONS} (one FORCED_MASK bit per position of an int64 "
+                               f"record word), found {t}"))
     if manifest["vocab_size"] > manifest["vocab_padded"]:
         found.append(Violation("GEOM-VOCAB", "manifest.json:vocab_size",
                                f"vocab_size {manifest['vocab_size']} exceeds vocab_padded {manifest['vocab_padded']}"))
@@ -98,7 +99,7 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
 
 def _check_logprob_bundle(variant, args, bindings, manifest) -> list[Violation]:
     where = f"variant {variant['name']}"
-    t = manifest["completion_token_capacity"]
+    t = manifest_token_capacity(manifest)
     layout = variant["contract"]["layout"]
     present = [spec.name for spec in B.COMPLETION_BUFFERS if spec.name in args]
     has_lp, has_flags = B.LOGPROBS in args, B.REQUESTED in args

@@ -12,7 +12,7 @@ RULES = {
     "FILE-HASH": "Every file matches the sha256 recorded in the manifest.",
     "FILE-UNLISTED": "Every file the catalog, manifest or kernel table names is listed with a sha256.",
     "FILE-EXTRA": "The core holds no file that the manifest does not list.",
-    "GEOM-T": "completion_token_capacity T is in [1, 64] (FORCED_MASK/PAYLOAD_MASK are 64-bit).",
+    "GEOM-T": "Resolved T (0 or omitted: 8) is at most 64: FORCED_MASK is one int64 record word, one bit per position.",
     "GEOM-VOCAB": "vocab_size <= vocab_padded.",
     "CATALOG-DUP": "Variant names and argument names within a variant are unique.",
     "CATALOG-CAPACITIES": "The manifest's capacities are exactly the decode variants' capacities.",
