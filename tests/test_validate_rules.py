@@ -219,6 +219,16 @@ def test_k_must_agree(core_copy):
     assert "LP-K" in rules_of(core_copy.root, check_graphs=False)
 
 
+def test_k_is_twenty_with_id_inputs(core_copy):
+    """Every variant and the manifest agree on K=5, but the core declares the ID inputs: it must export K=20."""
+    def change(catalog):
+        for v in catalog["variants"]:
+            v["contract"]["layout"]["logprobs"]["k"] = 5
+    core_copy.edit("catalog.json", change)
+    core_copy.edit("manifest.json", lambda m: m.update(k=5) or m["features"].update(max_logprobs=5))
+    assert rules_of(core_copy.root, check_graphs=False) == {"LP-K"}
+
+
 def test_k_zero_without_buffers(toy_core_no_logprobs, tmp_path):
     from conftest import CoreCopy
     copy = CoreCopy(tmp_path / "c")

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
-from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
+from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
@@ -105,11 +105,11 @@ def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
     return weights
 
 
-def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool, module,
+def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprob_outputs, module,
                   scored: bool = False) -> GraphBuild:
     lanes, lane_bindings = lane_arguments(1)
     chunk, chunk_bindings = chunk_arguments(chunk_limit)
-    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprobs, scored)
+    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprob_outputs, scored)
     variant = Variant(**identity, arguments=weight_arguments(weights) + lanes + chunk + outputs,
                       returns=next_tokens_return(1), bindings=lane_bindings | chunk_bindings | output_bindings,
                       layout=layout)
@@ -131,11 +131,11 @@ def toy_tokenizer(directory):
 def build(options: ExportOptions) -> RecipeBuild:
     weights = load_weights(options)
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
-    k = NATURAL_K if options.logprobs else 0
+    k = options.outputs.k if options.outputs else 0
     graphs = []
     for capacity in options.capacities:
         lanes, lane_bindings = lane_arguments(capacity)
-        outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, options.logprobs)
+        outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, options.outputs)
         variant = Variant(
             name=f"decode.c{capacity}",
             operation=Operation.DECODE,
@@ -146,10 +146,11 @@ def build(options: ExportOptions) -> RecipeBuild:
             layout=layout,
         )
         graphs.append(GraphBuild(variant, ToyDecode(VOCAB_SIZE, k)))
-    graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.logprobs, ToyPrefill(VOCAB_SIZE, k)))
+    graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.outputs, ToyPrefill(VOCAB_SIZE, k)))
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
         for capacity in scored_capacities(options.chunk_limit):
-            graphs.append(prefill_graph(weights, capacity, token_capacity, True, ToyScoredPrefill(VOCAB_SIZE, k), scored=True))
+            graphs.append(prefill_graph(weights, capacity, token_capacity, options.outputs, ToyScoredPrefill(VOCAB_SIZE, k),
+                                        scored=True))
     return RecipeBuild(
         recipe="toy",
         model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},

@@ -193,6 +193,9 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
         found.append(Violation("LP-K", "manifest.json:k", f"a core without logprob buffers has K=0, found {manifest['k']}"))
     if has_lp and not 1 <= manifest["k"] <= NATURAL_K:
         found.append(Violation("LP-K", "manifest.json:k", f"expected 1..{NATURAL_K}, found {manifest['k']}"))
+    elif has_ids and manifest["k"] != NATURAL_K:
+        found.append(Violation("LP-K", "manifest.json:k", f"a core with the explicit-ID inputs exports K={NATURAL_K}; "
+                               f"only natural-only cores have a smaller K, found {manifest['k']}"))
     decode = sorted({v["capacity"] for v in variants if v["operation"] == Operation.DECODE})
     if manifest["capacities"] != decode:
         found.append(Violation("CATALOG-CAPACITIES", "manifest.json:capacities", f"expected {decode}, found {manifest['capacities']}"))

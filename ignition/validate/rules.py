@@ -25,7 +25,7 @@ RULES = {
     "LP-PARTIAL": "completion_logprobs and logprob_requested come together, and only with completion_records.",
     "LP-IDS-ALL": "A variant declaring any explicit-ID input declares all five CompletionOutputs buffers.",
     "LP-WIDTH": "Without ID inputs the packed width is 2+2K with 1 <= K <= 20; with them it is 258.",
-    "LP-K": "Without logprob buffers K is 0; with them every variant and the manifest agree on K.",
+    "LP-K": "Without logprob buffers K is 0; with them every variant and the manifest agree on K; with ID inputs K is 20.",
     "BIND-MISSING": "Every input argument has a value binding.",
     "BIND-UNKNOWN": "Bindings name declared arguments only.",
     "BIND-OUTPUT": "Outputs, state and weights are never bound: the logprob output cannot be uploaded.",
