@@ -82,7 +82,8 @@ def test_records_only_rounds_admission_prompt_maintenance_invalid():
     chunk_start = torch.tensor([0, 8, 0, 0])
     out = commit_sampling_round(buffers, logits(), torch.tensor([1, 2, 3, 4]), operation=Operation.PREFILL,
                                 vocab_size=VOCAB, k=2, sequence_lengths=torch.full((4,), 8),
-                                emits=torch.zeros(4, dtype=torch.bool), idle_round_kind=prompt_round_kind(chunk_start))
+                                emits=torch.tensor([False, False, True, True]),
+                                idle_round_kind=prompt_round_kind(chunk_start))
     assert out.tolist() == [-1, -1, -1, -1]
     records = [decode_record(buffers[RECORDS][0, lane].numpy()) for lane in range(4)]
     assert [r.round_kind for r in records] == [RoundKind.ADMISSION, RoundKind.PROMPT, RoundKind.MAINTENANCE,

@@ -44,8 +44,9 @@ def commit_sampling_round(
 ) -> torch.Tensor:
     """Write records and packed logprobs for the frame in ``buffers['frame_index']``; return emitted tokens."""
     active = buffers["active_lanes"] != 0
-    exhausted = active & (buffers["generated_counts"] >= buffers["token_budget"])  # no token left to emit
-    emitting = (active if emits is None else active & emits) & ~exhausted
+    may_emit = active if emits is None else active & emits
+    exhausted = may_emit & (buffers["generated_counts"] >= buffers["token_budget"])  # no token left to emit
+    emitting = may_emit & ~exhausted
     if not isinstance(idle_round_kind, torch.Tensor):
         idle_round_kind = torch.full_like(buffers["generated_counts"], int(idle_round_kind or RoundKind.PROMPT))
     idle = torch.where(exhausted, int(RoundKind.MAINTENANCE), idle_round_kind)  # int64 [capacity]
