@@ -219,6 +219,11 @@ def test_k_must_agree(core_copy):
     assert "LP-K" in rules_of(core_copy.root, check_graphs=False)
 
 
+def test_reserved_operation_is_rejected(core_copy):
+    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "prefill.t256").update(operation=int(Operation.MIXED)))
+    assert "ENUM-RESERVED" in rules_of(core_copy.root, check_graphs=False)
+
+
 def test_k_is_twenty_with_id_inputs(core_copy):
     """Every variant and the manifest agree on K=5, but the core declares the ID inputs: it must export K=20."""
     def change(catalog):

@@ -264,7 +264,8 @@ class Engine:
         # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
         # check asserts the same facts and fails only this request if a record is stale or foreign.
         records_only = lane.chunk is not None and not lane.chunk.emits  # ADMISSION or PROMPT: nothing emitted
-        if (record.slot, record.epoch) != (state.slot, state.epoch) or (record.round_kind is RoundKind.SAMPLING) == records_only:
+        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else (RoundKind.SAMPLING,)
+        if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind not in expected:
             self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
                                          f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
             return

@@ -9,7 +9,7 @@ from ignition.catalog import buffers as B
 from ignition.catalog.abi import MAX_RECORD_POSITIONS
 from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_token_capacity, packed_width, scored_capacities
-from ignition.catalog.enums import Operation, ValueSource
+from ignition.catalog.enums import Operation, ValueSource, reserved_status
 from ignition.catalog.model import lane_count
 from ignition.validate.report import Violation
 
@@ -69,6 +69,9 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
     if operation is None:
         found.append(Violation("ENUM-OPERATION", where, f"unknown operation code {variant['operation']}; "
                                f"known: {', '.join(f'{o.name}={o.value}' for o in Operation)}"))
+    elif reserved_status(operation):
+        found.append(Violation("ENUM-RESERVED", where, f"operation {operation.name} ({int(operation)}) is reserved for "
+                               "a feature Ignition does not build yet; no loader can serve it"))
     args = {}
     for decl in variant["arguments"]:
         if decl["name"] in args:

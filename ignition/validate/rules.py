@@ -7,6 +7,7 @@ RULES = {
     "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads.",
     "ENUM-OPERATION": "A variant's operation is a known Operation code.",
     "ENUM-SOURCE": "A binding's value source is a known ValueSource code.",
+    "ENUM-RESERVED": "A variant's operation is not a code reserved for a feature not built yet (MIXED, SPECULATIVE_VERIFY, DRAFT_PROPOSE).",
     "FILE-PATH": "Files named by the core are relative POSIX paths inside it (no absolute paths, no '..').",
     "FILE-MISSING": "Every file listed or named by the core exists.",
     "FILE-HASH": "Every file matches the sha256 recorded in the manifest.",
