@@ -39,7 +39,7 @@ def payload_written(buffers, lane: int, frame: int = 1) -> bool:
     return int(buffers[LOGPROBS][frame, lane, 0, 0]) != SENTINEL
 
 
-def test_reduction_skips_rows_whose_record_is_stale_or_foreign():
+def test_reduction_skips_rows_whose_record_is_stale_or_foreign(monkeypatch):
     """A row is reduced only when the active frame's record carries its slot and epoch and emits."""
     buffers, raw = lane_buffers(), logits()
     tokens = torch.tensor([7, 8, 9, 10])
@@ -50,7 +50,12 @@ def test_reduction_skips_rows_whose_record_is_stale_or_foreign():
     records = buffers[RECORDS]
     records[1, 1, RecordField.EPOCH] -= 1  # another writer's record for slot 1: an older epoch
     records[1, 2, RecordField.SLOT] = 3  # a record that belongs to another slot
+    seen, real = [], torch.ops.ignition.reduce_logprobs
+    # the prepared kernels index chosen[row] with unit stride: it must not be a column view into the records
+    monkeypatch.setattr(torch.ops.ignition, "reduce_logprobs",
+                        lambda logits, chosen, *rest: seen.append(chosen.is_contiguous()) or real(logits, chosen, *rest))
     reduce_emitted_logprobs(buffers, raw, vocab_size=VOCAB, k=3)
+    assert seen == [True]
     assert [payload_written(buffers, lane) for lane in range(4)] == [True, False, False, False]
     packed = decode_packed_position(buffers[LOGPROBS][1, 0, 0].numpy(), 3)
     assert packed.chosen_id == 7  # the chosen token is the one the record emitted

@@ -24,7 +24,7 @@ import torch
 
 from ignition.catalog.abi import RecordField
 from ignition.catalog.buffers import LOGPROBS, RECORDS, REQUESTED, TOKEN_ID_COUNTS, TOKEN_IDS
-from ignition.catalog.contract import RECORD_HEADER_WORDS
+from ignition.catalog.contract import INVALID_TOKEN_ID, RECORD_HEADER_WORDS
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.components import logprobs as _logprobs  # noqa: F401  (registers ignition::reduce_logprobs)
 
@@ -126,7 +126,8 @@ def reduce_emitted_logprobs(buffers: dict[str, torch.Tensor], raw_logits: torch.
     emits = written[:, RecordField.EMITTED_COUNT] > 0
     forced = (written[:, RecordField.FORCED_MASK] & 1) != 0
     requested = (buffers[REQUESTED] != 0) & owned & emits & ~forced  # [capacity]
-    chosen = written[:, RECORD_HEADER_WORDS]  # emitted position 0
+    # NOTE: a fresh tensor, not the strided column view: the prepared kernels index chosen[row] contiguously.
+    chosen = torch.where(emits, written[:, RECORD_HEADER_WORDS], INVALID_TOKEN_ID)  # int64 [capacity]: position 0
     lanes = torch.arange(capacity, device=records.device)
     out_rows = (frame * capacity + lanes) * token_capacity  # position 0 of each lane's packed row
     explicit = TOKEN_IDS in buffers
