@@ -6,7 +6,8 @@
    against transformers ``generate(output_logits=True)`` followed by ``log_softmax`` and
    ``topk(5)`` on the same checkpoint and prompts;
 2. decode cost of a core *with* the logprob buffers serving requests *without* logprobs,
-   against a core exported with ``--no-logprobs``.
+   against a benchmark-only records-only core (``ExportOptions(logprobs=False)``: no logprob
+   buffers; the specification rules such cores out of user exports, so the CLI cannot make one).
 """
 
 from __future__ import annotations

@@ -67,7 +67,9 @@ def export_core_cmd(
     completion_token_capacity: int = typer.Option(0, help="T: token positions per record (0 means 8)"),
     targets: str = typer.Option("", help="Kernel targets to prepare, e.g. cuda:90,cuda:120"),
     dtype: Optional[str] = typer.Option(None, help="Weight dtype: bfloat16, float16, float32"),
-    logprobs: bool = typer.Option(True, "--logprobs/--no-logprobs", help="Export the CompletionOutputs logprob bundle"),
+    logprob_k: int = typer.Option(20, "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
+    logprob_ids: bool = typer.Option(True, "--logprob-ids/--no-logprob-ids",
+                                     help="Export the explicit-ID inputs (off: a natural-only core, packed width 2+2K)"),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Also export scored-prefill graphs"),
     max_seq_len: int = typer.Option(512, help="KV capacity per slot (tokens)"),
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
@@ -92,8 +94,8 @@ def export_core_cmd(
         options = ExportOptions(
             recipe=recipe, checkpoint=checkpoint, capacities=_int_list(capacities, "--capacities"),
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
-            targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
+            targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
+            logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
             tokenizer=tokenizer)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))

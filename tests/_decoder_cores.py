@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from ignition.catalog.abi import PackedPosition, Record, decode_packed_position, decode_record
+from ignition.catalog.abi import PackedPosition, Record, decode_packed_position, decode_record, has_payload
 from ignition.catalog.contract import NATURAL_K
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -125,7 +125,7 @@ class CoreReplay:
         frame = int(buffers["frame_index"][0])
         record = decode_record(buffers["completion_records"][frame, lane].numpy())
         packed = None
-        if record.payload and record.payload[0]:
+        if has_payload(record, 0, bool(buffers["logprob_requested"][lane])):
             packed = decode_packed_position(buffers["completion_logprobs"][frame, lane, 0].numpy(), NATURAL_K)
         return Emitted(record.emitted[0] if record.emitted else -1, record, packed)
 

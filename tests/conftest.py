@@ -34,6 +34,7 @@ def toy_core(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def toy_core_no_logprobs(tmp_path_factory) -> Path:
+    """A core without the logprob buffers (K=0): the benchmark-only records-only build, not on the CLI."""
     out = tmp_path_factory.mktemp("cores") / "toy-nolp"
     export_core(ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False), out)
     return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ignition.catalog import docs
-from ignition.catalog.abi import RecordField, decode_packed_position, decode_record
+from ignition.catalog.abi import RecordField, decode_packed_position, decode_record, has_payload
 from ignition.catalog.buffers import BUFFERS, COMPLETION_BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import ENUMS, Operation, RoundKind, ValueSource
@@ -75,10 +75,11 @@ def test_completion_outputs_rejects_bad_capacity(capacity):
 
 
 def test_record_worked_example_from_docs():
-    words = [5, 3, 1, 1, 0, 0, 1, 4, 12, 1, 2, 0, 0, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0, 0]
+    words = [5, 3, 1, 1, 0, 0, 0, 4, 12, 1, 2, 0, 0, 0, 0, 0, 17, 0, 0, 0, 0, 0, 0, 0]
     record = decode_record(words)
     assert (record.slot, record.epoch, record.round_kind, record.emitted) == (5, 3, RoundKind.SAMPLING, (17,))
-    assert record.payload == (True,) and record.forced == (False,)
+    assert record.forced == (False,) and has_payload(record, 0, requested=True)
+    assert not has_payload(record, 0, requested=False) and not has_payload(record, 1, requested=True)
     assert (record.generated_before, record.sequence_length, record.frame, record.operation) == (4, 12, 1, 2)
     assert RecordField.OPERATION == 10
 
@@ -93,3 +94,19 @@ def test_packed_worked_example_from_docs():
 def test_docs_are_generated_from_the_tables():
     current = docs.DOC.read_text()
     assert docs.render(current) == current, "run: python -m ignition.catalog.docs"
+
+
+def test_reserved_codes_say_what_a_core_gets_today():
+    import re
+
+    from ignition.catalog.enums import ENUMS, Operation, RoundKind, reserved_status
+    from ignition.validate.rules import RULES
+
+    reserved = {(type(m).__name__, m.name) for enum in ENUMS for m in enum if reserved_status(m)}
+    assert {("Operation", "MIXED"), ("RoundKind", "VISION")} <= reserved
+    assert reserved_status(Operation.DECODE) is None and reserved_status(RoundKind.ADMISSION) is None
+    for enum in ENUMS:
+        for member in enum:
+            for rule in re.findall(r"`([A-Z]+-[A-Z-]+)`", reserved_status(member) or ""):
+                assert rule in RULES, (member, rule)
+    assert "| `MIXED` | 3 | reserved, not built yet: a core declaring it is rejected by `ENUM-RESERVED` |" in docs.DOC.read_text()

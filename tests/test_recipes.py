@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from _decoder_cores import LLAMA3_ROPE, CoreReplay, TinyCase, save_checkpoint
-from ignition.catalog.abi import RecordField
+from ignition.catalog.abi import RecordField, has_payload
 from ignition.catalog.contract import NATURAL_K
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.components.sampling import SAMPLING_DEFAULTS, SamplingTensors, sample
@@ -198,10 +198,10 @@ def test_forced_token_eos_budget_and_prompt_chunks(exported) -> None:
     _, buffers = replay.run(name, chunk_input_ids=prompt[:8], chunk_start=0, chunk_length=8, chunk_emits=0,
                             slot_ids=1, frame_index=1)
     idle = replay.emitted(buffers, 0)
-    assert (idle.record.round_kind, idle.record.emitted, idle.record.sequence_length) == (RoundKind.PROMPT, (), 8)
+    assert (idle.record.round_kind, idle.record.emitted, idle.record.sequence_length) == (RoundKind.ADMISSION, (), 8)
     first = replay.prefill(prompt, slot=1, forced_token_ids=42)  # re-prefill from 0 resets the slot's counts
     assert first.token == 42 and first.record.forced == (True,) and first.packed is None
-    assert first.record.payload == (False,)
+    assert not has_payload(first.record, 0, requested=True)
     penalty = replay.state[PENALTY_COUNTS][1]
     assert int(penalty[PROMPT_PLANE].sum()) == len(prompt) and int(penalty[OUTPUT_PLANE, 42]) == 1
     greedy = replay.decode(1, input_ids=42, positions=len(prompt), slot_ids=1, generated_counts=1)[0]

@@ -98,6 +98,30 @@ def test_token_capacity_bounds(core_copy):
     assert "GEOM-T" in rules_of(core_copy.root, check_graphs=False)
 
 
+@pytest.mark.parametrize("edit", [lambda m: m.update(completion_token_capacity=0),
+                                  lambda m: m.pop("completion_token_capacity")], ids=["zero", "omitted"])
+def test_token_capacity_zero_or_omitted_resolves_to_eight(core_copy, edit):
+    """The toy core's buffers use T=8: a manifest with T 0 or without T describes them exactly."""
+    from ignition.runtime.core import load_core
+
+    core_copy.edit("manifest.json", edit)
+    assert rules_of(core_copy.root) == set()
+    assert load_core(core_copy.root).token_capacity == 8
+
+
+def test_token_capacity_negative_is_a_schema_error(core_copy):
+    core_copy.edit("manifest.json", lambda m: m.update(completion_token_capacity=-1))
+    assert rules_of(core_copy.root, check_graphs=False) == {"SCHEMA"}
+
+
+def test_token_capacity_bound_is_the_record_word_width():
+    from ignition.catalog.abi import MAX_RECORD_POSITIONS, RecordField
+    from ignition.catalog.buffers import BUFFERS, RECORDS
+
+    assert BUFFERS[RECORDS].dtype == "int64" and MAX_RECORD_POSITIONS == 64
+    assert "PAYLOAD_MASK" not in RecordField.__members__ and RecordField(6).name == "RESERVED_6"
+
+
 def test_vocab_larger_than_padding(core_copy):
     core_copy.edit("manifest.json", lambda m: m.update(vocab_size=m["vocab_padded"] + 1))
     assert "GEOM-VOCAB" in rules_of(core_copy.root, check_graphs=False)
@@ -193,6 +217,21 @@ def test_natural_only_width(core_copy, width):
 def test_k_must_agree(core_copy):
     core_copy.edit("manifest.json", lambda m: m.update(k=5))
     assert "LP-K" in rules_of(core_copy.root, check_graphs=False)
+
+
+def test_reserved_operation_is_rejected(core_copy):
+    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "prefill.t256").update(operation=int(Operation.MIXED)))
+    assert "ENUM-RESERVED" in rules_of(core_copy.root, check_graphs=False)
+
+
+def test_k_is_twenty_with_id_inputs(core_copy):
+    """Every variant and the manifest agree on K=5, but the core declares the ID inputs: it must export K=20."""
+    def change(catalog):
+        for v in catalog["variants"]:
+            v["contract"]["layout"]["logprobs"]["k"] = 5
+    core_copy.edit("catalog.json", change)
+    core_copy.edit("manifest.json", lambda m: m.update(k=5) or m["features"].update(max_logprobs=5))
+    assert rules_of(core_copy.root, check_graphs=False) == {"LP-K"}
 
 
 def test_k_zero_without_buffers(toy_core_no_logprobs, tmp_path):

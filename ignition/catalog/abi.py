@@ -12,6 +12,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from ignition.catalog.buffers import BUFFERS, RECORDS
 from ignition.catalog.contract import INVALID_TOKEN_ID, PACKED_CHOSEN_WORDS, RECORD_HEADER_WORDS
 from ignition.catalog.enums import FinishReason, RoundKind
 
@@ -25,7 +26,7 @@ class RecordField(IntEnum):
     EMITTED_COUNT = 3  # emitted token ids at positions [0, count)
     FINISH_REASON = 4  # FinishReason of the last emitted token (0: still running)
     FORCED_MASK = 5  # bit i: position i is a forced token and has no logprob entry
-    PAYLOAD_MASK = 6  # bit i: position i has a packed logprob payload in this frame
+    RESERVED_6 = 6  # zero (the contract adds no completion-record fields; payload presence is derived, see has_payload)
     GENERATED_BEFORE = 7  # tokens the request had generated before this round
     SEQUENCE_LENGTH = 8  # KV length of the slot after this round
     FRAME = 9  # frame index the record was written into
@@ -39,8 +40,10 @@ class RecordField(IntEnum):
 
 assert len(RecordField) == RECORD_HEADER_WORDS
 
-MAX_RECORD_POSITIONS = 64
-"""T is bounded by the 64-bit FORCED_MASK/PAYLOAD_MASK words."""
+RECORD_WORD_BITS = 8 * np.dtype(BUFFERS[RECORDS].dtype).itemsize
+MAX_RECORD_POSITIONS = RECORD_WORD_BITS
+"""Largest T a record can describe: FORCED_MASK is one header word of the record's dtype (int64, fixed by the
+contract) with one bit per position, and the contract adds no record fields, so there is no second mask word."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,6 @@ class Record:
     emitted: tuple[int, ...]
     finish_reason: FinishReason
     forced: tuple[bool, ...]
-    payload: tuple[bool, ...]
     generated_before: int
     sequence_length: int
     frame: int
@@ -65,8 +67,7 @@ def decode_record(words) -> Record:
     t = w.shape[0] - RECORD_HEADER_WORDS
     if not 0 <= count <= t:
         raise ValueError(f"record emitted count {count} outside [0, T={t}]")
-    forced_mask = int(w[RecordField.FORCED_MASK]) & ((1 << 64) - 1)
-    payload_mask = int(w[RecordField.PAYLOAD_MASK]) & ((1 << 64) - 1)
+    forced_mask = int(w[RecordField.FORCED_MASK]) & ((1 << RECORD_WORD_BITS) - 1)
     return Record(
         slot=int(w[RecordField.SLOT]),
         epoch=int(w[RecordField.EPOCH]),
@@ -74,12 +75,21 @@ def decode_record(words) -> Record:
         emitted=tuple(int(x) for x in w[RECORD_HEADER_WORDS:RECORD_HEADER_WORDS + count]),
         finish_reason=FinishReason(int(w[RecordField.FINISH_REASON])),
         forced=tuple(bool(forced_mask >> i & 1) for i in range(count)),
-        payload=tuple(bool(payload_mask >> i & 1) for i in range(count)),
         generated_before=int(w[RecordField.GENERATED_BEFORE]),
         sequence_length=int(w[RecordField.SEQUENCE_LENGTH]),
         frame=int(w[RecordField.FRAME]),
         operation=int(w[RecordField.OPERATION]),
     )
+
+
+def has_payload(record: Record, position: int, requested: bool) -> bool:
+    """Whether ``completion_logprobs`` holds a payload for this record position in its frame.
+
+    Derived, never stored: the lane's uploaded request flag, and the record emits the position
+    and did not force it. The shared commit gates the reduction on exactly this (plus slot and
+    epoch), so a reader never decodes stale payload of a position the record does not emit.
+    """
+    return requested and 0 <= position < len(record.emitted) and not record.forced[position]
 
 
 def bits_to_float(bits) -> np.ndarray:
@@ -105,4 +115,4 @@ def decode_packed_position(words, pairs: int) -> PackedPosition:
     )
 
 
-__all__ = ["RecordField", "Record", "decode_record", "PackedPosition", "decode_packed_position"]
+__all__ = ["RecordField", "Record", "decode_record", "has_payload", "PackedPosition", "decode_packed_position"]

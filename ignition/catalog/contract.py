@@ -73,6 +73,11 @@ def resolve_completion_token_capacity(value: int | None) -> int:
     return value
 
 
+def manifest_token_capacity(manifest: dict) -> int:
+    """The core's resolved T: its manifest's completion_token_capacity, which may be 0 or omitted (8)."""
+    return resolve_completion_token_capacity(manifest.get("completion_token_capacity"))
+
+
 def scored_capacities(chunk_limit: int) -> list[int]:
     """128, 512, 2048, ... strictly below the chunk limit, then the chunk limit itself."""
     if chunk_limit < 1:

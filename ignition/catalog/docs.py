@@ -14,7 +14,7 @@ from pathlib import Path
 from ignition.catalog.abi import RecordField
 from ignition.catalog.buffers import (CHUNK_INPUTS, COMPLETION_BUFFERS, LANE_INPUTS, PROMPT_BUFFERS, SAMPLING_INPUTS,
                                       shape_expression)
-from ignition.catalog.enums import ENUMS
+from ignition.catalog.enums import ENUMS, reserved_status
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
@@ -22,8 +22,10 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 def _enum_tables() -> str:
     parts = []
     for enum in ENUMS:
-        rows = "\n".join(f"| `{member.name}` | {member.value} |" for member in enum)
-        parts.append(f"#### {enum.__name__}\n\n| name | code |\n|---|---|\n{rows}\n")
+        rows = "\n".join(f"| `{member.name}` | {member.value} | "
+                         f"{'reserved, not built yet: ' + reserved_status(member) if reserved_status(member) else 'built'} |"
+                         for member in enum)
+        parts.append(f"#### {enum.__name__}\n\n| name | code | status today |\n|---|---|---|\n{rows}\n")
     return "\n".join(parts)
 
 

@@ -14,7 +14,7 @@ class Operation(IntEnum):
 
     PREFILL = 1  # one request's prompt chunk; the final chunk samples the first token
     DECODE = 2  # one token per active lane
-    MIXED = 3  # prompt and decode roles in one graph (reserved: not exported yet)
+    MIXED = 3  # prompt and decode roles in one graph (reserved: see RESERVED)
     SPECULATIVE_VERIFY = 4  # target verification of draft tokens (reserved)
     DRAFT_PROPOSE = 5  # draft model proposals (reserved)
     SCORED_PREFILL = 12  # prefill that also scores every prompt token (fixed by the Protobuf)
@@ -83,3 +83,25 @@ class FinishReason(IntEnum):
 
 
 ENUMS = (Operation, ValueSource, Role, RoundKind, FinishReason)
+
+_REJECTED = "a core declaring it is rejected by `ENUM-RESERVED`"
+_RECORD_ONLY = ("no graph writes it; a record carrying it fails its request at the loader's record check "
+                "(no validator rule: round kinds live in runtime records, not in cores)")
+_RESERVED = (
+    (Operation.MIXED, _REJECTED),
+    (Operation.SPECULATIVE_VERIFY, _REJECTED),
+    (Operation.DRAFT_PROPOSE, _REJECTED),
+    (RoundKind.SPECULATIVE, _RECORD_ONLY),
+    (RoundKind.VISION, _RECORD_ONLY),
+    (FinishReason.STOP_TOKEN, "no graph writes it; the loader matches stop ids on the host (no validator rule)"),
+    (FinishReason.ERROR, "no graph writes it; the loader reports errors per request (no validator rule)"),
+)
+"""Codes assigned for features not built yet, and what a core (or record) using one gets today."""
+
+
+def reserved_status(member: IntEnum) -> str | None:
+    """What a core or record using a reserved code gets today; None for codes that are built.
+
+    NOTE: keyed by (enum, name): IntEnum members of different enums with equal values compare equal.
+    """
+    return next((text for code, text in _RESERVED if type(code) is type(member) and code.name == member.name), None)

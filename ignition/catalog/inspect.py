@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ignition.catalog.buffers import PROMPT_BUFFERS
+from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl
 
@@ -63,7 +64,7 @@ def inspect_core(report, budget: int | None = None) -> dict:
         "recipe": manifest["recipe"],
         "model": manifest["model"],
         "vocab_size": manifest["vocab_size"],
-        "completion_token_capacity": manifest["completion_token_capacity"],
+        "completion_token_capacity": manifest_token_capacity(manifest),
         "features": manifest["features"] | {"k": manifest["k"]},
         "targets": manifest["targets"],
         "variants": variants,

@@ -32,13 +32,15 @@ class ExportOptions:
     completion_token_capacity: int | None = None
     targets: tuple[str, ...] = ()
     dtype: str | None = None
-    logprobs: bool = True
+    logprobs: bool = True  # benchmark-only: False builds a records-only core (not on the CLI; see benchmarks/decode.py)
     prompt_logprobs: bool = False
     max_seq_len: int = 512
     num_slots: int | None = None
     compile: str | None = None
     seed: int = 0
     tokenizer: Path | None = None  # a directory with tokenizer.json (+ tokenizer_config.json) to ship in the core
+    logprob_k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)
+    logprob_ids: bool = True  # export the explicit-ID inputs (False: a natural-only core, width 2+2K)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
@@ -59,12 +61,31 @@ class ExportOptions:
             raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.compile not in (None, "inductor"):
             raise RecipeError(f"--compile must be 'inductor', got {self.compile!r}")
-        if self.prompt_logprobs and not self.logprobs:
-            raise RecipeError("--prompt-logprobs requires the K=20 generation logprob outputs (drop --no-logprobs)")
+        if isinstance(self.logprob_k, bool) or not isinstance(self.logprob_k, int) or not 1 <= self.logprob_k <= NATURAL_K:
+            raise RecipeError(f"--logprob-k must be between 1 and {NATURAL_K}, got {self.logprob_k!r}")
+        if self.logprob_ids and self.logprob_k != NATURAL_K:
+            raise RecipeError(f"--logprob-k {self.logprob_k}: cores with explicit-ID inputs export K={NATURAL_K}; "
+                              f"add --no-logprob-ids for a natural-only core")
+        if self.prompt_logprobs and (not self.logprobs or self.logprob_k != NATURAL_K):
+            raise RecipeError(f"--prompt-logprobs requires the K={NATURAL_K} generation logprob outputs "
+                              f"(found K={self.logprob_k if self.logprobs else 0})")
 
     @property
     def slots(self) -> int:
         return self.num_slots or max(self.capacities)
+
+    @property
+    def outputs(self) -> "LogprobOutputs | None":
+        """The logprob outputs every sampling variant declares; None only for benchmark records-only builds."""
+        return LogprobOutputs(self.logprob_k, self.logprob_ids) if self.logprobs else None
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobOutputs:
+    """K natural alternatives, with (the complete bundle, K=20) or without the explicit-ID inputs."""
+
+    k: int = NATURAL_K
+    explicit_ids: bool = True
 
 
 @dataclass(slots=True)
@@ -99,15 +120,24 @@ def spec_arguments(specs: tuple[BufferSpec, ...], **geometry: int) -> tuple[list
     return decls, {spec.name: spec.source for spec in specs if spec.role is Role.INPUT}
 
 
-def completion_arguments(capacity: int, token_capacity: int, logprobs: bool):
-    """The CompletionOutputs bundle (or records alone) as arguments, plus bindings and layout."""
-    bundle = CompletionOutputs.allocate(capacity, token_capacity, device="meta")
-    decls = bundle.declarations() if logprobs else [declare(BUFFERS[RECORDS], capacity=capacity, T=bundle.token_capacity)]
-    bindings = {spec.name: spec.source for spec in COMPLETION_BUFFERS if spec.role is Role.INPUT and logprobs}
+def completion_arguments(capacity: int, token_capacity: int, outputs: LogprobOutputs | None):
+    """The CompletionOutputs bundle as arguments, plus bindings and layout (records alone when ``outputs`` is None)."""
+    if outputs is None:  # benchmark-only records-only build
+        bundle = CompletionOutputs.allocate(capacity, token_capacity, device="meta")
+        decls = [declare(BUFFERS[RECORDS], capacity=capacity, T=bundle.token_capacity)]
+    elif outputs.explicit_ids:
+        bundle = CompletionOutputs.allocate(capacity, token_capacity, device="meta")
+        decls = bundle.declarations()
+    else:
+        bundle = CompletionOutputs.allocate_natural(capacity, outputs.k, token_capacity, device="meta")
+        decls = bundle.declarations()
+    declared = {d.name for d in decls}
+    bindings = {spec.name: spec.source for spec in COMPLETION_BUFFERS if spec.role is Role.INPUT and spec.name in declared}
     layout = {"records": RECORDS, "token_capacity": bundle.token_capacity, "logprobs": None, "prompt_logprobs": None}
-    if logprobs:
-        layout["logprobs"] = {"buffer": LOGPROBS, "k": NATURAL_K, "width": packed_width(NATURAL_K, True),
-                              "explicit_ids": True, "flags": REQUESTED, "id_inputs": list(ID_INPUTS)}
+    if outputs is not None:
+        layout["logprobs"] = {"buffer": LOGPROBS, "k": outputs.k, "width": packed_width(outputs.k, outputs.explicit_ids),
+                              "explicit_ids": outputs.explicit_ids, "flags": REQUESTED,
+                              "id_inputs": list(ID_INPUTS) if outputs.explicit_ids else []}
     return decls, bindings, layout
 
 
@@ -128,13 +158,13 @@ def next_tokens_return(capacity: int) -> list[BufferDecl]:
     return [BufferDecl("next_tokens", "int64", [capacity], Role.OUTPUT)]
 
 
-def prefill_family(chunk_limit: int, token_capacity: int, logprobs: bool, scored: bool):
+def prefill_family(chunk_limit: int, token_capacity: int, logprob_outputs: LogprobOutputs | None, scored: bool):
     """Identity and outputs of a prefill-family variant.
 
     ``prefill.t{C}`` is PREFILL with one lane; ``scored.t{C}`` is SCORED_PREFILL of row capacity C
     and adds the prompt-scoring buffers. Returns (Variant identity kwargs, outputs, bindings, layout).
     """
-    outputs, bindings, layout = completion_arguments(1, token_capacity, logprobs)
+    outputs, bindings, layout = completion_arguments(1, token_capacity, logprob_outputs)
     if scored:
         prompt, prompt_bindings, layout["prompt_logprobs"] = prompt_arguments(chunk_limit)
         outputs, bindings = outputs + prompt, bindings | prompt_bindings

@@ -24,7 +24,7 @@ from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import K_CACHE, PENALTY_COUNTS, V_CACHE, state_shape
 from ignition.catalog.model import BufferDecl
-from ignition.components.commit import commit_sampling_round
+from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.sampling import SamplingTensors, sample, update_output_counts
 from ignition.recipes.config import ModelConfig
@@ -62,7 +62,7 @@ class _DecoderGraph(torch.nn.Module):
 
     def sample_and_commit(self, buffers: Mapping[str, torch.Tensor], raw_logits: torch.Tensor,
                           slots: torch.Tensor, operation: Operation, sequence_lengths: torch.Tensor,
-                          emits: torch.Tensor | None = None) -> torch.Tensor:
+                          emits: torch.Tensor | None = None, idle_round_kind=None) -> torch.Tensor:
         """Steps 3-5 for ``raw_logits [capacity, vocab_padded]`` of lanes in ``slots int64[capacity]``."""
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
         safe_slots = slots.clamp(0, penalty.shape[0] - 1)
@@ -70,7 +70,8 @@ class _DecoderGraph(torch.nn.Module):
         sampled = sample(raw_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
                          SamplingTensors.from_buffers(buffers), self.vocab_size)
         tokens = commit_sampling_round(buffers, raw_logits, sampled, operation=operation, vocab_size=self.vocab_size,
-                                       k=self.k, sequence_lengths=sequence_lengths, emits=emits)
+                                       k=self.k, sequence_lengths=sequence_lengths, emits=emits,
+                                       idle_round_kind=idle_round_kind)
         # tokens is -1 for lanes that emitted nothing; forced tokens are output tokens and count.
         update_output_counts(penalty.select(1, OUTPUT_PLANE), safe_slots, tokens, tokens >= 0)
         return tokens
@@ -95,7 +96,8 @@ class PrefillGraph(_DecoderGraph):
     Valid rows (``< chunk_length``, lane active) write K/V at ``chunk_start + row``. A chunk at
     ``chunk_start == 0`` resets the slot's penalty state; every chunk counts its prompt tokens.
     With ``chunk_emits != 0`` the last valid row's raw logits sample the first generated token
-    (round kind SAMPLING); otherwise the active lane gets a PROMPT record without a token.
+    (round kind SAMPLING); otherwise the active lane gets a records-only ADMISSION record (the chunk at
+    ``chunk_start == 0``) or PROMPT record (a later chunk), without a token or payload.
     """
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
@@ -118,7 +120,8 @@ class PrefillGraph(_DecoderGraph):
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
                                  reset=active & (chunk_start == 0))
         tokens = self.sample_and_commit(buffers, raw_logits, slot, Operation.PREFILL, chunk_start + chunk_length,
-                                        emits=buffers["chunk_emits"] != 0)
+                                        emits=buffers["chunk_emits"] != 0,
+                                        idle_round_kind=prompt_round_kind(chunk_start))
         return (tokens,)
 
     @staticmethod

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.buffers import LANE_INPUTS
-from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
+from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
-from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
+from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
                                    spec_arguments, weight_arguments)
 from ignition.recipes.checkpoint import ARCHITECTURES, CONFIG_FILE, CheckpointError, open_checkpoint, read_config
@@ -46,16 +46,16 @@ def build(options: ExportOptions) -> RecipeBuild:
     if cfg.tie_word_embeddings:
         del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
-    k = NATURAL_K if options.logprobs else 0
+    k = options.outputs.k if options.outputs else 0
     vocab_padded = cfg.vocab_size
     state = state_declarations(cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
     fixed = weight_arguments(weights) + state
-    graphs = [GraphBuild(prefill_variant(fixed, options.chunk_limit, token_capacity, options.logprobs),
+    graphs = [GraphBuild(prefill_variant(fixed, options.chunk_limit, token_capacity, options.outputs),
                          PrefillGraph(cfg, cfg.vocab_size, k))]
-    graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.logprobs),
+    graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.outputs),
                           DecodeGraph(cfg, cfg.vocab_size, k)) for capacity in options.capacities]
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
-        graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, True, scored=True),
+        graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True),
                               ScoredPrefillGraph(cfg, cfg.vocab_size, k))
                    for capacity in scored_capacities(options.chunk_limit)]
     return RecipeBuild(
@@ -78,18 +78,19 @@ def build(options: ExportOptions) -> RecipeBuild:
     )
 
 
-def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int, logprobs: bool) -> Variant:
+def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int,
+                   logprob_outputs: LogprobOutputs | None) -> Variant:
     """``decode.c{capacity}``: weights, state, lane inputs, sampling inputs, completion bundle."""
     lanes, lane_bindings = spec_arguments(LANE_INPUTS, capacity=capacity)
     sampling, sampling_bindings = sampling_arguments(capacity)
-    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprobs)
+    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
     return Variant(name=f"decode.c{capacity}", operation=Operation.DECODE, capacity=capacity,
                    arguments=fixed + lanes + sampling + outputs, returns=next_tokens_return(capacity),
                    bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
 
 
-def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int, logprobs: bool,
-                    scored: bool = False) -> Variant:
+def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int,
+                    logprob_outputs: LogprobOutputs | None, scored: bool = False) -> Variant:
     """``prefill.t{C}``: weights, state, lane inputs (capacity 1), chunk inputs, sampling inputs, bundle.
 
     ``scored``: ``scored.t{C}`` (SCORED_PREFILL, capacity C) adds the prompt-scoring buffers.
@@ -97,7 +98,7 @@ def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: i
     lanes, lane_bindings = spec_arguments(PREFILL_LANE_INPUTS, capacity=1)
     chunk, chunk_bindings = chunk_arguments(chunk_limit)
     sampling, sampling_bindings = sampling_arguments(1)
-    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprobs, scored)
+    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprob_outputs, scored)
     return Variant(**identity,
                    arguments=fixed + lanes + chunk + sampling + outputs, returns=next_tokens_return(1),
                    bindings=lane_bindings | chunk_bindings | sampling_bindings | output_bindings, layout=layout)

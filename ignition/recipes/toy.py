@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
-from ignition.catalog.contract import NATURAL_K, resolve_completion_token_capacity, scored_capacities
+from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import Variant
-from ignition.components.commit import commit_sampling_round
+from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, lane_arguments, next_tokens_return, prefill_family,
@@ -42,13 +42,14 @@ class ToyGraph(torch.nn.Module):
         super().__init__()
         self.vocab_size, self.k = vocab_size, k
 
-    def commit(self, buffers, token_ids, operation, sequence_lengths, emits=None):
+    def commit(self, buffers, token_ids, operation, sequence_lengths, emits=None, idle_round_kind=None):
         embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
         hidden = embedding[token_ids.clamp(0, embedding.shape[0] - 1)]  # [rows, hidden]
         logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [rows, vocab_padded]
         sampled = logits[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
         return (commit_sampling_round(buffers, logits, sampled, operation=operation, vocab_size=self.vocab_size,
-                                      k=self.k, sequence_lengths=sequence_lengths, emits=emits),)
+                                      k=self.k, sequence_lengths=sequence_lengths, emits=emits,
+                                      idle_round_kind=idle_round_kind),)
 
 
 class ToyDecode(ToyGraph):
@@ -63,7 +64,8 @@ class ToyPrefill(ToyGraph):
         chunk = buffers["chunk_input_ids"]  # [C]
         last_row = (buffers["chunk_length"] - 1).clamp(0, chunk.shape[0] - 1)  # [1]
         return self.commit(buffers, chunk.index_select(0, last_row), Operation.PREFILL,
-                           buffers["chunk_start"] + buffers["chunk_length"], emits=buffers["chunk_emits"] != 0)
+                           buffers["chunk_start"] + buffers["chunk_length"], emits=buffers["chunk_emits"] != 0,
+                           idle_round_kind=prompt_round_kind(buffers["chunk_start"]))
 
 
 class ToyScoredPrefill(ToyPrefill):
@@ -104,11 +106,11 @@ def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
     return weights
 
 
-def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprobs: bool, module,
+def prefill_graph(weights, chunk_limit: int, token_capacity: int, logprob_outputs, module,
                   scored: bool = False) -> GraphBuild:
     lanes, lane_bindings = lane_arguments(1)
     chunk, chunk_bindings = chunk_arguments(chunk_limit)
-    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprobs, scored)
+    identity, outputs, output_bindings, layout = prefill_family(chunk_limit, token_capacity, logprob_outputs, scored)
     variant = Variant(**identity, arguments=weight_arguments(weights) + lanes + chunk + outputs,
                       returns=next_tokens_return(1), bindings=lane_bindings | chunk_bindings | output_bindings,
                       layout=layout)
@@ -126,11 +128,11 @@ def toy_tokenizer(directory):
 def build(options: ExportOptions) -> RecipeBuild:
     weights = load_weights(options)
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
-    k = NATURAL_K if options.logprobs else 0
+    k = options.outputs.k if options.outputs else 0
     graphs = []
     for capacity in options.capacities:
         lanes, lane_bindings = lane_arguments(capacity)
-        outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, options.logprobs)
+        outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, options.outputs)
         variant = Variant(
             name=f"decode.c{capacity}",
             operation=Operation.DECODE,
@@ -141,10 +143,11 @@ def build(options: ExportOptions) -> RecipeBuild:
             layout=layout,
         )
         graphs.append(GraphBuild(variant, ToyDecode(VOCAB_SIZE, k)))
-    graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.logprobs, ToyPrefill(VOCAB_SIZE, k)))
+    graphs.append(prefill_graph(weights, options.chunk_limit, token_capacity, options.outputs, ToyPrefill(VOCAB_SIZE, k)))
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
         for capacity in scored_capacities(options.chunk_limit):
-            graphs.append(prefill_graph(weights, capacity, token_capacity, True, ToyScoredPrefill(VOCAB_SIZE, k), scored=True))
+            graphs.append(prefill_graph(weights, capacity, token_capacity, options.outputs, ToyScoredPrefill(VOCAB_SIZE, k),
+                                        scored=True))
     return RecipeBuild(
         recipe="toy",
         model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},

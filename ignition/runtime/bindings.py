@@ -28,6 +28,7 @@ class ChunkPlan:
 class Lane:
     state: object  # RequestState
     chunk: ChunkPlan | None = None
+    retire: bool = False  # a cancelled request's lane: no budget left, so the commit writes a MAINTENANCE record
 
 
 def _seed(state) -> int:
@@ -41,11 +42,13 @@ def _lane_values(lane: Lane, eos: int | None) -> dict[S, object]:
     generated = len(state.generated)
     if lane.chunk is not None:
         token, position = lane.chunk.tokens[-1], lane.chunk.start + len(lane.chunk.tokens) - 1
+    elif not state.generated:  # a retiring lane cancelled before its first token
+        token, position = request.prompt_ids[-1], len(request.prompt_ids) - 1
     else:
         token, position = state.generated[-1], len(request.prompt_ids) + generated - 1
     return {
         S.TOKEN_IDS: token, S.POSITIONS: position, S.SLOT_IDS: state.slot, S.SLOT_EPOCHS: state.epoch,
-        S.ACTIVE_LANES: 1, S.GENERATED_COUNTS: generated, S.TOKEN_BUDGET: request.max_tokens,
+        S.ACTIVE_LANES: 1, S.GENERATED_COUNTS: generated, S.TOKEN_BUDGET: generated if lane.retire else request.max_tokens,
         S.EOS_TOKEN_ID: -1 if request.ignore_eos or eos is None else eos,
         S.FORCED_TOKEN_ID: request.forced_tokens.get(generated, -1),
         S.TEMPERATURE: sampling.temperature, S.TOP_K: sampling.top_k, S.TOP_P: sampling.top_p, S.MIN_P: sampling.min_p,
@@ -87,7 +90,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
     counts = np.zeros(variant.lanes, dtype=np.int32)
     for index, lane in enumerate(lanes):
         request = lane.state.request
-        emits = lane.chunk is None or lane.chunk.emits
+        emits = (lane.chunk is None or lane.chunk.emits) and not lane.retire
         if request.wants_logprobs and emits:
             flags[index] = 1
             counts[index] = len(request.logprob_token_ids or ())

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
+from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.model import BufferDecl, lane_count
 from ignition.components.device_reduction import install_reduction, jit_opted_in
@@ -71,7 +72,7 @@ class LoadedCore:
 
     @property
     def token_capacity(self) -> int:
-        return self.manifest["completion_token_capacity"]
+        return manifest_token_capacity(self.manifest)
 
     def by_operation(self, operation: Operation) -> list[LoadedVariant]:
         return sorted((v for v in self.variants.values() if v.operation is operation), key=lambda v: v.capacity)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ignition.catalog.abi import has_payload
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
 from ignition.runtime.core import LoadedCore, LoadedVariant
@@ -79,6 +80,8 @@ class Engine:
         self.free_slots = deque(range(self.num_slots))
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
+        self.retiring: list[RequestState] = []  # cancelled while running: slot held until a MAINTENANCE record
+        self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
         self.finished: dict[str, RequestState] = {}
         self.readers = {v.name: FrameReader(v.buffers, core.transfer) for v in core.variants.values()
                         if v.layout.get("records")}
@@ -107,6 +110,15 @@ class Engine:
         self.free_slots.append(state.slot)
         self.finished[state.request_id] = state
 
+    def _backlogged(self, state: RequestState) -> bool:
+        """Its reader lags: ``entry_limit`` entries wait undelivered (a round adds at most T more)."""
+        return self.entry_limit is not None and len(state.entries) >= self.entry_limit
+
+    def _release_retiring(self, states: list[RequestState]) -> None:
+        for state in states:
+            self.retiring.remove(state)
+            self.free_slots.append(state.slot)
+
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one submission; False when nothing is left to do."""
@@ -115,15 +127,21 @@ class Engine:
         if prefilling:
             self._prefill_chunk(prefilling[0])
             return True
-        decoding = [s for s in self.running if not s.done]
-        if not decoding:
-            return bool(self.waiting)
+        decoding = [s for s in self.running if not s.done and not self._backlogged(s)]
+        if not decoding:  # no round to ride along with: nothing is in flight, free cancelled lanes' slots directly
+            freed = bool(self.retiring)
+            self._release_retiring(list(self.retiring))
+            return freed and bool(self.waiting)
         largest = self.decode_variants[-1].capacity
+        retiring = list(self.retiring)
         for start in range(0, len(decoding), largest):
-            batch = decoding[start:start + largest]
+            lanes = [Lane(state=s) for s in decoding[start:start + largest]]
+            riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
+            lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
             variant = self.decode_variants[-1] if self.batch_invariant else \
-                next(v for v in self.decode_variants if v.capacity >= len(batch))
-            self._submit(variant, [Lane(state=s) for s in batch])
+                next(v for v in self.decode_variants if v.capacity >= len(lanes))
+            self._submit(variant, lanes)
+        self._release_retiring(retiring)  # no room in this round
         return True
 
     def run(self) -> dict[str, Result]:
@@ -169,8 +187,11 @@ class Engine:
                 self.finished[request_id] = state
                 return
         state = next((s for s in self.running if s.request_id == request_id), None)
-        if state is not None:
-            self._finish(state, "abort")
+        if state is not None:  # the lane rides the next decode round as a records-only MAINTENANCE lane
+            state.finish_reason = "abort"
+            self.running.remove(state)
+            self.finished[request_id] = state
+            self.retiring.append(state)
 
     def _prefill_chunk(self, state: RequestState) -> None:
         context, prompt = state.context(), state.request.prompt_ids
@@ -188,7 +209,7 @@ class Engine:
         lane = Lane(state=state, chunk=ChunkPlan(start, context[start:start + length], emits, targets))
         self._submit(variant, [lane])
         state.prefilled = start + length
-        if last and not emits and not state.generated:
+        if last and not emits and not state.generated and not state.done:
             self._finish(state, "length")
 
     def _publish_prompt_rows(self, reader: FrameReader, lane: Lane) -> None:
@@ -236,16 +257,26 @@ class Engine:
 
     def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane) -> None:
         state, request = lane.state, lane.state.request
-        if lane.chunk is not None and not lane.chunk.emits:
-            return  # a non-final prompt chunk emits nothing
         record = reader.record(index)
-        if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind is not RoundKind.SAMPLING:
+        if lane.retire:  # a cancelled request's lane: records only; its slot is free once the record is read
+            self._release_retiring([state])
+            return
+        # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
+        # check asserts the same facts and fails only this request if a record is stale or foreign.
+        records_only = lane.chunk is not None and not lane.chunk.emits  # ADMISSION or PROMPT: nothing emitted
+        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else (RoundKind.SAMPLING,)
+        if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind not in expected:
             self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
                                          f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
             return
+        if records_only:
+            return  # positions come from record emission (none here), never from payload contents
         for position, token in enumerate(record.emitted):
             if record.forced[position]:
                 entry = TokenEntry(token, None)
+            elif request.wants_logprobs and not has_payload(record, position, bool(pending.request_mask[index])):
+                self._finish(state, "error", f"missing logprob payload for lane {index} position {position}")
+                return
             elif request.wants_logprobs:
                 try:
                     entry = reader.entry(index, position, pending, token, request.logprobs,

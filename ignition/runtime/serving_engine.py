@@ -5,6 +5,9 @@ output through a bounded asyncio queue of deltas. A delta is sent only while the
 queue has room; otherwise new entries wait in the engine and are coalesced into the next
 delta, so a slow reader never blocks generation for others and never grows a queue.
 Delivered entries are moved out of the engine state: nothing keeps a response history.
+The coalesced entries are bounded too: once ``entry_limit`` wait undelivered, the engine stops
+scheduling that request (its slot stays held) until the reader drains them, so a request holds
+at most ``entry_limit + T`` entries whatever its max_tokens.
 """
 
 from __future__ import annotations
@@ -68,9 +71,10 @@ class _Tracked:
 class AsyncEngine:
     """Owns the Engine and the single thread that steps it."""
 
-    def __init__(self, engine: Engine, queue_capacity: int = 4):
+    def __init__(self, engine: Engine, queue_capacity: int = 4, entry_limit: int = 64):
         self.engine = engine
         self.queue_capacity = queue_capacity
+        engine.entry_limit = entry_limit  # bounds the entries coalesced for a lagging reader
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._tracked: dict[str, _Tracked] = {}

@@ -8,8 +8,8 @@ from __future__ import annotations
 from ignition.catalog import buffers as B
 from ignition.catalog.abi import MAX_RECORD_POSITIONS
 from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
-from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, packed_width, scored_capacities
-from ignition.catalog.enums import Operation, ValueSource
+from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_token_capacity, packed_width, scored_capacities
+from ignition.catalog.enums import Operation, ValueSource, reserved_status
 from ignition.catalog.model import lane_count
 from ignition.validate.report import Violation
 
@@ -27,10 +27,11 @@ def _enum(enum, code):
 
 def check_core_geometry(manifest: dict) -> list[Violation]:
     found = []
-    t = manifest["completion_token_capacity"]
+    t = manifest_token_capacity(manifest)  # 0 or omitted resolves to 8
     if not 1 <= t <= MAX_RECORD_POSITIONS:
         found.append(Violation("GEOM-T", "manifest.json:completion_token_capacity",
-                               f"expected 1..{MAX_RECORD_POSITIONS}, found {t}"))
+                               f"expected 1..{MAX_RECORD_POSITIONS} (one FORCED_MASK bit per position of an int64 "
+                               f"record word), found {t}"))
     if manifest["vocab_size"] > manifest["vocab_padded"]:
         found.append(Violation("GEOM-VOCAB", "manifest.json:vocab_size",
                                f"vocab_size {manifest['vocab_size']} exceeds vocab_padded {manifest['vocab_padded']}"))
@@ -68,6 +69,9 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
     if operation is None:
         found.append(Violation("ENUM-OPERATION", where, f"unknown operation code {variant['operation']}; "
                                f"known: {', '.join(f'{o.name}={o.value}' for o in Operation)}"))
+    elif reserved_status(operation):
+        found.append(Violation("ENUM-RESERVED", where, f"operation {operation.name} ({int(operation)}) is reserved for "
+                               "a feature Ignition does not build yet; no loader can serve it"))
     args = {}
     for decl in variant["arguments"]:
         if decl["name"] in args:
@@ -98,7 +102,7 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
 
 def _check_logprob_bundle(variant, args, bindings, manifest) -> list[Violation]:
     where = f"variant {variant['name']}"
-    t = manifest["completion_token_capacity"]
+    t = manifest_token_capacity(manifest)
     layout = variant["contract"]["layout"]
     present = [spec.name for spec in B.COMPLETION_BUFFERS if spec.name in args]
     has_lp, has_flags = B.LOGPROBS in args, B.REQUESTED in args
@@ -192,6 +196,9 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
         found.append(Violation("LP-K", "manifest.json:k", f"a core without logprob buffers has K=0, found {manifest['k']}"))
     if has_lp and not 1 <= manifest["k"] <= NATURAL_K:
         found.append(Violation("LP-K", "manifest.json:k", f"expected 1..{NATURAL_K}, found {manifest['k']}"))
+    elif has_ids and manifest["k"] != NATURAL_K:
+        found.append(Violation("LP-K", "manifest.json:k", f"a core with the explicit-ID inputs exports K={NATURAL_K}; "
+                               f"only natural-only cores have a smaller K, found {manifest['k']}"))
     decode = sorted({v["capacity"] for v in variants if v["operation"] == Operation.DECODE})
     if manifest["capacities"] != decode:
         found.append(Violation("CATALOG-CAPACITIES", "manifest.json:capacities", f"expected {decode}, found {manifest['capacities']}"))
