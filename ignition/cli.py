@@ -177,6 +177,26 @@ def inspect_core_cmd(
         console.print(f"[yellow]warning:[/yellow] the core has {len(report.violations)} violation(s); run validate-core")
 
 
+DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
+EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
+BATCH_INVARIANT_OPTION = typer.Option(False, "--batch-invariant",
+                                      help="Decode in the largest variant: results independent of co-batching")
+TRUST_COMPILED_OPTION = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP)
+TRUSTED_KEY_OPTION = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP)
+
+
+def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path]):
+    """load_core for run and serve: a core that cannot load exits 1 with the reason."""
+    from ignition.runtime.core import CoreLoadError, load_core
+
+    try:
+        return load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
+                         trusted_key=_trusted_key(trusted_key))
+    except CoreLoadError as exc:
+        console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
+
+
 @app.command("run")
 def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
@@ -192,15 +212,13 @@ def run_cmd(
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N"),
-    eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant",
-                                         help="Decode in the largest variant: results independent of co-batching"),
-    trust_compiled: bool = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP),
-    trusted_key: Optional[Path] = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP),
+    device: str = DEVICE_OPTION,
+    eager: bool = EAGER_OPTION,
+    batch_invariant: bool = BATCH_INVARIANT_OPTION,
+    trust_compiled: bool = TRUST_COMPILED_OPTION,
+    trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
-    from ignition.runtime.core import CoreLoadError, load_core
     from ignition.runtime.present import render_run, run_json
     from ignition.runtime.requests import AdmissionError, Request, SamplingParams, check_sampling
 
@@ -217,12 +235,7 @@ def run_cmd(
         raise _fail(f"--{exc.param.replace('_', '-')}: {exc}") from None
     ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
     selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
-    try:
-        loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                           trusted_key=_trusted_key(trusted_key))
-    except CoreLoadError as exc:
-        console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
-        raise typer.Exit(1)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key)
     if prompt is not None:
         if loaded.tokenizer is None:
             console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
@@ -250,24 +263,17 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id reported by /v1/models"),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N"),
-    eager: bool = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs"),
-    batch_invariant: bool = typer.Option(False, "--batch-invariant",
-                                         help="Decode in the largest variant: results independent of co-batching"),
-    trust_compiled: bool = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP),
-    trusted_key: Optional[Path] = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP),
+    device: str = DEVICE_OPTION,
+    eager: bool = EAGER_OPTION,
+    batch_invariant: bool = BATCH_INVARIANT_OPTION,
+    trust_compiled: bool = TRUST_COMPILED_OPTION,
+    trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
-    from ignition.runtime.core import CoreLoadError, load_core
     from ignition.runtime.server import serve
 
     _check_limits(port=port)
-    try:
-        loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                           trusted_key=_trusted_key(trusted_key))
-    except CoreLoadError as exc:
-        console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
-        raise typer.Exit(1)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key)
     serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant)
 
 
