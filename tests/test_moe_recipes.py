@@ -43,6 +43,9 @@ CHUNK, MAX_SEQ_LEN = 8, 64
 # form); measured <= 4e-6 on logits of magnitude ~4 (qwen3_moe 1e-6). 1e-4 leaves a 25x margin, while
 # a routing or RoPE bug moves logits by 1e-2 or more. Values within NEAR of a neighbour may swap ranks.
 TOL, NEAR = 1e-4, 5e-5
+# bf16: every intermediate is rounded where transformers rounds it (MLA in transformers' expanded
+# form); measured bit-identical on CPU. Allow 2 bf16 ulps at |logit| < 8 for other matmul kernels.
+BF16_TOL = 2 * 2**-5
 # cache bytes per token, fp32: qwen3_moe K and V [3 layers, 2 kv heads, 16]; MLA latent 16 + rope key 8 per layer
 KV_BYTES_PER_TOKEN = {"qwen3_moe": 2 * 3 * 2 * 16 * 4, "deepseek_v3": 3 * (16 + 8) * 4}
 STATE = {"qwen3_moe": {"k_cache": [3, 2, MAX_SEQ_LEN, 2, 16], "v_cache": [3, 2, MAX_SEQ_LEN, 2, 16]},
@@ -56,19 +59,22 @@ def load_example():
     return module
 
 
-def hf_reload(directory: Path):
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager",
+def hf_reload(directory: Path, dtype: torch.dtype = torch.float32):
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager",
                                                 experts_implementation="eager").eval()
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """recipe -> (checkpoint directory, transformers model), written once by the example script."""
+    """recipe -> (checkpoint directory, transformers model), written once by the example script; the
+    ``(recipe, "bfloat16")`` keys hold bf16 checkpoints."""
     root, example = tmp_path_factory.mktemp("moe"), load_example()
     made = {}
     for recipe in RECIPES:
         directory = example.make_checkpoint(root / recipe, recipe)
         made[recipe] = (directory, hf_reload(directory))
+        directory = example.make_checkpoint(root / f"{recipe}-bf16", recipe, torch.bfloat16)
+        made[recipe, "bfloat16"] = (directory, hf_reload(directory, torch.bfloat16))
     return made
 
 
@@ -187,18 +193,20 @@ def test_batched_decode_matches_transformers(cores, checkpoints, recipe: str) ->
                                   [e.top for e in result.entries], 20, f"{recipe} request {index}")
 
 
-def reference_cases(recipe: str, checkpoints):
-    directory, hf = checkpoints[recipe]
+def reference_cases(recipe: str, checkpoints, dtype: str = "float32"):
+    directory, hf = checkpoints[recipe if dtype == "float32" else (recipe, dtype)]
     family = DECODER_FAMILIES[recipe]
     cfg = family.parse(read_config(directory), "config.json")
     return family, cfg, load_weights(open_checkpoint(directory), cfg, family.weight_map), hf
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_decoder_logits_match_transformers(checkpoints, recipe: str) -> None:
+def test_decoder_logits_match_transformers(checkpoints, recipe: str, dtype: str) -> None:
     """Chunked prefill (junk padding ids) into scrambled slots, then batched decode with an inactive lane."""
-    family, cfg, weights, hf = reference_cases(recipe, checkpoints)
-    caches = {name: torch.zeros(shape) for name, shape in cfg.cache_shapes(4, 32).items()}
+    family, cfg, weights, hf = reference_cases(recipe, checkpoints, dtype)
+    tolerance = dict(atol=TOL if dtype == "float32" else BF16_TOL, rtol=0)
+    caches = {name: torch.zeros(shape, dtype=cfg.dtype) for name, shape in cfg.cache_shapes(4, 32).items()}
     generator = torch.Generator().manual_seed(2)
     lengths, slots, steps = [13, 5], [3, 0], 4
     sequences = [torch.randint(0, cfg.vocab_size, (n + steps,), generator=generator) for n in lengths]
@@ -211,14 +219,14 @@ def test_decoder_logits_match_transformers(checkpoints, recipe: str) -> None:
                 rows = Rows.prefill(CHUNK, torch.tensor([start]), torch.tensor([chunk.shape[0]]), torch.tensor([slot]))
                 logits = lm_head_logits(weights, cfg, family.decoder(weights, cfg, padded, rows, caches))
                 torch.testing.assert_close(logits[:chunk.shape[0]], reference[start:start + chunk.shape[0]],
-                                           atol=TOL, rtol=0)
+                                           **tolerance)
         for step in range(steps):
             positions = torch.tensor([n + step for n in lengths] + [lengths[0] + step])
             input_ids = torch.tensor([int(s[p]) for s, p in zip(sequences, positions)] + [5])
             rows = Rows.decode(positions, torch.tensor(slots + [slots[0]]), torch.tensor([True, True, False]))
             logits = lm_head_logits(weights, cfg, family.decoder(weights, cfg, input_ids, rows, caches))
             for lane, reference in enumerate(references):
-                torch.testing.assert_close(logits[lane], reference[positions[lane]], atol=TOL, rtol=0)
+                torch.testing.assert_close(logits[lane], reference[positions[lane]], **tolerance)
 
 
 def test_deepseek_rope_and_attention_scale_match_transformers(checkpoints) -> None:
