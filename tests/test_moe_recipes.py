@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 
 from ignition.cli import app
 from ignition.exporter.export import export_core
+from ignition.exporter.writer import dump_json
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.checkpoint import open_checkpoint, read_config
 from ignition.recipes.deepseek_v3 import FAMILY as DEEPSEEK_V3
@@ -159,6 +161,18 @@ def test_core_declares_its_cache_and_stores_experts_once(cores, checkpoints, rec
             safe_open(str(checkpoints[recipe][0] / "model.safetensors"), framework="pt") as original:
         assert len(set(stored.keys())) == len(set(original.keys()))  # every tensor once, experts as stored
         assert sum(".experts." in name for name in stored.keys()) == 2 * 8 * 3  # 2 MoE layers x 8 experts x 3
+
+
+def test_validator_checks_the_latent_cache_against_the_manifest(cores, tmp_path) -> None:
+    """The MLA caches are declared through the geometry table: a manifest that lies about them is refused."""
+    core = tmp_path / "core"
+    shutil.copytree(cores("deepseek_v3")[0], core)
+    manifest = json.loads((core / "manifest.json").read_text())
+    assert (manifest["model"]["kv_lora_rank"], manifest["model"]["qk_rope_head_dim"]) == (16, 8)
+    manifest["model"]["kv_lora_rank"] = 32
+    (core / "manifest.json").write_bytes(dump_json(manifest))
+    report = validate_core(core, check_graphs=False)
+    assert any(v.rule == "GEOM-MODEL" and "latent_cache" in v.where for v in report.violations), report.violations
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ignition.catalog.geometry import LATENT_CACHE, ROPE_KEY_CACHE
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.checkpoint import CheckpointError, read_field
 from ignition.recipes.config import CONFIG_DTYPES
@@ -62,7 +63,7 @@ class DeepseekV3Config:
     rope_interleave: bool = True
     tie_word_embeddings: bool = False
     dtype: torch.dtype = torch.float32
-    cache_names: ClassVar[tuple[str, ...]] = ("latent_cache", "rope_key_cache")
+    cache_names: ClassVar[tuple[str, ...]] = (LATENT_CACHE, ROPE_KEY_CACHE)
     mlp_bias: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -103,7 +104,8 @@ class DeepseekV3Config:
         return mla_cache_shapes(self, num_slots, max_seq_len)
 
     def summary(self) -> dict:
-        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads}
+        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str) -> DeepseekV3Config:

@@ -24,11 +24,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from ignition.catalog.geometry import LATENT_CACHE, ROPE_KEY_CACHE, state_shape
 from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, write_rows
 from ignition.recipes.rope import apply_rotary
 from ignition.recipes.transformer import decoder_stack
 
-LATENT_CACHE, ROPE_KEY_CACHE = "latent_cache", "rope_key_cache"
 
 
 def mla_cache_shapes(cfg, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
@@ -36,8 +36,9 @@ def mla_cache_shapes(cfg, num_slots: int, max_seq_len: int) -> dict[str, tuple[i
     for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"mla_cache_shapes: {name} must be a positive int; found {value!r}")
-    cells = (cfg.num_layers, num_slots, max_seq_len)
-    return {LATENT_CACHE: (*cells, cfg.kv_lora_rank), ROPE_KEY_CACHE: (*cells, cfg.qk_rope_head_dim)}
+    geometry = dict(num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
+                    kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)
+    return {name: tuple(state_shape(name, **geometry)) for name in (LATENT_CACHE, ROPE_KEY_CACHE)}
 
 
 def _query(weights: Mapping[str, torch.Tensor], cfg, prefix: str, normed: torch.Tensor) -> torch.Tensor:
