@@ -9,6 +9,7 @@ symbol (``FIELDS``) or a literal int.
 from __future__ import annotations
 
 K_CACHE, V_CACHE, PENALTY_COUNTS = "k_cache", "v_cache", "penalty_counts"
+LATENT_CACHE, ROPE_KEY_CACHE = "latent_cache", "rope_key_cache"  # MLA (deepseek_v3)
 PENALTY_PLANES = 2
 """penalty_counts planes: prompt-token counts, emitted-token counts."""
 
@@ -16,14 +17,16 @@ _KV_CACHE = ("num_layers", "num_slots", "max_seq_len", "num_kv_heads", "head_dim
 STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     K_CACHE: _KV_CACHE,
     V_CACHE: _KV_CACHE,
+    LATENT_CACHE: ("num_layers", "num_slots", "max_seq_len", "kv_lora_rank"),
+    ROPE_KEY_CACHE: ("num_layers", "num_slots", "max_seq_len", "qk_rope_head_dim"),
     PENALTY_COUNTS: ("num_slots", PENALTY_PLANES, "vocab_padded"),
 }
 """Runtime-owned state tensors by name. The KV caches are in the model dtype."""
 
-MODEL_DTYPE_STATE = (K_CACHE, V_CACHE)
+MODEL_DTYPE_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE)
 
 VOCAB_WEIGHTS: dict[str, tuple[str | int, ...]] = {
-    "embed": ("vocab_padded", "hidden_size"),  # decoder recipes (qwen3, llama); a tied lm_head is stored as embed
+    "embed": ("vocab_padded", "hidden_size"),  # decoder recipes (qwen3, llama, ...); a tied lm_head is stored as embed
     "lm_head": ("vocab_padded", "hidden_size"),
     "embedding.weight": ("vocab_padded", "hidden_size"),  # toy
     "lm_head.weight": ("vocab_padded", "hidden_size"),
@@ -36,6 +39,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "max_seq_len": ("model", "max_seq_len"),
     "num_kv_heads": ("model", "num_kv_heads"),
     "head_dim": ("model", "head_dim"),
+    "kv_lora_rank": ("model", "kv_lora_rank"),
+    "qk_rope_head_dim": ("model", "qk_rope_head_dim"),
     "hidden_size": ("model", "hidden_size"),
     "vocab_padded": ("vocab_padded",),
 }

@@ -25,6 +25,8 @@ INDEX_FILE = "model.safetensors.index.json"
 ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 # Non-persistent buffers that some exporters still write; never part of the expected layout.

@@ -1,4 +1,4 @@
-"""Qwen3 / Llama model configuration and weight layout, parsed from a Hugging Face checkpoint.
+"""Qwen3 / Llama / Qwen3-MoE model configuration and weight layout, parsed from a Hugging Face checkpoint.
 
 ``ModelConfig.from_hf_config`` reads ``config.json``; ``WEIGHT_MAP`` maps HF tensor names to ours
 (a table, not code); ``load_weights`` validates a checkpoint against the layout the config implies
@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ignition.catalog.geometry import K_CACHE, state_shape
+from ignition.catalog.geometry import K_CACHE, V_CACHE, state_shape
+from ignition.recipes import weights as weight_tables
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, family_of, read_field
+from ignition.recipes.moe import MoeConfig, check_routing
 from ignition.recipes.rope import RopeScaling
+from ignition.recipes.weights import WeightSpec
 
 # family -> whether attention applies RMSNorm to each q/k head before RoPE.
-FAMILY_QK_NORM: dict[str, bool] = {"qwen3": True, "llama": False}
+FAMILY_QK_NORM: dict[str, bool] = {"qwen3": True, "llama": False, "qwen3_moe": True}
 
 # config.json `dtype` / `torch_dtype` -> torch dtype.
 CONFIG_DTYPES: dict[str, torch.dtype] = {
@@ -49,6 +52,8 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     dtype: torch.dtype = torch.float32
+    moe: MoeConfig | None = None  # qwen3_moe: routed experts on moe.sparse_layers
+    cache_names: ClassVar[tuple[str, ...]] = (K_CACHE, V_CACHE)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILY_QK_NORM:
@@ -82,6 +87,24 @@ class ModelConfig:
     @property
     def untied_lm_head(self) -> bool:
         return not self.tie_word_embeddings
+
+    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
+        """The KV cache state buffers, both ``kv_cache_shape``, in the model (export) dtype."""
+        shape = kv_cache_shape(self, num_slots, max_seq_len)
+        return {name: shape for name in self.cache_names}
+
+    def summary(self) -> dict:
+        """Model fields of the core manifest."""
+        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.moe.sparse_layers if self.moe else ()
+
+    @property
+    def dense_mlp_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in range(self.num_layers) if layer not in self.moe_layers)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = CONFIG_FILE) -> ModelConfig:
@@ -124,20 +147,43 @@ class ModelConfig:
             attention_bias=read_field(config, "attention_bias", bool, source, False),
             mlp_bias=read_field(config, "mlp_bias", bool, source, False),
             dtype=CONFIG_DTYPES[dtype_name],
+            moe=qwen3_moe_config(config, source) if family == "qwen3_moe" else None,
         )
 
 
-@dataclass(frozen=True, slots=True)
-class WeightSpec:
-    """Our name for one HF tensor, its shape as ModelConfig attributes, and the flag gating its presence."""
-
-    ours: str
-    shape: tuple[str, ...]
-    present_if: str | None = None
+def qwen3_moe_config(config: Mapping[str, Any], source: str) -> MoeConfig:
+    """Qwen3-MoE routing: softmax top-k; layer i is sparse unless in ``mlp_only_layers`` or
+    ``(i + 1) % decoder_sparse_step != 0`` (HF's rule)."""
+    num_layers = read_field(config, "num_hidden_layers", int, source)
+    experts_field = "num_experts" if config.get("num_experts") is not None else "num_local_experts"
+    num_experts = read_field(config, experts_field, int, source)
+    step = read_field(config, "decoder_sparse_step", int, source, 1)
+    if step <= 0:
+        raise CheckpointError(f"{source}: field 'decoder_sparse_step' must be a positive int; found {step!r}")
+    mlp_only = config.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers
+                                             for i in mlp_only):
+        raise CheckpointError(f"{source}: field 'mlp_only_layers' must list layer indices in [0, {num_layers}); "
+                              f"found {mlp_only!r}")
+    if read_field(config, "shared_expert_intermediate_size", int, source, 0):
+        raise CheckpointError(f"{source}: field 'shared_expert_intermediate_size' must be 0 or absent "
+                              f"(Qwen3-MoE has no shared expert); found {config['shared_expert_intermediate_size']!r}")
+    moe = MoeConfig(
+        router="softmax_topk", num_experts=num_experts,
+        experts_per_token=read_field(config, "num_experts_per_tok", int, source),
+        intermediate_size=read_field(config, "moe_intermediate_size", int, source),
+        sparse_layers=tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0),
+        norm_topk_prob=read_field(config, "norm_topk_prob", bool, source, False))
+    check_routing(moe, source, {"num_experts": experts_field, "experts_per_token": "num_experts_per_tok",
+                                "num_groups": "n_group", "topk_groups": "topk_group"})
+    return moe
 
 
 _LAYER = "model.layers.{layer}."
-# HF tensor name -> our name / shape / presence flag. `{layer}` expands to 0..num_layers-1.
+_EXPERT = _LAYER + "mlp.experts.{expert}."
+_DENSE, _SPARSE = "dense_mlp_layers", "moe_layers"
+# HF tensor name -> our name / shape / presence flag / layers. `{layer}` expands to the spec's layers
+# (all by default), `{expert}` to 0..num_experts-1.
 WEIGHT_MAP: dict[str, WeightSpec] = {
     "model.embed_tokens.weight": WeightSpec("embed", ("vocab_size", "hidden_size")),
     "model.norm.weight": WeightSpec("final_norm", ("hidden_size",)),
@@ -154,44 +200,33 @@ WEIGHT_MAP: dict[str, WeightSpec] = {
     _LAYER + "self_attn.q_norm.weight": WeightSpec("layers.{layer}.q_norm", ("head_dim",), "qk_norm"),
     _LAYER + "self_attn.k_norm.weight": WeightSpec("layers.{layer}.k_norm", ("head_dim",), "qk_norm"),
     _LAYER + "post_attention_layernorm.weight": WeightSpec("layers.{layer}.mlp_norm", ("hidden_size",)),
-    _LAYER + "mlp.gate_proj.weight": WeightSpec("layers.{layer}.gate_proj", ("intermediate_size", "hidden_size")),
-    _LAYER + "mlp.gate_proj.bias": WeightSpec("layers.{layer}.gate_bias", ("intermediate_size",), "mlp_bias"),
-    _LAYER + "mlp.up_proj.weight": WeightSpec("layers.{layer}.up_proj", ("intermediate_size", "hidden_size")),
-    _LAYER + "mlp.up_proj.bias": WeightSpec("layers.{layer}.up_bias", ("intermediate_size",), "mlp_bias"),
-    _LAYER + "mlp.down_proj.weight": WeightSpec("layers.{layer}.down_proj", ("hidden_size", "intermediate_size")),
-    _LAYER + "mlp.down_proj.bias": WeightSpec("layers.{layer}.down_bias", ("hidden_size",), "mlp_bias"),
+    _LAYER + "mlp.gate_proj.weight": WeightSpec("layers.{layer}.gate_proj", ("intermediate_size", "hidden_size"),
+                                                layers=_DENSE),
+    _LAYER + "mlp.gate_proj.bias": WeightSpec("layers.{layer}.gate_bias", ("intermediate_size",), "mlp_bias", _DENSE),
+    _LAYER + "mlp.up_proj.weight": WeightSpec("layers.{layer}.up_proj", ("intermediate_size", "hidden_size"),
+                                              layers=_DENSE),
+    _LAYER + "mlp.up_proj.bias": WeightSpec("layers.{layer}.up_bias", ("intermediate_size",), "mlp_bias", _DENSE),
+    _LAYER + "mlp.down_proj.weight": WeightSpec("layers.{layer}.down_proj", ("hidden_size", "intermediate_size"),
+                                                layers=_DENSE),
+    _LAYER + "mlp.down_proj.bias": WeightSpec("layers.{layer}.down_bias", ("hidden_size",), "mlp_bias", _DENSE),
+    _LAYER + "mlp.gate.weight": WeightSpec("layers.{layer}.router", ("moe.num_experts", "hidden_size"), layers=_SPARSE),
+    _EXPERT + "gate_proj.weight": WeightSpec("layers.{layer}.experts.{expert}.gate_proj",
+                                             ("moe.intermediate_size", "hidden_size"), layers=_SPARSE),
+    _EXPERT + "up_proj.weight": WeightSpec("layers.{layer}.experts.{expert}.up_proj",
+                                           ("moe.intermediate_size", "hidden_size"), layers=_SPARSE),
+    _EXPERT + "down_proj.weight": WeightSpec("layers.{layer}.experts.{expert}.down_proj",
+                                             ("hidden_size", "moe.intermediate_size"), layers=_SPARSE),
 }
-
-
-def weight_layout(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF name -> (our name, shape) for every tensor ``cfg`` requires: model-level tensors, then layer by layer."""
-    present = {hf: spec for hf, spec in WEIGHT_MAP.items() if spec.present_if is None or getattr(cfg, spec.present_if)}
-    shape_of = lambda spec: tuple(getattr(cfg, dim) for dim in spec.shape)  # noqa: E731
-    layout = {hf: (spec.ours, shape_of(spec)) for hf, spec in present.items() if "{layer}" not in hf}
-    for layer in range(cfg.num_layers):
-        layout |= {hf.format(layer=layer): (spec.ours.format(layer=layer), shape_of(spec))
-                   for hf, spec in present.items() if "{layer}" in hf}
-    return layout
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor the checkpoint must hold (no ``lm_head.weight`` when tied)."""
-    return {hf_name: shape for hf_name, (_, shape) in weight_layout(cfg).items()}
+    return weight_tables.expected_shapes(cfg, WEIGHT_MAP)
 
 
 def load_weights(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Validate ``checkpoint`` against ``cfg`` and load every tensor under our names, cast to ``dtype``.
-
-    With tied embeddings ``weights["lm_head"] is weights["embed"]`` (shared, not copied); a tied
-    checkpoint may still carry ``lm_head.weight``, which is shape-checked and ignored like HF does.
-    """
-    dtype = cfg.dtype if dtype is None else dtype
-    tied_extra = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
-    checkpoint.validate(expected_shapes(cfg), optional=tied_extra)
-    weights = {ours: checkpoint.load(hf_name).to(dtype) for hf_name, (ours, _) in weight_layout(cfg).items()}
-    if cfg.tie_word_embeddings:
-        weights["lm_head"] = weights["embed"]
-    return weights
+    """Validate ``checkpoint`` against ``cfg`` and load every tensor under our names (see ``weights.load_weights``)."""
+    return weight_tables.load_weights(checkpoint, cfg, WEIGHT_MAP, dtype)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_slots: int, max_seq_len: int) -> tuple[int, int, int, int, int]:

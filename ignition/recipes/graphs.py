@@ -1,9 +1,10 @@
-"""Prefill and decode graph modules of the decoder recipes (Qwen3, Llama).
+"""Prefill and decode graph modules of the decoder recipes (Qwen3, Llama, Qwen3-MoE, DeepSeek-V3).
 
 Each module's ``forward(buffers)`` reads only the dict of declared arguments and returns
-``(next_tokens int64[capacity],)``. One sampling round, in order:
+``(next_tokens int64[capacity],)``. The model itself is a ``Decoder`` function of the recipe's
+family (GQA or MLA) over the config's cache buffers. One sampling round, in order:
 
-1. the decoder writes K/V of valid rows into the runtime-owned caches;
+1. the decoder writes the KV cache cells (K/V, or MLA's latent and rope key) of valid rows;
 2. the lm_head gives the *raw* logits (model dtype), never modified afterwards;
 3. ``sample`` draws from a float32 copy with the slot's penalty state;
 4. ``commit_sampling_round`` writes the ABI6 records and reduces logprobs from the raw logits;
@@ -16,42 +17,50 @@ emitted tokens (all three penalties). A prefill chunk at ``chunk_start == 0`` re
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.enums import Operation, Role
-from ignition.catalog.geometry import K_CACHE, PENALTY_COUNTS, V_CACHE, state_shape
+from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.sampling import SamplingTensors, sample, update_output_counts
-from ignition.recipes.config import ModelConfig
-from ignition.recipes.transformer import decode_hidden, lm_head_logits, prefill_hidden
+from ignition.recipes.layers import Rows
+from ignition.recipes.transformer import gqa_decoder, lm_head_logits
 
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 
+Decoder = Callable[[Mapping[str, torch.Tensor], Any, torch.Tensor, Rows, Mapping[str, torch.Tensor]], torch.Tensor]
+"""``(weights, cfg, input_ids [R], rows, caches by name) -> final-normed hidden [R, d_model]``."""
 
-def state_declarations(cfg: ModelConfig, dtype: torch.dtype, num_slots: int, max_seq_len: int,
+
+def state_declarations(cfg, dtype: torch.dtype, num_slots: int, max_seq_len: int,
                        vocab_padded: int) -> list[BufferDecl]:
-    """The runtime-owned state every decoder variant reads and updates, in argument order."""
-    geometry = dict(num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
-                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab_padded=vocab_padded)
+    """The runtime-owned state every decoder variant reads and updates, in argument order: the config's
+    caches (``[layers, num_slots, max_seq_len, ...]`` in the model dtype), then the penalty counts."""
     cache_dtype = str(dtype).removeprefix("torch.")
-    return [
-        BufferDecl(K_CACHE, cache_dtype, state_shape(K_CACHE, **geometry), Role.STATE),
-        BufferDecl(V_CACHE, cache_dtype, state_shape(V_CACHE, **geometry), Role.STATE),
-        BufferDecl(PENALTY_COUNTS, "int32", state_shape(PENALTY_COUNTS, **geometry), Role.STATE),
-    ]
+    caches = [BufferDecl(name, cache_dtype, list(shape), Role.STATE)
+              for name, shape in cfg.cache_shapes(num_slots, max_seq_len).items()]
+    penalty = state_shape(PENALTY_COUNTS, num_slots=num_slots, vocab_padded=vocab_padded)
+    return caches + [BufferDecl(PENALTY_COUNTS, "int32", penalty, Role.STATE)]
 
 
 class _DecoderGraph(torch.nn.Module):
-    """What prefill and decode share: weight naming and steps 3-5 of a sampling round."""
+    """What prefill and decode share: weight naming, the decoder call and steps 3-5 of a sampling round."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, k: int):
+    def __init__(self, cfg, vocab_size: int, k: int, decoder: Decoder = gqa_decoder):
         super().__init__()
-        self.cfg, self.vocab_size, self.k = cfg, vocab_size, k
+        self.cfg, self.vocab_size, self.k, self.decoder = cfg, vocab_size, k, decoder
+
+    def hidden(self, weights: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+               input_ids: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Step 1: run the decoder over the state caches; final-normed hidden ``[R, d_model]``."""
+        caches = {name: buffers[name] for name in self.cfg.cache_names}
+        return self.decoder(weights, self.cfg, input_ids, rows, caches)
 
     def weights(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weight arguments under the decoder's names; a tied lm_head is the embedding itself."""
@@ -84,8 +93,8 @@ class DecodeGraph(_DecoderGraph):
         weights = self.weights(buffers)
         positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
-        hidden = decode_hidden(weights, self.cfg, buffers["input_ids"], positions, slots, active,
-                               buffers[K_CACHE], buffers[V_CACHE])  # [capacity, d_model]
+        hidden = self.hidden(weights, buffers, buffers["input_ids"],
+                             Rows.decode(positions, slots, active))  # [capacity, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
         return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)
 
@@ -93,7 +102,7 @@ class DecodeGraph(_DecoderGraph):
 class PrefillGraph(_DecoderGraph):
     """One request's prompt chunk of up to C rows: ``prefill.t{C}`` (capacity 1).
 
-    Valid rows (``< chunk_length``, lane active) write K/V at ``chunk_start + row``. A chunk at
+    Valid rows (``< chunk_length``, lane active) write the cache at ``chunk_start + row``. A chunk at
     ``chunk_start == 0`` resets the slot's penalty state; every chunk counts its prompt tokens.
     With ``chunk_emits != 0`` the last valid row's raw logits sample the first generated token
     (round kind SAMPLING); otherwise the active lane gets a records-only ADMISSION record (the chunk at
@@ -110,8 +119,8 @@ class PrefillGraph(_DecoderGraph):
         slot = buffers["slot_ids"]  # int64 [1]
         active = buffers["active_lanes"] != 0  # bool [1]
         valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
-        hidden = prefill_hidden(weights, self.cfg, chunk_ids, chunk_start, valid_length, slot,
-                                buffers[K_CACHE], buffers[V_CACHE])  # [C, d_model]
+        hidden = self.hidden(weights, buffers, chunk_ids,
+                             Rows.prefill(chunk_ids.shape[0], chunk_start, valid_length, slot))  # [C, d_model]
         if score:  # every row scores its next prompt token, projecting 64 hidden rows at a time
             score_hidden_rows(hidden, buffers[PROMPT_TARGETS], buffers[PROMPT_LOGPROBS], buffers["frame_index"],
                               lambda rows: lm_head_logits(weights, self.cfg, rows), self.vocab_size)

@@ -1,5 +1,7 @@
-"""The ``qwen3`` and ``llama`` recipes: a Hugging Face decoder checkpoint -> prefill and decode variants.
+"""The Hugging Face decoder recipes: a checkpoint -> prefill and decode variants.
 
+``qwen3``, ``llama`` and ``qwen3_moe`` are built here; ``deepseek_v3`` registers its own
+``DecoderFamily`` (config parser, weight-name table, MLA decoder) and shares this build.
 Reads ``config.json`` and the (single or sharded) safetensors weights, checks every tensor
 against the layout the config implies, and declares one chunked prefill variant
 ``prefill.t{chunk_limit}`` (capacity 1) plus one ``decode.c{capacity}`` variant per decode
@@ -10,7 +12,10 @@ pad their embedding rows, and a second padding would store a new copy of a tied 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,28 +26,50 @@ from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
                                    spec_arguments, weight_arguments)
-from ignition.recipes.checkpoint import ARCHITECTURES, CONFIG_FILE, CheckpointError, open_checkpoint, read_config
-from ignition.recipes.config import ModelConfig, load_weights
-from ignition.recipes.graphs import DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
+from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
+                                         read_config)
+from ignition.recipes.config import WEIGHT_MAP, ModelConfig
+from ignition.recipes.graphs import Decoder, DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
 from ignition.recipes.tokenizer import tokenizer_dir
+from ignition.recipes.transformer import gqa_decoder
+from ignition.recipes.weights import WeightSpec, load_weights
 
-RECIPE_FAMILIES = {"qwen3": "qwen3", "llama": "llama"}
-"""Recipe name -> the ModelConfig family (HF architecture) it accepts."""
+
+@dataclass(frozen=True, slots=True)
+class DecoderFamily:
+    """What differs between the HF decoder recipes; the build, the variants and the graphs are shared."""
+
+    family: str  # the checkpoint.ARCHITECTURES family the recipe accepts
+    parse: Callable[[Mapping[str, Any], str], Any]  # (config.json, source) -> config with cache_shapes, summary
+    weight_map: Mapping[str, WeightSpec]  # HF tensor name -> ours
+    decoder: Decoder  # (weights, cfg, input_ids, rows, caches) -> hidden
+
+
+_GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder)
+FAMILIES: dict[str, DecoderFamily] = {name: DecoderFamily(name, **_GQA) for name in ("qwen3", "llama", "qwen3_moe")}
+"""Recipe name -> its family; the recipe name is also the family (HF architecture) it accepts."""
 
 PREFILL_LANE_INPUTS = tuple(spec for spec in LANE_INPUTS if spec.name not in ("input_ids", "positions"))
 """Prefill lanes take their tokens and positions from the chunk inputs (chunk_input_ids, chunk_start)."""
 
 
 def build(options: ExportOptions) -> RecipeBuild:
+    family = FAMILIES.get(options.recipe)
+    if family is None:
+        raise RecipeError(f"recipe {options.recipe!r} is not a decoder recipe; expected one of {sorted(FAMILIES)}")
+    return build_decoder(options, family)
+
+
+def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if options.checkpoint is None:
         raise RecipeError(f"recipe {options.recipe}: a Hugging Face checkpoint directory is required")
     directory = Path(options.checkpoint)
     config = read_config(directory)
-    cfg = ModelConfig.from_hf_config(config, source=str(directory / CONFIG_FILE))
-    _check_family(options.recipe, cfg, config, directory)
+    _check_family(options.recipe, family, config, directory)
+    cfg = family.parse(config, str(directory / CONFIG_FILE))
     _check_geometry(options, cfg)
     dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
-    weights = load_weights(open_checkpoint(directory), cfg, dtype)
+    weights = load_weights(open_checkpoint(directory), cfg, family.weight_map, dtype)
     if cfg.tie_word_embeddings:
         del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
@@ -51,19 +78,17 @@ def build(options: ExportOptions) -> RecipeBuild:
     state = state_declarations(cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
     fixed = weight_arguments(weights) + state
     graphs = [GraphBuild(prefill_variant(fixed, options.chunk_limit, token_capacity, options.outputs),
-                         PrefillGraph(cfg, cfg.vocab_size, k))]
+                         PrefillGraph(cfg, cfg.vocab_size, k, family.decoder))]
     graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.outputs),
-                          DecodeGraph(cfg, cfg.vocab_size, k)) for capacity in options.capacities]
+                          DecodeGraph(cfg, cfg.vocab_size, k, family.decoder)) for capacity in options.capacities]
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
         graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True),
-                              ScoredPrefillGraph(cfg, cfg.vocab_size, k))
+                              ScoredPrefillGraph(cfg, cfg.vocab_size, k, family.decoder))
                    for capacity in scored_capacities(options.chunk_limit)]
     return RecipeBuild(
         recipe=options.recipe,
-        model={"architecture": config["architectures"][0], "hidden_size": cfg.hidden_size,
-               "num_layers": cfg.num_layers, "dtype": str(dtype).removeprefix("torch."),
-               "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-               "max_seq_len": options.max_seq_len, "num_slots": options.slots},
+        model={"architecture": config["architectures"][0], "dtype": str(dtype).removeprefix("torch."),
+               **cfg.summary(), "max_seq_len": options.max_seq_len, "num_slots": options.slots},
         vocab_size=cfg.vocab_size,
         vocab_padded=vocab_padded,
         token_capacity=token_capacity,
@@ -104,17 +129,15 @@ def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: i
                    bindings=lane_bindings | chunk_bindings | sampling_bindings | output_bindings, layout=layout)
 
 
-def _check_family(recipe: str, cfg: ModelConfig, config: dict, directory: Path) -> None:
-    expected = RECIPE_FAMILIES.get(recipe)
-    if expected is None:
-        raise RecipeError(f"recipe {recipe!r} is not a decoder recipe; expected one of {sorted(RECIPE_FAMILIES)}")
-    if cfg.family != expected:
-        wanted = [name for name, family in ARCHITECTURES.items() if family == expected]
+def _check_family(recipe: str, family: DecoderFamily, config: dict, directory: Path) -> None:
+    found = family_of(config, str(directory / CONFIG_FILE))
+    if found != family.family:
+        wanted = [name for name, name_family in ARCHITECTURES.items() if name_family == family.family]
         raise RecipeError(f"{directory / CONFIG_FILE}: recipe {recipe} expects architectures[0] in {wanted}, "
-                          f"found {config['architectures'][0]!r} (use --recipe {cfg.family})")
+                          f"found {config['architectures'][0]!r} (use --recipe {found})")
 
 
-def _check_geometry(options: ExportOptions, cfg: ModelConfig) -> None:
+def _check_geometry(options: ExportOptions, cfg) -> None:
     if options.max_seq_len > cfg.max_position_embeddings:
         raise RecipeError(f"--max-seq-len {options.max_seq_len} exceeds the checkpoint's max_position_embeddings "
                           f"{cfg.max_position_embeddings}")
@@ -125,7 +148,7 @@ def _check_geometry(options: ExportOptions, cfg: ModelConfig) -> None:
                           f"active lanes must use distinct slots")
 
 
-def eos_token_id(config: dict, cfg: ModelConfig, directory: Path) -> int | None:
+def eos_token_id(config: dict, cfg, directory: Path) -> int | None:
     """``config.json`` eos_token_id (the first one when it lists several), checked against the vocabulary."""
     value = config.get("eos_token_id")
     if isinstance(value, list):

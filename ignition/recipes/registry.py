@@ -11,6 +11,8 @@ RECIPES = {
     "toy": "ignition.recipes.toy",
     "qwen3": "ignition.recipes.llama",
     "llama": "ignition.recipes.llama",
+    "qwen3_moe": "ignition.recipes.llama",
+    "deepseek_v3": "ignition.recipes.deepseek_v3",
 }
 
 

@@ -168,3 +168,18 @@ def rope_cos_sin(cfg: RopeConfig, positions: torch.Tensor, dtype: torch.dtype) -
     angles = positions.to(torch.float32)[:, None] * inv_freq  # [R, head_dim // 2]
     angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [R, 1, head_dim]
     return (angles.cos() * multiplier).to(dtype), (angles.sin() * multiplier).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE on ``x [R, heads, dim]`` with ``cos``/``sin`` ``[R, 1, dim]`` (``cat(freqs, freqs)`` layout).
+
+    ``interleaved`` (DeepSeek's ``rope_interleave``): pairs are ``(x0, x1), (x2, x3), ...``; like
+    transformers, the result is written de-interleaved (rotated evens, then rotated odds), which
+    leaves every query-key dot product unchanged as long as both sides use it.
+    """
+    if not interleaved:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    cos, sin = cos[..., :cos.shape[-1] // 2], sin[..., :sin.shape[-1] // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)

@@ -1,0 +1,89 @@
+"""Functional building blocks every decoder recipe shares: norms, row indexing, cache writes, masked softmax.
+
+All ops mirror transformers' eager implementation (fp32 RMSNorm cast back like HF, fp32 softmax)
+and are static-shape: slots and positions are tensors, nothing branches on tensor values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+              gate_bias=None, up_bias=None, down_bias=None) -> torch.Tensor:
+    """SiLU-gated MLP ``down(silu(gate(x)) * up(x))``: the dense MLP, every expert and the shared experts."""
+    hidden = F.silu(F.linear(x, gate, gate_bias)) * F.linear(x, up, up_bias)  # [R, intermediate]
+    return F.linear(hidden, down, down_bias)  # [R, d_model]
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """Per-row indexing of one forward call. R rows split into G attention groups of R // G rows each."""
+
+    positions: torch.Tensor  # int64 [R]: absolute position of each row
+    write_slots: torch.Tensor  # int64 [R]: cache slot each row writes
+    valid: torch.Tensor  # bool [R]: rows that may write the cache
+    read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
+
+    @classmethod
+    def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor) -> Rows:
+        """One request's chunk: row j is position ``chunk_start + j`` of ``slot``, valid below ``chunk_len``."""
+        row = torch.arange(chunk_rows, device=chunk_start.device)
+        return cls(positions=chunk_start + row, write_slots=slot.expand(chunk_rows), valid=row < chunk_len,
+                   read_slots=slot)
+
+    @classmethod
+    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor) -> Rows:
+        """One row per lane, each its own group; active lanes must use distinct slots."""
+        return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots)
+
+
+def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor) -> None:
+    """``cache[layer, slot_i, position_i] = values[i]`` for valid rows; invalid rows leave it bit-identical.
+
+    One index_put_ writes every row. An invalid row repeats the first valid row's write (same cell,
+    same value); if no row is valid, every row rewrites row 0's cell with its old value. Duplicate
+    targets thus always carry identical values and the result never depends on write order.
+    Slots and positions are clamped into range. Valid rows must target distinct cells.
+    """
+    num_rows = values.shape[0]
+    first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
+    source = torch.where(rows.valid, torch.arange(num_rows, device=values.device), first_valid)  # [R]
+    slot_index = rows.write_slots[source].clamp(0, cache.shape[1] - 1)
+    position_index = rows.positions[source].clamp(0, cache.shape[2] - 1)
+    layer_index = torch.full_like(slot_index, layer)
+    old = cache[layer_index, slot_index, position_index]  # [R, ...]: one cache cell per row
+    keep_new = rows.valid[source].view(-1, *([1] * (values.dim() - 1)))
+    cache.index_put_((layer_index, slot_index, position_index), torch.where(keep_new, values[source], old))
+
+
+def read_slots(cache: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
+    """The cached cells of each group's slot: ``[G, max_seq_len, ...]``."""
+    return cache[layer].index_select(0, rows.read_slots.clamp(0, cache.shape[1] - 1))
+
+
+def causal_softmax(scores: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torch.Tensor:
+    """Softmax over cached positions ``<=`` each row's position, in fp32, cast to ``dtype`` (HF eager).
+
+    ``scores``: ``[G, heads, R/G, S]``; the query of group g, row i is ``rows.positions[g * R/G + i]``.
+    """
+    groups, _, per_group, max_seq_len = scores.shape
+    key_positions = torch.arange(max_seq_len, device=scores.device)
+    visible = key_positions.view(1, 1, 1, -1) <= rows.positions.view(groups, 1, per_group, 1)
+    scores = scores.to(torch.float32).masked_fill(~visible, torch.finfo(torch.float32).min)
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)

@@ -1,0 +1,98 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a compressed KV cache.
+
+Per layer and cached token the cache holds what transformers caches: the normalised KV latent
+(``kv_lora_rank`` values) and the shared rope key after RoPE (``qk_rope_head_dim`` values), not
+per-head keys and values. Two state buffers, both ``[num_layers, num_slots, max_seq_len, width]``
+in the model dtype: ``latent_cache`` (width ``kv_lora_rank``) and ``rope_key_cache`` (width
+``qk_rope_head_dim``).
+
+Attention expands the slot's cached latents into per-head keys and values with ``kv_b_proj``
+(once per call and layer, over ``max_seq_len`` positions), then attends as usual: exactly what
+transformers computes, bit-identical to it in bf16 on CPU. The cache stays compressed; the
+compute does not: per call and layer the expansion costs ``2 * max_seq_len * kv_lora_rank *
+heads * (qk_nope_head_dim + v_head_dim)`` FLOPs per slot. The absorbed form (``kv_b_proj``
+folded into the query and the output) costs ~120x less per decode row at DeepSeek-V3 size, but
+rounds differently: measured on the tiny bf16 example over 22 decode steps, up to 1.05 on a
+logit (bf16 roundings amplified through the routing), 6e-6 in fp32. It is the next optimisation, for
+decode only, once its contract tolerance is agreed; see docs/api.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ignition.catalog.geometry import LATENT_CACHE, ROPE_KEY_CACHE, state_shape
+from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, write_rows
+from ignition.recipes.rope import apply_rotary
+from ignition.recipes.transformer import decoder_stack
+
+
+
+def mla_cache_shapes(cfg, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
+    """``latent_cache`` ``[layers, slots, seq, kv_lora_rank]``, ``rope_key_cache`` ``[layers, slots, seq, rope_dim]``."""
+    for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"mla_cache_shapes: {name} must be a positive int; found {value!r}")
+    geometry = dict(num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
+                    kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)
+    return {name: tuple(state_shape(name, **geometry)) for name in (LATENT_CACHE, ROPE_KEY_CACHE)}
+
+
+def _query(weights: Mapping[str, torch.Tensor], cfg, prefix: str, normed: torch.Tensor) -> torch.Tensor:
+    """``[R, heads, qk_head_dim]``: low-rank (q_a -> norm -> q_b) when ``q_lora_rank`` is set, else ``q_proj``."""
+    if cfg.has_q_lora:
+        compressed = rms_norm(F.linear(normed, weights[prefix + "q_a_proj"]), weights[prefix + "q_a_norm"],
+                              cfg.rms_norm_eps)
+        query = F.linear(compressed, weights[prefix + "q_b_proj"])
+    else:
+        query = F.linear(normed, weights[prefix + "q_proj"])
+    return query.view(normed.shape[0], cfg.num_heads, cfg.qk_head_dim)
+
+
+def mla_attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, rows: Rows, latent_cache: torch.Tensor, rope_key_cache: torch.Tensor) -> torch.Tensor:
+    prefix = f"layers.{layer}."
+    num_rows, heads, nope, rope_dim = normed.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    rank, v_dim = cfg.kv_lora_rank, cfg.v_head_dim
+    q_nope, q_rope = _query(weights, cfg, prefix, normed).split([nope, rope_dim], dim=-1)
+    latent, k_rope = F.linear(normed, weights[prefix + "kv_a_proj"]).split([rank, rope_dim], dim=-1)
+    latent = rms_norm(latent, weights[prefix + "kv_a_norm"], cfg.rms_norm_eps)  # [R, rank]
+    q_rope = apply_rotary(q_rope, cos, sin, cfg.rope_interleave)  # [R, heads, rope_dim]
+    k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, cfg.rope_interleave).squeeze(1)  # [R, rope_dim]
+    write_rows(latent_cache, layer, rows, latent)
+    write_rows(rope_key_cache, layer, rows, k_rope)
+
+    groups = rows.read_slots.shape[0]
+    per_group, max_seq_len = num_rows // groups, latent_cache.shape[2]
+    latents = read_slots(latent_cache, layer, rows)  # [G, S, rank]
+    rope_keys = read_slots(rope_key_cache, layer, rows).unsqueeze(1)  # [G, 1, S, rope_dim]
+    expanded = F.linear(latents, weights[prefix + "kv_b_proj"])  # [G, S, heads * (nope + v)]
+    k_nope, values = expanded.view(groups, max_seq_len, heads, nope + v_dim).transpose(1, 2).split(
+        [nope, v_dim], dim=-1)  # [G, heads, S, nope], [G, heads, S, v]
+    keys = torch.cat([k_nope, rope_keys.expand(-1, heads, -1, -1)], dim=-1)  # [G, heads, S, qk_head_dim]
+    query = torch.cat([q_nope, q_rope], dim=-1).view(groups, per_group, heads, nope + rope_dim).transpose(1, 2)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * cfg.attention_scale  # [G, heads, R/G, S]
+    probs = causal_softmax(scores, rows, normed.dtype)
+    attended = torch.matmul(probs, values).transpose(1, 2).reshape(num_rows, heads * v_dim)  # [R, heads * v]
+    return F.linear(attended, weights[prefix + "o_proj"])  # [R, d_model]
+
+
+def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:
+    """Static (trace-time) check that both caches match ``mla_cache_shapes`` and the weights' dtype."""
+    for name, cache in caches.items():
+        expected = mla_cache_shapes(cfg, cache.shape[1], cache.shape[2])[name] if cache.dim() == 4 else "4-D"
+        if tuple(cache.shape) != expected or cache.dtype != weights["embed"].dtype:
+            raise ValueError(f"{name} must have shape {expected} and dtype {weights['embed'].dtype}; "
+                             f"found {tuple(cache.shape)} {cache.dtype}")
+
+
+def mla_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
+                caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """DeepSeek-V3: MLA attention over ``latent_cache`` / ``rope_key_cache``; final-normed hidden ``[R, d_model]``."""
+    latent_cache, rope_key_cache = caches[LATENT_CACHE], caches[ROPE_KEY_CACHE]
+    _check_caches(cfg, weights, {LATENT_CACHE: latent_cache, ROPE_KEY_CACHE: rope_key_cache})
+    return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: mla_attention(
+        weights, cfg, layer, normed, cos, sin, rows, latent_cache, rope_key_cache))
