@@ -32,8 +32,8 @@ class CaptureReport:
 class GraphReplay:
     """``run(buffers)`` for a captured variant: replays the graph on the current stream."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, eager_run):
-        self.graph, self.eager_run = graph, eager_run
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        self.graph = graph
 
     def __call__(self, buffers):
         self.graph.replay()
@@ -78,7 +78,7 @@ def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tens
             warnings.warn(f"variant {variant.name}: CUDA-graph capture failed ({type(exc).__name__}: {exc}); "
                           f"it replays eagerly", stacklevel=2)
             continue
-        variant.run = GraphReplay(graph, variant.run)
+        variant.run = GraphReplay(graph)
         report.captured.append(variant.name)
     torch.cuda.synchronize(device)
     for tensor in state.values():
