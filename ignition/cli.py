@@ -45,7 +45,7 @@ def _trusted_key(path: Optional[Path]):
     """The --trusted-key PEM, loaded before any work; a bad key file is a usage error (exit 2)."""
     if path is None:
         return None
-    from ignition.exporter.signing import SigningError, load_trusted_key
+    from ignition.catalog.signatures import SigningError, load_trusted_key
     try:
         return load_trusted_key(path)
     except SigningError as exc:
@@ -80,7 +80,8 @@ def export_core_cmd(
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
-    from ignition.exporter.signing import SigningError, core_digest, load_signing_key
+    from ignition.catalog.hashing import core_digest
+    from ignition.exporter.signing import SigningError, load_signing_key
     from ignition.exporter.publish import PublishError
     from ignition.recipes.base import ExportOptions, RecipeError
 
@@ -270,7 +271,7 @@ def serve_cmd(
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
-    from ignition.runtime.server import serve
+    from ignition.serve.app import serve
 
     _check_limits(port=port)
     loaded = _load(core, device, eager, trust_compiled, trusted_key)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ignition.exporter.export import export_core
-from ignition.exporter.writer import dump_json, sha256_file
+from ignition.catalog.hashing import dump_json, sha256_file
 from ignition.recipes.base import ExportOptions
 
 

@@ -100,7 +100,7 @@ def test_reserved_codes_say_what_a_core_gets_today():
     import re
 
     from ignition.catalog.enums import ENUMS, Operation, RoundKind, reserved_status
-    from ignition.validate.rules import RULES
+    from ignition.catalog.rules import RULES
 
     reserved = {(type(m).__name__, m.name) for enum in ENUMS for m in enum if reserved_status(m)}
     assert {("Operation", "MIXED"), ("RoundKind", "VISION")} <= reserved

@@ -30,7 +30,7 @@ from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.exporter.signing import sign_core
 from ignition.recipes.base import ExportOptions
-from ignition.validate.rules import RULES
+from ignition.catalog.rules import RULES
 
 runner = CliRunner()
 PROVENANCE = {"CORE-DIGEST", "SIGNATURE"}

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _serving_tokenizers import byte_fallback_tokenizer, byte_level_tokenizer, char_index_oracle
-from ignition.runtime.detokenize import TextStream, TokenTable, Utf8Decoder, decode_all, token_name
+from ignition.serve.detokenize import TextStream, TokenTable, Utf8Decoder, decode_all, token_name
 
 VOCAB = 250
 # ASCII, continuation bytes at the range edges, every kind of lead byte, and bytes never valid in UTF-8

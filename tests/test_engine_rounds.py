@@ -16,7 +16,7 @@ from ignition.catalog.enums import RoundKind
 from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
-from ignition.runtime.serving_engine import AsyncEngine
+from ignition.serve.engine import AsyncEngine
 
 
 @pytest.fixture(scope="module")

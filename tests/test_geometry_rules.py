@@ -19,9 +19,9 @@ from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import CoreLoadError
-from ignition.runtime.server import create_app
+from ignition.serve.app import create_app
 from ignition.validate.core import validate_core
-from ignition.validate.rules import RULES
+from ignition.catalog.rules import RULES
 from test_publish import word_tokenizer
 
 

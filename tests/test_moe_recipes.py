@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from ignition.cli import app
 from ignition.exporter.export import export_core
-from ignition.exporter.writer import dump_json
+from ignition.catalog.hashing import dump_json
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.checkpoint import open_checkpoint, read_config
 from ignition.recipes.deepseek_v3 import FAMILY as DEEPSEEK_V3

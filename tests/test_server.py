@@ -31,7 +31,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.frames import TokenEntry
 from ignition.runtime.requests import Request
-from ignition.runtime.server import create_app
+from ignition.serve.app import create_app
 
 VOCAB = 250
 
@@ -540,7 +540,7 @@ def test_concurrent_requests_all_complete_correctly(served):
 
 
 def test_output_queue_is_bounded_and_coalesces(served):
-    from ignition.runtime.serving_engine import AsyncEngine
+    from ignition.serve.engine import AsyncEngine
 
     expected = served.generate([9], max_tokens=40, logprobs=1)
 
@@ -570,9 +570,9 @@ def test_output_queue_is_bounded_and_coalesces(served):
 
 # -- presentation rules the toy cannot produce: -inf, forced tokens -------------------------------------
 def test_minus_infinity_is_clamped_and_forced_tokens_have_no_entry(served):
-    from ignition.runtime.detokenize import Span
-    from ignition.runtime.openai_protocol import CompletionLogProbs
-    from ignition.runtime.serving_logprobs import Presenter, add_completion_logprobs, chat_logprobs, prompt_logprobs
+    from ignition.serve.detokenize import Span
+    from ignition.serve.protocol import CompletionLogProbs
+    from ignition.serve.logprobs import Presenter, add_completion_logprobs, chat_logprobs, prompt_logprobs
 
     presenter, inf = Presenter(served.table), float("-inf")
     spans = [Span(10, TokenEntry(10, inf, [(11, inf)]), 0), Span(12, TokenEntry(12, None), 1), Span(13, None, 2)]

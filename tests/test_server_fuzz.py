@@ -29,7 +29,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
 from _serving_tokenizers import byte_level_tokenizer, write_tokenizer_dir  # noqa: E402
 from ignition.exporter.export import export_core  # noqa: E402
 from ignition.recipes.base import ExportOptions  # noqa: E402
-from ignition.runtime.server import create_app  # noqa: E402
+from ignition.serve.app import create_app  # noqa: E402
 
 EXAMPLES = int(os.environ.get("IGNITION_FUZZ_EXAMPLES", "30"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 from _payloads import shared_library
 from conftest import CoreCopy
 from ignition.cli import app
-from ignition.exporter.signing import SigningError, core_digest, load_trusted_key, sign_core
+from ignition.catalog.hashing import core_digest
+from ignition.catalog.signatures import SigningError, load_trusted_key
+from ignition.exporter.signing import sign_core
 from ignition.runtime.core import CoreLoadError, load_core
 from ignition.validate.core import validate_core
 

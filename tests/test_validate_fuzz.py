@@ -8,9 +8,9 @@ import shutil
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ignition.exporter.writer import dump_json, sha256_file
+from ignition.catalog.hashing import dump_json, sha256_file
 from ignition.validate.core import validate_core
-from ignition.validate.rules import RULES
+from ignition.catalog.rules import RULES
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),

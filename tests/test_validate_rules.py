@@ -8,7 +8,7 @@ import pytest
 
 from ignition.catalog.enums import Operation, ValueSource
 from ignition.validate.core import validate_core
-from ignition.validate.rules import RULES
+from ignition.catalog.rules import RULES
 
 
 def rules_of(root, check_graphs=True) -> set[str]:

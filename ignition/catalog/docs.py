@@ -42,7 +42,7 @@ def _record_fields() -> str:
 
 
 def _rules() -> str:
-    from ignition.validate.rules import RULES
+    from ignition.catalog.rules import RULES
     rows = "\n".join(f"| `{rule}` | {text} |" for rule, text in RULES.items())
     return "| rule id | what it requires |\n|---|---|\n" + rows + "\n"
 

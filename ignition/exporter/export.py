@@ -20,7 +20,7 @@ from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from ignition.exporter.publish import check_output, publish, recover, staging_dir
 from ignition.exporter.signing import sign_core
-from ignition.exporter.writer import dump_json, hash_tree
+from ignition.catalog.hashing import dump_json, hash_tree
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.registry import build_recipe
 from ignition.validate.archive import check_archive

@@ -60,7 +60,7 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     root = Path(path)
     report = ValidationReport(root)
     if isinstance(trusted_key, (str, Path)):
-        from ignition.exporter.signing import load_trusted_key
+        from ignition.catalog.signatures import load_trusted_key
         trusted_key = load_trusted_key(trusted_key)
     if expect_digest is not None:
         expect_digest = expect_digest.lower().removeprefix("sha256:")

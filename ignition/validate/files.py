@@ -7,7 +7,7 @@ from pathlib import Path, PurePosixPath
 from safetensors import safe_open
 
 from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
-from ignition.exporter.writer import sha256_file
+from ignition.catalog.hashing import sha256_file
 from ignition.validate.report import Violation
 
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I64": "int64", "I32": "int32",

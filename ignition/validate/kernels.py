@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ignition.exporter.kernels import TARGETS
-from ignition.exporter.writer import sha256_file
+from ignition.catalog.targets import TARGETS
+from ignition.catalog.hashing import sha256_file
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
 

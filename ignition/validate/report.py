@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Violation:
-    rule: str  # a rule id from ignition.validate.rules, e.g. "BUF-DTYPE"
+    rule: str  # a rule id from ignition.catalog.rules, e.g. "BUF-DTYPE"
     where: str  # the file, variant, buffer or field at fault
     message: str  # what was expected and what was found
 

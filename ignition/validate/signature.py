@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
-from ignition.exporter.signing import core_digest, key_id, verify
+from ignition.catalog.hashing import core_digest
+from ignition.catalog.signatures import key_id, verify
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
 from ignition.validate.schema import schema_violations

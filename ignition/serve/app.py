@@ -20,15 +20,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.runtime.core import LoadedCore, load_core
-from ignition.runtime.detokenize import TokenTable
+from ignition.serve.detokenize import TokenTable
 from ignition.runtime.engine import Engine
-from ignition.runtime.openai_protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, ErrorResponse,
+from ignition.serve.protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, ErrorResponse,
                                               ModelCard, ModelList, ModelPermission)
 from ignition.runtime.requests import AdmissionError
-from ignition.runtime.serving_chat import chat_template_of, create_chat_completion
-from ignition.runtime.serving_common import ApiError, ServerContext
-from ignition.runtime.serving_completion import create_completion
-from ignition.runtime.serving_engine import AsyncEngine, EngineStopped
+from ignition.serve.chat import chat_template_of, create_chat_completion
+from ignition.serve.common import ApiError, ServerContext
+from ignition.serve.completions import create_completion
+from ignition.serve.engine import AsyncEngine, EngineStopped
 
 log = logging.getLogger("ignition.serve")
 

@@ -1,6 +1,8 @@
-"""Deterministic core files: canonical JSON and the sha256 of every file. The export writes
-into a private staging directory and publishes it (exporter/publish.py); a killed export
-leaves only the staging directory, which never validates (its manifest is written last)."""
+"""Deterministic core files: canonical JSON, the sha256 of every file, and the core digest.
+
+The exporter writes with these and the validator checks with them, so both read one
+definition. The **core digest** is the sha256 of the canonical manifest JSON; the manifest
+lists every other file's sha256, so the digest covers the whole core."""
 
 from __future__ import annotations
 
@@ -31,3 +33,8 @@ def hash_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
             files[rel] = sha256_file(path)
     return files
 
+
+
+def core_digest(manifest: dict) -> str:
+    """sha256 (hex) of the canonical JSON of a parsed manifest; ValueError when it has no canonical form."""
+    return hashlib.sha256(dump_json(manifest)).hexdigest()

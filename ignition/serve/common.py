@@ -12,11 +12,11 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ignition.runtime.core import LoadedCore
-from ignition.runtime.detokenize import Span, TextStream, TokenTable
-from ignition.runtime.openai_protocol import UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields, UsageInfo
+from ignition.serve.detokenize import Span, TextStream, TokenTable
+from ignition.serve.protocol import UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields, UsageInfo
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
-from ignition.runtime.serving_engine import AsyncEngine, RequestStream
-from ignition.runtime.serving_logprobs import Presenter
+from ignition.serve.engine import AsyncEngine, RequestStream
+from ignition.serve.logprobs import Presenter
 
 
 class ApiError(Exception):

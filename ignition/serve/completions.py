@@ -5,13 +5,13 @@ from __future__ import annotations
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from ignition.runtime.detokenize import Release, decode_all
-from ignition.runtime.openai_protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+from ignition.serve.detokenize import Release, decode_all
+from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                               CompletionResponseChoice, CompletionResponseStreamChoice,
                                               CompletionStreamResponse, random_id)
-from ignition.runtime.serving_common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
+from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
                                              build_request, collect, error_event, respond, sse)
-from ignition.runtime.serving_logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
+from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) Completions default
 

@@ -7,9 +7,9 @@ prompt position zero (a row whose values are null). -inf is written as -9999.0.
 
 from __future__ import annotations
 
-from ignition.runtime.detokenize import Span, TokenTable
+from ignition.serve.detokenize import Span, TokenTable
 from ignition.runtime.frames import TokenEntry
-from ignition.runtime.openai_protocol import (ChatCompletionLogProb, ChatCompletionLogProbsContent, CompletionLogProbs,
+from ignition.serve.protocol import (ChatCompletionLogProb, ChatCompletionLogProbsContent, CompletionLogProbs,
                                               PromptLogprob)
 
 FLOOR = -9999.0  # OpenAI's "very unlikely": what -inf is written as

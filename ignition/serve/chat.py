@@ -8,12 +8,12 @@ import json
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from ignition.runtime.openai_protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
+from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
-from ignition.runtime.serving_common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
+from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
                                              build_request, collect, error_event, respond, sse)
-from ignition.runtime.serving_logprobs import chat_logprobs, prompt_logprobs
+from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
 

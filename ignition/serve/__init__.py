@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI-compatible endpoints over a loaded core (FastAPI + uvicorn)."""
