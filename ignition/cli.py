@@ -264,6 +264,9 @@ def serve_cmd(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
     model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id reported by /v1/models"),
+    reasoning_parser: str = typer.Option("plain", "--reasoning-parser",
+                                         help="How /v1/responses splits output: plain (all content) or think "
+                                              "(<think>reasoning</think>content)"),
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
@@ -273,9 +276,14 @@ def serve_cmd(
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
     from ignition.serve.app import serve
 
+    from ignition.serve.parsers import PARSERS
+
     _check_limits(port=port)
+    if reasoning_parser not in PARSERS:
+        raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
     loaded = _load(core, device, eager, trust_compiled, trusted_key)
-    serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant)
+    serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant,
+          reasoning_parser=reasoning_parser)
 
 
 def _is_utf8(text: str) -> bool:

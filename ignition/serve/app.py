@@ -29,6 +29,7 @@ from ignition.serve.chat import chat_template_of, create_chat_completion
 from ignition.serve.common import ApiError, ServerContext
 from ignition.serve.completions import create_completion
 from ignition.serve.engine import AsyncEngine, EngineStopped
+from ignition.serve.responses import register as register_responses
 
 log = logging.getLogger("ignition.serve")
 
@@ -57,7 +58,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
-               batch_invariant: bool = False) -> FastAPI:
+               batch_invariant: bool = False, reasoning_parser: str = "plain") -> FastAPI:
     """The app serving one core; its engine thread runs while the app's lifespan does."""
     loaded = core if isinstance(core, LoadedCore) else load_core(core)
     engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant), queue_capacity=queue_capacity)
@@ -132,15 +133,17 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
+    register_responses(app, reasoning_parser)
     return app
 
 
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, device: str = "auto", eager: bool = False,
-          batch_invariant: bool = False) -> None:
+          batch_invariant: bool = False, reasoning_parser: str = "plain") -> None:
     """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn."""
     import uvicorn
 
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
-    app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant)
+    app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
+                     reasoning_parser=reasoning_parser)
     uvicorn.run(app, host=host, port=port, log_level="info")
