@@ -30,7 +30,7 @@ from ignition.catalog.hashing import dump_json, sha256_file
 from ignition.recipes.toy import batch_invariant_logits
 from ignition.serve.app import create_app
 from ignition.serve.detokenize import Span, byte_level_alphabet
-from ignition.serve.parsers import CONTENT, REASONING, OutputParser, ThinkParser, TokenAttribution
+from ignition.serve.parsers import CONTENT, REASONING, OutputParser, ParsedText, ThinkParser, TokenAttribution
 
 VOCAB = 250
 # the greedy chain's pieces, in byte-level notation (Ġ is a space, Ċ a newline)
@@ -209,6 +209,14 @@ def test_think_parser_ranges_and_attribution():
     plain = TokenAttribution(OutputParser(), lambda t: True)
     events = plain.feed(" <think>a", [Span(0, None, 0), Span(1, None, 1)]) + plain.finish()
     assert [(e.kind, e.text, len(sel)) for e, sel in events] == [("content", " <think>a", 2)]
+    class Synthetic(OutputParser):  # a parser that writes text of its own: no source, so no token
+        def feed(self, text):
+            self.consumed += len(text)
+            return [ParsedText(CONTENT, "[" + text + "]", None)]
+    synthetic = TokenAttribution(Synthetic(), lambda t: True)
+    assert [(e.text, sel) for e, sel in synthetic.feed("ab", [Span(0, None, 0)]) + synthetic.finish()] == [
+        ("[ab]", [])]
+    assert not synthetic.waiting
     unclosed = TokenAttribution(ThinkParser(), lambda t: True)
     events = unclosed.feed("<think> still </thi", [Span(0, None, 0), Span(1, None, 7)]) + unclosed.finish()
     assert [(e.kind, e.text) for e, _ in events] == [("reasoning", "still"), ("reasoning", " </thi")]

@@ -58,7 +58,8 @@ def server(tmp_path_factory):
 
 
 VALID_INPUT = {"/v1/completions": ("prompt", [1, 2, 3]),
-               "/v1/chat/completions": ("messages", [{"role": "user", "content": "hi"}])}
+               "/v1/chat/completions": ("messages", [{"role": "user", "content": "hi"}]),
+               "/v1/responses": ("input", "hi")}
 
 
 def prepared(case, path: str, repair: bool) -> None:
@@ -66,18 +67,20 @@ def prepared(case, path: str, repair: bool) -> None:
     (random prompts and model names alone are rejected before anything else is looked at)."""
     if not isinstance(case.body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    lengths = ("max_output_tokens",) if path == "/v1/responses" else ("max_tokens", "max_completion_tokens")
+    for key in lengths:
         if isinstance(case.body.get(key), int) and not isinstance(case.body[key], bool):
             case.body[key] = min(case.body[key], MAX_TOKENS)
-    if "max_tokens" not in case.body and "max_completion_tokens" not in case.body:
-        case.body["max_tokens"] = MAX_TOKENS  # Chat's default without a context bound is 256 tokens
+    if not any(key in case.body for key in lengths):
+        case.body[lengths[0]] = MAX_TOKENS  # Chat's and Responses' default without a context bound is 256 tokens
     if repair and path in VALID_INPUT:
         case.body.pop("model", None)
         key, value = VALID_INPUT[path]
         case.body[key] = value
 
 
-OPERATIONS = [("/health", "GET"), ("/v1/models", "GET"), ("/v1/completions", "POST"), ("/v1/chat/completions", "POST")]
+OPERATIONS = [("/health", "GET"), ("/v1/models", "GET"), ("/v1/completions", "POST"), ("/v1/chat/completions", "POST"),
+              ("/v1/responses", "POST")]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
