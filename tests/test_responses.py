@@ -250,6 +250,9 @@ def test_output_text_logprobs_equal_completions(server, core, stream):
     assert response.output_text == "".join(THINK_CHAIN[:8]).replace("Ġ", " ").replace("Ċ", "\n")
     assert all(not e.top_logprobs for e in response.output[0].content[0].logprobs)
     assert "".join(names) == response.output_text
+    stopped = check_stream(sse_events(url, {"input": "q", "stop": ["Hmm"], "max_output_tokens": 8, "include": INCLUDE}))
+    assert (stopped["status"], stopped["output"][0]["content"][0]["text"]) == ("completed", "<think>\n")
+    assert [e["token"] for e in stopped["output"][0]["content"][0]["logprobs"]] == ["<think>", "\n"]
     plain = client.responses.create(model="toy", input="q", max_output_tokens=3)
     assert plain.output[0].content[0].logprobs is None and plain.usage.output_tokens == 3
 
@@ -278,6 +281,9 @@ def test_reasoning_item_and_content_only_logprobs(think, stream):
     streamed = list(client.responses.create(model="toy", input="q", max_output_tokens=4, stream=True))
     assert streamed[-1].type == "response.incomplete"
     assert streamed[-1].response.output[0].type == "reasoning" and len(streamed[-1].response.output) == 1
+    with client.responses.stream(model="toy", input="q", max_output_tokens=len(THINK_CHAIN), include=INCLUDE) as s:
+        accumulated = [event for event in s][-1].response  # the SDK's own accumulator over the events
+    assert accumulated.output_text == CONTENT_TEXT and accumulated.status == "incomplete"
 
 
 # -- errors ----------------------------------------------------------------------------------------
