@@ -320,3 +320,30 @@ def test_official_client_sees_the_envelope_and_the_cli_checks_the_parser(server,
     result = CliRunner().invoke(app, ["serve", str(tmp_path), "--reasoning-parser", "xml"])
     assert result.exit_code == 2 and "--reasoning-parser must be one of plain, think, got 'xml'" in result.output
 
+
+
+def test_a_failure_after_admission(server):
+    """A loader failure: a 500 in the envelope, or, once streaming, an error event and response.failed."""
+    import asyncio
+
+    from ignition.serve.common import ApiError, GenerationError
+    from ignition.serve.responses import ResponsesRequest, _ResponsesView
+
+    class Failing:
+        async def next(self):
+            raise GenerationError("the loader failed this request")
+
+    def view():
+        return _ResponsesView(server[2].state.ctx, ResponsesRequest(input="q", include=INCLUDE), "resp_1", [0],
+                              OutputParser(), True)
+
+    async def stream():
+        return [event async for event in view().stream(Failing())]
+    events = [json.loads(text.split("data: ", 1)[1]) for text in asyncio.run(stream())]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    for event in events:
+        strict(EVENT_MODELS[event["type"]], event)
+    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "the loader failed this request"}
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(view().full(Failing()))
+    assert caught.value.status == 500 and caught.value.err_type == "InternalServerError"

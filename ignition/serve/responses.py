@@ -191,7 +191,8 @@ def _text_of(content, where: str) -> str:
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") in ("input_text", "output_text", "text")
                     and isinstance(part.get("text"), str)):
-                raise ApiError(f"{where}[{j}]: only text parts (input_text, output_text) are supported", f"{where}[{j}]")
+                raise ApiError(f"{where}[{j}]: only text parts (input_text, output_text) are supported",
+                               f"{where}[{j}]")
             parts.append(part["text"])
         return "\n".join(parts)
     raise ApiError(f"{where}: expected a string or a list of text parts", where)
@@ -288,7 +289,8 @@ class _ResponsesView(ResponseView):
                  parser: OutputParser, logprobs: bool):
         super().__init__(ctx, body, request_id, prompt_ids)
         table, skip = ctx.table, body.skip_special_tokens
-        self.attribution = TokenAttribution(parser, lambda t: bool(table.bytes[t]) and not (skip and t in table.special))
+        self.attribution = TokenAttribution(parser,
+                                            lambda t: bool(table.bytes[t]) and not (skip and t in table.special))
         self.logprobs = logprobs
         self.items: list[_Item] = []
         self.sequence = 0
