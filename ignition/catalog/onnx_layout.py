@@ -24,6 +24,9 @@ ONNX_SUFFIX = ".onnx"
 NEXT_TOKENS = "next_tokens"
 OUT_SUFFIX = ".out"
 WRITTEN_ROLES = (Role.OUTPUT, Role.STATE)
+ONNX_DTYPES = {"float32": 1, "uint8": 2, "int8": 3, "int16": 5, "int32": 6, "int64": 7, "bool": 9, "float16": 10,
+               "float64": 11, "bfloat16": 16}
+"""Declared dtype name -> ONNX TensorProto.DataType code."""
 
 
 def onnx_path(variant: str) -> str:

@@ -59,13 +59,14 @@ def float_bits(values: torch.Tensor) -> torch.Tensor:
         candidate = (index + step).clamp(max=top)
         index = torch.where(safe >= powers[candidate], candidate, index)
     mantissa = ((safe / powers[index] - 1.0) * float(1 << _MANTISSA_BITS)).to(torch.int64)
-    normal_bits = ((index + 1) << _MANTISSA_BITS) + mantissa  # biased exponent e + 127 = index + 1
+    normal_bits = (index + 1) * (1 << _MANTISSA_BITS) + mantissa  # biased exponent e + 127 = index + 1
     tiny = torch.where(normal | ~finite, 0.0, magnitude)  # subnormal magnitudes, else 0
     subnormal_bits = (tiny * math.ldexp(1.0, -_MIN_NORMAL_EXPONENT) * float(1 << _MANTISSA_BITS)).to(torch.int64)
     bits = torch.where(normal, normal_bits, subnormal_bits)
     bits = torch.where(finite, bits, _INF_BITS)
     bits = bits + torch.where(values < 0, _SIGN_BIT, 0)  # -0.0 < 0 is False: +0.0's bits
     bits = bits - torch.where(bits >= _SIGN_BIT, 1 << 32, 0)  # the int32 with those bits, still in int64
+    # NOTE: multiplications, not shifts: ONNX's BitShift is defined for unsigned types only.
     return torch.where(torch.isnan(values), NAN_BITS, bits).to(torch.int32)
 
 

@@ -27,19 +27,20 @@ memory; the weights stay stored once (0 extra bytes).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
+import onnx
 import torch
 
 from ignition.catalog.enums import Role
 from ignition.catalog.model import BufferDecl
-from ignition.catalog.onnx_layout import (NEXT_TOKENS, ONNX_OPSET, output_name, weights_as_inputs,
-                                          written_buffers)
+from ignition.catalog.onnx_layout import (NEXT_TOKENS, ONNX_DTYPES, ONNX_OPSET, onnx_path, output_name,
+                                          safetensors_offsets, weights_as_inputs, written_buffers)
 from ignition.components.onnx_reduction import STANDARD_FORMULATIONS
 
 
-
-class OnnxExportError(Exception):
+class OnnxExportError(ValueError):
     """A variant could not be written as ONNX; the message names it and the cause."""
 
 
@@ -66,16 +67,11 @@ def _standard_module(program: torch.export.ExportedProgram) -> torch.fx.GraphMod
     return module
 
 
-def _external_weight(name: str, decl: BufferDecl, offsets: dict[str, tuple[int, int]], weights_file: str):
-    import onnx
-    from onnx.helper import np_dtype_to_tensor_dtype
-
-    import numpy as np
-    tensor = onnx.TensorProto(name=name, dims=decl.shape,
-                              data_type=onnx.TensorProto.BFLOAT16 if decl.dtype == "bfloat16" else
-                              np_dtype_to_tensor_dtype(np.dtype(decl.dtype)))
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    offset, length = offsets[name]
+def _external_weight(decl: BufferDecl, offsets: dict[str, tuple[int, int]], weights_file: str) -> onnx.TensorProto:
+    """An initializer whose bytes are the weight's own bytes inside the core's safetensors file."""
+    tensor = onnx.TensorProto(name=decl.name, dims=decl.shape, data_type=ONNX_DTYPES[decl.dtype],
+                              data_location=onnx.TensorProto.EXTERNAL)
+    offset, length = offsets[decl.name]
     for key, value in (("location", weights_file), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
@@ -118,8 +114,6 @@ def _strip(model) -> None:
 def export_onnx(program: torch.export.ExportedProgram, arguments: list[BufferDecl], example: dict[str, torch.Tensor],
                 weight_offsets: dict[str, tuple[int, int]], weights_file: str, path: Path, where: str) -> None:
     """Write ``program`` (the variant's captured program) as a deterministic ONNX file at ``path``."""
-    import onnx
-
     written = written_buffers(arguments)
     module = _Functional(_standard_module(program), written)
     onnx_log = logging.getLogger("torch.onnx")
@@ -149,8 +143,31 @@ def export_onnx(program: torch.export.ExportedProgram, arguments: list[BufferDec
     kept = [value for value in model.graph.input if value.name not in weights]
     del model.graph.input[:]
     model.graph.input.extend(kept)
-    model.graph.initializer.extend(_external_weight(name, decl, weight_offsets, weights_file)
-                                   for name, decl in weights.items())
+    model.graph.initializer.extend(_external_weight(decl, weight_offsets, weights_file) for decl in weights.values())
     _strip(model)
     onnx.checker.check_model(weights_as_inputs(model), full_check=False)  # validate-core runs the full check
     Path(path).write_bytes(model.SerializeToString(deterministic=True))
+
+
+def export_variants(build, programs: dict[str, torch.export.ExportedProgram], staging: Path, weights_file: str,
+                    progress=lambda stage, item: None) -> dict[str, float]:
+    """Write every variant of ``build`` as ONNX beside its ``.pt2`` and name it in ``packages.onnx``.
+
+    ``weights_file`` must already be written in ``staging``. Returns wall seconds per variant.
+    """
+    from ignition.exporter.export import example_buffers
+
+    if build.model["dtype"] == "bfloat16":
+        raise OnnxExportError("--onnx: the model's weights are bfloat16, which onnxruntime's CPU provider cannot "
+                              "multiply (no bfloat16 MatMul); export with --dtype float32 or float16")
+    offsets = safetensors_offsets(staging / weights_file)
+    timings = {}
+    for graph in build.graphs:
+        started = time.perf_counter()
+        variant = graph.variant
+        progress("onnx", variant.name)
+        export_onnx(programs[variant.name], variant.arguments, example_buffers(graph, build.weights), offsets,
+                    weights_file, staging / onnx_path(variant.name), f"variant {variant.name}")
+        variant.packages["onnx"] = onnx_path(variant.name)
+        timings[f"onnx:{variant.name}"] = time.perf_counter() - started
+    return timings
