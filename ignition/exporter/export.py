@@ -96,6 +96,9 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         started = time.perf_counter()
         progress("build", options.recipe)
         build = build_recipe(options)
+        if options.onnx:
+            from ignition.exporter.onnx_export import check_exportable
+            check_exportable(build)
         timings["build"] = time.perf_counter() - started
         started = time.perf_counter()
         kernels = None

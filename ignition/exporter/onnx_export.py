@@ -149,6 +149,13 @@ def export_onnx(program: torch.export.ExportedProgram, arguments: list[BufferDec
     Path(path).write_bytes(model.SerializeToString(deterministic=True))
 
 
+def check_exportable(build) -> None:
+    """Refuse, before any capture, a build whose ONNX graphs onnxruntime could not run."""
+    if build.model["dtype"] == "bfloat16":
+        raise OnnxExportError("--onnx: the model's weights are bfloat16, which onnxruntime's CPU provider cannot "
+                              "multiply (it has no bfloat16 MatMul); export with --dtype float32 or float16")
+
+
 def export_variants(build, programs: dict[str, torch.export.ExportedProgram], staging: Path, weights_file: str,
                     progress=lambda stage, item: None) -> dict[str, float]:
     """Write every variant of ``build`` as ONNX beside its ``.pt2`` and name it in ``packages.onnx``.
@@ -157,9 +164,6 @@ def export_variants(build, programs: dict[str, torch.export.ExportedProgram], st
     """
     from ignition.exporter.export import example_buffers
 
-    if build.model["dtype"] == "bfloat16":
-        raise OnnxExportError("--onnx: the model's weights are bfloat16, which onnxruntime's CPU provider cannot "
-                              "multiply (no bfloat16 MatMul); export with --dtype float32 or float16")
     offsets = safetensors_offsets(staging / weights_file)
     timings = {}
     for graph in build.graphs:
