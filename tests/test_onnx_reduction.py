@@ -30,7 +30,7 @@ from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, PROMPT_ROW_WID
 from ignition.catalog.enums import Role  # noqa: E402
 from ignition.catalog.model import BufferDecl  # noqa: E402
 from ignition.components.logprobs import reduce_logprobs_reference  # noqa: E402
-from ignition.components.onnx_reduction import float_bits, reduce_logprobs_standard  # noqa: E402
+from ignition.components.onnx_standard import float_bits, reduce_logprobs_standard  # noqa: E402
 from ignition.components.prompt_scoring import score_rows_reference  # noqa: E402
 
 VOCAB, PADDED, K = 250, 256, 20

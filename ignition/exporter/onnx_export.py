@@ -9,9 +9,10 @@ memory of input ``<buffer>`` (onnxruntime IOBinding), so the update happens in p
 Steps per variant:
 
 1. the captured program's opaque reduction nodes are replaced by their standard-operator
-   formulations (``ignition.components.onnx_reduction``);
+   formulations (``ignition.components.onnx_standard``);
 2. a wrapper clones the written buffers and returns them; ``torch.export`` traces it and
-   ``torch.onnx.export(dynamo=True)`` translates it to opset 18;
+   ``torch.onnx.export(dynamo=True)`` translates it to opset 18 (unoptimized: onnxruntime
+   optimizes at session creation);
 3. weights become initializers whose data is *external*: ``location`` ``weights.safetensors``
    with the offset and length of that tensor's bytes inside the core's one safetensors file (the
    safetensors data section is raw little-endian row-major, as ONNX's external data is);
@@ -37,7 +38,7 @@ from ignition.catalog.enums import Role
 from ignition.catalog.model import BufferDecl
 from ignition.catalog.onnx_layout import (NEXT_TOKENS, ONNX_DTYPES, ONNX_OPSET, onnx_path, output_name,
                                           safetensors_offsets, weights_as_inputs, written_buffers)
-from ignition.components.onnx_reduction import STANDARD_FORMULATIONS
+from ignition.components.onnx_standard import STANDARD_FORMULATIONS
 
 
 class OnnxExportError(ValueError):
@@ -121,7 +122,9 @@ def export_onnx(program: torch.export.ExportedProgram, arguments: list[BufferDec
     onnx_log.setLevel(logging.ERROR)  # it warns about optional torchvision ops on every export
     try:
         functional = torch.export.export(module, (example,), strict=False)
-        onnx_program = torch.onnx.export(functional, (), dynamo=True, opset_version=ONNX_OPSET, optimize=True,
+        # NOTE: optimize=False: onnxscript's rewriter tripled the export time of a decoder variant, and
+        # onnxruntime folds constants and fuses at session creation anyway.
+        onnx_program = torch.onnx.export(functional, (), dynamo=True, opset_version=ONNX_OPSET, optimize=False,
                                          verbose=False)
     except Exception as exc:  # the exporter raises many types
         raise OnnxExportError(f"{where}: torch.onnx.export failed: {type(exc).__name__}: {str(exc)[:800]}") from exc

@@ -1,8 +1,9 @@
-"""The logprob reductions in standard ONNX operators, for the ONNX capture only.
+"""Standard-ONNX-operator formulations of what ``torch.onnx`` cannot translate, for the ONNX capture only.
 
 ``torch.onnx`` cannot translate the opaque ``ignition::reduce_logprobs`` and
-``ignition::score_prompt_rows`` nodes, so the ONNX exporter replaces each of them with the
-function below of the same signature. Both keep the reference's contract
+``ignition::score_prompt_rows`` nodes (nor ``aten.sort.stable``, which sampling uses), so the
+ONNX exporter replaces each such node with the function below of the same signature. The two
+reductions keep the reference's contract
 (``ignition.components.logprobs``, ``ignition.components.prompt_scoring``) with static shapes and
 tensor-only control flow, and every step is one standard operator (opset 18):
 
@@ -153,8 +154,16 @@ def score_prompt_rows_standard(logits, targets, out, out_rows, vocab_size: int) 
     flat.index_put_((out_rows,), torch.where(valid, row, _invalid_prompt_row(out.device)))
 
 
+def stable_sort_standard(values: torch.Tensor, *, stable: bool | None = None, dim: int = -1,
+                         descending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.sort(stable=True)`` as one ``TopK(k = the extent, sorted=1)``: ONNX specifies that equal
+    elements keep the lower index first, which is exactly a stable sort (descending or ascending)."""
+    return values.topk(values.shape[dim], dim=dim, largest=descending, sorted=True)
+
+
 STANDARD_FORMULATIONS = {
     "ignition.reduce_logprobs.default": reduce_logprobs_standard,
     "ignition.score_prompt_rows.default": score_prompt_rows_standard,
+    "aten.sort.stable": stable_sort_standard,
 }
-"""Opaque op (as named in an exported graph) -> its standard-operator formulation."""
+"""Node target (as named in an exported graph) -> its standard-operator formulation."""
