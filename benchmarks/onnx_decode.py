@@ -39,11 +39,12 @@ def main() -> None:
                       chunk_limit=64, onnx=True)
         prompts = [[(17 * i + 5 * j) % 300 for j in range(24)] for i in range(args.batch)]
         tokens = args.batch * args.tokens
-        print(f"tiny Qwen3 example (2 layers, d=64, vocab 300+), {args.batch} requests x {args.tokens} tokens, "
-              f"{args.threads} thread(s)")
         results = {}
         for runtime in ("torch", "onnxruntime"):
             loaded = load_core(core, runtime=runtime)
+            if runtime == "torch":
+                print(f"tiny Qwen3 example (2 layers, d=64, vocab {loaded.vocab_size}), {args.batch} requests x "
+                      f"{args.tokens} tokens, {args.threads} thread(s)")
             for logprobs in (None, 5):
                 def run():
                     requests = [Request(p, max_tokens=args.tokens, logprobs=logprobs, ignore_eos=True) for p in prompts]

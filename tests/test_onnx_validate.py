@@ -146,3 +146,14 @@ def test_unlisted_onnx_file_is_refused(toy_core, tmp_path):
     (tmp_path / "core" / "graphs" / "decode.c1.onnx").write_bytes(b"")
     result = CliRunner().invoke(app, ["validate-core", str(tmp_path / "core"), "--json"])
     assert result.exit_code == 1 and "FILE-EXTRA" in {f["rule"] for f in json.loads(result.stdout)["violations"]}
+
+
+def test_late_read_through_an_alias(onnx_copy):
+    """Reading a Reshape of the written input counts too: onnxruntime may run the Reshape as an alias."""
+    def fn(model):
+        shape = onnx.helper.make_tensor("flat_shape", onnx.TensorProto.INT64, [1], [-1])
+        model.graph.initializer.append(shape)
+        model.graph.node.extend([onnx.helper.make_node("Reshape", ["completion_logprobs", "flat_shape"], ["flat"]),
+                                 onnx.helper.make_node("Neg", ["flat"], ["late_read"])])
+    mutate(onnx_copy, fn)
+    assert "ONNX-INPLACE" in onnx_rules(onnx_copy)

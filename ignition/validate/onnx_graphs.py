@@ -21,6 +21,7 @@ from ignition.validate.report import Violation
 
 _DTYPE_NAMES = {code: name for name, code in ONNX_DTYPES.items()}
 STANDARD_DOMAINS = ("", "ai.onnx")
+ALIASING_OPS = ("Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 
 
 def check_pairing(variants: list[dict]) -> list[Violation]:
@@ -99,11 +100,13 @@ def _check_weights(model, where: str, weights: list[BufferDecl], weights_file: s
 
 
 def inplace_hazards(model, written: list[str]) -> list[str]:
-    """Written buffers whose input is read by a node that may run after ``<buffer>.out`` is produced.
+    """Written buffers whose old value may be read after ``<buffer>.out`` is written in place.
 
     A runtime binds ``<buffer>`` and ``<buffer>.out`` to one memory. That is safe when every node
-    reading the input is the output's producer or one of its ancestors: onnxruntime runs nodes in
-    a topological order, so all reads of the old value then finish before the new value lands.
+    reading the input, or a value that may share its memory (onnxruntime may run Identity,
+    Reshape, Squeeze, Unsqueeze and Flatten as aliases), is the output's producer or one of its
+    ancestors: onnxruntime runs nodes in a topological order, so every read of the old value then
+    finishes before the new value lands.
     """
     producer = {out: node for node in model.graph.node for out in node.output}
     readers = defaultdict(list)
@@ -122,7 +125,14 @@ def inplace_hazards(model, written: list[str]) -> list[str]:
             if node is not None and id(node) not in ancestors:
                 ancestors.add(id(node))
                 stack.extend(node.input)
-        late = [n for n in readers[buffer] if n is not final and id(n) not in ancestors]
+        aliases, stack = {buffer}, [buffer]
+        while stack:
+            for node in readers[stack.pop()]:
+                if node.op_type in ALIASING_OPS and node.input[0] in aliases and node.output[0] not in aliases:
+                    aliases.add(node.output[0])
+                    stack.append(node.output[0])
+        late = [n for name in sorted(aliases) for n in readers[name]
+                if n is not final and id(n) not in ancestors and not (n.op_type in ALIASING_OPS and n.output[0] in aliases)]
         if late:
             hazards.append(f"{buffer} is read by {', '.join(f'{n.op_type} {n.name}' for n in late[:3])}, which may "
                            f"run after {output_name(buffer)} is written in place")
