@@ -103,30 +103,30 @@ def decoder_core(request, tmp_path_factory):
 
 
 def test_toy_replay_matches_torch(toy_onnx_core):
-    want, got, _ = replay_both(toy_onnx_core, 250, scored=True)
+    """Engine replay on both runtimes, then the issue's acceptance command: ``ignition run --json``."""
+    want, got, torch_core = replay_both(toy_onnx_core, 250, scored=True)
     assert_same_results(want, got)
-
-
-def test_decoder_replay_matches_torch(decoder_core):
-    """Engine replay on both runtimes; for qwen3 also the issue's acceptance command, ``ignition run --json``."""
-    family, core = decoder_core
-    want, got, torch_core = replay_both(core, VOCAB, scored=family == "qwen3")
-    assert_same_results(want, got)
-    assert any(r.prompt_entries for r in got) == (family == "qwen3")
-    if family != "qwen3":
-        return
     prompt = "3,1,4,1,5,9,2,6"
     (expected,) = Engine(torch_core).generate([Request([int(t) for t in prompt.split(",")], max_tokens=5,
-                                                            logprobs=20, prompt_logprobs=5)])
-    result = CliRunner().invoke(app, ["run", str(core), "--prompt-ids", prompt, "--max-tokens", "5", "--logprobs", "20",
-                                      "--prompt-logprobs", "5", "--json", "--device", "cpu", "--runtime", "onnxruntime"])
+                                                        logprobs=20, prompt_logprobs=5)])
+    result = CliRunner().invoke(app, ["run", str(toy_onnx_core), "--prompt-ids", prompt, "--max-tokens", "5",
+                                      "--logprobs", "20", "--prompt-logprobs", "5", "--json", "--device", "cpu",
+                                      "--runtime", "onnxruntime"])
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert [t["id"] for t in got["tokens"]] == expected.token_ids
-    for entry, token in zip(expected.entries, got["tokens"]):
+    for entry, token in zip(expected.entries, got["tokens"], strict=True):
         assert_same_entry(entry, TokenEntry(token["id"], token["logprob"],
                                             [(t["id"], t["logprob"]) for t in token["top_logprobs"]]))
     assert_same_prompt_entries(expected.prompt_entries, got["prompt_logprobs"])
+
+
+def test_decoder_replay_matches_torch(decoder_core):
+    """qwen3 with prompt scoring, llama without: concurrent requests on both runtimes."""
+    family, core = decoder_core
+    want, got, _ = replay_both(core, VOCAB, scored=family == "qwen3")
+    assert_same_results(want, got)
+    assert any(r.prompt_entries for r in got) == (family == "qwen3")
 
 
 def test_weights_are_external_data_in_the_one_safetensors(toy_onnx_core):
