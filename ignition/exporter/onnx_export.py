@@ -8,8 +8,8 @@ memory of input ``<buffer>`` (onnxruntime IOBinding), so the update happens in p
 
 Steps per variant:
 
-1. the captured program's opaque reduction nodes are replaced by their standard-operator
-   formulations (``ignition.components.onnx_standard``);
+1. the captured program's opaque reduction nodes (and stable sorts) are replaced by their
+   standard-operator formulations (``ignition.components.onnx_standard``);
 2. a wrapper clones the written buffers and returns them; ``torch.export`` traces it and
    ``torch.onnx.export(dynamo=True)`` translates it to opset 18 (unoptimized: onnxruntime
    optimizes at session creation);
@@ -59,7 +59,7 @@ class _Functional(torch.nn.Module):
 
 
 def _standard_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
-    """The program's module with every opaque reduction node calling its standard formulation."""
+    """The program's module with every node torch.onnx cannot translate calling its standard formulation."""
     module = program.module()
     for node in module.graph.nodes:
         if node.op == "call_function" and str(node.target) in STANDARD_FORMULATIONS:
