@@ -55,6 +55,14 @@ def _trusted_key(path: Optional[Path]):
 
 TRUSTED_KEY_HELP = "Ed25519 public key (PEM): the core must carry a signature by it; a signed core may load compiled packages"
 TRUST_COMPILED_HELP = "Load AOTInductor packages (native code) even from an unsigned core"
+RUNTIME_HELP = "Backend replaying the graphs: torch (.pt2 programs) or onnxruntime (the core's ONNX graphs, --onnx)"
+
+
+def _runtime(value: str) -> str:
+    from ignition.runtime.onnx_backend import RUNTIMES
+    if value not in RUNTIMES:
+        raise typer.BadParameter(f"expected one of {', '.join(RUNTIMES)}, got {value!r}", param_hint="--runtime")
+    return value
 
 
 @app.command("export-core")
@@ -77,6 +85,7 @@ def export_core_cmd(
     seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
+    onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
@@ -97,7 +106,7 @@ def export_core_cmd(
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
-            tokenizer=tokenizer)
+            tokenizer=tokenizer, onnx=onnx)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),
@@ -184,15 +193,17 @@ BATCH_INVARIANT_OPTION = typer.Option(False, "--batch-invariant",
                                       help="Decode in the largest variant: results independent of co-batching")
 TRUST_COMPILED_OPTION = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP)
 TRUSTED_KEY_OPTION = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP)
+RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=_runtime, help=RUNTIME_HELP)
 
 
-def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path]):
+def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
+          runtime: str = "torch"):
     """load_core for run and serve: a core that cannot load exits 1 with the reason."""
     from ignition.runtime.core import CoreLoadError, load_core
 
     try:
         return load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                         trusted_key=_trusted_key(trusted_key))
+                         trusted_key=_trusted_key(trusted_key), runtime=runtime)
     except CoreLoadError as exc:
         console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
@@ -218,6 +229,7 @@ def run_cmd(
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
+    runtime: str = RUNTIME_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.present import render_run, run_json
@@ -236,7 +248,7 @@ def run_cmd(
         raise _fail(f"--{exc.param.replace('_', '-')}: {exc}") from None
     ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
     selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
-    loaded = _load(core, device, eager, trust_compiled, trusted_key)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime)
     if prompt is not None:
         if loaded.tokenizer is None:
             console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
@@ -272,16 +284,16 @@ def serve_cmd(
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
+    runtime: str = RUNTIME_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
     from ignition.serve.app import serve
-
     from ignition.serve.parsers import PARSERS
 
     _check_limits(port=port)
     if reasoning_parser not in PARSERS:
         raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
-    loaded = _load(core, device, eager, trust_compiled, trusted_key)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime)
     serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant,
           reasoning_parser=reasoning_parser)
 

@@ -73,3 +73,13 @@ def core_copy(toy_core, tmp_path) -> CoreCopy:
     dest = tmp_path / "core"
     shutil.copytree(toy_core, dest)
     return CoreCopy(dest)
+
+
+@pytest.fixture(scope="session")
+def toy_onnx_core(tmp_path_factory) -> Path:
+    """A toy core with ONNX graphs and prompt scoring: decode.c4, prefill.t64, scored.t64."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    out = tmp_path_factory.mktemp("cores") / "toy-onnx"
+    export_core(ExportOptions(recipe="toy", capacities=(4,), chunk_limit=64, prompt_logprobs=True, onnx=True), out)
+    return out

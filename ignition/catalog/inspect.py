@@ -41,6 +41,14 @@ def scoring_cost(report, budget: int | None) -> dict:
     return cost
 
 
+def variant_files(root, variant: dict) -> dict[str, dict]:
+    """Each runtime's file for a variant: torch (.pt2), inductor (AOTInductor package), onnxruntime (.onnx)."""
+    files = {"torch": variant["graph"]} | {("onnxruntime" if kind == "onnx" else kind): path
+                                            for kind, path in variant.get("packages", {}).items()}
+    return {runtime: {"path": path, "bytes": (root / path).stat().st_size if (root / path).is_file() else None}
+            for runtime, path in files.items()}
+
+
 def inspect_core(report, budget: int | None = None) -> dict:
     manifest, catalog = report.manifest, report.catalog
     variants = []
@@ -53,6 +61,7 @@ def inspect_core(report, budget: int | None = None) -> dict:
             "buffers": [{"name": d.name, "dtype": d.dtype, "shape": d.shape, "role": d.role.name.lower(), "bytes": d.nbytes}
                         for d in decls if d.role.name != "WEIGHT"],
             "launches": v["launches"],
+            "files": variant_files(report.path, v),
         })
     weights = {a["name"]: BufferDecl.from_json(a).nbytes for v in catalog["variants"] for a in v["arguments"] if a["role"] == "weight"}
     outputs = {(v["name"], b["name"]): b["bytes"] for v in variants for b in v["buffers"] if b["role"] == "output"}
@@ -67,6 +76,7 @@ def inspect_core(report, budget: int | None = None) -> dict:
         "completion_token_capacity": manifest_token_capacity(manifest),
         "features": manifest["features"] | {"k": manifest["k"]},
         "targets": manifest["targets"],
+        "runtimes": ["torch"] + (["onnxruntime"] if variants and all("onnxruntime" in v["files"] for v in variants) else []),
         "variants": variants,
         "memory": {"weights_bytes": sum(weights.values()), "state_bytes": state,
                    "completion_frame_bytes": sum(outputs.values())} | scoring_cost(report, budget),
@@ -97,6 +107,16 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
     for v in summary["variants"]:
         launches.add_row(v["name"], ", ".join(v["launches"]) or "-")
     console.print(launches)
+    runtimes = sorted({runtime for v in summary["variants"] for runtime in v["files"]}, key=["torch", "inductor", "onnxruntime"].index)
+    files = Table(title=f"graph files per runtime (runtimes: {', '.join(summary['runtimes'])})")
+    files.add_column("variant")
+    for runtime in runtimes:
+        files.add_column(runtime)
+    for v in summary["variants"]:
+        cells = [v["files"].get(runtime) for runtime in runtimes]
+        files.add_row(v["name"], *(f"{c['path']} ({c['bytes']:,} B)" if c and c["bytes"] is not None else
+                                   (c["path"] if c else "-") for c in cells))
+    console.print(files)
     if memory:
         table = Table(title="physical bytes")
         table.add_column("class")

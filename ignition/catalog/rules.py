@@ -70,6 +70,19 @@ RULES = {
     "GRAPH-LOAD": "Every variant's .pt2 loads with torch.export.load (after the safe reader accepted it).",
     "GRAPH-SIGNATURE": "The .pt2's inputs and outputs have the declared names, dtypes and shapes, in order.",
     "GRAPH-MUTATION": "The graph writes its outputs and state, and never writes inputs or weights.",
+    "ONNX-PAIRING": "ONNX graphs and .pt2 variants match one-to-one: none, or every variant names graphs/<name>.onnx "
+                    "in packages.onnx.",
+    "ONNX-LOAD": "Every ONNX graph parses as an ONNX model (protobuf only; nothing executes).",
+    "ONNX-CHECKER": "onnx.checker.check_model(full_check=True) accepts every ONNX graph (weights presented as typed "
+                    "inputs, since their external data lives at the core root).",
+    "ONNX-OPSET": "ONNX graphs use the default domain at opset >= 18 and nothing else: no custom domains or functions.",
+    "ONNX-INPUTS": "An ONNX graph's inputs are the variant's non-weight arguments: names, dtypes, shapes, in order.",
+    "ONNX-OUTPUTS": "An ONNX graph's outputs are next_tokens, then <buffer>.out for each output and state buffer, in "
+                    "argument order, with the declared dtypes and shapes.",
+    "ONNX-WEIGHTS": "Every weight is an initializer with external data in the manifest's weights file at that "
+                    "tensor's own offset and length, with the declared dtype and shape; nothing else is external.",
+    "ONNX-INPLACE": "Every node reading a written buffer's input is the producer of <buffer>.out or one of its "
+                    "ancestors, so binding both to one memory is safe.",
     "KERNEL-MISSING": "Every launch of every variant has a prepared binary for every target.",
     "KERNEL-FILE": "Kernel binaries exist inside the core.",
     "KERNEL-HASH": "Kernel binaries match their recorded sha256.",

@@ -96,6 +96,9 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         started = time.perf_counter()
         progress("build", options.recipe)
         build = build_recipe(options)
+        if options.onnx:
+            from ignition.exporter.onnx_export import check_exportable
+            check_exportable(build)
         timings["build"] = time.perf_counter() - started
         started = time.perf_counter()
         kernels = None
@@ -107,6 +110,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         timings["prepare"] = time.perf_counter() - started
 
         (staging / "graphs").mkdir()
+        programs = {}  # kept for the ONNX stage
         for graph in build.graphs:
             started = time.perf_counter()
             progress("capture", graph.variant.name)
@@ -118,6 +122,8 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
                     raise ExportError(f"variant {graph.variant.name}: {mismatch}")
             save_program(program, staging, graph.variant.graph_file)
             timings[f"capture:{graph.variant.name}"] = time.perf_counter() - started
+            if options.onnx:
+                programs[graph.variant.name] = program
             if options.compile == "inductor":  # after kernel preparation; the reduction stays one opaque op
                 from ignition.exporter.compile import compile_inductor, package_path
                 started = time.perf_counter()
@@ -130,6 +136,9 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         started = time.perf_counter()
         progress("write", str(out))
         save_file({name: t.contiguous() for name, t in build.weights.items()}, str(staging / WEIGHTS_FILE))
+        if options.onnx:  # after the weights: each graph's external data points into weights.safetensors
+            from ignition.exporter.onnx_export import export_variants
+            timings |= export_variants(build, programs, staging, WEIGHTS_FILE, progress)
         if build.tokenizer_dir is not None:  # a private copy the recipe made (recipes/tokenizer.py): no links
             shutil.copytree(build.tokenizer_dir, staging / "tokenizer", symlinks=True)
         for name, data in build.extra_files.items():

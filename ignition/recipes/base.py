@@ -37,6 +37,7 @@ class ExportOptions:
     max_seq_len: int = 512
     num_slots: int | None = None
     compile: str | None = None
+    onnx: bool = False  # also write graphs/<variant>.onnx for onnxruntime
     seed: int = 0
     tokenizer: Path | None = None  # a directory with tokenizer.json (+ tokenizer_config.json) to ship in the core
     logprob_k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)

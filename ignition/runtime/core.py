@@ -17,6 +17,7 @@ from ignition.components.device_reduction import install_reduction, jit_opted_in
 from ignition.runtime.device import move_program, resolve_device
 from ignition.runtime.graphs import CaptureReport, capture_variants
 from ignition.runtime.launcher import LauncherError, PreparedReduction
+from ignition.runtime.onnx_backend import RUNTIMES
 from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 
@@ -57,6 +58,7 @@ class LoadedCore:
     transfer: HostTransfer | None = None
     reduction: PreparedReduction | None = None  # CUDA: the prepared-kernel launcher
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
+    runtime: str = "torch"  # the backend chosen at load: torch or onnxruntime
 
     @property
     def features(self) -> dict:
@@ -131,6 +133,22 @@ def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, devi
     return program.module()
 
 
+def _onnx_backend(root: Path, weights: dict[str, torch.Tensor], device: torch.device):
+    from ignition.runtime.onnx_backend import OnnxBackendError, OnnxRuntimeBackend
+    try:
+        return OnnxRuntimeBackend(root, weights, device)
+    except OnnxBackendError as exc:
+        raise CoreLoadError(f"{root}: {exc}") from None
+
+
+def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]):
+    from ignition.runtime.onnx_backend import OnnxBackendError
+    try:
+        return backend.variant_run(entry, arguments, buffers)
+    except OnnxBackendError as exc:
+        raise CoreLoadError(f"{backend.root}: {exc}") from None
+
+
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
     """Install the op's implementation for a CUDA device: the core's prepared cubins (or JIT, opted in)."""
     if device.type != "cuda":
@@ -149,7 +167,7 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
 
 
 def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True, *,
-              eager: bool = False, trust_compiled: bool = False, trusted_key=None) -> LoadedCore:
+              eager: bool = False, trust_compiled: bool = False, trusted_key=None, runtime: str = "torch") -> LoadedCore:
     """Validate the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
 
     ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. On CUDA the reduction launches the core's
@@ -159,8 +177,13 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     Compiled packages hold native code, so they are loaded only when ``trust_compiled`` is set or the
     core's signature verifies against ``trusted_key`` (an Ed25519 public key or its PEM path; with a
     key, an unsigned or wrongly signed core is refused). Otherwise the portable ``.pt2`` runs, with a warning.
+
+    ``runtime`` chooses the backend once: ``torch`` (the ``.pt2`` programs or compiled packages) or
+    ``onnxruntime`` (the core's ONNX graphs, exported with ``--onnx``; see ``ignition.runtime.onnx_backend``).
     """
     root = Path(path)
+    if runtime not in RUNTIMES:
+        raise CoreLoadError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     try:
         device = resolve_device(device)
     except ValueError as exc:
@@ -172,9 +195,11 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
-    prefer_compiled = prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
-    reduction = _device_reduction(root, report, device)
+    onnx = runtime == "onnxruntime"
+    prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
+    reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
+    backend = _onnx_backend(root, weights, device) if onnx else None
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants = {}
     for entry in catalog["variants"]:
@@ -187,15 +212,16 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        run = _load_runnable(root, entry, prefer_compiled, report.programs[entry["name"]], device)
+        run = _onnx_run(backend, entry, arguments, buffers) if onnx else \
+            _load_runnable(root, entry, prefer_compiled, report.programs[entry["name"]], device)
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
             layout=entry["contract"]["layout"], run=run, buffers=buffers)
     capture = None
-    if device.type == "cuda" and not eager:
+    if device.type == "cuda" and not eager and not onnx:
         capture = capture_variants(variants, report.programs, state, device)
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=_load_tokenizer(root), device=device, transfer=HostTransfer(device),
-                      reduction=reduction, capture=capture)
+                      reduction=reduction, capture=capture, runtime=runtime)
 

@@ -135,3 +135,5 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
             report.violations += found
             if program is not None:
                 report.programs[variant["name"]] = program
+        from ignition.validate.onnx_graphs import check_onnx
+        report.violations += check_onnx(root, manifest, variants, broken)
