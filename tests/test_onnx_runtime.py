@@ -24,7 +24,7 @@ pytest.importorskip("onnxscript")
 from ignition.catalog.onnx_layout import external_data, safetensors_offsets  # noqa: E402
 from ignition.cli import app  # noqa: E402
 from ignition.exporter.export import export_core  # noqa: E402
-from ignition.exporter.writer import sha256_file  # noqa: E402
+from ignition.catalog.hashing import sha256_file  # noqa: E402
 from ignition.recipes.base import ExportOptions  # noqa: E402
 from ignition.runtime.core import CoreLoadError, load_core  # noqa: E402
 from ignition.runtime.engine import Engine  # noqa: E402

@@ -18,7 +18,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from ignition.cli import app  # noqa: E402
 from ignition.validate.onnx_graphs import check_onnx  # noqa: E402
-from ignition.validate.rules import RULES  # noqa: E402
+from ignition.catalog.rules import RULES  # noqa: E402
 from tests.conftest import CoreCopy  # noqa: E402
 
 GRAPH = "graphs/decode.c4.onnx"
