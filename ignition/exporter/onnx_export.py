@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import onnx
@@ -117,19 +118,25 @@ def export_onnx(program: torch.export.ExportedProgram, arguments: list[BufferDec
     """Write ``program`` (the variant's captured program) as a deterministic ONNX file at ``path``."""
     written = written_buffers(arguments)
     module = _Functional(_standard_module(program), written)
-    onnx_log = logging.getLogger("torch.onnx")
-    level = onnx_log.level
-    onnx_log.setLevel(logging.ERROR)  # it warns about optional torchvision ops on every export
+    # Both loggers print on every export: torch.onnx about optional torchvision ops, onnx_ir about
+    # empty-list attributes (which it types as INTS, the type the ops declare).
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
     try:
-        functional = torch.export.export(module, (example,), strict=False)
-        # NOTE: optimize=False: onnxscript's rewriter tripled the export time of a decoder variant, and
-        # onnxruntime folds constants and fuses at session creation anyway.
-        onnx_program = torch.onnx.export(functional, (), dynamo=True, opset_version=ONNX_OPSET, optimize=False,
-                                         verbose=False)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)  # torch's own pytree
+            functional = torch.export.export(module, (example,), strict=False)
+            # NOTE: optimize=False: onnxscript's rewriter tripled the export time of a decoder variant, and
+            # onnxruntime folds constants and fuses at session creation anyway.
+            onnx_program = torch.onnx.export(functional, (), dynamo=True, opset_version=ONNX_OPSET, optimize=False,
+                                             verbose=False)
     except Exception as exc:  # the exporter raises many types
         raise OnnxExportError(f"{where}: torch.onnx.export failed: {type(exc).__name__}: {str(exc)[:800]}") from exc
     finally:
-        onnx_log.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
     graph = onnx_program.model.graph
     if len(graph.inputs) != len(arguments) or len(graph.outputs) != 1 + len(written):
         raise OnnxExportError(f"{where}: expected {len(arguments)} inputs and {1 + len(written)} outputs, "
