@@ -1,0 +1,53 @@
+"""The issue-14 acceptance check as a script: ``ignition run`` on both runtimes, compared.
+
+``python -m benchmarks.onnx_parity CORE`` runs ``ignition run CORE PROMPT --logprobs 20
+--prompt-logprobs 5 --json`` with ``--runtime torch`` and ``--runtime onnxruntime`` (the core must
+have been exported with ``--onnx --prompt-logprobs``), asserts the same tokens, logprob ids and
+order, prompt ids, ranks and alternative ids, and prints the largest value differences: absolute,
+and relative to ``max(1, |v|)`` (the tolerance the tests use, docs/api.md "ONNX graphs").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+
+def run(core: str, prompt: str, tokens: int, runtime: str) -> dict:
+    command = [sys.executable, "-m", "ignition.cli", "run", core, prompt, "--max-tokens", str(tokens),
+               "--logprobs", "20", "--prompt-logprobs", "5", "--json", "--runtime", runtime]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def pairs(want: dict, got: dict):
+    """(reference, other) logprob values of one entry, after checking its ids agree."""
+    assert want["id"] == got["id"], (want["id"], got["id"])
+    assert [t["id"] for t in want["top_logprobs"]] == [t["id"] for t in got["top_logprobs"]]
+    yield want["logprob"], got["logprob"]
+    yield from ((a["logprob"], b["logprob"]) for a, b in zip(want["top_logprobs"], got["top_logprobs"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("core")
+    parser.add_argument("--prompt", default="Hello world")
+    parser.add_argument("--tokens", type=int, default=16)
+    args = parser.parse_args()
+    want, got = (run(args.core, args.prompt, args.tokens, runtime) for runtime in ("torch", "onnxruntime"))
+    values = [v for a, b in zip(want["tokens"], got["tokens"], strict=True) for v in pairs(a, b)]
+    prompt = []
+    for a, b in zip(want["prompt_logprobs"], got["prompt_logprobs"], strict=True):
+        assert (a is None) == (b is None) and (a is None or a["rank"] == b["rank"]), (a, b)
+        prompt += [] if a is None else list(pairs(a, b))
+    for name, found in (("generated", values), ("prompt", prompt)):
+        print(f"{name}: {len(found)} values, same ids and order; max |d| {max(abs(a - b) for a, b in found):.3g}, "
+              f"max |d|/max(1,|v|) {max(abs(a - b) / max(1.0, abs(a)) for a, b in found):.3g}")
+
+
+if __name__ == "__main__":
+    main()
