@@ -205,4 +205,4 @@ def test_cli_run_json(toy_core, oracle):
     assert [t["id"] for t in out["tokens"]] == greedy_chain(oracle, 5, 3)
     assert all(len(t["top_logprobs"]) == 2 and set(t) == {"id", "text", "logprob", "top_logprobs"} for t in out["tokens"])
     rejected = CliRunner().invoke(app, ["run", str(toy_core), "--prompt-ids", "4", "--logprobs", "30"])
-    assert rejected.exit_code == 1 and "logprobs must be between 0 and 20, got 30" in rejected.output
+    assert rejected.exit_code == 2 and "--logprobs: logprobs must be between 0 and 20, got 30" in rejected.output
