@@ -234,7 +234,7 @@ def export_core_cmd(
         console.print("[red]export failed:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     total = sum(timings.values())
-    console.print(f"[green]exported[/green] {escape(str(out))} in {total:.1f} s")
+    console.print(f"[green]exported[/green] {escape(str(out))} in {total:.1f} s", soft_wrap=True)
     console.print(f"  digest sha256:{core_digest(json.loads((out / 'manifest.json').read_bytes()))}"
                   + (" (signed)" if signing_key is not None else ""), highlight=False, soft_wrap=True)
     for stage, seconds in timings.items():
@@ -345,7 +345,7 @@ def _check_run_options(core: Path, request, text_prompt: bool) -> None:
             check_admission(request, manifest["features"], manifest["vocab_size"],
                             manifest["model"].get("max_seq_len"))
     except AdmissionError as exc:
-        option = "--" + (exc.param or "prompt").replace("_", "-")
+        option = "--" + {"prompt": "prompt_ids"}.get(exc.param, exc.param).replace("_", "-")
         raise _fail(f"{option}: {exc}") from None
 
 
