@@ -192,3 +192,61 @@ def test_serve_logs_the_load_then_a_ready_line_once_it_accepts(toy_core):
                         r"graphs [0-9.]+ s, tokenizer [0-9.]+ s\)", next(x for x in lines if x.startswith("loaded ")))
     assert re.fullmatch(rf"ready: serving {re.escape(str(toy_core))} as toy on http://127\.0\.0\.1:{port} "
                         r"\(loaded in [0-9.]+ s\)", lines[-1])
+
+
+class Letters:
+    """A tokenizer stand-in: token i is the letter chr(97 + i)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def _result(entries, prompt_entries=None):
+    from ignition.runtime.engine import Result
+
+    return Result("r", [0, 1, 2], [e.id for e in entries], entries, "length", None, prompt_entries)
+
+
+def _render(result, tokenizer=Letters()) -> str:
+    from rich.console import Console
+
+    from ignition.runtime.present import render_run
+
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))
+    render_run(result, tokenizer, console)
+    return console.export_text()
+
+
+def test_run_output_shows_the_text_and_logprobs_only_when_asked():
+    from ignition.runtime.frames import TokenEntry
+    from ignition.runtime.present import run_json
+
+    plain = _render(_result([TokenEntry(7, None), TokenEntry(4, None)]))
+    assert plain.splitlines()[0] == "he"  # the completion text comes first
+    assert "forced" not in plain and "logprob" not in plain and "alternatives" not in plain
+    asked = _render(_result([TokenEntry(7, -0.5, [(7, -0.5), (1, -1.25)]), TokenEntry(4, None, forced=True)]))
+    assert re.search(r"│ 0 │\s+7 │ 'h'\s+│\s+-0\.5000 │ 'h' -0\.500, 'b' -1\.250", asked)
+    assert re.search(r"│ 1 │\s+4 │ 'e'\s+│\s+forced │", asked)  # only a truly forced token reads "forced"
+    out = run_json(_result([TokenEntry(7, -0.5, [(7, -0.5), (1, -1.25)]), TokenEntry(4, None, forced=True)]), Letters())
+    assert out["text"] == "he" and out["tokens"][0]["top_logprobs"] == [
+        {"id": 7, "text": "h", "logprob": -0.5}, {"id": 1, "text": "b", "logprob": -1.25}]
+    assert out["tokens"][1] == {"id": 4, "text": "e", "logprob": None, "top_logprobs": [], "forced": True}
+    assert "forced" not in out["tokens"][0]
+
+
+def test_run_output_shows_prompt_logprobs_without_json():
+    from ignition.runtime.frames import TokenEntry
+
+    scores = [None, {"id": 1, "logprob": -2.0, "rank": 3, "top_logprobs": [{"id": 5, "logprob": -0.25}]},
+              {"id": 2, "logprob": -0.75, "rank": 1, "top_logprobs": [{"id": 2, "logprob": -0.75}]}]
+    text = _render(_result([TokenEntry(7, None)], scores))
+    assert "prompt logprobs, 3 tokens" in text
+    assert re.search(r"│ 0 │\s+0 │ 'a'\s+│\s+│\s+│\s+│", text)
+    assert re.search(r"│ 1 │\s+1 │ 'b'\s+│\s+-2\.0000 │\s+3 │ 'f' -0\.250", text)
+    assert re.search(r"│ 2 │\s+2 │ 'c'\s+│\s+-0\.7500 │\s+1 │ 'c' -0\.750", text)
+
+
+def test_cli_run_without_logprobs_shows_no_forced_tokens(toy_core):
+    code, output = invoke(["run", toy_core, "--prompt-ids", "4,5", "--max-tokens", "3"])
+    assert code == 0 and "3 tokens, finish_reason=length" in output
+    assert "forced" not in output and "logprob" not in output
