@@ -142,6 +142,7 @@ def test_forced_tokens_and_stops(core, oracle):
     (forced,) = Engine(core).generate([Request([1], max_tokens=3, logprobs=1, forced_tokens={1: 77})])
     assert forced.token_ids[1] == 77 and forced.entries[1].logprob is None and forced.entries[1].top == []
     assert forced.entries[2].logprob is not None
+    assert [e.forced for e in forced.entries] == [False, True, False]  # only the forced token reads "forced"
     chain = greedy_chain(oracle, 1, 4)
     (stopped,) = Engine(core).generate([Request([1], max_tokens=8, stop_token_ids=[chain[2]])])
     assert stopped.token_ids == chain[:2] and stopped.finish_reason == "stop"

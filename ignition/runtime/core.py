@@ -4,7 +4,8 @@ Loading checks what a start needs, no more: the manifest, catalog and kernel tab
 schemas and every catalog rule, the sha256 of every file, the signature and trust settings
 (``validate_core(check_graphs=False)``), and then each graph through the safe ``.pt2`` reader on
 the very bytes whose sha256 was just compared before ``torch.export.load`` reads them. The program
-loaded there is the one that runs, so no graph is read twice. ``validate-core`` stays the deep check.
+loaded there is the one that runs, so no graph is read twice. ``validate-core`` stays the check of a
+core at rest, with every finding; loading stops at the first graph that fails.
 """
 
 from __future__ import annotations
