@@ -35,11 +35,11 @@ print(json.dumps({"import_s": imported - started, "load_s": time.perf_counter() 
 """
 
 
-def timed(command: list[str], env: dict) -> tuple[float, float, str]:
-    """(wall s, CPU s of the child, stdout) of one process."""
+def timed(command: list[str], env: dict, cwd: Path) -> tuple[float, float, str]:
+    """(wall s, CPU s of the child, stdout) of one process run in ``cwd`` (first on its sys.path)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=cwd)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
@@ -51,10 +51,10 @@ def measure(core: Path, checkout: Path, repeat: int, threads: int) -> dict:
     env = os.environ | {"PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
     run = [sys.executable, "-m", "ignition.cli", "run", str(core), "Hello", "--max-tokens", "1"]
     load = [sys.executable, "-c", LOAD_ONLY, str(core)]
-    runs = [timed(run, env)[:2] for _ in range(repeat)]
+    runs = [timed(run, env, checkout)[:2] for _ in range(repeat)]
     loads = []
     for _ in range(repeat):
-        wall, cpu, out = timed(load, env)
+        wall, cpu, out = timed(load, env, checkout)
         loads.append((json.loads(out)["load_s"], cpu, json.loads(out)))
     best_load = min(loads, key=lambda x: x[0])
     return {"run_wall": min(r[0] for r in runs), "run_cpu": min(r[1] for r in runs),
