@@ -161,6 +161,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_export_names(recipe: str, targets: str, tokenizer: Optional[Path]) -> None:
+    """What export-core can refuse before reading the checkpoint: the recipe name, the kernel targets
+    (catalog/targets.py) and a --tokenizer directory without tokenizer files."""
+    from ignition.catalog.targets import parse_targets
+    from ignition.recipes.base import RecipeError
+    from ignition.recipes.registry import RECIPES
+    from ignition.recipes.tokenizer import require_tokenizer_files
+
+    if recipe not in RECIPES:
+        raise _fail(f"unknown recipe {recipe!r}; available: {', '.join(sorted(RECIPES))}")
+    try:
+        if targets.strip():
+            parse_targets(targets)
+        if tokenizer is not None:
+            require_tokenizer_files(tokenizer)
+    except (ValueError, RecipeError) as exc:
+        raise _fail(f"--{'tokenizer' if isinstance(exc, RecipeError) else 'targets'}: {exc}") from None
+
+
 def _trusted_key(path: Optional[Path]):
     """The --trusted-key PEM, loaded before any work; a bad key file is a usage error (exit 2)."""
     if path is None:
@@ -205,6 +224,7 @@ def export_core_cmd(
         check_output(out, overwrite, {"checkpoint": checkpoint, "tokenizer directory": tokenizer})
     except PublishError as exc:
         raise _fail(str(exc))
+    _check_export_names(recipe, targets, tokenizer)
     from ignition.exporter.export import ExportError, export_core
     from ignition.catalog.hashing import core_digest
     from ignition.exporter.signing import SigningError, load_signing_key

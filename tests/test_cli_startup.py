@@ -84,6 +84,20 @@ def test_export_into_an_existing_out_fails_at_once(no_heavy_work, toy_core):
 
 
 @pytest.mark.parametrize("options, message", [
+    (["--recipe", "qwen4"], "error: unknown recipe 'qwen4'; available: deepseek_v3, llama, qwen3, qwen3_moe, toy"),
+    (["--recipe", "toy", "--targets", "cuda:90,sm_75"],
+     "error: --targets: unknown kernel target(s) 'sm_75'; known targets: cuda:90, cuda:120"),
+    (["--recipe", "toy", "--tokenizer", "{tmp}"], "error: --tokenizer: tokenizer directory {tmp}: expected "
+                                                 "tokenizer.json or tokenizer.model, found []"),
+])
+def test_export_names_are_checked_before_the_checkpoint_is_read(no_heavy_work, tmp_path, options, message):
+    (tmp_path / "empty").mkdir()
+    options = [o.replace("{tmp}", str(tmp_path / "empty")) for o in options]
+    code, output = invoke(["export-core", "--out", tmp_path / "core", *options])
+    assert code == 2 and output.strip() == message.replace("{tmp}", str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("options, message", [
     (["--prompt-ids", "1", "--logprobs", "50"], "error: --logprobs: logprobs must be between 0 and 20, got 50"),
     (["Hello", "--logprobs", "50"], "error: this core has no tokenizer; pass --prompt-ids"),
     (["--prompt-ids", "1", "--prompt-logprobs", "1"],
