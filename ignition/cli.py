@@ -447,6 +447,9 @@ def serve_cmd(
 
     _check_limits(port=port)
     _identify_core(core)
+    if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
+        _load(core, device, eager, trust_compiled, trusted_key)  # exits 1 with them
+        raise _fail(f"{core}/manifest.json changed while the server started")
     sock = _bind(host, port)
     loaded = _load(core, device, eager, trust_compiled, trusted_key)
     name = model_name or str(core)
