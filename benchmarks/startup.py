@@ -8,6 +8,9 @@ shared; the best is the least disturbed), wall seconds and the process's CPU sec
 ``PYTHONPATH``) on the same core, e.g. the commit before a change.
 
     python -m benchmarks.startup [--core DIR] [--checkout DIR] [--repeat 3] [--threads 2]
+
+Last, an A/B in one process: CPU seconds of ``torch.export.load`` of every graph without and with
+the schema-hint cache (the main start-up saving; see ``ignition/validate/graphs.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,39 @@ def measure(core: Path, checkout: Path, repeat: int, threads: int) -> dict:
             "stages": best_load[2]["stages"]}
 
 
+def deserialization(core: Path, repeat: int) -> tuple[float, float]:
+    """CPU seconds of ``torch.export.load`` of every graph of ``core`` in this process, without and with
+    the schema-hint cache of ``ignition/validate/graphs.py`` (best of ``repeat``, after one warm-up load):
+    an A/B under the same machine load, which the process timings above cannot give on a shared machine."""
+    import io
+    import typing
+
+    import torch
+    from torch._export.serde import serialize
+
+    import ignition  # noqa: F401  (registers the ops the graphs call)
+    from ignition.validate.graphs import _cache_schema_hints
+
+    catalog = json.loads((core / "catalog.json").read_bytes())
+    data = [(core / v["graph"]).read_bytes() for v in catalog["variants"]]
+    torch.export.load(io.BytesIO(data[0]))
+
+    def cpu_seconds() -> float:
+        best = float("inf")
+        for _ in range(repeat):
+            started = time.process_time()
+            for blob in data:
+                torch.export.load(io.BytesIO(blob))
+            best = min(best, time.process_time() - started)
+        return best
+
+    serialize.typing = typing
+    plain = cpu_seconds()
+    _cache_schema_hints()
+    assert serialize.typing is not typing, "this torch looks schema hints up differently; nothing to compare"
+    return plain, cpu_seconds()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--core", type=Path, help="core to time (default: export the example)")
@@ -84,6 +120,9 @@ def main() -> None:
             stages = ", ".join(f"{k} {v:.2f}" for k, v in m["stages"].items()) if m["stages"] else "-"
             print(f"| {checkout} | {m['run_wall']:.2f} | {m['run_cpu']:.2f} | {m['load_s']:.2f} | "
                   f"{m['load_process_cpu']:.2f} | {stages} |", flush=True)
+        plain, cached = deserialization(core, args.repeat)
+        print(f"\ntorch.export.load of all graphs, CPU s in one process: {plain:.2f} without the schema-hint "
+              f"cache, {cached:.2f} with it ({plain / cached:.1f}x)")
 
 
 if __name__ == "__main__":
