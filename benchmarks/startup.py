@@ -67,7 +67,7 @@ def measure(core: Path, checkout: Path, repeat: int, threads: int) -> dict:
 
 def deserialization(core: Path, repeat: int) -> tuple[float, float]:
     """CPU seconds of ``torch.export.load`` of every graph of ``core`` in this process, without and with
-    the schema-hint cache of ``ignition/validate/graphs.py`` (best of ``repeat``, after one warm-up load):
+    the schema-hint cache of ``ignition/validate/graphs.py`` (best of ``repeat`` alternated runs, after one warm-up load):
     an A/B under the same machine load, which the process timings above cannot give on a shared machine."""
     import io
     import typing
@@ -83,19 +83,21 @@ def deserialization(core: Path, repeat: int) -> tuple[float, float]:
     torch.export.load(io.BytesIO(data[0]))
 
     def cpu_seconds() -> float:
-        best = float("inf")
-        for _ in range(repeat):
-            started = time.process_time()
-            for blob in data:
-                torch.export.load(io.BytesIO(blob))
-            best = min(best, time.process_time() - started)
-        return best
+        started = time.process_time()
+        for blob in data:
+            torch.export.load(io.BytesIO(blob))
+        return time.process_time() - started
 
-    serialize.typing = typing
-    plain = cpu_seconds()
     _cache_schema_hints()
-    assert serialize.typing is not typing, "this torch looks schema hints up differently; nothing to compare"
-    return plain, cpu_seconds()
+    cached_typing = serialize.typing
+    assert cached_typing is not typing, "this torch looks schema hints up differently; nothing to compare"
+    plain, cached = [], []
+    for _ in range(repeat):  # alternated, so both see the same machine load
+        serialize.typing = typing
+        plain.append(cpu_seconds())
+        serialize.typing = cached_typing
+        cached.append(cpu_seconds())
+    return min(plain), min(cached)
 
 
 def main() -> None:
