@@ -1,26 +1,101 @@
-"""The ``ignition`` command line: export-core, validate-core, inspect-core."""
+"""The ``ignition`` command line: export-core, validate-core, inspect-core, run, serve.
+
+Everything a command can check cheaply is checked before its heavy work (an export, a load):
+option ranges, that a core path is a core, that ``--out`` may be written, that the port is
+free, that ``run``'s logprob options fit the core (read from its manifest alone). Long work
+reports its stages on stderr as they start: a rich status line in a terminal, plain timestamped
+lines otherwise (CI logs, files).
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
 console = Console(stderr=True)
 
 
+def version_text() -> str:
+    """``ignition X (torch Y)``: the installed distributions' versions, read without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own = version("ignition")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        from ignition import __version__ as own
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"ignition {own} (torch {torch_version})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(version_text())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main_options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit"),
+) -> None:
+    """Ignition: export LLM checkpoints to validated cores with in-graph logprobs."""
+
+
+class StageLog:
+    """A long command's stages on stderr, each as it starts: ``progress(stage, item)``.
+
+    In a terminal, one rich status line (spinner, stage, item, elapsed) that disappears when the
+    work ends; otherwise (piped, a file, CI) one plain line per stage: ``YYYY-mm-dd HH:MM:SS
+    TITLE STAGE: ITEM``, flushed at once, so a log shows where a long export or load is.
+    """
+
+    def __init__(self, title: str, terminal: bool | None = None):
+        self.title = title
+        self.terminal = console.is_terminal if terminal is None else terminal
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __enter__(self) -> "StageLog":
+        if self.terminal:
+            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                 TextColumn("{task.fields[item]}", markup=False), TimeElapsedColumn(),
+                                 console=console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(self.title, total=None, item="")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def __call__(self, stage: str, item: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"{self.title} {stage}", item=item)
+        else:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            print(f"{stamp} {self.title} {stage}: {item}" if item else f"{stamp} {self.title} {stage}",
+                  file=sys.stderr, flush=True)
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` as an error (markup off: paths and values print as given) and return the exit."""
-    console.print(f"error: {message}", markup=False, highlight=False)
+    console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -39,6 +114,70 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+
+
+def _identify_core(core: Path) -> None:
+    """Before any work: a missing path or a Hugging Face checkpoint is a usage error (exit 2), one line."""
+    from ignition.runtime.core import NotACoreError, identify_core
+
+    try:
+        identify_core(core)
+    except NotACoreError as exc:
+        raise _fail(_not_a_core_message(exc, core))
+
+
+def _not_a_core_message(exc, core: Path) -> str:
+    """NotACoreError's message; for a checkpoint whose model_type names a recipe, the exact command."""
+    from ignition.recipes.registry import RECIPES
+
+    if exc.checkpoint and exc.model_type in RECIPES:
+        return (f"{core} is a Hugging Face checkpoint, not a core; run `ignition export-core {core} "
+                f"--recipe {exc.model_type} --out CORE` first, then use CORE")
+    return str(exc)
+
+
+def _read_manifest(core: Path) -> dict | None:
+    """The core's manifest for early option checks (None when it does not parse: loading says why)."""
+    from ignition.runtime.core import read_manifest
+
+    return read_manifest(core)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the server's socket now, before loading, as uvicorn would (SO_REUSEADDR; IPv6 when the host
+    has a colon); the server then listens on this very socket. A busy port or bad host exits 2."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        reason = getattr(exc, "strerror", None) or str(exc)
+        hint = " (another server is listening there; choose another --port)" \
+            if getattr(exc, "errno", None) == errno.EADDRINUSE else ""
+        raise _fail(f"cannot listen on {host}:{port}: {reason}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _check_export_names(recipe: str, targets: str, tokenizer: Optional[Path]) -> None:
+    """What export-core can refuse before reading the checkpoint: the recipe name, the kernel targets
+    (catalog/targets.py) and a --tokenizer directory without tokenizer files."""
+    from ignition.catalog.targets import parse_targets
+    from ignition.recipes.base import RecipeError
+    from ignition.recipes.registry import RECIPES
+    from ignition.recipes.tokenizer import require_tokenizer_files
+
+    if recipe not in RECIPES:
+        raise _fail(f"unknown recipe {recipe!r}; available: {', '.join(sorted(RECIPES))}")
+    try:
+        if targets.strip():
+            parse_targets(targets)
+        if tokenizer is not None:
+            require_tokenizer_files(tokenizer)
+    except (ValueError, RecipeError) as exc:
+        raise _fail(f"--{'tokenizer' if isinstance(exc, RecipeError) else 'targets'}: {exc}") from None
 
 
 def _trusted_key(path: Optional[Path]):
@@ -88,10 +227,16 @@ def export_core_cmd(
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
+    from ignition.exporter.publish import PublishError, check_output
+
+    try:  # before anything else: a result that could not be published is not worth computing
+        check_output(out, overwrite, {"checkpoint": checkpoint, "tokenizer directory": tokenizer})
+    except PublishError as exc:
+        raise _fail(str(exc))
+    _check_export_names(recipe, targets, tokenizer)
     from ignition.exporter.export import ExportError, export_core
     from ignition.catalog.hashing import core_digest
     from ignition.exporter.signing import SigningError, load_signing_key
-    from ignition.exporter.publish import PublishError
     from ignition.recipes.base import ExportOptions, RecipeError
 
     try:
@@ -109,20 +254,16 @@ def export_core_cmd(
             tokenizer=tokenizer, onnx=onnx)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
-    columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),
-               TimeElapsedColumn())
     try:
-        with Progress(*columns, console=console, transient=not console.is_terminal) as bar:
-            task = bar.add_task("export", total=None, item="")
-            timings = export_core(options, out, overwrite=overwrite, signing_key=signing_key,
-                                  progress=lambda stage, item: bar.update(task, description=stage, item=item))
+        with StageLog("export") as progress:
+            timings = export_core(options, out, overwrite=overwrite, signing_key=signing_key, progress=progress)
     except PublishError as exc:  # --out cannot be written or replaced: nothing was touched
         raise _fail(str(exc))
     except (ExportError, RecipeError, FileExistsError, ValueError) as exc:
         console.print("[red]export failed:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     total = sum(timings.values())
-    console.print(f"[green]exported[/green] {escape(str(out))} in {total:.1f} s")
+    console.print(f"[green]exported[/green] {escape(str(out))} in {total:.1f} s", soft_wrap=True)
     console.print(f"  digest sha256:{core_digest(json.loads((out / 'manifest.json').read_bytes()))}"
                   + (" (signed)" if signing_key is not None else ""), highlight=False, soft_wrap=True)
     for stage, seconds in timings.items():
@@ -198,15 +339,45 @@ RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=_runtime, help=RUNT
 
 def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
           runtime: str = "torch"):
-    """load_core for run and serve: a core that cannot load exits 1 with the reason."""
-    from ignition.runtime.core import CoreLoadError, load_core
+    """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
+    core that cannot load exits 1 with the reason (a path that is no core at all: 2)."""
+    from ignition.runtime.core import CoreLoadError, NotACoreError, load_core
 
+    key = _trusted_key(trusted_key)
     try:
-        return load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                         trusted_key=_trusted_key(trusted_key), runtime=runtime)
+        with StageLog("load") as progress:
+            loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
+                               trusted_key=key, runtime=runtime, progress=progress)
+    except NotACoreError as exc:
+        raise _fail(_not_a_core_message(exc, core))
     except CoreLoadError as exc:
         console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
+    stages = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in loaded.timings.items())
+    console.print(f"loaded {core} on {loaded.device} in {loaded.load_seconds:.2f} s ({stages})",
+                  markup=False, highlight=False, soft_wrap=True)
+    return loaded
+
+
+def _check_run_options(core: Path, request, text_prompt: bool) -> None:
+    """``run``'s request against the core's manifest, before loading: logprob options beyond the core's K
+    or features, and (with --prompt-ids) the whole admission check; exit 2 naming the option."""
+    from ignition.runtime.requests import AdmissionError, check_admission, check_options
+
+    manifest = _read_manifest(core)
+    if manifest is None:
+        return  # loading reports what is wrong with the core
+    if text_prompt and manifest.get("tokenizer") is None:
+        raise _fail("this core has no tokenizer; pass --prompt-ids")
+    try:
+        if text_prompt:
+            check_options(request, manifest["features"], manifest["vocab_size"])
+        else:
+            check_admission(request, manifest["features"], manifest["vocab_size"],
+                            manifest["model"].get("max_seq_len"))
+    except AdmissionError as exc:
+        option = "--" + {"prompt": "prompt_ids"}.get(exc.param, exc.param).replace("_", "-")
+        raise _fail(f"{option}: {exc}") from None
 
 
 @app.command("run")
@@ -235,6 +406,7 @@ def run_cmd(
     from ignition.runtime.present import render_run, run_json
     from ignition.runtime.requests import AdmissionError, Request, SamplingParams, check_sampling
 
+    _identify_core(core)
     if (prompt is None) == (prompt_ids is None):
         raise _fail("give either a prompt text or --prompt-ids")
     if prompt is not None and not _is_utf8(prompt):
@@ -248,14 +420,14 @@ def run_cmd(
         raise _fail(f"--{exc.param.replace('_', '-')}: {exc}") from None
     ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
     selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
+    request = Request(prompt_ids=ids or [], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
+    _check_run_options(core, request, text_prompt=prompt is not None)
     loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime)
     if prompt is not None:
         if loaded.tokenizer is None:
-            console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
-            raise typer.Exit(2)
-        ids = loaded.tokenizer.encode(prompt).ids
-    request = Request(prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                      logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
+            raise _fail("this core has no tokenizer; pass --prompt-ids")
+        request.prompt_ids = loaded.tokenizer.encode(prompt).ids
     from ignition.runtime.engine import Engine
     engine = Engine(loaded, batch_invariant=batch_invariant)
     try:
@@ -293,9 +465,21 @@ def serve_cmd(
     _check_limits(port=port)
     if reasoning_parser not in PARSERS:
         raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
+    _identify_core(core)
+    if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
+        _load(core, device, eager, trust_compiled, trusted_key, runtime)  # exits 1 with them
+        raise _fail(f"{core}/manifest.json changed while the server started")
+    sock = _bind(host, port)
     loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime)
-    serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant,
-          reasoning_parser=reasoning_parser)
+    name = model_name or str(core)
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    def ready() -> None:
+        console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
+                      markup=False, highlight=False, soft_wrap=True)
+
+    serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant,
+          reasoning_parser=reasoning_parser, sock=sock, on_ready=ready)
 
 
 def _is_utf8(text: str) -> bool:

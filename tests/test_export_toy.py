@@ -182,7 +182,7 @@ def test_cli_inspect(toy_core):
 
 
 @pytest.mark.parametrize("args,code,message", [
-    (["--recipe", "nope"], 1, "unknown recipe 'nope'"),
+    (["--recipe", "nope"], 2, "unknown recipe 'nope'"),
     (["--recipe", "toy", "--capacities", "1,x"], 2, "comma-separated integers"),
     (["--recipe", "toy", "--capacities", "0"], 2, "capacities must be distinct positive integers"),
     (["--recipe", "toy", "--completion-token-capacity", "-3"], 2, "--completion-token-capacity must be >= 0"),
@@ -223,5 +223,5 @@ def test_export_prepares_kernels_for_every_variant(tmp_path):
 
 def test_unknown_target_is_a_usage_error(tmp_path):
     result = runner.invoke(app, ["export-core", "--recipe", "toy", "--out", str(tmp_path / "z"), "--targets", "cuda:75"])
-    assert result.exit_code == 1 and "unknown kernel target(s) 'cuda:75'" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "unknown kernel target(s) 'cuda:75'" in " ".join(result.output.split())
     assert not (tmp_path / "z").exists()

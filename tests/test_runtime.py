@@ -142,6 +142,7 @@ def test_forced_tokens_and_stops(core, oracle):
     (forced,) = Engine(core).generate([Request([1], max_tokens=3, logprobs=1, forced_tokens={1: 77})])
     assert forced.token_ids[1] == 77 and forced.entries[1].logprob is None and forced.entries[1].top == []
     assert forced.entries[2].logprob is not None
+    assert [e.forced for e in forced.entries] == [False, True, False]  # only the forced token reads "forced"
     chain = greedy_chain(oracle, 1, 4)
     (stopped,) = Engine(core).generate([Request([1], max_tokens=8, stop_token_ids=[chain[2]])])
     assert stopped.token_ids == chain[:2] and stopped.finish_reason == "stop"
@@ -205,4 +206,4 @@ def test_cli_run_json(toy_core, oracle):
     assert [t["id"] for t in out["tokens"]] == greedy_chain(oracle, 5, 3)
     assert all(len(t["top_logprobs"]) == 2 and set(t) == {"id", "text", "logprob", "top_logprobs"} for t in out["tokens"])
     rejected = CliRunner().invoke(app, ["run", str(toy_core), "--prompt-ids", "4", "--logprobs", "30"])
-    assert rejected.exit_code == 1 and "logprobs must be between 0 and 20, got 30" in rejected.output
+    assert rejected.exit_code == 2 and "--logprobs: logprobs must be between 0 and 20, got 30" in rejected.output

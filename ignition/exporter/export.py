@@ -111,9 +111,9 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
 
         (staging / "graphs").mkdir()
         programs = {}  # kept for the ONNX stage
-        for graph in build.graphs:
+        for index, graph in enumerate(build.graphs, 1):
             started = time.perf_counter()
-            progress("capture", graph.variant.name)
+            progress("capture", f"variant {index} of {len(build.graphs)}: {graph.variant.name}")
             program = capture(graph, build.weights)
             if kernels is not None:
                 from ignition.exporter.prepare import check_captured_launches
@@ -127,7 +127,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             if options.compile == "inductor":  # after kernel preparation; the reduction stays one opaque op
                 from ignition.exporter.compile import compile_inductor, package_path
                 started = time.perf_counter()
-                progress("compile", graph.variant.name)
+                progress("compile", f"variant {index} of {len(build.graphs)}: {graph.variant.name}")
                 package = package_path(Path(graph.variant.graph_file)).as_posix()
                 compile_inductor(program, staging / package)
                 graph.variant.packages["inductor"] = package

@@ -63,6 +63,14 @@ def parse_tokenizer_files(files: dict[str, bytes], where: Path) -> int | None:
     return max(ids, default=-1) + 1
 
 
+def require_tokenizer_files(directory: Path) -> None:
+    """RecipeError unless ``directory`` holds tokenizer.json or tokenizer.model (the CLI checks
+    ``--tokenizer`` with this before an export reads any weight)."""
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        raise RecipeError(f"tokenizer directory {directory}: expected tokenizer.json or tokenizer.model, "
+                          f"found {sorted(p.name for p in directory.iterdir()) if directory.is_dir() else 'nothing'}")
+
+
 def tokenizer_dir(directory: Path, required: bool = False, vocab_size: int | None = None) -> Path | None:
     """A private, parsed copy of the tokenizer files in ``directory``, or None when it has none.
 
@@ -72,8 +80,7 @@ def tokenizer_dir(directory: Path, required: bool = False, vocab_size: int | Non
     present = [name for name in TOKENIZER_FILES if (directory / name).is_file()]
     if not {"tokenizer.json", "tokenizer.model"} & set(present):
         if required:
-            raise RecipeError(f"tokenizer directory {directory}: expected tokenizer.json or tokenizer.model, "
-                              f"found {sorted(p.name for p in directory.iterdir()) if directory.is_dir() else 'nothing'}")
+            require_tokenizer_files(directory)
         return None
     files = {name: read_tokenizer_file(directory, name) for name in present}
     id_end = parse_tokenizer_files(files, directory)

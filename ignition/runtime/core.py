@@ -1,9 +1,20 @@
-"""load_core: validate, load weights once and every variant, allocate the buffers the runtime owns."""
+"""load_core: check the core, load weights once and every variant, allocate the buffers the runtime owns.
+
+Loading checks what a start needs, no more: the manifest, catalog and kernel table against their
+schemas and every catalog rule, the sha256 of every file, the signature and trust settings
+(``validate_core(check_graphs=False)``), and then each graph through the safe ``.pt2`` reader on
+the very bytes whose sha256 was just compared before ``torch.export.load`` reads them. The program
+loaded there is the one that runs, so no graph is read twice. ``validate-core`` stays the check of a
+core at rest, with every finding; loading stops at the first graph that fails.
+"""
 
 from __future__ import annotations
 
+import json
+import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,7 +23,7 @@ from safetensors.torch import load_file
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
-from ignition.catalog.model import BufferDecl, lane_count
+from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
 from ignition.components.device_reduction import install_reduction, jit_opted_in
 from ignition.runtime.device import move_program, resolve_device
 from ignition.runtime.graphs import CaptureReport, capture_variants
@@ -20,10 +31,47 @@ from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
 from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
+from ignition.validate.files import safe_path
+from ignition.validate.graphs import check_graph
+
+Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
 
 
 class CoreLoadError(Exception):
     """The core is invalid or cannot be loaded; the message lists every finding."""
+
+
+class NotACoreError(CoreLoadError):
+    """The path is no core at all (a Hugging Face checkpoint, a missing directory): a usage error.
+    ``model_type``: the checkpoint's config.json ``model_type`` when the path is a checkpoint."""
+
+    def __init__(self, message: str, checkpoint: bool = False, model_type: str | None = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.model_type = model_type
+
+
+def identify_core(path: str | Path) -> None:
+    """Raise NotACoreError, before any heavy work, when ``path`` cannot be a core: it is missing, not a
+    directory, or a Hugging Face checkpoint (``config.json``, no manifest) that needs ``export-core``."""
+    root = Path(path)
+    if not root.exists():
+        raise NotACoreError(f"{root} does not exist; expected a core directory written by `ignition export-core`")
+    if not root.is_dir():
+        raise NotACoreError(f"{root} is a file; expected a core directory written by `ignition export-core`")
+    if not (root / MANIFEST_FILE).exists() and (root / "config.json").is_file():
+        model_type = _model_type(root / "config.json")
+        raise NotACoreError(f"{root} is a Hugging Face checkpoint, not a core; run "
+                            f"`ignition export-core {root} --recipe RECIPE --out CORE` first, then use CORE",
+                            checkpoint=True, model_type=model_type)
+
+
+def _model_type(config: Path) -> str | None:
+    try:
+        value = json.loads(config.read_bytes()).get("model_type")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 @dataclass(slots=True)
@@ -59,6 +107,11 @@ class LoadedCore:
     reduction: PreparedReduction | None = None  # CUDA: the prepared-kernel launcher
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     runtime: str = "torch"  # the backend chosen at load: torch or onnxruntime
+    timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
+
+    @property
+    def load_seconds(self) -> float:
+        return sum(self.timings.values())
 
     @property
     def features(self) -> dict:
@@ -117,7 +170,7 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
 
 def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device):
     """The variant's AOTInductor package when the core has one (preferred; CPU packages only), else its
-    torch.export program (already loaded once by validation), moved to the device."""
+    torch.export program (loaded once, by the safe reader's caller), moved to the device."""
     package = entry.get("packages", {}).get("inductor")
     if package is not None and prefer_compiled and device.type == "cpu":
         from ignition.exporter.compile import load_compiled
@@ -166,9 +219,58 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
     return reduction
 
 
+def read_manifest(path: str | Path) -> dict | None:
+    """The core's manifest when it parses and matches its schema, read alone (no other file, no hashes):
+    what the CLI checks options against before loading. None otherwise; load_core then says why."""
+    from ignition.validate.schema import parse_json, schema_violations
+
+    file = Path(path) / MANIFEST_FILE
+    try:
+        data = file.read_bytes()
+    except OSError:
+        return None
+    manifest, problems = parse_json(data, MANIFEST_FILE)
+    if problems or schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE):
+        return None
+    return manifest
+
+
+class _Stages:
+    """Wall seconds per load stage, and the caller's progress callback as each one starts."""
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+        self.timings: dict[str, float] = {}
+        self._current: tuple[str, float] | None = None
+
+    def start(self, stage: str, item: str = "") -> None:
+        self.stop()
+        if self.progress is not None:
+            self.progress(stage, item)
+        self._current = (stage, time.perf_counter())
+
+    def stop(self) -> None:
+        if self._current is not None:
+            stage, started = self._current
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - started
+            self._current = None
+
+
+def _load_program(root: Path, entry: dict, manifest: dict):
+    """The variant's graph: sha256 and the safe reader on the bytes that torch.export.load then reads."""
+    graph_path, problems = safe_path(root, entry["graph"], f"variant {entry['name']}")
+    if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
+    found, program = check_graph(graph_path, entry, sha256=manifest["files"].get(entry["graph"]))
+    if found or program is None:
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
+    return program
+
+
 def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True, *,
-              eager: bool = False, trust_compiled: bool = False, trusted_key=None, runtime: str = "torch") -> LoadedCore:
-    """Validate the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
+              eager: bool = False, trust_compiled: bool = False, trusted_key=None, runtime: str = "torch",
+              progress: Progress | None = None) -> LoadedCore:
+    """Check the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
 
     ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. On CUDA the reduction launches the core's
     prepared cubins (a core without a binary for the device's architecture is refused), and every
@@ -180,16 +282,21 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
 
     ``runtime`` chooses the backend once: ``torch`` (the ``.pt2`` programs or compiled packages) or
     ``onnxruntime`` (the core's ONNX graphs, exported with ``--onnx``; see ``ignition.runtime.onnx_backend``).
+    ``progress(stage, item)`` is called as each stage starts (check, weights, graph, capture,
+    tokenizer); ``LoadedCore.timings`` holds the seconds of each.
     """
     root = Path(path)
     if runtime not in RUNTIMES:
         raise CoreLoadError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+    stages = _Stages(progress)
+    identify_core(root)
     try:
         device = resolve_device(device)
     except ValueError as exc:
         raise CoreLoadError(str(exc)) from None
+    stages.start("check", "hashes, schemas, catalog rules, signature")
     try:
-        report = validate_core(root, trusted_key=trusted_key)
+        report = validate_core(root, check_graphs=False, trusted_key=trusted_key)
     except ValueError as exc:  # SigningError: the trusted key file itself is unusable
         raise CoreLoadError(str(exc)) from None
     if not report.ok:
@@ -198,11 +305,16 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     onnx = runtime == "onnxruntime"
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
+    stages.start("weights", manifest["weights"])
     weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
     backend = _onnx_backend(root, weights, device) if onnx else None
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
-    variants = {}
-    for entry in catalog["variants"]:
+    variants, programs = {}, {}
+    entries = catalog["variants"]
+    for index, entry in enumerate(entries, 1):
+        stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
+        if not onnx:
+            programs[entry["name"]] = _load_program(root, entry, manifest)
         arguments = [BufferDecl.from_json(a) for a in entry["arguments"]]
         buffers = {}
         for arg in arguments:
@@ -212,16 +324,21 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        run = _onnx_run(backend, entry, arguments, buffers) if onnx else \
-            _load_runnable(root, entry, prefer_compiled, report.programs[entry["name"]], device)
+        if onnx:  # the .pt2 programs are neither read nor loaded
+            run = _onnx_run(backend, entry, arguments, buffers)
+        else:
+            run = _load_runnable(root, entry, prefer_compiled, programs[entry["name"]], device)
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
             layout=entry["contract"]["layout"], run=run, buffers=buffers)
     capture = None
     if device.type == "cuda" and not eager and not onnx:
-        capture = capture_variants(variants, report.programs, state, device)
+        stages.start("capture", f"{len(variants)} CUDA graphs")
+        capture = capture_variants(variants, programs, state, device)
+    stages.start("tokenizer", manifest["tokenizer"] or "none")
+    tokenizer = _load_tokenizer(root)
+    stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
-                      tokenizer=_load_tokenizer(root), device=device, transfer=HostTransfer(device),
-                      reduction=reduction, capture=capture, runtime=runtime)
-
+                      tokenizer=tokenizer, device=device, transfer=HostTransfer(device),
+                      reduction=reduction, capture=capture, runtime=runtime, timings=stages.timings)

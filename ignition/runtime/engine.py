@@ -273,7 +273,7 @@ class Engine:
             return  # positions come from record emission (none here), never from payload contents
         for position, token in enumerate(record.emitted):
             if record.forced[position]:
-                entry = TokenEntry(token, None)
+                entry = TokenEntry(token, None, forced=True)
             elif request.wants_logprobs and not has_payload(record, position, bool(pending.request_mask[index])):
                 self._finish(state, "error", f"missing logprob payload for lane {index} position {position}")
                 return

@@ -23,8 +23,9 @@ from ignition.runtime.transfer import HostTransfer
 @dataclass(slots=True)
 class TokenEntry:
     id: int
-    logprob: float | None  # None for a forced token
+    logprob: float | None  # None for a forced token, or when the request asked for no logprobs
     top: list[tuple[int, float]] = field(default_factory=list)
+    forced: bool = False  # emitted by the forced-token binding (the record's forced mask), never sampled
 
 
 @dataclass(slots=True)

@@ -50,7 +50,6 @@ class Request:
 
 def check_admission(request: Request, features: dict, vocab_size: int, max_context: int | None) -> None:
     """Raise AdmissionError with an exact message for anything this core cannot serve."""
-    k = features["max_logprobs"] if features["allow_logprobs"] else 0
     if not request.prompt_ids:
         raise AdmissionError("prompt must contain at least one token", "prompt")
     bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
@@ -62,6 +61,13 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
     if max_context is not None and len(request.prompt_ids) + request.max_tokens > max_context:
         raise AdmissionError(f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
                              f"the core's context of {max_context} tokens", "max_tokens")
+    check_options(request, features, vocab_size)
+
+
+def check_options(request: Request, features: dict, vocab_size: int) -> None:
+    """The part of check_admission that needs no prompt: logprob options against the core's features
+    (from its manifest alone, so ``ignition run`` refuses them before loading) and sampling ranges."""
+    k = features["max_logprobs"] if features["allow_logprobs"] else 0
     if request.wants_logprobs and not features["allow_logprobs"]:
         raise AdmissionError("this core was exported without logprob outputs (allow_logprobs: false)", "logprobs")
     if request.logprobs is not None and not 0 <= request.logprobs <= k:

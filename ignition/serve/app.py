@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import socket
+from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
 
@@ -139,11 +141,22 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, device: str = "auto", eager: bool = False,
-          batch_invariant: bool = False, reasoning_parser: str = "plain") -> None:
-    """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn."""
+          batch_invariant: bool = False, reasoning_parser: str = "plain", sock: socket.socket | None = None,
+          on_ready: Callable[[], None] | None = None) -> None:
+    """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn.
+
+    ``sock``: a socket already bound to host:port (the CLI binds before loading, so a busy port fails
+    at once); ``on_ready`` is called once the server accepts connections."""
     import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started and on_ready is not None:
+                on_ready()
 
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
     app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
                      reasoning_parser=reasoning_parser)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    ReadyServer(uvicorn.Config(app, host=host, port=port, log_level="info")).run(
+        sockets=[sock] if sock is not None else None)

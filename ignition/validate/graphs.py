@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
+import types
+import typing
 from pathlib import Path
 
 import torch
@@ -48,23 +51,73 @@ def _mutated_placeholders(program) -> set[str]:
     return written
 
 
-def check_graph(path: Path, variant: dict):
-    """Check the archive with our own reader, then load the variant's program and check it; returns
-    (violations, program or None when it cannot or may not load)."""
-    where = f"variant {variant['name']}: {variant['graph']}"
-    data = path.read_bytes()  # read once: torch loads exactly the bytes the safe reader accepted
-    refused = check_archive(data, where)
-    if refused:
-        return refused, None
+class _CachedSchemaHints(types.ModuleType):
+    """``typing`` as torch's program deserializer sees it, with ``get_type_hints`` of the export schema's
+    dataclasses computed once per class instead of once per JSON object.
+
+    NOTE: ``torch.export.load`` spends most of its time re-resolving the same few dozen schema classes'
+    annotations (pytorch/pytorch#196452; 12,689 lookups for one decode graph of the example core). The
+    schema classes are immutable, so the cache returns exactly what the lookup would; any other caller
+    (another ``globalns``, a ``localns``) goes to ``typing`` itself.
+    """
+
+    def __init__(self, schema_namespace: dict):
+        super().__init__("typing")
+        self._schema_namespace = schema_namespace
+        self._hints: dict = {}
+
+    def __getattr__(self, name):
+        return getattr(typing, name)
+
+    def get_type_hints(self, obj, globalns=None, localns=None, include_extras=False):
+        if globalns is not self._schema_namespace or localns is not None:
+            return typing.get_type_hints(obj, globalns, localns, include_extras)
+        key = (obj, include_extras)
+        hints = self._hints.get(key)
+        if hints is None:
+            hints = self._hints[key] = typing.get_type_hints(obj, globalns, None, include_extras)
+        return dict(hints)  # a copy, as typing returns: a caller may change it
+
+
+def _cache_schema_hints() -> None:
+    """Install ``_CachedSchemaHints`` in torch's deserializer once; torch versions that do not look hints
+    up through the module ``typing`` (or have no such schema module) are left as they are."""
+    try:
+        from torch._export.serde import schema, serialize
+    except ImportError:
+        return
+    if getattr(serialize, "typing", None) is typing:
+        serialize.typing = _CachedSchemaHints(vars(schema))
+
+
+def _load_accepted_program(data: bytes):
+    """``torch.export.load`` of archive bytes that ``check_archive`` accepted (the caller's duty)."""
+    _cache_schema_hints()
     export_log = logging.getLogger("torch.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # torch logs every deserialization failure at WARNING with a traceback
     try:
-        program = torch.export.load(io.BytesIO(data))
-    except Exception as exc:  # a corrupt archive can fail in many ways
-        return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")], None
+        return torch.export.load(io.BytesIO(data))
     finally:
         export_log.setLevel(level)
+
+
+def check_graph(path: Path, variant: dict, sha256: str | None = None):
+    """Check the archive with our own reader, then load the variant's program and check it; returns
+    (violations, program or None when it cannot or may not load). ``sha256``: the digest the manifest
+    records for the file, checked on the very bytes that are then read and loaded (FILE-HASH)."""
+    where = f"variant {variant['name']}: {variant['graph']}"
+    data = path.read_bytes()  # read once: torch loads exactly the bytes the safe reader accepted
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        return [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, "
+                                                         f"found {hashlib.sha256(data).hexdigest()}")], None
+    refused = check_archive(data, where)
+    if refused:
+        return refused, None
+    try:
+        program = _load_accepted_program(data)
+    except Exception as exc:  # a corrupt archive can fail in many ways
+        return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")], None
     return _check_program(program, variant, where), program
 
 
