@@ -32,6 +32,7 @@ from ignition.runtime.engine import Engine
 from ignition.runtime.frames import TokenEntry
 from ignition.runtime.requests import Request
 from ignition.serve.app import create_app
+from ignition.serve.config import ServeConfig
 
 VOCAB = 250
 
@@ -40,7 +41,7 @@ class Served:
     """A uvicorn server on a free 127.0.0.1 port, in a thread, plus a reference engine on the same core."""
 
     def __init__(self, core_dir, tokenizer=None):
-        self.app = create_app(core_dir, model_name="toy")
+        self.app = create_app(core_dir, model_name="toy", config=ServeConfig(allow_request_chat_template=True))
         self.ctx = self.app.state.ctx
         self.table, self.tokenizer = self.ctx.table, tokenizer
         sock = socket.socket()
@@ -59,8 +60,10 @@ class Served:
         logits = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB]
         self.successor = logits.argmax(dim=1).tolist()  # the toy is a greedy bigram: next token of each token
 
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=60)
+    def post(self, path: str, body: dict, **kwargs) -> httpx.Response:
+        # json.dumps escapes non-ASCII, so lone surrogates travel as JSON escapes (httpx would fail to encode them)
+        return httpx.post(self.url + path, content=json.dumps(body), timeout=60,
+                          headers={"content-type": "application/json", **kwargs.pop("headers", {})}, **kwargs)
 
     def sse(self, path: str, body: dict) -> list[dict]:
         with httpx.stream("POST", self.url + path, json=body, timeout=60) as response:
@@ -408,7 +411,10 @@ CMPL = "/v1/completions"
 USER = [{"role": "user", "content": "x"}]
 REJECTIONS = [  # (server, path, body, param, message part)
     ("served", CMPL, {"prompt": [1], "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20, got 21"),
-    ("served", CMPL, {"prompt": [1], "logprobs": -1}, "logprobs", "between 0 and 20, got -1"),
+    ("served", CMPL, {"prompt": [1], "logprobs": -1}, "logprobs", "logprobs=-1 asks for the logprobs of the whole "
+     "vocabulary (250 tokens, as in vLLM); this core reports at most 20 alternatives per position"),
+    ("served", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "whole vocabulary"),
+    ("served", CMPL, {"prompt": [1], "prompt_logprobs": -1}, "prompt_logprobs", "whole vocabulary"),
     ("served", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ("served", CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
     ("served", CMPL, {"prompt": [1], "logprob_token_ids": [1]}, "logprob_token_ids", "`logprobs` must be set"),
@@ -425,7 +431,11 @@ REJECTIONS = [  # (server, path, body, param, message part)
     ("served", CMPL, {"prompt": [1, 250]}, "prompt", "prompt token id 250 is outside the vocabulary"),
     ("served", CMPL, {"prompt": []}, "prompt", "at least one token"),
     ("served", CMPL, {"max_tokens": 3}, "prompt", "prompt is required"),
-    ("served", CMPL, {"prompt": ["a", "b"]}, "prompt", "batched prompts (2)"),
+    ("served", CMPL, {"prompt": [[1], [2, 250]]}, "prompt", "prompt 1 of 2: prompt token id 250 is outside"),
+    ("served", CMPL, {"prompt": ["a", "\ud800b"]}, "prompt", "prompt 1 of 2: prompt contains a lone surrogate "
+     "(U+D800) at character 0"),
+    ("served", CHAT, {"messages": [{"role": "user", "content": "x\udfffy"}]}, "messages[0].content",
+     "lone surrogate (U+DFFF) at character 1"),
     ("served", CMPL, {"prompt": [1], "n": 2}, "n", "not supported"),
     ("served", CMPL, {"prompt": [1], "best_of": 3}, "best_of", "not supported"),
     ("served", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
@@ -445,7 +455,7 @@ REJECTIONS = [  # (server, path, body, param, message part)
      "no system role"),
     ("served_eos", CMPL, {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs", "without prompt scoring"),
     ("served_eos", CMPL, {"prompt": [1], "echo": True, "logprobs": 1}, "echo", "without prompt scoring"),
-    ("served_eos", CHAT, {"messages": USER}, "messages", "no chat template"),
+    ("served_eos", CHAT, {"messages": USER}, "messages", "no chat template (neither chat_template.jinja nor"),
     ("served_plain", CMPL, {"prompt": [1], "logprobs": 0}, "logprobs", "allow_logprobs: false"),
     ("served_plain", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [2]}, "logprobs", "allow_logprobs"),
     ("served_plain", CMPL, {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs", "without prompt scoring"),
