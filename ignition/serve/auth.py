@@ -2,7 +2,9 @@
 
 vLLM checks the header on /v1 paths only; here /tokenize, /detokenize and /tokenizer_info need it
 as well (they reveal the prompt's tokens and the template). /health, /metrics and /version stay
-open, so probes and scrapers need no key. A refusal is a 401 in vLLM's error envelope.
+open, so probes and scrapers need no key, and so do the API docs when --enable-docs serves them
+(a browser cannot send the header; vLLM leaves them open too). A refusal is a 401 in vLLM's error
+envelope.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from starlette.datastructures import Headers
 from ignition.serve.common import ApiError
 from ignition.serve.config import ServeConfig
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 def authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
