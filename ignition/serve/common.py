@@ -95,7 +95,9 @@ class ServerContext:
             raise ApiError(f"this core has no tokenizer ({self.core.path}/tokenizer/tokenizer.json): send the "
                            "prompt as token ids", param)
         self.check_text(text, param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch, not encode: only the batch call releases the GIL while Rust tokenizes, and a
+        # multi-megabyte prompt holding it would stall the event loop as surely as tokenizing on it
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def check_unsupported(body: GenerationFields) -> None:

@@ -79,7 +79,8 @@ def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeRespons
     outside = [t for t in body.tokens if not 0 <= t < ctx.core.vocab_size]
     if outside:
         raise ApiError(f"token id {outside[0]} is outside the vocabulary [0, {ctx.core.vocab_size})", "tokens")
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens, skip_special_tokens=False))
+    # decode_batch releases the GIL while Rust decodes (decode does not)
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode_batch([body.tokens], skip_special_tokens=False)[0])
 
 
 def _plain(value):
