@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
@@ -86,8 +88,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
-    request = build_request(ctx, body, prompt_ids, random_id("chatcmpl"), max_tokens=max_tokens,
-                            logprobs=top if body.logprobs else None, prompt_logprobs=body.prompt_logprobs)
+    request = await ctx.run(functools.partial(build_request, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs,
+                                              logprobs=top if body.logprobs else None),
+                            ctx, body, prompt_ids, random_id("chatcmpl"))
     return await respond(ctx, http, body, request, _ChatView(ctx, body, request.request_id, prompt_ids))
 
 

@@ -97,7 +97,11 @@ class ServerContext:
         self.check_text(text, param)
         # NOTE: encode_batch, not encode: only the batch call releases the GIL while Rust tokenizes, and a
         # multi-megabyte prompt holding it would stall the event loop as surely as tokenizing on it
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if self.max_context is not None and len(encoding) > self.max_context:  # before a list of millions of ids
+            raise ApiError(f"{param} has {len(encoding)} tokens, more than the context of {self.max_context} tokens",
+                           param)
+        return encoding.ids
 
 
 def check_unsupported(body: GenerationFields) -> None:

@@ -78,17 +78,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
         all_ids = await ctx.run(_prompt_ids, ctx, body, prompts)
     else:
         all_ids = _prompt_ids(ctx, body, prompts)
-    response_id, batched = random_id("cmpl"), len(all_ids) > 1
-    requests = []
-    for index, ids in enumerate(all_ids):
-        try:
-            requests.append(build_request(ctx, body, ids, f"{response_id}-{index}" if batched else response_id,
-                                          max_tokens=max_tokens, logprobs=body.logprobs,
-                                          prompt_logprobs=prompt_scores))
-        except (ApiError, AdmissionError) as exc:
-            raise _in_batch(exc, index, len(all_ids)) from None
-    views = await ctx.run(_views, ctx, body, response_id, all_ids) if body.echo else \
-        _views(ctx, body, response_id, all_ids)
+    response_id = random_id("cmpl")
+    # admission checks and echo detokenizing walk every prompt token: a preprocessing thread does it
+    requests, views = await ctx.run(_prepare, ctx, body, response_id, all_ids, max_tokens, prompt_scores)
     outputs: list[RequestOutput] = []
     try:
         for request in requests:
@@ -102,12 +94,22 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
     return await until_disconnect(http, _full(ctx, response_id, views, outputs), outputs)
 
 
-def _views(ctx: ServerContext, body: CompletionRequest, response_id: str, all_ids: list[list[int]]):
+def _prepare(ctx: ServerContext, body: CompletionRequest, response_id: str, all_ids: list[list[int]],
+             max_tokens: int, prompt_scores: int | None):
+    """The engine request and the response view of every prompt; ApiError (400) before any is admitted."""
+    requests, batched = [], len(all_ids) > 1
+    for index, ids in enumerate(all_ids):
+        try:
+            requests.append(build_request(ctx, body, ids, f"{response_id}-{index}" if batched else response_id,
+                                          max_tokens=max_tokens, logprobs=body.logprobs,
+                                          prompt_logprobs=prompt_scores))
+        except (ApiError, AdmissionError) as exc:
+            raise _in_batch(exc, index, len(all_ids)) from None
     created = int(time.time())
     views = [_CompletionView(ctx, body, response_id, ids) for ids in all_ids]
     for view in views:
         view.created = created
-    return views
+    return requests, views
 
 
 def _usage(views: list[_CompletionView], generated: list[int]) -> UsageInfo:
