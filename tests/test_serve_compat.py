@@ -285,7 +285,7 @@ def test_template_errors_and_disabled_request_templates(served, monkeypatch):
                     "BadRequestError", "chat_template", "--allow-request-chat-template")
 
 
-def test_internal_errors_are_500_with_an_id_and_no_traceback(served, monkeypatch, caplog):
+def test_internal_errors_are_500_with_a_request_id_and_no_traceback(served, monkeypatch, caplog):
     import ignition.serve.completions as completions
 
     def broken(*args, **kwargs):
@@ -293,11 +293,14 @@ def test_internal_errors_are_500_with_an_id_and_no_traceback(served, monkeypatch
     monkeypatch.setattr(completions, "build_request", broken)
     caplog.set_level(logging.ERROR, logger="ignition.serve")
     response = served.post(CMPL, {"prompt": [1]})
-    error = assert_envelope(response, 500, "InternalServerError", None, "error id error-")
+    error = assert_envelope(response, 500, "InternalServerError", None, "request id req-")
     assert "secret" not in response.text and "Traceback" not in response.text
-    error_id = error["message"].split("error id ")[1].split(";")[0]
-    (record,) = [r for r in caplog.records if error_id in r.getMessage()]
+    request_id = response.headers["x-request-id"]
+    assert f"request id {request_id};" in error["message"]
+    (record,) = [r for r in caplog.records if request_id in r.getMessage()]
     assert record.exc_info[0] is RuntimeError  # the traceback goes to the log, under the same id
+    mine = served.post(CMPL, {"prompt": [1]}, headers={"X-Request-Id": "client-7"})
+    assert mine.headers["x-request-id"] == "client-7" and "request id client-7;" in mine.json()["error"]["message"]
 
 
 def test_docs_are_off_by_default(served):

@@ -1,4 +1,4 @@
-"""ASGI guards: a bound on request bodies (413 before parsing), and a 500 that names an error id, not a traceback."""
+"""ASGI guards: a bound on request bodies (413 before parsing), and a 500 that names a request id, not a traceback."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ class BodyLimitMiddleware:
 
 
 class InternalErrorMiddleware:
-    """An unexpected exception: logged with its traceback under an error id; the client gets a 500 naming the id."""
+    """An unexpected exception: logged with its traceback under the request's id (the client's ``X-Request-Id``
+    or a new one); the client gets a 500 naming that id, also in its ``X-Request-Id`` header."""
 
     def __init__(self, app):
         self.app = app
@@ -74,10 +75,12 @@ class InternalErrorMiddleware:
         try:
             await self.app(scope, receive, tracked)
         except Exception:
-            error_id = random_id("error")
-            log.exception("internal error %s while serving %s %s", error_id, scope["method"], scope["path"])
+            request_id = Headers(scope=scope).get("x-request-id") or random_id("req")
+            log.exception("internal error in request %s (%s %s)", request_id, scope["method"], scope["path"])
             if started:  # the status line is out: the connection closes without the rest
                 return
-            error = ApiError(f"internal server error (error id {error_id}; the server log has the details)",
+            error = ApiError(f"internal server error (request id {request_id}; the server log has the details)",
                              status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
-            await error.response()(scope, receive, send)
+            response = error.response()
+            response.headers["X-Request-Id"] = request_id
+            await response(scope, receive, send)
