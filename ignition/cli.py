@@ -442,12 +442,36 @@ def run_cmd(
     raise typer.Exit(0 if result.error is None else 1)
 
 
+from ignition.serve.config import MAX_BODY_BYTES, MAX_PROMPT_BYTES  # noqa: E402 (serve's defaults, for --help)
+
+
 @app.command("serve")
 def serve_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8000),
-    model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Model id reported by /v1/models"),
+    model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                             help="Model id reported by /v1/models and required in `model` "
+                                                  "(default: the core path)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on every "
+                                          "endpoint but /health, /metrics, /version (default: $IGNITION_API_KEY, "
+                                          "then $VLLM_API_KEY)"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
+                                                help="Prompt plus max_tokens per request (default: the core's context)"),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template",
+                                                help="Chat template file or Jinja text, instead of the tokenizer's"),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
+                                             help="Tokenizer directory (tokenizer.json, tokenizer_config.json, "
+                                                  "chat_template.jinja) instead of CORE/tokenizer"),
+    allow_request_chat_template: bool = typer.Option(False, "--allow-request-chat-template",
+                                                     help="Accept `chat_template` in requests (rendered with "
+                                                          "time, step, nesting and size bounds)"),
+    max_body_bytes: int = typer.Option(MAX_BODY_BYTES, "--max-body-bytes", help="Largest request body (413 above)"),
+    max_prompt_bytes: int = typer.Option(MAX_PROMPT_BYTES, "--max-prompt-bytes",
+                                         help="Largest text prompt or chat messages, in UTF-8 bytes (400 above)"),
+    enable_docs: bool = typer.Option(False, "--enable-docs", help="Serve /docs, /redoc and /openapi.json"),
+    disable_log_requests: bool = typer.Option(False, "--disable-log-requests",
+                                              help="No log line per finished request"),
     reasoning_parser: str = typer.Option("plain", "--reasoning-parser",
                                          help="How /v1/responses splits output: plain (all content) or think "
                                               "(<think>reasoning</think>content)"),
@@ -458,13 +482,25 @@ def serve_cmd(
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
 ) -> None:
-    """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
-    from ignition.serve.app import serve
+    """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
+    from ignition.serve.app import ServeSetupError, serve
+    from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.parsers import PARSERS
 
-    _check_limits(port=port)
+    _check_limits(port=port, max_model_len=max_model_len, max_body_bytes=max_body_bytes,
+                  max_prompt_bytes=max_prompt_bytes)
     if reasoning_parser not in PARSERS:
         raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
+    if tokenizer is not None and not tokenizer.is_dir():
+        raise _fail(f"--tokenizer {tokenizer}: not a directory")
+    try:
+        template = read_chat_template(chat_template) if chat_template is not None else None
+    except ChatTemplateError as exc:
+        raise _fail(str(exc)) from None
+    config = ServeConfig(api_keys=api_keys_from(api_key), max_model_len=max_model_len, max_body_bytes=max_body_bytes,
+                         max_prompt_bytes=max_prompt_bytes, chat_template=template, tokenizer=tokenizer,
+                         allow_request_chat_template=allow_request_chat_template, enable_docs=enable_docs,
+                         log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
     _identify_core(core)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         _load(core, device, eager, trust_compiled, trusted_key, runtime)  # exits 1 with them
@@ -478,8 +514,11 @@ def serve_cmd(
         console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
                       markup=False, highlight=False, soft_wrap=True)
 
-    serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant,
-          reasoning_parser=reasoning_parser, sock=sock, on_ready=ready)
+    try:
+        serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
+              sock=sock, on_ready=ready)
+    except ServeSetupError as exc:
+        raise _fail(str(exc)) from None
 
 
 def _is_utf8(text: str) -> bool:

@@ -83,3 +83,63 @@ def toy_onnx_core(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cores") / "toy-onnx"
     export_core(ExportOptions(recipe="toy", capacities=(4,), chunk_limit=64, prompt_logprobs=True, onnx=True), out)
     return out
+
+
+# -- live servers of the HTTP tests (one of each per session) --------------------------------------
+@pytest.fixture(scope="session")
+def serving_cores(tmp_path_factory):
+    """Toy cores with trained tokenizers: A byte-level BPE with prompt scoring and a chat template, B byte
+    fallback without a template (test_server.py, test_serve_*.py)."""
+    from _serving_tokenizers import byte_fallback_tokenizer, byte_level_tokenizer, write_tokenizer_dir
+
+    root = tmp_path_factory.mktemp("serving")
+    a = root / "a"
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True,
+                              tokenizer=write_tokenizer_dir(byte_level_tokenizer(), root / "tok-a")), a)
+    b = root / "b"
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4),
+                              tokenizer=write_tokenizer_dir(byte_fallback_tokenizer(), root / "tok-b", None)), b)
+    return a, b
+
+
+@pytest.fixture(scope="session")
+def served(serving_cores):
+    from _served import Served
+    from _serving_tokenizers import byte_level_tokenizer
+
+    server = Served(serving_cores[0], byte_level_tokenizer())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def served_eos(serving_cores):
+    """Core B with an EOS: the third token the greedy chain from token 7 produces."""
+    from safetensors.torch import load_file
+
+    from _served import VOCAB, Served
+    from _serving_tokenizers import byte_fallback_tokenizer
+    from ignition.recipes.toy import batch_invariant_logits
+
+    core = serving_cores[1]
+    weights = load_file(str(core / "weights.safetensors"))
+    successor = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB].argmax(1)
+    chain = [int(successor[7])]
+    for _ in range(2):
+        chain.append(int(successor[chain[-1]]))
+    assert chain[2] not in chain[:2]
+    manifest = json.loads((core / "manifest.json").read_text())
+    manifest["eos_token_id"] = chain[2]
+    (core / "manifest.json").write_text(json.dumps(manifest))
+    server = Served(core, byte_fallback_tokenizer())
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def served_plain(toy_core_no_logprobs):
+    from _served import Served
+
+    server = Served(toy_core_no_logprobs)
+    yield server
+    server.close()

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from _decoder_cores import CoreReplay
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions, RecipeError
+from ignition.serve.tokenize import load_tokenizer_files
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_qwen3.py"
 
@@ -48,6 +49,9 @@ def test_example_core_ships_tokenizer_and_generates(example_checkpoint, tmp_path
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tokenizer"] == "tokenizer" and manifest["eos_token_id"] == 0
     tokenizer = Tokenizer.from_file(str(out / "tokenizer" / "tokenizer.json"))
+    served = load_tokenizer_files(out / "tokenizer", tokenizer, manifest["vocab_size"])  # what `serve` would chat with
+    assert served.chat_template_source == str(out / "tokenizer" / "chat_template.jinja")
+    assert served.chat_template == load_example().CHAT_TEMPLATE
     prompt = tokenizer.encode("Hello world! The quick brown fox").ids
     assert tokenizer.decode(prompt) == "Hello world! The quick brown fox"
     replay = CoreReplay(out)

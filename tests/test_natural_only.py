@@ -22,7 +22,8 @@ from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.validate.core import validate_core
-from test_server import CMPL, Served
+from _served import Served
+from test_server import CMPL
 
 K = 5
 TOL = 3e-5  # as tests/test_runtime.py: fp32 32-wide matmul vs fp64, plus the FP32 reduction

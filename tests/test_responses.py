@@ -11,24 +11,21 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import socket
-import threading
-import time
 import typing
 
 import httpx
 import openai
 import pydantic
 import pytest
-import uvicorn
 from openai.types.responses import Response as SdkResponse
 from openai.types.responses import ResponseStreamEvent
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from _served import Served
 from ignition.catalog.hashing import dump_json, sha256_file
 from ignition.recipes.toy import batch_invariant_logits
-from ignition.serve.app import create_app
+from ignition.serve.config import ServeConfig
 from ignition.serve.detokenize import Span, byte_level_alphabet
 from ignition.serve.parsers import CONTENT, REASONING, OutputParser, ParsedText, ThinkParser, TokenAttribution
 
@@ -104,32 +101,20 @@ def core(toy_core, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(core):
-    app = create_app(core[0], model_name="toy")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
-    yield url, client, app
-    client.close()
-    uv.should_exit = True
-    thread.join(timeout=10)
+    """A live server on the THINK_CHAIN core (its tokenizer is this module's own, so not a session server)."""
+    served = Served(core[0])
+    yield served.url, served.client, served.app
+    served.close()
 
 
 @pytest.fixture
 def think(server):
     """The same server with the <think> parser (``ignition serve --reasoning-parser think``)."""
-    state = server[2].state
-    assert state.output_parser is OutputParser
-    state.output_parser = ThinkParser
+    config = server[2].state.ctx.config
+    assert config.reasoning_parser == "plain"
+    config.reasoning_parser = "think"
     yield server
-    state.output_parser = OutputParser
+    config.reasoning_parser = "plain"
 
 
 def sse_events(url: str, body: dict) -> list[dict]:
@@ -321,7 +306,6 @@ def test_official_client_sees_the_envelope_and_the_cli_checks_the_parser(server,
     assert result.exit_code == 2 and "--reasoning-parser must be one of plain, think, got 'xml'" in result.output
 
 
-
 def test_a_failure_after_admission(server):
     """A loader failure: a 500 in the envelope, or, once streaming, an error event and response.failed."""
     import asyncio
@@ -347,3 +331,30 @@ def test_a_failure_after_admission(server):
     with pytest.raises(ApiError) as caught:
         asyncio.run(view().full(Failing()))
     assert caught.value.status == 500 and caught.value.err_type == "InternalServerError"
+
+
+def test_the_server_guards_and_counts_responses_like_chat(served, monkeypatch):
+    """On the session's server: a finished response is counted in /metrics; prompt bounds name the Responses
+    field; --api-key and --max-body-bytes apply to /v1/responses."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def successes() -> float:
+        return sum(s.value for family in text_string_to_metric_families(served.http.get("/metrics").text)
+                   for s in family.samples if s.name == "ignition:request_success_total")
+    before = successes()
+    assert served.post("/v1/responses", {"input": "hi", "max_output_tokens": 2}).json()["status"] == "incomplete"
+    assert successes() == before + 1
+    monkeypatch.setattr(served.ctx.config, "api_keys", ("sekret",))
+    assert served.post("/v1/responses", {"input": "hi"}).status_code == 401
+    ok = served.post("/v1/responses", {"input": "hi", "max_output_tokens": 1},
+                     headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200 and ok.json()["object"] == "response"
+    monkeypatch.setattr(served.ctx.config, "api_keys", ())
+    monkeypatch.setattr(served.ctx.config, "max_prompt_bytes", 10)
+    for body, param in (({"input": "y" * 11}, "input"), ({"input": "y", "instructions": "z" * 11}, "instructions")):
+        error = served.post("/v1/responses", body).json()["error"]
+        assert error["param"] == param and "at most 10" in error["message"], error
+    monkeypatch.setattr(served.ctx.config, "max_body_bytes", 100)
+    assert served.post("/v1/responses", {"input": "x" * 200}).status_code == 413
+    with pytest.raises(ValueError, match="unknown reasoning parser 'xml'"):
+        ServeConfig(reasoning_parser="xml")

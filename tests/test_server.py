@@ -3,146 +3,29 @@
 Every value is compared with the loader (a separate Engine on the same core): token ids,
 logprobs, alternatives, prompt scores. Text, bytes and offsets are compared with the UTF-8
 oracles of _serving_tokenizers. Cores: A byte-level BPE with prompt scoring and a chat
-template, B byte fallback with an EOS and no template, C (conftest) without logprobs or tokenizer.
+template, B byte fallback with an EOS and no template, C without logprobs or tokenizer (all in conftest).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from safetensors.torch import load_file
 
-from _serving_tokenizers import (byte_fallback_tokenizer, byte_level_tokenizer, offsets_oracle, splits_a_character,
-                                 write_tokenizer_dir)
-from ignition.exporter.export import export_core
-from ignition.recipes.base import ExportOptions
-from ignition.recipes.toy import batch_invariant_logits
-from ignition.runtime.core import load_core
+from _served import VOCAB, Served
+from _serving_tokenizers import (CHAT_TEMPLATE, byte_fallback_tokenizer, byte_level_tokenizer, offsets_oracle,
+                                 splits_a_character)
 from ignition.runtime.engine import Engine
 from ignition.runtime.frames import TokenEntry
 from ignition.runtime.requests import Request
-from ignition.serve.app import create_app
-
-VOCAB = 250
-
-
-class Served:
-    """A uvicorn server on a free 127.0.0.1 port, in a thread, plus a reference engine on the same core."""
-
-    def __init__(self, core_dir, tokenizer=None):
-        self.app = create_app(core_dir, model_name="toy")
-        self.ctx = self.app.state.ctx
-        self.table, self.tokenizer = self.ctx.table, tokenizer
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
-        self.reference = Engine(load_core(core_dir))
-        weights = load_file(str(core_dir / "weights.safetensors"))
-        logits = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB]
-        self.successor = logits.argmax(dim=1).tolist()  # the toy is a greedy bigram: next token of each token
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=60)
-
-    def sse(self, path: str, body: dict) -> list[dict]:
-        with httpx.stream("POST", self.url + path, json=body, timeout=60) as response:
-            assert response.status_code == 200
-            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        return [json.loads(e) for e in events[:-1]]
-
-    def generate(self, prompt_ids, **kwargs):
-        (result,) = self.reference.generate([Request(list(prompt_ids), **kwargs)])
-        return result
-
-    def chain(self, token: int, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            token = self.successor[token]
-            out.append(token)
-        return out
-
-    def pieces(self, ids) -> list[bytes]:
-        return [b"" if i in self.table.special else self.table.bytes[i] for i in ids]
-
-    def text(self, ids) -> str:
-        return b"".join(self.pieces(ids)).decode("utf-8", "replace")
-
-    def wait_idle(self, timeout: float = 10.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            load = self.ctx.engine.load()
-            if load["tracked"] == load["running"] == load["waiting"] == 0 and load["free_slots"] == load["num_slots"]:
-                return load
-            assert time.monotonic() < deadline, f"engine not idle: {load}"
-            time.sleep(0.01)
-
-    def close(self):
-        self.client.close()
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving")
-    a = root / "a"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True,
-                              tokenizer=write_tokenizer_dir(byte_level_tokenizer(), root / "tok-a")), a)
-    b = root / "b"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 4),
-                              tokenizer=write_tokenizer_dir(byte_fallback_tokenizer(), root / "tok-b", None)), b)
-    return a, b
-
-
-@pytest.fixture(scope="module")
-def served(cores):
-    server = Served(cores[0], byte_level_tokenizer())
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def served_eos(cores):
-    """Core B with an EOS: the third token the greedy chain from token 7 produces."""
-    core = cores[1]
-    weights = load_file(str(core / "weights.safetensors"))
-    successor = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB].argmax(1)
-    chain = [int(successor[7])]
-    for _ in range(2):
-        chain.append(int(successor[chain[-1]]))
-    assert chain[2] not in chain[:2]
-    manifest = json.loads((core / "manifest.json").read_text())
-    manifest["eos_token_id"] = chain[2]
-    (core / "manifest.json").write_text(json.dumps(manifest))
-    server = Served(core, byte_fallback_tokenizer())
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def served_plain(toy_core_no_logprobs):
-    server = Served(toy_core_no_logprobs)
-    yield server
-    server.close()
 
 
 def completion_expectation(served: Served, entries: list[TokenEntry], base: int = 0, text_before: str = ""):
@@ -408,7 +291,10 @@ CMPL = "/v1/completions"
 USER = [{"role": "user", "content": "x"}]
 REJECTIONS = [  # (server, path, body, param, message part)
     ("served", CMPL, {"prompt": [1], "logprobs": 21}, "logprobs", "logprobs must be between 0 and 20, got 21"),
-    ("served", CMPL, {"prompt": [1], "logprobs": -1}, "logprobs", "between 0 and 20, got -1"),
+    ("served", CMPL, {"prompt": [1], "logprobs": -1}, "logprobs", "logprobs=-1 asks for the logprobs of the whole "
+     "vocabulary (250 tokens, as in vLLM); this core reports at most 20 alternatives per position"),
+    ("served", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "whole vocabulary"),
+    ("served", CMPL, {"prompt": [1], "prompt_logprobs": -1}, "prompt_logprobs", "whole vocabulary"),
     ("served", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ("served", CHAT, {"messages": USER, "top_logprobs": 2}, "top_logprobs", "`logprobs` must be set to true"),
     ("served", CMPL, {"prompt": [1], "logprob_token_ids": [1]}, "logprob_token_ids", "`logprobs` must be set"),
@@ -425,7 +311,11 @@ REJECTIONS = [  # (server, path, body, param, message part)
     ("served", CMPL, {"prompt": [1, 250]}, "prompt", "prompt token id 250 is outside the vocabulary"),
     ("served", CMPL, {"prompt": []}, "prompt", "at least one token"),
     ("served", CMPL, {"max_tokens": 3}, "prompt", "prompt is required"),
-    ("served", CMPL, {"prompt": ["a", "b"]}, "prompt", "batched prompts (2)"),
+    ("served", CMPL, {"prompt": [[1], [2, 250]]}, "prompt", "prompt 1 of 2: prompt token id 250 is outside"),
+    ("served", CMPL, {"prompt": ["a", "\ud800b"]}, "prompt", "prompt 1 of 2: prompt contains a lone surrogate "
+     "(U+D800) at character 0"),
+    ("served", CHAT, {"messages": [{"role": "user", "content": "x\udfffy"}]}, "messages[0].content",
+     "lone surrogate (U+DFFF) at character 1"),
     ("served", CMPL, {"prompt": [1], "n": 2}, "n", "not supported"),
     ("served", CMPL, {"prompt": [1], "best_of": 3}, "best_of", "not supported"),
     ("served", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
@@ -445,7 +335,7 @@ REJECTIONS = [  # (server, path, body, param, message part)
      "no system role"),
     ("served_eos", CMPL, {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs", "without prompt scoring"),
     ("served_eos", CMPL, {"prompt": [1], "echo": True, "logprobs": 1}, "echo", "without prompt scoring"),
-    ("served_eos", CHAT, {"messages": USER}, "messages", "no chat template"),
+    ("served_eos", CHAT, {"messages": USER}, "messages", "no chat template (neither chat_template.jinja nor"),
     ("served_plain", CMPL, {"prompt": [1], "logprobs": 0}, "logprobs", "allow_logprobs: false"),
     ("served_plain", CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [2]}, "logprobs", "allow_logprobs"),
     ("served_plain", CMPL, {"prompt": [1], "prompt_logprobs": 0}, "prompt_logprobs", "without prompt scoring"),
@@ -589,23 +479,43 @@ def test_minus_infinity_is_clamped_and_forced_tokens_have_no_entry(served):
     assert rows[0] is None and (rows[1][3].logprob, rows[1][3].rank, rows[1][4].rank) == (-9999.0, 250, 1)
 
 
-def test_ignition_serve_command(cores):
+def test_ignition_serve_command(serving_cores, tmp_path):
+    """The CLI's server options end to end, in one process start: a tokenizer directory whose template is only
+    in chat_template.jinja (as Hugging Face saves it), --api-key, --max-model-len, --enable-docs, request logs."""
+    tokenizer_dir = tmp_path / "tokenizer"
+    shutil.copytree(serving_cores[1] / "tokenizer", tokenizer_dir)
+    (tokenizer_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-c", "from ignition.cli import main; main()", "serve",
-                                str(cores[1]), "--port", str(port), "--served-model-name", "b"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "serve.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen([sys.executable, "-c", "from ignition.cli import main; main()", "serve",
+                                    str(serving_cores[1]), "--port", str(port), "--served-model-name", "b",
+                                    "--api-key", "sekret", "--tokenizer", str(tokenizer_dir), "--max-model-len", "64",
+                                    "--enable-docs"], stdout=subprocess.DEVNULL, stderr=stderr)
+    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sekret"}
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                if httpx.get(url + "/health").status_code == 200:  # open without the key
                     break
             except httpx.TransportError:
                 assert time.monotonic() < deadline and process.poll() is None, "ignition serve did not come up"
                 time.sleep(0.2)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == "b"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        (card,) = httpx.get(url + "/v1/models", headers=key).json()["data"]
+        assert (card["id"], card["max_model_len"], card["features"]["chat_template"]) == ("b", 64, True)
+        chat = httpx.post(url + CHAT, headers=key, json={"model": "b", "messages": USER, "max_tokens": 2,
+                                                         "return_token_ids": True}, timeout=30).json()
+        assert chat["prompt_token_ids"] == byte_fallback_tokenizer().encode(
+            "<|user|>x<|assistant|>", add_special_tokens=False).ids
+        too_long = httpx.post(url + CMPL, headers=key, json={"prompt": [1, 2], "max_tokens": 63}, timeout=30)
+        assert too_long.status_code == 400 and "64 tokens" in too_long.json()["error"]["message"]
+        assert httpx.get(url + "/openapi.json").status_code == 200
     finally:
         process.terminate()
         process.wait(timeout=30)
+    assert f"{chat['id']} finished (length): {len(chat['prompt_token_ids'])} prompt tokens, 2 generated tokens" \
+        in log.read_text()

@@ -75,6 +75,9 @@ LIMITS: dict[str, Range] = {
     "export_seed": Range(0, 2**64 - 1, True, "torch.Generator seed of generated weights"),
     # other commands
     "port": Range(1, 65535, True, "a TCP port"),
+    "max_model_len": Range(1, INT32_MAX, True, "serve: prompt plus max_tokens per request; at most the core's context"),
+    "max_body_bytes": Range(1, None, True, "serve: bytes of one request body (413 above)"),
+    "max_prompt_bytes": Range(1, None, True, "serve: UTF-8 bytes of a text prompt or of all chat messages"),
     "memory_budget": Range(0, None, True, "bytes"),
 }
 

@@ -1,14 +1,13 @@
 """The vLLM-compatible HTTP front end of the minimal loader: FastAPI app factory and ``ignition serve``.
 
-Endpoints: GET /health, GET /v1/models (with the core's features), POST /v1/completions and
-POST /v1/chat/completions (JSON or server-sent events). Every rejection before admission is a
-400 with vLLM's error envelope; see docs/serving.md for the presentation rules.
+Endpoints: GET /health, GET /version, GET /metrics, GET /v1/models (with the core's features),
+POST /v1/completions, POST /v1/chat/completions and POST /v1/responses (JSON or server-sent events), POST /tokenize,
+POST /detokenize, GET /tokenizer_info. Every error is vLLM's JSON envelope; see docs/serving.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 from collections.abc import Callable
@@ -20,34 +19,44 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.runtime.core import LoadedCore, load_core
-from ignition.serve.detokenize import TokenTable
 from ignition.runtime.engine import Engine
-from ignition.serve.protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, ErrorResponse,
-                                              ModelCard, ModelList, ModelPermission)
 from ignition.runtime.requests import AdmissionError
-from ignition.serve.chat import chat_template_of, create_chat_completion
+from ignition.serve.auth import ApiKeyMiddleware
+from ignition.serve.chat import create_chat_completion
 from ignition.serve.common import ApiError, ServerContext
 from ignition.serve.completions import create_completion
+from ignition.serve.config import ServeConfig
+from ignition.serve.detokenize import TokenTable
 from ignition.serve.engine import AsyncEngine, EngineStopped
+from ignition.serve.guards import BodyLimitMiddleware, InternalErrorMiddleware
+from ignition.serve.metrics import ServerMetrics
+from ignition.serve.protocol import (ChatCompletionRequest, CompletionRequest, CoreFeatures, DetokenizeRequest,
+                                     DetokenizeResponse, ErrorResponse, ModelCard, ModelList, ModelPermission,
+                                     TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+                                     TokenizerInfoResponse, VersionResponse)
 from ignition.serve.responses import register as register_responses
+from ignition.serve.tokenize import detokenize, load_tokenizer_files, tokenize, tokenizer_info
 
 log = logging.getLogger("ignition.serve")
 
-GENERATION_RESPONSES = {
-    200: {"description": "One response, or server-sent events with `stream: true`",
-          "content": {"application/json": {}, "text/event-stream": {}}},
+ERRORS = {
     400: {"model": ErrorResponse, "description": "Rejected before admission (vLLM's error envelope)"},
+    401: {"model": ErrorResponse, "description": "--api-key is set and the request lacks `Authorization: Bearer`"},
     404: {"model": ErrorResponse, "description": "`model` names another model"},
+    413: {"model": ErrorResponse, "description": "The body exceeds --max-body-bytes"},
+    500: {"model": ErrorResponse, "description": "An internal error, named by an error id in the server log"},
     503: {"model": ErrorResponse, "description": "The engine stopped"},
 }
+GENERATION_RESPONSES = {200: {"description": "One response, or server-sent events with `stream: true`",
+                              "content": {"application/json": {}, "text/event-stream": {}}}, **ERRORS}
 """What /openapi.json documents for Completions and Chat (schemathesis checks responses against it)."""
 
 
-def _tokenizer_config(core: LoadedCore) -> dict:
-    path = core.path / "tokenizer" / "tokenizer_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+class ServeSetupError(ValueError):
+    """A server option that cannot work with this core (exit 2 from the CLI)."""
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -59,15 +68,38 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message or "invalid request body", ".".join(location) or None
 
 
+def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_capacity: int,
+             batch_invariant: bool) -> ServerContext:
+    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant), queue_capacity=queue_capacity)
+    context = engine.engine.max_context
+    if config.max_model_len is not None:
+        if context is not None and config.max_model_len > context:
+            raise ServeSetupError(f"--max-model-len {config.max_model_len} exceeds the core's context of {context} "
+                                  "tokens (model.max_seq_len)")
+        engine.engine.max_context = config.max_model_len  # admission checks prompt + max_tokens against it
+    try:
+        files = load_tokenizer_files(config.tokenizer or loaded.path / "tokenizer", loaded.tokenizer,
+                                     loaded.vocab_size, load=config.tokenizer is not None)
+    except ValueError as exc:
+        raise ServeSetupError(str(exc)) from None
+    template, source = files.chat_template, files.chat_template_source
+    if config.chat_template is not None:
+        template, source = config.chat_template, "--chat-template"
+    metrics = ServerMetrics(model_name, engine.load, log_requests=config.log_requests)
+    return ServerContext(core=loaded, engine=engine, table=TokenTable(files.tokenizer, loaded.vocab_size),
+                         model_name=model_name, config=config, metrics=metrics, tokenizer=files.tokenizer,
+                         tokenizer_dir=files.directory, tokenizer_config=files.config, chat_template=template,
+                         chat_template_source=source)
+
+
 def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
-               batch_invariant: bool = False, reasoning_parser: str = "plain") -> FastAPI:
+               batch_invariant: bool = False, config: ServeConfig | None = None) -> FastAPI:
     """The app serving one core; its engine thread runs while the app's lifespan does."""
     loaded = core if isinstance(core, LoadedCore) else load_core(core)
-    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant), queue_capacity=queue_capacity)
-    config = _tokenizer_config(loaded)
-    ctx = ServerContext(core=loaded, engine=engine, table=TokenTable(loaded.tokenizer, loaded.vocab_size),
-                        model_name=model_name or str(core if not isinstance(core, LoadedCore) else loaded.path),
-                        tokenizer_config=config)
+    config = config or ServeConfig()
+    ctx = _context(loaded, model_name or str(loaded.path if isinstance(core, LoadedCore) else core), config,
+                   queue_capacity, batch_invariant)
+    engine = ctx.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,9 +108,15 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
             yield
         finally:
             engine.stop()
+            ctx.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="Ignition", lifespan=lifespan)
+    docs = config.enable_docs
+    app = FastAPI(title="Ignition", version=ignition.__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.ctx = ctx
+    app.add_middleware(InternalErrorMiddleware)  # innermost of the three; added last runs first
+    app.add_middleware(BodyLimitMiddleware, config=config)
+    app.add_middleware(ApiKeyMiddleware, config=config)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -106,14 +144,23 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
         return ApiError(str(exc), status=503, err_type="ServiceUnavailableError").response()
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs (empty body)"},
-                                                          503: GENERATION_RESPONSES[503]})
+                                                          503: ERRORS[503]})
     async def health() -> Response:
         if engine.dead is not None:
             return ApiError(f"the engine stopped: {engine.dead}", status=503,
                             err_type="ServiceUnavailableError").response()
         return Response(status_code=200)
 
-    @app.get("/v1/models")
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=ignition.__version__)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", responses={401: ERRORS[401]})
     async def models() -> ModelList:
         features = loaded.features
         card = ModelCard(
@@ -124,7 +171,7 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
                                   explicit_ids=features["explicit_ids"],
                                   max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
                                   prompt_logprobs=features["prompt_logprobs"],
-                                  chat_template=chat_template_of(config) is not None))
+                                  chat_template=ctx.chat_template is not None))
         return ModelList(data=[card])
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -135,13 +182,27 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    register_responses(app, reasoning_parser)
+    @app.post("/tokenize", responses=ERRORS)
+    async def tokenize_route(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        return await ctx.run(tokenize, ctx, body)
+
+    @app.post("/detokenize", responses=ERRORS)
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        return await ctx.run(detokenize, ctx, body)
+
+    @app.get("/tokenizer_info", responses=ERRORS)
+    async def tokenizer_info_route() -> TokenizerInfoResponse:
+        return tokenizer_info(ctx)
+
+    register_responses(app, ERRORS)
     return app
 
 
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, device: str = "auto", eager: bool = False,
-          batch_invariant: bool = False, reasoning_parser: str = "plain", sock: socket.socket | None = None,
+          batch_invariant: bool = False, config: ServeConfig | None = None, sock: socket.socket | None = None,
           on_ready: Callable[[], None] | None = None) -> None:
     """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn.
 
@@ -157,6 +218,13 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
 
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
     app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
-                     reasoning_parser=reasoning_parser)
+                     config=config)
+    logger = logging.getLogger("ignition.serve")
+    if not logger.handlers:  # request lines and error ids, beside uvicorn's access log
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
     ReadyServer(uvicorn.Config(app, host=host, port=port, log_level="info")).run(
         sockets=[sock] if sock is not None else None)

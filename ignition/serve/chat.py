@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
@@ -12,8 +11,9 @@ from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionReque
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
 from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                             build_request, collect, error_event, respond, sse)
+                                   build_request, check_whole_vocabulary, collect, error_event, respond, sse)
 from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
+from ignition.serve.templates import TemplateLimitError, render_bounded, special_token, trusted_template
 
 DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
 
@@ -27,55 +27,47 @@ def _text_content(message: dict, index: int) -> str:
     raise ApiError(f"messages[{index}].content: only text content is supported", f"messages[{index}].content")
 
 
-@functools.lru_cache(maxsize=8)
-def _compiled(template: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
-
-
-def _special(config: dict, name: str) -> str:
-    value = config.get(name)
-    return value.get("content", "") if isinstance(value, dict) else (value or "")
-
-
-def chat_template_of(config: dict) -> str | None:
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return template
-
-
 def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
-    from jinja2 import TemplateError
-
-    template = body.chat_template or chat_template_of(ctx.tokenizer_config)
+    """The prompt text the chat template makes of the messages (on a preprocessing thread)."""
+    if body.chat_template is not None and not ctx.config.allow_request_chat_template:
+        raise ApiError("this server does not accept chat templates in requests (start it with "
+                       "--allow-request-chat-template); leave out `chat_template` to use the model's", "chat_template")
+    template = body.chat_template if body.chat_template is not None else ctx.chat_template
     if template is None:
-        raise ApiError(f"this core has no chat template ({ctx.core.path}/tokenizer/tokenizer_config.json has no "
-                       "'chat_template'): pass `chat_template` or use /v1/completions", "messages")
+        raise ApiError(f"this core has no chat template (neither chat_template.jinja nor a 'chat_template' in "
+                       f"{ctx.chat_template_source}): start the server with --chat-template or use /v1/completions",
+                       "messages")
     if body.continue_final_message and body.add_generation_prompt:
         raise ApiError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                        "continue_final_message")
     messages = [dict(m, content=_text_content(m, i)) for i, m in enumerate(body.messages)]
+    for i, message in enumerate(messages):
+        ctx.check_text(message["content"], f"messages[{i}].content")
+    variables = dict(messages=messages, add_generation_prompt=body.add_generation_prompt,
+                     bos_token=special_token(ctx.tokenizer_config, "bos_token") or "",
+                     eos_token=special_token(ctx.tokenizer_config, "eos_token") or "",
+                     **(body.chat_template_kwargs or {}))
     try:
-        rendered = _compiled(template).render(
-            messages=messages, add_generation_prompt=body.add_generation_prompt,
-            bos_token=_special(ctx.tokenizer_config, "bos_token"),
-            eos_token=_special(ctx.tokenizer_config, "eos_token"),
-            **(body.chat_template_kwargs or {}))
-    except (TemplateError, ValueError, TypeError) as exc:
-        raise ApiError(f"the chat template failed: {exc}", "messages") from exc
+        if body.chat_template is not None:
+            rendered = render_bounded(template, ctx.config.template_limits, variables)
+        else:
+            rendered = trusted_template(template).render(**variables)
+    except TemplateLimitError as exc:
+        raise ApiError(f"the request's chat template was stopped: {exc}", "chat_template") from None
+    except Exception as exc:  # noqa: BLE001 (TemplateError, raise_exception, RecursionError, TypeError, ...)
+        raise ApiError(f"the chat template failed: {type(exc).__name__}: {exc}", "messages") from None
     if body.continue_final_message and messages and messages[-1]["content"]:
         final = messages[-1]["content"]
         rendered = rendered[:rendered.rindex(final) + len(final)] if final in rendered else rendered
     return rendered
+
+
+def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
+    """Render and tokenize (on a preprocessing thread)."""
+    if ctx.tokenizer is None:
+        raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json): Chat needs one; "
+                       "use /v1/completions with token ids", "messages")
+    return ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages")
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, http: HttpRequest) -> Response:
@@ -87,15 +79,18 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         raise ApiError("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if body.logprob_token_ids is not None and not body.logprobs:
         raise ApiError("when using `logprob_token_ids`, `logprobs` must be set to true.", "logprob_token_ids")
+    check_whole_vocabulary(ctx, body.top_logprobs, "top_logprobs")
+    check_whole_vocabulary(ctx, body.prompt_logprobs, "prompt_logprobs")
     features = ctx.core.features
     if body.logprobs and features["allow_logprobs"] and not 0 <= top <= features["max_logprobs"]:
         raise ApiError(f"top_logprobs must be between 0 and {features['max_logprobs']}, got {top}", "top_logprobs")
-    prompt_ids = ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages")
+    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
-    request = build_request(ctx, body, prompt_ids, random_id("chatcmpl"), max_tokens=max_tokens,
-                            logprobs=top if body.logprobs else None, prompt_logprobs=body.prompt_logprobs)
+    request = await ctx.run(functools.partial(build_request, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs,
+                                              logprobs=top if body.logprobs else None),
+                            ctx, body, prompt_ids, random_id("chatcmpl"))
     return await respond(ctx, http, body, request, _ChatView(ctx, body, request.request_id, prompt_ids))
 
 
@@ -108,6 +103,7 @@ class _ChatView(ResponseView):
         self.role = "assistant" if body.add_generation_prompt else last.get("role", "assistant")
         # echo: the last message is continued when it has the response's role (synthetic text: no token entries)
         self.echo = _text_content(last, len(body.messages) - 1) if body.echo and last.get("role") == self.role else ""
+        self.first_chunk = True
 
     async def full(self, output: RequestOutput) -> Response:
         texts, spans, scores, last = await collect(output)
@@ -132,8 +128,11 @@ class _ChatView(ResponseView):
             choice.stop_reason = stop_reason
         if token_ids is not None:
             choice.token_ids = token_ids
-        chunk = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                             choices=[choice])
+        chunk = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk", created=self.created,
+                                             model=self.ctx.model_name, choices=[choice])
+        if self.first_chunk and self.body.return_token_ids:
+            chunk.prompt_token_ids = self.prompt_ids
+        self.first_chunk = False
         return sse(chunk.model_dump_json(exclude_unset=True))
 
     async def stream(self, output: RequestOutput):
@@ -152,8 +151,9 @@ class _ChatView(ResponseView):
                                   piece.finish_reason, piece.stop_reason,
                                   [s.token_id for s in piece.spans] if body.return_token_ids else None)
             if options is not None and options.include_usage:
-                final = ChatCompletionStreamResponse(id=self.request_id, created=self.created, choices=[],
-                                                     model=self.ctx.model_name, usage=self.usage(generated))
+                final = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk",
+                                                     created=self.created, choices=[], model=self.ctx.model_name,
+                                                     usage=self.usage(generated))
                 yield sse(final.model_dump_json(exclude_unset=True, exclude_none=True))
         except GenerationError as exc:
             yield error_event(exc)

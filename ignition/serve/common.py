@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,8 +18,13 @@ from ignition.runtime.core import LoadedCore
 from ignition.serve.detokenize import Span, TextStream, TokenTable
 from ignition.serve.protocol import UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields, UsageInfo
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
+from ignition.serve.config import ServeConfig
 from ignition.serve.engine import AsyncEngine, RequestStream
 from ignition.serve.logprobs import Presenter
+from ignition.serve.metrics import RequestRecord, ServerMetrics
+
+PREPROCESS_THREADS = 2
+"""Threads that tokenize, render templates and detokenize echoed prompts, off the event loop."""
 
 
 class ApiError(Exception):
@@ -41,11 +49,21 @@ class GenerationError(Exception):
 
 @dataclass(slots=True)
 class ServerContext:
+    """Everything a handler needs: the core, its engine, the tokenizer files, the server's options and metrics."""
+
     core: LoadedCore
     engine: AsyncEngine
     table: TokenTable
     model_name: str
+    config: ServeConfig
+    metrics: ServerMetrics
+    tokenizer: object | None = None
+    tokenizer_dir: Path | None = None
     tokenizer_config: dict = field(default_factory=dict)
+    chat_template: str | None = None
+    chat_template_source: str = ""
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        max_workers=PREPROCESS_THREADS, thread_name_prefix="ignition-preprocess"))
 
     @property
     def max_context(self) -> int | None:
@@ -55,11 +73,35 @@ class ServerContext:
         if name is not None and name != self.model_name:
             raise ApiError(f"The model `{name}` does not exist.", "model", HTTPStatus.NOT_FOUND, "NotFoundError")
 
+    async def run(self, fn, *args):
+        """``fn(*args)`` on a preprocessing thread: tokenizing, templating and detokenizing never block the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def check_text(self, text: str, param: str) -> bytes:
+        """The UTF-8 of a prompt text, or a 400: lone surrogates, or more bytes than --max-prompt-bytes."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ApiError(f"{param} contains a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+                           f"{exc.start}: text must be valid Unicode", param) from None
+        if len(data) > self.config.max_prompt_bytes:
+            raise ApiError(f"{param} has {len(data)} bytes of text; this server accepts at most "
+                           f"{self.config.max_prompt_bytes} (--max-prompt-bytes)", param)
+        return data
+
     def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        if self.core.tokenizer is None:
+        """Token ids of a prompt text (call it through ``run``: a long text takes a while)."""
+        if self.tokenizer is None:
             raise ApiError(f"this core has no tokenizer ({self.core.path}/tokenizer/tokenizer.json): send the "
                            "prompt as token ids", param)
-        return self.core.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        self.check_text(text, param)
+        # NOTE: encode_batch, not encode: only the batch call releases the GIL while Rust tokenizes, and a
+        # multi-megabyte prompt holding it would stall the event loop as surely as tokenizing on it
+        encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if self.max_context is not None and len(encoding) > self.max_context:  # before a list of millions of ids
+            raise ApiError(f"{param} has {len(encoding)} tokens, more than the context of {self.max_context} tokens",
+                           param)
+        return encoding.ids
 
 
 def check_unsupported(body: GenerationFields) -> None:
@@ -70,6 +112,15 @@ def check_unsupported(body: GenerationFields) -> None:
             raise ApiError(f"`{name}` = {value!r} is not supported by this server (supported: {served!r})", name)
 
 
+def check_whole_vocabulary(ctx: ServerContext, value: int | None, param: str) -> None:
+    """vLLM reads -1 as "the logprobs of every token"; a core reports at most K natural alternatives."""
+    if value == -1:
+        k = ctx.core.features["max_logprobs"] if ctx.core.features["allow_logprobs"] else 0
+        raise ApiError(f"{param}=-1 asks for the logprobs of the whole vocabulary ({ctx.core.vocab_size} tokens, as "
+                       f"in vLLM); this core reports at most {k} alternatives per position: ask for 0 to {k}, or "
+                       "name the tokens you need with `logprob_token_ids`", param)
+
+
 def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[int], request_id: str, *,
                   max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Request:
     """The engine request for an API body, or ApiError/AdmissionError (both 400) before admission."""
@@ -78,7 +129,7 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
         raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
     if body.prompt_logprobs is not None and body.stream:
         raise ApiError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-    if body.stop_strings() and ctx.core.tokenizer is None:
+    if body.stop_strings() and ctx.tokenizer is None:
         raise ApiError("stop strings need a tokenizer and this core has none; use stop_token_ids", "stop")
     top_k = body.top_k if body.top_k is not None else 0
     defaults = SamplingParams()
@@ -128,8 +179,8 @@ class Piece:
 class RequestOutput:
     """Reads one admitted request's deltas, decodes its text, and cancels it when abandoned."""
 
-    def __init__(self, engine: AsyncEngine, stream: RequestStream, text: TextStream):
-        self.engine, self.stream, self.text = engine, stream, text
+    def __init__(self, engine: AsyncEngine, stream: RequestStream, text: TextStream, record: RequestRecord):
+        self.engine, self.stream, self.text, self.record = engine, stream, text, record
         self.generated = 0
         self.finished = False
 
@@ -139,10 +190,12 @@ class RequestOutput:
         delta = await self.stream.get()
         if delta.finish_reason == "error" or delta.error is not None:
             self.finished = True
+            self.record.finish("error")
             raise GenerationError(delta.error or "the loader failed this request")
         for entry in delta.entries:
             self.text.add(entry.id, entry)
         self.generated += len(delta.entries)
+        self.record.tokens(len(delta.entries))
         final = delta.finish_reason is not None
         release = self.text.release(final=final)
         finish = delta.finish_reason
@@ -151,6 +204,8 @@ class RequestOutput:
                 self.engine.cancel(self.stream.request_id)  # the stop string ends it: free the slot now
             finish, final = "stop", True
         self.finished = final
+        if final:
+            self.record.finish(finish)
         return Piece(release.text, release.spans, delta.prompt_entries, finish if final else None, release.stop,
                      self.generated)
 
@@ -159,6 +214,7 @@ class RequestOutput:
         if not self.finished:
             self.finished = True
             self.engine.cancel(self.stream.request_id)
+            self.record.finish("abort")
 
 
 async def _disconnected(http: HttpRequest) -> None:
@@ -166,8 +222,8 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
-async def until_disconnect(http: HttpRequest, work, output: RequestOutput) -> Response:
-    """Run a non-streaming handler; a client disconnect cancels it and its engine request."""
+async def until_disconnect(http: HttpRequest, work, outputs: list[RequestOutput]) -> Response:
+    """Run a non-streaming handler; a client disconnect cancels it and its engine requests."""
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(http))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -180,7 +236,8 @@ async def until_disconnect(http: HttpRequest, work, output: RequestOutput) -> Re
     finally:
         watcher.cancel()
         task.cancel()
-        output.close()  # a no-op once the request finished
+        for output in outputs:
+            output.close()  # a no-op once the request finished
 
 
 def sse(payload: str) -> str:
@@ -194,17 +251,18 @@ def error_event(exc: Exception) -> str:
 
 
 class EngineStreamingResponse(StreamingResponse):
-    """Server-sent events of one request; however the response ends, an unfinished request is cancelled."""
+    """Server-sent events of admitted requests; however the response ends, unfinished requests are cancelled."""
 
-    def __init__(self, content, output: RequestOutput):
+    def __init__(self, content, outputs: list[RequestOutput]):
         super().__init__(content, media_type="text/event-stream")
-        self.output = output
+        self.outputs = outputs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.output.close()
+            for output in self.outputs:
+                output.close()
 
 
 async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[dict | None], Piece]:
@@ -221,12 +279,18 @@ async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[di
     return texts, spans, scores, last
 
 
+async def admit(ctx: ServerContext, body: GenerationFields, request: Request) -> RequestOutput:
+    """Submit a checked request to the engine; its output decodes text the way the body asks."""
+    text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
+                      include_stop=body.include_stop_str_in_output)
+    stream = await ctx.engine.submit(request)
+    return RequestOutput(ctx.engine, stream, text, ctx.metrics.start(request.request_id, len(request.prompt_ids)))
+
+
 async def respond(ctx: ServerContext, http: HttpRequest, body: GenerationFields, request: Request,
                   view: ResponseView) -> Response:
     """Submit an admitted request and answer with the view: an SSE stream or one full response."""
-    text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
-                      include_stop=body.include_stop_str_in_output)
-    output = RequestOutput(ctx.engine, await ctx.engine.submit(request), text)
+    output = await admit(ctx, body, request)
     if body.stream:
-        return EngineStreamingResponse(view.stream(output), output)
-    return await until_disconnect(http, view.full(output), output)
+        return EngineStreamingResponse(view.stream(output), [output])
+    return await until_disconnect(http, view.full(output), [output])

@@ -1,17 +1,27 @@
-"""POST /v1/completions, as vLLM's completion serving presents it (echo, logprobs, prompt_logprobs, SSE)."""
+"""POST /v1/completions, as vLLM's completion serving presents it (echo, logprobs, prompt_logprobs, SSE).
+
+A batch (a list of strings or of token-id lists) becomes one engine request per prompt, all
+checked before any is admitted, so they share the engine's lanes; prompt i's choice has
+``index`` i in the response and in every stream chunk, and usage sums over the prompts.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
+from ignition.runtime.requests import AdmissionError
+from ignition.serve.common import (ApiError, EngineStreamingResponse, RequestOutput, ResponseView, ServerContext,
+                                   admit, build_request, check_whole_vocabulary, collect, error_event, sse,
+                                   until_disconnect)
 from ignition.serve.detokenize import Release, decode_all
-from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                              CompletionResponseChoice, CompletionResponseStreamChoice,
-                                              CompletionStreamResponse, random_id)
-from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                             build_request, collect, error_event, respond, sse)
 from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
+from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                     CompletionResponseChoice, CompletionResponseStreamChoice,
+                                     CompletionStreamResponse, UsageInfo, random_id)
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) Completions default
 
@@ -21,24 +31,42 @@ def _empty_logprobs() -> CompletionLogProbs:
     return CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
 
 
-def prompt_ids_of(ctx: ServerContext, body: CompletionRequest) -> list[int]:
+def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one string or id list, or a batch of either."""
     prompt = body.prompt
     if prompt is None:
         raise ApiError("prompt is required: a string or a list of token ids", "prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(f"batched prompts ({len(prompt)}) are not supported: send one prompt per request", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return ctx.encode(prompt, body.add_special_tokens, "prompt")
-    return list(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        return list(prompt)
+    return [prompt]
+
+
+def _prompt_ids(ctx: ServerContext, body: CompletionRequest, prompts: list) -> list[list[int]]:
+    """Token ids of every prompt (on a preprocessing thread); errors name the prompt of a batch."""
+    out = []
+    for index, prompt in enumerate(prompts):
+        try:
+            out.append(ctx.encode(prompt, body.add_special_tokens, "prompt") if isinstance(prompt, str)
+                       else list(prompt))
+        except ApiError as exc:
+            raise _in_batch(exc, index, len(prompts)) from None
+    return out
+
+
+def _in_batch(exc: ApiError | AdmissionError, index: int, count: int) -> ApiError:
+    if isinstance(exc, ApiError):
+        exc.message = f"prompt {index} of {count}: {exc.message}" if count > 1 else exc.message
+        return exc
+    return ApiError(f"prompt {index} of {count}: {exc}" if count > 1 else str(exc), exc.param)
 
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest, http: HttpRequest) -> Response:
     ctx.check_model(body.model)
-    prompt_ids = prompt_ids_of(ctx, body)
+    prompts = prompts_of(body)
     if body.logprob_token_ids is not None and body.logprobs is None:
         raise ApiError("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
+    check_whole_vocabulary(ctx, body.logprobs, "logprobs")
+    check_whole_vocabulary(ctx, body.prompt_logprobs, "prompt_logprobs")
     echo_scores = bool(body.echo) and body.logprobs is not None
     if echo_scores and not ctx.core.features["prompt_logprobs"]:
         raise ApiError("echo with logprobs reports the prompt's logprobs, and this core was exported without "
@@ -46,13 +74,108 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
     prompt_scores = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if echo_scores else None)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    request = build_request(ctx, body, prompt_ids, random_id("cmpl"), max_tokens=max_tokens, logprobs=body.logprobs,
-                            prompt_logprobs=prompt_scores)
-    return await respond(ctx, http, body, request, _CompletionView(ctx, body, request.request_id, prompt_ids))
+    if any(isinstance(p, str) for p in prompts):
+        all_ids = await ctx.run(_prompt_ids, ctx, body, prompts)
+    else:
+        all_ids = _prompt_ids(ctx, body, prompts)
+    response_id = random_id("cmpl")
+    # admission checks and echo detokenizing walk every prompt token: a preprocessing thread does it
+    requests, views = await ctx.run(_prepare, ctx, body, response_id, all_ids, max_tokens, prompt_scores)
+    outputs: list[RequestOutput] = []
+    try:
+        for request in requests:
+            outputs.append(await admit(ctx, body, request))
+    except BaseException:
+        for output in outputs:
+            output.close()
+        raise
+    if body.stream:
+        return EngineStreamingResponse(_stream(ctx, body, response_id, views, outputs), outputs)
+    return await until_disconnect(http, _full(ctx, response_id, views, outputs), outputs)
+
+
+def _prepare(ctx: ServerContext, body: CompletionRequest, response_id: str, all_ids: list[list[int]],
+             max_tokens: int, prompt_scores: int | None):
+    """The engine request and the response view of every prompt; ApiError (400) before any is admitted."""
+    requests, batched = [], len(all_ids) > 1
+    for index, ids in enumerate(all_ids):
+        try:
+            requests.append(build_request(ctx, body, ids, f"{response_id}-{index}" if batched else response_id,
+                                          max_tokens=max_tokens, logprobs=body.logprobs,
+                                          prompt_logprobs=prompt_scores))
+        except (ApiError, AdmissionError) as exc:
+            raise _in_batch(exc, index, len(all_ids)) from None
+    created = int(time.time())
+    views = [_CompletionView(ctx, body, response_id, ids) for ids in all_ids]
+    for view in views:
+        view.created = created
+    return requests, views
+
+
+def _usage(views: list[_CompletionView], generated: list[int]) -> UsageInfo:
+    prompt = sum(len(v.prompt_ids) for v in views)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=sum(generated), total_tokens=prompt + sum(generated))
+
+
+async def _full(ctx: ServerContext, response_id: str, views: list[_CompletionView],
+                outputs: list[RequestOutput]) -> Response:
+    results = await asyncio.gather(*(view.choice(output, i) for i, (view, output) in enumerate(zip(views, outputs))))
+    response = CompletionResponse(id=response_id, created=views[0].created, model=ctx.model_name,
+                                  choices=[choice for choice, _ in results],
+                                  usage=_usage(views, [generated for _, generated in results]))
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+async def _merged(sources: list):
+    """Items of several async generators as they come; backpressure holds (the queue has one place per source)."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sources))
+    end = object()
+
+    async def pump(source):
+        try:
+            async for item in source:
+                await queue.put((item, None))
+            await queue.put((end, None))
+        except Exception as exc:  # a GenerationError: the stream reports it and ends
+            await queue.put((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(ctx: ServerContext, body: CompletionRequest, response_id: str, views: list[_CompletionView],
+                  outputs: list[RequestOutput]):
+    try:
+        async for chunk in _merged([view.chunks(output, i) for i, (view, output) in enumerate(zip(views, outputs))]):
+            yield sse(chunk.model_dump_json(exclude_unset=True))
+        if body.stream_options is not None and body.stream_options.include_usage:
+            final = CompletionStreamResponse(id=response_id, object="text_completion", created=views[0].created,
+                                             model=ctx.model_name, choices=[],
+                                             usage=_usage(views, [o.generated for o in outputs]))
+            yield sse(final.model_dump_json(exclude_none=True))
+    except Exception as exc:  # noqa: BLE001 (GenerationError: reported as vLLM does, then the stream ends)
+        yield error_event(exc)
+    yield "data: [DONE]\n\n"
 
 
 class _CompletionView(ResponseView):
-    """Turns released pieces into Completions responses for one request."""
+    """Turns released pieces into Completions choices for one prompt."""
 
     def __init__(self, ctx: ServerContext, body: CompletionRequest, request_id: str, prompt_ids: list[int]):
         super().__init__(ctx, body, request_id, prompt_ids)
@@ -67,7 +190,7 @@ class _CompletionView(ResponseView):
             span.payload = prompt_entry(score)
         add_completion_logprobs(out, self.echo.spans, self.presenter, 0)
 
-    async def full(self, output: RequestOutput) -> Response:
+    async def choice(self, output: RequestOutput, index: int) -> tuple[CompletionResponseChoice, int]:
         texts, spans, scores, last = await collect(output)
         body, logprobs = self.body, None
         if body.logprobs is not None:
@@ -77,51 +200,43 @@ class _CompletionView(ResponseView):
             add_completion_logprobs(logprobs, spans, self.presenter, self.offset_base)
         prefix = self.echo.text if self.echo is not None else ""
         choice = CompletionResponseChoice(
-            index=0, text=prefix + "".join(texts), logprobs=logprobs, finish_reason=last.finish_reason,
+            index=index, text=prefix + "".join(texts), logprobs=logprobs, finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             prompt_logprobs=prompt_logprobs(scores, self.presenter) if scores else None,
             token_ids=[s.token_id for s in spans] if body.return_token_ids else None,
             prompt_token_ids=self.prompt_ids if body.return_token_ids else None)
-        response = CompletionResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                      choices=[choice], usage=self.usage(last.generated))
-        return Response(response.model_dump_json(), media_type="application/json")
+        return choice, last.generated
 
-    async def stream(self, output: RequestOutput):
+    async def chunks(self, output: RequestOutput, index: int):
+        """Stream chunks of this prompt's choice (``index``); the caller adds usage and [DONE]."""
         body = self.body
         options = body.stream_options
         scores: list[dict | None] = []
-        echo_pending = self.echo is not None
-        generated = 0
-        try:
-            while (piece := await output.next()) is not None:
-                generated = piece.generated
-                scores += piece.prompt_scores
-                logprobs = _empty_logprobs() if body.logprobs is not None else None
-                text = piece.text
-                if echo_pending:
-                    if not piece.spans and not text and piece.finish_reason is None:
-                        continue  # prompt scores still arriving: the echo goes out with them, in one chunk
-                    if logprobs is not None:
-                        self._echo_logprobs(logprobs, scores)
-                    text, echo_pending = self.echo.text + text, False
+        echo_pending, first = self.echo is not None, True
+        while (piece := await output.next()) is not None:
+            scores += piece.prompt_scores
+            logprobs = _empty_logprobs() if body.logprobs is not None else None
+            text = piece.text
+            if echo_pending:
+                if not piece.spans and not text and piece.finish_reason is None:
+                    continue  # prompt scores still arriving: the echo goes out with them, in one chunk
                 if logprobs is not None:
-                    add_completion_logprobs(logprobs, piece.spans, self.presenter, self.offset_base)
-                if not text and not (logprobs and logprobs.tokens) and piece.finish_reason is None:
-                    continue
-                choice = CompletionResponseStreamChoice(
-                    index=0, text=text, logprobs=logprobs, finish_reason=piece.finish_reason,
-                    stop_reason=piece.stop_reason)
-                if body.return_token_ids:
-                    choice.token_ids = [s.token_id for s in piece.spans]
-                chunk = CompletionStreamResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                                 choices=[choice])
-                if options is not None and options.continuous_usage_stats:
-                    chunk.usage = self.usage(generated)
-                yield sse(chunk.model_dump_json(exclude_unset=True))
-            if options is not None and options.include_usage:
-                final = CompletionStreamResponse(id=self.request_id, created=self.created, model=self.ctx.model_name,
-                                                 choices=[], usage=self.usage(generated))
-                yield sse(final.model_dump_json(exclude_none=True))
-        except GenerationError as exc:
-            yield error_event(exc)
-        yield "data: [DONE]\n\n"
+                    self._echo_logprobs(logprobs, scores)
+                text, echo_pending = self.echo.text + text, False
+            if logprobs is not None:
+                add_completion_logprobs(logprobs, piece.spans, self.presenter, self.offset_base)
+            if not text and not (logprobs and logprobs.tokens) and piece.finish_reason is None:
+                continue
+            choice = CompletionResponseStreamChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=piece.finish_reason,
+                stop_reason=piece.stop_reason)
+            if body.return_token_ids:
+                choice.token_ids = [s.token_id for s in piece.spans]
+                if first:
+                    choice.prompt_token_ids = self.prompt_ids
+            first = False
+            chunk = CompletionStreamResponse(id=self.request_id, object="text_completion", created=self.created,
+                                             model=self.ctx.model_name, choices=[choice])
+            if options is not None and options.continuous_usage_stats:
+                chunk.usage = self.usage(piece.generated)
+            yield chunk

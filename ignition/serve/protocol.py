@@ -233,6 +233,51 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+# -- tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) ---------------------------
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
+
+
+class TokenizerInfoResponse(OpenAIBaseModel):
+    """tokenizer_config.json without file paths, plus the class and the served chat template (vLLM's shape)."""
+
+    tokenizer_class: str
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str
+
+
 class ModelPermission(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: random_id("modelperm"))
     object: str = "model_permission"

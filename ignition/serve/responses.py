@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import Response
 from pydantic import Field
 
-from ignition.runtime.requests import AdmissionError
+from ignition.runtime.requests import AdmissionError, Request
 from ignition.serve.chat import render_prompt
 from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
                                    build_request, respond)
@@ -137,14 +137,9 @@ class ResponseObject(OpenAIBaseModel):
     background: bool = False
 
 
-RESPONSES_DOC = {
-    200: {"description": "One response object, or Responses server-sent events with `stream: true`",
-          "content": {"application/json": {}, "text/event-stream": {}}},
-    400: {"model": ErrorResponse, "description": "Rejected before admission (vLLM's error envelope)"},
-    404: {"model": ErrorResponse, "description": "`model` names another model"},
-    503: {"model": ErrorResponse, "description": "The engine stopped"},
-}
-"""What /openapi.json documents for /v1/responses."""
+RESPONSES_OK = {200: {"description": "One response object, or Responses server-sent events with `stream: true`",
+                      "content": {"application/json": {}, "text/event-stream": {}}}}
+"""What /openapi.json documents for /v1/responses besides the server's error statuses."""
 
 
 # -- the request -------------------------------------------------------------------------------
@@ -218,27 +213,22 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
     return messages
 
 
-def _renamed(exc: ApiError | AdmissionError) -> ApiError:
+def _renamed(exc: ApiError | AdmissionError, body: ResponsesRequest) -> ApiError:
     param = PARAMS.get(exc.param, exc.param)
+    if param is not None and param.startswith("messages["):  # a message Chat would name: its Responses field
+        param = "instructions" if body.instructions and param.startswith("messages[0]") else "input"
     message = str(exc).replace("max_tokens", "max_output_tokens") if param == "max_output_tokens" else str(exc)
     status = getattr(exc, "status", HTTPStatus.BAD_REQUEST)
     return ApiError(message, param, status, getattr(exc, "err_type", "BadRequestError"))
 
 
-async def create_response(ctx: ServerContext, body: ResponsesRequest, http: HttpRequest) -> Response:
-    ctx.check_model(body.model)
-    _check_request(ctx, body)
+def _prepare(ctx: ServerContext, body: ResponsesRequest) -> tuple[str, list[int], Request]:
+    """Render, tokenize and check the engine request (on a preprocessing thread, as Chat does)."""
     effort = (body.reasoning or {}).get("effort")
-    chat = ChatCompletionRequest(messages=input_messages(body),
-                                 chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None)
     try:
+        chat = ChatCompletionRequest(messages=input_messages(body),
+                                     chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None)
         prompt_text = render_prompt(ctx, chat)
-        prompt_text.encode("utf-8")
-    except ApiError as exc:
-        raise _renamed(exc) from exc
-    except UnicodeEncodeError as exc:
-        raise ApiError(f"input is not valid Unicode text: {exc.reason} at character {exc.start}", "input") from exc
-    try:
         prompt_ids = ctx.encode(prompt_text, False, "input")
         max_tokens = body.max_output_tokens
         if max_tokens is None:
@@ -248,9 +238,16 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, http: Http
         request = build_request(ctx, engine_body, prompt_ids, _id("resp"), max_tokens=max_tokens,
                                 logprobs=(body.top_logprobs or 0) if wants else None, prompt_logprobs=None)
     except (ApiError, AdmissionError) as exc:
-        raise _renamed(exc) from exc
-    parser = http.app.state.output_parser(prompt_text)
-    view = _ResponsesView(ctx, body, request.request_id, prompt_ids, parser, wants)
+        raise _renamed(exc, body) from exc
+    return prompt_text, prompt_ids, request
+
+
+async def create_response(ctx: ServerContext, body: ResponsesRequest, http: HttpRequest) -> Response:
+    ctx.check_model(body.model)
+    _check_request(ctx, body)
+    prompt_text, prompt_ids, request = await ctx.run(_prepare, ctx, body)
+    parser = PARSERS[ctx.config.reasoning_parser](prompt_text)
+    view = _ResponsesView(ctx, body, request.request_id, prompt_ids, parser, LOGPROBS_INCLUDE in (body.include or ()))
     return await respond(ctx, http, body, request, view)
 
 
@@ -402,12 +399,10 @@ class _ResponsesView(ResponseView):
         yield self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
 
-def register(app: FastAPI, reasoning_parser: str = "plain") -> None:
-    """Serve POST /v1/responses on an app made by create_app, splitting output with ``reasoning_parser``."""
-    if reasoning_parser not in PARSERS:
-        raise ValueError(f"unknown reasoning parser {reasoning_parser!r} (choices: {', '.join(PARSERS)})")
-    app.state.output_parser = PARSERS[reasoning_parser]
+def register(app: FastAPI, errors: dict[int, dict]) -> None:
+    """Serve POST /v1/responses on an app made by create_app (``errors``: its documented error statuses); the
+    app's ServeConfig names the reasoning parser, read per request."""
 
-    @app.post("/v1/responses", responses=RESPONSES_DOC)
+    @app.post("/v1/responses", responses={**RESPONSES_OK, **errors})
     async def responses(body: ResponsesRequest, request: HttpRequest) -> Response:
         return await create_response(request.app.state.ctx, body, request)

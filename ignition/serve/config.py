@@ -1,0 +1,87 @@
+"""What ``ignition serve`` is configured with beyond the core: keys, bounds, templates, docs.
+
+One ``ServeConfig`` per app, read by the middleware and the handlers at request time (tests
+change a field of a running server's config instead of starting another server).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ignition.serve.parsers import PARSERS
+
+API_KEY_ENVIRONMENT = ("IGNITION_API_KEY", "VLLM_API_KEY")
+"""Environment variables read for the API key when ``--api-key`` is not given, in this order."""
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Default bound on a request body; a larger body is a 413 before it is parsed."""
+MAX_PROMPT_BYTES = 16 * 1024 * 1024
+"""Default bound on the UTF-8 bytes of a text prompt (Completions) or of all message texts (Chat)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateLimits:
+    """Bounds on rendering a chat template a request supplies (the server's own template is trusted)."""
+
+    max_template_bytes: int = 64 * 1024
+    max_nesting: int = 16  # nested for/if/macro/call/filter blocks; real chat templates nest 6 or fewer
+    render_seconds: float = 1.0
+    max_steps: int = 1_000_000  # Python lines executed while rendering, loop bodies and filters included
+    max_output_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """Server options; every field has the default ``ignition serve`` uses."""
+
+    api_keys: tuple[str, ...] = ()
+    max_model_len: int | None = None  # None: the core's context
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prompt_bytes: int = MAX_PROMPT_BYTES
+    chat_template: str | None = None  # overrides the tokenizer's template (--chat-template)
+    tokenizer: Path | None = None  # a tokenizer directory used instead of CORE/tokenizer (--tokenizer)
+    allow_request_chat_template: bool = False
+    template_limits: TemplateLimits = field(default_factory=TemplateLimits)
+    enable_docs: bool = False  # /docs, /redoc and /openapi.json
+    log_requests: bool = True  # one log line per finished request
+    reasoning_parser: str = "plain"  # how /v1/responses splits output: a name in parsers.PARSERS
+
+    def __post_init__(self):
+        self.api_keys = tuple(key for key in self.api_keys if key)
+        if self.reasoning_parser not in PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r} (choices: {', '.join(PARSERS)})")
+
+
+def api_keys_from(option: str | None) -> tuple[str, ...]:
+    """``--api-key`` if given, else the first environment variable of API_KEY_ENVIRONMENT that is set."""
+    if option:
+        return (option,)
+    for name in API_KEY_ENVIRONMENT:
+        if os.environ.get(name):
+            return (os.environ[name],)
+    return ()
+
+
+class ChatTemplateError(ValueError):
+    """``--chat-template`` names neither a readable file nor a template."""
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template FILE|STRING``: a file's text, or the value itself when it looks like a Jinja template.
+
+    As vLLM decides: an existing path is read; a value with Jinja markup is a template; anything
+    else is taken for a missing file.
+    """
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # too long a name for a path, unreadable, not UTF-8
+        if "{" not in value:
+            raise ChatTemplateError(f"--chat-template {value}: cannot read it: {exc}") from None
+    if any(mark in value for mark in ("{{", "{%", "{#")):
+        return value
+    raise ChatTemplateError(f"--chat-template {value}: no such file, and not a Jinja template "
+                            "(a template contains {{ }} or {% %})")

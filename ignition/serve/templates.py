@@ -1,0 +1,196 @@
+"""Chat templates: where the server's comes from, and how a request-supplied one is rendered within bounds.
+
+The server's template is, in order: ``--chat-template``, ``TOKENIZER/chat_template.jinja`` (where
+Hugging Face saves it), ``TOKENIZER/tokenizer_config.json``'s ``chat_template``. It is trusted
+and rendered in Jinja's immutable sandbox. A request's ``chat_template`` is refused unless the
+server allows them; then it is parsed with a size and nesting bound and rendered in the same
+sandbox with a time, step and output bound (``TemplateLimits``): a trace function counts every
+line the render executes, and the operators and calls that could allocate without running a
+line (``*``, ``**``, ``%``, width arguments, ``replace``) are checked before they run. Rendering
+happens on a worker thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from jinja2 import nodes
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ignition.serve.config import TemplateLimits
+
+
+class TemplateLimitError(Exception):
+    """A request's template went past one of the server's TemplateLimits."""
+
+
+def template_of(directory: Path, config: dict) -> tuple[str | None, str]:
+    """The tokenizer directory's chat template and where it came from (for messages)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), str(jinja)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    source = str(directory / "tokenizer_config.json")
+    return (template if isinstance(template, str) else None), source
+
+
+def special_token(config: dict, name: str) -> str | None:
+    """A special token of tokenizer_config.json as text (Hugging Face writes some as AddedToken objects)."""
+    value = config.get(name)
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise_exception(message):
+    raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _environment(env: ImmutableSandboxedEnvironment) -> ImmutableSandboxedEnvironment:
+    """What Hugging Face's chat-template environment adds to Jinja."""
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def trusted_template(source: str):
+    """The server's own template, compiled once."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    return _environment(env).from_string(source)
+
+
+_PERCENT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_NESTING_BLOCKS = (nodes.For, nodes.If, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With)
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox for request templates: operators and calls that could allocate past the bound are refused."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def __init__(self, limits: TemplateLimits):
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        self.limits = limits
+        _environment(self)
+        for name in ("center", "indent", "wordwrap", "truncate"):
+            self.filters[name] = self._bounded_widths(self.filters[name])
+        self.filters["replace"] = self._bounded_replace(self.filters["replace"])
+        self.filters["format"] = self._bounded_format(self.filters["format"])
+
+    def _refuse(self, what: str):
+        raise TemplateLimitError(f"{what} would exceed the template output bound of "
+                                 f"{self.limits.max_output_bytes} bytes")
+
+    def _check_ints(self, values) -> None:
+        for value in values:
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > self.limits.max_output_bytes:
+                self._refuse(f"an argument of {value}")
+
+    def _check_percent(self, fmt) -> None:
+        if isinstance(fmt, str):
+            for match in _PERCENT_WIDTH.finditer(fmt):
+                self._check_ints(int(g) for g in match.groups() if g and g != "*")
+
+    def _bounded_widths(self, filter_):
+        @functools.wraps(filter_)
+        def bounded(*args, **kwargs):
+            self._check_ints([*args[1:], *kwargs.values()])
+            return filter_(*args, **kwargs)
+        return bounded
+
+    def _bounded_replace(self, filter_):
+        @functools.wraps(filter_)
+        def bounded(eval_ctx, s, old, new, count=None):
+            text, old, new = str(s), str(old), str(new)
+            hits = text.count(old) if old else len(text) + 1
+            if len(text) + hits * len(new) > self.limits.max_output_bytes:
+                self._refuse("replace")
+            return filter_(eval_ctx, s, old, new, count)
+        return bounded
+
+    def _bounded_format(self, filter_):
+        @functools.wraps(filter_)
+        def bounded(value, *args, **kwargs):
+            self._check_percent(value)
+            return filter_(value, *args, **kwargs)
+        return bounded
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(times, int) \
+                        and len(seq) * times > self.limits.max_output_bytes:
+                    self._refuse("a repetition")
+        elif operator == "**":
+            if isinstance(right, int) and isinstance(left, int) and abs(left) > 1 and right > 4096:
+                raise TemplateLimitError(f"{left} ** {right} is too large a power for a template")
+        elif isinstance(left, str):
+            self._check_percent(left)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
+        __self._check_ints([*args, *kwargs.values()])
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _nesting(node: nodes.Node, depth: int = 0) -> int:
+    deepest = depth
+    for child in node.iter_child_nodes():
+        deepest = max(deepest, _nesting(child, depth + isinstance(child, _NESTING_BLOCKS)))
+    return deepest
+
+
+@functools.lru_cache(maxsize=8)
+def _bounded_template(source: str, limits: TemplateLimits):
+    size = len(source.encode("utf-8", "surrogatepass"))
+    if size > limits.max_template_bytes:
+        raise TemplateLimitError(f"the template has {size} bytes; at most {limits.max_template_bytes} are allowed")
+    env = _BoundedEnvironment(limits)
+    depth = _nesting(env.parse(source))
+    if depth > limits.max_nesting:
+        raise TemplateLimitError(f"the template nests {depth} blocks deep; at most {limits.max_nesting} are allowed")
+    return env.from_string(source)
+
+
+def render_bounded(source: str, limits: TemplateLimits, variables: dict) -> str:
+    """Render a request's template on this thread within ``limits``; TemplateLimitError when one is passed."""
+    template = _bounded_template(source, limits)
+    deadline = time.monotonic() + limits.render_seconds
+    steps = 0
+
+    def trace(frame, event, arg):
+        nonlocal steps
+        if event == "line":
+            steps += 1
+            if steps > limits.max_steps:
+                raise TemplateLimitError(f"the template ran more than {limits.max_steps} steps")
+            if time.monotonic() > deadline:
+                raise TemplateLimitError(f"the template rendered for more than {limits.render_seconds} s")
+        elif event == "return" and isinstance(arg, str | list) and len(arg) > limits.max_output_bytes:
+            raise TemplateLimitError(f"the template built a value of {len(arg)} items; at most "
+                                     f"{limits.max_output_bytes} are allowed")
+        return trace
+
+    sys.settrace(trace)
+    try:
+        rendered = template.render(**variables)
+    finally:
+        sys.settrace(None)
+    if len(rendered) > limits.max_output_bytes:
+        raise TemplateLimitError(f"the template rendered {len(rendered)} characters; at most "
+                                 f"{limits.max_output_bytes} are allowed")
+    return rendered

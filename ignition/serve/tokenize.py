@@ -1,0 +1,108 @@
+"""The tokenizer behind the server: its files, and POST /tokenize, POST /detokenize, GET /tokenizer_info.
+
+Shapes follow vLLM (``vllm/entrypoints/serve/tokenize``), so lm-evaluation-harness's remote
+tokenizer works against the server without downloading one: /tokenize takes a prompt or chat
+messages (rendered with the server's template), /detokenize decodes ids with special tokens
+kept (Hugging Face's ``decode``), /tokenizer_info is tokenizer_config.json without file paths,
+with ``tokenizer_class``, ``eos_token``, ``bos_token`` and the served ``chat_template``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ignition.serve.chat import chat_prompt_ids
+from ignition.serve.common import ApiError, ServerContext
+from ignition.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
+                                     TokenizeCompletionRequest, TokenizeResponse, TokenizerInfoResponse)
+from ignition.serve.templates import template_of
+
+
+class TokenizerLoadError(ValueError):
+    """--tokenizer names a directory the server cannot use."""
+
+
+@dataclass(slots=True)
+class TokenizerFiles:
+    tokenizer: object | None
+    directory: Path
+    config: dict
+    chat_template: str | None
+    chat_template_source: str
+
+
+def load_tokenizer_files(directory: Path, tokenizer: object | None, vocab_size: int,
+                         load: bool = False) -> TokenizerFiles:
+    """The tokenizer directory's config and template; with ``load``, its tokenizer.json too (``--tokenizer``)."""
+    if load:
+        file = directory / "tokenizer.json"
+        if not file.is_file():
+            raise TokenizerLoadError(f"--tokenizer {directory}: no tokenizer.json there")
+        from tokenizers import Tokenizer
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for every malformed file
+            raise TokenizerLoadError(f"--tokenizer {file}: cannot load it: {exc}") from None
+        size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        if size > vocab_size:
+            raise TokenizerLoadError(f"--tokenizer {directory}: its ids reach {size - 1}, outside the core's "
+                                     f"vocabulary [0, {vocab_size})")
+    config_file = directory / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TokenizerLoadError(f"{config_file}: not readable JSON: {exc}") from None
+    template, source = template_of(directory, config if isinstance(config, dict) else {})
+    return TokenizerFiles(tokenizer, directory, config if isinstance(config, dict) else {}, template, source)
+
+
+def _token_strs(ctx: ServerContext, ids: list[int]) -> list[str | None]:
+    return [ctx.tokenizer.id_to_token(i) for i in ids]
+
+
+def tokenize(ctx: ServerContext, body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    """POST /tokenize (on a preprocessing thread)."""
+    if isinstance(body, TokenizeChatRequest):
+        ids = chat_prompt_ids(ctx, body)
+    else:
+        ids = ctx.encode(body.prompt, body.add_special_tokens, "prompt")
+    return TokenizeResponse(count=len(ids), max_model_len=ctx.max_context, tokens=ids,
+                            token_strs=_token_strs(ctx, ids) if body.return_token_strs else None)
+
+
+def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
+    """POST /detokenize (on a preprocessing thread): special tokens are kept, as Hugging Face's decode does."""
+    if ctx.tokenizer is None:
+        raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json)", "tokens")
+    outside = [t for t in body.tokens if not 0 <= t < ctx.core.vocab_size]
+    if outside:
+        raise ApiError(f"token id {outside[0]} is outside the vocabulary [0, {ctx.core.vocab_size})", "tokens")
+    # decode_batch releases the GIL while Rust decodes (decode does not)
+    return DetokenizeResponse(prompt=ctx.tokenizer.decode_batch([body.tokens], skip_special_tokens=False)[0])
+
+
+def _plain(value):
+    """AddedToken objects ({"content": ..., ...}) as their text, recursively."""
+    if isinstance(value, dict):
+        return value["content"] if isinstance(value.get("content"), str) else {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def tokenizer_info(ctx: ServerContext) -> TokenizerInfoResponse:
+    """GET /tokenizer_info."""
+    if ctx.tokenizer is None:
+        raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json)", None)
+    info = {k: _plain(v) for k, v in ctx.tokenizer_config.items() if not k.endswith("_file")}
+    info.pop("chat_template", None)
+    for name in ("eos_token", "bos_token"):  # lm-eval's remote tokenizer reads both keys
+        if info.get(name) is None:
+            token_id = ctx.core.manifest.get(f"{name}_id")
+            info[name] = ctx.tokenizer.id_to_token(token_id) if isinstance(token_id, int) else None
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    if ctx.chat_template is not None:
+        info["chat_template"] = ctx.chat_template
+    return TokenizerInfoResponse(**info)
