@@ -77,6 +77,7 @@ def export_core_cmd(
     seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Rank shards in the core (qwen3, llama)"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
@@ -97,7 +98,7 @@ def export_core_cmd(
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
-            tokenizer=tokenizer)
+            tokenizer=tokenizer, tensor_parallel=tensor_parallel)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),
