@@ -187,13 +187,26 @@ TRUST_COMPILED_OPTION = typer.Option(False, "--trust-compiled", help=TRUST_COMPI
 TRUSTED_KEY_OPTION = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP)
 
 
-def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path]):
-    """load_core for run and serve: a core that cannot load exits 1 with the reason."""
+TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", help="Ranks of a sharded core to start (gloo on CPU, "
+                                      "NCCL on CUDA); this process is rank 0")
+
+
+def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
+          tensor_parallel: int = 1):
+    """load_core for run and serve: a core that cannot load exits 1 with the reason. With ``tensor_parallel``
+    > 1 the other ranks start too and stop when this process exits (ignition/runtime/parallel.py)."""
     from ignition.runtime.core import CoreLoadError, load_core
+    from ignition.runtime.parallel import ParallelError, start_for_process
 
     try:
+        if tensor_parallel > 1:
+            return start_for_process(core, tensor_parallel, device=device, eager=eager, trust_compiled=trust_compiled,
+                                     trusted_key=trusted_key)
         return load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
                          trusted_key=_trusted_key(trusted_key))
+    except ParallelError as exc:
+        console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
     except CoreLoadError as exc:
         console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
@@ -219,6 +232,7 @@ def run_cmd(
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
+    tensor_parallel: int = TENSOR_PARALLEL_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.present import render_run, run_json
@@ -237,7 +251,7 @@ def run_cmd(
         raise _fail(f"--{exc.param.replace('_', '-')}: {exc}") from None
     ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
     selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
-    loaded = _load(core, device, eager, trust_compiled, trusted_key)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, tensor_parallel)
     if prompt is not None:
         if loaded.tokenizer is None:
             console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
@@ -251,6 +265,9 @@ def run_cmd(
         (result,) = engine.generate([request])
     except AdmissionError as exc:
         console.print("[red]rejected:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
+    except RuntimeError as exc:  # ParallelError: a tensor-parallel rank died or timed out
+        console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     if as_json:
         print(json.dumps(run_json(result, loaded.tokenizer)))
@@ -270,12 +287,13 @@ def serve_cmd(
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
+    tensor_parallel: int = TENSOR_PARALLEL_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
     from ignition.serve.app import serve
 
     _check_limits(port=port)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, tensor_parallel)
     serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant)
 
 

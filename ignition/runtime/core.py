@@ -148,8 +148,22 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
     return reduction
 
 
+def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
+    """The weights file of ``rank``; refuses a rank count that is not the core's."""
+    section = manifest.get("tensor_parallel")
+    ranks = section["ranks"] if section else 1
+    if tensor_parallel != ranks:
+        hint = f"run it with --tensor-parallel {ranks}" if section else "run it without --tensor-parallel"
+        raise CoreLoadError(f"{root}: the core holds {ranks} rank shard{'s' if ranks > 1 else ''}, "
+                            f"not {tensor_parallel}; {hint}")
+    if not 0 <= rank < ranks:
+        raise CoreLoadError(f"{root}: rank {rank} is outside the core's {ranks} ranks")
+    return section["rank_files"][rank]["weights"] if section else manifest["weights"]
+
+
 def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True, *,
-              eager: bool = False, trust_compiled: bool = False, trusted_key=None) -> LoadedCore:
+              eager: bool = False, trust_compiled: bool = False, trusted_key=None, rank: int = 0,
+              tensor_parallel: int = 1) -> LoadedCore:
     """Validate the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
 
     ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. On CUDA the reduction launches the core's
@@ -159,6 +173,9 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     Compiled packages hold native code, so they are loaded only when ``trust_compiled`` is set or the
     core's signature verifies against ``trusted_key`` (an Ed25519 public key or its PEM path; with a
     key, an unsigned or wrongly signed core is refused). Otherwise the portable ``.pt2`` runs, with a warning.
+
+    A sharded core loads one rank at a time (``rank`` of ``tensor_parallel``, which must be the core's
+    rank count); ignition/runtime/parallel.py starts the ranks and their process group.
     """
     root = Path(path)
     try:
@@ -166,15 +183,16 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     except ValueError as exc:
         raise CoreLoadError(str(exc)) from None
     try:
-        report = validate_core(root, trusted_key=trusted_key)
+        report = validate_core(root, trusted_key=trusted_key, rank=rank if tensor_parallel > 1 else None)
     except ValueError as exc:  # SigningError: the trusted key file itself is unusable
         raise CoreLoadError(str(exc)) from None
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    weights_file = _rank_weights(root, manifest, rank, tensor_parallel)
     prefer_compiled = prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = _device_reduction(root, report, device)
-    weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
+    weights = {name: t.to(device) for name, t in load_file(str(root / weights_file)).items()}
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants = {}
     for entry in catalog["variants"]:
