@@ -260,13 +260,14 @@ def run_cmd(
     request = Request(prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     from ignition.runtime.engine import Engine
+    from ignition.runtime.parallel import ParallelError
     engine = Engine(loaded, batch_invariant=batch_invariant)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:
         console.print("[red]rejected:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
-    except RuntimeError as exc:  # ParallelError: a tensor-parallel rank died or timed out
+    except ParallelError as exc:  # a tensor-parallel rank died or timed out
         console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     if as_json:

@@ -1,8 +1,8 @@
 """Rank 0 of a tensor-parallel run, as its own process (tests/test_tensor_parallel.py).
 
-``python tests/_tp_runner.py CORE RANKS [--kill]`` starts the ranks, runs ``REQUESTS`` and prints
+``python tests/_tp_runner.py CORE RANKS [--kill]`` starts the ranks, runs ``requests()`` and prints
 one JSON line of results; with ``--kill`` it then kills rank 1 and reports how the next
-submission fails. RANKS 1 runs the same requests without torch.distributed.
+submission fails.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
@@ -22,7 +21,7 @@ SELECTED = [0, 150, 7, 75, 76, 3]  # both sides of the TP=2 shard boundary (76) 
 
 
 def requests() -> list[Request]:
-    return [Request(prompt_ids=PROMPT, max_tokens=5, logprobs=20, prompt_logprobs=20, ignore_eos=True),
+    return [Request(prompt_ids=PROMPT, max_tokens=5, logprobs=20, ignore_eos=True),
             Request(prompt_ids=PROMPT[:3], max_tokens=3, logprob_token_ids=SELECTED, ignore_eos=True)]
 
 
@@ -34,12 +33,9 @@ def as_json(result) -> dict:
 
 
 def run(core: str, ranks: int, kill: bool) -> dict:
-    from ignition.runtime.core import load_core
     from ignition.runtime.parallel import ParallelError, tensor_parallel
 
-    context = tensor_parallel(core, ranks, device="cpu", timeout_s=60) if ranks > 1 else nullcontext(
-        load_core(core, device="cpu"))
-    with context as loaded:
+    with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
         engine = Engine(loaded)
         report = {"results": [as_json(r) for r in engine.generate(requests())]}
         if kill:

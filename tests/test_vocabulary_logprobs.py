@@ -172,3 +172,26 @@ def test_shard_weights_split_pad_and_keep_biases_once():
     assert shards[1]["layers.0.o_proj"].tolist() == [[2.0, 3.0], [6.0, 7.0]]
     assert shards[0]["layers.0.o_bias"].tolist() == [1.0, 1.0] and shards[1]["layers.0.o_bias"].tolist() == [0.0, 0.0]
     assert shard_rule("layers.0.attn_norm").kind == "replicated"
+
+
+def test_sharded_scoring_traces_its_two_exchanges():
+    """torch.export of prompt scoring at rank 1 of 2 records two 64-word all-gathers (TP-EXCHANGE holds)."""
+    from ignition.exporter.sharded import fake_process_group
+    from ignition.recipes.sharding import TensorParallel
+    from ignition.validate.parallel import check_program
+
+    class Scoring(torch.nn.Module):
+        def forward(self, hidden, targets, out, frame, head):
+            shard = TensorParallel(rank=1, ranks=2, vocab_size=151, vocab_padded=152).vocabulary
+            V.score_hidden_rows_sharded(shard, hidden, targets, out, frame, lambda rows: rows @ head.T)
+            return (out,)
+
+    args = (torch.zeros(8, 4), torch.zeros(8, dtype=torch.int32), torch.zeros(2, 8, PROMPT_ROW_WIDTH, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64), torch.zeros(76, 4))
+    with fake_process_group(1, 2) as group:
+        program = torch.export.export(Scoring(), args, strict=False)
+    gathers = [n for n in program.graph.nodes if "all_gather_into_tensor" in str(n.target)]
+    assert [list(n.args[0].meta["val"].shape) for n in gathers] == [[8, SCORING_EXCHANGE_WORDS]] * 2
+    assert check_program(program, {"tensor_parallel": {"ranks": 2, "group": group}}, "scoring") == []
+    assert [v.rule for v in check_program(program, {"tensor_parallel": {"ranks": 4, "group": group}}, "x")] == \
+        ["TP-RANKS", "TP-RANKS"]

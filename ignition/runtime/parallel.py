@@ -141,6 +141,22 @@ class RankGroup:
                 process.wait()
 
 
+def _check_rank_count(core: Path, ranks: int) -> None:
+    """Refuse a rank count the core does not have before any worker starts (load_core checks it again)."""
+    import json
+
+    from ignition.runtime.core import CoreLoadError
+
+    try:
+        manifest = json.loads((core / "manifest.json").read_bytes())
+        found = manifest.get("tensor_parallel", {}).get("ranks", 1)
+    except (OSError, ValueError, AttributeError):
+        return  # load_core reports an unreadable core with the validator's findings
+    if found != ranks:
+        hint = f"run it with --tensor-parallel {found}" if found > 1 else "run it without --tensor-parallel"
+        raise CoreLoadError(f"{core}: the core holds {found} rank shard{'s' if found > 1 else ''}, not {ranks}; {hint}")
+
+
 @contextmanager
 def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
                     **load_options):
@@ -158,6 +174,7 @@ def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeou
         resolved = resolve_device(device)
     except ValueError as exc:
         raise CoreLoadError(str(exc)) from None
+    _check_rank_count(Path(core), ranks)
     store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     command = [sys.executable, "-m", "ignition.runtime.parallel", str(core), "--ranks", str(ranks),
