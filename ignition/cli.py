@@ -225,6 +225,7 @@ def export_core_cmd(
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Rank shards in the core (qwen3, llama)"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.publish import PublishError, check_output
@@ -251,7 +252,7 @@ def export_core_cmd(
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
-            tokenizer=tokenizer, onnx=onnx)
+            tokenizer=tokenizer, onnx=onnx, tensor_parallel=tensor_parallel)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     try:
@@ -337,19 +338,36 @@ TRUSTED_KEY_OPTION = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP)
 RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=_runtime, help=RUNTIME_HELP)
 
 
+TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", help="Ranks of a sharded core to start (gloo on CPU, "
+                                      "NCCL on CUDA); this process is rank 0")
+
+
 def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-          runtime: str = "torch"):
+          runtime: str = "torch", tensor_parallel: int = 1):
     """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
-    core that cannot load exits 1 with the reason (a path that is no core at all: 2)."""
+    core that cannot load exits 1 with the reason (a path that is no core at all: 2). With
+    ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
+    (ignition/runtime/parallel.py)."""
     from ignition.runtime.core import CoreLoadError, NotACoreError, load_core
+    from ignition.runtime.parallel import ParallelError, start_for_process
 
     key = _trusted_key(trusted_key)
     try:
         with StageLog("load") as progress:
-            loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                               trusted_key=key, runtime=runtime, progress=progress)
+            if tensor_parallel > 1:
+                if runtime != "torch":
+                    raise _fail(f"--runtime {runtime} replays single-rank cores only; use --runtime torch "
+                                "with --tensor-parallel")
+                loaded = start_for_process(core, tensor_parallel, device=device, eager=eager,
+                                           trust_compiled=trust_compiled, trusted_key=trusted_key)
+            else:
+                loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
+                                   trusted_key=key, runtime=runtime, progress=progress)
     except NotACoreError as exc:
         raise _fail(_not_a_core_message(exc, core))
+    except ParallelError as exc:
+        console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
     except CoreLoadError as exc:
         console.print("[red]cannot load core:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
@@ -401,6 +419,7 @@ def run_cmd(
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
+    tensor_parallel: int = TENSOR_PARALLEL_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.present import render_run, run_json
@@ -423,17 +442,21 @@ def run_cmd(
     request = Request(prompt_ids=ids or [], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     _check_run_options(core, request, text_prompt=prompt is not None)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise _fail("this core has no tokenizer; pass --prompt-ids")
         request.prompt_ids = loaded.tokenizer.encode(prompt).ids
     from ignition.runtime.engine import Engine
+    from ignition.runtime.parallel import ParallelError
     engine = Engine(loaded, batch_invariant=batch_invariant)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:
         console.print("[red]rejected:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
+    except ParallelError as exc:  # a tensor-parallel rank died or timed out
+        console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     if as_json:
         print(json.dumps(run_json(result, loaded.tokenizer)))
@@ -481,6 +504,7 @@ def serve_cmd(
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
+    tensor_parallel: int = TENSOR_PARALLEL_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
     from ignition.serve.app import ServeSetupError, serve
@@ -503,10 +527,10 @@ def serve_cmd(
                          log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
     _identify_core(core)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
-        _load(core, device, eager, trust_compiled, trusted_key, runtime)  # exits 1 with them
+        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")
     sock = _bind(host, port)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)
     name = model_name or str(core)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 

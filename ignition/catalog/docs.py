@@ -63,6 +63,21 @@ def _geometry() -> str:
             + symbols + "\n")
 
 
+def _exchanges() -> str:
+    from ignition.catalog.parallel import EXCHANGES
+    rows = "\n".join(f"| `{e.name}` | {e.dtype} | {e.words} per {e.per} per rank | "
+                     + "; ".join(f"{field}: words {first}..{first + count - 1}" for field, first, count in e.layout) + " |"
+                     for e in EXCHANGES)
+    return "| exchange | dtype | words | layout (other words are zero) |\n|---|---|---|---|\n" + rows + "\n"
+
+
+def _shards() -> str:
+    from ignition.catalog.parallel import SHARD_RULES
+    rows = "\n".join(f"| `*.{r.suffix}` | {r.kind} | {'-' if r.dim is None else r.dim} |" for r in SHARD_RULES)
+    return ("| weight | split | dim |\n|---|---|---|\n" + rows
+            + "\n| anything else (norms, q/k norms) | replicated | - |\n")
+
+
 SECTIONS = {
     "enums": _enum_tables,
     "completion-buffers": lambda: _buffer_table(COMPLETION_BUFFERS),
@@ -72,6 +87,8 @@ SECTIONS = {
     "rules": _rules,
     "limits": _limits,
     "geometry": _geometry,
+    "exchanges": _exchanges,
+    "shards": _shards,
 }
 
 

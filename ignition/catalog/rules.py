@@ -56,6 +56,16 @@ RULES = {
     "FEAT-MISMATCH": "The manifest's features equal what the catalog declares.",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",
     "WEIGHT-DECL": "Weight arguments exist in the weights file with the declared dtype and shape.",
+    "TP-RANKS": "A sharded core's rank count divides its query and KV heads and its padded vocabulary "
+                "(vocab_shard * ranks = vocab_padded), names one file entry per rank, and every collective in "
+                "its graphs runs over that many ranks of the recorded group; an unsharded core runs none.",
+    "TP-SHARD": "Every weight argument has a shard entry whose shard shape is the declared argument and whose full "
+                "shape is the shard times the rank count along its split dim; every rank's weights file holds "
+                "each weight with that shard shape and dtype.",
+    "TP-EXCHANGE": "The manifest's exchange table is the contract's, and every exchange a graph hands to an "
+                   "all-gather carries that exchange's word count and dtype per row per rank.",
+    "TP-VARIANTS": "Every rank has a graph for exactly the catalog's variants (same declarations on every rank); "
+                   "rank 0's files are the core's own weights and graphs.",
     "CORE-DIGEST": "The core digest (sha256 of the canonical manifest) equals the expected one (--expect-digest).",
     "SIGNATURE": "signature.json, when present or required by a trusted key, is an Ed25519 signature over the core "
                  "digest that verifies (with the trusted key, when one is given).",

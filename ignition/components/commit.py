@@ -27,6 +27,7 @@ from ignition.catalog.buffers import LOGPROBS, RECORDS, REQUESTED, TOKEN_ID_COUN
 from ignition.catalog.contract import INVALID_TOKEN_ID, RECORD_HEADER_WORDS
 from ignition.catalog.enums import FinishReason, Operation, RoundKind
 from ignition.components import logprobs as _logprobs  # noqa: F401  (registers ignition::reduce_logprobs)
+from ignition.components.vocabulary_logprobs import VocabularyShard, reduce_vocabulary_logprobs
 
 
 def commit_sampling_round(
@@ -41,6 +42,7 @@ def commit_sampling_round(
     round_kind: RoundKind = RoundKind.SAMPLING,
     emits: torch.Tensor | None = None,  # bool [capacity]: lanes that may emit (default: active lanes)
     idle_round_kind: RoundKind | torch.Tensor | None = None,  # active lanes that do not emit (None: PROMPT)
+    vocabulary: VocabularyShard | None = None,  # raw_logits is this rank's vocabulary shard (tensor parallel)
 ) -> torch.Tensor:
     """Write records and packed logprobs for the frame in ``buffers['frame_index']``; return emitted tokens."""
     active = buffers["active_lanes"] != 0
@@ -60,7 +62,7 @@ def commit_sampling_round(
     write_round_records(buffers, tokens, emitting, forced, finish, operation=operation,
                         sequence_lengths=sequence_lengths, round_kind=round_kind, idle_round_kind=idle)
     if LOGPROBS in buffers:  # a records-only core (benchmark builds) has no payload to write
-        reduce_emitted_logprobs(buffers, raw_logits, vocab_size=vocab_size, k=k)
+        reduce_emitted_logprobs(buffers, raw_logits, vocab_size=vocab_size, k=k, vocabulary=vocabulary)
     return torch.where(emitting, tokens, -1)
 
 
@@ -109,7 +111,7 @@ def write_round_records(
 
 
 def reduce_emitted_logprobs(buffers: dict[str, torch.Tensor], raw_logits: torch.Tensor, *, vocab_size: int,
-                            k: int) -> None:
+                            k: int, vocabulary: VocabularyShard | None = None) -> None:
     """Reduce position 0 of every sampling row whose record in the active frame allows it.
 
     Row ``r`` (lane ``r``, raw logits ``raw_logits[r]``) is reduced only when its request flag
@@ -131,6 +133,11 @@ def reduce_emitted_logprobs(buffers: dict[str, torch.Tensor], raw_logits: torch.
     lanes = torch.arange(capacity, device=records.device)
     out_rows = (frame * capacity + lanes) * token_capacity  # position 0 of each lane's packed row
     explicit = TOKEN_IDS in buffers
+    if vocabulary is not None:  # the sharded reduction: two compact all-gathers, same packed output
+        reduce_vocabulary_logprobs(vocabulary, raw_logits, chosen, requested.to(torch.int32), buffers[LOGPROBS], out_rows,
+                                   buffers[TOKEN_IDS] if explicit else None,
+                                   buffers[TOKEN_ID_COUNTS] if explicit else None, k)
+        return
     torch.ops.ignition.reduce_logprobs(
         raw_logits, chosen, requested.to(torch.int32), buffers[LOGPROBS], out_rows,
         buffers[TOKEN_IDS] if explicit else None, buffers[TOKEN_ID_COUNTS] if explicit else None,

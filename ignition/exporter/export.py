@@ -111,7 +111,11 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
 
         (staging / "graphs").mkdir()
         programs = {}  # kept for the ONNX stage
-        for index, graph in enumerate(build.graphs, 1):
+        group_name = None
+        if build.parallel is not None:  # every rank's graphs, each traced at its rank of a fake group
+            from ignition.exporter.sharded import capture_ranks
+            group_name = capture_ranks(build, staging, capture, save_program, progress, timings)
+        for index, graph in enumerate(build.graphs if build.parallel is None else (), 1):
             started = time.perf_counter()
             progress("capture", f"variant {index} of {len(build.graphs)}: {graph.variant.name}")
             program = capture(graph, build.weights)
@@ -145,7 +149,11 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             (staging / name).write_bytes(data)
         (staging / CATALOG_FILE).write_bytes(dump_json({"variants": [g.variant.to_json() for g in build.graphs]}))
         files = hash_tree(staging, exclude=(MANIFEST_FILE,))
-        (staging / MANIFEST_FILE).write_bytes(dump_json(manifest_for(build, options, files, kernels is not None)))
+        manifest = manifest_for(build, options, files, kernels is not None)
+        if build.parallel is not None:
+            from ignition.exporter.sharded import tensor_parallel_manifest
+            manifest["tensor_parallel"] = tensor_parallel_manifest(build, group_name)
+        (staging / MANIFEST_FILE).write_bytes(dump_json(manifest))
         timings["write"] = time.perf_counter() - started
 
         started = time.perf_counter()

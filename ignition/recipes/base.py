@@ -12,6 +12,7 @@ from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS,
 from ignition.catalog.contract import NATURAL_K, packed_width
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.limits import check_limit
+from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.components.completion import CompletionOutputs, declare
 from ignition.components.prompt_scoring import prompt_arguments
@@ -42,6 +43,7 @@ class ExportOptions:
     tokenizer: Path | None = None  # a directory with tokenizer.json (+ tokenizer_config.json) to ship in the core
     logprob_k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)
     logprob_ids: bool = True  # export the explicit-ID inputs (False: a natural-only core, width 2+2K)
+    tensor_parallel: int = 1  # rank shards in the core (recipes/sharding.py)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
@@ -67,6 +69,14 @@ class ExportOptions:
         if self.logprob_ids and self.logprob_k != NATURAL_K:
             raise RecipeError(f"--logprob-k {self.logprob_k}: cores with explicit-ID inputs export K={NATURAL_K}; "
                               f"add --no-logprob-ids for a natural-only core")
+        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
+                or not 1 <= self.tensor_parallel <= MAX_TENSOR_PARALLEL:
+            raise RecipeError(f"--tensor-parallel must be an integer between 1 and {MAX_TENSOR_PARALLEL}, "
+                              f"got {self.tensor_parallel!r}")
+        if self.tensor_parallel > 1 and (self.targets or self.compile):
+            raise RecipeError(f"--tensor-parallel {self.tensor_parallel} cannot be combined with "
+                              f"{'--targets' if self.targets else '--compile'}: sharded cores carry portable .pt2 "
+                              f"graphs only (the sharded reduction's prepared launches are not built yet)")
         if self.prompt_logprobs and (not self.logprobs or self.logprob_k != NATURAL_K):
             raise RecipeError(f"--prompt-logprobs requires the K={NATURAL_K} generation logprob outputs "
                               f"(found K={self.logprob_k if self.logprobs else 0})")
@@ -96,6 +106,17 @@ class GraphBuild:
 
 
 @dataclass(slots=True)
+class ShardedBuild:
+    """Ranks 1..N-1 of a tensor-parallel build (rank 0 is the RecipeBuild's own weights and graphs)."""
+
+    ranks: int
+    vocab_shard: int
+    rank_weights: list[dict[str, torch.Tensor]]  # index r: rank r's weights (index 0 is the build's own)
+    rank_modules: list[list[torch.nn.Module]]  # index r: rank r's module for each of the build's graphs, in order
+    shards: dict[str, dict]  # weight name -> {kind, dim, full, shard}
+
+
+@dataclass(slots=True)
 class RecipeBuild:
     recipe: str
     model: dict  # summary for the manifest: architecture, sizes, dtype
@@ -110,6 +131,7 @@ class RecipeBuild:
     chunk_limit: int | None = None
     tokenizer_dir: Path | None = None
     extra_files: dict[str, bytes] = field(default_factory=dict)
+    parallel: ShardedBuild | None = None
 
 
 def weight_arguments(weights: dict[str, torch.Tensor]) -> list[BufferDecl]:

@@ -28,6 +28,7 @@ from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.prompt_scoring import score_hidden_rows
+from ignition.components.vocabulary_logprobs import score_hidden_rows_sharded
 from ignition.components.sampling import SamplingTensors, sample, update_output_counts
 from ignition.recipes.layers import Rows
 from ignition.recipes.transformer import gqa_decoder, lm_head_logits
@@ -52,14 +53,17 @@ def state_declarations(cfg, dtype: torch.dtype, num_slots: int, max_seq_len: int
 class _DecoderGraph(torch.nn.Module):
     """What prefill and decode share: weight naming, the decoder call and steps 3-5 of a sampling round."""
 
-    def __init__(self, cfg, vocab_size: int, k: int, decoder: Decoder = gqa_decoder):
+    def __init__(self, cfg, vocab_size: int, k: int, decoder: Decoder = gqa_decoder, parallel=None):
+        """``parallel``: a ``recipes.sharding.TensorParallel`` when this graph is one rank of a sharded core."""
         super().__init__()
-        self.cfg, self.vocab_size, self.k, self.decoder = cfg, vocab_size, k, decoder
+        self.cfg, self.vocab_size, self.k, self.decoder, self.parallel = cfg, vocab_size, k, decoder, parallel
 
     def hidden(self, weights: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
                input_ids: torch.Tensor, rows: Rows) -> torch.Tensor:
         """Step 1: run the decoder over the state caches; final-normed hidden ``[R, d_model]``."""
         caches = {name: buffers[name] for name in self.cfg.cache_names}
+        if self.parallel is not None:
+            return self.decoder(weights, self.cfg, input_ids, rows, caches, parallel=self.parallel)
         return self.decoder(weights, self.cfg, input_ids, rows, caches)
 
     def weights(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -76,11 +80,15 @@ class _DecoderGraph(torch.nn.Module):
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
         safe_slots = slots.clamp(0, penalty.shape[0] - 1)
         history = penalty.index_select(0, safe_slots)  # [capacity, 2, V]
-        sampled = sample(raw_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
+        # NOTE: sampling's penalties, top-k/top-p and Philox draw need each sampled row's whole vocabulary, so a
+        # sharded graph gathers those rows; the logprob reduction below keeps the shard (two compact exchanges).
+        full_logits = raw_logits if self.parallel is None else self.parallel.gather_vocab(raw_logits)
+        sampled = sample(full_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
                          SamplingTensors.from_buffers(buffers), self.vocab_size)
         tokens = commit_sampling_round(buffers, raw_logits, sampled, operation=operation, vocab_size=self.vocab_size,
                                        k=self.k, sequence_lengths=sequence_lengths, emits=emits,
-                                       idle_round_kind=idle_round_kind)
+                                       idle_round_kind=idle_round_kind,
+                                       vocabulary=None if self.parallel is None else self.parallel.vocabulary)
         # tokens is -1 for lanes that emitted nothing; forced tokens are output tokens and count.
         update_output_counts(penalty.select(1, OUTPUT_PLANE), safe_slots, tokens, tokens >= 0)
         return tokens
@@ -121,7 +129,11 @@ class PrefillGraph(_DecoderGraph):
         valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
         hidden = self.hidden(weights, buffers, chunk_ids,
                              Rows.prefill(chunk_ids.shape[0], chunk_start, valid_length, slot))  # [C, d_model]
-        if score:  # every row scores its next prompt token, projecting 64 hidden rows at a time
+        if score and self.parallel is not None:  # the same, over this rank's vocabulary shard
+            score_hidden_rows_sharded(self.parallel.vocabulary, hidden, buffers[PROMPT_TARGETS],
+                                      buffers[PROMPT_LOGPROBS], buffers["frame_index"],
+                                      lambda rows: lm_head_logits(weights, self.cfg, rows))
+        elif score:  # every row scores its next prompt token, projecting 64 hidden rows at a time
             score_hidden_rows(hidden, buffers[PROMPT_TARGETS], buffers[PROMPT_LOGPROBS], buffers["frame_index"],
                               lambda rows: lm_head_logits(weights, self.cfg, rows), self.vocab_size)
         last_row = (chunk_length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]

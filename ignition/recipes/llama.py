@@ -23,7 +23,8 @@ from ignition.catalog.buffers import LANE_INPUTS
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
-from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, chunk_arguments,
+from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, ShardedBuild,
+                                   chunk_arguments,
                                    completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
                                    spec_arguments, weight_arguments)
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
@@ -75,16 +76,18 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
     k = options.outputs.k if options.outputs else 0
     vocab_padded = cfg.vocab_size
-    state = state_declarations(cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
+    parallel, graph_cfg, modules = None, cfg, _graph_modules(options, cfg, k, family.decoder, None)
+    if options.tensor_parallel > 1:  # rank 0's shards become the build's own weights and graphs
+        parallel, graph_cfg, weights = _shard(options, cfg, k, family.decoder, weights)
+        vocab_padded, modules = parallel.vocab_shard * parallel.ranks, parallel.rank_modules[0]
+    state = state_declarations(graph_cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
     fixed = weight_arguments(weights) + state
-    graphs = [GraphBuild(prefill_variant(fixed, options.chunk_limit, token_capacity, options.outputs),
-                         PrefillGraph(cfg, cfg.vocab_size, k, family.decoder))]
-    graphs += [GraphBuild(decode_variant(fixed, capacity, token_capacity, options.outputs),
-                          DecodeGraph(cfg, cfg.vocab_size, k, family.decoder)) for capacity in options.capacities]
+    variants = [prefill_variant(fixed, options.chunk_limit, token_capacity, options.outputs)]
+    variants += [decode_variant(fixed, capacity, token_capacity, options.outputs) for capacity in options.capacities]
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
-        graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True),
-                              ScoredPrefillGraph(cfg, cfg.vocab_size, k, family.decoder))
-                   for capacity in scored_capacities(options.chunk_limit)]
+        variants += [prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True)
+                     for capacity in scored_capacities(options.chunk_limit)]
+    graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,
         model={"architecture": config["architectures"][0], "dtype": str(dtype).removeprefix("torch."),
@@ -100,7 +103,34 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
         chunk_limit=options.chunk_limit,
         tokenizer_dir=tokenizer_dir(Path(options.tokenizer) if options.tokenizer else directory,
                                     required=options.tokenizer is not None, vocab_size=cfg.vocab_size),
+        parallel=parallel,
     )
+
+
+def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parallel) -> list[torch.nn.Module]:
+    """One module per variant, in catalog order: prefill, each decode capacity, then the scored prefills."""
+    modules = [PrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)]
+    modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel) for _ in options.capacities]
+    if options.prompt_logprobs:
+        modules += [ScoredPrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)
+                    for _ in scored_capacities(options.chunk_limit)]
+    return modules
+
+
+def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[str, torch.Tensor]):
+    """(ShardedBuild, the per-rank config, rank 0's weights) for ``--tensor-parallel N``."""
+    from ignition.recipes.sharding import (TensorParallel, check_tensor_parallel, shard_config, shard_table,
+                                           shard_weights, sharded_vocabulary)
+
+    ranks = options.tensor_parallel
+    check_tensor_parallel(options.recipe, cfg, ranks)
+    vocab_padded = sharded_vocabulary(cfg.vocab_size, ranks)
+    rank_weights = shard_weights(weights, ranks, vocab_padded)
+    rank_cfg = shard_config(cfg, ranks)
+    modules = [_graph_modules(options, rank_cfg, k, decoder, TensorParallel(rank, ranks, cfg.vocab_size, vocab_padded))
+               for rank in range(ranks)]
+    return (ShardedBuild(ranks, vocab_padded // ranks, rank_weights, modules, shard_table(rank_weights)),
+            rank_cfg, rank_weights[0])
 
 
 def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int,

@@ -7,6 +7,9 @@ import importlib
 
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 
+SHARDABLE_RECIPES = ("qwen3", "llama")
+"""Recipes with a tensor-parallel layout (recipes/sharding.py): the dense GQA decoders."""
+
 RECIPES = {
     "toy": "ignition.recipes.toy",
     "qwen3": "ignition.recipes.llama",
@@ -20,4 +23,7 @@ def build_recipe(options: ExportOptions) -> RecipeBuild:
     module_name = RECIPES.get(options.recipe)
     if module_name is None:
         raise RecipeError(f"unknown recipe {options.recipe!r}; available: {', '.join(sorted(RECIPES))}")
+    if options.tensor_parallel > 1 and options.recipe not in SHARDABLE_RECIPES:
+        raise RecipeError(f"--tensor-parallel {options.tensor_parallel}: recipe {options.recipe} has no sharded "
+                          f"layout; tensor parallelism supports {', '.join(SHARDABLE_RECIPES)}")
     return importlib.import_module(module_name).build(options)

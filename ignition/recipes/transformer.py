@@ -65,26 +65,35 @@ def _check_caches(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
 
 
 def decoder_stack(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
-                  attention: Attention) -> torch.Tensor:
-    """Embedding, pre-norm residual layers (``attention``, then the dense or MoE MLP), final norm: ``[R, d_model]``."""
+                  attention: Attention, parallel=None) -> torch.Tensor:
+    """Embedding, pre-norm residual layers (``attention``, then the dense or MoE MLP), final norm: ``[R, d_model]``.
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards; the
+    embedding is vocabulary-parallel and each layer's attention and MLP outputs are partial sums
+    that are all-reduced before the residual add.
+    """
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
-    hidden = F.embedding(token_ids, weights["embed"])  # hidden: [R, d_model]
+    if parallel is None:
+        hidden = F.embedding(token_ids, weights["embed"])  # hidden: [R, d_model]
+    else:
+        hidden = parallel.embed(token_ids, weights["embed"])
+    reduce = (lambda partial: partial) if parallel is None else parallel.reduce
     cos, sin = rope_cos_sin(cfg, rows.positions, hidden.dtype)  # [R, 1, rope_dim] each
     for layer in range(cfg.num_layers):
         normed = rms_norm(hidden, weights[f"layers.{layer}.attn_norm"], cfg.rms_norm_eps)
-        hidden = hidden + attention(layer, normed, cos, sin)
+        hidden = hidden + reduce(attention(layer, normed, cos, sin))
         normed = rms_norm(hidden, weights[f"layers.{layer}.mlp_norm"], cfg.rms_norm_eps)
-        hidden = hidden + feed_forward(weights, cfg, layer, normed)
+        hidden = hidden + reduce(feed_forward(weights, cfg, layer, normed))
     return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)  # [R, d_model]
 
 
 def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids: torch.Tensor, rows: Rows,
-                caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
     """Qwen3 / Llama / Qwen3-MoE: GQA attention over ``caches["k_cache"]``, ``caches["v_cache"]``."""
     k_cache, v_cache = caches[K_CACHE], caches[V_CACHE]
     _check_caches(cfg, weights, k_cache, v_cache)
     return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
-        weights, cfg, layer, normed, cos, sin, rows, k_cache, v_cache))
+        weights, cfg, layer, normed, cos, sin, rows, k_cache, v_cache), parallel)
 
 
 def prefill_hidden(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids: torch.Tensor,

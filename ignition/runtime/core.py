@@ -33,6 +33,7 @@ from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
 from ignition.validate.graphs import check_graph
+from ignition.validate.parallel import check_program, rank_graph_files
 
 Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
 
@@ -256,20 +257,36 @@ class _Stages:
             self._current = None
 
 
-def _load_program(root: Path, entry: dict, manifest: dict):
-    """The variant's graph: sha256 and the safe reader on the bytes that torch.export.load then reads."""
-    graph_path, problems = safe_path(root, entry["graph"], f"variant {entry['name']}")
+def _load_program(root: Path, entry: dict, manifest: dict, rel: str):
+    """The variant's graph file ``rel`` (this rank's, for a sharded core): sha256 and the safe reader on the
+    bytes that torch.export.load then reads; a sharded core's graph also has its collectives checked."""
+    graph_path, problems = safe_path(root, rel, f"variant {entry['name']}")
     if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
-    found, program = check_graph(graph_path, entry, sha256=manifest["files"].get(entry["graph"]))
+    found, program = check_graph(graph_path, entry, sha256=manifest["files"].get(rel))
+    if not found and program is not None and "tensor_parallel" in manifest:
+        found = check_program(program, manifest, rel)
     if found or program is None:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     return program
 
 
+def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
+    """The weights file of ``rank``; refuses a rank count that is not the core's."""
+    section = manifest.get("tensor_parallel")
+    ranks = section["ranks"] if section else 1
+    if tensor_parallel != ranks:
+        hint = f"run it with --tensor-parallel {ranks}" if section else "run it without --tensor-parallel"
+        raise CoreLoadError(f"{root}: the core holds {ranks} rank shard{'s' if ranks > 1 else ''}, "
+                            f"not {tensor_parallel}; {hint}")
+    if not 0 <= rank < ranks:
+        raise CoreLoadError(f"{root}: rank {rank} is outside the core's {ranks} ranks")
+    return section["rank_files"][rank]["weights"] if section else manifest["weights"]
+
+
 def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compiled: bool = True, *,
               eager: bool = False, trust_compiled: bool = False, trusted_key=None, runtime: str = "torch",
-              progress: Progress | None = None) -> LoadedCore:
+              progress: Progress | None = None, rank: int = 0, tensor_parallel: int = 1) -> LoadedCore:
     """Check the core (refusing an invalid one with the validator's findings), then load it onto ``device``.
 
     ``device`` is ``auto``, ``cpu``, ``cuda`` or ``cuda:N``. On CUDA the reduction launches the core's
@@ -284,6 +301,8 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     ``onnxruntime`` (the core's ONNX graphs, exported with ``--onnx``; see ``ignition.runtime.onnx_backend``).
     ``progress(stage, item)`` is called as each stage starts (check, weights, graph, capture,
     tokenizer); ``LoadedCore.timings`` holds the seconds of each.
+    A sharded core loads one rank at a time (``rank`` of ``tensor_parallel``, which must be the core's
+    rank count); ignition/runtime/parallel.py starts the ranks and their process group.
     """
     root = Path(path)
     if runtime not in RUNTIMES:
@@ -302,19 +321,23 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    weights_file = _rank_weights(root, manifest, rank, tensor_parallel)
     onnx = runtime == "onnxruntime"
+    if onnx and tensor_parallel > 1:
+        raise CoreLoadError(f"{root}: --runtime onnxruntime replays single-rank cores only, not {tensor_parallel} ranks")
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
-    stages.start("weights", manifest["weights"])
-    weights = {name: t.to(device) for name, t in load_file(str(root / manifest["weights"])).items()}
+    stages.start("weights", weights_file)
+    weights = {name: t.to(device) for name, t in load_file(str(root / weights_file)).items()}
     backend = _onnx_backend(root, weights, device) if onnx else None
+    graph_files = {v["name"]: v["graph"] for v in catalog["variants"]} | rank_graph_files(manifest, rank)
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants, programs = {}, {}
     entries = catalog["variants"]
     for index, entry in enumerate(entries, 1):
         stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
         if not onnx:
-            programs[entry["name"]] = _load_program(root, entry, manifest)
+            programs[entry["name"]] = _load_program(root, entry, manifest, graph_files[entry["name"]])
         arguments = [BufferDecl.from_json(a) for a in entry["arguments"]]
         buffers = {}
         for arg in arguments:

@@ -10,6 +10,7 @@ from ignition.catalog.model import MANIFEST_FILE
 from ignition.validate.contract_rules import check_catalog
 from ignition.validate.files import check_files, check_weights, safe_path
 from ignition.validate.geometry import check_geometry
+from ignition.validate.parallel import check_program, check_section, named_files, rank_graph_files
 from ignition.validate.report import Violation
 from ignition.validate.schema import parse_json, schema_violations
 from ignition.validate.signature import check_provenance
@@ -50,12 +51,14 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
 
 
 def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
-                  trusted_key=None) -> ValidationReport:
+                  trusted_key=None, rank: int | None = None) -> ValidationReport:
     """All findings for the core at ``path``; never raises for a bad core.
 
     ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
     Ed25519 public key (or a PEM file path, loaded first: SigningError names a bad one) whose
     signature the core must carry (SIGNATURE); ``report.trusted`` is set when it verifies.
+    ``rank``: of a sharded core, load (and check) only that rank's graphs into ``report.programs``
+    (a runtime rank); by default every rank's graphs are checked and rank 0's are kept.
     """
     root = Path(path)
     report = ValidationReport(root)
@@ -65,13 +68,13 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     if expect_digest is not None:
         expect_digest = expect_digest.lower().removeprefix("sha256:")
     try:
-        _validate(root, report, check_graphs, expect_digest, trusted_key)
+        _validate(root, report, check_graphs, expect_digest, trusted_key, rank)
     except Exception as exc:  # a validator bug must still produce a clean rejection
         report.violations.append(Violation("VALIDATOR-ERROR", str(root), f"{type(exc).__name__}: {exc}"))
     return report
 
 
-def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key) -> None:
+def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key, rank) -> None:
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
@@ -104,7 +107,9 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     named |= {path: f"variant {v['name']}: packages.{kind}" for v in variants for kind, path in v.get("packages", {}).items()}
     if manifest["kernels"] is not None:
         named[manifest["kernels"]] = "manifest.json:kernels"
+    named |= named_files(manifest)
     report.violations += check_catalog(manifest, catalog)
+    report.violations += check_section(root, manifest, variants)
     report.violations += check_geometry(root, manifest, catalog)
     kernel_table = None
     if manifest["kernels"] is not None:
@@ -127,13 +132,19 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
         report.violations += check_weights(weights_path, variants)
     if check_graphs:
         from ignition.validate.graphs import check_graph
-        for variant in variants:
-            graph_path, _ = safe_path(root, variant["graph"], variant["name"])
-            if graph_path is None or not graph_path.is_file() or variant["graph"] in broken:
-                continue  # already reported as a file finding
-            found, program = check_graph(graph_path, variant)
-            report.violations += found
-            if program is not None:
-                report.programs[variant["name"]] = program
+        ranks = manifest.get("tensor_parallel", {}).get("ranks", 1)
+        for graph_rank in range(ranks) if rank is None else (rank,):
+            files = {v["name"]: v["graph"] for v in variants} | rank_graph_files(manifest, graph_rank)
+            for variant in variants:
+                rel = files[variant["name"]]
+                graph_path, _ = safe_path(root, rel, variant["name"])
+                if graph_path is None or not graph_path.is_file() or rel in broken:
+                    continue  # already reported as a file finding
+                found, program = check_graph(graph_path, variant)
+                report.violations += found
+                if program is not None:
+                    report.violations += check_program(program, manifest, rel)
+                    if graph_rank == (rank or 0):
+                        report.programs[variant["name"]] = program
         from ignition.validate.onnx_graphs import check_onnx
         report.violations += check_onnx(root, manifest, variants, broken)

@@ -16,6 +16,7 @@ from ignition.catalog.enums import Operation
 from ignition.catalog.geometry import (MODEL_DTYPE_STATE, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS, field_name,
                                        manifest_value)
 from ignition.validate.files import safe_path
+from ignition.validate.parallel import rank_view
 from ignition.validate.report import Violation
 from ignition.validate.schema import parse_json
 
@@ -143,9 +144,10 @@ def check_tokenizer(root: Path, manifest: dict) -> list[Violation]:
 def check_geometry(root: Path, manifest: dict, catalog: dict) -> list[Violation]:
     """Every GEOM-*, CATALOG-PREFILL/-DECODE and TOKENIZER-PARSE finding of a schema-valid core."""
     variants = catalog["variants"]
-    found = check_state(manifest) + check_limits(manifest, variants) + check_operations(manifest, variants)
+    found = check_state(rank_view(manifest, "state")) + check_limits(manifest, variants) \
+        + check_operations(manifest, variants)
     weights_path, _ = safe_path(root, manifest["weights"], "manifest.json:weights")
     header = weight_shapes(weights_path) if weights_path is not None and weights_path.is_file() else None
     if header is not None:
-        found += check_vocab_weights(manifest, header, manifest["weights"])
+        found += check_vocab_weights(rank_view(manifest, "weights"), header, manifest["weights"])
     return found + check_tokenizer(root, manifest)

@@ -1,0 +1,98 @@
+"""Tensor and vocabulary parallelism as data: the exchanges, their word layouts, and the weight shard table.
+
+A sharded core holds N rank shards of one model (Megatron layout): column-parallel q/k/v/gate/up
+(output rows split), row-parallel o/down (input columns split, partial sums all-reduced),
+vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly). The
+logprob reduction and prompt scoring never move a vocabulary matrix: each exchange is an
+all-gather of a fixed number of 32-bit words per row per rank, listed in ``EXCHANGES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, TILE_SORT_KEYS
+
+MAX_TENSOR_PARALLEL = 64
+"""Largest rank count ``--tensor-parallel`` accepts."""
+
+RANKS_DIR = "ranks"
+"""Rank r >= 1 stores its weights and graphs under ranks/{r}/; rank 0 uses the core's top-level files."""
+
+PROCESS_GROUP_TIMEOUT_S = 120
+"""Default process-group timeout of a TP run: a dead or stuck rank fails every other rank after at most this."""
+
+EXCHANGE_WORDS = 256
+"""32-bit words per position per rank in each generation-logprob exchange."""
+
+SCORING_EXCHANGE_WORDS = 64
+"""int32 words per prompt row per rank in each prompt-scoring exchange."""
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange:
+    """One all-gather of the sharded reduction: ``words`` 32-bit words per row per rank, in ``dtype``."""
+
+    name: str
+    dtype: str
+    words: int
+    per: str  # what one row is: a generation position or a prompt row
+    layout: tuple[tuple[str, int, int], ...]  # (field, first word, word count); other words are zero
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "words": self.words, "per": self.per,
+                "layout": [{"field": f, "first": a, "count": n} for f, a, n in self.layout]}
+
+
+EXCHANGES: tuple[Exchange, ...] = (
+    Exchange("logprob_statistics", "float32", EXCHANGE_WORDS, "position",
+             (("shard_max", 0, 1), ("shard_exp_mass", 1, 1))),
+    Exchange("logprob_candidates", "float32", EXCHANGE_WORDS, "position",
+             (("chosen_raw_logit", 0, 1), ("sort_keys (int64, low word first)", 1, 2 * TILE_SORT_KEYS),
+              ("candidate_values", 1 + 2 * TILE_SORT_KEYS, TILE_SORT_KEYS),
+              ("selected_raw_logits (rows with selected ids, instead)", 1, MAX_SELECTED_IDS))),
+    Exchange("prompt_statistics", "int32", SCORING_EXCHANGE_WORDS, "prompt row",
+             (("shard_max (fp32 bits)", 0, 1), ("shard_exp_mass (fp32 bits)", 1, 1),
+              ("target_raw_logit (fp32 bits, owner only)", 2, 1))),
+    Exchange("prompt_candidates", "int32", SCORING_EXCHANGE_WORDS, "prompt row",
+             (("strictly_greater_count", 0, 1), ("alternatives (id, fp32 bits)", 1, 2 * NATURAL_K))),
+)
+"""Every exchange of the sharded reduction, in the order the graphs run them."""
+
+STATS, CANDIDATES, PROMPT_STATS, PROMPT_CANDIDATES = EXCHANGES
+
+CANDIDATE_KEYS_WORD = 1
+CANDIDATE_VALUES_WORD = 1 + 2 * TILE_SORT_KEYS
+SELECTED_WORD = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRule:
+    """How one weight (by our name's suffix) is split over ranks: ``dim`` (None: replicated)."""
+
+    suffix: str
+    dim: int | None
+    kind: str  # column, row, vocabulary, replicated, bias_once (kept on rank 0, zero elsewhere)
+
+
+SHARD_RULES: tuple[ShardRule, ...] = (
+    ShardRule("q_proj", 0, "column"), ShardRule("k_proj", 0, "column"), ShardRule("v_proj", 0, "column"),
+    ShardRule("q_bias", 0, "column"), ShardRule("k_bias", 0, "column"), ShardRule("v_bias", 0, "column"),
+    ShardRule("gate_proj", 0, "column"), ShardRule("up_proj", 0, "column"),
+    ShardRule("gate_bias", 0, "column"), ShardRule("up_bias", 0, "column"),
+    ShardRule("o_proj", 1, "row"), ShardRule("down_proj", 1, "row"),
+    ShardRule("o_bias", None, "bias_once"), ShardRule("down_bias", None, "bias_once"),
+    ShardRule("embed", 0, "vocabulary"), ShardRule("lm_head", 0, "vocabulary"),
+)
+"""Weights not matched by a suffix here (norms, q/k norms) are replicated on every rank."""
+
+
+def shard_rule(name: str) -> ShardRule:
+    """The rule for weight ``name`` (e.g. ``layers.3.q_proj``); replicated when no suffix matches."""
+    last = name.rsplit(".", 1)[-1]
+    return next((rule for rule in SHARD_RULES if rule.suffix == last), ShardRule(last, None, "replicated"))
+
+
+def padded_vocabulary(vocab_padded: int, ranks: int) -> int:
+    """The smallest multiple of ``ranks`` that holds ``vocab_padded`` rows: each rank owns an equal slice."""
+    return -(-vocab_padded // ranks) * ranks

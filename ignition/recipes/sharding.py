@@ -1,0 +1,133 @@
+"""Tensor parallelism for the dense GQA decoder recipes (qwen3, llama): rank shards and in-graph collectives.
+
+``--tensor-parallel N`` splits one checkpoint into N rank shards by the table in
+``ignition.catalog.parallel.SHARD_RULES`` (Megatron layout): q/k/v/gate/up split their output
+rows (GQA heads divided: query and KV heads must both divide by N), o/down split their input
+columns and all-reduce their partial sums, the embedding and LM head split the padded vocabulary
+evenly (padded to a multiple of N with zero rows, which never enter a result). Each rank's graphs
+run ``TensorParallel``'s collectives as traceable functional collectives on the default process
+group, so every rank's ``.pt2`` holds them and binds them to the group the runtime starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, padded_vocabulary, shard_rule
+from ignition.components.vocabulary_logprobs import VocabularyShard
+from ignition.recipes.base import RecipeError
+from ignition.recipes.registry import SHARDABLE_RECIPES
+
+
+
+
+def _group():
+    import torch.distributed as dist
+
+    return dist.group.WORLD  # bound when the graph is traced (fake group at export, gloo/NCCL at run time)
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_reduce(x, "sum", _group())
+
+
+def _all_gather(x: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as fc
+
+    return fc.all_gather_tensor(x.contiguous(), 0, _group())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """One rank's view of the model: its slice of the vocabulary and the collectives its graphs run."""
+
+    rank: int
+    ranks: int
+    vocab_size: int
+    vocab_padded: int  # the full padded vocabulary (a multiple of ranks)
+
+    @property
+    def vocab_shard(self) -> int:
+        return self.vocab_padded // self.ranks
+
+    @property
+    def vocabulary(self) -> VocabularyShard:
+        return VocabularyShard(self.rank, self.ranks, self.vocab_shard, self.vocab_size, _all_gather)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of a row-parallel layer's partial outputs over the ranks."""
+        return _all_reduce(partial)
+
+    def embed(self, token_ids: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel embedding: the owning rank's row, zeros elsewhere, summed (exact)."""
+        local = token_ids - self.rank * self.vocab_shard
+        owned = (local >= 0) & (local < self.vocab_shard)
+        rows = F.embedding(local.clamp(0, self.vocab_shard - 1), shard)  # [R, d_model]
+        return _all_reduce(torch.where(owned[:, None], rows, torch.zeros((), dtype=rows.dtype)))
+
+    def gather_vocab(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab_shard]`` on every rank -> ``[rows, vocab_padded]``: the rows sampling draws from."""
+        rows = local_logits.shape[0]
+        gathered = _all_gather(local_logits)  # [ranks * rows, vocab_shard]
+        return gathered.view(self.ranks, rows, self.vocab_shard).permute(1, 0, 2).reshape(rows, self.vocab_padded)
+
+
+def check_tensor_parallel(recipe: str, cfg, ranks: int) -> None:
+    """Every reason ``cfg`` cannot be split over ``ranks``, as one RecipeError naming the fields."""
+    if not 1 <= ranks <= MAX_TENSOR_PARALLEL:
+        raise RecipeError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
+    if recipe not in SHARDABLE_RECIPES:
+        raise RecipeError(f"--tensor-parallel {ranks}: recipe {recipe} has no sharded layout; "
+                          f"tensor parallelism supports {', '.join(SHARDABLE_RECIPES)}")
+    problems = [f"{field} = {getattr(cfg, field)} is not divisible by {ranks}"
+                for field in ("num_heads", "num_kv_heads", "intermediate_size") if getattr(cfg, field) % ranks]
+    if problems:
+        raise RecipeError(f"--tensor-parallel {ranks}: the model cannot be split evenly over {ranks} ranks: "
+                          + "; ".join(problems) + " (GQA query and KV heads, and the MLP width, are divided per rank)")
+
+
+def shard_config(cfg, ranks: int):
+    """The per-rank model config: heads, KV heads and MLP width divided by ``ranks``."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // ranks, num_kv_heads=cfg.num_kv_heads // ranks,
+                               intermediate_size=cfg.intermediate_size // ranks)
+
+
+def shard_weights(weights: Mapping[str, torch.Tensor], ranks: int, vocab_padded: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank's weights by ``SHARD_RULES``; vocabulary weights first padded to ``vocab_padded`` zero rows."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks)]
+    for name, tensor in weights.items():
+        rule = shard_rule(name)
+        if rule.kind == "vocabulary" and tensor.shape[0] < vocab_padded:
+            padding = tensor.new_zeros(vocab_padded - tensor.shape[0], *tensor.shape[1:])
+            tensor = torch.cat([tensor, padding])
+        for rank in range(ranks):
+            if rule.dim is not None:
+                part = tensor.chunk(ranks, dim=rule.dim)[rank]
+            elif rule.kind == "bias_once":  # added once, after the all-reduce would multiply it by N
+                part = tensor if rank == 0 else torch.zeros_like(tensor)
+            else:
+                part = tensor
+            shards[rank][name] = part.contiguous().clone()
+    return shards
+
+
+def shard_table(shards: list[dict[str, torch.Tensor]]) -> dict[str, dict]:
+    """The manifest's shard geometry: per weight, its split kind and dim, full and per-rank shapes."""
+    table = {}
+    for name, part in shards[0].items():
+        rule = shard_rule(name)
+        full = list(part.shape)
+        if rule.dim is not None:
+            full[rule.dim] *= len(shards)
+        table[name] = {"kind": rule.kind, "dim": rule.dim, "full": full, "shard": list(part.shape)}
+    return table
+
+
+def sharded_vocabulary(vocab_padded: int, ranks: int) -> int:
+    return padded_vocabulary(vocab_padded, ranks)

@@ -1,0 +1,269 @@
+"""Tensor-parallel start-up: N rank processes over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+Rank 0 is the calling process: it owns the engine, the HTTP server and the frame readback.
+Ranks 1..N-1 are worker processes (``python -m ignition.runtime.parallel``) that load their own
+shard of the core and replay the same submissions: before each graph run rank 0 wakes every
+worker with the variant's index over its stdin pipe, then broadcasts the variant's input
+buffers over the default process group; every rank then runs its graph, whose in-graph
+collectives join the ranks. State (KV shards, penalty counts) evolves identically on every
+rank, so nothing else travels. Peers never read frames back.
+
+Failure is loud and bounded: the process group has a timeout (``PROCESS_GROUP_TIMEOUT_S``),
+rank 0 checks its workers before every submission and a watchdog thread ends the group when a
+worker dies while rank 0 is blocked, and a worker whose stdin closes (rank 0 gone) exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.enums import Role
+from ignition.catalog.parallel import PROCESS_GROUP_TIMEOUT_S
+
+STOP = "stop"
+WATCH_INTERVAL_S = 0.2
+
+
+class ParallelError(RuntimeError):
+    """A tensor-parallel group cannot start or has lost a rank; the message names the rank and the cause."""
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _input_tensors(variant) -> list[torch.Tensor]:
+    """The buffers rank 0 uploads for a submission, in argument order (what every peer must receive)."""
+    return [variant.buffers[a.name] for a in variant.arguments if a.role is Role.INPUT]
+
+
+def join_group(store, rank: int, ranks: int, device: torch.device, manifest: dict, timeout_s: float) -> None:
+    """Join the default process group and check that it is the group the core's graphs were traced against."""
+    import torch.distributed as dist
+
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    expected = manifest["tensor_parallel"]["group"]
+    if dist.group.WORLD.group_name != expected:
+        raise ParallelError(f"the default process group is named {dist.group.WORLD.group_name!r}, but the core's "
+                            f"graphs were traced against group {expected!r}")
+
+
+class _Replicated:
+    """Rank 0's ``variant.run``: wake the workers, broadcast the inputs, run this rank's graph."""
+
+    def __init__(self, group: "RankGroup", index: int, variant):
+        self.group, self.index, self.run, self.inputs = group, index, variant.run, _input_tensors(variant)
+
+    def __call__(self, buffers):
+        import torch.distributed as dist
+
+        self.group.wake(str(self.index))
+        try:
+            for tensor in self.inputs:
+                dist.broadcast(tensor, src=0)
+            return self.run(buffers)
+        except RuntimeError as exc:  # a collective failed: a peer died or timed out
+            raise self.group.failure(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+class RankGroup:
+    """Rank 0's handle on the worker processes (ranks 1..N-1)."""
+
+    def __init__(self, workers: list[subprocess.Popen], timeout_s: float):
+        self.workers, self.timeout_s, self.closed = workers, timeout_s, False
+        self._watchdog = threading.Thread(target=self._watch, name="ignition-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def dead(self) -> list[tuple[int, int]]:
+        return [(rank, p.returncode) for rank, p in enumerate(self.workers, start=1) if p.poll() is not None]
+
+    def failure(self, cause: str) -> ParallelError:
+        time.sleep(WATCH_INTERVAL_S)  # let a dying peer's exit status arrive, so the message can name it
+        dead = self.dead()
+        who = ", ".join(f"rank {r} exited with code {c}" for r, c in dead) or "a rank stopped responding"
+        self.close(kill=True)
+        return ParallelError(f"tensor-parallel group failed: {who} ({cause}); all ranks were stopped")
+
+    def wake(self, line: str) -> None:
+        dead = self.dead()
+        if dead:
+            raise self.failure("found before a submission")
+        for process in self.workers:
+            try:
+                process.stdin.write(line + "\n")
+                process.stdin.flush()
+            except (BrokenPipeError, OSError):
+                raise self.failure("its control pipe closed") from None
+
+    def _watch(self) -> None:
+        """Rank 0 may be blocked inside a collective when a worker dies: end the process, never hang."""
+        while not self.closed:
+            dead = self.dead()
+            if dead and not self.closed:
+                time.sleep(self.timeout_s)  # the failing collective normally raises first (ParallelError)
+                if not self.closed:
+                    rank, code = dead[0]
+                    print(f"error: tensor-parallel rank {rank} exited with code {code} and rank 0 is still blocked "
+                          f"after {self.timeout_s:.0f} s; stopping", file=sys.stderr, flush=True)
+                    self.close(kill=True)
+                    os._exit(1)
+            time.sleep(WATCH_INTERVAL_S)
+
+    def close(self, kill: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for process in self.workers:
+            if kill:
+                process.kill()
+            else:
+                try:
+                    process.stdin.write(STOP + "\n")
+                    process.stdin.flush()
+                except (BrokenPipeError, OSError):
+                    pass
+        for process in self.workers:
+            try:
+                process.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _check_rank_count(core: Path, ranks: int) -> None:
+    """Refuse a rank count the core does not have before any worker starts (load_core checks it again)."""
+    import json
+
+    from ignition.runtime.core import CoreLoadError
+
+    try:
+        manifest = json.loads((core / "manifest.json").read_bytes())
+        found = manifest.get("tensor_parallel", {}).get("ranks", 1)
+    except (OSError, ValueError, AttributeError):
+        return  # load_core reports an unreadable core with the validator's findings
+    if found != ranks:
+        hint = f"run it with --tensor-parallel {found}" if found > 1 else "run it without --tensor-parallel"
+        raise CoreLoadError(f"{core}: the core holds {found} rank shard{'s' if found > 1 else ''}, not {ranks}; {hint}")
+
+
+@contextmanager
+def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
+                    **load_options):
+    """Start ``ranks`` ranks of a sharded core; yields rank 0's LoadedCore (give it to an Engine).
+
+    ``load_options`` go to ``load_core`` on every rank (``eager``, ``trust_compiled``, ...).
+    On exit the workers are stopped and the process group is destroyed.
+    """
+    import torch.distributed as dist
+
+    from ignition.runtime.core import CoreLoadError, load_core
+    from ignition.runtime.device import resolve_device
+
+    try:
+        resolved = resolve_device(device)
+    except ValueError as exc:
+        raise CoreLoadError(str(exc)) from None
+    _check_rank_count(Path(core), ranks)
+    store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    command = [sys.executable, "-m", "ignition.runtime.parallel", str(core), "--ranks", str(ranks),
+               "--port", str(store.port), "--device", device, "--timeout", str(timeout_s)]
+    for name, value in load_options.items():
+        if value:
+            command += [f"--{name.replace('_', '-')}", *([] if value is True else [str(value)])]
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
+                                                                               os.environ.get("PYTHONPATH")])))
+    workers = [subprocess.Popen(command + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                text=True, env=environment) for rank in range(1, ranks)]
+    group = RankGroup(workers, timeout_s)
+    try:
+        loaded = load_core(core, device=resolved, rank=0, tensor_parallel=ranks, **load_options)
+        try:
+            join_group(store, 0, ranks, resolved, loaded.manifest, timeout_s)
+        except RuntimeError as exc:
+            raise group.failure(f"process-group start-up: {str(exc).splitlines()[0]}") from None
+        for index, variant in enumerate(loaded.variants.values()):
+            variant.run = _Replicated(group, index, variant)
+        yield loaded
+    finally:
+        group.close(kill=bool(group.dead()))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_for_process(core: str | Path, ranks: int, **options):
+    """``tensor_parallel`` for a command-line process: the ranks stop when this process exits."""
+    import atexit
+    from contextlib import ExitStack
+
+    from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
+
+    if not 2 <= ranks <= MAX_TENSOR_PARALLEL:
+        raise ParallelError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
+    stack = ExitStack()
+    loaded = stack.enter_context(tensor_parallel(core, ranks, **options))
+    atexit.register(stack.close)
+    return loaded
+
+
+def worker(argv: list[str] | None = None) -> int:
+    """Rank r >= 1: load the shard, join the group, replay every submission rank 0 announces."""
+    parser = argparse.ArgumentParser(prog="python -m ignition.runtime.parallel")
+    parser.add_argument("core")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--ranks", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S)
+    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--trust-compiled", action="store_true")
+    parser.add_argument("--trusted-key", default=None)
+    args = parser.parse_args(argv)
+    import warnings
+
+    import torch.distributed as dist
+
+    from ignition.runtime.core import load_core
+    from ignition.runtime.device import resolve_device
+
+    warnings.simplefilter("ignore")  # rank 0 reports the same load warnings once
+    try:
+        device = resolve_device(args.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", args.rank % torch.cuda.device_count())
+        loaded = load_core(args.core, device=device, rank=args.rank, tensor_parallel=args.ranks, eager=args.eager,
+                           trust_compiled=args.trust_compiled, trusted_key=args.trusted_key)
+        store = dist.TCPStore("127.0.0.1", args.port, args.ranks, is_master=False,
+                              timeout=datetime.timedelta(seconds=args.timeout))
+        join_group(store, args.rank, args.ranks, device, loaded.manifest, args.timeout)
+        variants = list(loaded.variants.values())
+        for line in sys.stdin:  # EOF: rank 0 is gone
+            if line.strip() == STOP:
+                break
+            variant = variants[int(line)]
+            for tensor in _input_tensors(variant):
+                dist.broadcast(tensor, src=0)
+            variant.run(variant.buffers)
+    except Exception as exc:  # every failure ends this rank with one line naming it
+        print(f"error: tensor-parallel rank {args.rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker())

@@ -1,0 +1,55 @@
+"""Rank 0 of a tensor-parallel run, as its own process (tests/test_tensor_parallel.py).
+
+``python tests/_tp_runner.py CORE RANKS [--kill]`` starts the ranks, runs ``requests()`` and prints
+one JSON line of results; with ``--kill`` it then kills rank 1 and reports how the next
+submission fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from ignition.runtime.engine import Engine
+from ignition.runtime.requests import Request
+
+PROMPT = [5, 17, 33, 2, 140, 9]
+SELECTED = [0, 150, 7, 75, 76, 3]  # both sides of the TP=2 shard boundary (76) and the last token
+
+
+def requests() -> list[Request]:
+    return [Request(prompt_ids=PROMPT, max_tokens=5, logprobs=20, ignore_eos=True),
+            Request(prompt_ids=PROMPT[:3], max_tokens=3, logprob_token_ids=SELECTED, ignore_eos=True)]
+
+
+def as_json(result) -> dict:
+    return {"tokens": list(result.token_ids), "error": result.error,
+            "entries": [{"id": e.id, "logprob": e.logprob, "top": [list(pair) for pair in e.top]}
+                        for e in result.entries],
+            "prompt": result.prompt_entries}
+
+
+def run(core: str, ranks: int, kill: bool) -> dict:
+    from ignition.runtime.parallel import ParallelError, tensor_parallel
+
+    with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
+        engine = Engine(loaded)
+        report = {"results": [as_json(r) for r in engine.generate(requests())]}
+        if kill:
+            group = next(iter(loaded.variants.values())).run.group
+            os.kill(group.workers[0].pid, signal.SIGKILL)
+            started = time.perf_counter()
+            try:
+                engine.generate(requests()[:1])
+                report["failure"] = None
+            except ParallelError as exc:
+                report["failure"] = str(exc)
+            report["failure_seconds"] = time.perf_counter() - started
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), "--kill" in sys.argv[3:])))
