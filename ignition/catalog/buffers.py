@@ -1,7 +1,7 @@
 """The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
 
-Shapes are expressions over the geometry symbols ``capacity``, ``T`` and ``C`` (scored
-chunk capacity) and the contract constants; ``resolve_shape`` evaluates them and
+Shapes are expressions over the geometry symbols ``capacity``, ``T``, ``C`` (scored
+chunk capacity) and ``S`` (draft tokens a verification variant scores after each lane's input token) and the contract constants; ``resolve_shape`` evaluates them and
 ``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
 is written exactly once, here.
 """
@@ -84,9 +84,17 @@ SAMPLING_INPUTS = (
 )
 """Per-lane sampling parameters (ignition.components.sampling reads its field order from here)."""
 
-BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS}
+SPECULATIVE_INPUTS = (
+    BufferSpec("draft_token_ids", "int64", ("capacity", "S"), Role.INPUT, ValueSource.DRAFT_TOKEN_IDS,
+               "Each lane's proposed tokens after its input token; -1 from the end of its proposal on"),
+)
+"""The additional input of SPECULATIVE_VERIFY variants (``verify.s{S}.c{capacity}``)."""
+
+BUFFERS = {spec.name: spec for spec in
+           COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS + SPECULATIVE_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
+(DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
 
 _CONSTANTS = {name: getattr(contract, name) for name in (
@@ -94,7 +102,7 @@ _CONSTANTS = {name: getattr(contract, name) for name in (
 
 
 def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
-    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=`` (and ``PACKED_WIDTH=`` override)."""
+    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=`` (and ``PACKED_WIDTH=`` override)."""
     env = {**_CONSTANTS, **geometry}
     shape = []
     for dim in spec.shape:

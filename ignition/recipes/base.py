@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, ID_INPUTS, LANE_INPUTS, LOGPROBS, RECORDS,
-                                     REQUESTED, SAMPLING_INPUTS, BufferSpec)
-from ignition.catalog.contract import NATURAL_K, packed_width
+from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, DRAFT_TOKENS, ID_INPUTS, LANE_INPUTS,
+                                     LOGPROBS, RECORDS, REQUESTED, SAMPLING_INPUTS, SPECULATIVE_INPUTS, BufferSpec)
+from ignition.catalog.contract import NATURAL_K, packed_width, resolve_completion_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.limits import check_limit
 from ignition.catalog.model import BufferDecl, Variant
@@ -41,6 +41,7 @@ class ExportOptions:
     tokenizer: Path | None = None  # a directory with tokenizer.json (+ tokenizer_config.json) to ship in the core
     logprob_k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)
     logprob_ids: bool = True  # export the explicit-ID inputs (False: a natural-only core, width 2+2K)
+    speculative_tokens: tuple[int, ...] = ()  # S of each verify.s{S}.c{capacity} family (empty: none)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
@@ -52,11 +53,20 @@ class ExportOptions:
             ("chunk_limit", self.chunk_limit, "--chunk-limit"),
             ("completion_token_capacity", self.completion_token_capacity, "--completion-token-capacity"),
             ("max_seq_len", self.max_seq_len, "--max-seq-len"), ("num_slots", self.num_slots, "--num-slots"),
-            ("export_seed", self.seed, "--seed")]
+            ("export_seed", self.seed, "--seed")] + [
+            ("speculative_tokens", s, "--speculative-tokens") for s in self.speculative_tokens]
         for name, value, option in ranged:
             problem = None if value is None else check_limit(name, value, option)
             if problem:
                 raise RecipeError(problem)
+        if len(set(self.speculative_tokens)) != len(self.speculative_tokens):
+            raise RecipeError(f"--speculative-tokens must be distinct, got {list(self.speculative_tokens)}")
+        self.speculative_tokens = tuple(sorted(self.speculative_tokens))
+        token_capacity = resolve_completion_token_capacity(self.completion_token_capacity)
+        if self.speculative_tokens and self.speculative_tokens[-1] + 1 > token_capacity:
+            raise RecipeError(f"--speculative-tokens {self.speculative_tokens[-1]}: a verify round emits up to S+1 = "
+                              f"{self.speculative_tokens[-1] + 1} positions, more than T={token_capacity} "
+                              f"(raise --completion-token-capacity)")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.compile not in (None, "inductor"):
@@ -172,3 +182,19 @@ def prefill_family(chunk_limit: int, token_capacity: int, logprob_outputs: Logpr
                 "operation": Operation.SCORED_PREFILL if scored else Operation.PREFILL,
                 "capacity": chunk_limit if scored else 1}
     return identity, outputs, bindings, layout
+
+
+def verify_family(draft_tokens: int, capacity: int, token_capacity: int, logprob_outputs: LogprobOutputs | None):
+    """Identity, extra inputs, bindings, outputs and layout of ``verify.s{S}.c{capacity}`` (SPECULATIVE_VERIFY).
+
+    Returns (identity kwargs, lane + draft inputs, their bindings, completion outputs, output bindings,
+    layout, returns). The one return is each lane's emitted tokens, ``int64 [capacity, S+1]``, -1 past the prefix.
+    """
+    lanes, lane_bindings = spec_arguments(LANE_INPUTS, capacity=capacity)
+    drafts, draft_bindings = spec_arguments(SPECULATIVE_INPUTS, capacity=capacity, S=draft_tokens)
+    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
+    layout["speculative"] = {"draft_tokens": draft_tokens, "positions": draft_tokens + 1, "drafts": DRAFT_TOKENS}
+    identity = {"name": f"verify.s{draft_tokens}.c{capacity}", "operation": Operation.SPECULATIVE_VERIFY,
+                "capacity": capacity}
+    returns = [BufferDecl("next_tokens", "int64", [capacity, draft_tokens + 1], Role.OUTPUT)]
+    return identity, lanes + drafts, lane_bindings | draft_bindings, outputs, output_bindings, layout, returns

@@ -25,11 +25,12 @@ from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
-                                   spec_arguments, weight_arguments)
+                                   spec_arguments, verify_family, weight_arguments)
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
                                          read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
-from ignition.recipes.graphs import Decoder, DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
+from ignition.recipes.graphs import (Decoder, DecodeGraph, PrefillGraph, ScoredPrefillGraph, VerifyGraph,
+                                     state_declarations)
 from ignition.recipes.tokenizer import tokenizer_dir
 from ignition.recipes.transformer import gqa_decoder
 from ignition.recipes.weights import WeightSpec, load_weights
@@ -85,6 +86,9 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
         graphs += [GraphBuild(prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True),
                               ScoredPrefillGraph(cfg, cfg.vocab_size, k, family.decoder))
                    for capacity in scored_capacities(options.chunk_limit)]
+    graphs += [GraphBuild(verify_variant(fixed, draft_tokens, capacity, token_capacity, options.outputs),
+                          VerifyGraph(cfg, cfg.vocab_size, k, family.decoder))
+               for draft_tokens in options.speculative_tokens for capacity in options.capacities]
     return RecipeBuild(
         recipe=options.recipe,
         model={"architecture": config["architectures"][0], "dtype": str(dtype).removeprefix("torch."),
@@ -111,6 +115,16 @@ def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int,
     outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
     return Variant(name=f"decode.c{capacity}", operation=Operation.DECODE, capacity=capacity,
                    arguments=fixed + lanes + sampling + outputs, returns=next_tokens_return(capacity),
+                   bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def verify_variant(fixed: list[BufferDecl], draft_tokens: int, capacity: int, token_capacity: int,
+                   logprob_outputs: LogprobOutputs | None) -> Variant:
+    """``verify.s{S}.c{capacity}``: weights, state, lane and draft inputs, sampling inputs, completion bundle."""
+    identity, lanes, lane_bindings, outputs, output_bindings, layout, returns = verify_family(
+        draft_tokens, capacity, token_capacity, logprob_outputs)
+    sampling, sampling_bindings = sampling_arguments(capacity)
+    return Variant(**identity, arguments=fixed + lanes + sampling + outputs, returns=returns,
                    bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
 
 

@@ -61,11 +61,15 @@ class Result:
 class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
-    def __init__(self, core: LoadedCore, batch_invariant: bool = False):
+    def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
-        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md)."""
+        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
+        ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
+        core's ``verify.s{S}`` variants (the smallest S >= draft_tokens); see ``_decode_round``."""
         self.core = core
         self.batch_invariant = batch_invariant
+        self.drafter, self.draft_tokens = drafter, draft_tokens
+        self.verify_variants = select_verify_variants(core, draft_tokens) if drafter is not None else []
         self.decode_variants = core.by_operation(Operation.DECODE)
         prefill = core.by_operation(Operation.PREFILL)
         if not self.decode_variants or not prefill:
@@ -87,6 +91,7 @@ class Engine:
                         if v.layout.get("records")}
         self._ids = itertools.count()
         self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
+        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0}  # speculative decoding counters
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
@@ -106,6 +111,8 @@ class Engine:
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
         state.finish_reason, state.error = reason, error
+        if self.drafter is not None:
+            self.drafter.release(state.request_id)
         self.running.remove(state)
         self.free_slots.append(state.slot)
         self.finished[state.request_id] = state
@@ -132,17 +139,38 @@ class Engine:
             freed = bool(self.retiring)
             self._release_retiring(list(self.retiring))
             return freed and bool(self.waiting)
-        largest = self.decode_variants[-1].capacity
+        drafts = self._drafts(decoding)
+        variants = self.verify_variants if any(drafts) else self.decode_variants
+        largest = variants[-1].capacity
         retiring = list(self.retiring)
         for start in range(0, len(decoding), largest):
-            lanes = [Lane(state=s) for s in decoding[start:start + largest]]
+            lanes = [Lane(state=s, draft=d) for s, d in zip(decoding[start:start + largest], drafts[start:start + largest])]
             riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
             lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
-            variant = self.decode_variants[-1] if self.batch_invariant else \
-                next(v for v in self.decode_variants if v.capacity >= len(lanes))
+            variant = variants[-1] if self.batch_invariant else next(v for v in variants if v.capacity >= len(lanes))
             self._submit(variant, lanes)
         self._release_retiring(retiring)  # no room in this round
         return True
+
+    def _drafts(self, decoding: list[RequestState]) -> list[list[int]]:
+        """Each decoding request's proposal (empty without a drafter).
+
+        The rule: a round is a speculative ``verify`` round when at least one lane has a proposal, else an
+        ordinary decode round. A proposal never reaches past the request's token budget or a forced token
+        (a forced token is emitted alone at position 0 of its own round), so every drafted position can be
+        emitted; a lane without a proposal emits exactly what a decode round would.
+        """
+        if self.drafter is None:
+            return [[] for _ in decoding]
+        asks = []
+        for state in decoding:
+            generated = len(state.generated)
+            limit = min(self.draft_tokens, state.request.max_tokens - generated - 1)
+            forced = [index - generated for index in state.request.forced_tokens if index >= generated]
+            if forced:
+                limit = min(limit, min(forced) - 1)
+            asks.append((state.request_id, state.request.prompt_ids + state.generated, max(limit, 0)))
+        return self.drafter.propose(asks)
 
     def run(self) -> dict[str, Result]:
         while self.step():
@@ -189,6 +217,8 @@ class Engine:
         state = next((s for s in self.running if s.request_id == request_id), None)
         if state is not None:  # the lane rides the next decode round as a records-only MAINTENANCE lane
             state.finish_reason = "abort"
+            if self.drafter is not None:
+                self.drafter.release(request_id)
             self.running.remove(state)
             self.finished[request_id] = state
             self.retiring.append(state)
@@ -252,10 +282,13 @@ class Engine:
             except ValueError as exc:
                 self._finish(lanes[0].state, "error", str(exc))
                 return
+        speculative = variant.operation is Operation.SPECULATIVE_VERIFY
+        self.stats["verify_rounds"] += speculative
         for index, lane in enumerate(lanes):
-            self._decode_lane(reader, pending, index, lane)
+            self._decode_lane(reader, pending, index, lane, speculative)
 
-    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane) -> None:
+    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane,
+                     speculative: bool = False) -> None:
         state, request = lane.state, lane.state.request
         record = reader.record(index)
         if lane.retire:  # a cancelled request's lane: records only; its slot is free once the record is read
@@ -264,13 +297,16 @@ class Engine:
         # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
         # check asserts the same facts and fails only this request if a record is stale or foreign.
         records_only = lane.chunk is not None and not lane.chunk.emits  # ADMISSION or PROMPT: nothing emitted
-        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else (RoundKind.SAMPLING,)
+        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else \
+            (RoundKind.SPECULATIVE,) if speculative else (RoundKind.SAMPLING,)
         if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind not in expected:
             self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
                                          f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
             return
         if records_only:
             return  # positions come from record emission (none here), never from payload contents
+        self.stats["proposed"] += len(lane.draft)
+        self.stats["accepted"] += min(len(lane.draft), max(len(record.emitted) - 1, 0))
         for position, token in enumerate(record.emitted):
             if record.forced[position]:
                 entry = TokenEntry(token, None)
@@ -299,4 +335,16 @@ class Engine:
             self._finish(state, "length")
 
 
-__all__ = ["Engine", "Result"]
+def select_verify_variants(core: LoadedCore, draft_tokens: int) -> list[LoadedVariant]:
+    """The ``verify.s{S}`` family with the smallest S >= ``draft_tokens``, by capacity; ValueError if none."""
+    families: dict[int, list[LoadedVariant]] = {}
+    for variant in core.by_operation(Operation.SPECULATIVE_VERIFY):
+        families.setdefault(variant.layout["speculative"]["draft_tokens"], []).append(variant)
+    fitting = sorted(s for s in families if s >= draft_tokens)
+    if draft_tokens < 1 or not fitting:
+        raise ValueError(f"core {core.path} has no verify variants for {draft_tokens} draft tokens "
+                         f"(it has S = {sorted(families) or 'none'}); export it with --speculative-tokens {draft_tokens}")
+    return families[fitting[0]]
+
+
+__all__ = ["Engine", "Result", "select_verify_variants"]
