@@ -77,6 +77,8 @@ def export_core_cmd(
     seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
+    speculative_tokens: str = typer.Option("", "--speculative-tokens",
+                                           help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
@@ -97,7 +99,7 @@ def export_core_cmd(
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
-            tokenizer=tokenizer)
+            tokenizer=tokenizer, speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"))
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),
@@ -198,6 +200,22 @@ def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_ke
         raise typer.Exit(1)
 
 
+SPECULATIVE_OPTION = typer.Option(None, "--speculative",
+                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
+
+
+def _speculative(text: Optional[str], loaded, device: str, eager: bool, trust_compiled: bool,
+                 trusted_key: Optional[Path]) -> dict:
+    """Engine options for --speculative; a bad option or draft core exits 2 (a draft core that cannot load: 1)."""
+    from ignition.runtime.drafters import SpeculativeError, engine_options, parse_speculative
+
+    try:
+        speculation = parse_speculative(text) if text is not None else None
+        return engine_options(speculation, loaded, lambda path: _load(path, device, eager, trust_compiled, trusted_key))
+    except SpeculativeError as exc:
+        raise _fail(str(exc))
+
+
 @app.command("run")
 def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
@@ -218,6 +236,7 @@ def run_cmd(
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.present import render_run, run_json
@@ -237,6 +256,7 @@ def run_cmd(
     ids = list(_int_list(prompt_ids, "--prompt-ids")) if prompt_ids is not None else None
     selected = list(_int_list(logprob_token_ids, "--logprob-token-ids")) if logprob_token_ids else None
     loaded = _load(core, device, eager, trust_compiled, trusted_key)
+    options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
     if prompt is not None:
         if loaded.tokenizer is None:
             console.print("[red]error:[/red] this core has no tokenizer; pass --prompt-ids")
@@ -245,7 +265,7 @@ def run_cmd(
     request = Request(prompt_ids=ids, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     from ignition.runtime.engine import Engine
-    engine = Engine(loaded, batch_invariant=batch_invariant)
+    engine = Engine(loaded, batch_invariant=batch_invariant, **options)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:
@@ -269,13 +289,16 @@ def serve_cmd(
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, logprobs)."""
     from ignition.serve.app import serve
 
     _check_limits(port=port)
     loaded = _load(core, device, eager, trust_compiled, trusted_key)
-    serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant)
+    options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
+    serve(loaded, host=host, port=port, model_name=model_name or str(core), batch_invariant=batch_invariant,
+          engine_options=options)
 
 
 def _is_utf8(text: str) -> bool:

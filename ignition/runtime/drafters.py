@@ -50,6 +50,27 @@ def parse_speculative(text: str) -> Speculation:
     return Speculation(kind, int(count), Path(core) if core else None)
 
 
+def engine_options(speculation: Speculation | None, target_core, load_draft) -> dict:
+    """Engine keyword arguments for ``speculation`` (``{}`` for none): the drafter and S.
+
+    ``load_draft(path)`` loads a draft core (the caller's device and trust options). The target core must
+    have verify variants for S (checked here, so a bad option fails before any request runs).
+    """
+    if speculation is None:
+        return {}
+    from ignition.runtime.engine import select_verify_variants
+
+    try:
+        select_verify_variants(target_core, speculation.draft_tokens)
+    except ValueError as exc:
+        raise SpeculativeError(str(exc)) from None
+    if speculation.kind == "ngram":
+        drafter = NgramDrafter()
+    else:
+        drafter = DraftCoreDrafter(load_draft(speculation.draft_core), target_core)
+    return {"drafter": drafter, "draft_tokens": speculation.draft_tokens}
+
+
 class NgramDrafter:
     """Prompt lookup: propose what followed the latest earlier occurrence of the tokens' longest recurring suffix."""
 

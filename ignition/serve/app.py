@@ -57,10 +57,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
-               batch_invariant: bool = False) -> FastAPI:
-    """The app serving one core; its engine thread runs while the app's lifespan does."""
+               batch_invariant: bool = False, engine_options: dict | None = None) -> FastAPI:
+    """The app serving one core; its engine thread runs while the app's lifespan does.
+    ``engine_options``: extra Engine arguments (speculative decoding: ``drafters.engine_options``)."""
     loaded = core if isinstance(core, LoadedCore) else load_core(core)
-    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant), queue_capacity=queue_capacity)
+    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant, **(engine_options or {})),
+                         queue_capacity=queue_capacity)
     config = _tokenizer_config(loaded)
     ctx = ServerContext(core=loaded, engine=engine, table=TokenTable(loaded.tokenizer, loaded.vocab_size),
                         model_name=model_name or str(core if not isinstance(core, LoadedCore) else loaded.path),
@@ -137,10 +139,11 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, device: str = "auto", eager: bool = False,
-          batch_invariant: bool = False) -> None:
+          batch_invariant: bool = False, engine_options: dict | None = None) -> None:
     """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn."""
     import uvicorn
 
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
-    app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant)
+    app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
+                     engine_options=engine_options)
     uvicorn.run(app, host=host, port=port, log_level="info")
