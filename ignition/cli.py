@@ -79,6 +79,7 @@ def export_core_cmd(
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     speculative_tokens: str = typer.Option("", "--speculative-tokens",
                                            help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
+    mixed: bool = typer.Option(False, "--mixed", help="Also export mixed prompt/decode variants mixed.t{C}.c{capacity}"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.export import ExportError, export_core
@@ -99,7 +100,7 @@ def export_core_cmd(
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
-            tokenizer=tokenizer, speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"))
+            tokenizer=tokenizer, speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     columns = (TextColumn("{task.description:<10}"), BarColumn(), TextColumn("{task.fields[item]}", markup=False),

@@ -35,12 +35,12 @@ def tiny_qwen3(directory, seed: int):
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory, toy_core):
-    """The target (verify.s{1,3,5}); the same core loaded a second time as a draft core (its proposals are the
+    """The target (verify.s{1,3,5} and mixed.t24.c2); the same core loaded a second time as a draft core (its proposals are the
     target's greedy tokens, so they are accepted); the toy bigram as a wild draft core (it disagrees)."""
     root = tmp_path_factory.mktemp("speculative")
     tiny_qwen3(root / "target", seed=0)
     export_core(ExportOptions(recipe="qwen3", checkpoint=root / "target", capacities=(2,), chunk_limit=CHUNK,
-                              max_seq_len=128, speculative_tokens=DRAFT_TOKENS), root / "core")
+                              max_seq_len=128, speculative_tokens=DRAFT_TOKENS, mixed=True), root / "core")
     hf = Qwen3ForCausalLM.from_pretrained(root / "target", attn_implementation="eager").eval()
     return hf, load_core(root / "core"), load_core(root / "core"), load_core(toy_core)
 
@@ -50,7 +50,7 @@ PROMPTS = ([(5 * i + 1) % VOCAB for i in range(30)],  # two chunks
 
 
 def generate(core, drafter=None, draft_tokens=0, **request):
-    engine = Engine(core, drafter=drafter, draft_tokens=draft_tokens)
+    engine = Engine(core, drafter=drafter, draft_tokens=draft_tokens, mixed=False)  # serial prompt chunks
     results = engine.generate([Request(p, **{"max_tokens": 10, "logprobs": 5, "ignore_eos": True} | request)
                                for p in PROMPTS])
     return results, engine
@@ -119,3 +119,16 @@ def test_speculative_option_errors(cores):
             parse_speculative(bad)
     with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[1, 3, 5\\]"):
         Engine(core, drafter=NgramDrafter(), draft_tokens=6)
+
+
+def test_mixed_rounds_equal_serial_rounds(cores, plain):
+    """The 30-token prompt's two chunks ride in mixed rounds beside the other request's decode lane."""
+    _, core, _, _ = cores
+    mixed = Engine(core)
+    requests = [Request(p, max_tokens=10, logprobs=5, ignore_eos=True) for p in reversed(PROMPTS)]
+    results = list(reversed(mixed.generate(requests)))
+    assert mixed.stats["mixed_rounds"] >= 2
+    assert summary(results) == summary(plain)
+    for result, reference in zip(results, plain):
+        for entry, base in zip(result.entries, reference.entries):
+            assert abs(entry.logprob - base.logprob) < TOL

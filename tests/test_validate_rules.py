@@ -220,7 +220,8 @@ def test_k_must_agree(core_copy):
 
 
 def test_reserved_operation_is_rejected(core_copy):
-    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "prefill.t256").update(operation=int(Operation.MIXED)))
+    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "prefill.t256").update(
+        operation=int(Operation.DRAFT_PROPOSE)))
     assert "ENUM-RESERVED" in rules_of(core_copy.root, check_graphs=False)
 
 

@@ -24,12 +24,13 @@ from ignition.catalog.contract import resolve_completion_token_capacity, scored_
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, chunk_arguments,
-                                   completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
-                                   spec_arguments, verify_family, weight_arguments)
+                                   completion_arguments, mixed_capacities, mixed_family, next_tokens_return,
+                                   prefill_family, sampling_arguments, spec_arguments, verify_family,
+                                   weight_arguments)
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
                                          read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
-from ignition.recipes.graphs import (Decoder, DecodeGraph, PrefillGraph, ScoredPrefillGraph, VerifyGraph,
+from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PrefillGraph, ScoredPrefillGraph, VerifyGraph,
                                      state_declarations)
 from ignition.recipes.tokenizer import tokenizer_dir
 from ignition.recipes.transformer import gqa_decoder
@@ -89,6 +90,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     graphs += [GraphBuild(verify_variant(fixed, draft_tokens, capacity, token_capacity, options.outputs),
                           VerifyGraph(cfg, cfg.vocab_size, k, family.decoder))
                for draft_tokens in options.speculative_tokens for capacity in options.capacities]
+    graphs += [GraphBuild(mixed_variant(fixed, options.chunk_limit, capacity, token_capacity, options.outputs),
+                          MixedGraph(cfg, cfg.vocab_size, k, family.decoder)) for capacity in mixed_capacities(options)]
     return RecipeBuild(
         recipe=options.recipe,
         model={"architecture": config["architectures"][0], "dtype": str(dtype).removeprefix("torch."),
@@ -126,6 +129,17 @@ def verify_variant(fixed: list[BufferDecl], draft_tokens: int, capacity: int, to
     sampling, sampling_bindings = sampling_arguments(capacity)
     return Variant(**identity, arguments=fixed + lanes + sampling + outputs, returns=returns,
                    bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def mixed_variant(fixed: list[BufferDecl], chunk_limit: int, capacity: int, token_capacity: int,
+                  logprob_outputs: LogprobOutputs | None) -> Variant:
+    """``mixed.t{C}.c{capacity}``: weights, state, lane, chunk and prompt-lane inputs, sampling inputs, the shared
+    bundle and both roles' private frames."""
+    identity, inputs, bindings, outputs, output_bindings, layout = mixed_family(
+        chunk_limit, capacity, token_capacity, logprob_outputs)
+    sampling, sampling_bindings = sampling_arguments(capacity)
+    return Variant(**identity, arguments=fixed + inputs + sampling + outputs, returns=next_tokens_return(capacity),
+                   bindings=bindings | sampling_bindings | output_bindings, layout=layout)
 
 
 def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int,

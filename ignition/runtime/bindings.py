@@ -70,8 +70,10 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
         target = b[name]
         if source is S.FRAME_INDEX:
             target.fill_(frame)
+        elif source is S.MIXED_PROMPT_LANE:  # a mixed round: the lane that carries the prompt chunk
+            target.fill_(next((index for index, lane in enumerate(lanes) if lane.chunk is not None), -1))
         elif source in (S.CHUNK_START, S.CHUNK_LENGTH, S.CHUNK_EMITS) or (source is S.TOKEN_IDS and name == "chunk_input_ids"):
-            plan = lanes[0].chunk
+            plan = next(lane.chunk for lane in lanes if lane.chunk is not None)
             value = {S.CHUNK_START: plan.start, S.CHUNK_LENGTH: len(plan.tokens), S.CHUNK_EMITS: int(plan.emits)}.get(source)
             if value is None:
                 target.zero_()

@@ -61,11 +61,13 @@ class Result:
 class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
-    def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0):
+    def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
+                 mixed: bool = True):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
         tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
         ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
-        core's ``verify.s{S}`` variants (the smallest S >= draft_tokens); see ``_decode_round``."""
+        core's ``verify.s{S}`` variants (the smallest S >= draft_tokens); see ``_drafts``. ``mixed``: use the
+        core's ``mixed`` variants when the rule of ``_mixed_round`` allows (False: always serial rounds)."""
         self.core = core
         self.batch_invariant = batch_invariant
         self.drafter, self.draft_tokens = drafter, draft_tokens
@@ -76,6 +78,7 @@ class Engine:
             raise ValueError(f"core {core.path} needs PREFILL and DECODE variants to generate")
         self.prefill = prefill[-1]
         self.scored = core.by_operation(Operation.SCORED_PREFILL)
+        self.mixed_variants = core.by_operation(Operation.MIXED) if mixed else []
         self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
         model = core.manifest["model"]
         self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
@@ -91,7 +94,7 @@ class Engine:
                         if v.layout.get("records")}
         self._ids = itertools.count()
         self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
-        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0}  # speculative decoding counters
+        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0}
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
@@ -131,10 +134,12 @@ class Engine:
         """Run one submission; False when nothing is left to do."""
         self._assign_slots()
         prefilling = [s for s in self.running if s.prefilled < len(s.context())]
+        decoding = [s for s in self.running if not s.done and not self._backlogged(s) and s not in prefilling]
+        if prefilling and self._mixed_round(prefilling[0], decoding):
+            return True
         if prefilling:
             self._prefill_chunk(prefilling[0])
             return True
-        decoding = [s for s in self.running if not s.done and not self._backlogged(s)]
         if not decoding:  # no round to ride along with: nothing is in flight, free cancelled lanes' slots directly
             freed = bool(self.retiring)
             self._release_retiring(list(self.retiring))
@@ -223,24 +228,51 @@ class Engine:
             self.finished[request_id] = state
             self.retiring.append(state)
 
+    def _mixed_round(self, prompting: RequestState, decoding: list[RequestState]) -> bool:
+        """The rule: a round is mixed when the core has a mixed variant with room for every decoding request plus
+        the next prompt chunk's lane, there is at least one decoding request, the prompt request does not score
+        its prompt (scored requests never enter the prompt role), no decoding request has a draft proposal
+        (speculative rounds stay serial) and no cancelled lane waits for a round. The chunk and one decode round
+        then run in one submission; otherwise the prompt chunk runs alone (serial) and decode waits."""
+        if not self.mixed_variants or not decoding or prompting.scoring() or self.retiring:
+            return False
+        fitting = [v for v in self.mixed_variants if v.capacity >= len(decoding) + 1]
+        if not fitting or any(self._drafts(decoding)):
+            return False
+        variant = self.mixed_variants[-1] if self.batch_invariant else fitting[0]
+        lane, finish = self._chunk_lane(prompting, self.chunk)
+        self._submit(variant, [Lane(state=s) for s in decoding] + [lane])
+        finish()
+        self.stats["mixed_rounds"] += 1
+        return True
+
     def _prefill_chunk(self, state: RequestState) -> None:
-        context, prompt = state.context(), state.request.prompt_ids
-        start = state.prefilled
         variant, chunk = self.prefill, self.chunk
         if state.scoring():  # prompt-logprob requests always take scored prefill, never the ordinary one
-            variant = next((v for v in self.scored if v.capacity >= len(context) - start), self.scored[-1])
+            variant = next((v for v in self.scored if v.capacity >= len(state.context()) - state.prefilled),
+                           self.scored[-1])
             chunk = variant.capacity
+        lane, finish = self._chunk_lane(state, chunk, scored=variant.operation is Operation.SCORED_PREFILL)
+        self._submit(variant, [lane])
+        finish()
+
+    def _chunk_lane(self, state: RequestState, chunk: int, scored: bool = False):
+        """The lane of ``state``'s next prompt chunk (at most ``chunk`` rows), and what to do once it was decoded."""
+        context, prompt = state.context(), state.request.prompt_ids
+        start = state.prefilled
         length = min(chunk, len(context) - start)
         last = start + length == len(context)
         emits = last and not state.generated and state.request.max_tokens > 0
         targets = None
-        if variant.operation is Operation.SCORED_PREFILL:
+        if scored:
             targets = [prompt[p] if p < len(prompt) else -1 for p in range(start + 1, start + length + 1)]
         lane = Lane(state=state, chunk=ChunkPlan(start, context[start:start + length], emits, targets))
-        self._submit(variant, [lane])
-        state.prefilled = start + length
-        if last and not emits and not state.generated and not state.done:
-            self._finish(state, "length")
+
+        def finish():
+            state.prefilled = max(state.prefilled, start + length)
+            if last and not emits and not state.generated and not state.done:
+                self._finish(state, "length")
+        return lane, finish
 
     def _publish_prompt_rows(self, reader: FrameReader, lane: Lane) -> None:
         """Decode this chunk's prompt rows (already read back) in order; published positions are skipped."""

@@ -100,6 +100,45 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
     found += _check_logprob_bundle(variant, args, bindings, manifest)
     found += _check_prompt_buffers(variant, args, operation)
     found += _check_speculative(variant, args, operation, manifest)
+    found += _check_mixed(variant, args, operation)
+    return found
+
+
+def _check_mixed(variant, args, operation) -> list[Violation]:
+    """MIXED variants: the prompt lane input, both roles' private frames (shared shapes), the merge, no scoring."""
+    where = f"variant {variant['name']}"
+    mixed = operation is Operation.MIXED
+    layout = variant["contract"]["layout"].get("mixed")
+    found = []
+    declared = [spec.name for spec in B.MIXED_BUFFERS if spec.name in args]
+    if not mixed:
+        if declared:
+            found.append(Violation("MIXED-ROLES", where, f"declares {', '.join(declared)} in a "
+                                   f"{operation.name if operation else '?'} variant; only MIXED variants have roles"))
+        if layout is not None:
+            found.append(Violation("MIXED-MERGE", f"{where}: layout.mixed", "present in a variant that is not MIXED"))
+        return found
+    shared = [(B.RECORDS, 0)] + ([(B.LOGPROBS, 1)] if B.LOGPROBS in args else [])
+    wanted = {B.PROMPT_LANE: args.get(B.PROMPT_LANE) and {"dtype": "int64", "shape": [1], "role": "input"}}
+    for records_and_logprobs in B.ROLE_FRAMES.values():
+        for name, index in shared:
+            source = args.get(name)
+            wanted[records_and_logprobs[index]] = source and {"dtype": source["dtype"], "shape": source["shape"],
+                                                              "role": "output"}
+    for name, expected in wanted.items():
+        decl = args.get(name)
+        if decl is None or not expected or {key: decl[key] for key in ("dtype", "shape", "role")} != expected:
+            found.append(Violation("MIXED-ROLES", f"{where}: {name}", f"expected {expected or 'a declaration'}, "
+                                   f"found {decl and {key: decl[key] for key in ('dtype', 'shape', 'role')}}"))
+    expected_layout = {"prompt_lane": B.PROMPT_LANE, "merge": "active_frame",
+                       "roles": {role: {"records": records, "logprobs": logprobs if B.LOGPROBS in args else None}
+                                 for role, (records, logprobs) in B.ROLE_FRAMES.items()}}
+    if layout != expected_layout:
+        found.append(Violation("MIXED-MERGE", f"{where}: layout.mixed", f"expected {expected_layout}, found {layout}"))
+    scored = [spec.name for spec in B.PROMPT_BUFFERS if spec.name in args]
+    if scored:
+        found.append(Violation("MIXED-SCORED", where, f"declares {', '.join(scored)}: scored requests never enter the "
+                               "prompt role of a mixed graph"))
     return found
 
 
