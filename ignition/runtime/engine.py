@@ -149,7 +149,8 @@ class Engine:
         largest = variants[-1].capacity
         retiring = list(self.retiring)
         for start in range(0, len(decoding), largest):
-            lanes = [Lane(state=s, draft=d) for s, d in zip(decoding[start:start + largest], drafts[start:start + largest])]
+            batch = zip(decoding[start:start + largest], drafts[start:start + largest])
+            lanes = [Lane(state=s, draft=d) for s, d in batch]
             riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
             lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
             variant = variants[-1] if self.batch_invariant else next(v for v in variants if v.capacity >= len(lanes))
@@ -231,13 +232,13 @@ class Engine:
     def _mixed_round(self, prompting: RequestState, decoding: list[RequestState]) -> bool:
         """The rule: a round is mixed when the core has a mixed variant with room for every decoding request plus
         the next prompt chunk's lane, there is at least one decoding request, the prompt request does not score
-        its prompt (scored requests never enter the prompt role), no decoding request has a draft proposal
-        (speculative rounds stay serial) and no cancelled lane waits for a round. The chunk and one decode round
+        its prompt (scored requests never enter the prompt role), the engine has no drafter (speculative engines
+        schedule prompt chunks serially) and no cancelled lane waits for a round. The chunk and one decode round
         then run in one submission; otherwise the prompt chunk runs alone (serial) and decode waits."""
-        if not self.mixed_variants or not decoding or prompting.scoring() or self.retiring:
+        if not self.mixed_variants or not decoding or prompting.scoring() or self.retiring or self.drafter:
             return False
         fitting = [v for v in self.mixed_variants if v.capacity >= len(decoding) + 1]
-        if not fitting or any(self._drafts(decoding)):
+        if not fitting:
             return False
         variant = self.mixed_variants[-1] if self.batch_invariant else fitting[0]
         lane, finish = self._chunk_lane(prompting, self.chunk)
