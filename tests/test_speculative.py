@@ -35,14 +35,16 @@ def tiny_qwen3(directory, seed: int):
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory, toy_core):
-    """The target (verify.s{1,3,5} and mixed.t24.c2); the same core loaded a second time as a draft core (its proposals are the
-    target's greedy tokens, so they are accepted); the toy bigram as a wild draft core (it disagrees)."""
+    """The target (verify.s5.c2, which also runs S = 1 and 3: shorter proposals; and mixed.t24.c2); a replica of
+    it as a draft core (its proposals are the target's greedy tokens, so they are accepted); the toy bigram as
+    a wild draft core (it disagrees)."""
     root = tmp_path_factory.mktemp("speculative")
     tiny_qwen3(root / "target", seed=0)
     export_core(ExportOptions(recipe="qwen3", checkpoint=root / "target", capacities=(2,), chunk_limit=CHUNK,
-                              max_seq_len=128, speculative_tokens=DRAFT_TOKENS, mixed=True), root / "core")
+                              max_seq_len=128, speculative_tokens=(max(DRAFT_TOKENS),), mixed=True), root / "core")
     hf = Qwen3ForCausalLM.from_pretrained(root / "target", attn_implementation="eager").eval()
-    return hf, load_core(root / "core"), load_core(root / "core"), load_core(toy_core)
+    core = load_core(root / "core")
+    return hf, core, core.replica(), load_core(toy_core)
 
 
 PROMPTS = ([(5 * i + 1) % VOCAB for i in range(30)],  # two chunks
@@ -117,8 +119,9 @@ def test_speculative_option_errors(cores):
     for bad in ("ngram", "ngram:0", "ngram:x", "draft:4", "medusa:2", "ngram:c:2"):
         with pytest.raises(SpeculativeError, match="expected ngram:S or draft:CORE:S"):
             parse_speculative(bad)
-    with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[1, 3, 5\\]"):
+    with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[5\\]"):
         Engine(core, drafter=NgramDrafter(), draft_tokens=6)
+    assert Engine(core, drafter=NgramDrafter(), draft_tokens=3).verify_variants[0].name == "verify.s5.c2"
 
 
 def test_mixed_rounds_equal_serial_rounds(cores, plain):

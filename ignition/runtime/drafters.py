@@ -66,6 +66,8 @@ def engine_options(speculation: Speculation | None, target_core, load_draft) -> 
         raise SpeculativeError(str(exc)) from None
     if speculation.kind == "ngram":
         drafter = NgramDrafter()
+    elif speculation.draft_core.resolve() == Path(target_core.path).resolve() and target_core.capture is None:
+        drafter = DraftCoreDrafter(target_core.replica(), target_core)  # the target drafts for itself: no reload
     else:
         drafter = DraftCoreDrafter(load_draft(speculation.draft_core), target_core)
     return {"drafter": drafter, "draft_tokens": speculation.draft_tokens}
