@@ -226,6 +226,9 @@ def export_core_cmd(
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Rank shards in the core (qwen3, llama)"),
+    speculative_tokens: str = typer.Option("", "--speculative-tokens",
+                                           help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
+    mixed: bool = typer.Option(False, "--mixed", help="Also export mixed prompt/decode variants mixed.t{C}.c{capacity}"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.publish import PublishError, check_output
@@ -252,7 +255,8 @@ def export_core_cmd(
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
-            tokenizer=tokenizer, onnx=onnx, tensor_parallel=tensor_parallel)
+            tokenizer=tokenizer, onnx=onnx, tensor_parallel=tensor_parallel,
+            speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     try:
@@ -398,6 +402,33 @@ def _check_run_options(core: Path, request, text_prompt: bool) -> None:
         raise _fail(f"{option}: {exc}") from None
 
 
+SPECULATIVE_OPTION = typer.Option(None, "--speculative",
+                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
+
+
+def _check_speculative(text: Optional[str]) -> None:
+    """--speculative's syntax, before anything loads (exit 2)."""
+    from ignition.runtime.drafters import SpeculativeError, parse_speculative
+
+    if text is not None:
+        try:
+            parse_speculative(text)
+        except SpeculativeError as exc:
+            raise _fail(str(exc))
+
+
+def _speculative(text: Optional[str], loaded, device: str, eager: bool, trust_compiled: bool,
+                 trusted_key: Optional[Path]) -> dict:
+    """Engine options for --speculative; a bad option or draft core exits 2 (a draft core that cannot load: 1)."""
+    from ignition.runtime.drafters import SpeculativeError, engine_options, parse_speculative
+
+    try:
+        speculation = parse_speculative(text) if text is not None else None
+        return engine_options(speculation, loaded, lambda path: _load(path, device, eager, trust_compiled, trusted_key))
+    except SpeculativeError as exc:
+        raise _fail(str(exc))
+
+
 @app.command("run")
 def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
@@ -420,6 +451,7 @@ def run_cmd(
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
     tensor_parallel: int = TENSOR_PARALLEL_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.present import render_run, run_json
@@ -442,14 +474,16 @@ def run_cmd(
     request = Request(prompt_ids=ids or [], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     _check_run_options(core, request, text_prompt=prompt is not None)
+    _check_speculative(speculative)
     loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)
+    options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise _fail("this core has no tokenizer; pass --prompt-ids")
         request.prompt_ids = loaded.tokenizer.encode(prompt).ids
     from ignition.runtime.engine import Engine
     from ignition.runtime.parallel import ParallelError
-    engine = Engine(loaded, batch_invariant=batch_invariant)
+    engine = Engine(loaded, batch_invariant=batch_invariant, **options)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:
@@ -505,6 +539,7 @@ def serve_cmd(
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
     tensor_parallel: int = TENSOR_PARALLEL_OPTION,
+    speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
     from ignition.serve.app import ServeSetupError, serve
@@ -525,6 +560,7 @@ def serve_cmd(
                          max_prompt_bytes=max_prompt_bytes, chat_template=template, tokenizer=tokenizer,
                          allow_request_chat_template=allow_request_chat_template, enable_docs=enable_docs,
                          log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
+    _check_speculative(speculative)
     _identify_core(core)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)  # exits 1 with them
@@ -538,9 +574,10 @@ def serve_cmd(
         console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
                       markup=False, highlight=False, soft_wrap=True)
 
+    options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
     try:
         serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
-              sock=sock, on_ready=ready)
+              sock=sock, on_ready=ready, engine_options=options)
     except ServeSetupError as exc:
         raise _fail(str(exc)) from None
 

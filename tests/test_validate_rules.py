@@ -220,7 +220,8 @@ def test_k_must_agree(core_copy):
 
 
 def test_reserved_operation_is_rejected(core_copy):
-    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "prefill.t256").update(operation=int(Operation.MIXED)))
+    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "prefill.t256").update(
+        operation=int(Operation.DRAFT_PROPOSE)))
     assert "ENUM-RESERVED" in rules_of(core_copy.root, check_graphs=False)
 
 
@@ -392,3 +393,44 @@ def test_every_rule_is_documented():
     text = (__import__("pathlib").Path(__file__).parents[1] / "docs" / "api.md").read_text()
     missing = [rule for rule in RULES if f"`{rule}`" not in text]
     assert not missing, f"rules missing from docs/api.md: {missing}"
+
+
+def _as_verify(core_copy, draft_tokens: int, draft_shape=None):
+    """decode.c1 rewritten into the catalog entry of verify.s{S}.c1 (the graph itself is not checked)."""
+    def change(catalog):
+        variant = core_copy.variant(catalog, "decode.c1")
+        variant.update(operation=int(Operation.SPECULATIVE_VERIFY))
+        variant["arguments"].append({"name": "draft_token_ids", "dtype": "int64", "role": "input",
+                                     "shape": draft_shape or [1, draft_tokens]})
+        variant["contract"]["bindings"]["draft_token_ids"] = int(ValueSource.DRAFT_TOKEN_IDS)
+        variant["contract"]["layout"]["speculative"] = {"draft_tokens": draft_tokens, "positions": draft_tokens + 1,
+                                                        "drafts": "draft_token_ids"}
+        variant["returns"] = [{"name": "next_tokens", "dtype": "int64", "role": "output", "shape": [1, draft_tokens + 1]}]
+    core_copy.edit("catalog.json", change)
+    core_copy.edit("manifest.json", lambda m: m.update(capacities=[4]))  # manifest capacities list decode variants
+
+
+def test_verify_entry_is_valid_and_its_positions_must_fit_t(core_copy, tmp_path):
+    from conftest import CoreCopy
+    good = CoreCopy(tmp_path / "good")
+    shutil.copytree(core_copy.root, good.root)
+    _as_verify(good, 7)  # T = 8 covers S+1 = 8
+    assert rules_of(good.root, check_graphs=False) == set()
+    _as_verify(core_copy, 8)
+    assert rules_of(core_copy.root, check_graphs=False) == {"SPEC-T"}
+
+
+def test_verify_drafts_layout_and_returns(core_copy):
+    _as_verify(core_copy, 3, draft_shape=[1, 4])
+    core_copy.edit("catalog.json", lambda c: core_copy.variant(c, "decode.c1")["returns"][0].update(shape=[1, 3]))
+    assert rules_of(core_copy.root, check_graphs=False) == {"SPEC-DRAFTS", "SPEC-RETURNS"}
+
+
+def test_drafts_only_in_verify_variants(core_copy):
+    def change(catalog):
+        variant = core_copy.variant(catalog, "decode.c4")
+        variant["arguments"].append({"name": "draft_token_ids", "dtype": "int64", "role": "input", "shape": [4, 2]})
+        variant["contract"]["bindings"]["draft_token_ids"] = int(ValueSource.DRAFT_TOKEN_IDS)
+        variant["contract"]["layout"]["speculative"] = {"draft_tokens": 2, "positions": 3, "drafts": "draft_token_ids"}
+    core_copy.edit("catalog.json", change)
+    assert rules_of(core_copy.root, check_graphs=False) == {"SPEC-DRAFTS", "SPEC-LAYOUT"}

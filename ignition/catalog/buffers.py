@@ -1,7 +1,7 @@
 """The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
 
-Shapes are expressions over the geometry symbols ``capacity``, ``T`` and ``C`` (scored
-chunk capacity) and the contract constants; ``resolve_shape`` evaluates them and
+Shapes are expressions over the geometry symbols ``capacity``, ``T``, ``C`` (scored
+chunk capacity) and ``S`` (draft tokens a verification variant scores after each lane's input token) and the contract constants; ``resolve_shape`` evaluates them and
 ``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
 is written exactly once, here.
 """
@@ -84,9 +84,36 @@ SAMPLING_INPUTS = (
 )
 """Per-lane sampling parameters (ignition.components.sampling reads its field order from here)."""
 
-BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS}
+SPECULATIVE_INPUTS = (
+    BufferSpec("draft_token_ids", "int64", ("capacity", "S"), Role.INPUT, ValueSource.DRAFT_TOKEN_IDS,
+               "Each lane's proposed tokens after its input token; -1 from the end of its proposal on"),
+)
+"""The additional input of SPECULATIVE_VERIFY variants (``verify.s{S}.c{capacity}``)."""
+
+MIXED_BUFFERS = (
+    BufferSpec("mixed_prompt_lane", "int64", ("1",), Role.INPUT, ValueSource.MIXED_PROMPT_LANE,
+               "The lane in the prompt role (its chunk is the chunk inputs), -1 for none"),
+    BufferSpec("prompt_role_records", "int64", ("FRAMES", "capacity", "RECORD_HEADER_WORDS+T"), Role.OUTPUT, None,
+               "The prompt role's private records frames"),
+    BufferSpec("prompt_role_logprobs", "int32", ("FRAMES", "capacity", "T", "PACKED_WIDTH"), Role.OUTPUT, None,
+               "The prompt role's private packed frames"),
+    BufferSpec("decode_role_records", "int64", ("FRAMES", "capacity", "RECORD_HEADER_WORDS+T"), Role.OUTPUT, None,
+               "The decode role's private records frames"),
+    BufferSpec("decode_role_logprobs", "int32", ("FRAMES", "capacity", "T", "PACKED_WIDTH"), Role.OUTPUT, None,
+               "The decode role's private packed frames"),
+)
+"""The additional arguments of MIXED variants (``mixed.t{C}.c{capacity}``): the merge copies the active frame of
+the role each lane is in into the shared completion_records / completion_logprobs."""
+
+BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
+(DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
+PROMPT_LANE, PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS, DECODE_ROLE_RECORDS, DECODE_ROLE_LOGPROBS = (
+    spec.name for spec in MIXED_BUFFERS)
+ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": (DECODE_ROLE_RECORDS, DECODE_ROLE_LOGPROBS)}
+"""Role -> (its private records buffer, its private packed buffer)."""
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
 
 _CONSTANTS = {name: getattr(contract, name) for name in (
@@ -94,7 +121,7 @@ _CONSTANTS = {name: getattr(contract, name) for name in (
 
 
 def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
-    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=`` (and ``PACKED_WIDTH=`` override)."""
+    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=`` (and ``PACKED_WIDTH=`` override)."""
     env = {**_CONSTANTS, **geometry}
     shape = []
     for dim in spec.shape:

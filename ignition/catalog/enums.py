@@ -14,8 +14,8 @@ class Operation(IntEnum):
 
     PREFILL = 1  # one request's prompt chunk; the final chunk samples the first token
     DECODE = 2  # one token per active lane
-    MIXED = 3  # prompt and decode roles in one graph (reserved: see RESERVED)
-    SPECULATIVE_VERIFY = 4  # target verification of draft tokens (reserved)
+    MIXED = 3  # one prompt chunk (prompt role) and decode lanes (decode role) in one graph
+    SPECULATIVE_VERIFY = 4  # target scores S+1 positions per lane and accepts a prefix of the draft
     DRAFT_PROPOSE = 5  # draft model proposals (reserved)
     SCORED_PREFILL = 12  # prefill that also scores every prompt token (fixed by the Protobuf)
 
@@ -36,6 +36,8 @@ class ValueSource(IntEnum):
     EOS_TOKEN_ID = 11  # int64[capacity]: the lane's EOS id (-1: ignore EOS)
     FORCED_TOKEN_ID = 12  # int64[capacity]: token to emit instead of sampling (-1: none)
     CHUNK_EMITS = 13  # int32[1]: nonzero when a prompt chunk ends the prompt and samples the next token
+    DRAFT_TOKEN_IDS = 14  # int64[capacity, S]: each lane's proposed tokens, -1 after its proposal ends
+    MIXED_PROMPT_LANE = 15  # int64[1]: the lane of a mixed graph in the prompt role (-1: none)
     LOGPROB_REQUESTED = 20  # int32[capacity]: the flag vector
     LOGPROB_TOKEN_IDS = 21  # int32[capacity, 128]: caller-selected ids
     LOGPROB_TOKEN_ID_COUNTS = 22  # int32[capacity]: selected-id count (0: natural alternatives)
@@ -88,10 +90,7 @@ _REJECTED = "a core declaring it is rejected by `ENUM-RESERVED`"
 _RECORD_ONLY = ("no graph writes it; a record carrying it fails its request at the loader's record check "
                 "(no validator rule: round kinds live in runtime records, not in cores)")
 _RESERVED = (
-    (Operation.MIXED, _REJECTED),
-    (Operation.SPECULATIVE_VERIFY, _REJECTED),
     (Operation.DRAFT_PROPOSE, _REJECTED),
-    (RoundKind.SPECULATIVE, _RECORD_ONLY),
     (RoundKind.VISION, _RECORD_ONLY),
     (FinishReason.STOP_TOKEN, "no graph writes it; the loader matches stop ids on the host (no validator rule)"),
     (FinishReason.ERROR, "no graph writes it; the loader reports errors per request (no validator rule)"),

@@ -25,6 +25,12 @@ def lane_count(operation: int, capacity: int) -> int:
     return 1 if operation in PREFILL_FAMILY else capacity
 
 
+def reduction_rows(operation: int, capacity: int, layout: dict) -> int:
+    """Logit rows a variant's logprob reduction covers: one per lane, S+1 per lane for SPECULATIVE_VERIFY."""
+    speculative = layout.get("speculative") or {}
+    return lane_count(operation, capacity) * speculative.get("positions", 1)
+
+
 @dataclass(frozen=True, slots=True)
 class BufferDecl:
     """A declared graph argument, return value or state tensor."""

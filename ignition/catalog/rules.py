@@ -10,7 +10,7 @@ RULES = {
     "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads.",
     "ENUM-OPERATION": "A variant's operation is a known Operation code.",
     "ENUM-SOURCE": "A binding's value source is a known ValueSource code.",
-    "ENUM-RESERVED": "A variant's operation is not a code reserved for a feature not built yet (MIXED, SPECULATIVE_VERIFY, DRAFT_PROPOSE).",
+    "ENUM-RESERVED": "A variant's operation is not a code reserved for a feature not built yet (DRAFT_PROPOSE).",
     "FILE-PATH": "Files named by the core are relative POSIX paths inside it (no absolute paths, no '..').",
     "FILE-MISSING": "Every file listed or named by the core exists.",
     "FILE-HASH": "Every file matches the sha256 recorded in the manifest.",
@@ -53,6 +53,18 @@ RULES = {
     "PROMPT-BIND": "prompt_target_tokens is bound to PROMPT_TARGET_TOKEN (39).",
     "PROMPT-K": "Prompt scoring requires K = 20 generation logprob outputs.",
     "PROMPT-CAPACITIES": "Scored capacities are 128*4^k below the chunk limit, then the chunk limit.",
+    "SPEC-LAYOUT": "layout.speculative is present exactly in SPECULATIVE_VERIFY variants, with positions = "
+                   "draft_tokens + 1 and drafts = draft_token_ids.",
+    "SPEC-T": "A verify variant's S+1 positions fit the core's T.",
+    "SPEC-DRAFTS": "draft_token_ids ([capacity, S] int64, bound to DRAFT_TOKEN_IDS) is declared by every "
+                   "SPECULATIVE_VERIFY variant and by no other.",
+    "SPEC-RETURNS": "A verify variant returns next_tokens int64 [capacity, S+1].",
+    "MIXED-ROLES": "A MIXED variant declares mixed_prompt_lane and each role's private frames (records, and "
+                   "packed logprobs when the bundle has them) with the shared bundle's shapes; no other variant "
+                   "declares them.",
+    "MIXED-MERGE": "layout.mixed is present exactly in MIXED variants and names the prompt lane input, both roles' "
+                   "frames and the active-frame merge.",
+    "MIXED-SCORED": "A MIXED variant declares no prompt-scoring buffers: scored requests never enter the prompt role.",
     "FEAT-MISMATCH": "The manifest's features equal what the catalog declares.",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",
     "WEIGHT-DECL": "Weight arguments exist in the weights file with the declared dtype and shape.",

@@ -74,7 +74,7 @@ def prompt_round_kind(chunk_start: torch.Tensor) -> torch.Tensor:
 
 def write_round_records(
     buffers: dict[str, torch.Tensor],
-    tokens: torch.Tensor,  # int64 [capacity]: the token each emitting lane emits at position 0
+    tokens: torch.Tensor,  # int64 [capacity] (position 0) or [capacity, P] (positions 0..P-1)
     emitting: torch.Tensor,  # bool [capacity]
     forced: torch.Tensor,  # bool [capacity]: position 0 is forced (no logprob entry)
     finish: torch.Tensor,  # int [capacity]: FinishReason
@@ -83,19 +83,25 @@ def write_round_records(
     sequence_lengths: torch.Tensor,  # int64 [capacity]
     round_kind: RoundKind,
     idle_round_kind: RoundKind | torch.Tensor,  # int [capacity] or scalar: active lanes that emit nothing
+    emitted_counts: torch.Tensor | None = None,  # int64 [capacity]: emitted prefix (default: 1 per emitting lane)
 ) -> None:
-    """Rewrite the whole active frame of ``completion_records``; the inactive frame is never touched."""
+    """Rewrite the whole active frame of ``completion_records``; the inactive frame is never touched.
+
+    An emitting lane emits ``tokens[lane, :count]``; token words at and beyond its count are zero.
+    """
     records = buffers[RECORDS]  # int64 [2, capacity, 16+T]
     capacity, token_capacity = records.shape[1], records.shape[2] - RECORD_HEADER_WORDS
     frame = buffers["frame_index"]  # int64 [1]
     active = buffers["active_lanes"] != 0
     header = torch.zeros(capacity, RECORD_HEADER_WORDS, dtype=torch.int64, device=records.device)
+    counts = emitting.to(torch.int64) if emitted_counts is None else torch.where(emitting, emitted_counts, 0)
+    tokens = tokens.reshape(capacity, -1)  # [capacity, P]
     fields = {
         RecordField.SLOT: torch.where(active, buffers["slot_ids"], -1),
         RecordField.EPOCH: torch.where(active, buffers["slot_epochs"], 0),
         RecordField.ROUND_KIND: torch.where(active, torch.where(emitting, int(round_kind), idle_round_kind),
                                             int(RoundKind.INVALID)),
-        RecordField.EMITTED_COUNT: emitting.to(torch.int64),
+        RecordField.EMITTED_COUNT: counts,
         RecordField.FINISH_REASON: finish.to(torch.int64),
         RecordField.FORCED_MASK: forced.to(torch.int64),  # bit 0: ordinary rounds emit position 0 only
         RecordField.GENERATED_BEFORE: torch.where(active, buffers["generated_counts"], 0),
@@ -105,8 +111,10 @@ def write_round_records(
     }
     for index, value in fields.items():
         header[:, index] = value
+    positions = tokens.shape[1]
+    in_prefix = torch.arange(positions, device=records.device).unsqueeze(0) < counts.unsqueeze(1)  # [capacity, P]
     emitted = torch.zeros(capacity, token_capacity, dtype=torch.int64, device=records.device)
-    emitted[:, 0] = torch.where(emitting, tokens, 0)
+    emitted[:, :positions] = torch.where(in_prefix, tokens, 0)
     records.index_put_((frame,), torch.cat([header, emitted], dim=1).unsqueeze(0))
 
 

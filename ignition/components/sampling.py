@@ -24,6 +24,8 @@ __all__ = [
     "SAMPLING_FIELDS",
     "SamplingTensors",
     "apply_penalties",
+    "draw_sorted",
+    "filtered_distribution",
     "philox4x32_10",
     "philox_uniform",
     "sample",
@@ -215,35 +217,18 @@ def apply_penalties(
     return logits
 
 
-def sample(
+def filtered_distribution(
     logits: torch.Tensor,
     output_counts: torch.Tensor,
     prompt_mask: torch.Tensor,
     params: SamplingTensors,
     vocab_size: int,
-) -> torch.Tensor:
-    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-8 of ``sample``: ``(greedy_tokens int64[B], sorted_ids int64[B, V], probs float32[B, V])``.
 
-    ``logits`` is never modified (raw logits also feed the logprob reduction).
-    Lanes ``>= vocab_size`` (vocabulary padding) are never selected.
-
-    Steps, in order:
-    1. Upcast to a float32 copy; padded lanes -> -inf.
-    2. Penalties (``apply_penalties``).
-    3. Greedy candidate: argmax of the penalized logits, ties -> smallest id.
-    4. Temperature: divide by it (greedy rows divide by 1; result discarded).
-    5. Sort descending (stable, so equal logits keep ascending id order).
-    6. Top-k: keep logits >= the k-th largest. Tie rule: every token tied with
-       the k-th value is kept (vLLM's rule), so more than k may survive.
-    7. Top-p on the softmax of the top-k survivors: keep the shortest
-       descending prefix whose mass reaches top_p, then also every token whose
-       probability equals the last kept one (ties at the cutoff all kept).
-    8. Min-p: drop tokens with probability < min_p * max probability (ratio is
-       the same before or after renormalizing, so no renormalization needed).
-    9. Draw by inverse CDF over the filtered probabilities in sorted order,
-       with one Philox uniform per row from (seed, offset): the token is the
-       first position whose cumulative mass exceeds ``u * total``.
-    10. Greedy rows (temperature < GREEDY_TEMPERATURE) take the step-3 token.
+    ``probs`` is the filtered, unnormalized distribution in ``sorted_ids`` order (descending); its
+    kept tokens form a prefix. Speculative acceptance (components/speculative.py) reads the same
+    distribution, so the target distribution has one definition.
     """
     width = logits.shape[-1]
     lane_ids = torch.arange(width, device=logits.device)  # [V]
@@ -277,17 +262,55 @@ def sample(
 
     min_prob = params.min_p.reshape(-1, 1) * probs[:, :1]  # [B, 1]; position 0 is the max
     probs = torch.where(probs >= min_prob, probs, 0.0)
+    return greedy_tokens, sorted_ids, probs
 
+
+def draw_sorted(sorted_ids: torch.Tensor, probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Step 9 of ``sample``: inverse CDF over ``probs [B, V]`` (sorted order) with ``uniform [B, 1]``: int64[B]."""
     cdf = probs.cumsum(dim=-1)  # [B, V]
-    uniform = philox_uniform(params.seed, params.offset, 1)  # [B, 1]
     position = (cdf <= uniform * cdf[:, -1:]).sum(dim=-1)  # [B]
     # NOTE: kept tokens form a prefix of the sorted row. In fp32, u * total < total
     # for u <= 1 - 2**-24, so a monotone cdf never passes the last kept position;
     # the clamp guards backends whose parallel cumsum is not exactly monotone.
     last_kept = ((probs > 0).sum(dim=-1) - 1).clamp(min=0)  # [B]
     position = torch.minimum(position, last_kept)
-    sampled_tokens = sorted_ids.gather(-1, position.reshape(-1, 1)).reshape(-1)  # [B]
+    return sorted_ids.gather(-1, position.reshape(-1, 1)).reshape(-1)  # [B]
 
+
+def sample(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingTensors,
+    vocab_size: int,
+) -> torch.Tensor:
+    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size).
+
+    ``logits`` is never modified (raw logits also feed the logprob reduction).
+    Lanes ``>= vocab_size`` (vocabulary padding) are never selected.
+
+    Steps, in order:
+    1. Upcast to a float32 copy; padded lanes -> -inf.
+    2. Penalties (``apply_penalties``).
+    3. Greedy candidate: argmax of the penalized logits, ties -> smallest id.
+    4. Temperature: divide by it (greedy rows divide by 1; result discarded).
+    5. Sort descending (stable, so equal logits keep ascending id order).
+    6. Top-k: keep logits >= the k-th largest. Tie rule: every token tied with
+       the k-th value is kept (vLLM's rule), so more than k may survive.
+    7. Top-p on the softmax of the top-k survivors: keep the shortest
+       descending prefix whose mass reaches top_p, then also every token whose
+       probability equals the last kept one (ties at the cutoff all kept).
+    8. Min-p: drop tokens with probability < min_p * max probability (ratio is
+       the same before or after renormalizing, so no renormalization needed).
+    9. Draw by inverse CDF over the filtered probabilities in sorted order,
+       with one Philox uniform per row from (seed, offset): the token is the
+       first position whose cumulative mass exceeds ``u * total``.
+    10. Greedy rows (temperature < GREEDY_TEMPERATURE) take the step-3 token.
+    """
+    greedy_tokens, sorted_ids, probs = filtered_distribution(logits, output_counts, prompt_mask, params, vocab_size)
+    uniform = philox_uniform(params.seed, params.offset, 1)  # [B, 1]
+    sampled_tokens = draw_sorted(sorted_ids, probs, uniform)
+    greedy_rows = params.temperature < GREEDY_TEMPERATURE  # [B]
     return torch.where(greedy_rows, greedy_tokens, sampled_tokens).to(torch.int64)
 
 

@@ -1,7 +1,7 @@
 """Kernel preparation for a recipe build: every launch a variant replays, for every target.
 
 Runs before any graph is captured. The launch plan of a variant follows from its declared
-contract: one reduction row per lane (decode: capacity lanes; prefill family: one lane),
+contract: one reduction row per lane (decode: capacity lanes; prefill family: one lane; verify: S+1 per lane),
 the core's padded vocabulary, K, explicit IDs, and the dtype of the raw logits (the model
 dtype). After capture, ``check_captured_launches`` confirms the graph's reduction node
 really has that shape, so a prepared core never misses a launch configuration.
@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.model import lane_count
+from ignition.catalog.model import reduction_rows
 from ignition.exporter.kernels import launch_key, parse_targets, prepare_kernels
 from ignition.recipes.base import GraphBuild, RecipeBuild
 
 
 def _lanes(graph: GraphBuild) -> int:
-    return lane_count(graph.variant.operation, graph.variant.capacity)
+    return reduction_rows(graph.variant.operation, graph.variant.capacity, graph.variant.layout)
 
 
 def variant_plan(build: RecipeBuild, graph: GraphBuild):
@@ -48,9 +48,13 @@ def check_captured_launches(build: RecipeBuild, graph: GraphBuild, program) -> s
     if not graph.variant.launches:
         return None
     nodes = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target) == "ignition.reduce_logprobs.default"]
-    if len(nodes) != 1:
-        return f"expected one ignition::reduce_logprobs node, found {len(nodes)}"
-    logits = nodes[0].args[0].meta["val"]
+    wanted = 2 if graph.variant.layout.get("mixed") else 1  # a mixed graph reduces once per role
+    if len(nodes) != wanted:
+        return f"expected {wanted} ignition::reduce_logprobs node(s), found {len(nodes)}"
     expected = (_lanes(graph), build.vocab_padded, getattr(torch, build.model["dtype"]))
-    found = (logits.shape[0], logits.shape[1], logits.dtype)
-    return None if found == expected else f"prepared launches for logits {expected}, the graph reduces {found}"
+    for node in nodes:
+        logits = node.args[0].meta["val"]
+        found = (logits.shape[0], logits.shape[1], logits.dtype)
+        if found != expected:
+            return f"prepared launches for logits {expected}, the graph reduces {found}"
+    return None

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, ID_INPUTS, LANE_INPUTS, LOGPROBS, RECORDS,
-                                     REQUESTED, SAMPLING_INPUTS, BufferSpec)
-from ignition.catalog.contract import NATURAL_K, packed_width
+from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, DRAFT_TOKENS, ID_INPUTS, LANE_INPUTS,
+                                     LOGPROBS, MIXED_BUFFERS, PROMPT_LANE, RECORDS, REQUESTED, ROLE_FRAMES, SAMPLING_INPUTS,
+                                     SPECULATIVE_INPUTS, BufferSpec)
+from ignition.catalog.contract import NATURAL_K, packed_width, resolve_completion_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.limits import check_limit
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
@@ -44,6 +45,8 @@ class ExportOptions:
     logprob_k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)
     logprob_ids: bool = True  # export the explicit-ID inputs (False: a natural-only core, width 2+2K)
     tensor_parallel: int = 1  # rank shards in the core (recipes/sharding.py)
+    speculative_tokens: tuple[int, ...] = ()  # S of each verify.s{S}.c{capacity} family (empty: none)
+    mixed: bool = False  # mixed.t{chunk_limit}.c{capacity} variants for every decode capacity >= 2
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
@@ -55,11 +58,23 @@ class ExportOptions:
             ("chunk_limit", self.chunk_limit, "--chunk-limit"),
             ("completion_token_capacity", self.completion_token_capacity, "--completion-token-capacity"),
             ("max_seq_len", self.max_seq_len, "--max-seq-len"), ("num_slots", self.num_slots, "--num-slots"),
-            ("export_seed", self.seed, "--seed")]
+            ("export_seed", self.seed, "--seed")] + [
+            ("speculative_tokens", s, "--speculative-tokens") for s in self.speculative_tokens]
         for name, value, option in ranged:
             problem = None if value is None else check_limit(name, value, option)
             if problem:
                 raise RecipeError(problem)
+        if len(set(self.speculative_tokens)) != len(self.speculative_tokens):
+            raise RecipeError(f"--speculative-tokens must be distinct, got {list(self.speculative_tokens)}")
+        self.speculative_tokens = tuple(sorted(self.speculative_tokens))
+        token_capacity = resolve_completion_token_capacity(self.completion_token_capacity)
+        if self.speculative_tokens and self.speculative_tokens[-1] + 1 > token_capacity:
+            raise RecipeError(f"--speculative-tokens {self.speculative_tokens[-1]}: a verify round emits up to S+1 = "
+                              f"{self.speculative_tokens[-1] + 1} positions, more than T={token_capacity} "
+                              f"(raise --completion-token-capacity)")
+        if self.mixed and self.capacities[-1] < 2:
+            raise RecipeError(f"--mixed needs a decode capacity of at least 2 (a prompt lane and a decode lane), "
+                              f"got {list(self.capacities)}")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.compile not in (None, "inductor"):
@@ -195,3 +210,45 @@ def prefill_family(chunk_limit: int, token_capacity: int, logprob_outputs: Logpr
                 "operation": Operation.SCORED_PREFILL if scored else Operation.PREFILL,
                 "capacity": chunk_limit if scored else 1}
     return identity, outputs, bindings, layout
+
+
+def verify_family(draft_tokens: int, capacity: int, token_capacity: int, logprob_outputs: LogprobOutputs | None):
+    """Identity, extra inputs, bindings, outputs and layout of ``verify.s{S}.c{capacity}`` (SPECULATIVE_VERIFY).
+
+    Returns (identity kwargs, lane + draft inputs, their bindings, completion outputs, output bindings,
+    layout, returns). The one return is each lane's emitted tokens, ``int64 [capacity, S+1]``, -1 past the prefix.
+    """
+    lanes, lane_bindings = spec_arguments(LANE_INPUTS, capacity=capacity)
+    drafts, draft_bindings = spec_arguments(SPECULATIVE_INPUTS, capacity=capacity, S=draft_tokens)
+    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
+    layout["speculative"] = {"draft_tokens": draft_tokens, "positions": draft_tokens + 1, "drafts": DRAFT_TOKENS}
+    identity = {"name": f"verify.s{draft_tokens}.c{capacity}", "operation": Operation.SPECULATIVE_VERIFY,
+                "capacity": capacity}
+    returns = [BufferDecl("next_tokens", "int64", [capacity, draft_tokens + 1], Role.OUTPUT)]
+    return identity, lanes + drafts, lane_bindings | draft_bindings, outputs, output_bindings, layout, returns
+
+
+def mixed_capacities(options: ExportOptions) -> list[int]:
+    """Capacities of the mixed variants: every decode capacity that holds a prompt lane and a decode lane."""
+    return [c for c in options.capacities if c >= 2] if options.mixed else []
+
+
+def mixed_family(chunk_limit: int, capacity: int, token_capacity: int, logprob_outputs: LogprobOutputs | None):
+    """Identity, lane + chunk + prompt-lane inputs, bindings, outputs (shared bundle, then the role frames),
+    output bindings and layout of ``mixed.t{C}.c{capacity}`` (MIXED)."""
+    lanes, lane_bindings = spec_arguments(LANE_INPUTS, capacity=capacity)
+    chunk, chunk_bindings = spec_arguments(CHUNK_INPUTS, C=chunk_limit)
+    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
+    shared = {d.name: d for d in outputs}
+    roles = []  # each role's private frames: the shared bundle's shapes
+    for records, logprobs in ROLE_FRAMES.values():
+        roles.append(BufferDecl(records, shared[RECORDS].dtype, list(shared[RECORDS].shape), Role.OUTPUT))
+        if LOGPROBS in shared:
+            roles.append(BufferDecl(logprobs, shared[LOGPROBS].dtype, list(shared[LOGPROBS].shape), Role.OUTPUT))
+    prompt_lane, prompt_lane_bindings = spec_arguments(MIXED_BUFFERS[:1])
+    layout["mixed"] = {"prompt_lane": PROMPT_LANE, "merge": "active_frame",
+                       "roles": {role: {"records": records, "logprobs": logprobs if LOGPROBS in shared else None}
+                                 for role, (records, logprobs) in ROLE_FRAMES.items()}}
+    identity = {"name": f"mixed.t{chunk_limit}.c{capacity}", "operation": Operation.MIXED, "capacity": capacity}
+    return (identity, lanes + chunk + prompt_lane, lane_bindings | chunk_bindings | prompt_lane_bindings,
+            outputs + roles, output_bindings, layout)

@@ -22,14 +22,17 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import PROMPT_LOGPROBS, PROMPT_TARGETS
+from ignition.catalog.buffers import DRAFT_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
+from ignition.components.merge import merge_role_frames, prompt_lanes, role_buffers
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.vocabulary_logprobs import score_hidden_rows_sharded
-from ignition.components.sampling import SamplingTensors, sample, update_output_counts
+from ignition.components.sampling import SamplingTensors, filtered_distribution, sample, update_output_counts
+from ignition.components.speculative import (accept_draft, commit_speculative_round, draft_output_counts, row_sampling,
+                                             verify_rows)
 from ignition.recipes.layers import Rows
 from ignition.recipes.transformer import gqa_decoder, lm_head_logits
 
@@ -168,3 +171,75 @@ class ScoredPrefillGraph(PrefillGraph):
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         return self.prefill_chunk(buffers, score=True)
+
+
+class VerifyGraph(_DecoderGraph):
+    """``verify.s{S}.c{capacity}`` (SPECULATIVE_VERIFY): the target scores S+1 positions per lane.
+
+    Every valid row writes its cache cell (rows past a lane's proposal write nothing); cells of rejected
+    drafts stay behind the lane's new length and are overwritten before any row can attend to them.
+    Row j samples with the penalty counts the lane would have after emitting ``d[0..j-1]``.
+    See ``ignition.components.speculative`` for acceptance, the commit and the speculative writer.
+    """
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        weights = self.weights(buffers)
+        tokens, positions, valid, draft_lengths = verify_rows(buffers)  # [capacity, P] x3, [capacity]
+        capacity, width = tokens.shape
+        slots = buffers["slot_ids"]  # int64 [capacity]
+        rows = Rows(positions=positions.reshape(-1), write_slots=slots.repeat_interleave(width),
+                    valid=valid.reshape(-1), read_slots=slots)  # one attention group of P rows per lane
+        hidden = self.hidden(weights, buffers, tokens.reshape(-1), rows)  # [capacity * P, d_model]
+        raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity * P, vocab_padded]
+        penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
+        safe_slots = slots.clamp(0, penalty.shape[0] - 1)
+        history = penalty.index_select(0, safe_slots)  # [capacity, 2, V]
+        params = row_sampling(SamplingTensors.from_buffers(buffers), width)
+        greedy, sorted_ids, probs = filtered_distribution(
+            raw_logits, draft_output_counts(history[:, OUTPUT_PLANE], tokens),
+            (history[:, PROMPT_PLANE] > 0).repeat_interleave(width, dim=0), params, self.vocab_size)
+        accepted, counts = accept_draft(greedy, buffers[DRAFT_TOKENS], draft_lengths, params, sorted_ids, probs)
+        emitted = commit_speculative_round(buffers, raw_logits, accepted, counts, vocab_size=self.vocab_size, k=self.k)
+        flat = emitted.reshape(-1)  # forced tokens are output tokens and count, like a decode round's
+        update_output_counts(penalty.select(1, OUTPUT_PLANE), safe_slots.repeat_interleave(width), flat, flat >= 0)
+        return (emitted,)
+
+
+class MixedGraph(PrefillGraph):
+    """``mixed.t{C}.c{capacity}`` (MIXED): one prompt chunk and decode lanes in one graph.
+
+    The prompt role is lane ``mixed_prompt_lane``: its chunk (the chunk inputs) runs exactly as ``prefill.t{C}``
+    runs it, over the lane's slot; the decode role is every other active lane, run as ``decode.c{capacity}``
+    runs them. Each role samples and commits into its private frames; ``merge_role_frames`` then copies the
+    active frame of each lane's role into the shared bundle (components/merge.py).
+    """
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        weights = self.weights(buffers)
+        in_prompt = prompt_lanes(buffers)  # bool [capacity]
+        capacity = in_prompt.shape[0]
+        active = buffers["active_lanes"] != 0
+        slots = buffers["slot_ids"]  # int64 [capacity]
+        lane = buffers["mixed_prompt_lane"].clamp(0, capacity - 1)  # [1]
+        slot = slots.index_select(0, lane)  # [1]: the prompt lane's slot
+        prompt_active = (buffers["mixed_prompt_lane"] >= 0) & active.index_select(0, lane)  # [1]
+        chunk_ids, start, length = buffers["chunk_input_ids"], buffers["chunk_start"], buffers["chunk_length"]
+        valid_length = torch.where(prompt_active, length, 0)
+        hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(chunk_ids.shape[0], start, valid_length, slot))
+        last_row = (length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
+        prompt_logits = lm_head_logits(weights, self.cfg, hidden.index_select(0, last_row))  # [1, vocab_padded]
+        self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
+                                 reset=prompt_active & (start == 0))
+        decode_lanes = active & ~in_prompt
+        decode_hidden = self.hidden(weights, buffers, buffers["input_ids"],
+                                    Rows.decode(buffers["positions"], slots, decode_lanes))  # [capacity, d_model]
+        decode_logits = lm_head_logits(weights, self.cfg, decode_hidden)  # [capacity, vocab_padded]
+        prompt = self.sample_and_commit(role_buffers(buffers, "prompt", in_prompt),
+                                        prompt_logits.expand(capacity, -1), slots, Operation.MIXED,
+                                        (start + length).expand(capacity),
+                                        emits=(buffers["chunk_emits"] != 0).expand(capacity),
+                                        idle_round_kind=prompt_round_kind(start).expand(capacity))
+        decode = self.sample_and_commit(role_buffers(buffers, "decode", ~in_prompt), decode_logits, slots,
+                                        Operation.MIXED, buffers["positions"] + 1)
+        merge_role_frames(buffers, in_prompt)
+        return (torch.where(in_prompt, prompt, decode),)

@@ -24,13 +24,14 @@ from ignition.catalog.contract import resolve_completion_token_capacity, scored_
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, ShardedBuild,
-                                   chunk_arguments,
-                                   completion_arguments, next_tokens_return, prefill_family, sampling_arguments,
-                                   spec_arguments, weight_arguments)
+                                   chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
+                                   next_tokens_return, prefill_family, sampling_arguments, spec_arguments,
+                                   verify_family, weight_arguments)
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
                                          read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
-from ignition.recipes.graphs import Decoder, DecodeGraph, PrefillGraph, ScoredPrefillGraph, state_declarations
+from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PrefillGraph, ScoredPrefillGraph, VerifyGraph,
+                                     state_declarations)
 from ignition.recipes.tokenizer import tokenizer_dir
 from ignition.recipes.transformer import gqa_decoder
 from ignition.recipes.weights import WeightSpec, load_weights
@@ -87,6 +88,10 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
         variants += [prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True)
                      for capacity in scored_capacities(options.chunk_limit)]
+    variants += [verify_variant(fixed, draft_tokens, capacity, token_capacity, options.outputs)
+                 for draft_tokens in options.speculative_tokens for capacity in options.capacities]
+    variants += [mixed_variant(fixed, options.chunk_limit, capacity, token_capacity, options.outputs)
+                 for capacity in mixed_capacities(options)]
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,
@@ -108,12 +113,16 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
 
 
 def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parallel) -> list[torch.nn.Module]:
-    """One module per variant, in catalog order: prefill, each decode capacity, then the scored prefills."""
+    """One module per variant, in catalog order: prefill, each decode capacity, the scored prefills, then the
+    verify families and the mixed variants (single-rank only: ``_shard`` refuses them with tensor parallelism)."""
     modules = [PrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)]
     modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel) for _ in options.capacities]
     if options.prompt_logprobs:
         modules += [ScoredPrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)
                     for _ in scored_capacities(options.chunk_limit)]
+    modules += [VerifyGraph(cfg, cfg.vocab_size, k, decoder) for _ in options.speculative_tokens
+                for _ in options.capacities]
+    modules += [MixedGraph(cfg, cfg.vocab_size, k, decoder) for _ in mixed_capacities(options)]
     return modules
 
 
@@ -123,6 +132,9 @@ def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[
                                            shard_weights, sharded_vocabulary)
 
     ranks = options.tensor_parallel
+    if options.speculative_tokens or options.mixed:
+        raise RecipeError("--speculative-tokens and --mixed are single-rank variants; export them without "
+                          f"--tensor-parallel (got --tensor-parallel {ranks})")
     check_tensor_parallel(options.recipe, cfg, ranks)
     vocab_padded = sharded_vocabulary(cfg.vocab_size, ranks)
     rank_weights = shard_weights(weights, ranks, vocab_padded)
@@ -142,6 +154,27 @@ def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int,
     return Variant(name=f"decode.c{capacity}", operation=Operation.DECODE, capacity=capacity,
                    arguments=fixed + lanes + sampling + outputs, returns=next_tokens_return(capacity),
                    bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def verify_variant(fixed: list[BufferDecl], draft_tokens: int, capacity: int, token_capacity: int,
+                   logprob_outputs: LogprobOutputs | None) -> Variant:
+    """``verify.s{S}.c{capacity}``: weights, state, lane and draft inputs, sampling inputs, completion bundle."""
+    identity, lanes, lane_bindings, outputs, output_bindings, layout, returns = verify_family(
+        draft_tokens, capacity, token_capacity, logprob_outputs)
+    sampling, sampling_bindings = sampling_arguments(capacity)
+    return Variant(**identity, arguments=fixed + lanes + sampling + outputs, returns=returns,
+                   bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def mixed_variant(fixed: list[BufferDecl], chunk_limit: int, capacity: int, token_capacity: int,
+                  logprob_outputs: LogprobOutputs | None) -> Variant:
+    """``mixed.t{C}.c{capacity}``: weights, state, lane, chunk and prompt-lane inputs, sampling inputs, the shared
+    bundle and both roles' private frames."""
+    identity, inputs, bindings, outputs, output_bindings, layout = mixed_family(
+        chunk_limit, capacity, token_capacity, logprob_outputs)
+    sampling, sampling_bindings = sampling_arguments(capacity)
+    return Variant(**identity, arguments=fixed + inputs + sampling + outputs, returns=next_tokens_return(capacity),
+                   bindings=bindings | sampling_bindings | output_bindings, layout=layout)
 
 
 def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int,

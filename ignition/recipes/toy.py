@@ -15,9 +15,11 @@ from ignition.catalog.enums import Operation
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.prompt_scoring import score_hidden_rows
+from ignition.components.merge import merge_role_frames, prompt_lanes, role_buffers
+from ignition.components.speculative import accept_draft, commit_speculative_round, verify_rows
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
-                                   completion_arguments, lane_arguments, next_tokens_return, prefill_family,
-                                   weight_arguments)
+                                   completion_arguments, lane_arguments, mixed_capacities, mixed_family,
+                                   next_tokens_return, prefill_family, verify_family, weight_arguments)
 from ignition.recipes.tokenizer import tokenizer_dir
 
 VOCAB_SIZE = 250
@@ -77,6 +79,38 @@ class ToyScoredPrefill(ToyPrefill):
         score_hidden_rows(embedding[chunk], buffers[PROMPT_TARGETS], buffers[PROMPT_LOGPROBS],
                           buffers["frame_index"], lambda rows: batch_invariant_logits(rows, lm_head), self.vocab_size)
         return super().forward(buffers)
+
+
+class ToyVerify(ToyGraph):
+    """``verify.s{S}.c{capacity}``: greedy acceptance of each lane's proposal against the bigram logits."""
+
+    def forward(self, buffers: dict[str, torch.Tensor]):
+        embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
+        tokens, _, _, draft_lengths = verify_rows(buffers)  # [capacity, P]
+        hidden = embedding[tokens.reshape(-1).clamp(0, embedding.shape[0] - 1)]  # [capacity * P, hidden]
+        logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [capacity * P, vocab_padded]
+        greedy = logits[:, :self.vocab_size].argmax(dim=1)  # the decode graphs' rule: first maximum
+        accepted, counts = accept_draft(greedy, buffers["draft_token_ids"], draft_lengths)
+        return (commit_speculative_round(buffers, logits, accepted, counts, vocab_size=self.vocab_size, k=self.k),)
+
+
+class ToyMixed(ToyGraph):
+    """``mixed.t{C}.c{capacity}``: the prompt role (lane ``mixed_prompt_lane``, the chunk inputs) and the decode role
+    (every other lane) commit into private frames; the merge copies the active frame of each lane's role."""
+
+    def forward(self, buffers: dict[str, torch.Tensor]):
+        in_prompt = prompt_lanes(buffers)  # bool [capacity]
+        chunk, start, length = buffers["chunk_input_ids"], buffers["chunk_start"], buffers["chunk_length"]
+        last_token = chunk.index_select(0, (length - 1).clamp(0, chunk.shape[0] - 1))  # [1]
+        capacity = in_prompt.shape[0]
+        (prompt,) = self.commit(role_buffers(buffers, "prompt", in_prompt), last_token.expand(capacity),
+                                Operation.MIXED, (start + length).expand(capacity),
+                                emits=(buffers["chunk_emits"] != 0).expand(capacity),
+                                idle_round_kind=prompt_round_kind(start).expand(capacity))
+        (decode,) = self.commit(role_buffers(buffers, "decode", ~in_prompt), buffers["input_ids"], Operation.MIXED,
+                                buffers["positions"] + 1)
+        merge_role_frames(buffers, in_prompt)
+        return (torch.where(in_prompt, prompt, decode),)
 
 
 def load_weights(options: ExportOptions) -> dict[str, torch.Tensor]:
@@ -148,6 +182,19 @@ def build(options: ExportOptions) -> RecipeBuild:
         for capacity in scored_capacities(options.chunk_limit):
             graphs.append(prefill_graph(weights, capacity, token_capacity, options.outputs, ToyScoredPrefill(VOCAB_SIZE, k),
                                         scored=True))
+    for draft_tokens in options.speculative_tokens:
+        for capacity in options.capacities:
+            identity, lanes, lane_bindings, outputs, output_bindings, layout, returns = verify_family(
+                draft_tokens, capacity, token_capacity, options.outputs)
+            variant = Variant(**identity, arguments=weight_arguments(weights) + lanes + outputs, returns=returns,
+                              bindings=lane_bindings | output_bindings, layout=layout)
+            graphs.append(GraphBuild(variant, ToyVerify(VOCAB_SIZE, k)))
+    for capacity in mixed_capacities(options):
+        identity, inputs, bindings, outputs, output_bindings, layout = mixed_family(
+            options.chunk_limit, capacity, token_capacity, options.outputs)
+        variant = Variant(**identity, arguments=weight_arguments(weights) + inputs + outputs,
+                          returns=next_tokens_return(capacity), bindings=bindings | output_bindings, layout=layout)
+        graphs.append(GraphBuild(variant, ToyMixed(VOCAB_SIZE, k)))
     return RecipeBuild(
         recipe="toy",
         model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},

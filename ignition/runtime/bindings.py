@@ -7,7 +7,7 @@ flags, and a nonzero count requires that lane's flag: both are checked before up
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ class Lane:
     state: object  # RequestState
     chunk: ChunkPlan | None = None
     retire: bool = False  # a cancelled request's lane: no budget left, so the commit writes a MAINTENANCE record
+    draft: list[int] = field(default_factory=list)  # a verify round's proposed tokens after the lane's input token
 
 
 def _seed(state) -> int:
@@ -69,8 +70,10 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
         target = b[name]
         if source is S.FRAME_INDEX:
             target.fill_(frame)
+        elif source is S.MIXED_PROMPT_LANE:  # a mixed round: the lane that carries the prompt chunk
+            target.fill_(next((index for index, lane in enumerate(lanes) if lane.chunk is not None), -1))
         elif source in (S.CHUNK_START, S.CHUNK_LENGTH, S.CHUNK_EMITS) or (source is S.TOKEN_IDS and name == "chunk_input_ids"):
-            plan = lanes[0].chunk
+            plan = next(lane.chunk for lane in lanes if lane.chunk is not None)
             value = {S.CHUNK_START: plan.start, S.CHUNK_LENGTH: len(plan.tokens), S.CHUNK_EMITS: int(plan.emits)}.get(source)
             if value is None:
                 target.zero_()
@@ -81,6 +84,13 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
             targets = lanes[0].chunk.targets
             target.fill_(-1)
             target[:len(targets)] = torch.tensor(targets, dtype=target.dtype)
+        elif source is S.DRAFT_TOKEN_IDS:  # [lanes, S]: each lane's proposal, -1 after it (and in unused lanes)
+            target.fill_(-1)
+            for index, lane in enumerate(lanes):
+                if len(lane.draft) > target.shape[1]:
+                    raise RuntimeError(f"lane {index} proposes {len(lane.draft)} tokens; {variant.name} takes "
+                                       f"{target.shape[1]}")
+                target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
         else:

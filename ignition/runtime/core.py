@@ -133,6 +133,22 @@ class LoadedCore:
     def by_operation(self, operation: Operation) -> list[LoadedVariant]:
         return sorted((v for v in self.variants.values() if v.operation is operation), key=lambda v: v.capacity)
 
+    def replica(self) -> "LoadedCore":
+        """A second instance of this core for another engine (a draft core that is the target itself): the
+        weights and programs are shared, the state (KV caches) and every owned buffer are its own."""
+        if self.capture is not None:
+            raise ValueError(f"core {self.path}: a CUDA-graph-captured core has no replica; load it again")
+        state = {name: torch.zeros_like(tensor) for name, tensor in self.state.items()}
+        variants = {}
+        for name, variant in self.variants.items():
+            buffers = {a.name: self.weights[a.name] if a.role is Role.WEIGHT else state[a.name] if a.role is Role.STATE
+                       else torch.zeros_like(variant.buffers[a.name]) for a in variant.arguments}
+            variants[name] = LoadedVariant(variant.name, variant.operation, variant.capacity, variant.arguments,
+                                           variant.bindings, variant.layout, variant.run, buffers)
+        return LoadedCore(path=self.path, manifest=self.manifest, weights=self.weights, state=state, variants=variants,
+                          tokenizer=self.tokenizer, device=self.device, transfer=self.transfer,
+                          reduction=self.reduction, capture=None)
+
     def memory_report(self) -> dict[str, int]:
         """Physical bytes of weights, state (KV), completion frames and other owned buffers."""
         frames = sum(v.buffers[a.name].numel() * v.buffers[a.name].element_size()

@@ -61,17 +61,24 @@ class Result:
 class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
-    def __init__(self, core: LoadedCore, batch_invariant: bool = False):
+    def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
+                 mixed: bool = True):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
-        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md)."""
+        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
+        ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
+        core's ``verify.s{S}`` variants (the smallest S >= draft_tokens); see ``_drafts``. ``mixed``: use the
+        core's ``mixed`` variants when the rule of ``_mixed_round`` allows (False: always serial rounds)."""
         self.core = core
         self.batch_invariant = batch_invariant
+        self.drafter, self.draft_tokens = drafter, draft_tokens
+        self.verify_variants = select_verify_variants(core, draft_tokens) if drafter is not None else []
         self.decode_variants = core.by_operation(Operation.DECODE)
         prefill = core.by_operation(Operation.PREFILL)
         if not self.decode_variants or not prefill:
             raise ValueError(f"core {core.path} needs PREFILL and DECODE variants to generate")
         self.prefill = prefill[-1]
         self.scored = core.by_operation(Operation.SCORED_PREFILL)
+        self.mixed_variants = core.by_operation(Operation.MIXED) if mixed else []
         self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
         model = core.manifest["model"]
         self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
@@ -87,6 +94,7 @@ class Engine:
                         if v.layout.get("records")}
         self._ids = itertools.count()
         self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
+        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0}
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
@@ -106,6 +114,8 @@ class Engine:
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
         state.finish_reason, state.error = reason, error
+        if self.drafter is not None:
+            self.drafter.release(state.request_id)
         self.running.remove(state)
         self.free_slots.append(state.slot)
         self.finished[state.request_id] = state
@@ -124,25 +134,49 @@ class Engine:
         """Run one submission; False when nothing is left to do."""
         self._assign_slots()
         prefilling = [s for s in self.running if s.prefilled < len(s.context())]
+        decoding = [s for s in self.running if not s.done and not self._backlogged(s) and s not in prefilling]
+        if prefilling and self._mixed_round(prefilling[0], decoding):
+            return True
         if prefilling:
             self._prefill_chunk(prefilling[0])
             return True
-        decoding = [s for s in self.running if not s.done and not self._backlogged(s)]
         if not decoding:  # no round to ride along with: nothing is in flight, free cancelled lanes' slots directly
             freed = bool(self.retiring)
             self._release_retiring(list(self.retiring))
             return freed and bool(self.waiting)
-        largest = self.decode_variants[-1].capacity
+        drafts = self._drafts(decoding)
+        variants = self.verify_variants if any(drafts) else self.decode_variants
+        largest = variants[-1].capacity
         retiring = list(self.retiring)
         for start in range(0, len(decoding), largest):
-            lanes = [Lane(state=s) for s in decoding[start:start + largest]]
+            batch = zip(decoding[start:start + largest], drafts[start:start + largest])
+            lanes = [Lane(state=s, draft=d) for s, d in batch]
             riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
             lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
-            variant = self.decode_variants[-1] if self.batch_invariant else \
-                next(v for v in self.decode_variants if v.capacity >= len(lanes))
+            variant = variants[-1] if self.batch_invariant else next(v for v in variants if v.capacity >= len(lanes))
             self._submit(variant, lanes)
         self._release_retiring(retiring)  # no room in this round
         return True
+
+    def _drafts(self, decoding: list[RequestState]) -> list[list[int]]:
+        """Each decoding request's proposal (empty without a drafter).
+
+        The rule: a round is a speculative ``verify`` round when at least one lane has a proposal, else an
+        ordinary decode round. A proposal never reaches past the request's token budget or a forced token
+        (a forced token is emitted alone at position 0 of its own round), so every drafted position can be
+        emitted; a lane without a proposal emits exactly what a decode round would.
+        """
+        if self.drafter is None:
+            return [[] for _ in decoding]
+        asks = []
+        for state in decoding:
+            generated = len(state.generated)
+            limit = min(self.draft_tokens, state.request.max_tokens - generated - 1)
+            forced = [index - generated for index in state.request.forced_tokens if index >= generated]
+            if forced:
+                limit = min(limit, min(forced) - 1)
+            asks.append((state.request_id, state.request.prompt_ids + state.generated, max(limit, 0)))
+        return self.drafter.propose(asks)
 
     def run(self) -> dict[str, Result]:
         while self.step():
@@ -189,28 +223,57 @@ class Engine:
         state = next((s for s in self.running if s.request_id == request_id), None)
         if state is not None:  # the lane rides the next decode round as a records-only MAINTENANCE lane
             state.finish_reason = "abort"
+            if self.drafter is not None:
+                self.drafter.release(request_id)
             self.running.remove(state)
             self.finished[request_id] = state
             self.retiring.append(state)
 
+    def _mixed_round(self, prompting: RequestState, decoding: list[RequestState]) -> bool:
+        """The rule: a round is mixed when the core has a mixed variant with room for every decoding request plus
+        the next prompt chunk's lane, there is at least one decoding request, the prompt request does not score
+        its prompt (scored requests never enter the prompt role), the engine has no drafter (speculative engines
+        schedule prompt chunks serially) and no cancelled lane waits for a round. The chunk and one decode round
+        then run in one submission; otherwise the prompt chunk runs alone (serial) and decode waits."""
+        if not self.mixed_variants or not decoding or prompting.scoring() or self.retiring or self.drafter:
+            return False
+        fitting = [v for v in self.mixed_variants if v.capacity >= len(decoding) + 1]
+        if not fitting:
+            return False
+        variant = self.mixed_variants[-1] if self.batch_invariant else fitting[0]
+        lane, finish = self._chunk_lane(prompting, self.chunk)
+        self._submit(variant, [Lane(state=s) for s in decoding] + [lane])
+        finish()
+        self.stats["mixed_rounds"] += 1
+        return True
+
     def _prefill_chunk(self, state: RequestState) -> None:
-        context, prompt = state.context(), state.request.prompt_ids
-        start = state.prefilled
         variant, chunk = self.prefill, self.chunk
         if state.scoring():  # prompt-logprob requests always take scored prefill, never the ordinary one
-            variant = next((v for v in self.scored if v.capacity >= len(context) - start), self.scored[-1])
+            variant = next((v for v in self.scored if v.capacity >= len(state.context()) - state.prefilled),
+                           self.scored[-1])
             chunk = variant.capacity
+        lane, finish = self._chunk_lane(state, chunk, scored=variant.operation is Operation.SCORED_PREFILL)
+        self._submit(variant, [lane])
+        finish()
+
+    def _chunk_lane(self, state: RequestState, chunk: int, scored: bool = False):
+        """The lane of ``state``'s next prompt chunk (at most ``chunk`` rows), and what to do once it was decoded."""
+        context, prompt = state.context(), state.request.prompt_ids
+        start = state.prefilled
         length = min(chunk, len(context) - start)
         last = start + length == len(context)
         emits = last and not state.generated and state.request.max_tokens > 0
         targets = None
-        if variant.operation is Operation.SCORED_PREFILL:
+        if scored:
             targets = [prompt[p] if p < len(prompt) else -1 for p in range(start + 1, start + length + 1)]
         lane = Lane(state=state, chunk=ChunkPlan(start, context[start:start + length], emits, targets))
-        self._submit(variant, [lane])
-        state.prefilled = start + length
-        if last and not emits and not state.generated and not state.done:
-            self._finish(state, "length")
+
+        def finish():
+            state.prefilled = max(state.prefilled, start + length)
+            if last and not emits and not state.generated and not state.done:
+                self._finish(state, "length")
+        return lane, finish
 
     def _publish_prompt_rows(self, reader: FrameReader, lane: Lane) -> None:
         """Decode this chunk's prompt rows (already read back) in order; published positions are skipped."""
@@ -252,10 +315,13 @@ class Engine:
             except ValueError as exc:
                 self._finish(lanes[0].state, "error", str(exc))
                 return
+        speculative = variant.operation is Operation.SPECULATIVE_VERIFY
+        self.stats["verify_rounds"] += speculative
         for index, lane in enumerate(lanes):
-            self._decode_lane(reader, pending, index, lane)
+            self._decode_lane(reader, pending, index, lane, speculative)
 
-    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane) -> None:
+    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane,
+                     speculative: bool = False) -> None:
         state, request = lane.state, lane.state.request
         record = reader.record(index)
         if lane.retire:  # a cancelled request's lane: records only; its slot is free once the record is read
@@ -264,13 +330,16 @@ class Engine:
         # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
         # check asserts the same facts and fails only this request if a record is stale or foreign.
         records_only = lane.chunk is not None and not lane.chunk.emits  # ADMISSION or PROMPT: nothing emitted
-        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else (RoundKind.SAMPLING,)
+        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else \
+            (RoundKind.SPECULATIVE,) if speculative else (RoundKind.SAMPLING,)
         if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind not in expected:
             self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
                                          f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
             return
         if records_only:
             return  # positions come from record emission (none here), never from payload contents
+        self.stats["proposed"] += len(lane.draft)
+        self.stats["accepted"] += min(len(lane.draft), max(len(record.emitted) - 1, 0))
         for position, token in enumerate(record.emitted):
             if record.forced[position]:
                 entry = TokenEntry(token, None, forced=True)
@@ -299,4 +368,16 @@ class Engine:
             self._finish(state, "length")
 
 
-__all__ = ["Engine", "Result"]
+def select_verify_variants(core: LoadedCore, draft_tokens: int) -> list[LoadedVariant]:
+    """The ``verify.s{S}`` family with the smallest S >= ``draft_tokens``, by capacity; ValueError if none."""
+    families: dict[int, list[LoadedVariant]] = {}
+    for variant in core.by_operation(Operation.SPECULATIVE_VERIFY):
+        families.setdefault(variant.layout["speculative"]["draft_tokens"], []).append(variant)
+    fitting = sorted(s for s in families if s >= draft_tokens)
+    if draft_tokens < 1 or not fitting:
+        raise ValueError(f"core {core.path} has no verify variants for {draft_tokens} draft tokens "
+                         f"(it has S = {sorted(families) or 'none'}); export it with --speculative-tokens {draft_tokens}")
+    return families[fitting[0]]
+
+
+__all__ = ["Engine", "Result", "select_verify_variants"]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ignition.catalog.contract import SCRATCH_POINTERS, TILE_SORT_KEYS
-from ignition.catalog.model import lane_count
+from ignition.catalog.model import reduction_rows
 
 
 class LauncherError(RuntimeError):
@@ -46,9 +46,9 @@ def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list
         layout = entry["contract"]["layout"].get("logprobs")
         if layout is None:
             continue
-        shape = ReductionShape(lane_count(entry["operation"], entry["capacity"]), manifest["vocab_padded"],
-                               manifest["vocab_size"], layout["k"], bool(layout["explicit_ids"]),
-                               manifest["model"]["dtype"])
+        rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
+        shape = ReductionShape(rows, manifest["vocab_padded"], manifest["vocab_size"], layout["k"],
+                               bool(layout["explicit_ids"]), manifest["model"]["dtype"])
         launches = list(entry.get("launches") or [])
         if not launches:
             raise LauncherError(f"variant {entry['name']} reduces logprobs but lists no prepared launches; "

@@ -69,8 +69,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_capacity: int,
-             batch_invariant: bool) -> ServerContext:
-    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant), queue_capacity=queue_capacity)
+             batch_invariant: bool, engine_options: dict | None = None) -> ServerContext:
+    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant, **(engine_options or {})),
+                         queue_capacity=queue_capacity)
     context = engine.engine.max_context
     if config.max_model_len is not None:
         if context is not None and config.max_model_len > context:
@@ -93,12 +94,14 @@ def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_cap
 
 
 def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
-               batch_invariant: bool = False, config: ServeConfig | None = None) -> FastAPI:
-    """The app serving one core; its engine thread runs while the app's lifespan does."""
+               batch_invariant: bool = False, config: ServeConfig | None = None,
+               engine_options: dict | None = None) -> FastAPI:
+    """The app serving one core; its engine thread runs while the app's lifespan does.
+    ``engine_options``: extra Engine arguments (speculative decoding: ``drafters.engine_options``)."""
     loaded = core if isinstance(core, LoadedCore) else load_core(core)
     config = config or ServeConfig()
     ctx = _context(loaded, model_name or str(loaded.path if isinstance(core, LoadedCore) else core), config,
-                   queue_capacity, batch_invariant)
+                   queue_capacity, batch_invariant, engine_options)
     engine = ctx.engine
 
     @contextlib.asynccontextmanager
@@ -203,11 +206,12 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, device: str = "auto", eager: bool = False,
           batch_invariant: bool = False, config: ServeConfig | None = None, sock: socket.socket | None = None,
-          on_ready: Callable[[], None] | None = None) -> None:
+          on_ready: Callable[[], None] | None = None, engine_options: dict | None = None) -> None:
     """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn.
 
     ``sock``: a socket already bound to host:port (the CLI binds before loading, so a busy port fails
-    at once); ``on_ready`` is called once the server accepts connections."""
+    at once); ``on_ready`` is called once the server accepts connections; ``engine_options`` as for
+    ``create_app``."""
     import uvicorn
 
     class ReadyServer(uvicorn.Server):
@@ -218,7 +222,7 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
 
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
     app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
-                     config=config)
+                     config=config, engine_options=engine_options)
     logger = logging.getLogger("ignition.serve")
     if not logger.handlers:  # request lines and error ids, beside uvicorn's access log
         handler = logging.StreamHandler()

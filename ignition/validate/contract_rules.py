@@ -38,7 +38,7 @@ def check_core_geometry(manifest: dict) -> list[Violation]:
     return found
 
 
-def _check_buffer(variant: dict, decl: dict, t: int, width: int | None) -> list[Violation]:
+def _check_buffer(variant: dict, decl: dict, t: int, width: int | None, draft_tokens: int | None = None) -> list[Violation]:
     spec = BUFFERS[decl["name"]]
     where = f"variant {variant['name']}: buffer {decl['name']}"
     found = []
@@ -50,6 +50,8 @@ def _check_buffer(variant: dict, decl: dict, t: int, width: int | None) -> list[
     geometry = {"capacity": lanes, "T": t, "C": variant["capacity"]}
     if width is not None:
         geometry["PACKED_WIDTH"] = width
+    if draft_tokens is not None:
+        geometry["S"] = draft_tokens
     expected = resolve_shape(spec, **geometry)
     found_shape = decl["shape"]
     if found_shape != expected:
@@ -97,6 +99,80 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
                                    f"expected {spec.source.name} ({int(spec.source)}), found {bindings[arg_name]}"))
     found += _check_logprob_bundle(variant, args, bindings, manifest)
     found += _check_prompt_buffers(variant, args, operation)
+    found += _check_speculative(variant, args, operation, manifest)
+    found += _check_mixed(variant, args, operation)
+    return found
+
+
+def _check_mixed(variant, args, operation) -> list[Violation]:
+    """MIXED variants: the prompt lane input, both roles' private frames (shared shapes), the merge, no scoring."""
+    where = f"variant {variant['name']}"
+    mixed = operation is Operation.MIXED
+    layout = variant["contract"]["layout"].get("mixed")
+    found = []
+    declared = [spec.name for spec in B.MIXED_BUFFERS if spec.name in args]
+    if not mixed:
+        if declared:
+            found.append(Violation("MIXED-ROLES", where, f"declares {', '.join(declared)} in a "
+                                   f"{operation.name if operation else '?'} variant; only MIXED variants have roles"))
+        if layout is not None:
+            found.append(Violation("MIXED-MERGE", f"{where}: layout.mixed", "present in a variant that is not MIXED"))
+        return found
+    shared = [(B.RECORDS, 0)] + ([(B.LOGPROBS, 1)] if B.LOGPROBS in args else [])
+    wanted = {B.PROMPT_LANE: args.get(B.PROMPT_LANE) and {"dtype": "int64", "shape": [1], "role": "input"}}
+    for records_and_logprobs in B.ROLE_FRAMES.values():
+        for name, index in shared:
+            source = args.get(name)
+            wanted[records_and_logprobs[index]] = source and {"dtype": source["dtype"], "shape": source["shape"],
+                                                              "role": "output"}
+    for name, expected in wanted.items():
+        decl = args.get(name)
+        if decl is None or not expected or {key: decl[key] for key in ("dtype", "shape", "role")} != expected:
+            found.append(Violation("MIXED-ROLES", f"{where}: {name}", f"expected {expected or 'a declaration'}, "
+                                   f"found {decl and {key: decl[key] for key in ('dtype', 'shape', 'role')}}"))
+    expected_layout = {"prompt_lane": B.PROMPT_LANE, "merge": "active_frame",
+                       "roles": {role: {"records": records, "logprobs": logprobs if B.LOGPROBS in args else None}
+                                 for role, (records, logprobs) in B.ROLE_FRAMES.items()}}
+    if layout != expected_layout:
+        found.append(Violation("MIXED-MERGE", f"{where}: layout.mixed", f"expected {expected_layout}, found {layout}"))
+    scored = [spec.name for spec in B.PROMPT_BUFFERS if spec.name in args]
+    if scored:
+        found.append(Violation("MIXED-SCORED", where, f"declares {', '.join(scored)}: scored requests never enter the "
+                               "prompt role of a mixed graph"))
+    return found
+
+
+def _check_speculative(variant, args, operation, manifest) -> list[Violation]:
+    """SPECULATIVE_VERIFY variants: layout.speculative, the draft input [capacity, S], S+1 <= T."""
+    where = f"variant {variant['name']}"
+    layout = variant["contract"]["layout"].get("speculative")
+    verify = operation is Operation.SPECULATIVE_VERIFY
+    found = []
+    if B.DRAFT_TOKENS in args and not verify:
+        found.append(Violation("SPEC-DRAFTS", where, f"declares {B.DRAFT_TOKENS} in a "
+                               f"{operation.name if operation else '?'} variant; only SPECULATIVE_VERIFY variants take drafts"))
+    if (layout is not None) != verify:
+        found.append(Violation("SPEC-LAYOUT", f"{where}: layout.speculative",
+                               "must be present exactly in SPECULATIVE_VERIFY variants"))
+    if not verify or layout is None:
+        return found
+    draft_tokens, t = layout["draft_tokens"], manifest_token_capacity(manifest)
+    expected = {"positions": draft_tokens + 1, "drafts": B.DRAFT_TOKENS}
+    for key, value in expected.items():
+        if layout.get(key) != value:
+            found.append(Violation("SPEC-LAYOUT", f"{where}: layout.speculative.{key}", f"expected {value!r}, found {layout.get(key)!r}"))
+    if draft_tokens + 1 > t:
+        found.append(Violation("SPEC-T", f"{where}: layout.speculative.draft_tokens", f"a verify round emits up to "
+                               f"S+1 = {draft_tokens + 1} positions; the core's T is {t}"))
+    if B.DRAFT_TOKENS not in args:
+        found.append(Violation("SPEC-DRAFTS", where, f"SPECULATIVE_VERIFY variant without {B.DRAFT_TOKENS}"))
+    else:
+        found += [Violation("SPEC-DRAFTS", v.where, v.message) for v in
+                  _check_buffer(variant, args[B.DRAFT_TOKENS], t, None, draft_tokens)]
+    returns = [(r["name"], r["dtype"], r["shape"]) for r in variant["returns"]]
+    if returns != [("next_tokens", "int64", [variant["capacity"], draft_tokens + 1])]:
+        found.append(Violation("SPEC-RETURNS", f"{where}: returns", f"expected next_tokens int64 "
+                               f"[{variant['capacity']}, {draft_tokens + 1}], found {returns}"))
     return found
 
 

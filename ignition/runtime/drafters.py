@@ -1,0 +1,232 @@
+"""Drafters for speculative decoding: who proposes the S tokens a ``verify.s{S}`` round checks.
+
+Both drafters propose deterministically (the n-gram continuation; the draft core's greedy tokens),
+so the target's rejection rule needs no draft probabilities (components/speculative.py), and no
+draft probability ever reaches reporting. ``parse_speculative`` reads the CLI/server option.
+
+* ``NgramDrafter`` (prompt lookup): the longest suffix of the request's tokens (``max_ngram``
+  down to ``min_ngram`` tokens) that occurred earlier; the tokens after its latest earlier
+  occurrence are the proposal.
+* ``DraftCoreDrafter``: another core with the same tokenizer, exported by the same recipes,
+  proposes with its own prefill and decode variants, greedily, in its own KV slots. Cache cells a
+  previous proposal wrote stay valid as long as the request's tokens agree with them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ignition.catalog.enums import Operation, RoundKind
+from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
+from ignition.runtime.frames import FrameReader, PendingFrame
+from ignition.runtime.requests import Request, SamplingParams
+
+
+class SpeculativeError(ValueError):
+    """A --speculative option or draft core that cannot be used; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What ``--speculative`` asked for: a drafter kind, its draft core (``draft`` only) and S."""
+
+    kind: str  # "ngram" | "draft"
+    draft_tokens: int
+    draft_core: Path | None = None
+
+
+def parse_speculative(text: str) -> Speculation:
+    """``ngram:S`` or ``draft:CORE:S`` (CORE may itself contain ':')."""
+    kind, _, rest = text.partition(":")
+    core, _, count = rest.rpartition(":")
+    usage = f"--speculative {text!r}: expected ngram:S or draft:CORE:S with S a positive integer"
+    if kind not in ("ngram", "draft") or not count.isdigit() or int(count) < 1:
+        raise SpeculativeError(usage)
+    if (kind == "ngram") != (core == ""):
+        raise SpeculativeError(usage)
+    return Speculation(kind, int(count), Path(core) if core else None)
+
+
+def engine_options(speculation: Speculation | None, target_core, load_draft) -> dict:
+    """Engine keyword arguments for ``speculation`` (``{}`` for none): the drafter and S.
+
+    ``load_draft(path)`` loads a draft core (the caller's device and trust options). The target core must
+    have verify variants for S (checked here, so a bad option fails before any request runs).
+    """
+    if speculation is None:
+        return {}
+    from ignition.runtime.engine import select_verify_variants
+
+    try:
+        select_verify_variants(target_core, speculation.draft_tokens)
+    except ValueError as exc:
+        raise SpeculativeError(str(exc)) from None
+    if speculation.kind == "ngram":
+        drafter = NgramDrafter()
+    elif speculation.draft_core.resolve() == Path(target_core.path).resolve() and target_core.capture is None:
+        drafter = DraftCoreDrafter(target_core.replica(), target_core)  # the target drafts for itself: no reload
+    else:
+        drafter = DraftCoreDrafter(load_draft(speculation.draft_core), target_core)
+    return {"drafter": drafter, "draft_tokens": speculation.draft_tokens}
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the tokens' longest recurring suffix."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """For each ``(request_id, tokens, limit)``: up to ``limit`` proposed tokens (maybe none)."""
+        return [self.lookup(tokens, limit) for _, tokens, limit in requests]
+
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
+        if limit < 1:
+            return []
+        ids = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
+            suffix = ids[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # starts 0 .. len-1-n
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest earlier occurrence
+                return [int(t) for t in ids[start:start + limit]]
+        return []
+
+    def release(self, request_id: str) -> None:
+        """Nothing is held per request."""
+
+
+@dataclass(slots=True)
+class _DraftState:
+    """Duck-typed like the engine's RequestState for ``fill_inputs``: one request's lane in the draft core."""
+
+    request: Request
+    request_id: str
+    slot: int
+    epoch: int
+    generated: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # tokens whose cache cells the draft core holds, in order
+
+
+class DraftCoreDrafter:
+    """Greedy proposals from a second, smaller core of the same tokenizer (its own slots and KV state)."""
+
+    def __init__(self, draft_core, target_core):
+        check_draft_core(draft_core, target_core)
+        self.core = draft_core
+        self.decode_variants = draft_core.by_operation(Operation.DECODE)
+        self.prefill = draft_core.by_operation(Operation.PREFILL)[-1]
+        self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
+        model = draft_core.manifest["model"]
+        self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
+        self.max_context = model.get("max_seq_len")
+        self.free_slots = list(range(self.num_slots))
+        self.epochs = [0] * self.num_slots
+        self.states: dict[str, _DraftState] = {}
+        self.readers = {v.name: FrameReader(v.buffers, draft_core.transfer) for v in draft_core.variants.values()
+                        if v.layout.get("records")}
+
+    def release(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            self.free_slots.append(state.slot)
+
+    def _state(self, request_id: str) -> _DraftState | None:
+        state = self.states.get(request_id)
+        if state is None and self.free_slots:  # no free draft slot: this request is not drafted this round
+            slot = self.free_slots.pop(0)
+            self.epochs[slot] += 1
+            state = _DraftState(Request([0]), request_id, slot, self.epochs[slot])
+            self.states[request_id] = state
+        return state
+
+    def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """Greedy continuations: each request's missing context is prefilled (its last chunk emits the
+        first proposal), then decode rounds over all drafted requests extend every proposal to its limit."""
+        proposals: list[list[int]] = [[] for _ in requests]
+        drafting: list[tuple[int, _DraftState, int]] = []
+        for index, (request_id, tokens, limit) in enumerate(requests):
+            if self.max_context is not None:
+                limit = min(limit, self.max_context - len(tokens))
+            state = self._state(request_id) if limit > 0 else None
+            if state is None:
+                continue
+            state.request = Request(list(tokens), max_tokens=limit, sampling=SamplingParams(), ignore_eos=True)
+            state.generated = []
+            valid = _common_prefix(state.cached, tokens[:-1])
+            if len(tokens) - valid > 1:  # more than the last token is missing: prefill chunks
+                self._prefill(state, tokens, valid)
+            else:
+                state.cached = state.cached[:valid]
+            drafting.append((index, state, limit))
+        while True:
+            lanes = [Lane(state=s) for _, s, limit in drafting if len(s.generated) < limit]
+            if not lanes:
+                break
+            largest = self.decode_variants[-1].capacity
+            for start in range(0, len(lanes), largest):
+                batch = lanes[start:start + largest]
+                variant = next(v for v in self.decode_variants if v.capacity >= len(batch))
+                for lane in batch:  # the decode consumes the last known token at its position
+                    lane.state.cached.append(_last_token(lane.state))
+                self._run(variant, batch)
+        for index, state, _ in drafting:
+            proposals[index] = list(state.generated)
+        return proposals
+
+    def _prefill(self, state: _DraftState, tokens: list[int], valid: int) -> None:
+        start = valid
+        while start < len(tokens):
+            length = min(self.chunk, len(tokens) - start)
+            last = start + length == len(tokens)
+            self._run(self.prefill, [Lane(state=state, chunk=ChunkPlan(start, tokens[start:start + length], last))])
+            start += length
+        state.cached = list(tokens)
+
+    def _run(self, variant, lanes: list[Lane]) -> None:
+        frame = variant.next_frame
+        variant.next_frame ^= 1
+        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
+        variant.run(variant.buffers)
+        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
+        reader = self.readers[variant.name]
+        reader.read(variant.buffers, PendingFrame(frame, owners, request_mask, pairs))
+        for index, lane in enumerate(lanes):
+            record = reader.record(index)
+            emits = lane.chunk is None or lane.chunk.emits
+            expected = (RoundKind.SAMPLING,) if emits else (RoundKind.ADMISSION, RoundKind.PROMPT)
+            if (record.slot, record.epoch) != (lane.state.slot, lane.state.epoch) or record.round_kind not in expected:
+                raise SpeculativeError(f"draft core record of lane {index} belongs to slot {record.slot} epoch "
+                                       f"{record.epoch} ({record.round_kind.name}); expected slot {lane.state.slot} "
+                                       f"epoch {lane.state.epoch}")
+            lane.state.generated += record.emitted
+
+
+def _last_token(state: _DraftState) -> int:
+    return state.generated[-1] if state.generated else state.request.prompt_ids[-1]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def check_draft_core(draft_core, target_core) -> None:
+    """A draft core must share the target's vocabulary and tokenizer and have the variants it proposes with."""
+    draft, target = draft_core.manifest, target_core.manifest
+    if draft["vocab_size"] != target["vocab_size"]:
+        raise SpeculativeError(f"draft core {draft_core.path}: vocab_size {draft['vocab_size']} differs from the "
+                               f"target's {target['vocab_size']}; a draft core needs the target's tokenizer")
+    tokenizer = "tokenizer/tokenizer.json"
+    if draft["files"].get(tokenizer) != target["files"].get(tokenizer):
+        raise SpeculativeError(f"draft core {draft_core.path}: its tokenizer differs from the target's "
+                               f"({tokenizer} sha256 {draft['files'].get(tokenizer)} vs {target['files'].get(tokenizer)})")
+    if not draft_core.by_operation(Operation.DECODE) or not draft_core.by_operation(Operation.PREFILL):
+        raise SpeculativeError(f"draft core {draft_core.path}: needs PREFILL and DECODE variants to propose")

@@ -1,0 +1,137 @@
+"""Speculative decoding on a tiny Qwen3: greedy output with ngram or draft-core proposals equals greedy
+output without them (tokens, logprob ids and order), and every value matches transformers teacher-forced."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from ignition.exporter.export import export_core
+from ignition.recipes.base import ExportOptions
+from ignition.runtime.core import load_core
+from ignition.runtime.drafters import DraftCoreDrafter, NgramDrafter, SpeculativeError, parse_speculative
+from ignition.runtime.engine import Engine
+from ignition.runtime.requests import Request, SamplingParams
+
+VOCAB = 250  # the toy core's vocabulary: the toy bigram serves as the wild draft core
+CHUNK = 24  # the 40-token prompt spans two prefill chunks
+DRAFT_TOKENS = (1, 3, 5)
+TOL = 1e-5  # fp32 model: our logits differ from transformers' by ~1e-6
+
+
+def tiny_qwen3(directory, seed: int):
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:
+                parameter.copy_(torch.randn_like(parameter) / parameter.shape[1] ** 0.5)
+    model.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def cores(tmp_path_factory, toy_core):
+    """The target (verify.s5.c2, which also runs S = 1 and 3: shorter proposals; and mixed.t24.c2); a replica of
+    it as a draft core (its proposals are the target's greedy tokens, so they are accepted); the toy bigram as
+    a wild draft core (it disagrees)."""
+    root = tmp_path_factory.mktemp("speculative")
+    tiny_qwen3(root / "target", seed=0)
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "target", capacities=(2,), chunk_limit=CHUNK,
+                              max_seq_len=128, speculative_tokens=(max(DRAFT_TOKENS),), mixed=True), root / "core")
+    hf = Qwen3ForCausalLM.from_pretrained(root / "target", attn_implementation="eager").eval()
+    core = load_core(root / "core")
+    return hf, core, core.replica(), load_core(toy_core)
+
+
+PROMPTS = ([(5 * i + 1) % VOCAB for i in range(30)],  # two chunks
+           [7, 8, 9, 10, 7, 8, 9, 10, 7, 8])  # repetitive: prompt lookup proposes
+
+
+def generate(core, drafter=None, draft_tokens=0, **request):
+    engine = Engine(core, drafter=drafter, draft_tokens=draft_tokens, mixed=False)  # serial prompt chunks
+    results = engine.generate([Request(p, **{"max_tokens": 10, "logprobs": 5, "ignore_eos": True} | request)
+                               for p in PROMPTS])
+    return results, engine
+
+
+def summary(results):
+    return [(r.token_ids, [[i for i, _ in e.top] for e in r.entries], r.finish_reason, r.error) for r in results]
+
+
+def hf_rows(hf, tokens):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].double(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def plain(cores):
+    return generate(cores[1])[0]
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft"])
+def test_greedy_speculation_equals_plain_decoding_and_transformers(cores, plain, kind):
+    hf, core, draft, _ = cores
+    for draft_tokens in DRAFT_TOKENS:
+        drafter = NgramDrafter() if kind == "ngram" else DraftCoreDrafter(draft, core)
+        results, engine = generate(core, drafter, draft_tokens)
+        assert summary(results) == summary(plain), (kind, draft_tokens)
+        assert engine.stats["accepted"] > 0, "no proposal was ever accepted: the multi-position path is untested"
+        for prompt, result, reference in zip(PROMPTS, results, plain):
+            oracle = hf_rows(hf, prompt + result.token_ids)
+            for step, (entry, base) in enumerate(zip(result.entries, reference.entries)):
+                row = oracle[len(prompt) + step - 1]
+                assert entry.id == int(row.argmax())
+                assert abs(entry.logprob - row[entry.id].item()) < TOL
+                assert abs(entry.logprob - base.logprob) < TOL
+                torch.testing.assert_close(torch.tensor([v for _, v in entry.top], dtype=torch.float64),
+                                           row[[i for i, _ in entry.top]], atol=TOL, rtol=0)
+
+
+def test_wild_draft_core_reports_only_target_logprobs(cores, plain):
+    """A draft that disagrees almost always: outputs and every logprob equal the run without speculation."""
+    _, core, _, wild = cores
+    results, engine = generate(core, DraftCoreDrafter(wild, core), 5)
+    assert engine.stats["proposed"] > 0
+    assert summary(results) == summary(plain)
+    for result, reference in zip(results, plain):
+        for entry, base in zip(result.entries, reference.entries):
+            assert abs(entry.logprob - base.logprob) < TOL and [i for i, _ in entry.top] == [i for i, _ in base.top]
+
+
+def test_seeded_sampling_with_speculation_reproduces(cores):
+    _, core, _, _ = cores
+    sampling = SamplingParams(temperature=0.9, top_k=50, seed=1234)
+    first, engine = generate(core, NgramDrafter(), 3, sampling=sampling)
+    second, _ = generate(core, NgramDrafter(), 3, sampling=sampling)
+    assert engine.stats["proposed"] > 0
+    assert summary(first) == summary(second)
+    assert [[e.logprob for e in r.entries] for r in first] == [[e.logprob for e in r.entries] for r in second]
+
+
+def test_speculative_option_errors(cores):
+    _, core, draft, _ = cores
+    assert parse_speculative("ngram:4").draft_tokens == 4
+    assert parse_speculative("draft:/a:b/core:3").draft_core.as_posix() == "/a:b/core"
+    for bad in ("ngram", "ngram:0", "ngram:x", "draft:4", "medusa:2", "ngram:c:2"):
+        with pytest.raises(SpeculativeError, match="expected ngram:S or draft:CORE:S"):
+            parse_speculative(bad)
+    with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[5\\]"):
+        Engine(core, drafter=NgramDrafter(), draft_tokens=6)
+    assert Engine(core, drafter=NgramDrafter(), draft_tokens=3).verify_variants[0].name == "verify.s5.c2"
+
+
+def test_mixed_rounds_equal_serial_rounds(cores, plain):
+    """The 30-token prompt's two chunks ride in mixed rounds beside the other request's decode lane."""
+    _, core, _, _ = cores
+    mixed = Engine(core)
+    requests = [Request(p, max_tokens=10, logprobs=5, ignore_eos=True) for p in reversed(PROMPTS)]
+    results = list(reversed(mixed.generate(requests)))
+    assert mixed.stats["mixed_rounds"] >= 2
+    assert summary(results) == summary(plain)
+    for result, reference in zip(results, plain):
+        for entry, base in zip(result.entries, reference.entries):
+            assert abs(entry.logprob - base.logprob) < TOL
