@@ -24,8 +24,10 @@ demo: $(STAMP)
 	$(VENV)/bin/ignition inspect-core $(CORE) --memory
 	$(VENV)/bin/ignition run $(CORE) "Hello world" --max-tokens 8 --logprobs 3
 
+# Two workers, one file each at a time: most tests are single-threaded Python (tracing, export),
+# so two workers use both cores; each worker runs torch with one thread (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.reduction --quick

@@ -13,6 +13,17 @@ from ignition.catalog.hashing import dump_json, sha256_file
 from ignition.recipes.base import ExportOptions
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs two workers on two cores) each worker's torch gets one
+    thread, so the workers do not oversubscribe the cores; a plain ``pytest`` keeps torch's default."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` skip cleanly where torch sees no CUDA device."""
     import torch
