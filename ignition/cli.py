@@ -25,7 +25,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # messages carry paths: never hard-wrap them
 
 
 def version_text() -> str:
