@@ -30,3 +30,16 @@ def best_of(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def run_json(core: str, arguments: list[str]) -> dict:
+    """``ignition run CORE ARGUMENTS --json`` in a fresh process: its JSON object; exits with the output on failure."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "ignition.cli", "run", core, *arguments, "--json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

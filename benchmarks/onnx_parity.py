@@ -10,18 +10,13 @@ and relative to ``max(1, |v|)`` (the tolerance the tests use, docs/api.md "ONNX 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
+
+from benchmarks._common import run_json
 
 
 def run(core: str, prompt: str, tokens: int, runtime: str) -> dict:
-    command = [sys.executable, "-m", "ignition.cli", "run", core, prompt, "--max-tokens", str(tokens),
-               "--logprobs", "20", "--prompt-logprobs", "5", "--json", "--runtime", runtime]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(core, [prompt, "--max-tokens", str(tokens), "--logprobs", "20", "--prompt-logprobs", "5",
+                           "--runtime", runtime])
 
 
 def pairs(want: dict, got: dict):

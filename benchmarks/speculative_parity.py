@@ -11,18 +11,12 @@ differ by a few ulps, as with co-batching; see docs/api.md).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
+
+from benchmarks._common import run_json
 
 
 def run(core: str, prompt_ids: str, tokens: int, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "ignition.cli", "run", core, "--prompt-ids", prompt_ids, "--max-tokens",
-               str(tokens), "--logprobs", "5", "--json", *extra]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_json(core, ["--prompt-ids", prompt_ids, "--max-tokens", str(tokens), "--logprobs", "5", *extra])
 
 
 def main() -> None:
