@@ -48,16 +48,20 @@ def build_model(vocab_size: int, eos_token_id: int, dtype: torch.dtype, seed: in
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                          tie_word_embeddings=True, eos_token_id=eos_token_id, bos_token_id=eos_token_id)
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    return seeded(Qwen3ForCausalLM(config), seed).to(dtype)
+
+
+def seeded(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """``model`` with seeded weights that give O(1) logits (HF's 0.02-std init would be nearly uniform)."""
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # O(1) logits: HF's 0.02-std init would give a nearly uniform distribution
-        for name, parameter in model.named_parameters():
+    with torch.no_grad():
+        for parameter in model.parameters():
             noise = torch.randn(parameter.shape, generator=generator)
             if parameter.dim() == 1:
                 parameter.copy_(1.0 + 0.1 * noise)
             else:
                 parameter.copy_(noise / parameter.shape[1] ** 0.5)
-    return model.to(dtype)
+    return model
 
 
 def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
@@ -72,13 +76,13 @@ def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(make=make_checkpoint, description: str = __doc__) -> None:
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    path = make_checkpoint(args.out, getattr(torch, args.dtype), args.seed)
+    path = make(args.out, getattr(torch, args.dtype), args.seed)
     print(f"wrote {path}: {', '.join(sorted(p.name for p in path.iterdir()))}")
 
 

@@ -16,6 +16,21 @@ from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, TILE_SORT_KEY
 MAX_TENSOR_PARALLEL = 64
 """Largest rank count ``--tensor-parallel`` accepts."""
 
+ROW_REDUCTION_BLOCKS = 8
+"""Row-parallel layers (o_proj, down_proj) sum their input dimension as at most this many equal blocks, pairwise.
+
+Every core, single-rank included, computes ``x @ W.T`` as B products over equal slices of K (B the
+largest power of two <= 8 with K a multiple of B * ROW_BLOCK_ALIGN), added as a balanced pairwise
+tree with the bias in the first leaf. A rank of an N-way core holds B / N consecutive leaves, and
+the ranks' subtotals are all-gathered and added by the same tree: the same FP32 products in the
+same order at every N that divides B, so hidden states and logits are bit-identical to TP=1.
+FP32 models only: a BF16 or FP16 GEMM rounds its output, so those keep one GEMM per layer (per
+rank) and one all-reduce, as Megatron does, and match TP=1 to their own rounding."""
+
+ROW_BLOCK_ALIGN = 16
+"""Lanes a reduction block's width is a multiple of: GEMMs over narrower or odd slices may round differently
+with the weight's row stride (single-rank K versus a rank's K / N)."""
+
 RANKS_DIR = "ranks"
 """Rank r >= 1 stores its weights and graphs under ranks/{r}/; rank 0 uses the core's top-level files."""
 

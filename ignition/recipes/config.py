@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ignition.catalog.geometry import K_CACHE, V_CACHE, state_shape
+from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes import weights as weight_tables
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, family_of, read_field
 from ignition.recipes.moe import MoeConfig, check_routing
@@ -53,6 +54,7 @@ class ModelConfig:
     mlp_bias: bool = False
     dtype: torch.dtype = torch.float32
     moe: MoeConfig | None = None  # qwen3_moe: routed experts on moe.sparse_layers
+    row_blocks: int = ROW_REDUCTION_BLOCKS  # o/down reduction blocks this graph holds (a rank: its share)
     cache_names: ClassVar[tuple[str, ...]] = (K_CACHE, V_CACHE)
 
     def __post_init__(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from ignition.catalog.geometry import LATENT_CACHE, ROPE_KEY_CACHE
+from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.checkpoint import CheckpointError, read_field
 from ignition.recipes.config import CONFIG_DTYPES
@@ -63,6 +64,7 @@ class DeepseekV3Config:
     rope_interleave: bool = True
     tie_word_embeddings: bool = False
     dtype: torch.dtype = torch.float32
+    row_blocks: int = ROW_REDUCTION_BLOCKS  # o/down reduction blocks this graph holds (layers.row_linear)
     cache_names: ClassVar[tuple[str, ...]] = (LATENT_CACHE, ROPE_KEY_CACHE)
     mlp_bias: ClassVar[bool] = False
 

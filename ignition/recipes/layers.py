@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ignition.catalog.parallel import ROW_BLOCK_ALIGN
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale."""
@@ -24,11 +26,50 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` added as a balanced pairwise tree (neighbours first): one fixed order, independent of who adds."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def reduction_blocks(width: int, most: int) -> int:
+    """Blocks of a ``width``-wide reduction: the largest power of two <= ``most`` whose blocks are whole multiples
+    of ``ROW_BLOCK_ALIGN`` lanes (1 when none is)."""
+    blocks = 1
+    while blocks * 2 <= most and width % (blocks * 2 * ROW_BLOCK_ALIGN) == 0:
+        blocks *= 2
+    return blocks
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               blocks: int = 1) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the input dimension summed as equal blocks, pairwise.
+
+    The row-parallel layers' fixed reduction order (``catalog.parallel.ROW_REDUCTION_BLOCKS``): at
+    most ``blocks`` leaves (``reduction_blocks``), each one GEMM of a contiguous copy of its slice of
+    ``x`` against the weight's slice (the bias rides in the first leaf), so a rank that holds a run
+    of the leaves computes exactly that subtree of the single-rank sum. FP32 weights only: a BF16 or
+    FP16 GEMM rounds its output, so leaves would add rounding a single GEMM's FP32 accumulator avoids.
+    """
+    width = weight.shape[1]
+    blocks = reduction_blocks(width, blocks)
+    if blocks == 1 or weight.dtype != torch.float32:  # BF16/FP16 leaves would round each partial sum
+        return F.linear(x, weight, bias)
+    step = width // blocks
+    leaves = x.reshape(-1, blocks, step).transpose(0, 1).contiguous()  # [blocks, rows, step]
+    total = pairwise_sum([F.linear(leaves[b], weight[:, b * step:(b + 1) * step], bias if b == 0 else None)
+                          for b in range(blocks)])
+    return total.view(*x.shape[:-1], weight.shape[0])
+
+
 def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-              gate_bias=None, up_bias=None, down_bias=None) -> torch.Tensor:
-    """SiLU-gated MLP ``down(silu(gate(x)) * up(x))``: the dense MLP, every expert and the shared experts."""
+              gate_bias=None, up_bias=None, down_bias=None, blocks: int = 1) -> torch.Tensor:
+    """SiLU-gated MLP ``down(silu(gate(x)) * up(x))``: the dense MLP, every expert and the shared experts.
+
+    ``blocks``: the down projection's reduction blocks (``row_linear``)."""
     hidden = F.silu(F.linear(x, gate, gate_bias)) * F.linear(x, up, up_bias)  # [R, intermediate]
-    return F.linear(hidden, down, down_bias)  # [R, d_model]
+    return row_linear(hidden, down, down_bias, blocks)  # [R, d_model]
 
 
 @dataclass(frozen=True, slots=True)

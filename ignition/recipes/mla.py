@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.geometry import LATENT_CACHE, ROPE_KEY_CACHE, state_shape
-from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, write_rows
+from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, row_linear, write_rows
 from ignition.recipes.rope import apply_rotary
 from ignition.recipes.transformer import decoder_stack
 
@@ -77,7 +77,7 @@ def mla_attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: 
     scores = torch.matmul(query, keys.transpose(2, 3)) * cfg.attention_scale  # [G, heads, R/G, S]
     probs = causal_softmax(scores, rows, normed.dtype)
     attended = torch.matmul(probs, values).transpose(1, 2).reshape(num_rows, heads * v_dim)  # [R, heads * v]
-    return F.linear(attended, weights[prefix + "o_proj"])  # [R, d_model]
+    return row_linear(attended, weights[prefix + "o_proj"], None, cfg.row_blocks)  # [R, d_model]
 
 
 def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:

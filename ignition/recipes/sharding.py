@@ -4,7 +4,9 @@
 ``ignition.catalog.parallel.SHARD_RULES`` (Megatron layout): q/k/v/gate/up split their output
 rows (GQA heads divided: query and KV heads must both divide by N), o/down split their input
 columns and all-reduce their partial sums, the embedding and LM head split the padded vocabulary
-evenly (padded to a multiple of N with zero rows, which never enter a result). Each rank's graphs
+evenly (padded to a multiple of N with zero rows, which never enter a result). The row-parallel
+sums keep the single-rank order (``catalog.parallel.ROW_REDUCTION_BLOCKS``), so hidden states and
+logits are bit-identical to TP=1 whenever N divides the reduction blocks. Each rank's graphs
 run ``TensorParallel``'s collectives as traceable functional collectives on the default process
 group, so every rank's ``.pt2`` holds them and binds them to the group the runtime starts.
 """
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, padded_vocabulary, shard_rule
 from ignition.components.vocabulary_logprobs import VocabularyShard
 from ignition.recipes.base import RecipeError
+from ignition.recipes.layers import pairwise_sum
 from ignition.recipes.registry import SHARDABLE_RECIPES
 
 
@@ -61,8 +64,17 @@ class TensorParallel:
         return VocabularyShard(self.rank, self.ranks, self.vocab_shard, self.vocab_size, _all_gather)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum of a row-parallel layer's partial outputs over the ranks."""
-        return _all_reduce(partial)
+        """Sum of a row-parallel layer's partial outputs over the ranks, in the fixed pairwise order.
+
+        Each rank's partial is the subtree of its run of reduction blocks (``layers.row_linear``); the
+        subtotals are all-gathered and added by the same tree on every rank, so the sum is the
+        single-rank one bit for bit (an all-reduce would add them in the transport's order). BF16 and
+        FP16 partials are all-reduced as usual.
+        """
+        if partial.dtype != torch.float32:  # BF16/FP16 layers are one GEMM per rank (layers.row_linear)
+            return _all_reduce(partial)
+        gathered = _all_gather(partial).view(self.ranks, *partial.shape)
+        return pairwise_sum(list(gathered.unbind(0)))
 
     def embed(self, token_ids: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel embedding: the owning rank's row, zeros elsewhere, summed (exact)."""
@@ -93,9 +105,10 @@ def check_tensor_parallel(recipe: str, cfg, ranks: int) -> None:
 
 
 def shard_config(cfg, ranks: int):
-    """The per-rank model config: heads, KV heads and MLP width divided by ``ranks``."""
+    """The per-rank model config: heads, KV heads, MLP width and o/down reduction blocks divided by ``ranks``."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // ranks, num_kv_heads=cfg.num_kv_heads // ranks,
-                               intermediate_size=cfg.intermediate_size // ranks)
+                               intermediate_size=cfg.intermediate_size // ranks,
+                               row_blocks=max(1, cfg.row_blocks // ranks))
 
 
 def shard_weights(weights: Mapping[str, torch.Tensor], ranks: int, vocab_padded: int) -> list[dict[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.recipes.config import ModelConfig, kv_cache_shape
-from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, rotate_half, write_rows
+from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, rotate_half, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
 from ignition.recipes.rope import rope_cos_sin
 
@@ -50,7 +50,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     scores = torch.matmul(query, keys.transpose(2, 3)) * head_dim**-0.5  # [G, heads, R/G, S]
     probs = causal_softmax(scores, rows, query.dtype)
     attended = torch.matmul(probs, values).transpose(1, 2).reshape(num_rows, heads * head_dim)  # [R, q_width]
-    return F.linear(attended, weights[prefix + "o_proj"], bias("o_bias"))  # [R, d_model]
+    return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks)  # [R, d_model]
 
 
 def _check_caches(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
@@ -70,7 +70,7 @@ def decoder_stack(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Ten
 
     ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards; the
     embedding is vocabulary-parallel and each layer's attention and MLP outputs are partial sums
-    that are all-reduced before the residual add.
+    that ``parallel.reduce`` adds over the ranks before the residual add.
     """
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
     if parallel is None:
