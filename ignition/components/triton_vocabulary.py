@@ -32,14 +32,13 @@ ops run in stream order with the gathers between them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, TILE_SORT_KEYS, packed_width
 from ignition.catalog.parallel import CANDIDATE_VALUES_WORD, EXCHANGE_WORDS, VOCABULARY_LAUNCHES
+from ignition.components.vocabulary_workspace import VocabularyWorkspace, stage_arguments, stage_launches
 from ignition.components.triton_logprobs import (_INF, _NAN_BITS, _NO_KEY, _POINTER_TYPES, ENABLE_FP_FUSION,
                                                  SUB_BLOCKS, LaunchSpec, _sort_keys, _tiling, _value_bits,
                                                  tile_candidates_kernel, tile_stats_kernel)
@@ -189,8 +188,8 @@ def shard_candidates_kernel(
         positions = tl.arange(0, MAX_IDS)
         selected = tl.load(token_ids_ptr + row * MAX_IDS + positions) - vocab_start  # all MAX_IDS, as the reference
         owned = (selected >= 0) & (selected < shard_lanes)
-        raw = tl.load(row_logits + selected, mask=owned, other=0.0).to(tl.float32)
-        tl.store(out + 1 + positions, tl.where(owned, _raw_bits(raw), 0))
+        selected_raw = tl.load(row_logits + selected, mask=owned, other=0.0).to(tl.float32)
+        tl.store(out + 1 + positions, tl.where(owned, _raw_bits(selected_raw), 0))
         tl.store(out + words, tl.zeros([WORDS], tl.int32), mask=words >= 1 + MAX_IDS)
     else:
         candidates = tl.arange(0, CANDIDATES_BLOCK)
@@ -204,11 +203,11 @@ def shard_candidates_kernel(
             keys = tl.where(keys == top, _NO_KEY, keys)
         found = best != _NO_KEY
         local = tl.where(found, -1 - best.to(tl.int32), 0)  # low word 0xFFFFFFFF - id, read as int32
-        raw = tl.load(row_logits + local, mask=found, other=0.0).to(tl.float32)
+        best_raw = tl.load(row_logits + local, mask=found, other=0.0).to(tl.float32)
         global_keys = tl.where(found, best - vocab_start, _NO_KEY)  # the id lives in the low word
         tl.store(out + 1 + 2 * slots, (global_keys & 0xFFFFFFFF).to(tl.int32))
         tl.store(out + 2 + 2 * slots, (global_keys >> 32).to(tl.int32))
-        tl.store(out + _VALUES_WORD + slots, _value_bits(raw - lse, found))
+        tl.store(out + _VALUES_WORD + slots, _value_bits(best_raw - lse, found))
         tl.store(out + words, tl.zeros([WORDS], tl.int32), mask=words >= _VALUES_WORD + SHARD_KEYS)
 
 
@@ -348,69 +347,6 @@ def vocabulary_launch_plan(rows: int, vocab_shard: int, ranks: int, k: int, expl
 
 
 # ---- the JIT path (development and tests): the same launches, compiled by Triton on first use ----
-@dataclass(slots=True)
-class VocabularyWorkspace:
-    """One rank's scratch between its stage ops, sized by the plan; reused by every call of the shape."""
-
-    tiles: int
-    stats: torch.Tensor  # [rows, tiles, 2] fp32
-    maxima: torch.Tensor  # [rows, tiles, SUB] fp32
-    tau: torch.Tensor  # [rows] fp32
-    lse: torch.Tensor  # [rows] fp32
-    cutoff: torch.Tensor  # [rows] fp32
-    keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
-    chosen: torch.Tensor  # [rows] int64: chosen ids widened
-
-    @classmethod
-    def allocate(cls, rows: int, tiles: int, sub: int, device) -> "VocabularyWorkspace":
-        def fp32(*shape):
-            return torch.empty(shape, dtype=torch.float32, device=device)
-        return cls(tiles, fp32(rows, tiles, 2), fp32(rows, tiles, sub), fp32(rows), fp32(rows), fp32(rows),
-                   torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
-                   torch.empty(rows, dtype=torch.int64, device=device))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.stats, self.maxima, self.tau, self.lse, self.cutoff, self.keys, self.chosen
-
-    def pointers(self) -> dict[str, torch.Tensor]:
-        return {"stats_ptr": self.stats, "maxima_ptr": self.maxima, "tau_ptr": self.tau, "lse_ptr": self.lse,
-                "cutoff_ptr": self.cutoff, "keys_ptr": self.keys}
-
-
-def stage_launches(plan: list, stage: str) -> list:
-    """The launches of ``plan`` (specs or prepared launches, in plan order) that one stage op issues."""
-    names = [launch.name for launch in VOCABULARY_LAUNCHES if launch.stage == stage]
-    return [entry for entry, launch in zip(plan, VOCABULARY_LAUNCHES, strict=True) if launch.name in names]
-
-
-def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, chosen=None, requested, token_ids=None,
-                    token_id_counts=None, exchange=None, statistics=None, candidates=None, out=None, out_rows=None,
-                    vocab_start: int = 0, vocab_size: int, vocab_shard: int) -> dict:
-    """Every runtime argument a stage's launches may take, by parameter name (the launcher binds the same).
-
-    Stages 1 and 2 see the shard: their ``vocab_size`` parameter (of the reused single-rank kernels)
-    is the shard's lane count below the vocabulary; the merge sees the global ``vocab_size``."""
-    rows = requested.shape[0]
-    lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
-    args = dict(workspace.pointers(), requested_ptr=requested, num_tiles=workspace.tiles, rows=rows,
-                vocab_start=vocab_start, shard_lanes=lanes, vocab_shard=vocab_shard,
-                vocab_size=vocab_size if stage == "merge" else lanes)
-    if logits is not None:
-        args |= {"logits_ptr": logits, "logits_row_stride": logits.stride(0)}
-    if chosen is not None:
-        if chosen.dtype != torch.int64 or not chosen.is_contiguous():
-            workspace.chosen.copy_(chosen)
-            chosen = workspace.chosen
-        args["chosen_ptr"] = chosen
-    args["token_ids_ptr"] = token_ids if token_ids is not None else requested  # never read without HAS_IDS
-    args["counts_ptr"] = token_id_counts if token_id_counts is not None else requested
-    for name, tensor in (("exchange_ptr", exchange), ("statistics_ptr", statistics), ("candidates_ptr", candidates),
-                         ("out_ptr", out), ("out_rows_ptr", out_rows)):
-        if tensor is not None:
-            args[name] = tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor
-    return args
-
-
 class TritonVocabulary:
     """The three stage ops of one device through JIT-compiled launches (``IGNITION_TRITON_JIT=1``, tests).
 

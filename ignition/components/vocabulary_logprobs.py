@@ -19,7 +19,12 @@ dependencies:
 Prompt scoring follows the same pattern with 64 int32 words per row per rank. Vocabulary
 matrices never travel. The exchanges are traceable functional all-gathers
 (``torch.distributed._functional_collectives``) between three opaque ops, so an exported
-``.pt2`` holds them. The stage ops here are the torch reference (the CPU path).
+``.pt2`` holds them. The stage ops here are the torch reference (the CPU path); on CUDA the
+generation stages run six prepared Triton launches per rank (triton_vocabulary.py,
+registered in device_reduction.py) that write the same words: every exchange word and the
+packed output are bit-identical given the same inputs, except the mass (exchange 1, word 1),
+which the launches sum per tile (within a few FP32 ulp). Prompt scoring runs this reference on
+every device. Exchange words carry NaN as ``NAN_BITS`` and a -0.0 maximum as +0.0.
 """
 
 from __future__ import annotations
@@ -344,6 +349,11 @@ def _merge_scores_op(statistics: torch.Tensor, candidates: torch.Tensor, targets
 @_merge_scores_op.register_fake
 def _(statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
     return None
+
+
+STAGE_OPS = {"statistics": _statistics_op, "candidates": _candidates_op, "merge": _merge_op}
+"""The generation stage ops by stage name (catalog.parallel.VOCABULARY_LAUNCHES); CUDA registers its launches
+on them in device_reduction.py."""
 
 
 @dataclass(frozen=True, slots=True)
