@@ -8,8 +8,9 @@ Every case is checked three ways, at TP=2 and TP=4:
    bit-identical except the mass (word 1: the launches sum exp() per tile, the reference per 16384-lane
    chunk), which is within MASS_TOLERANCE relative; exchange 2's words and the packed output are
    bit-identical (every word, sentinel rows included);
-2. the all-Triton pipeline against the all-reference pipeline: ids and untouched words exact, values
-   within 2**-17 + 2**-22 * (|lse| + |value|) (tests/_triton_interp_check.py explains the bound);
+2. for the cases marked ``pipeline``, the all-Triton pipeline against the all-reference pipeline: ids and
+   untouched words exact, values within 2**-17 + 2**-22 * (|lse| + |value|) (tests/_triton_interp_check.py
+   explains the bound);
 3. the all-Triton pipeline's ids against the single-rank reference (TP=1).
 
     python tests/_triton_vocabulary_check.py [--device cuda]  -> one JSON line per case
@@ -35,7 +36,8 @@ MASS_TOLERANCE = 2.0**-18  # relative: both sums carry < (log2(lanes) + 2) eps w
 DEVICE = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
 
 
-def make_case(name, logits, ranks, vocab_size, *, k=NATURAL_K, requested=None, chosen=None, ids=None, counts=None):
+def make_case(name, logits, ranks, vocab_size, *, k=NATURAL_K, requested=None, chosen=None, ids=None, counts=None,
+              pipeline=False):
     rows = logits.shape[0]
     requested = torch.ones(rows, dtype=torch.int32) if requested is None else torch.tensor(requested, dtype=torch.int32)
     chosen = torch.arange(rows, dtype=torch.int64) * 7 % vocab_size if chosen is None else torch.tensor(chosen)
@@ -46,7 +48,7 @@ def make_case(name, logits, ranks, vocab_size, *, k=NATURAL_K, requested=None, c
             token_ids[r, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.int32)
         token_counts = torch.tensor(counts, dtype=torch.int32)
     return name, dict(logits=logits, ranks=ranks, vocab_size=vocab_size, k=k, requested=requested, chosen=chosen,
-                      token_ids=token_ids, counts=token_counts)
+                      token_ids=token_ids, counts=token_counts, pipeline=pipeline)
 
 
 def padded(rows, vocab_size, ranks, generator, dtype=torch.float32, scale=3.0):
@@ -65,7 +67,8 @@ def cases():
         uneven[3, :1823] = torch.linspace(5.0, 5.0 + 2e-6, 1823)  # ties only after subtracting lse
         uneven[4, :1823] = float("-inf")  # lse = -inf
         uneven[5, 1500] = float("inf")  # lse = +inf
-        yield make_case(f"tp{ranks}_uneven_adversarial_fp32", uneven, ranks, 1823, chosen=[0, 1822, 911, 5, 3, 1500])
+        yield make_case(f"tp{ranks}_uneven_adversarial_fp32", uneven, ranks, 1823, chosen=[0, 1822, 911, 5, 3, 1500],
+                        pipeline=True)
     nan = padded(3, 1000, 4, g)
     nan[0, 999] = float("nan")  # a NaN lane in the last shard: lse NaN everywhere
     nan[1, 3] = float("nan")
@@ -73,7 +76,7 @@ def cases():
     nan[2, [10, 700]] = float("inf")  # two +inf lanes on different ranks
     yield make_case("tp4_nan_inf_fp32", nan, 4, 1000, k=5, chosen=[999, 600, 700])
     ids = padded(5, 1823, 2, g)
-    yield make_case("tp2_explicit_ids_fp32", ids, 2, 1823, requested=[1, 1, 0, 1, 1], chosen=[3, 1823, 4, 1822, -1],
+    yield make_case("tp2_explicit_ids_fp32", ids, 2, 1823, pipeline=True, requested=[1, 1, 0, 1, 1], chosen=[3, 1823, 4, 1822, -1],
                     ids=[[1822, -5, 0, 1823, 7, 911, 912], [9], [1, 2], list(range(1822, 1822 - 128, -1)),
                          [2**31 - 1, 1824, 455, 456, 1367]],
                     counts=[7, 0, 2, MAX_SELECTED_IDS, 5])
@@ -148,23 +151,25 @@ def check(name, case):
     failures += words_differ("merge", stage_out, reference_out)
 
     # 2. the all-Triton pipeline (each rank's stage 2 reads the workspace its own stage 1 filled)
-    triton_stats = torch.cat(triton_stats)
-    triton_cands = torch.cat([rank.candidates(x, triton_stats, chosen, requested, ids, counts, r * width, vocab_size)
-                              for r, (rank, x) in enumerate(zip(ranks, parts))])
-    triton_out = blank.clone()
-    ranks[-1].merge(triton_stats, triton_cands, chosen, requested, triton_out, out_rows, ids, counts, vocab_size,
-                    width, k)
-    got, want = triton_out.cpu(), reference_out.cpu()
-    if not torch.equal(got[:, 0::2], want[:, 0::2]):
-        failures.append(f"pipeline ids differ at {(got[:, 0::2] != want[:, 0::2]).nonzero()[:4].tolist()}")
-    lse = V.global_normalization(stats.view(len(parts), rows, EXCHANGE_WORDS)[:, :, 0].cpu(),
-                                 stats.view(len(parts), rows, EXCHANGE_WORDS)[:, :, 1].cpu())
-    a, b = got[:, 1::2].contiguous(), want[:, 1::2].contiguous()
-    fa, fb = a.view(torch.float32), b.view(torch.float32)
-    bound = 2.0**-17 + 2.0**-22 * (lse.abs()[:, None] + fb.abs())
-    same = (a == b) | ((fa - fb).abs() <= bound)
-    if not same.all():
-        failures.append(f"pipeline values beyond tolerance at {(~same).nonzero()[:4].tolist()}")
+    got = stage_out.cpu()
+    if case["pipeline"]:
+        triton_stats = torch.cat(triton_stats)
+        triton_cands = torch.cat([rank.candidates(x, triton_stats, chosen, requested, ids, counts, r * width,
+                                                  vocab_size) for r, (rank, x) in enumerate(zip(ranks, parts))])
+        triton_out = blank.clone()
+        ranks[-1].merge(triton_stats, triton_cands, chosen, requested, triton_out, out_rows, ids, counts, vocab_size,
+                        width, k)
+        got, want = triton_out.cpu(), reference_out.cpu()
+        if not torch.equal(got[:, 0::2], want[:, 0::2]):
+            failures.append(f"pipeline ids differ at {(got[:, 0::2] != want[:, 0::2]).nonzero()[:4].tolist()}")
+        lse = V.global_normalization(stats.view(len(parts), rows, EXCHANGE_WORDS)[:, :, 0].cpu(),
+                                     stats.view(len(parts), rows, EXCHANGE_WORDS)[:, :, 1].cpu())
+        a, b = got[:, 1::2].contiguous(), want[:, 1::2].contiguous()
+        fa, fb = a.view(torch.float32), b.view(torch.float32)
+        bound = 2.0**-17 + 2.0**-22 * (lse.abs()[:, None] + fb.abs())
+        same = (a == b) | ((fa - fb).abs() <= bound)
+        if not same.all():
+            failures.append(f"pipeline values beyond tolerance at {(~same).nonzero()[:4].tolist()}")
 
     # 3. ids against TP=1
     single = blank.clone().cpu()

@@ -123,6 +123,11 @@ class PreparedVocabulary:
         self.launch_count += len(launches)
 
     @staticmethod
+    def new_exchange(rows: int, device: torch.device) -> torch.Tensor:
+        """One rank's exchange words ``[rows, EXCHANGE_WORDS]`` FP32 (the op's fresh output)."""
+        return torch.empty(rows, EXCHANGE_WORDS, dtype=torch.float32, device=device)
+
+    @staticmethod
     def _dtype(logits: torch.Tensor) -> str:
         if logits.stride(-1) != 1:
             raise LauncherError(f"logits must have unit vocabulary stride, got strides {logits.stride()}")
@@ -131,7 +136,7 @@ class PreparedVocabulary:
     def statistics(self, logits, requested, vocab_start, vocab_size):
         rows, shard = logits.shape
         launches = self._stage("statistics", (rows, shard, self._dtype(logits)))
-        exchange = torch.empty(rows, EXCHANGE_WORDS, dtype=torch.float32, device=logits.device)
+        exchange = self.new_exchange(rows, logits.device)
         self._launch(launches, stage_arguments("statistics", self._workspace(rows, shard), logits=logits,
                                                requested=requested, exchange=exchange, vocab_start=vocab_start,
                                                vocab_size=vocab_size, vocab_shard=shard))
@@ -141,7 +146,7 @@ class PreparedVocabulary:
         rows, shard = logits.shape
         key = (rows, shard, statistics.shape[0] // rows, token_ids is not None, self._dtype(logits))
         launches = self._stage("candidates", key)
-        exchange = torch.empty(rows, EXCHANGE_WORDS, dtype=torch.float32, device=logits.device)
+        exchange = self.new_exchange(rows, logits.device)
         self._launch(launches, stage_arguments("candidates", self._workspace(rows, shard), logits=logits,
                                                chosen=chosen, requested=requested, token_ids=token_ids,
                                                token_id_counts=token_id_counts, exchange=exchange,
