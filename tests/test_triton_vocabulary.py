@@ -85,6 +85,30 @@ def test_importing_ignition_registers_the_sharded_cuda_kernels():
     assert set(STAGE_OPS) == {launch.stage for launch in VOCABULARY_LAUNCHES}
 
 
+def test_cuda_stage_ops_refuse_bad_layouts_and_missing_launchers(monkeypatch):
+    """What the CUDA stage ops check before any launch (exercised on CPU tensors and a made-up device)."""
+    from ignition.components import device_reduction as D
+
+    rows = 3
+    with pytest.raises(ValueError, match=r"statistics must be \[ranks \* 3, 256\].*requested must be int32"):
+        D.check_stage_args("vocab_shard_candidates", rows, statistics=torch.zeros(5, 256),
+                           requested=torch.ones(rows, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unit vocabulary stride"):
+        D.check_stage_args("vocab_shard_statistics", rows, logits=torch.zeros(8, rows).t())
+    D.check_stage_args("merge_vocabulary_logprobs", rows, statistics=torch.zeros(2 * rows, 256),
+                       candidates=torch.zeros(2 * rows, 256), requested=torch.ones(rows, dtype=torch.int32))
+    device = torch.device("cuda", 7)
+    monkeypatch.delenv(D.JIT_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="no prepared kernels are loaded"):
+        D._vocabulary_launcher(device, "vocab_shard_statistics")
+    D.install_reduction(device, lambda *args: None)  # a single-rank core's launcher
+    try:
+        with pytest.raises(RuntimeError, match="single-rank"):
+            D._vocabulary_launcher(device, "merge_vocabulary_logprobs")
+    finally:
+        D.install_reduction(device, None)
+
+
 @pytest.mark.cuda
 def test_triton_stages_on_the_gpu_match_the_reference():
     """On a GPU: the same stage checks with the kernels compiled for the device (Triton JIT)."""

@@ -88,7 +88,9 @@ def check_stage_args(op: str, rows: int, **tensors) -> None:
     for name, tensor in tensors.items():
         if tensor is None:
             continue
-        if not tensor.is_contiguous():
+        if name == "logits" and tensor.stride(-1) != 1:
+            problems.append(f"logits must have unit vocabulary stride, got strides {tensor.stride()}")
+        elif name != "logits" and not tensor.is_contiguous():
             problems.append(f"{name} must be contiguous, got strides {tensor.stride()}")
         if name in ("statistics", "candidates") and (tensor.dim() != 2 or tensor.shape[1] != EXCHANGE_WORDS
                                                      or tensor.shape[0] % rows):
