@@ -32,9 +32,12 @@ ops run in stream order with the gathers between them.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, TILE_SORT_KEYS, packed_width
 from ignition.catalog.parallel import CANDIDATE_VALUES_WORD, EXCHANGE_WORDS, VOCABULARY_LAUNCHES
@@ -45,6 +48,28 @@ from ignition.components.triton_logprobs import (_INF, _NAN_BITS, _NO_KEY, _POIN
 
 _SHARD_KEYS = TILE_SORT_KEYS  # keys (and values) one shard contributes to exchange 2
 _VALUES_WORD = tl.constexpr(CANDIDATE_VALUES_WORD)
+# NOTE: the global lse uses CUDA's libdevice expf/logf, the functions torch's CUDA exp/log call, so the lse bits
+# (and every exchange-2 value and merged value derived from them) match the reference stages on the GPU too;
+# tl.exp/tl.log are approximations. Triton's interpreter has no libdevice: there numpy's exp/log stand in.
+_LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def _exp(x):
+    if _LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _log(x):
+    if _LIBDEVICE:
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y
 
 
 @triton.jit
@@ -70,8 +95,8 @@ def _global_lse(statistics_ptr, row, rows, RANKS: tl.constexpr, WORDS: tl.conste
         words = statistics_ptr + (r * rows + row) * WORDS
         shard_max = tl.load(words).to(tl.float32, bitcast=True)
         mass = tl.load(words + 1).to(tl.float32, bitcast=True)
-        total = total + mass * tl.exp(shard_max - shift)
-    lse = tl.where(tl.abs(top) == _INF, top, shift + tl.log(total))
+        total = total + mass * _exp(shard_max - shift)
+    lse = tl.where(tl.abs(top) == _INF, top, shift + _log(total))
     return tl.where(any_nan, float("nan"), lse)
 
 
