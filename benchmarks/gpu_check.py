@@ -11,7 +11,10 @@ Steps, each timed and reported even when a later one fails:
    ``generate(output_logits=True)`` + ``log_softmax`` + ``topk`` on the same checkpoint and GPU;
 6. a core with logprob buffers serving requests that ask for none, against one without them;
 7. scored-prefill throughput as a ratio of ordinary prefill at K=0 and K=20;
-8. ``benchmarks.reduction --device cuda``: the reduction against the vLLM-style path and the one-read floor.
+8. ``benchmarks.reduction --device cuda``: the reduction against the vLLM-style path and the one-read floor;
+9. the vocabulary-sharded stages (Qwen3 vocabulary at TP=2 and TP=4, bf16, one process with the
+   all-gathers emulated by concatenation): the six Triton launches per rank against the torch
+   reference stages, words compared and each rank's stage time measured.
 
 Results go to ``OUT/results.md`` (a table per step with the command) and ``OUT/log.txt``.
 """
@@ -156,6 +159,62 @@ def _max_json_difference(a, b) -> float:
     return 0.0
 
 
+def step_sharded(report: Report) -> None:
+    """The six sharded launches per rank (JIT-compiled here) against the torch stages, on one GPU."""
+    from ignition.catalog.parallel import padded_vocabulary
+    from ignition.components import vocabulary_logprobs as V
+    from ignition.components.triton_vocabulary import TritonVocabulary
+
+    vocab, rows, k, rows_out = 151936, 32, 20, []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for ranks in (2, 4):
+        padded = padded_vocabulary(vocab, ranks)
+        width = padded // ranks
+        logits = (torch.randn(rows, padded, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+        chosen = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
+        requested = torch.ones(rows, dtype=torch.int32, device="cuda")
+        out_rows = torch.arange(rows, device="cuda")
+        launches = [TritonVocabulary() for _ in parts]
+
+        def reference(out):
+            stats = torch.cat([V.shard_statistics(x, requested, r * width, vocab) for r, x in enumerate(parts)])
+            cands = torch.cat([V.shard_candidates(x, stats, chosen, requested, None, None, r * width, vocab)
+                               for r, x in enumerate(parts)])
+            V.merge_vocabulary_logprobs(stats, cands, chosen, requested, out, out_rows, None, None, vocab, width, k)
+            return stats, cands
+
+        def triton(out, stats=None, cands=None):
+            own = torch.cat([t.statistics(x, requested, r * width, vocab) for r, (t, x) in enumerate(zip(launches, parts))])
+            stats = own if stats is None else stats
+            got = torch.cat([t.candidates(x, stats, chosen, requested, None, None, r * width, vocab)
+                             for r, (t, x) in enumerate(zip(launches, parts))])
+            launches[0].merge(stats, got if cands is None else cands, chosen, requested, out, out_rows, None, None,
+                              vocab, width, k)
+            return own, got
+
+        ref_out, tri_out, staged_out = (torch.zeros(rows, 2 + 2 * k, dtype=torch.int32, device="cuda")
+                                        for _ in range(3))
+        stats, cands = reference(ref_out)
+        own_stats, staged_cands = triton(staged_out, stats, cands)  # every stage fed the reference's exchanges
+        triton(tri_out)
+        words = lambda t: t.view(torch.int32)  # noqa: E731
+        stats_same = bool(torch.equal(words(own_stats)[:, 0], words(stats)[:, 0]))
+        mass_rel = float(((own_stats[:, 1] - stats[:, 1]).abs() / stats[:, 1].abs()).max())
+        cands_same = bool(torch.equal(words(staged_cands), words(cands)))
+        merge_same = bool(torch.equal(staged_out, ref_out))
+        ids_same = bool(torch.equal(tri_out[:, 0::2], ref_out[:, 0::2]))
+        value_diff = float((tri_out[:, 1::2].view(torch.float32) - ref_out[:, 1::2].view(torch.float32)).abs().max())
+        torch_ms = median_time(lambda: reference(torch.zeros_like(ref_out))) * 1e3 / ranks
+        triton_ms = median_time(lambda: triton(torch.zeros_like(ref_out))) * 1e3 / ranks
+        rows_out.append([ranks, width, stats_same, f"{mass_rel:.2e}", cands_same, merge_same, ids_same,
+                         f"{value_diff:.2e}", f"{torch_ms:.2f}", f"{triton_ms:.2f}"])
+    report.section(f"vocabulary-sharded stages, {rows} rows, vocabulary {vocab}, bf16, K={k} (gathers emulated)",
+                   rows_out, ["ranks", "vocab_shard", "exchange 1 max words equal", "mass max rel diff",
+                              "exchange 2 equal (same inputs)", "merge equal (same inputs)", "pipeline ids equal",
+                              "pipeline max value diff", "torch ms/rank", "triton ms/rank"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-check")
@@ -262,6 +321,10 @@ def main() -> None:
                               capture_output=True, text=True, timeout=300)
         report.note("### python -m benchmarks.reduction --device cuda\n\n```\n"
                     + (done.stdout[-6000:] + done.stderr[-1500:]).strip() + "\n```")
+
+    @step("sharded stages")
+    def _():
+        step_sharded(report)
 
     for name, fn in steps:
         started = time.perf_counter()

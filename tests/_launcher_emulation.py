@@ -8,6 +8,12 @@ array by the kernel table's signature, checks grid, threads, shared memory and t
 scratch pointers, and runs the named kernel in Triton's interpreter on the tensors those
 pointers address. The packed output must equal the reference's, word for word.
 
+A sharded core (``--tensor-parallel N``) loads one ``PreparedVocabulary`` per simulated rank (each its
+own workspace, as each rank is its own process) and runs the three stage ops with the all-gathers
+emulated by concatenation (``run_sharded_case``): exchange 1 must equal the reference's except the
+mass word (tile-wise sum, within MASS_TOLERANCE), exchange 2 and the packed output exactly, each
+stage fed the reference's gathered exchanges.
+
     python tests/_launcher_emulation.py CORE_DIR  -> prints one JSON object {case: [problems]}
 """
 
@@ -23,11 +29,17 @@ import torch
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, SCRATCH_POINTERS, packed_width
 from ignition.components import triton_logprobs as T
+from ignition.components import triton_vocabulary as TV
+from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
 from ignition.runtime.launcher import PreparedReduction
 
 KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
-                                      T.merge_kernel)}
+                                      T.merge_kernel, TV.shard_statistics_kernel, TV.global_normalization_kernel,
+                                      TV.shard_candidates_kernel, TV.merge_shards_kernel)}
+POINTER_DTYPES = {"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float32, "*bf16": torch.bfloat16,
+                  "*fp16": torch.float16}
+MASS_TOLERANCE = 2.0**-18
 
 
 class EmulatedDriver:
@@ -89,7 +101,8 @@ class EmulatedDriver:
                 if pointer not in self.tensors:
                     self.problems.append(f"{entry['name']}: {param['name']} = {pointer:#x} addresses no known tensor")
                     return (0,)
-                args[param["name"]] = self.tensors[pointer]
+                tensor = self.tensors[pointer]  # viewed as the parameter's type (exchanges are fp32 words)
+                args[param["name"]] = tensor.view(POINTER_DTYPES[param["type"]])
             else:
                 args[param["name"]] = ctypes.c_int32.from_address(slots[index]).value
         scratch = [ctypes.c_void_p.from_address(slots[len(runtime) + i]).value for i in range(SCRATCH_POINTERS)]
@@ -134,23 +147,97 @@ def run_case(launcher: PreparedReduction, driver: EmulatedDriver, rows: int, cho
     return problems
 
 
-def main(core: Path) -> None:
+def run_sharded_case(launchers: list, driver: EmulatedDriver, shape, seed: int) -> list[str]:
+    """Every rank's stage ops through its launcher, fed the reference's gathered exchanges."""
+    ranks, rows, width = shape.ranks, shape.rows, shape.vocab_shard
+    vocab_size = launchers[0].vocab_size
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, ranks * width, generator=g) * 3
+    logits[:, vocab_size:] = 1e4  # padded lanes hold huge values: they must never enter
+    logits[0, :40] = logits[0, 40]  # ties at the top of row 0, across the shards of a small vocabulary
+    logits = logits.to(getattr(torch, shape.logits_dtype))
+    parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+    chosen = torch.randint(0, vocab_size, (rows,), generator=g, dtype=torch.int32)  # int32: the launcher widens
+    requested = torch.ones(rows, dtype=torch.int32)
+    token_ids = counts = None
+    if shape.explicit_ids:
+        token_ids = torch.randint(-2, vocab_size + 3, (rows, MAX_SELECTED_IDS), generator=g, dtype=torch.int32)
+        counts = torch.where(torch.arange(rows) % 2 == 1, torch.arange(rows) * 7 % 129 + 1, 0).to(torch.int32)
+    width_out = packed_width(shape.k, shape.explicit_ids)
+    outs = {name: torch.full((2, rows, width_out), 0x5A5A5A5A, dtype=torch.int32) for name in ("launcher", "reference")}
+    out_rows = torch.arange(rows, dtype=torch.int64) + rows  # frame 1
+    stats = torch.cat([V.shard_statistics(x, requested, r * width, vocab_size) for r, x in enumerate(parts)])
+    cands = torch.cat([V.shard_candidates(x, stats, chosen, requested, token_ids, counts, r * width, vocab_size)
+                       for r, x in enumerate(parts)])
+    V.merge_vocabulary_logprobs(stats, cands, chosen, requested, outs["reference"], out_rows, token_ids, counts,
+                                vocab_size, width, shape.k)
+    known = [logits, *parts, chosen, requested, token_ids, counts, outs["launcher"], out_rows, stats, cands]
+    for launcher in launchers:
+        known += list(launcher.workspaces[(rows, width)].tensors())
+    driver.tensors = {t.data_ptr(): t for t in known if t is not None}
+    problems = []
+    for r, (launcher, x) in enumerate(zip(launchers, parts)):
+        got = launcher.statistics(x, requested, r * width, vocab_size).view(torch.int32)
+        want = stats[r * rows:(r + 1) * rows].view(torch.int32)
+        mass, expected = got[:, 1].view(torch.float32), want[:, 1].view(torch.float32)
+        if not torch.equal(torch.cat([got[:, :1], got[:, 2:]], 1), torch.cat([want[:, :1], want[:, 2:]], 1)) \
+                or not ((mass - expected).abs() <= MASS_TOLERANCE * expected.abs()).all():
+            problems.append(f"rank {r}: exchange 1 differs from the reference")
+        got = launcher.candidates(x, stats, chosen, requested, token_ids, counts, r * width, vocab_size)
+        if not torch.equal(got.view(torch.int32), cands[r * rows:(r + 1) * rows].view(torch.int32)):
+            problems.append(f"rank {r}: exchange 2 differs from the reference")
+    launchers[-1].merge(stats, cands, chosen, requested, outs["launcher"], out_rows, token_ids, counts, vocab_size,
+                        width, shape.k)
+    if not torch.equal(outs["launcher"], outs["reference"]):
+        diff = (outs["launcher"] != outs["reference"]).nonzero()[:5].tolist()
+        problems.append(f"packed words differ from the reference at {diff}")
+    return list(driver.problems) + problems
+
+
+def _register_exchanges(launcher, driver: EmulatedDriver) -> None:
+    """The launcher's exchange outputs are fresh tensors: make their addresses known to the emulated driver."""
+    allocate = launcher.new_exchange
+
+    def new_exchange(rows, device):
+        tensor = allocate(rows, device)
+        driver.tensors[tensor.data_ptr()] = tensor
+        return tensor
+    launcher.new_exchange = new_exchange
+
+
+def emulate(core: Path) -> dict[str, list[str]]:
+    """{case: [problems]} for every reduction shape of the core (single-rank or sharded)."""
     manifest = json.loads((core / "manifest.json").read_text())
     catalog = json.loads((core / manifest["catalog"]).read_text())
     table = json.loads((core / manifest["kernels"]).read_text())
     driver = EmulatedDriver(core, table)
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    results = {}
+    if "tensor_parallel" in manifest:
+        ranks = manifest["tensor_parallel"]["ranks"]
+        launchers = [PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+                     for _ in range(ranks)]  # one process per rank: one workspace each
+        for launcher in launchers:
+            launcher.current_stream = lambda: 0
+            launcher.vocab_size = manifest["vocab_size"]
+            _register_exchanges(launcher, driver)
+        for shape in sorted(launchers[0].shapes, key=str):
+            driver.problems = []
+            results[f"sharded-rows{shape.rows}-k{shape.k}"] = run_sharded_case(launchers, driver, shape, shape.rows)
+        issued = sum(launcher.launch_count for launcher in launchers)
+        results["launches"] = [] if issued == len(driver.launched) else [
+            f"launch_count {issued} != {len(driver.launched)} emulated launches"]
+        return results
     launcher = PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
     launcher.current_stream = lambda: 0
-    results = {}
     for rows in sorted({s.rows for s in launcher.launches}):
         for dtype in (torch.int64, torch.int32, "strided"):  # strided: a column view of the records
             driver.problems = []
             results[f"rows{rows}-{str(dtype).removeprefix('torch.')}"] = run_case(launcher, driver, rows, dtype, rows)
     results["launches"] = [] if launcher.launch_count == len(driver.launched) else [
         f"launch_count {launcher.launch_count} != {len(driver.launched)} emulated launches"]
-    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    print(json.dumps(emulate(Path(sys.argv[1]))))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -30,12 +31,14 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
 from ignition.catalog.enums import Role
+from ignition.catalog.parallel import VOCABULARY_LAUNCHES
 from ignition.exporter.export import export_core, manifest_for
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.registry import build_recipe
 from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.engine import Engine
 from ignition.runtime.transfer import HostTransfer
+from ignition.validate.kernels import check_sharded_launches
 from ignition.validate.core import validate_core
 
 VOCAB = 151
@@ -62,7 +65,8 @@ def cores(tmp_path_factory):
                             else 1.0 + 0.1 * torch.randn_like(parameter))
     model.save_pretrained(root / "ckpt")
     options = {ranks: ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1,), chunk_limit=8,
-                                    max_seq_len=32, tensor_parallel=ranks) for ranks in (1, 2)}
+                                    max_seq_len=32, tensor_parallel=ranks, targets=targets)
+               for ranks, targets in ((1, ()), (2, ("cuda:90",)))}  # TP=2 also prepares its sharded launches
     with torch.no_grad():
         reference = [as_json(r) for r in Engine(eager_core(options[1])).generate(requests())]
     export_core(options[2], root / "tp2")
@@ -124,6 +128,43 @@ def test_tp2_matches_tp1_and_a_dead_rank_fails_cleanly(cores):
     assert [i for i, _ in explicit] == [0, 150, 7, 75, 76, 3]  # caller order, across the shard boundary
     assert "rank 1 exited with code -9" in sharded["failure"], sharded["failure"]
     assert sharded["failure_seconds"] < 30  # a clean error, not a wait for the process-group timeout
+
+
+def test_export_prepares_the_six_sharded_launches_once_for_every_rank(cores):
+    """--targets cuda:90: one kernel table entry per launch (both ranks and both variants share the binaries), the
+    variants list them in catalog order, validate-core passes, and KERNEL-SHARDED refuses a table of the wrong
+    rank count or sharded launches on a single-rank core."""
+    _, tp2 = cores
+    manifest = json.loads((tp2 / "manifest.json").read_text())
+    catalog = json.loads((tp2 / "catalog.json").read_text())
+    table = json.loads((tp2 / manifest["kernels"]).read_text())
+    names = [f"vocab.{launch.name}" for launch in VOCABULARY_LAUNCHES]
+    by_key = {entry["key"]: entry for entry in table["kernels"]}
+    assert table["targets"] == ["cuda:90"] and sorted(by_key[k]["name"] for k in by_key) == sorted(names)
+    reducing = [v for v in catalog["variants"] if v["contract"]["layout"].get("logprobs")]
+    assert len(reducing) == 2 and all([by_key[key]["name"] for key in v["launches"]] == names for v in reducing)
+    assert {by_key[key]["constexprs"].get("RANKS") for key in reducing[0]["launches"]} == {None, 2}
+    assert by_key[reducing[0]["launches"][0]]["grid"] == [1, 1]  # one row, one tile of the 76-lane shard
+    report = validate_core(tp2, check_graphs=False)
+    assert report.ok, report.violations
+    wider = json.loads(json.dumps(manifest))
+    wider["tensor_parallel"]["ranks"] = 4
+    assert {v.rule for v in check_sharded_launches(wider, catalog["variants"], table)} == {"KERNEL-SHARDED"}
+    del wider["tensor_parallel"]
+    assert {v.rule for v in check_sharded_launches(wider, catalog["variants"], table)} == {"KERNEL-SHARDED"}
+
+
+def test_prepared_sharded_launcher_drives_the_kernels_exactly(cores):
+    """Both ranks' PreparedVocabulary against an emulated CUDA driver in Triton's interpreter (one subprocess):
+    parameters, grid and threads from the table; exchange and packed words equal to the reference stages'."""
+    _, tp2 = cores
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_launcher_emulation.py")), str(tp2)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"sharded-rows1-k20", "launches"}
+    assert {case: problems for case, problems in results.items() if problems} == {}
 
 
 @pytest.mark.parametrize("rule,mutate", [

@@ -72,6 +72,15 @@ def _exchanges() -> str:
     return "| exchange | dtype | words | layout (other words are zero) |\n|---|---|---|---|\n" + rows + "\n"
 
 
+def _sharded_launches() -> str:
+    from ignition.catalog.parallel import VOCABULARY_LAUNCHES
+    rows = "\n".join(f"| {i} | `vocab.{x.name}` | `{x.op}` | {x.grid} | {x.writes} | "
+                     f"{'`' + x.before + '` (all-gather)' if x.before else '-'} |"
+                     for i, x in enumerate(VOCABULARY_LAUNCHES, 1))
+    return ("| # | launch | issued by | grid | writes | precedes exchange |\n|---|---|---|---|---|---|\n" + rows
+            + "\n")
+
+
 def _shards() -> str:
     from ignition.catalog.parallel import SHARD_RULES
     rows = "\n".join(f"| `*.{r.suffix}` | {r.kind} | {'-' if r.dim is None else r.dim} |" for r in SHARD_RULES)
@@ -90,6 +99,7 @@ SECTIONS = {
     "limits": _limits,
     "geometry": _geometry,
     "exchanges": _exchanges,
+    "sharded-launches": _sharded_launches,
     "shards": _shards,
 }
 

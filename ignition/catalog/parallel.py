@@ -111,3 +111,36 @@ def shard_rule(name: str) -> ShardRule:
 def padded_vocabulary(vocab_padded: int, ranks: int) -> int:
     """The smallest multiple of ``ranks`` that holds ``vocab_padded`` rows: each rank owns an equal slice."""
     return -(-vocab_padded // ranks) * ranks
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLaunch:
+    """One prepared launch of the vocabulary-sharded reduction, run by every rank in this order."""
+
+    name: str  # the kernel table names it ``vocab.{name}``
+    stage: str  # the custom op that issues it: statistics, candidates or merge
+    op: str
+    grid: str
+    writes: str
+    before: str | None  # the exchange it precedes (the one whose words it writes), if any
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "stage": self.stage, "op": self.op, "grid": self.grid, "writes": self.writes,
+                "before": self.before}
+
+
+VOCABULARY_LAUNCHES: tuple[ShardLaunch, ...] = (
+    ShardLaunch("tile_stats", "statistics", "ignition::vocab_shard_statistics", "rows x tiles",
+                "tile maximum, exp mass and sub-block maxima (workspace)", None),
+    ShardLaunch("shard_statistics", "statistics", "ignition::vocab_shard_statistics", "rows",
+                "exchange words (shard max, mass); tau = 32nd sub-block maximum (workspace)", STATS.name),
+    ShardLaunch("global_normalization", "candidates", "ignition::vocab_shard_candidates", "rows",
+                "lse (rank-order sum) and the shard cutoff tau - lse (workspace)", None),
+    ShardLaunch("tile_candidates", "candidates", "ignition::vocab_shard_candidates", "rows x tiles",
+                "each tile's best 32 local sort keys at or above the cutoff (workspace)", None),
+    ShardLaunch("shard_candidates", "candidates", "ignition::vocab_shard_candidates", "rows",
+                "exchange words (chosen raw; best 32 global keys + values, or selected raw logits)", CANDIDATES.name),
+    ShardLaunch("merge", "merge", "ignition::merge_vocabulary_logprobs", "rows",
+                "the packed logprob row (single-rank layout)", None),
+)
+"""The six prepared launches per rank of the sharded generation reduction; every rank shares their binaries."""

@@ -1,10 +1,13 @@
-"""Which implementation of ``ignition::reduce_logprobs`` runs on an accelerator.
+"""Which implementation of the logprob reductions runs on an accelerator.
 
-The CPU runs the pure-torch reference (``logprobs.py``). On CUDA the op launches kernels
-prepared ahead of time: the runtime installs, once per device at load, a launcher built from
-the core's kernel table (``ignition.runtime.launcher``). Nothing here imports Triton, so a
-serving process never compiles. Just-in-time Triton is a developer opt-in
-(``IGNITION_TRITON_JIT=1``) for running the op outside a loaded core.
+The CPU runs the pure-torch references (``logprobs.py``; for a vocabulary shard the three stage
+ops of ``vocabulary_logprobs.py``). On CUDA the ops launch kernels prepared ahead of time: the
+runtime installs, once per device at load, a launcher built from the core's kernel table
+(``ignition.runtime.launcher``): ``PreparedReduction`` for a single-rank core (the launcher is
+called as ``ignition::reduce_logprobs``), ``PreparedVocabulary`` for a sharded one (its
+``statistics``, ``candidates`` and ``merge`` methods are the three stage ops). Nothing here
+imports Triton, so a serving process never compiles. Just-in-time Triton is a developer opt-in
+(``IGNITION_TRITON_JIT=1``) for running the ops outside a loaded core.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from ignition.catalog.parallel import EXCHANGE_WORDS
 from ignition.components.logprobs import check_reduction_args, reduce_logprobs_op
+from ignition.components.vocabulary_logprobs import STAGE_OPS
 
 JIT_ENV = "IGNITION_TRITON_JIT"
 """Set to 1 to let the CUDA op JIT-compile Triton when no prepared launcher is installed."""
@@ -53,3 +58,71 @@ def _reduce_on_device(logits, chosen, requested, out, out_rows, token_ids, token
 
 
 reduce_logprobs_op.register_kernel("cuda")(_reduce_on_device)
+
+
+# ---- the vocabulary-sharded stage ops ----------------------------------------------------------
+_jit_vocabulary: dict[torch.device, object] = {}
+
+
+def _vocabulary_launcher(device: torch.device, op: str):
+    launcher = _launchers.get(device)
+    if launcher is None:
+        if not jit_opted_in():
+            raise RuntimeError(
+                f"ignition::{op} on {device}: no prepared kernels are loaded for this device. Load the sharded core "
+                f"with --device cuda so its prepared cubins launch, or set {JIT_ENV}=1 to JIT-compile Triton "
+                f"(development only: serving never compiles)")
+        if device not in _jit_vocabulary:
+            from ignition.components.triton_vocabulary import TritonVocabulary
+            _jit_vocabulary[device] = TritonVocabulary()
+        return _jit_vocabulary[device]
+    if not hasattr(launcher, "merge"):
+        raise RuntimeError(f"ignition::{op} on {device}: the loaded core's prepared kernels are single-rank "
+                           f"(ignition::reduce_logprobs); a sharded graph needs a core exported with --tensor-parallel")
+    return launcher
+
+
+def check_stage_args(op: str, rows: int, **tensors) -> None:
+    """Layout checks of the sharded stage ops on CUDA (the launches index with unit strides); raises ValueError."""
+    problems = []
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if name == "logits" and tensor.stride(-1) != 1:
+            problems.append(f"logits must have unit vocabulary stride, got strides {tensor.stride()}")
+        elif name != "logits" and not tensor.is_contiguous():
+            problems.append(f"{name} must be contiguous, got strides {tensor.stride()}")
+        if name in ("statistics", "candidates") and (tensor.dim() != 2 or tensor.shape[1] != EXCHANGE_WORDS
+                                                     or tensor.shape[0] % rows):
+            problems.append(f"{name} must be [ranks * {rows}, {EXCHANGE_WORDS}], got {list(tensor.shape)}")
+        if name in ("requested", "token_id_counts") and (tensor.dtype != torch.int32 or list(tensor.shape) != [rows]):
+            problems.append(f"{name} must be int32 [{rows}], got {tensor.dtype} {list(tensor.shape)}")
+    if problems:
+        raise ValueError(f"ignition::{op}: " + "; ".join(problems))
+
+
+def _statistics_on_device(logits, requested, vocab_start, vocab_size):
+    check_stage_args("vocab_shard_statistics", logits.shape[0], logits=logits, requested=requested)
+    return _vocabulary_launcher(logits.device, "vocab_shard_statistics").statistics(logits, requested, vocab_start,
+                                                                                    vocab_size)
+
+
+def _candidates_on_device(logits, statistics, chosen, requested, token_ids, token_id_counts, vocab_start, vocab_size):
+    check_stage_args("vocab_shard_candidates", logits.shape[0], logits=logits, statistics=statistics,
+                     requested=requested, token_ids=token_ids, token_id_counts=token_id_counts)
+    return _vocabulary_launcher(logits.device, "vocab_shard_candidates").candidates(
+        logits, statistics, chosen, requested, token_ids, token_id_counts, vocab_start, vocab_size)
+
+
+def _merge_on_device(statistics, candidates, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size,
+                     vocab_shard, k):
+    check_stage_args("merge_vocabulary_logprobs", chosen.shape[0], statistics=statistics, candidates=candidates,
+                     requested=requested, out=out, out_rows=out_rows, token_ids=token_ids,
+                     token_id_counts=token_id_counts)
+    _vocabulary_launcher(chosen.device, "merge_vocabulary_logprobs").merge(
+        statistics, candidates, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, vocab_shard, k)
+
+
+STAGE_OPS["statistics"].register_kernel("cuda")(_statistics_on_device)
+STAGE_OPS["candidates"].register_kernel("cuda")(_candidates_on_device)
+STAGE_OPS["merge"].register_kernel("cuda")(_merge_on_device)

@@ -19,7 +19,12 @@ dependencies:
 Prompt scoring follows the same pattern with 64 int32 words per row per rank. Vocabulary
 matrices never travel. The exchanges are traceable functional all-gathers
 (``torch.distributed._functional_collectives``) between three opaque ops, so an exported
-``.pt2`` holds them. The stage ops here are the torch reference (the CPU path).
+``.pt2`` holds them. The stage ops here are the torch reference (the CPU path); on CUDA the
+generation stages run six prepared Triton launches per rank (triton_vocabulary.py,
+registered in device_reduction.py) that write the same words: every exchange word and the
+packed output are bit-identical given the same inputs, except the mass (exchange 1, word 1),
+which the launches sum per tile (within a few FP32 ulp). Prompt scoring runs this reference on
+every device. Exchange words carry NaN as ``NAN_BITS`` and a -0.0 maximum as +0.0.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from ignition.catalog.contract import (INVALID_TOKEN_ID, MAX_SELECTED_IDS, NAN_B
 from ignition.catalog.parallel import (CANDIDATE_KEYS_WORD, CANDIDATE_VALUES_WORD, CANDIDATES, PROMPT_CANDIDATES,
                                        PROMPT_STATS, SELECTED_WORD, STATS)
 from ignition.components import logprobs as L
+
+_NAN = torch.tensor(NAN_BITS, dtype=torch.int32).view(torch.float32)  # the contract's NaN as an FP32 scalar
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 """An all-gather along dim 0: ``[rows, words]`` on every rank -> ``[ranks * rows, words]`` in rank order."""
@@ -50,13 +57,18 @@ def _max_and_mass(logits: torch.Tensor, valid: int) -> tuple[torch.Tensor, torch
     rows = logits.shape[0]
     if valid == 0:
         return torch.full((rows,), float("-inf"), device=logits.device), torch.zeros(rows, device=logits.device)
-    row_max = L._group_maxima(logits, valid).float().amax(dim=1)  # NaN propagates
+    row_max = L._group_maxima(logits, valid).float().amax(dim=1) + 0.0  # NaN propagates; -0.0 becomes +0.0
     shift = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     mass = torch.zeros(rows, device=logits.device)
     for start in range(0, valid, L.VOCAB_CHUNK):
         chunk = logits[:, start:min(start + L.VOCAB_CHUNK, valid)]
         mass += torch.sub(chunk.float(), shift[:, None]).exp_().sum(dim=1)  # a fresh FP32 chunk: logits stay intact
-    return row_max, mass
+    return _canonical(row_max), _canonical(mass)
+
+
+def _canonical(values: torch.Tensor) -> torch.Tensor:
+    """Exchange words carry one NaN pattern (NAN_BITS), whatever NaN the arithmetic produced."""
+    return torch.where(torch.isnan(values), _NAN, values)
 
 
 def global_normalization(maxima: torch.Tensor, masses: torch.Tensor) -> torch.Tensor:
@@ -81,7 +93,7 @@ def _raw_of(logits: torch.Tensor, ids: torch.Tensor, vocab_start: int, valid: in
     """FP32 raw logits of the ids this shard owns, 0 elsewhere: ``[rows, n]``."""
     owned = _owned(ids, vocab_start, valid)
     local = torch.where(owned, ids - vocab_start, torch.zeros_like(ids)).to(torch.int64)
-    return torch.where(owned, logits.gather(1, local).float(), torch.zeros((), device=logits.device))
+    return torch.where(owned, _canonical(logits.gather(1, local).float()), torch.zeros((), device=logits.device))
 
 
 def _from_owner(gathered: torch.Tensor, ids: torch.Tensor, vocab_shard: int, vocab_size: int) -> torch.Tensor:
@@ -152,7 +164,8 @@ def shard_candidates(logits, statistics, chosen, requested, token_ids, token_id_
     if natural.any():
         ids, values = _shard_best(block, block_lse, vocab_start, valid, TILE_SORT_KEYS, natural)
         keys = _keys(ids, values).contiguous().view(torch.float32)  # [n, 64]: bit-preserving words
-        packed = torch.cat([keys, values], dim=1)[natural]
+        value_words = L._pack(ids, values)[:, 1::2].contiguous().view(torch.float32)  # NAN_BITS, -0.0 as +0.0
+        packed = torch.cat([keys, value_words], dim=1)[natural]
         words[index[natural], CANDIDATE_KEYS_WORD:CANDIDATE_VALUES_WORD + TILE_SORT_KEYS] = packed
     if (~natural).any():
         selected = token_ids[index[~natural]].to(torch.int64)  # [n, 128]
@@ -336,6 +349,11 @@ def _merge_scores_op(statistics: torch.Tensor, candidates: torch.Tensor, targets
 @_merge_scores_op.register_fake
 def _(statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
     return None
+
+
+STAGE_OPS = {"statistics": _statistics_op, "candidates": _candidates_op, "merge": _merge_op}
+"""The generation stage ops by stage name (catalog.parallel.VOCABULARY_LAUNCHES); CUDA registers its launches
+on them in device_reduction.py."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WE
 from ignition.exporter.publish import check_output, publish, recover, staging_dir
 from ignition.exporter.signing import sign_core
 from ignition.catalog.hashing import dump_json, hash_tree
-from ignition.recipes.base import ExportOptions, RecipeBuild
+from ignition.recipes.base import ExportOptions, GraphBuild, RecipeBuild
 from ignition.recipes.registry import build_recipe
 from ignition.validate.archive import check_archive
 
@@ -80,6 +80,21 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
     }
 
 
+def _checked(capture: Callable, build: RecipeBuild, kernels: dict | None) -> Callable:
+    """``capture``, refusing a graph whose reduction does not have the shape its prepared launches were built for."""
+    if kernels is None:
+        return capture
+
+    def capture_and_check(graph: GraphBuild, weights):
+        from ignition.exporter.prepare import check_captured_launches
+        program = capture(graph, weights)
+        mismatch = check_captured_launches(build, graph, program)
+        if mismatch:
+            raise ExportError(f"variant {graph.variant.name}: {mismatch}")
+        return program
+    return capture_and_check
+
+
 def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
                 progress: Progress = lambda stage, item: None, signing_key=None) -> dict[str, float]:
     """Export a core to ``out``; returns wall seconds per stage. ``signing_key`` (an Ed25519 private
@@ -114,7 +129,8 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         group_name = None
         if build.parallel is not None:  # every rank's graphs, each traced at its rank of a fake group
             from ignition.exporter.sharded import capture_ranks
-            group_name = capture_ranks(build, staging, capture, save_program, progress, timings)
+            group_name = capture_ranks(build, staging, _checked(capture, build, kernels), save_program, progress,
+                                       timings)
         for index, graph in enumerate(build.graphs if build.parallel is None else (), 1):
             started = time.perf_counter()
             progress("capture", f"variant {index} of {len(build.graphs)}: {graph.variant.name}")

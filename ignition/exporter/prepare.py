@@ -23,12 +23,17 @@ def _lanes(graph: GraphBuild) -> int:
 
 
 def variant_plan(build: RecipeBuild, graph: GraphBuild):
-    from ignition.components.triton_logprobs import launch_plan
-
+    """The variant's launches: four single-rank ones, or for a sharded build the six every rank runs (one plan for
+    all ranks: a shard's position is a runtime argument, so identical shapes share one binary)."""
     layout = graph.variant.layout.get("logprobs")
     if layout is None:
         return []
     dtype = getattr(torch, build.model["dtype"])
+    if build.parallel is not None:
+        from ignition.components.triton_vocabulary import vocabulary_launch_plan
+        return vocabulary_launch_plan(_lanes(graph), build.parallel.vocab_shard, build.parallel.ranks, layout["k"],
+                                      layout["explicit_ids"], dtype)
+    from ignition.components.triton_logprobs import launch_plan
     return launch_plan(_lanes(graph), build.vocab_padded, build.vocab_size, layout["k"], layout["explicit_ids"], dtype)
 
 
@@ -44,14 +49,17 @@ def prepare_build_kernels(build: RecipeBuild, targets, staging: Path) -> dict:
 
 
 def check_captured_launches(build: RecipeBuild, graph: GraphBuild, program) -> str | None:
-    """None when the captured reduction node matches the prepared plan, else what differs."""
+    """None when the captured reduction node matches the prepared plan, else what differs (for a sharded
+    build: the ``vocab_shard_statistics`` node, whose logits are the rank's ``[rows, vocab_shard]``)."""
     if not graph.variant.launches:
         return None
-    nodes = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target) == "ignition.reduce_logprobs.default"]
+    op = "reduce_logprobs" if build.parallel is None else "vocab_shard_statistics"
+    nodes = [n for n in program.graph.nodes if n.op == "call_function" and str(n.target) == f"ignition.{op}.default"]
     wanted = 2 if graph.variant.layout.get("mixed") else 1  # a mixed graph reduces once per role
     if len(nodes) != wanted:
-        return f"expected {wanted} ignition::reduce_logprobs node(s), found {len(nodes)}"
-    expected = (_lanes(graph), build.vocab_padded, getattr(torch, build.model["dtype"]))
+        return f"expected {wanted} ignition::{op} node(s), found {len(nodes)}"
+    width = build.vocab_padded if build.parallel is None else build.parallel.vocab_shard
+    expected = (_lanes(graph), width, getattr(torch, build.model["dtype"]))
     for node in nodes:
         logits = node.args[0].meta["val"]
         found = (logits.shape[0], logits.shape[1], logits.dtype)

@@ -88,10 +88,9 @@ class ExportOptions:
                 or not 1 <= self.tensor_parallel <= MAX_TENSOR_PARALLEL:
             raise RecipeError(f"--tensor-parallel must be an integer between 1 and {MAX_TENSOR_PARALLEL}, "
                               f"got {self.tensor_parallel!r}")
-        if self.tensor_parallel > 1 and (self.targets or self.compile):
-            raise RecipeError(f"--tensor-parallel {self.tensor_parallel} cannot be combined with "
-                              f"{'--targets' if self.targets else '--compile'}: sharded cores carry portable .pt2 "
-                              f"graphs only (the sharded reduction's prepared launches are not built yet)")
+        if self.tensor_parallel > 1 and self.compile:
+            raise RecipeError(f"--tensor-parallel {self.tensor_parallel} cannot be combined with --compile: sharded "
+                              f"cores carry portable .pt2 graphs (and prepared kernels with --targets)")
         if self.prompt_logprobs and (not self.logprobs or self.logprob_k != NATURAL_K):
             raise RecipeError(f"--prompt-logprobs requires the K={NATURAL_K} generation logprob outputs "
                               f"(found K={self.logprob_k if self.logprobs else 0})")

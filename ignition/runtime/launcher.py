@@ -124,6 +124,29 @@ class PreparedLaunch:
     shared_bytes: int
 
 
+def load_launches(root: Path, entries: dict, keys: list[str], target: str, driver, functions: dict,
+                  modules: list) -> list[PreparedLaunch]:
+    """The prepared launches of ``keys`` for ``target``: each cubin loaded once (``functions`` by file)."""
+    launches = []
+    for key in keys:
+        entry = entries.get((key, target))
+        if entry is None:
+            raise LauncherError(f"kernels.json has no {target} binary for launch {key}")
+        if entry["file"] not in functions:
+            image = np.frombuffer((Path(root) / entry["file"]).read_bytes(), dtype=np.uint8)
+            module = check(driver.cuModuleLoadData(image.ctypes.data), driver)
+            modules.append(module)
+            functions[entry["file"]] = check(driver.cuModuleGetFunction(module, entry["kernel_name"].encode()), driver)
+        function = functions[entry["file"]]
+        if entry["shared_bytes"] > 48 * 1024:  # above the default dynamic limit: opt in, as Triton does
+            attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(driver.cuFuncSetAttribute(function, attribute, entry["shared_bytes"]), driver)
+        grid = tuple(entry["grid"]) + (1,) * (3 - len(entry["grid"]))
+        launches.append(PreparedLaunch(key, function, entry["signature"], grid, entry["num_warps"] * 32,
+                                       entry["shared_bytes"]))
+    return launches
+
+
 @dataclass(slots=True)
 class ReductionWorkspace:
     """Sized once per shape at load and reused by every replay (no serving allocation)."""
@@ -167,13 +190,18 @@ class PreparedReduction:
     @classmethod
     def load(cls, root: Path, manifest: dict, catalog: dict, table: dict | None, device: torch.device,
              driver=None) -> "PreparedReduction | None":
-        """The launcher for a core on ``device``; None when no graph of the core reduces logprobs.
+        """The launcher for a core on ``device``; None when no graph of the core reduces logprobs; for a sharded
+        core, a ``PreparedVocabulary`` (ignition/runtime/vocabulary_launcher.py).
 
         ``driver`` defaults to ``cuda.bindings.driver`` (tests pass an emulation of it)."""
         if not any(entry["contract"]["layout"].get("logprobs") for entry in catalog["variants"]):
             return None
         target = select_target(torch.cuda.get_device_capability(device), list(table["targets"]) if table else [],
                                str(device))
+        if "tensor_parallel" in manifest:  # a rank of a sharded core: the six vocabulary-sharded launches
+            from ignition.runtime.vocabulary_launcher import PreparedVocabulary, vocabulary_shapes
+            return PreparedVocabulary.load(root, manifest, table, vocabulary_shapes(manifest, catalog), device, target,
+                                           driver)
         return cls.from_table(root, table, reduction_shapes(manifest, catalog), device, target, driver)
 
     @classmethod
@@ -188,24 +216,7 @@ class PreparedReduction:
         entries = {(e["key"], e["target"]): e for e in table["kernels"]}
         functions, modules, launches, workspaces = {}, [], {}, {}
         for shape, keys in shapes.items():
-            launches[shape] = []
-            for key in keys:
-                entry = entries.get((key, target))
-                if entry is None:
-                    raise LauncherError(f"kernels.json has no {target} binary for launch {key}")
-                if entry["file"] not in functions:
-                    image = np.frombuffer((Path(root) / entry["file"]).read_bytes(), dtype=np.uint8)
-                    module = check(driver.cuModuleLoadData(image.ctypes.data), driver)
-                    modules.append(module)
-                    functions[entry["file"]] = check(driver.cuModuleGetFunction(module, entry["kernel_name"].encode()),
-                                                     driver)
-                function = functions[entry["file"]]
-                if entry["shared_bytes"] > 48 * 1024:  # above the default dynamic limit: opt in, as Triton does
-                    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                    check(driver.cuFuncSetAttribute(function, attribute, entry["shared_bytes"]), driver)
-                grid = tuple(entry["grid"]) + (1,) * (3 - len(entry["grid"]))
-                launches[shape].append(PreparedLaunch(key, function, entry["signature"], grid,
-                                                      entry["num_warps"] * 32, entry["shared_bytes"]))
+            launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
             first = entries[(keys[0], target)]  # launch 1 runs over (rows, tiles) with SUB sub-blocks per tile
             sub = first["constexprs"].get("SUB", 1)  # tables prepared before the cutoff have no sub-blocks
             workspaces[shape] = ReductionWorkspace.allocate(shape.rows, first["grid"][1], sub, device)

@@ -118,10 +118,11 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
             found = schema_violations(kernel_table, "kernels.schema.json", manifest["kernels"])
             report.violations += found
             if not found:
-                from ignition.validate.kernels import validate_kernel_table
+                from ignition.validate.kernels import check_sharded_launches, validate_kernel_table
                 report.kernels = kernel_table
                 named |= {k["file"]: f"{manifest['kernels']}: {k['key']}" for k in kernel_table["kernels"]}
                 report.violations += validate_kernel_table(root, kernel_table, {v["name"]: v["launches"] for v in variants})
+                report.violations += check_sharded_launches(manifest, variants, kernel_table)
     elif any(v["launches"] for v in variants):
         report.violations.append(Violation("KERNEL-MISSING", MANIFEST_FILE, "variants name launches but the core has no kernel table"))
     file_found = check_files(root, manifest["files"], named)

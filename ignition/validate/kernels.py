@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ignition.catalog.targets import TARGETS
 from ignition.catalog.hashing import sha256_file
+from ignition.catalog.model import reduction_rows
+from ignition.catalog.parallel import VOCABULARY_LAUNCHES
+from ignition.catalog.targets import TARGETS
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
 
@@ -64,4 +66,47 @@ def _check_entry(core_dir: Path, entry: dict, targets: list[str], where: str) ->
     elif sha256_file(path) != entry.get("sha256"):
         found.append(Violation("KERNEL-HASH", where, f"{rel}: expected sha256 {entry.get('sha256')}, "
                                                      f"found {sha256_file(path)}"))
+    return found
+
+
+_SHARDED_NAMES = [f"vocab.{launch.name}" for launch in VOCABULARY_LAUNCHES]
+_RANKED = {"vocab.global_normalization", "vocab.merge"}  # launches that read every rank's exchange words
+
+
+def check_sharded_launches(manifest: dict, variants: list[dict], table: dict) -> list[Violation]:
+    """KERNEL-SHARDED: each logprob variant of a sharded core launches the six sharded kernels of its shape."""
+    section = manifest.get("tensor_parallel")
+    entries = {}
+    for entry in table.get("kernels", []) if isinstance(table, dict) else []:
+        if isinstance(entry, dict):
+            entries.setdefault(entry.get("key"), entry)
+    found = []
+    for variant in variants:
+        launches = variant.get("launches") or []
+        names = [entries.get(key, {}).get("name") for key in launches]
+        where = f"variant {variant.get('name')}: launches"
+        if section is None:
+            if any(name in _SHARDED_NAMES for name in names):
+                found.append(Violation("KERNEL-SHARDED", where, f"a single-rank core lists sharded launches {names}"))
+            continue
+        if not launches or None in names:  # no logprobs, or KERNEL-MISSING already names the key
+            continue
+        if names != _SHARDED_NAMES:
+            found.append(Violation("KERNEL-SHARDED", where, f"expected {_SHARDED_NAMES}, found {names}"))
+            continue
+        rows = reduction_rows(variant["operation"], variant["capacity"], variant["contract"]["layout"])
+        for key, name in zip(launches, names):
+            entry = entries[key]
+            constexprs, grid = entry.get("constexprs") or {}, entry.get("grid") or []
+            if name in _RANKED and constexprs.get("RANKS") != section["ranks"]:
+                found.append(Violation("KERNEL-SHARDED", f"{where}: {key}", f"built for RANKS="
+                                       f"{constexprs.get('RANKS')}, the core has {section['ranks']} ranks"))
+            if not grid or grid[0] != rows:
+                found.append(Violation("KERNEL-SHARDED", f"{where}: {key}", f"grid {grid} does not cover the "
+                                       f"variant's {rows} reduction rows"))
+            if name == "vocab.tile_stats" and len(grid) == 2 and not (
+                    (grid[1] - 1) * constexprs.get("TILE", 0) < section["vocab_shard"] <= grid[1] * constexprs.get("TILE", 0)):
+                found.append(Violation("KERNEL-SHARDED", f"{where}: {key}", f"{grid[1]} tiles of "
+                                       f"{constexprs.get('TILE')} lanes do not cover vocab_shard "
+                                       f"{section['vocab_shard']}"))
     return found

@@ -1,0 +1,79 @@
+"""One rank's scratch between the three sharded stage ops, and how each stage binds its launch arguments.
+
+Shared by the JIT path (``triton_vocabulary.TritonVocabulary``) and the prepared launcher
+(``ignition.runtime.launcher.PreparedVocabulary``); nothing here imports Triton. Stage 1 fills
+the workspace (tile statistics, sub-block maxima, tau) that stage 2 of the same reduction reads;
+a rank runs its stages in stream order with the all-gathers between them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ignition.catalog.contract import TILE_SORT_KEYS
+from ignition.catalog.parallel import VOCABULARY_LAUNCHES
+
+
+@dataclass(slots=True)
+class VocabularyWorkspace:
+    """One rank's scratch between its stage ops, sized by the plan; reused by every call of the shape."""
+
+    tiles: int
+    stats: torch.Tensor  # [rows, tiles, 2] fp32
+    maxima: torch.Tensor  # [rows, tiles, SUB] fp32
+    tau: torch.Tensor  # [rows] fp32
+    lse: torch.Tensor  # [rows] fp32
+    cutoff: torch.Tensor  # [rows] fp32
+    keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
+    chosen: torch.Tensor  # [rows] int64: chosen ids widened
+
+    @classmethod
+    def allocate(cls, rows: int, tiles: int, sub: int, device) -> "VocabularyWorkspace":
+        def fp32(*shape):
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        return cls(tiles, fp32(rows, tiles, 2), fp32(rows, tiles, sub), fp32(rows), fp32(rows), fp32(rows),
+                   torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
+                   torch.empty(rows, dtype=torch.int64, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.stats, self.maxima, self.tau, self.lse, self.cutoff, self.keys, self.chosen
+
+    def pointers(self) -> dict[str, torch.Tensor]:
+        return {"stats_ptr": self.stats, "maxima_ptr": self.maxima, "tau_ptr": self.tau, "lse_ptr": self.lse,
+                "cutoff_ptr": self.cutoff, "keys_ptr": self.keys}
+
+
+def stage_launches(plan: list, stage: str) -> list:
+    """The launches of ``plan`` (specs or prepared launches, in plan order) that one stage op issues."""
+    names = [launch.name for launch in VOCABULARY_LAUNCHES if launch.stage == stage]
+    return [entry for entry, launch in zip(plan, VOCABULARY_LAUNCHES, strict=True) if launch.name in names]
+
+
+def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, chosen=None, requested, token_ids=None,
+                    token_id_counts=None, exchange=None, statistics=None, candidates=None, out=None, out_rows=None,
+                    vocab_start: int = 0, vocab_size: int, vocab_shard: int) -> dict:
+    """Every runtime argument a stage's launches may take, by parameter name (the launcher binds the same).
+
+    Stages 1 and 2 see the shard: their ``vocab_size`` parameter (of the reused single-rank kernels)
+    is the shard's lane count below the vocabulary; the merge sees the global ``vocab_size``."""
+    rows = requested.shape[0]
+    lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
+    args = dict(workspace.pointers(), requested_ptr=requested, num_tiles=workspace.tiles, rows=rows,
+                vocab_start=vocab_start, shard_lanes=lanes, vocab_shard=vocab_shard,
+                vocab_size=vocab_size if stage == "merge" else lanes)
+    if logits is not None:
+        args |= {"logits_ptr": logits, "logits_row_stride": logits.stride(0)}
+    if chosen is not None:
+        if chosen.dtype != torch.int64 or not chosen.is_contiguous():
+            workspace.chosen.copy_(chosen)
+            chosen = workspace.chosen
+        args["chosen_ptr"] = chosen
+    args["token_ids_ptr"] = token_ids if token_ids is not None else requested  # never read without HAS_IDS
+    args["counts_ptr"] = token_id_counts if token_id_counts is not None else requested
+    for name, tensor in (("exchange_ptr", exchange), ("statistics_ptr", statistics), ("candidates_ptr", candidates),
+                         ("out_ptr", out), ("out_rows_ptr", out_rows)):
+        if tensor is not None:
+            args[name] = tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor
+    return args

@@ -1,0 +1,168 @@
+"""The prepared launcher of a sharded core: six cubins per rank for the vocabulary-sharded reduction.
+
+``PreparedReduction.load`` hands a core with a ``tensor_parallel`` section to
+``PreparedVocabulary.load``. Every rank loads the same binaries (the launch plan does not depend on
+the rank; a shard's position is a runtime argument) and one workspace per (rows, vocab_shard). The
+CUDA stage ops (``ignition.components.device_reduction``) call ``statistics``, ``candidates`` and
+``merge``; each issues its launches (``catalog.parallel.VOCABULARY_LAUNCHES``) on torch's current
+stream with ``cuLaunchKernel``, parameters packed as for the single-rank launcher. The two exchange
+outputs are fresh tensors from torch's caching allocator (the graph pool under capture); nothing
+here imports Triton or compiles.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.model import reduction_rows
+from ignition.catalog.parallel import EXCHANGE_WORDS, VOCABULARY_LAUNCHES
+from ignition.components.vocabulary_workspace import VocabularyWorkspace, stage_arguments, stage_launches
+from ignition.runtime.launcher import LauncherError, PreparedLaunch, _driver, check, load_launches, pack_params
+
+
+@dataclass(frozen=True, slots=True)
+class VocabularyShape:
+    """Everything that selects one rank's prepared launches of a sharded reduction."""
+
+    rows: int
+    vocab_shard: int
+    ranks: int
+    k: int
+    explicit_ids: bool
+    logits_dtype: str  # torch dtype name
+
+
+def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, list[str]]:
+    """Each shape the sharded core's graphs reduce, with its six launch keys in launch order."""
+    section = manifest["tensor_parallel"]
+    shapes: dict[VocabularyShape, list[str]] = {}
+    for entry in catalog["variants"]:
+        layout = entry["contract"]["layout"].get("logprobs")
+        if layout is None:
+            continue
+        rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
+        shape = VocabularyShape(rows, section["vocab_shard"], section["ranks"], layout["k"],
+                                bool(layout["explicit_ids"]), manifest["model"]["dtype"])
+        launches = list(entry.get("launches") or [])
+        if len(launches) != len(VOCABULARY_LAUNCHES):
+            raise LauncherError(f"variant {entry['name']} reduces logprobs over {section['ranks']} ranks but lists "
+                                f"{len(launches)} prepared launches, not {len(VOCABULARY_LAUNCHES)}; re-export the "
+                                f"core with --targets")
+        if shapes.setdefault(shape, launches) != launches:
+            raise LauncherError(f"variant {entry['name']}: launches {launches} differ from another variant of the "
+                                f"same reduction shape ({shapes[shape]})")
+    return shapes
+
+
+class PreparedVocabulary:
+    """The CUDA implementation of the three sharded stage ops for one device (one rank) and one core."""
+
+    def __init__(self, device: torch.device, target: str, shapes: dict[VocabularyShape, list[PreparedLaunch]],
+                 workspaces: dict[tuple[int, int], VocabularyWorkspace], modules: list, driver=None):
+        self.device, self.target = device, target
+        self.driver = driver or _driver()
+        self.shapes = shapes
+        self.workspaces = workspaces
+        self._modules = modules
+        self.launch_count = 0
+        self._stages: dict[tuple, list[PreparedLaunch]] = {}
+        for shape, launches in shapes.items():
+            for stage, key in (("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
+                               ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.explicit_ids,
+                                               shape.logits_dtype)),
+                               ("merge", (shape.rows, shape.vocab_shard, shape.ranks, shape.k, shape.explicit_ids))):
+                own = stage_launches(launches, stage)
+                if self._stages.setdefault((stage, *key), own) != own:  # a plan's stage depends only on its key
+                    raise LauncherError(f"stage {stage} of {shape} launches {[x.key for x in own]}, another shape "
+                                        f"with the same {stage} inputs launches "
+                                        f"{[x.key for x in self._stages[(stage, *key)]]}")
+
+    @classmethod
+    def load(cls, root: Path, manifest: dict, table: dict, shapes: dict[VocabularyShape, list[str]],
+             device: torch.device, target: str, driver=None) -> "PreparedVocabulary":
+        driver = driver or _driver()
+        torch.zeros(1, device=device)  # makes torch's primary context current on this thread
+        if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
+            raise LauncherError(f"no CUDA context is current for {device}")
+        entries = {(e["key"], e["target"]): e for e in table["kernels"]}
+        functions, modules, launches, workspaces = {}, [], {}, {}
+        for shape, keys in shapes.items():
+            launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
+            first = entries[(keys[0], target)]  # tile_stats: (rows, tiles) with SUB sub-blocks per tile
+            if (shape.rows, shape.vocab_shard) not in workspaces:
+                workspaces[(shape.rows, shape.vocab_shard)] = VocabularyWorkspace.allocate(
+                    shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
+        return cls(device, target, launches, workspaces, modules, driver)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for w in self.workspaces.values() for t in w.tensors())
+
+    def _stage(self, stage: str, key: tuple) -> list[PreparedLaunch]:
+        launches = self._stages.get((stage, *key))
+        if launches is None:
+            prepared = sorted(str(k[1:]) for k in self._stages if k[0] == stage)
+            raise LauncherError(f"no prepared {stage} launches for {key}; the core prepared {prepared}")
+        return launches
+
+    def _workspace(self, rows: int, vocab_shard: int) -> VocabularyWorkspace:
+        return self.workspaces[(rows, vocab_shard)]
+
+    def _launch(self, launches: list[PreparedLaunch], args: dict) -> None:
+        values = {name: value.data_ptr() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
+        driver = self.driver
+        stream = driver.CUstream(self.current_stream())
+        for launch in launches:
+            params, _holders = pack_params(launch.signature, values)
+            check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
+                                        stream, ctypes.addressof(params), 0), driver)
+        self.launch_count += len(launches)
+
+    @staticmethod
+    def new_exchange(rows: int, device: torch.device) -> torch.Tensor:
+        """One rank's exchange words ``[rows, EXCHANGE_WORDS]`` FP32 (the op's fresh output)."""
+        return torch.empty(rows, EXCHANGE_WORDS, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _dtype(logits: torch.Tensor) -> str:
+        if logits.stride(-1) != 1:
+            raise LauncherError(f"logits must have unit vocabulary stride, got strides {logits.stride()}")
+        return str(logits.dtype).removeprefix("torch.")
+
+    def statistics(self, logits, requested, vocab_start, vocab_size):
+        rows, shard = logits.shape
+        launches = self._stage("statistics", (rows, shard, self._dtype(logits)))
+        exchange = self.new_exchange(rows, logits.device)
+        self._launch(launches, stage_arguments("statistics", self._workspace(rows, shard), logits=logits,
+                                               requested=requested, exchange=exchange, vocab_start=vocab_start,
+                                               vocab_size=vocab_size, vocab_shard=shard))
+        return exchange
+
+    def candidates(self, logits, statistics, chosen, requested, token_ids, token_id_counts, vocab_start, vocab_size):
+        rows, shard = logits.shape
+        key = (rows, shard, statistics.shape[0] // rows, token_ids is not None, self._dtype(logits))
+        launches = self._stage("candidates", key)
+        exchange = self.new_exchange(rows, logits.device)
+        self._launch(launches, stage_arguments("candidates", self._workspace(rows, shard), logits=logits,
+                                               chosen=chosen, requested=requested, token_ids=token_ids,
+                                               token_id_counts=token_id_counts, exchange=exchange,
+                                               statistics=statistics, vocab_start=vocab_start,
+                                               vocab_size=vocab_size, vocab_shard=shard))
+        return exchange
+
+    def merge(self, statistics, candidates, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size,
+              vocab_shard, k):
+        rows = chosen.shape[0]
+        launches = self._stage("merge", (rows, vocab_shard, statistics.shape[0] // rows, k, token_ids is not None))
+        self._launch(launches, stage_arguments("merge", self._workspace(rows, vocab_shard), chosen=chosen,
+                                               requested=requested, token_ids=token_ids,
+                                               token_id_counts=token_id_counts, statistics=statistics,
+                                               candidates=candidates, out=out, out_rows=out_rows,
+                                               vocab_size=vocab_size, vocab_shard=vocab_shard))
+
+    def current_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
