@@ -2,7 +2,9 @@
 
 A sharded core holds N rank shards of one model (Megatron layout): column-parallel q/k/v/gate/up
 (output rows split), row-parallel o/down (input columns split, partial sums all-reduced),
-vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly). The
+vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly); MoE
+routers replicated and each expert split like an MLP; MLA's q_a/kv_a compressions replicated and
+q_b/kv_b split by heads. ``SPLIT_FIELDS`` lists the model sizes that must divide by N. The
 logprob reduction and prompt scoring never move a vocabulary matrix: each exchange is an
 all-gather of a fixed number of 32-bit words per row per rank, listed in ``EXCHANGES``.
 """
