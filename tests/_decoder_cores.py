@@ -8,6 +8,7 @@ declaration and calls ``torch.export.load(graph).module()(buffers)``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ class TinyCase:
 
 _TINY_MOE_COMMON = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2)
-TINY_MOE: dict[str, tuple[type, callable]] = {
+TINY_MOE: dict[str, tuple[type, Callable[[TinyCase], object]]] = {
     # a dense first layer, then an MoE layer with 4 experts: every shard rule of the family in two layers
     "qwen3_moe": (Qwen3MoeForCausalLM, lambda case: Qwen3MoeConfig(
         vocab_size=case.vocab_size, tie_word_embeddings=case.tie, num_key_value_heads=2, head_dim=16, num_experts=4,
