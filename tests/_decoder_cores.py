@@ -8,12 +8,14 @@ declaration and calls ``torch.export.load(graph).module()(buffers)``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from ignition.catalog.abi import PackedPosition, Record, decode_packed_position, decode_record, has_payload
 from ignition.catalog.contract import NATURAL_K
@@ -24,7 +26,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 @dataclass(frozen=True, slots=True)
 class TinyCase:
-    family: str  # qwen3 | llama (also the recipe name)
+    family: str  # qwen3 | llama | qwen3_moe | deepseek_v3 (also the recipe name)
     dtype: torch.dtype
     tie: bool
     vocab_size: int
@@ -32,8 +34,44 @@ class TinyCase:
     rope: dict | None = None
 
 
+_TINY_MOE_COMMON = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, num_experts_per_tok=2)
+TINY_MOE: dict[str, tuple[type, Callable[[TinyCase], object]]] = {
+    # a dense first layer, then an MoE layer with 4 experts: every shard rule of the family in two layers
+    "qwen3_moe": (Qwen3MoeForCausalLM, lambda case: Qwen3MoeConfig(
+        vocab_size=case.vocab_size, tie_word_embeddings=case.tie, num_key_value_heads=2, head_dim=16, num_experts=4,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0], **_TINY_MOE_COMMON)),
+    # low-rank queries (q_a/q_b), a dense first layer, group-limited routing with a shared expert, yarn RoPE
+    "deepseek_v3": (DeepseekV3ForCausalLM, lambda case: DeepseekV3Config(
+        vocab_size=case.vocab_size, tie_word_embeddings=case.tie, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, n_group=2,
+        topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_interleave=True, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                               "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                               "beta_fast": 32, "beta_slow": 1}, **_TINY_MOE_COMMON)),
+}
+"""The MoE families' tiny configs (examples/make_tiny_moe.py's, smaller: 2 layers, 4 experts)."""
+
+
+def build_hf_moe_model(case: TinyCase) -> torch.nn.Module:
+    """Seeded tiny Qwen3-MoE / DeepSeek-V3 with O(1) logits and a routing-steering score-correction bias."""
+    model_class, make_config = TINY_MOE[case.family]
+    torch.manual_seed(0)
+    model = model_class(make_config(case))
+    with torch.no_grad():  # expert tensors may be [experts, out, in]: scale by the last dim
+        for parameter in model.parameters():
+            parameter.copy_(1.0 + 0.1 * torch.randn_like(parameter) if parameter.dim() == 1
+                            else torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # HF initialises it to zero
+                buffer.copy_(0.5 * torch.randn_like(buffer))
+    return model.to(case.dtype)
+
+
 def build_hf_model(case: TinyCase) -> torch.nn.Module:
     """Seeded tiny HF model (GQA: 4 query heads, 2 KV heads) with O(1) logits."""
+    if case.family in TINY_MOE:
+        return build_hf_moe_model(case)
     torch.manual_seed(0)
     common = dict(vocab_size=case.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -51,10 +89,16 @@ def build_hf_model(case: TinyCase) -> torch.nn.Module:
     return model.to(case.dtype)
 
 
-def save_checkpoint(case: TinyCase, directory: Path) -> torch.nn.Module:
-    """Write the case with ``save_pretrained``; return transformers' own reload of it (eager attention)."""
+def save_checkpoint(case: TinyCase, directory: Path, reload: bool = True) -> torch.nn.Module | None:
+    """Write the case with ``save_pretrained``; return transformers' own reload of it (eager attention), or
+    None without ``reload``."""
     extra = {"max_shard_size": case.max_shard_size} if case.max_shard_size else {}
     build_hf_model(case).save_pretrained(directory, **extra)
+    if not reload:
+        return None
+    if case.family in TINY_MOE:
+        return TINY_MOE[case.family][0].from_pretrained(directory, dtype=case.dtype, attn_implementation="eager",
+                                                        experts_implementation="eager").eval()
     hf_class = Qwen3ForCausalLM if case.family == "qwen3" else LlamaForCausalLM
     hf = hf_class.from_pretrained(directory, dtype=case.dtype, attn_implementation="eager").eval()
     hf.generation_config.eos_token_id = None  # generate exactly max_new_tokens

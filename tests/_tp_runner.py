@@ -1,8 +1,9 @@
 """Rank 0 of a tensor-parallel run, as its own process (tests/test_tensor_parallel.py).
 
-``python tests/_tp_runner.py CORE RANKS [--kill]`` starts the ranks, runs ``requests()`` and prints
-one JSON line of results; with ``--kill`` it then kills rank 1 and reports how the next
-submission fails.
+``python tests/_tp_runner.py CORE[,CORE...] RANKS [--kill]`` starts each core's ranks in turn (one
+process start for every core), runs ``requests()`` and prints one JSON line: a list of results per
+core, in the order given; with ``--kill`` it then kills rank 1 of the last core and reports how the
+next submission fails.
 """
 
 from __future__ import annotations
@@ -32,24 +33,26 @@ def as_json(result) -> dict:
             "prompt": result.prompt_entries}
 
 
-def run(core: str, ranks: int, kill: bool) -> dict:
+def run(cores: list[str], ranks: int, kill: bool) -> dict:
     from ignition.runtime.parallel import ParallelError, tensor_parallel
 
-    with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
-        engine = Engine(loaded)
-        report = {"results": [as_json(r) for r in engine.generate(requests())]}
-        if kill:
-            group = next(iter(loaded.variants.values())).run.group
-            os.kill(group.workers[0].pid, signal.SIGKILL)
-            started = time.perf_counter()
-            try:
-                engine.generate(requests()[:1])
-                report["failure"] = None
-            except ParallelError as exc:
-                report["failure"] = str(exc)
-            report["failure_seconds"] = time.perf_counter() - started
+    report = {"results": []}
+    for index, core in enumerate(cores):
+        with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
+            engine = Engine(loaded)
+            report["results"].append([as_json(r) for r in engine.generate(requests())])
+            if kill and index == len(cores) - 1:
+                group = next(iter(loaded.variants.values())).run.group
+                os.kill(group.workers[0].pid, signal.SIGKILL)
+                started = time.perf_counter()
+                try:
+                    engine.generate(requests()[:1])
+                    report["failure"] = None
+                except ParallelError as exc:
+                    report["failure"] = str(exc)
+                report["failure_seconds"] = time.perf_counter() - started
     return report
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], int(sys.argv[2]), "--kill" in sys.argv[3:])))
+    print(json.dumps(run(sys.argv[1].split(","), int(sys.argv[2]), "--kill" in sys.argv[3:])))

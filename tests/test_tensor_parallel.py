@@ -1,76 +1,91 @@
-"""End to end over gloo: a tiny Qwen3 exported with --tensor-parallel 2 against the same recipe at TP=1.
+"""End to end over gloo: tiny Qwen3-MoE and DeepSeek-V3 exported with --tensor-parallel 2 against TP=1.
 
 The vocabulary (151) does not divide by 2: the shards pad it to 152 and the padding lane never
-enters a result. Rank 0 runs in a subprocess (tests/_tp_runner.py) and starts rank 1 itself.
-TP=4, prompt scoring (ranks identical, its traced exchanges) and the reduction's bit-level claims
-on adversarial logits are in test_vocabulary_logprobs.py; to stay within the suite's time budget
-this core has no scored-prefill variants.
+enters a result. Rank 0 runs in a subprocess (tests/_tp_runner.py) that runs every core in turn
+and starts rank 1 itself. TP=4, prompt scoring (ranks identical, its traced exchanges) and the
+reduction's bit-level claims on adversarial logits are in test_vocabulary_logprobs.py; to stay
+within the suite's time budget these cores have no scored-prefill variants.
 
-Values: the sharded model sums the row-parallel o/down partial products over ranks, so its FP32
-logits differ from TP=1's by rounding; the reduction adds at most 2 ulp of the normalization
-(test_vocabulary_logprobs.py). Measured end to end here: at most 4 ulp (|value| ~ 3-5), so the
-bound below is 8 ulp of the value's magnitude, while a wrong shard, owner or normalization moves a
-value by far more than that.
+The checkpoints (tests/_decoder_cores.py ``TINY_MOE``) have a dense first layer and an MoE second
+layer. The Qwen3-MoE one is also the dense-recipe case: its GQA attention (4 query heads, 2 KV heads,
+q/k norms), dense MLP layer and tied embedding run the same code and shard rules as qwen3 and llama,
+so one core covers both (a third exported core would cost the suite ~50 s); it routes softmax top-2 of
+4 experts. DeepSeek-V3 has low-rank queries (q_a/q_b), the MLA latent cache, an untied LM head,
+group-limited sigmoid routing and a shared expert.
+
+Values: the sharded model sums the row-parallel o/down (and expert down) partial products over
+ranks, so its FP32 logits differ from TP=1's by rounding; the reduction adds at most 2 ulp of the
+normalization (test_vocabulary_logprobs.py). Measured end to end here over 126 values each (|value| ~ 2-6):
+qwen3_moe 4 ulp (max abs 9.5e-7), deepseek_v3 8 ulp (1.9e-6: the routing weights,
+scaled by routed_scaling_factor 2.5, multiply the experts' rounding differences). The bound below is 16
+ulp of the value's magnitude for every recipe, while a wrong shard, owner, routing or normalization moves a
+value by far more than that (``-s`` prints each recipe's worst case).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from _decoder_cores import TinyCase, save_checkpoint
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
 from ignition.catalog.enums import Role
-from ignition.catalog.parallel import VOCABULARY_LAUNCHES
 from ignition.exporter.export import export_core, manifest_for
-from ignition.recipes.base import ExportOptions
+from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.recipes.registry import build_recipe
+from ignition.recipes.sharding import check_tensor_parallel, shard_config
 from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.engine import Engine
 from ignition.runtime.transfer import HostTransfer
-from ignition.validate.kernels import check_sharded_launches
 from ignition.validate.core import validate_core
 
 VOCAB = 151
 RUNNER = Path(__file__).with_name("_tp_runner.py")
-ULPS = 8
+ULPS = 16
+CASES = {"qwen3_moe": TinyCase("qwen3_moe", torch.float32, True, VOCAB),
+         "deepseek_v3": TinyCase("deepseek_v3", torch.float32, False, VOCAB)}  # last: the runner kills its rank 1
+RECIPES = tuple(CASES)
+
+
+def options_for(recipe: str, checkpoint: Path, ranks: int) -> ExportOptions:
+    return ExportOptions(recipe=recipe, checkpoint=checkpoint, capacities=(1,), chunk_limit=8, max_seq_len=32,
+                         tensor_parallel=ranks)
 
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory):
-    """(TP=1 reference results, TP=2 core) of one tied-embedding checkpoint: prefill.t8 and decode.c1.
+    """recipe -> (checkpoint, TP=1 reference results, TP=2 core): prefill.t8 and decode.c1 each.
 
     The TP=1 reference runs the same recipe's graph modules eagerly in this process (what the exported
-    graphs run), which saves an export; the TP=2 core is exported, validated and run over gloo.
+    graphs run), which saves an export; the TP=2 core is exported (export validates it).
     """
     root = tmp_path_factory.mktemp("tensor-parallel")
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5 if parameter.dim() > 1
-                            else 1.0 + 0.1 * torch.randn_like(parameter))
-    model.save_pretrained(root / "ckpt")
-    options = {ranks: ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1,), chunk_limit=8,
-                                    max_seq_len=32, tensor_parallel=ranks, targets=targets)
-               for ranks, targets in ((1, ()), (2, ("cuda:90",)))}  # TP=2 also prepares its sharded launches
-    with torch.no_grad():
-        reference = [as_json(r) for r in Engine(eager_core(options[1])).generate(requests())]
-    export_core(options[2], root / "tp2")
-    return reference, root / "tp2"
+    made = {}
+    for recipe, case in CASES.items():
+        checkpoint = root / recipe / "ckpt"
+        save_checkpoint(case, checkpoint, reload=False)
+        with torch.no_grad():
+            reference = [as_json(r) for r in Engine(eager_core(options_for(recipe, checkpoint, 1))).generate(requests())]
+        export_core(options_for(recipe, checkpoint, 2), root / recipe / "tp2")
+        made[recipe] = (checkpoint, reference, root / recipe / "tp2")
+    return made
+
+
+@pytest.fixture(scope="module")
+def sharded(cores):
+    """One runner process over every TP=2 core (saves a process start per core), then rank 1 of the last killed."""
+    report = run([cores[recipe][2] for recipe in RECIPES], 2, kill=True)
+    return dict(zip(RECIPES, report["results"], strict=True)), report
 
 
 def eager_core(options: ExportOptions) -> LoadedCore:
@@ -88,21 +103,26 @@ def eager_core(options: ExportOptions) -> LoadedCore:
     return LoadedCore(Path("eager"), manifest, build.weights, state, variants, transfer=HostTransfer(torch.device("cpu")))
 
 
-def run(core: Path, ranks: int, kill: bool = False) -> dict:
-    done = subprocess.run([sys.executable, str(RUNNER), str(core), str(ranks)] + (["--kill"] if kill else []),
-                          capture_output=True, text=True, timeout=300)
+def run(cores: list[Path], ranks: int, kill: bool = False) -> dict:
+    done = subprocess.run([sys.executable, str(RUNNER), ",".join(map(str, cores)), str(ranks)]
+                          + (["--kill"] if kill else []), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def ulps(a: float, b: float) -> float:
+    """|a - b| in FP32 ulps of the larger magnitude."""
+    return abs(a - b) / float(np.spacing(np.float32(max(abs(a), abs(b)))))
 
 
 def close(a: float, b: float) -> bool:
     if a is None or b is None or math.isnan(a) or math.isnan(b):
         return (a is None) == (b is None) and (a is None or math.isnan(a) == math.isnan(b))
-    return abs(a - b) <= ULPS * float(np.spacing(np.float32(max(abs(a), abs(b)))))  # FP32 ulps
+    return ulps(a, b) <= ULPS
 
 
 def test_sharded_core_declares_its_ranks(cores):
-    _, tp2 = cores
+    tp2 = cores["qwen3_moe"][2]
     manifest = json.loads((tp2 / "manifest.json").read_text())
     section = manifest["tensor_parallel"]
     assert section["ranks"] == 2 and manifest["vocab_padded"] == 152 and section["vocab_shard"] == 76
@@ -114,72 +134,98 @@ def test_sharded_core_declares_its_ranks(cores):
     assert sorted(section["rank_files"][1]["graphs"]) == ["decode.c1", "prefill.t8"]
 
 
-def test_tp2_matches_tp1_and_a_dead_rank_fails_cleanly(cores):
-    reference_results, tp2 = cores
-    sharded = run(tp2, 2, kill=True)
-    for reference, result in zip(reference_results, sharded["results"], strict=True):
+def test_moe_and_mla_cores_declare_their_shards(cores):
+    """Router replicated, each expert split like an MLP (gate/up rows, down columns), MLA split by heads."""
+    shards = {recipe: json.loads((cores[recipe][2] / "manifest.json").read_text())["tensor_parallel"]["shards"]
+              for recipe in ("qwen3_moe", "deepseek_v3")}
+    for recipe, table in shards.items():
+        assert table["layers.1.router"]["kind"] == "replicated", recipe
+        assert table["layers.1.experts.3.gate_proj"] == {"kind": "column", "dim": 0, "full": [16, 32], "shard": [8, 32]}
+        assert table["layers.1.experts.0.down_proj"] == {"kind": "row", "dim": 1, "full": [32, 16], "shard": [32, 8]}
+        assert table["layers.0.up_proj"]["full"] == [64, 32] and table["layers.0.up_proj"]["shard"] == [32, 32]
+    mla = shards["deepseek_v3"]
+    assert mla["layers.1.router_bias"]["kind"] == "replicated" and mla["layers.1.shared.up_proj"]["shard"] == [8, 32]
+    for name in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm"):  # every rank caches the same latent
+        assert mla[f"layers.0.{name}"]["kind"] == "replicated", name
+    assert mla["layers.0.q_b_proj"] == {"kind": "column", "dim": 0, "full": [96, 24], "shard": [48, 24]}  # 2 heads x 24
+    assert mla["layers.0.kv_b_proj"] == {"kind": "column", "dim": 0, "full": [112, 16], "shard": [56, 16]}  # 2 x (16+12)
+    assert mla["layers.0.o_proj"] == {"kind": "row", "dim": 1, "full": [32, 48], "shard": [32, 24]}
+    state = {s["name"]: s["shape"] for s in
+             json.loads((cores["deepseek_v3"][2] / "manifest.json").read_text())["state"]}
+    assert state["latent_cache"] == [2, 1, 32, 16] and state["rope_key_cache"] == [2, 1, 32, 8]  # whole per rank
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tp2_matches_tp1(cores, sharded, recipe):
+    reference_results, results = cores[recipe][1], sharded[0][recipe]
+    worst = []  # (ulps, abs) of every value
+    for reference, result in zip(reference_results, results, strict=True):
         assert result["error"] is None and result["tokens"] == reference["tokens"]  # greedy tokens identical
         for ref_entry, entry in zip(reference["entries"], result["entries"], strict=True):
             assert entry["id"] == ref_entry["id"]
             assert [i for i, _ in entry["top"]] == [i for i, _ in ref_entry["top"]]  # ids and order identical
-            assert close(entry["logprob"], ref_entry["logprob"])
-            assert all(close(v, w) for (_, v), (_, w) in zip(entry["top"], ref_entry["top"]))
-    explicit = sharded["results"][1]["entries"][0]["top"]
+            pairs = [(entry["logprob"], ref_entry["logprob"])] + [(v, w) for (_, v), (_, w) in
+                                                                   zip(entry["top"], ref_entry["top"])]
+            assert all(close(v, w) for v, w in pairs), pairs
+            worst += [(ulps(v, w), abs(v - w)) for v, w in pairs]
+    print(f"{recipe}: {len(worst)} values, max {max(u for u, _ in worst):.0f} ulp, max abs {max(a for _, a in worst):.3g}")
+    explicit = results[1]["entries"][0]["top"]
     assert [i for i, _ in explicit] == [0, 150, 7, 75, 76, 3]  # caller order, across the shard boundary
-    assert "rank 1 exited with code -9" in sharded["failure"], sharded["failure"]
-    assert sharded["failure_seconds"] < 30  # a clean error, not a wait for the process-group timeout
 
 
-def test_export_prepares_the_six_sharded_launches_once_for_every_rank(cores):
-    """--targets cuda:90: one kernel table entry per launch (both ranks and both variants share the binaries), the
-    variants list them in catalog order, validate-core passes, and KERNEL-SHARDED refuses a table of the wrong
-    rank count or sharded launches on a single-rank core."""
-    _, tp2 = cores
-    manifest = json.loads((tp2 / "manifest.json").read_text())
-    catalog = json.loads((tp2 / "catalog.json").read_text())
-    table = json.loads((tp2 / manifest["kernels"]).read_text())
-    names = [f"vocab.{launch.name}" for launch in VOCABULARY_LAUNCHES]
-    by_key = {entry["key"]: entry for entry in table["kernels"]}
-    assert table["targets"] == ["cuda:90"] and sorted(by_key[k]["name"] for k in by_key) == sorted(names)
-    reducing = [v for v in catalog["variants"] if v["contract"]["layout"].get("logprobs")]
-    assert len(reducing) == 2 and all([by_key[key]["name"] for key in v["launches"]] == names for v in reducing)
-    assert {by_key[key]["constexprs"].get("RANKS") for key in reducing[0]["launches"]} == {None, 2}
-    assert by_key[reducing[0]["launches"][0]]["grid"] == [1, 1]  # one row, one tile of the 76-lane shard
-    report = validate_core(tp2, check_graphs=False)
-    assert report.ok, report.violations
-    wider = json.loads(json.dumps(manifest))
-    wider["tensor_parallel"]["ranks"] = 4
-    assert {v.rule for v in check_sharded_launches(wider, catalog["variants"], table)} == {"KERNEL-SHARDED"}
-    del wider["tensor_parallel"]
-    assert {v.rule for v in check_sharded_launches(wider, catalog["variants"], table)} == {"KERNEL-SHARDED"}
+def test_a_dead_rank_fails_cleanly(sharded):
+    report = sharded[1]
+    assert "rank 1 exited with code -9" in report["failure"], report["failure"]
+    assert report["failure_seconds"] < 30  # a clean error, not a wait for the process-group timeout
 
 
-def test_prepared_sharded_launcher_drives_the_kernels_exactly(cores):
-    """Both ranks' PreparedVocabulary against an emulated CUDA driver in Triton's interpreter (one subprocess):
-    parameters, grid and threads from the table; exchange and packed words equal to the reference stages'."""
-    _, tp2 = cores
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_launcher_emulation.py")), str(tp2)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1])
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(results) == {"sharded-rows1-k20", "launches"}
-    assert {case: problems for case, problems in results.items() if problems} == {}
+def test_sizes_that_do_not_divide_are_refused_by_field(cores):
+    """Heads, the dense MLP and each expert's width must divide by N; the error names every field that does not."""
+    for recipe, fields in (("qwen3_moe", ["num_heads = 4", "num_kv_heads = 2", "intermediate_size = 64",
+                                          "moe.intermediate_size = 16 is not divisible by 3 (config.json "
+                                          "moe_intermediate_size"]),
+                           ("deepseek_v3", ["num_heads = 4 is not divisible by 3 (config.json num_attention_heads",
+                                            "moe.intermediate_size = 16"])):
+        with pytest.raises(RecipeError) as error:
+            build_recipe(options_for(recipe, cores[recipe][0], 3))
+        assert all(field in str(error.value) for field in fields), str(error.value)
+        assert "num_kv_heads" not in str(error.value) or recipe != "deepseek_v3"  # MLA has no KV heads to divide
+    # an expert width alone: 8 heads divide by 8, 12 expert rows do not; an all-MoE model's dense width is unused
+    moe = SimpleNamespace(intermediate_size=12)
+    cfg = SimpleNamespace(num_heads=8, intermediate_size=36, moe=moe, moe_layers=(0, 1), dense_mlp_layers=())
+    with pytest.raises(RecipeError, match=r"^--tensor-parallel 8: .*: moe.intermediate_size = 12 is not divisible by "
+                                          r"8 \(config.json moe_intermediate_size: each routed and shared expert's "
+                                          r"width\) \("):
+        check_tensor_parallel("deepseek_v3", cfg, 8)
 
 
-@pytest.mark.parametrize("rule,mutate", [
-    ("TP-RANKS", lambda tp: tp.update(ranks=3)),
-    ("TP-RANKS", lambda tp: tp.update(vocab_shard=75)),
-    ("TP-SHARD", lambda tp: tp["shards"]["layers.0.q_proj"].update(full=[32, 32])),
-    ("TP-SHARD", lambda tp: tp["shards"].pop("layers.1.down_proj")),
-    ("TP-EXCHANGE", lambda tp: tp["exchanges"][1].update(words=512)),
-    ("TP-VARIANTS", lambda tp: tp["rank_files"][1]["graphs"].pop("decode.c1")),
-    ("TP-VARIANTS", lambda tp: tp["rank_files"][0].update(weights="ranks/0/weights.safetensors")),
+def test_shard_config_divides_heads_and_expert_widths(cores):
+    from ignition.recipes.deepseek_v3 import DeepseekV3Config
+    from ignition.recipes.checkpoint import read_config
+
+    cfg = DeepseekV3Config.from_hf_config(read_config(cores["deepseek_v3"][0]), "config.json")
+    rank = shard_config(cfg, 2)
+    assert (rank.num_heads, rank.intermediate_size, rank.moe.intermediate_size) == (2, 32, 8)
+    assert (rank.kv_lora_rank, rank.moe.num_experts, rank.moe.shared_intermediate_size) == (16, 4, 8)
+
+
+@pytest.mark.parametrize("recipe,rule,mutate", [
+    ("qwen3_moe", "TP-RANKS", lambda tp: tp.update(ranks=3)),
+    ("qwen3_moe", "TP-RANKS", lambda tp: tp.update(vocab_shard=75)),
+    ("qwen3_moe", "TP-SHARD", lambda tp: tp["shards"]["layers.0.q_proj"].update(full=[32, 32])),
+    ("qwen3_moe", "TP-SHARD", lambda tp: tp["shards"].pop("layers.0.down_proj")),
+    ("qwen3_moe", "TP-EXCHANGE", lambda tp: tp["exchanges"][1].update(words=512)),
+    ("qwen3_moe", "TP-VARIANTS", lambda tp: tp["rank_files"][1]["graphs"].pop("decode.c1")),
+    ("qwen3_moe", "TP-VARIANTS", lambda tp: tp["rank_files"][0].update(weights="ranks/0/weights.safetensors")),
+    ("qwen3_moe", "TP-SHARD", lambda tp: tp["shards"]["layers.1.experts.2.down_proj"].update(dim=0)),
+    ("deepseek_v3", "TP-SHARD", lambda tp: tp["shards"].pop("layers.1.shared.gate_proj")),
+    ("deepseek_v3", "TP-SHARD", lambda tp: tp["shards"]["layers.0.kv_a_proj"].update(kind="column")),
+    ("deepseek_v3", "TP-RANKS", lambda tp: tp.update(ranks=3)),
 ])
-def test_validator_names_each_broken_tensor_parallel_fact(cores, tmp_path, rule, mutate):
-    _, tp2 = cores
+def test_validator_names_each_broken_tensor_parallel_fact(cores, tmp_path, recipe, rule, mutate):
     copy = CoreCopy(tmp_path / "core")
-    shutil.copytree(tp2, copy.root)
+    shutil.copytree(cores[recipe][2], copy.root)
     copy.edit("manifest.json", lambda manifest: mutate(manifest["tensor_parallel"]))
     report = validate_core(copy.root, check_graphs=False)
     assert rule in {v.rule for v in report.violations}, report.violations
+

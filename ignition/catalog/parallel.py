@@ -2,7 +2,9 @@
 
 A sharded core holds N rank shards of one model (Megatron layout): column-parallel q/k/v/gate/up
 (output rows split), row-parallel o/down (input columns split, partial sums all-reduced),
-vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly). The
+vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly); MoE
+routers replicated and each expert split like an MLP; MLA's q_a/kv_a compressions replicated and
+q_b/kv_b split by heads. ``SPLIT_FIELDS`` lists the model sizes that must divide by N. The
 logprob reduction and prompt scoring never move a vocabulary matrix: each exchange is an
 all-gather of a fixed number of 32-bit words per row per rank, listed in ``EXCHANGES``.
 """
@@ -98,8 +100,38 @@ SHARD_RULES: tuple[ShardRule, ...] = (
     ShardRule("o_proj", 1, "row"), ShardRule("down_proj", 1, "row"),
     ShardRule("o_bias", None, "bias_once"), ShardRule("down_bias", None, "bias_once"),
     ShardRule("embed", 0, "vocabulary"), ShardRule("lm_head", 0, "vocabulary"),
+    # MoE: every rank routes every row itself (bit-identical inputs, so identical choices); the experts'
+    # gate/up/down (experts.{e}.*, shared.*) take the MLP rules above.
+    ShardRule("router", None, "replicated"), ShardRule("router_bias", None, "replicated"),
+    # MLA: the compressions and their norms are replicated (every rank caches the same latent and rope key);
+    # q_b and kv_b split by heads (rows are head-major), o_proj (above) takes the heads' columns.
+    ShardRule("q_a_proj", None, "replicated"), ShardRule("q_a_norm", None, "replicated"),
+    ShardRule("kv_a_proj", None, "replicated"), ShardRule("kv_a_norm", None, "replicated"),
+    ShardRule("q_b_proj", 0, "column"), ShardRule("kv_b_proj", 0, "column"),
 )
 """Weights not matched by a suffix here (norms, q/k norms) are replicated on every rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class SplitField:
+    """A model size the shard rules divide by the rank count; ``field`` is the config attribute (dotted for
+    a nested one), ``hf_field`` its config.json name, ``applies`` the config property that says whether the
+    model has what it sizes (absent: always)."""
+
+    field: str
+    hf_field: str
+    what: str
+    applies: str | None = None
+
+
+SPLIT_FIELDS: tuple[SplitField, ...] = (
+    SplitField("num_heads", "num_attention_heads", "query heads (GQA or MLA)"),
+    SplitField("num_kv_heads", "num_key_value_heads", "GQA KV heads"),
+    SplitField("intermediate_size", "intermediate_size", "the dense MLP width", "dense_mlp_layers"),
+    SplitField("moe.intermediate_size", "moe_intermediate_size", "each routed and shared expert's width",
+               "moe_layers"),
+)
+"""What must divide by N for ``--tensor-parallel N``; a config without the field (MLA has no KV heads) skips it."""
 
 
 def shard_rule(name: str) -> ShardRule:

@@ -90,9 +90,13 @@ def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str,
 
 
 def mla_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
-                caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """DeepSeek-V3: MLA attention over ``latent_cache`` / ``rope_key_cache``; final-normed hidden ``[R, d_model]``."""
+                caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
+    """DeepSeek-V3: MLA attention over ``latent_cache`` / ``rope_key_cache``; final-normed hidden ``[R, d_model]``.
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): ``cfg`` and ``weights`` are one rank's, i.e.
+    ``cfg.num_heads`` of the heads; the caches are whole (the latent and rope key are per token, not per head).
+    """
     latent_cache, rope_key_cache = caches[LATENT_CACHE], caches[ROPE_KEY_CACHE]
     _check_caches(cfg, weights, {LATENT_CACHE: latent_cache, ROPE_KEY_CACHE: rope_key_cache})
     return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: mla_attention(
-        weights, cfg, layer, normed, cos, sin, rows, latent_cache, rope_key_cache))
+        weights, cfg, layer, normed, cos, sin, rows, latent_cache, rope_key_cache), parallel)

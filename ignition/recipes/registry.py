@@ -7,8 +7,8 @@ import importlib
 
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 
-SHARDABLE_RECIPES = ("qwen3", "llama")
-"""Recipes with a tensor-parallel layout (recipes/sharding.py): the dense GQA decoders."""
+SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
+"""Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE, and MLA."""
 
 RECIPES = {
     "toy": "ignition.recipes.toy",

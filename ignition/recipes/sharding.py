@@ -1,12 +1,20 @@
-"""Tensor parallelism for the dense GQA decoder recipes (qwen3, llama): rank shards and in-graph collectives.
+"""Tensor parallelism for the decoder recipes (qwen3, llama, qwen3_moe, deepseek_v3): rank shards and collectives.
 
 ``--tensor-parallel N`` splits one checkpoint into N rank shards by the table in
 ``ignition.catalog.parallel.SHARD_RULES`` (Megatron layout): q/k/v/gate/up split their output
 rows (GQA heads divided: query and KV heads must both divide by N), o/down split their input
 columns and all-reduce their partial sums, the embedding and LM head split the padded vocabulary
 evenly (padded to a multiple of N with zero rows, which never enter a result). The row-parallel
-sums keep the single-rank order (``catalog.parallel.ROW_REDUCTION_BLOCKS``), so hidden states and
-logits are bit-identical to TP=1 whenever N divides the reduction blocks. Each rank's graphs
+sums keep the single-rank order (``catalog.parallel.ROW_REDUCTION_BLOCKS``), so for FP32 dense
+models hidden states and logits are bit-identical to TP=1 whenever N divides the reduction blocks.
+
+MoE layers (``recipes/moe.py``): the router is replicated, so every rank routes every row the same
+way from the same hidden state; each expert, routed and shared, is an MLP split like the dense one.
+A rank sums its experts' weighted partial outputs and the shared experts' partial output locally;
+the layer then does its one reduction, as a dense MLP does (its sum is not TP=1's order: the
+experts' weights apply to partial products). MLA attention (``recipes/mla.py``): q_a / kv_a and
+their norms are replicated (every rank caches the same latent and rope key), q_b (or q) and kv_b
+split by heads, o_proj is row-parallel. The sizes that must divide by N are ``SPLIT_FIELDS``. Each rank's graphs
 run ``TensorParallel``'s collectives as traceable functional collectives on the default process
 group, so every rank's ``.pt2`` holds them and binds them to the group the runtime starts.
 """
@@ -19,7 +27,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, padded_vocabulary, shard_rule
+from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, SPLIT_FIELDS, SplitField, padded_vocabulary, shard_rule
 from ignition.components.vocabulary_logprobs import VocabularyShard
 from ignition.recipes.base import RecipeError
 from ignition.recipes.layers import pairwise_sum
@@ -90,6 +98,20 @@ class TensorParallel:
         return gathered.view(self.ranks, rows, self.vocab_shard).permute(1, 0, 2).reshape(rows, self.vocab_padded)
 
 
+def _field(cfg, path: str):
+    """``cfg``'s value at a dotted ``path`` (``moe.intermediate_size``); None when the config has no such field."""
+    value = cfg
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def split_fields(cfg) -> list[SplitField]:
+    """The ``SPLIT_FIELDS`` this config has and uses (an all-MoE model's dense ``intermediate_size`` sizes nothing)."""
+    return [split for split in SPLIT_FIELDS if _field(cfg, split.field) is not None
+            and (split.applies is None or getattr(cfg, split.applies, True))]
+
+
 def check_tensor_parallel(recipe: str, cfg, ranks: int) -> None:
     """Every reason ``cfg`` cannot be split over ``ranks``, as one RecipeError naming the fields."""
     if not 1 <= ranks <= MAX_TENSOR_PARALLEL:
@@ -97,18 +119,23 @@ def check_tensor_parallel(recipe: str, cfg, ranks: int) -> None:
     if recipe not in SHARDABLE_RECIPES:
         raise RecipeError(f"--tensor-parallel {ranks}: recipe {recipe} has no sharded layout; "
                           f"tensor parallelism supports {', '.join(SHARDABLE_RECIPES)}")
-    problems = [f"{field} = {getattr(cfg, field)} is not divisible by {ranks}"
-                for field in ("num_heads", "num_kv_heads", "intermediate_size") if getattr(cfg, field) % ranks]
+    problems = [f"{split.field} = {_field(cfg, split.field)} is not divisible by {ranks} (config.json "
+                f"{split.hf_field}: {split.what})" for split in split_fields(cfg) if _field(cfg, split.field) % ranks]
     if problems:
         raise RecipeError(f"--tensor-parallel {ranks}: the model cannot be split evenly over {ranks} ranks: "
-                          + "; ".join(problems) + " (GQA query and KV heads, and the MLP width, are divided per rank)")
+                          + "; ".join(problems) + " (heads and MLP/expert widths are divided per rank)")
 
 
 def shard_config(cfg, ranks: int):
-    """The per-rank model config: heads, KV heads, MLP width and o/down reduction blocks divided by ``ranks``."""
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // ranks, num_kv_heads=cfg.num_kv_heads // ranks,
-                               intermediate_size=cfg.intermediate_size // ranks,
-                               row_blocks=max(1, cfg.row_blocks // ranks))
+    """The per-rank model config: every applicable ``SPLIT_FIELDS`` size and the o/down reduction blocks
+    (``layers.row_linear``) divided by ``ranks``."""
+    nested: dict[str, dict[str, int]] = {}
+    for split in split_fields(cfg):
+        owner, _, name = split.field.rpartition(".")
+        nested.setdefault(owner, {})[name] = _field(cfg, split.field) // ranks
+    top = nested.pop("", {}) | {"row_blocks": max(1, cfg.row_blocks // ranks)}
+    top |= {owner: dataclasses.replace(getattr(cfg, owner), **fields) for owner, fields in nested.items()}
+    return dataclasses.replace(cfg, **top)
 
 
 def shard_weights(weights: Mapping[str, torch.Tensor], ranks: int, vocab_padded: int) -> list[dict[str, torch.Tensor]]:

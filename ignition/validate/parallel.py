@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from ignition.catalog.parallel import EXCHANGES, RANKS_DIR, padded_vocabulary
+from ignition.catalog.parallel import EXCHANGES, RANKS_DIR, SPLIT_FIELDS, padded_vocabulary
 from ignition.validate.files import check_weights, safe_path
 from ignition.validate.report import Violation
 
@@ -36,8 +36,8 @@ def rank_view(manifest: dict, what: str) -> dict:
     if not section:
         return manifest
     ranks, view = section["ranks"], copy.deepcopy(manifest)
-    if what == "state" and view["model"].get("num_kv_heads", 0) % ranks == 0:
-        view["model"]["num_kv_heads"] //= ranks
+    if what == "state" and "num_kv_heads" in view["model"] and view["model"]["num_kv_heads"] % ranks == 0:
+        view["model"]["num_kv_heads"] //= ranks  # MLA caches (no KV heads) are whole on every rank
     if what == "weights":
         view["vocab_padded"] = section["vocab_shard"]
     return view
@@ -65,10 +65,10 @@ def check_section(root: Path, manifest: dict, variants: list[dict]) -> list[Viol
         return []
     ranks, found = section["ranks"], []
     model = manifest["model"]
-    for field in ("num_heads", "num_kv_heads"):
-        if model.get(field, 0) % ranks:
-            found.append(Violation("TP-RANKS", f"manifest.json:model.{field}",
-                                   f"{model.get(field)} heads cannot be divided over {ranks} ranks"))
+    for split in SPLIT_FIELDS:  # the ones the manifest's model section records (heads)
+        if split.field in model and model[split.field] % ranks:
+            found.append(Violation("TP-RANKS", f"manifest.json:model.{split.field}", f"{model[split.field]} "
+                                   f"({split.what}) cannot be divided over {ranks} ranks"))
     if section["vocab_shard"] * ranks != manifest["vocab_padded"] or \
             padded_vocabulary(manifest["vocab_size"], ranks) > manifest["vocab_padded"]:
         found.append(Violation("TP-RANKS", f"{TP}.vocab_shard", f"expected vocab_padded / ranks = "
