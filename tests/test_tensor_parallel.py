@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from _decoder_cores import TinyCase, save_checkpoint
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
 from ignition.catalog.enums import Role
+from ignition.catalog.parallel import VOCABULARY_LAUNCHES
 from ignition.exporter.export import export_core, manifest_for
 from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.recipes.registry import build_recipe
@@ -48,6 +50,7 @@ from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.engine import Engine
 from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
+from ignition.validate.kernels import check_sharded_launches
 
 VOCAB = 151
 RUNNER = Path(__file__).with_name("_tp_runner.py")
@@ -57,9 +60,14 @@ CASES = {"qwen3_moe": TinyCase("qwen3_moe", torch.float32, True, VOCAB),
 RECIPES = tuple(CASES)
 
 
+KERNEL_CASE = "qwen3_moe"
+"""Its TP=2 export also prepares the six sharded launches (``--targets cuda:90``)."""
+
+
 def options_for(recipe: str, checkpoint: Path, ranks: int) -> ExportOptions:
+    targets = ("cuda:90",) if ranks == 2 and recipe == KERNEL_CASE else ()
     return ExportOptions(recipe=recipe, checkpoint=checkpoint, capacities=(1,), chunk_limit=8, max_seq_len=32,
-                         tensor_parallel=ranks)
+                         tensor_parallel=ranks, targets=targets)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +215,43 @@ def test_shard_config_divides_heads_and_expert_widths(cores):
     rank = shard_config(cfg, 2)
     assert (rank.num_heads, rank.intermediate_size, rank.moe.intermediate_size) == (2, 32, 8)
     assert (rank.kv_lora_rank, rank.moe.num_experts, rank.moe.shared_intermediate_size) == (16, 4, 8)
+
+
+def test_export_prepares_the_six_sharded_launches_once_for_every_rank(cores):
+    """--targets cuda:90: one kernel table entry per launch (both ranks and both variants share the binaries), the
+    variants list them in catalog order, validate-core passes, and KERNEL-SHARDED refuses a table of the wrong
+    rank count or sharded launches on a single-rank core."""
+    tp2 = cores[KERNEL_CASE][2]
+    manifest = json.loads((tp2 / "manifest.json").read_text())
+    catalog = json.loads((tp2 / "catalog.json").read_text())
+    table = json.loads((tp2 / manifest["kernels"]).read_text())
+    names = [f"vocab.{launch.name}" for launch in VOCABULARY_LAUNCHES]
+    by_key = {entry["key"]: entry for entry in table["kernels"]}
+    assert table["targets"] == ["cuda:90"] and sorted(by_key[k]["name"] for k in by_key) == sorted(names)
+    reducing = [v for v in catalog["variants"] if v["contract"]["layout"].get("logprobs")]
+    assert len(reducing) == 2 and all([by_key[key]["name"] for key in v["launches"]] == names for v in reducing)
+    assert {by_key[key]["constexprs"].get("RANKS") for key in reducing[0]["launches"]} == {None, 2}
+    assert by_key[reducing[0]["launches"][0]]["grid"] == [1, 1]  # one row, one tile of the 76-lane shard
+    report = validate_core(tp2, check_graphs=False)
+    assert report.ok, report.violations
+    wider = json.loads(json.dumps(manifest))
+    wider["tensor_parallel"]["ranks"] = 4
+    assert {v.rule for v in check_sharded_launches(wider, catalog["variants"], table)} == {"KERNEL-SHARDED"}
+    del wider["tensor_parallel"]
+    assert {v.rule for v in check_sharded_launches(wider, catalog["variants"], table)} == {"KERNEL-SHARDED"}
+
+
+def test_prepared_sharded_launcher_drives_the_kernels_exactly(cores):
+    """Both ranks' PreparedVocabulary against an emulated CUDA driver in Triton's interpreter (one subprocess):
+    parameters, grid and threads from the table; exchange and packed words equal to the reference stages'."""
+    tp2 = cores[KERNEL_CASE][2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_launcher_emulation.py")), str(tp2)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(results) == {"sharded-rows1-k20", "launches"}
+    assert {case: problems for case, problems in results.items() if problems} == {}
 
 
 @pytest.mark.parametrize("recipe,rule,mutate", [
