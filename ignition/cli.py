@@ -353,22 +353,21 @@ def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_ke
     ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
     (ignition/runtime/parallel.py)."""
     from ignition.runtime.core import CoreLoadError, NotACoreError, load_core
-    from ignition.runtime.parallel import ParallelError, start_for_process
+    from ignition.runtime.parallel import ParallelError, ParallelOptionError, start_for_process
 
     key = _trusted_key(trusted_key)
     try:
         with StageLog("load") as progress:
             if tensor_parallel > 1:
-                if runtime != "torch":
-                    raise _fail(f"--runtime {runtime} replays single-rank cores only; use --runtime torch "
-                                "with --tensor-parallel")
-                loaded = start_for_process(core, tensor_parallel, device=device, eager=eager,
+                loaded = start_for_process(core, tensor_parallel, device=device, runtime=runtime, eager=eager,
                                            trust_compiled=trust_compiled, trusted_key=trusted_key)
             else:
                 loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
                                    trusted_key=key, runtime=runtime, progress=progress)
     except NotACoreError as exc:
         raise _fail(_not_a_core_message(exc, core))
+    except ParallelOptionError as exc:  # --runtime or --tensor-parallel that cannot work: a usage error
+        raise _fail(str(exc))
     except ParallelError as exc:
         console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
@@ -542,6 +541,7 @@ def serve_cmd(
     speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
+    from ignition.runtime.parallel import ParallelError
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.parsers import PARSERS
@@ -580,6 +580,9 @@ def serve_cmd(
               sock=sock, on_ready=ready, engine_options=options)
     except ServeSetupError as exc:
         raise _fail(str(exc)) from None
+    except ParallelError as exc:  # a tensor-parallel rank died while serving: the server stopped
+        console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
 
 
 def _is_utf8(text: str) -> bool:

@@ -3,85 +3,48 @@
 The vocabulary (151) does not divide by 2: the shards pad it to 152 and the padding lane never
 enters a result. Rank 0 runs in a subprocess (tests/_tp_runner.py) and starts rank 1 itself.
 TP=4, prompt scoring (ranks identical, its traced exchanges) and the reduction's bit-level claims
-on adversarial logits are in test_vocabulary_logprobs.py; to stay within the suite's time budget
-this core has no scored-prefill variants.
+on adversarial logits are in test_vocabulary_logprobs.py; the same core served over HTTP (prompt
+scoring included) is test_serve_tensor_parallel.py's.
 
 Values: the sharded model sums the row-parallel o/down partial products over ranks, so its FP32
 logits differ from TP=1's by rounding; the reduction adds at most 2 ulp of the normalization
 (test_vocabulary_logprobs.py). Measured end to end here: at most 4 ulp (|value| ~ 3-5), so the
-bound below is 8 ulp of the value's magnitude, while a wrong shard, owner or normalization moves a
+bound (tests/_tp_cores.py ULPS) is 8 ulp of the value's magnitude, while a wrong shard, owner or normalization moves a
 value by far more than that.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from _tp_cores import close, eager_core, shared_tp_cores
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
-from ignition.catalog.enums import Role
-from ignition.exporter.export import export_core, manifest_for
-from ignition.recipes.base import ExportOptions
-from ignition.recipes.registry import build_recipe
-from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.engine import Engine
-from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 
-VOCAB = 151
 RUNNER = Path(__file__).with_name("_tp_runner.py")
-ULPS = 8
 
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory):
-    """(TP=1 reference results, TP=2 core) of one tied-embedding checkpoint: prefill.t8 and decode.c1.
+    """(TP=1 reference results, TP=2 core) of one tied-embedding checkpoint: prefill.t8, decode.c1, scored.t8.
 
     The TP=1 reference runs the same recipe's graph modules eagerly in this process (what the exported
-    graphs run), which saves an export; the TP=2 core is exported, validated and run over gloo.
+    graphs run), which saves an export; the TP=2 core (tests/_tp_cores.py, shared with
+    test_serve_tensor_parallel.py) is exported, validated and run over gloo.
     """
-    root = tmp_path_factory.mktemp("tensor-parallel")
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    model = Qwen3ForCausalLM(config)
+    shared = shared_tp_cores(tmp_path_factory)
     with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5 if parameter.dim() > 1
-                            else 1.0 + 0.1 * torch.randn_like(parameter))
-    model.save_pretrained(root / "ckpt")
-    options = {ranks: ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1,), chunk_limit=8,
-                                    max_seq_len=32, tensor_parallel=ranks) for ranks in (1, 2)}
-    with torch.no_grad():
-        reference = [as_json(r) for r in Engine(eager_core(options[1])).generate(requests())]
-    export_core(options[2], root / "tp2")
-    return reference, root / "tp2"
-
-
-def eager_core(options: ExportOptions) -> LoadedCore:
-    """A LoadedCore whose variants run the recipe's modules eagerly (no export, no validation)."""
-    build = build_recipe(options)
-    state = {decl.name: decl.empty() for decl in build.state}
-    variants = {}
-    for graph in build.graphs:
-        v = graph.variant
-        buffers = {a.name: build.weights[a.name] if a.role is Role.WEIGHT else state[a.name] if a.role is Role.STATE
-                   else a.empty() for a in v.arguments}
-        variants[v.name] = LoadedVariant(v.name, v.operation, v.capacity, v.arguments, v.bindings, v.layout,
-                                         graph.module, buffers)
-    manifest = manifest_for(build, options, {}, False)
-    return LoadedCore(Path("eager"), manifest, build.weights, state, variants, transfer=HostTransfer(torch.device("cpu")))
+        reference = [as_json(r) for r in Engine(eager_core(shared.options(1))).generate(requests())]
+    return reference, shared.tp2
 
 
 def run(core: Path, ranks: int, kill: bool = False) -> dict:
@@ -89,12 +52,6 @@ def run(core: Path, ranks: int, kill: bool = False) -> dict:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
-
-
-def close(a: float, b: float) -> bool:
-    if a is None or b is None or math.isnan(a) or math.isnan(b):
-        return (a is None) == (b is None) and (a is None or math.isnan(a) == math.isnan(b))
-    return abs(a - b) <= ULPS * float(np.spacing(np.float32(max(abs(a), abs(b)))))  # FP32 ulps
 
 
 def test_sharded_core_declares_its_ranks(cores):
@@ -107,7 +64,7 @@ def test_sharded_core_declares_its_ranks(cores):
     assert [e["words"] for e in section["exchanges"]] == [256, 256, 64, 64]
     state = {s["name"]: s["shape"] for s in manifest["state"]}
     assert state["k_cache"][3] == 1 and state["penalty_counts"][2] == 152  # one KV head per rank
-    assert sorted(section["rank_files"][1]["graphs"]) == ["decode.c1", "prefill.t8"]
+    assert sorted(section["rank_files"][1]["graphs"]) == ["decode.c1", "prefill.t8", "scored.t8"]
 
 
 def test_tp2_matches_tp1_and_a_dead_rank_fails_cleanly(cores):

@@ -29,6 +29,7 @@ from ignition.runtime.device import move_program, resolve_device
 from ignition.runtime.graphs import CaptureReport, capture_variants
 from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
+from ignition.runtime.parallel import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
@@ -109,6 +110,7 @@ class LoadedCore:
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     runtime: str = "torch"  # the backend chosen at load: torch or onnxruntime
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
+    group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel.py)
 
     @property
     def load_seconds(self) -> float:
@@ -323,6 +325,10 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     root = Path(path)
     if runtime not in RUNTIMES:
         raise CoreLoadError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+    try:
+        check_runtime(runtime, tensor_parallel)
+    except ParallelOptionError as exc:
+        raise CoreLoadError(f"{root}: {exc}") from None
     stages = _Stages(progress)
     identify_core(root)
     try:
@@ -339,8 +345,6 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     manifest, catalog = report.manifest, report.catalog
     weights_file = _rank_weights(root, manifest, rank, tensor_parallel)
     onnx = runtime == "onnxruntime"
-    if onnx and tensor_parallel > 1:
-        raise CoreLoadError(f"{root}: --runtime onnxruntime replays single-rank cores only, not {tensor_parallel} ranks")
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     stages.start("weights", weights_file)
