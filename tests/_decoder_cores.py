@@ -30,13 +30,14 @@ class TinyCase:
     vocab_size: int
     max_shard_size: str | None = None
     rope: dict | None = None
+    max_position_embeddings: int = 64  # the HF config's; the exported context is --max-seq-len
 
 
 def build_hf_model(case: TinyCase) -> torch.nn.Module:
     """Seeded tiny HF model (GQA: 4 query heads, 2 KV heads) with O(1) logits."""
     torch.manual_seed(0)
     common = dict(vocab_size=case.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=case.max_position_embeddings,
                   tie_word_embeddings=case.tie, rope_parameters=dict(case.rope) if case.rope else None)
     if case.family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
