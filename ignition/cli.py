@@ -4,28 +4,28 @@ Everything a command can check cheaply is checked before its heavy work (an expo
 option ranges, that a core path is a core, that ``--out`` may be written, that the port is
 free, that ``run``'s logprob options fit the core (read from its manifest alone). Long work
 reports its stages on stderr as they start: a rich status line in a terminal, plain timestamped
-lines otherwise (CI logs, files).
+lines otherwise (CI logs, files). The console, the stage log and those early checks live in
+ignition/cli_support.py.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import socket
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
+                                  _check_export_names, _check_limits, _fail, _identify_core, _int_list,
+                                  _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
-console = Console(stderr=True, soft_wrap=True)  # messages carry paths: never hard-wrap them
 
 
 def version_text() -> str:
@@ -55,153 +55,6 @@ def _main_options(
                                  help="Print the version and exit"),
 ) -> None:
     """Ignition: export LLM checkpoints to validated cores with in-graph logprobs."""
-
-
-class StageLog:
-    """A long command's stages on stderr, each as it starts: ``progress(stage, item)``.
-
-    In a terminal, one rich status line (spinner, stage, item, elapsed) that disappears when the
-    work ends; otherwise (piped, a file, CI) one plain line per stage: ``YYYY-mm-dd HH:MM:SS
-    TITLE STAGE: ITEM``, flushed at once, so a log shows where a long export or load is.
-    """
-
-    def __init__(self, title: str, terminal: bool | None = None):
-        self.title = title
-        self.terminal = console.is_terminal if terminal is None else terminal
-        self._bar: Progress | None = None
-        self._task = None
-
-    def __enter__(self) -> "StageLog":
-        if self.terminal:
-            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                                 TextColumn("{task.fields[item]}", markup=False), TimeElapsedColumn(),
-                                 console=console, transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task(self.title, total=None, item="")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-    def __call__(self, stage: str, item: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=f"{self.title} {stage}", item=item)
-        else:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            print(f"{stamp} {self.title} {stage}: {item}" if item else f"{stamp} {self.title} {stage}",
-                  file=sys.stderr, flush=True)
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` as an error (markup off: paths and values print as given) and return the exit."""
-    console.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
-def _check_limits(**values) -> None:
-    """Each ``option_name=value`` against its range in catalog/limits.py; exit 2 naming the first bad one."""
-    from ignition.catalog.limits import check_limit
-
-    for name, value in values.items():
-        problem = None if value is None else check_limit(name, value, "--" + name.replace("_", "-"))
-        if problem:
-            raise _fail(problem)
-
-
-def _int_list(text: str, option: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
-
-
-def _identify_core(core: Path) -> None:
-    """Before any work: a missing path or a Hugging Face checkpoint is a usage error (exit 2), one line."""
-    from ignition.runtime.core import NotACoreError, identify_core
-
-    try:
-        identify_core(core)
-    except NotACoreError as exc:
-        raise _fail(_not_a_core_message(exc, core))
-
-
-def _not_a_core_message(exc, core: Path) -> str:
-    """NotACoreError's message; for a checkpoint whose model_type names a recipe, the exact command."""
-    from ignition.recipes.registry import RECIPES
-
-    if exc.checkpoint and exc.model_type in RECIPES:
-        return (f"{core} is a Hugging Face checkpoint, not a core; run `ignition export-core {core} "
-                f"--recipe {exc.model_type} --out CORE` first, then use CORE")
-    return str(exc)
-
-
-def _read_manifest(core: Path) -> dict | None:
-    """The core's manifest for early option checks (None when it does not parse: loading says why)."""
-    from ignition.runtime.core import read_manifest
-
-    return read_manifest(core)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind the server's socket now, before loading, as uvicorn would (SO_REUSEADDR; IPv6 when the host
-    has a colon); the server then listens on this very socket. A busy port or bad host exits 2."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except (OSError, OverflowError) as exc:
-        sock.close()
-        reason = getattr(exc, "strerror", None) or str(exc)
-        hint = " (another server is listening there; choose another --port)" \
-            if getattr(exc, "errno", None) == errno.EADDRINUSE else ""
-        raise _fail(f"cannot listen on {host}:{port}: {reason}{hint}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def _check_export_names(recipe: str, targets: str, tokenizer: Optional[Path]) -> None:
-    """What export-core can refuse before reading the checkpoint: the recipe name, the kernel targets
-    (catalog/targets.py) and a --tokenizer directory without tokenizer files."""
-    from ignition.catalog.targets import parse_targets
-    from ignition.recipes.base import RecipeError
-    from ignition.recipes.registry import RECIPES
-    from ignition.recipes.tokenizer import require_tokenizer_files
-
-    if recipe not in RECIPES:
-        raise _fail(f"unknown recipe {recipe!r}; available: {', '.join(sorted(RECIPES))}")
-    try:
-        if targets.strip():
-            parse_targets(targets)
-        if tokenizer is not None:
-            require_tokenizer_files(tokenizer)
-    except (ValueError, RecipeError) as exc:
-        raise _fail(f"--{'tokenizer' if isinstance(exc, RecipeError) else 'targets'}: {exc}") from None
-
-
-def _trusted_key(path: Optional[Path]):
-    """The --trusted-key PEM, loaded before any work; a bad key file is a usage error (exit 2)."""
-    if path is None:
-        return None
-    from ignition.catalog.signatures import SigningError, load_trusted_key
-    try:
-        return load_trusted_key(path)
-    except SigningError as exc:
-        console.print(f"[red]error:[/red] --trusted-key {escape(str(exc))}", highlight=False)
-        raise typer.Exit(2)
-
-
-TRUSTED_KEY_HELP = "Ed25519 public key (PEM): the core must carry a signature by it; a signed core may load compiled packages"
-TRUST_COMPILED_HELP = "Load AOTInductor packages (native code) even from an unsigned core"
-RUNTIME_HELP = "Backend replaying the graphs: torch (.pt2 programs) or onnxruntime (the core's ONNX graphs, --onnx)"
-
-
-def _runtime(value: str) -> str:
-    from ignition.runtime.onnx_backend import RUNTIMES
-    if value not in RUNTIMES:
-        raise typer.BadParameter(f"expected one of {', '.join(RUNTIMES)}, got {value!r}", param_hint="--runtime")
-    return value
 
 
 @app.command("export-core")
@@ -353,22 +206,21 @@ def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_ke
     ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
     (ignition/runtime/parallel.py)."""
     from ignition.runtime.core import CoreLoadError, NotACoreError, load_core
-    from ignition.runtime.parallel import ParallelError, start_for_process
+    from ignition.runtime.parallel import ParallelError, ParallelOptionError, start_for_process
 
     key = _trusted_key(trusted_key)
     try:
         with StageLog("load") as progress:
             if tensor_parallel > 1:
-                if runtime != "torch":
-                    raise _fail(f"--runtime {runtime} replays single-rank cores only; use --runtime torch "
-                                "with --tensor-parallel")
-                loaded = start_for_process(core, tensor_parallel, device=device, eager=eager,
+                loaded = start_for_process(core, tensor_parallel, device=device, runtime=runtime, eager=eager,
                                            trust_compiled=trust_compiled, trusted_key=trusted_key)
             else:
                 loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
                                    trusted_key=key, runtime=runtime, progress=progress)
     except NotACoreError as exc:
         raise _fail(_not_a_core_message(exc, core))
+    except ParallelOptionError as exc:  # --runtime or --tensor-parallel that cannot work: a usage error
+        raise _fail(str(exc))
     except ParallelError as exc:
         console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
@@ -542,6 +394,7 @@ def serve_cmd(
     speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
+    from ignition.runtime.parallel import ParallelError
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.parsers import PARSERS
@@ -580,6 +433,9 @@ def serve_cmd(
               sock=sock, on_ready=ready, engine_options=options)
     except ServeSetupError as exc:
         raise _fail(str(exc)) from None
+    except ParallelError as exc:  # a tensor-parallel rank died while serving: the server stopped
+        console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
 
 
 def _is_utf8(text: str) -> bool:

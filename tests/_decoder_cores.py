@@ -32,6 +32,7 @@ class TinyCase:
     vocab_size: int
     max_shard_size: str | None = None
     rope: dict | None = None
+    max_position_embeddings: int = 64  # the HF config's; the exported context is --max-seq-len
 
 
 _TINY_MOE_COMMON = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -74,7 +75,7 @@ def build_hf_model(case: TinyCase) -> torch.nn.Module:
         return build_hf_moe_model(case)
     torch.manual_seed(0)
     common = dict(vocab_size=case.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=case.max_position_embeddings,
                   tie_word_embeddings=case.tie, rope_parameters=dict(case.rope) if case.rope else None)
     if case.family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from _decoder_cores import TinyCase, save_checkpoint
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
@@ -22,17 +22,8 @@ TOL, NEAR = 2e-5, 5e-5
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("scored-hf")
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.copy_(torch.randn_like(parameter) / parameter.shape[1] ** 0.5)
-    model.save_pretrained(root / "ckpt")
-    hf = Qwen3ForCausalLM.from_pretrained(root / "ckpt", attn_implementation="eager").eval()
+    hf = save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=VOCAB, max_position_embeddings=512),
+                         root / "ckpt")
     export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 2), chunk_limit=CHUNK,
                               max_seq_len=512, prompt_logprobs=True), root / "core")
     return hf, load_core(root / "core")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from _decoder_cores import TinyCase, save_checkpoint
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
@@ -20,29 +20,16 @@ DRAFT_TOKENS = (1, 3, 5)
 TOL = 1e-5  # fp32 model: our logits differ from transformers' by ~1e-6
 
 
-def tiny_qwen3(directory, seed: int):
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() > 1:
-                parameter.copy_(torch.randn_like(parameter) / parameter.shape[1] ** 0.5)
-    model.save_pretrained(directory)
-
-
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory, toy_core):
     """The target (verify.s5.c2, which also runs S = 1 and 3: shorter proposals; and mixed.t24.c2); a replica of
     it as a draft core (its proposals are the target's greedy tokens, so they are accepted); the toy bigram as
     a wild draft core (it disagrees)."""
     root = tmp_path_factory.mktemp("speculative")
-    tiny_qwen3(root / "target", seed=0)
+    hf = save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=VOCAB, max_position_embeddings=128),
+                         root / "target")
     export_core(ExportOptions(recipe="qwen3", checkpoint=root / "target", capacities=(2,), chunk_limit=CHUNK,
                               max_seq_len=128, speculative_tokens=(max(DRAFT_TOKENS),), mixed=True), root / "core")
-    hf = Qwen3ForCausalLM.from_pretrained(root / "target", attn_implementation="eager").eval()
     core = load_core(root / "core")
     return hf, core, core.replica(), load_core(toy_core)
 

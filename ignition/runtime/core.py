@@ -4,21 +4,29 @@ Loading checks what a start needs, no more: the manifest, catalog and kernel tab
 schemas and every catalog rule, the sha256 of every file, the signature and trust settings
 (``validate_core(check_graphs=False)``), and then each graph through the safe ``.pt2`` reader on
 the very bytes whose sha256 was just compared before ``torch.export.load`` reads them. The program
-loaded there is the one that runs, so no graph is read twice. ``validate-core`` stays the check of a
+loaded there is the one that runs. The weights are likewise read once, hashed and deserialized from
+those bytes (the validator leaves the sha256 of the files loaded here to the loader), and a compiled
+package is hashed and then loaded from a private copy of the verified bytes, so no file is read
+twice and none can be swapped between its check and its load. ``validate-core`` stays the check of a
 core at rest, with every finding; loading stops at the first graph that fails.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_tensors
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
@@ -29,10 +37,12 @@ from ignition.runtime.device import move_program, resolve_device
 from ignition.runtime.graphs import CaptureReport, capture_variants
 from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
+from ignition.runtime.parallel import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
 from ignition.validate.graphs import check_graph
+from ignition.validate.report import Violation
 from ignition.validate.parallel import check_program, rank_graph_files
 
 Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
@@ -109,6 +119,7 @@ class LoadedCore:
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     runtime: str = "torch"  # the backend chosen at load: torch or onnxruntime
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
+    group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel.py)
 
     @property
     def load_seconds(self) -> float:
@@ -185,14 +196,34 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
     return trusted
 
 
-def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device):
+@contextmanager
+def private_copy(data: bytes, name: str):
+    """``data`` in a file only this process created and only this user can reach: a fresh ``mkdtemp``
+    directory (mode 0700) and a file opened with O_CREAT|O_EXCL|O_NOFOLLOW (0600). A loader that needs a
+    path loads the bytes it verified from there, never the core's file a writer could swap meanwhile;
+    the copy is removed on exit."""
+    directory = tempfile.mkdtemp(prefix="ignition-load-")
+    try:
+        path = os.path.join(directory, os.path.basename(name))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        yield Path(path)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device, manifest: dict):
     """The variant's AOTInductor package when the core has one (preferred; CPU packages only), else its
-    torch.export program (loaded once, by the safe reader's caller), moved to the device."""
+    torch.export program (loaded once, by the safe reader's caller), moved to the device. The package
+    is hashed as it is read and loaded from a private copy of those bytes (``private_copy``)."""
     package = entry.get("packages", {}).get("inductor")
     if package is not None and prefer_compiled and device.type == "cpu":
-        from ignition.exporter.compile import load_compiled
+        from ignition.exporter import compile as compiled
+        data = read_verified(root, package, manifest)
         try:
-            return load_compiled(root / package)
+            with private_copy(data, package) as copy:
+                return compiled.load_compiled(copy)
         except Exception as exc:  # a package built for another machine: the portable program still runs
             warnings.warn(f"variant {entry['name']}: cannot load {package} ({type(exc).__name__}: {exc}); "
                           f"using {entry['graph']}", stacklevel=3)
@@ -287,6 +318,46 @@ def _load_program(root: Path, entry: dict, manifest: dict, rel: str):
     return program
 
 
+def _hashed_on_load(root: Path, manifest: dict | None, rank: int, runtime: str) -> set[str]:
+    """The files load_core reads once, hashing the very bytes it loads (``read_verified``, ``check_graph``):
+    the validator leaves their sha256 to it. Names come from the manifest read alone; whatever the
+    validated manifest then names is hashed where it is read, so a manifest changed in between only
+    means a file is hashed by the loader instead of the validator."""
+    if manifest is None:
+        return set()
+    section = manifest.get("tensor_parallel")
+    try:
+        files = {section["rank_files"][rank]["weights"] if section else manifest["weights"]}
+        if runtime != "onnxruntime":  # the ONNX backend reads no .pt2: the validator hashes those
+            catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
+            files |= set(_graph_files(json.loads(catalog_path.read_bytes()), manifest, rank).values())
+    except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError):
+        return set()  # the validator reports what is wrong, and hashes everything
+    return files
+
+
+def _graph_files(catalog: dict, manifest: dict, rank: int) -> dict[str, str]:
+    """Variant name -> the graph file this rank loads (a sharded core's rank files replace the catalog's)."""
+    return {v["name"]: v["graph"] for v in catalog["variants"]} | rank_graph_files(manifest, rank)
+
+
+def read_verified(root: Path, rel: str, manifest: dict) -> bytes:
+    """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
+    what the caller loads from them is what was verified (no second read a swapped file could answer)."""
+    path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
+    if path is None:  # validate_core already refused such a path; kept for a core changed since
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
+    expected, found = manifest["files"].get(rel), hashlib.sha256(data).hexdigest()
+    if found != expected:
+        raise CoreLoadError(f"{root} is not a valid core:\n  "
+                            f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
+    return data
+
+
 def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
     """The weights file of ``rank``; refuses a rank count that is not the core's."""
     section = manifest.get("tensor_parallel")
@@ -323,6 +394,10 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     root = Path(path)
     if runtime not in RUNTIMES:
         raise CoreLoadError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+    try:
+        check_runtime(runtime, tensor_parallel)
+    except ParallelOptionError as exc:
+        raise CoreLoadError(f"{root}: {exc}") from None
     stages = _Stages(progress)
     identify_core(root)
     try:
@@ -331,7 +406,8 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
         raise CoreLoadError(str(exc)) from None
     stages.start("check", "hashes, schemas, catalog rules, signature")
     try:
-        report = validate_core(root, check_graphs=False, trusted_key=trusted_key)
+        report = validate_core(root, check_graphs=False, trusted_key=trusted_key,
+                               hashed_by_caller=_hashed_on_load(root, read_manifest(root), rank, runtime))
     except ValueError as exc:  # SigningError: the trusted key file itself is unusable
         raise CoreLoadError(str(exc)) from None
     if not report.ok:
@@ -339,14 +415,12 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     manifest, catalog = report.manifest, report.catalog
     weights_file = _rank_weights(root, manifest, rank, tensor_parallel)
     onnx = runtime == "onnxruntime"
-    if onnx and tensor_parallel > 1:
-        raise CoreLoadError(f"{root}: --runtime onnxruntime replays single-rank cores only, not {tensor_parallel} ranks")
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     stages.start("weights", weights_file)
-    weights = {name: t.to(device) for name, t in load_file(str(root / weights_file)).items()}
+    weights = {name: t.to(device) for name, t in load_tensors(read_verified(root, weights_file, manifest)).items()}
     backend = _onnx_backend(root, weights, device) if onnx else None
-    graph_files = {v["name"]: v["graph"] for v in catalog["variants"]} | rank_graph_files(manifest, rank)
+    graph_files = _graph_files(catalog, manifest, rank)
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants, programs = {}, {}
     entries = catalog["variants"]
@@ -366,7 +440,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
         if onnx:  # the .pt2 programs are neither read nor loaded
             run = _onnx_run(backend, entry, arguments, buffers)
         else:
-            run = _load_runnable(root, entry, prefer_compiled, programs[entry["name"]], device)
+            run = _load_runnable(root, entry, prefer_compiled, programs[entry["name"]], device, manifest)
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},

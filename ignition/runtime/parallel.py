@@ -9,8 +9,12 @@ collectives join the ranks. State (KV shards, penalty counts) evolves identicall
 rank, so nothing else travels. Peers never read frames back.
 
 Failure is loud and bounded: the process group has a timeout (``PROCESS_GROUP_TIMEOUT_S``),
-rank 0 checks its workers before every submission and a watchdog thread ends the group when a
-worker dies while rank 0 is blocked, and a worker whose stdin closes (rank 0 gone) exits.
+rank 0 checks its workers before every submission (and an idle server checks them every second,
+``RankGroup.check``, then exits naming the rank), a watchdog thread ends the group when a worker
+dies while rank 0 is blocked, and a worker whose stdin closes (rank 0 gone) exits.
+
+Tensor parallelism runs on the torch backend only: ``check_runtime`` is the one refusal of any
+other ``--runtime``, called by ``tensor_parallel`` and by ``load_core``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,21 @@ WATCH_INTERVAL_S = 0.2
 
 class ParallelError(RuntimeError):
     """A tensor-parallel group cannot start or has lost a rank; the message names the rank and the cause."""
+
+
+class ParallelOptionError(ParallelError):
+    """Options that cannot run tensor parallelism at all (a usage error, refused before anything starts)."""
+
+
+SUPPORTED_RUNTIME = "torch"
+
+
+def check_runtime(runtime: str, ranks: int) -> None:
+    """The one refusal of tensor parallelism with a backend that cannot replay rank shards."""
+    if ranks > 1 and runtime != SUPPORTED_RUNTIME:
+        raise ParallelOptionError(f"--runtime {runtime} replays single-rank cores only, so it cannot run "
+                                  f"--tensor-parallel {ranks}; tensor parallelism is supported with --runtime "
+                                  f"{SUPPORTED_RUNTIME} (gloo on CPU, NCCL on CUDA)")
 
 
 def _backend(device: torch.device) -> str:
@@ -95,10 +114,15 @@ class RankGroup:
         self.close(kill=True)
         return ParallelError(f"tensor-parallel group failed: {who} ({cause}); all ranks were stopped")
 
+    def check(self, when: str = "found while idle") -> None:
+        """Raise ParallelError naming the rank when a worker has exited (the group is then stopped)."""
+        if self.closed:
+            raise ParallelError("tensor-parallel group failed: its ranks were already stopped")
+        if self.dead():
+            raise self.failure(when)
+
     def wake(self, line: str) -> None:
-        dead = self.dead()
-        if dead:
-            raise self.failure("found before a submission")
+        self.check("found before a submission")
         for process in self.workers:
             try:
                 process.stdin.write(line + "\n")
@@ -159,12 +183,15 @@ def _check_rank_count(core: Path, ranks: int) -> None:
 
 @contextmanager
 def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-                    **load_options):
-    """Start ``ranks`` ranks of a sharded core; yields rank 0's LoadedCore (give it to an Engine).
+                    runtime: str = SUPPORTED_RUNTIME, **load_options):
+    """Start ``ranks`` ranks of a sharded core; yields rank 0's LoadedCore (give it to an Engine), whose
+    ``group`` is the RankGroup of the workers.
 
+    ``runtime`` other than torch is refused (``check_runtime``) before anything starts.
     ``load_options`` go to ``load_core`` on every rank (``eager``, ``trust_compiled``, ...).
     On exit the workers are stopped and the process group is destroyed.
     """
+    check_runtime(runtime, ranks)
     import torch.distributed as dist
 
     from ignition.runtime.core import CoreLoadError, load_core
@@ -195,6 +222,7 @@ def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeou
             raise group.failure(f"process-group start-up: {str(exc).splitlines()[0]}") from None
         for index, variant in enumerate(loaded.variants.values()):
             variant.run = _Replicated(group, index, variant)
+        loaded.group = group
         yield loaded
     finally:
         group.close(kill=bool(group.dead()))
@@ -210,7 +238,7 @@ def start_for_process(core: str | Path, ranks: int, **options):
     from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
 
     if not 2 <= ranks <= MAX_TENSOR_PARALLEL:
-        raise ParallelError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
+        raise ParallelOptionError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
     stack = ExitStack()
     loaded = stack.enter_context(tensor_parallel(core, ranks, **options))
     atexit.register(stack.close)

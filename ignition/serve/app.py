@@ -23,6 +23,7 @@ import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.runtime.core import LoadedCore, load_core
 from ignition.runtime.engine import Engine
+from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
 from ignition.serve.chat import create_chat_completion
@@ -71,7 +72,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_capacity: int,
              batch_invariant: bool, engine_options: dict | None = None) -> ServerContext:
     engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant, **(engine_options or {})),
-                         queue_capacity=queue_capacity)
+                         queue_capacity=queue_capacity, health=loaded.group.check if loaded.group else None)
     context = engine.engine.max_context
     if config.max_model_len is not None:
         if context is not None and config.max_model_len > context:
@@ -223,6 +224,15 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
     app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
                      config=config, engine_options=engine_options)
+    lost: list[ParallelError] = []
+
+    def engine_died(exc: BaseException) -> None:
+        """A tensor-parallel rank is gone: nothing can run again, so the server stops (in-flight requests
+        have their error) and ``serve`` raises the error naming the rank. Other failures keep answering 503."""
+        if isinstance(exc, ParallelError):
+            lost.append(exc)
+            log.error("stopping the server: %s", exc)
+            server.should_exit = True
     logger = logging.getLogger("ignition.serve")
     if not logger.handlers:  # request lines and error ids, beside uvicorn's access log
         handler = logging.StreamHandler()
@@ -230,5 +240,8 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-    ReadyServer(uvicorn.Config(app, host=host, port=port, log_level="info")).run(
-        sockets=[sock] if sock is not None else None)
+    server = ReadyServer(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    app.state.ctx.engine.on_dead = engine_died
+    server.run(sockets=[sock] if sock is not None else None)
+    if lost:
+        raise lost[0]

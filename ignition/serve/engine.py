@@ -17,10 +17,12 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ignition.runtime.engine import Engine, RequestState
 from ignition.runtime.frames import TokenEntry
+from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import Request
 
 log = logging.getLogger("ignition.serve")
@@ -71,8 +73,13 @@ class _Tracked:
 class AsyncEngine:
     """Owns the Engine and the single thread that steps it."""
 
-    def __init__(self, engine: Engine, queue_capacity: int = 4, entry_limit: int = 64):
+    def __init__(self, engine: Engine, queue_capacity: int = 4, entry_limit: int = 64,
+                 health: Callable[[], None] | None = None):
+        """``health``: called on the engine thread at least once a second, also while idle; an exception
+        it raises stops the engine like a failed step (a tensor-parallel rank that died: RankGroup.check)."""
         self.engine = engine
+        self.health = health
+        self.on_dead: Callable[[BaseException], None] | None = None  # called once, on the engine thread
         self.queue_capacity = queue_capacity
         engine.entry_limit = entry_limit  # bounds the entries coalesced for a lagging reader
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -116,22 +123,41 @@ class AsyncEngine:
         while not self._stopping:
             self._wakeup.clear()
             self._apply_commands()
-            worked = self.dead is None and self._step()
+            worked = self.dead is None and self._healthy() and self._step()
             self._deliver()
             if not worked:
                 self._wakeup.wait(timeout=1.0)
         for tracked in self._tracked.values():
             self.engine.cancel(tracked.stream.request_id)
 
+    def _healthy(self) -> bool:
+        if self.health is None:
+            return True
+        try:
+            self.health()
+        except Exception as exc:
+            self._die(exc)
+            return False
+        return True
+
     def _step(self) -> bool:
         try:
             return self.engine.step()
+        except ParallelError as exc:  # a tensor-parallel rank died: its message says which, no traceback needed
+            log.error("engine step failed: %s", exc)
+            self._die(exc)
+            return False
         except Exception as exc:  # a loader bug must fail its requests, not hang their clients
             log.exception("engine step failed")
-            self.dead = f"{type(exc).__name__}: {exc}"
-            for tracked in self._tracked.values():
-                tracked.state.finish_reason, tracked.state.error = "error", self.dead
+            self._die(exc)
             return False
+
+    def _die(self, exc: BaseException) -> None:
+        self.dead = f"{type(exc).__name__}: {exc}"
+        for tracked in self._tracked.values():
+            tracked.state.finish_reason, tracked.state.error = "error", self.dead
+        if self.on_dead is not None:
+            self.on_dead(exc)
 
     def _apply_commands(self) -> None:
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
 
 
 def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
-                  trusted_key=None, rank: int | None = None) -> ValidationReport:
+                  trusted_key=None, rank: int | None = None, hashed_by_caller: Collection[str] = ()) -> ValidationReport:
     """All findings for the core at ``path``; never raises for a bad core.
 
     ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
@@ -59,6 +60,8 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     signature the core must carry (SIGNATURE); ``report.trusted`` is set when it verifies.
     ``rank``: of a sharded core, load (and check) only that rank's graphs into ``report.programs``
     (a runtime rank); by default every rank's graphs are checked and rank 0's are kept.
+    ``hashed_by_caller``: core-relative files whose sha256 the caller checks on the bytes it reads once and
+    loads (``load_core``: its weights and graphs); here they are only checked to exist.
     """
     root = Path(path)
     report = ValidationReport(root)
@@ -68,13 +71,14 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     if expect_digest is not None:
         expect_digest = expect_digest.lower().removeprefix("sha256:")
     try:
-        _validate(root, report, check_graphs, expect_digest, trusted_key, rank)
+        _validate(root, report, check_graphs, expect_digest, trusted_key, rank, frozenset(hashed_by_caller))
     except Exception as exc:  # a validator bug must still produce a clean rejection
         report.violations.append(Violation("VALIDATOR-ERROR", str(root), f"{type(exc).__name__}: {exc}"))
     return report
 
 
-def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key, rank) -> None:
+def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key, rank,
+              hashed_by_caller: frozenset[str] = frozenset()) -> None:
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
@@ -125,7 +129,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 report.violations += check_sharded_launches(manifest, variants, kernel_table)
     elif any(v["launches"] for v in variants):
         report.violations.append(Violation("KERNEL-MISSING", MANIFEST_FILE, "variants name launches but the core has no kernel table"))
-    file_found = check_files(root, manifest["files"], named)
+    file_found = check_files(root, manifest["files"], named, hashed_by_caller)
     report.violations += file_found
     broken = {v.where for v in file_found}
     weights_path, _ = safe_path(root, manifest["weights"], "weights")

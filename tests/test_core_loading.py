@@ -1,0 +1,109 @@
+"""load_core reads each file it loads once and loads the bytes it hashed; the tensor-parallel runtime refusal.
+
+Weights and graphs: the validator leaves their sha256 to the loader (``hashed_by_caller``), which hashes
+the bytes it read and deserializes those same bytes, so a file swapped after the check changes nothing.
+A compiled package needs a path: it is loaded from a private copy of the verified bytes.
+"""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from ignition.cli import app
+from ignition.runtime import core as core_module
+from ignition.runtime.core import CoreLoadError, load_core
+from ignition.runtime.parallel import ParallelOptionError, tensor_parallel
+
+REFUSAL = ("--runtime onnxruntime replays single-rank cores only, so it cannot run --tensor-parallel 2; "
+           "tensor parallelism is supported with --runtime torch (gloo on CPU, NCCL on CUDA)")
+
+_OPENED: list[str] | None = None
+
+
+def _audit(event: str, args) -> None:
+    if event == "open" and _OPENED is not None and isinstance(args[0], (str, Path)):
+        _OPENED.append(str(args[0]))
+
+
+sys.addaudithook(_audit)  # audit hooks cannot be removed: this one records only while _OPENED is a list
+
+
+def test_load_core_opens_weights_and_each_graph_once(toy_core):
+    global _OPENED
+    _OPENED = []
+    try:
+        loaded = load_core(toy_core)
+    finally:
+        opened, _OPENED = _OPENED, None
+    files = ["weights.safetensors"] + [f"graphs/{name}.pt2" for name in loaded.variants]
+    assert {rel: opened.count(str(toy_core / rel)) for rel in files} == {rel: 1 for rel in files}, opened
+
+
+def test_weights_swapped_after_their_check_are_not_the_ones_loaded(core_copy, monkeypatch):
+    original = load_file(str(core_copy.root / "weights.safetensors"))
+    deserialize = core_module.load_tensors
+
+    def swap_then_load(data: bytes):
+        save_file({name: torch.zeros_like(t) for name, t in original.items()}, str(core_copy.root / "weights.safetensors"))
+        return deserialize(data)
+
+    monkeypatch.setattr(core_module, "load_tensors", swap_then_load)
+    loaded = load_core(core_copy.root)
+    assert not torch.equal(load_file(str(core_copy.root / "weights.safetensors"))["lm_head.weight"],
+                           original["lm_head.weight"])  # the swap happened
+    assert all(torch.equal(loaded.weights[name], tensor) for name, tensor in original.items())
+
+
+def test_tampered_weights_are_refused_by_the_loader_hash(core_copy):
+    path = core_copy.root / "weights.safetensors"
+    save_file({name: t + 1 for name, t in load_file(str(path)).items()}, str(path))
+    with pytest.raises(CoreLoadError, match=r"\[FILE-HASH\] weights\.safetensors: expected sha256 [0-9a-f]{64}, found"):
+        load_core(core_copy.root)
+
+
+def test_a_compiled_package_loads_from_a_private_copy_of_its_verified_bytes(core_copy, monkeypatch):
+    """The package is swapped in the core after its hash was checked: the loader still gets the verified bytes."""
+    verified = b"the verified package bytes"
+    package = core_copy.root / "graphs" / "decode.c1.aoti.pt2"
+    package.write_bytes(verified)
+    core_copy.rehash("graphs/decode.c1.aoti.pt2")
+    core_copy.edit("catalog.json", lambda catalog: core_copy.variant(catalog, "decode.c1").update(
+        packages={"inductor": "graphs/decode.c1.aoti.pt2"}))
+    core_copy.rehash("catalog.json")
+    seen = {}
+
+    def fake_load_compiled(path: Path):
+        package.write_bytes(b"swapped in after the check")
+        seen.update(path=path, data=path.read_bytes(), file_mode=stat.S_IMODE(path.stat().st_mode),
+                    dir_mode=stat.S_IMODE(path.parent.stat().st_mode))
+        return lambda buffers: ("compiled",)
+
+    from ignition.exporter import compile as compiled
+    monkeypatch.setattr(compiled, "load_compiled", fake_load_compiled)
+    loaded = load_core(core_copy.root, trust_compiled=True)
+    assert seen["data"] == verified and package.read_bytes() != verified
+    assert not seen["path"].is_relative_to(core_copy.root)
+    assert (seen["file_mode"], seen["dir_mode"]) == (0o600, 0o700)
+    assert not seen["path"].parent.exists()  # the private copy is gone once loaded
+    assert loaded.variants["decode.c1"].run({}) == ("compiled",)
+
+
+def test_tensor_parallel_with_onnxruntime_is_refused_once_by_every_path(toy_core):
+    with pytest.raises(ParallelOptionError) as refused:
+        with tensor_parallel(toy_core, 2, runtime="onnxruntime"):
+            pass
+    assert str(refused.value) == REFUSAL
+    with pytest.raises(CoreLoadError) as load_refused:
+        load_core(toy_core, runtime="onnxruntime", tensor_parallel=2)
+    assert str(load_refused.value) == f"{toy_core}: {REFUSAL}"
+    result = CliRunner().invoke(app, ["run", str(toy_core), "--prompt-ids", "1", "--runtime", "onnxruntime",
+                                      "--tensor-parallel", "2"])
+    assert result.exit_code == 2, result.output
+    assert f"error: {REFUSAL}" in " ".join(result.output.split()), result.output
