@@ -165,3 +165,14 @@ SCORING_LAUNCHES: tuple[ShardLaunch, ...] = (
 """The seven prepared launches per rank of sharded prompt scoring, per row block of at most SCORING_ROW_BLOCK rows;
 every rank shares their binaries. ``tile_greater`` re-reads the shard (the single-rank ``tile_candidates`` kernel is
 reused unchanged, so the count is its own launch)."""
+
+
+def scoring_row_blocks(rows: int, row_block: int) -> list[int]:
+    """The distinct row-block sizes sharded scoring of ``rows`` prompt rows launches, in first-use order:
+    full blocks of ``row_block`` rows, then the remainder (each size has its own seven prepared launches)."""
+    blocks = []
+    for start in range(0, rows, row_block):
+        size = min(row_block, rows - start)
+        if size not in blocks:
+            blocks.append(size)
+    return blocks
