@@ -232,6 +232,15 @@ def emulate(core: Path) -> dict[str, list[str]]:
         for shape in sorted(launchers[0].shapes, key=str):
             driver.problems = []
             results[f"sharded-rows{shape.rows}-k{shape.k}"] = run_sharded_case(launchers, driver, shape, shape.rows)
+        if launchers[0].scoring.shapes:  # a scored core: its scoring row blocks too
+            from _triton_vocabulary_check import _numpy_normalization  # the interpreter's expf/logf (see there)
+            V.global_normalization = _numpy_normalization
+            for launcher in launchers:
+                _register_exchanges(launcher.scoring, driver)
+            for shape in sorted(launchers[0].scoring.shapes, key=str):
+                driver.problems = []
+                results[f"scoring-rows{shape.rows}"] = run_scoring_case(launchers, driver, shape,
+                                                                        manifest["vocab_size"], shape.rows)
         issued = sum(launcher.launch_count for launcher in launchers)
         results["launches"] = [] if issued == len(driver.launched) else [
             f"launch_count {issued} != {len(driver.launched)} emulated launches"]

@@ -301,3 +301,30 @@ def test_sharded_scoring_ops_on_the_gpu_match_the_cpu_reference(monkeypatch):
     a, b = got[1][:, values].contiguous().view(torch.float32), want[1][:, values].contiguous().view(torch.float32)
     bound = 2.0**-22 * (lse.abs()[:, None] + b.abs())  # 2 ulp of lse and of the value
     assert ((a - b).abs() <= bound).logical_or(a.view(torch.int32) == b.view(torch.int32)).all()
+
+
+def test_capture_check_compares_each_scored_block_with_its_prepared_launches():
+    """check_captured_launches on a scored sharded variant: one score_shard_statistics node per row block,
+    each with the block's [rows, vocab_shard] logits of the model dtype (a fake program: no export)."""
+    from types import SimpleNamespace
+
+    from ignition.exporter.prepare import check_captured_launches
+
+    build, graph = _scored_variant(100)
+    graph.variant.launches = ["prepared"]
+    build.vocab_padded = 1824
+
+    def node(op, rows, width=912, dtype=torch.float32):
+        value = SimpleNamespace(meta={"val": torch.empty(rows, width, dtype=dtype, device="meta")})
+        return SimpleNamespace(op="call_function", target=getattr(torch.ops.ignition, op).default, args=[value])
+
+    program = SimpleNamespace(graph=SimpleNamespace(nodes=[node("vocab_shard_statistics", 1)]))
+    scored = [node("score_shard_statistics", 64), node("score_shard_statistics", 36)]
+    program.graph.nodes += scored
+    assert check_captured_launches(build, graph, program) is None
+    scored[1] = node("score_shard_statistics", 36, dtype=torch.bfloat16)
+    program.graph.nodes[-1] = scored[1]
+    assert "row blocks [(64, 912, torch.float32), (36, 912, torch.float32)]" in check_captured_launches(
+        build, graph, program)
+    program.graph.nodes.pop()
+    assert "the graph scores [(64, 912, torch.float32)]" in check_captured_launches(build, graph, program)
