@@ -13,6 +13,11 @@ Every case is checked three ways, at TP=2 and TP=4:
    explains the bound);
 3. the all-Triton pipeline's ids against the single-rank reference (TP=1).
 
+The ``score_*`` cases check sharded prompt scoring's seven launches the same three ways against
+``score_shard_statistics`` / ``score_shard_candidates`` / ``merge_prompt_scores`` (exchange 1 except
+its mass word, exchange 2 and the 43-word rows bit for bit; ids against single-rank scoring). On the
+CPU the reference normalization uses numpy's expf/logf, as the interpreter does (``_numpy_normalization``).
+
     python tests/_triton_vocabulary_check.py [--device cuda] [--only PREFIX]  -> one JSON line per case
 """
 

@@ -4,6 +4,11 @@ One interpreter subprocess (tests/_triton_vocabulary_check.py) runs the Triton s
 torch reference stages at TP=2 and TP=4, gathers emulated by concatenation. The export with
 ``--tensor-parallel 2 --targets cuda:90``, its kernel table, validate-core and the prepared launcher
 (emulated CUDA driver) are tested on the sharded core of tests/test_tensor_parallel.py.
+
+Sharded prompt scoring's seven launches run in the same interpreter subprocess (the ``score_*`` cases);
+its launch plan, export preparation per row block, capture check and KERNEL-SHARDED coverage are tested
+here on the exporter's own plan without an export, and its prepared launcher on the seven cubins of one
+row block compiled for cuda:90 (emulated driver).
 """
 
 from __future__ import annotations
