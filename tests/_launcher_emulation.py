@@ -229,12 +229,12 @@ def emulate(core: Path) -> dict[str, list[str]]:
             launcher.current_stream = lambda: 0
             launcher.vocab_size = manifest["vocab_size"]
             _register_exchanges(launcher, driver)
+        from _triton_vocabulary_check import _numpy_normalization  # the interpreter's expf/logf (see there)
+        V.global_normalization = _numpy_normalization
         for shape in sorted(launchers[0].shapes, key=str):
             driver.problems = []
             results[f"sharded-rows{shape.rows}-k{shape.k}"] = run_sharded_case(launchers, driver, shape, shape.rows)
         if launchers[0].scoring.shapes:  # a scored core: its scoring row blocks too
-            from _triton_vocabulary_check import _numpy_normalization  # the interpreter's expf/logf (see there)
-            V.global_normalization = _numpy_normalization
             for launcher in launchers:
                 _register_exchanges(launcher.scoring, driver)
             for shape in sorted(launchers[0].scoring.shapes, key=str):
