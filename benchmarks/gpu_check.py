@@ -14,7 +14,8 @@ Steps, each timed and reported even when a later one fails:
 8. ``benchmarks.reduction --device cuda``: the reduction against the vLLM-style path and the one-read floor;
 9. the vocabulary-sharded stages (Qwen3 vocabulary at TP=2 and TP=4, bf16, one process with the
    all-gathers emulated by concatenation): the six Triton launches per rank against the torch
-   reference stages, words compared and each rank's stage time measured.
+   reference stages, words compared and each rank's stage time measured; then sharded prompt
+   scoring the same way (a 64-row block, the seven scoring launches per rank).
 
 Results go to ``OUT/results.md`` (a table per step with the command) and ``OUT/log.txt``.
 """
@@ -213,6 +214,66 @@ def step_sharded(report: Report) -> None:
                    rows_out, ["ranks", "vocab_shard", "exchange 1 max words equal", "mass max rel diff",
                               "exchange 2 equal (same inputs)", "merge equal (same inputs)", "pipeline ids equal",
                               "pipeline max value diff", "torch ms/rank", "triton ms/rank"])
+    step_sharded_scoring(report, vocab)
+
+
+def step_sharded_scoring(report: Report, vocab: int) -> None:
+    """The seven sharded scoring launches per rank (JIT) against the torch scoring stages, one 64-row block."""
+    from ignition.catalog.contract import PROMPT_ROW_WIDTH, SCORING_ROW_BLOCK
+    from ignition.catalog.parallel import padded_vocabulary
+    from ignition.components import vocabulary_logprobs as V
+    from ignition.components.triton_vocabulary import TritonScoring
+
+    rows, rows_out = SCORING_ROW_BLOCK, []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for ranks in (2, 4):
+        padded = padded_vocabulary(vocab, ranks)
+        width = padded // ranks
+        logits = (torch.randn(rows, padded, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+        targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g, dtype=torch.int32)
+        targets[-1] = -1  # the prompt's end
+        out_rows = torch.arange(rows, device="cuda")
+        launches = [TritonScoring() for _ in parts]
+
+        def reference(out):
+            stats = torch.cat([V.score_shard_statistics(x, targets, r * width, vocab) for r, x in enumerate(parts)])
+            cands = torch.cat([V.score_shard_candidates(x, stats, targets, r * width, vocab)
+                               for r, x in enumerate(parts)])
+            V.merge_prompt_scores(stats, cands, targets, out, out_rows, vocab, width)
+            return stats, cands
+
+        def triton(out, stats=None, cands=None):
+            own = torch.cat([t.statistics(x, targets, r * width, vocab) for r, (t, x) in enumerate(zip(launches, parts))])
+            stats = own if stats is None else stats
+            got = torch.cat([t.candidates(x, stats, targets, r * width, vocab)
+                             for r, (t, x) in enumerate(zip(launches, parts))])
+            launches[0].merge(stats, got if cands is None else cands, targets, out, out_rows, vocab, width)
+            return own, got
+
+        ref_out, tri_out, staged_out = (torch.zeros(rows, PROMPT_ROW_WIDTH, dtype=torch.int32, device="cuda")
+                                        for _ in range(3))
+        stats, cands = reference(ref_out)
+        own_stats, staged_cands = triton(staged_out, stats, cands)  # every stage fed the reference's exchanges
+        triton(tri_out)
+        stats_same = bool(torch.equal(own_stats[:, [0, 2]], stats[:, [0, 2]]))
+        mass, expected = own_stats[:, 1].view(torch.float32), stats[:, 1].view(torch.float32)
+        valid = expected != 0
+        mass_rel = float(((mass - expected).abs() / expected.abs())[valid].max())
+        ids = [0, 2] + list(range(3, PROMPT_ROW_WIDTH, 2))
+        values = [1] + list(range(4, PROMPT_ROW_WIDTH, 2))
+        value_diff = float((tri_out[:, values].view(torch.float32) - ref_out[:, values].view(torch.float32))
+                           .nan_to_num().abs().max())
+        torch_ms = median_time(lambda: reference(torch.zeros_like(ref_out))) * 1e3 / ranks
+        triton_ms = median_time(lambda: triton(torch.zeros_like(ref_out))) * 1e3 / ranks
+        rows_out.append([ranks, width, stats_same, f"{mass_rel:.2e}", bool(torch.equal(staged_cands, cands)),
+                         bool(torch.equal(staged_out, ref_out)), bool(torch.equal(tri_out[:, ids], ref_out[:, ids])),
+                         f"{value_diff:.2e}", f"{torch_ms:.2f}", f"{triton_ms:.2f}"])
+    report.section(f"vocabulary-sharded prompt scoring, {rows} rows, vocabulary {vocab}, bf16 (gathers emulated)",
+                   rows_out, ["ranks", "vocab_shard", "exchange 1 max/target words equal", "mass max rel diff",
+                              "exchange 2 equal (same inputs)", "merge equal (same inputs)",
+                              "pipeline ids and ranks equal", "pipeline max value diff", "torch ms/rank",
+                              "triton ms/rank"])
 
 
 def main() -> None:

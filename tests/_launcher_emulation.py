@@ -14,7 +14,13 @@ emulated by concatenation (``run_sharded_case``): exchange 1 must equal the refe
 mass word (tile-wise sum, within MASS_TOLERANCE), exchange 2 and the packed output exactly, each
 stage fed the reference's gathered exchanges.
 
+A scoring directory (``--scoring DIR``: manifest.json, catalog.json and kernels.json of the smallest
+sharded scored core, built by tests/test_triton_vocabulary.py from the export's own plan, with only
+the scoring launches compiled) loads one ``PreparedVocabulary`` per rank without generation shapes
+and runs its ``scoring`` stage ops the same way (``run_scoring_case``).
+
     python tests/_launcher_emulation.py CORE_DIR  -> prints one JSON object {case: [problems]}
+    python tests/_launcher_emulation.py --scoring DIR
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from ignition.runtime.launcher import PreparedReduction
 
 KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
                                       T.merge_kernel, TV.shard_statistics_kernel, TV.global_normalization_kernel,
-                                      TV.shard_candidates_kernel, TV.merge_shards_kernel)}
+                                      TV.shard_candidates_kernel, TV.merge_shards_kernel, TV.score_statistics_kernel,
+                                      TV.score_normalization_kernel, TV.tile_greater_kernel,
+                                      TV.score_candidates_kernel, TV.score_merge_kernel)}
 POINTER_DTYPES = {"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float32, "*bf16": torch.bfloat16,
                   "*fp16": torch.float16}
 MASS_TOLERANCE = 2.0**-18
@@ -221,9 +229,18 @@ def emulate(core: Path) -> dict[str, list[str]]:
             launcher.current_stream = lambda: 0
             launcher.vocab_size = manifest["vocab_size"]
             _register_exchanges(launcher, driver)
+        from _triton_vocabulary_check import _numpy_normalization  # the interpreter's expf/logf (see there)
+        V.global_normalization = _numpy_normalization
         for shape in sorted(launchers[0].shapes, key=str):
             driver.problems = []
             results[f"sharded-rows{shape.rows}-k{shape.k}"] = run_sharded_case(launchers, driver, shape, shape.rows)
+        if launchers[0].scoring.shapes:  # a scored core: its scoring row blocks too
+            for launcher in launchers:
+                _register_exchanges(launcher.scoring, driver)
+            for shape in sorted(launchers[0].scoring.shapes, key=str):
+                driver.problems = []
+                results[f"scoring-rows{shape.rows}"] = run_scoring_case(launchers, driver, shape,
+                                                                        manifest["vocab_size"], shape.rows)
         issued = sum(launcher.launch_count for launcher in launchers)
         results["launches"] = [] if issued == len(driver.launched) else [
             f"launch_count {issued} != {len(driver.launched)} emulated launches"]
@@ -239,5 +256,71 @@ def emulate(core: Path) -> dict[str, list[str]]:
     return results
 
 
+def run_scoring_case(launchers: list, driver: EmulatedDriver, shape, vocab_size: int, seed: int) -> list[str]:
+    """Every rank's scoring stage ops through its launcher, fed the reference's gathered exchanges."""
+    ranks, rows, width = shape.ranks, shape.rows, shape.vocab_shard
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, ranks * width, generator=g) * 3
+    logits[:, vocab_size:] = 1e4  # padded lanes hold huge values: they must never enter
+    logits[0, :40] = logits[0, 40]  # ties at the top of row 0
+    logits = logits.to(getattr(torch, shape.logits_dtype))
+    parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+    targets = (torch.arange(rows, dtype=torch.int32) * 389 + 7) % vocab_size  # owners alternate
+    targets[-1], targets[rows // 2] = -1, vocab_size  # invalid: the prompt's end, past the vocabulary
+    outs = {name: torch.full((2, rows, 43), 0x5A5A5A5A, dtype=torch.int32) for name in ("launcher", "reference")}
+    out_rows = torch.arange(rows, dtype=torch.int64) + rows  # frame 1
+    stats = torch.cat([V.score_shard_statistics(x, targets, r * width, vocab_size) for r, x in enumerate(parts)])
+    cands = torch.cat([V.score_shard_candidates(x, stats, targets, r * width, vocab_size) for r, x in enumerate(parts)])
+    V.merge_prompt_scores(stats, cands, targets, outs["reference"], out_rows, vocab_size, width)
+    known = [logits, *parts, targets, outs["launcher"], out_rows, stats, cands]
+    for launcher in launchers:
+        known += list(launcher.scoring.workspaces[(rows, width)].tensors())
+    driver.tensors = {t.data_ptr(): t for t in known}
+    problems = []
+    for r, (launcher, x) in enumerate(zip(launchers, parts)):
+        got, want = launcher.scoring.statistics(x, targets, r * width, vocab_size), stats[r * rows:(r + 1) * rows]
+        mass, expected = got[:, 1].view(torch.float32), want[:, 1].view(torch.float32)
+        if not torch.equal(torch.cat([got[:, :1], got[:, 2:]], 1), torch.cat([want[:, :1], want[:, 2:]], 1)) \
+                or not ((mass - expected).abs() <= MASS_TOLERANCE * expected.abs()).all():
+            problems.append(f"rank {r}: scoring exchange 1 differs from the reference")
+        got = launcher.scoring.candidates(x, stats, targets, r * width, vocab_size)
+        if not torch.equal(got, cands[r * rows:(r + 1) * rows]):
+            problems.append(f"rank {r}: scoring exchange 2 differs from the reference")
+    launchers[0].scoring.merge(stats, cands, targets, outs["launcher"], out_rows, vocab_size, width)
+    if not torch.equal(outs["launcher"], outs["reference"]):
+        diff = (outs["launcher"] != outs["reference"]).nonzero()[:5].tolist()
+        problems.append(f"prompt rows differ from the reference at {diff}")
+    return list(driver.problems) + problems
+
+
+def emulate_scoring(root: Path) -> dict[str, list[str]]:
+    """{case: [problems]} for every scoring row block of the directory's scored variants, one launcher per rank."""
+    from _triton_vocabulary_check import _numpy_normalization  # the interpreter's expf/logf (see there)
+    from ignition.runtime.vocabulary_launcher import PreparedVocabulary, scoring_shapes
+
+    V.global_normalization = _numpy_normalization
+    manifest, catalog, table = (json.loads((root / f"{name}.json").read_text())
+                                for name in ("manifest", "catalog", "kernels"))
+    driver = EmulatedDriver(root, table)
+    shapes = scoring_shapes(manifest, catalog)
+    launchers = [PreparedVocabulary.load(root, manifest, table, {}, torch.device("cpu"), "cuda:90", driver, shapes)
+                 for _ in range(manifest["tensor_parallel"]["ranks"])]
+    for launcher in launchers:
+        launcher.current_stream = lambda: 0
+        _register_exchanges(launcher.scoring, driver)
+    results = {}
+    for shape in sorted(shapes, key=str):
+        driver.problems = []
+        results[f"scoring-rows{shape.rows}"] = run_scoring_case(launchers, driver, shape, manifest["vocab_size"],
+                                                                shape.rows)
+    issued = sum(launcher.launch_count for launcher in launchers)
+    results["launches"] = [] if issued == len(driver.launched) else [
+        f"launch_count {issued} != {len(driver.launched)} emulated launches"]
+    return results
+
+
 if __name__ == "__main__":
-    print(json.dumps(emulate(Path(sys.argv[1]))))
+    if sys.argv[1] == "--scoring":
+        print(json.dumps(emulate_scoring(Path(sys.argv[2]))))
+    else:
+        print(json.dumps(emulate(Path(sys.argv[1]))))

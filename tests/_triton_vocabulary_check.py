@@ -13,7 +13,12 @@ Every case is checked three ways, at TP=2 and TP=4:
    explains the bound);
 3. the all-Triton pipeline's ids against the single-rank reference (TP=1).
 
-    python tests/_triton_vocabulary_check.py [--device cuda]  -> one JSON line per case
+The ``score_*`` cases check sharded prompt scoring's seven launches the same three ways against
+``score_shard_statistics`` / ``score_shard_candidates`` / ``merge_prompt_scores`` (exchange 1 except
+its mass word, exchange 2 and the 43-word rows bit for bit; ids against single-rank scoring). On the
+CPU the reference normalization uses numpy's expf/logf, as the interpreter does (``_numpy_normalization``).
+
+    python tests/_triton_vocabulary_check.py [--device cuda] [--only PREFIX]  -> one JSON line per case
 """
 
 from __future__ import annotations
@@ -29,11 +34,35 @@ from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, packed_width
 from ignition.catalog.parallel import EXCHANGE_WORDS, padded_vocabulary
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
-from ignition.components.triton_vocabulary import TritonVocabulary, stage_launches, vocabulary_launch_plan
+from ignition.components.prompt_scoring import score_rows_reference
+from ignition.components.triton_vocabulary import (TritonScoring, TritonVocabulary, scoring_launch_plan,
+                                                   scoring_stage_launches, stage_launches, vocabulary_launch_plan)
 
 SENTINEL = 0x5A5A5A5A
+
+
+def _numpy_normalization(maxima, masses):
+    """``V.global_normalization`` with numpy's float32 exp/log, the functions Triton's interpreter runs for
+    ``_exp``/``_log`` (it has no libdevice): numpy's and torch's CPU expf differ in the last bit for some
+    inputs, so on CPU the reference stages use this and every exchange word stays comparable bit for bit.
+    Same operations in the same order; on CUDA nothing is replaced (libdevice is torch's expf/logf)."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        m, s = maxima.float().numpy(), masses.float().numpy()
+        top = m.max(axis=0)  # NaN propagates, as torch's amax
+        shift = np.where(np.isinf(top), np.float32(0), top).astype(np.float32)
+        total = np.zeros_like(top)
+        for rank in range(m.shape[0]):
+            total = (total + s[rank] * np.exp((m[rank] - shift).astype(np.float32))).astype(np.float32)
+        lse = np.where(np.isinf(top), top, (shift + np.log(total)).astype(np.float32)).astype(np.float32)
+    return torch.from_numpy(lse)
+
 MASS_TOLERANCE = 2.0**-18  # relative: both sums carry < (log2(lanes) + 2) eps with exp() within 2 ulp
 DEVICE = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""  # a case-name prefix (development)
+if DEVICE == "cpu":
+    V.global_normalization = _numpy_normalization
 
 
 def make_case(name, logits, ranks, vocab_size, *, k=NATURAL_K, requested=None, chosen=None, ids=None, counts=None,
@@ -180,13 +209,100 @@ def check(name, case):
     return failures
 
 
-CASE_NAMES = tuple(name for name, _ in cases())
+# ---- prompt scoring: the seven launches against score_shard_statistics / _candidates / merge_prompt_scores ----
+def scoring_cases():
+    g = torch.Generator().manual_seed(5)
+    uneven = padded(7, 1823, 4, g)  # TP=4 over 1823 lanes: the last shard is partly padding
+    uneven[1, :1823:3] = 2.0  # raw ties across every shard, the target among them
+    uneven[2, :1823] = torch.linspace(5.0, 5.0 + 2e-6, 1823)  # ties only after subtracting lse
+    uneven[3, 1500] = float("inf")  # lse = +inf
+    uneven[4, :1823] = float("-inf")  # lse = -inf
+    uneven[5, 17] = float("nan")  # NaN in rank 0's shard, the target on rank 3
+    yield "score_tp4_uneven_adversarial_fp32", dict(logits=uneven, ranks=4, vocab_size=1823,
+                                                   targets=[1822, 3, 911, 1500, 0, 1700, 455], pipeline=True)
+    ids = padded(6, 1001, 2, g)
+    ids[3, 500] = float("nan")  # the target itself is NaN
+    yield "score_tp2_invalid_targets_fp32", dict(logits=ids, ranks=2, vocab_size=1001,
+                                                targets=[-1, 1000, 1001, 501, 500, 2**31 - 1], pipeline=True)
+    small = padded(5, 70, 4, g, torch.bfloat16, scale=1.0)  # bf16 ties; shards of 18 lanes (< 20 pairs each)
+    yield "score_tp4_bf16_ties", dict(logits=small, ranks=4, vocab_size=70, targets=[69, 0, 18, 36, -1])
+    wholly = padded(3, 30, 4, g)
+    wide = torch.cat([wholly[:, :30], torch.full((3, 34), 1e30)], dim=1)  # shards of 16: ranks 2, 3 are padding
+    yield "score_tp4_shards_wholly_in_padding_fp32", dict(logits=wide, ranks=4, vocab_size=30, targets=[29, 0, 30])
+    yield "score_tp2_fp16", dict(logits=padded(4, 3001, 2, g, torch.float16), ranks=2, vocab_size=3001,
+                                 targets=[3000, 1500, 1501, 7])
+
+
+def check_scoring(name, case):
+    logits, vocab_size = case["logits"], case["vocab_size"]
+    parts, width = shards(case)
+    rows, ranks = logits.shape[0], [TritonScoring() for _ in parts]
+    targets = torch.tensor(case["targets"], dtype=torch.int32, device=DEVICE)
+    out_rows = torch.arange(rows, device=DEVICE) + rows  # frame 1 of a [2, rows, 43] output
+    blank = torch.full((2, rows, 43), SENTINEL, dtype=torch.int32, device=DEVICE)
+    plan = scoring_launch_plan(rows, width, len(parts), parts[0].dtype)
+    failures = [] if [len(scoring_stage_launches(plan, s)) for s in ("statistics", "candidates", "merge")] == [
+        2, 4, 1] else ["the scoring plan should issue 2 + 4 + 1 launches"]
+    stats = torch.cat([V.score_shard_statistics(x, targets, r * width, vocab_size) for r, x in enumerate(parts)])
+    cands = torch.cat([V.score_shard_candidates(x, stats, targets, r * width, vocab_size) for r, x in enumerate(parts)])
+    reference_out = blank.clone()
+    V.merge_prompt_scores(stats, cands, targets, reference_out, out_rows, vocab_size, width)
+
+    # 1. stage by stage on the reference's exchanges
+    triton_stats = [rank.statistics(x, targets, r * width, vocab_size) for r, (rank, x) in enumerate(zip(ranks, parts))]
+    for r, x in enumerate(parts):
+        got, want = triton_stats[r], stats[r * rows:(r + 1) * rows]
+        failures += words_differ(f"rank {r} scoring exchange 1", got, want, skip_word=1)
+        mass, expected = got[:, 1].view(torch.float32), want[:, 1].view(torch.float32)
+        close = ((mass - expected).abs() <= MASS_TOLERANCE * expected.abs()) | (mass.isnan() & expected.isnan())
+        close |= got[:, 1] == want[:, 1]
+        if not close.all():
+            failures.append(f"rank {r} scoring exchange 1 mass {mass.tolist()} vs {expected.tolist()}")
+        got = ranks[r].candidates(x, stats, targets, r * width, vocab_size)
+        failures += words_differ(f"rank {r} scoring exchange 2", got, cands[r * rows:(r + 1) * rows])
+    stage_out = blank.clone()
+    ranks[0].merge(stats, cands, targets, stage_out, out_rows, vocab_size, width)
+    failures += words_differ("scoring merge", stage_out.view(-1, 43), reference_out.view(-1, 43))
+
+    # 2. the all-Triton pipeline: ids exact, values within the generation pipeline's bound, ranks within one
+    got = stage_out[1].cpu()
+    if case.get("pipeline"):
+        triton_stats = torch.cat(triton_stats)
+        triton_cands = torch.cat([rank.candidates(x, triton_stats, targets, r * width, vocab_size)
+                                  for r, (rank, x) in enumerate(zip(ranks, parts))])
+        triton_out = blank.clone()
+        ranks[-1].merge(triton_stats, triton_cands, targets, triton_out, out_rows, vocab_size, width)
+        got, want = triton_out[1].cpu(), reference_out[1].cpu()
+        id_words = [0] + list(range(3, 43, 2))
+        if not torch.equal(got[:, id_words], want[:, id_words]) or not torch.equal(triton_out[0], blank[0]):
+            failures.append(f"scoring pipeline ids differ at {(got[:, id_words] != want[:, id_words]).nonzero()[:4].tolist()}")
+        floats = stats.view(len(parts), rows, 64).view(torch.float32).cpu()
+        lse = V.global_normalization(floats[:, :, 0], floats[:, :, 1])
+        value_words = [1] + list(range(4, 43, 2))
+        a, b = got[:, value_words].contiguous(), want[:, value_words].contiguous()
+        fa, fb = a.view(torch.float32), b.view(torch.float32)
+        same = (a == b) | ((fa - fb).abs() <= 2.0**-17 + 2.0**-22 * (lse.abs()[:, None] + fb.abs()))
+        if not same.all():
+            failures.append(f"scoring pipeline values beyond tolerance at {(~same).nonzero()[:4].tolist()}")
+
+    # 3. ids against single-rank scoring (TP=1)
+    single = torch.full((rows, 43), SENTINEL, dtype=torch.int32)
+    score_rows_reference(logits, targets.cpu(), single, torch.arange(rows), vocab_size)
+    id_words = [0] + list(range(3, 43, 2))
+    if not torch.equal(got[:, id_words], single[:, id_words]):
+        failures.append(f"scoring ids differ from TP=1 at {(got[:, id_words] != single[:, id_words]).nonzero()[:4].tolist()}")
+    return failures
+
+
+CASE_NAMES = tuple(name for name, _ in cases()) + tuple(name for name, _ in scoring_cases())
 
 
 def main():
-    for name, case in cases():
+    for name, case in [(n, (check, c)) for n, c in cases()] + [(n, (check_scoring, c)) for n, c in scoring_cases()]:
+        if ONLY and not name.startswith(ONLY):
+            continue
         try:
-            failures = check(name, case)
+            failures = case[0](name, case[1])
         except Exception:  # noqa: BLE001 - reported per case to the parent test
             failures = [traceback.format_exc()]
         print(json.dumps({"case": name, "failures": failures}), flush=True)

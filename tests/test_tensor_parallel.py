@@ -39,7 +39,7 @@ from _tp_cores import ULPS as TP_ULPS
 from _tp_cores import VOCAB, eager_core, shared_tp_cores
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
-from ignition.catalog.parallel import VOCABULARY_LAUNCHES
+from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.recipes.registry import build_recipe
@@ -203,20 +203,23 @@ def test_shard_config_divides_heads_and_expert_widths(cores):
 
 
 def test_export_prepares_the_six_sharded_launches_once_for_every_rank(cores):
-    """--targets cuda:90: one kernel table entry per launch (both ranks and both variants share the binaries), the
-    variants list them in catalog order, validate-core passes, and KERNEL-SHARDED refuses a table of the wrong
+    """--targets cuda:90: one kernel table entry per launch and shape (both ranks and every variant share the
+    binaries); each variant lists the six generation launches in catalog order, and scored.t8 then the seven
+    scoring launches of its 8-row block; validate-core passes, and KERNEL-SHARDED refuses a table of the wrong
     rank count or sharded launches on a single-rank core."""
     tp2 = cores["qwen3"][2]
     manifest = json.loads((tp2 / "manifest.json").read_text())
     catalog = json.loads((tp2 / "catalog.json").read_text())
     table = json.loads((tp2 / manifest["kernels"]).read_text())
     names = [f"vocab.{launch.name}" for launch in VOCABULARY_LAUNCHES]
+    scoring = [f"score.{launch.name}" for launch in SCORING_LAUNCHES]
     by_key = {entry["key"]: entry for entry in table["kernels"]}
-    assert table["targets"] == ["cuda:90"] and sorted(by_key[k]["name"] for k in by_key) == sorted(names)
-    reducing = [v for v in catalog["variants"] if v["contract"]["layout"].get("logprobs")]
-    assert len(reducing) >= 2 and all([by_key[key]["name"] for key in v["launches"]] == names for v in reducing)
-    assert {by_key[key]["constexprs"].get("RANKS") for key in reducing[0]["launches"]} == {None, 2}
-    assert by_key[reducing[0]["launches"][0]]["grid"] == [1, 1]  # one row, one tile of the 76-lane shard
+    assert table["targets"] == ["cuda:90"] and sorted(by_key[k]["name"] for k in by_key) == sorted(names + scoring)
+    launches = {v["name"]: [by_key[key]["name"] for key in v["launches"]] for v in catalog["variants"]}
+    assert launches == {"prefill.t8": names, "decode.c1": names, "scored.t8": names + scoring}
+    decode = next(v for v in catalog["variants"] if v["name"] == "decode.c1")
+    assert {by_key[key]["constexprs"].get("RANKS") for key in decode["launches"]} == {None, 2}
+    assert by_key[decode["launches"][0]]["grid"] == [1, 1]  # one row, one tile of the 76-lane shard
     report = validate_core(tp2, check_graphs=False)
     assert report.ok, report.violations
     wider = json.loads(json.dumps(manifest))
@@ -235,7 +238,7 @@ def test_prepared_sharded_launcher_drives_the_kernels_exactly(cores):
                           capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-4000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(results) == {"sharded-rows1-k20", "launches"}
+    assert set(results) == {"sharded-rows1-k20", "scoring-rows8", "launches"}
     assert {case: problems for case, problems in results.items() if problems} == {}
 
 

@@ -73,12 +73,16 @@ def _exchanges() -> str:
 
 
 def _sharded_launches() -> str:
-    from ignition.catalog.parallel import VOCABULARY_LAUNCHES
-    rows = "\n".join(f"| {i} | `vocab.{x.name}` | `{x.op}` | {x.grid} | {x.writes} | "
-                     f"{'`' + x.before + '` (all-gather)' if x.before else '-'} |"
-                     for i, x in enumerate(VOCABULARY_LAUNCHES, 1))
-    return ("| # | launch | issued by | grid | writes | precedes exchange |\n|---|---|---|---|---|---|\n" + rows
-            + "\n")
+    from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES
+
+    def table(prefix, launches):
+        rows = "\n".join(f"| {i} | `{prefix}.{x.name}` | `{x.op}` | {x.grid} | {x.writes} | "
+                         f"{'`' + x.before + '` (all-gather)' if x.before else '-'} |"
+                         for i, x in enumerate(launches, 1))
+        return "| # | launch | issued by | grid | writes | precedes exchange |\n|---|---|---|---|---|---|\n" + rows + "\n"
+
+    return (table("vocab", VOCABULARY_LAUNCHES) + "\nPrompt scoring, per row block of at most 64 rows "
+            "(`catalog.parallel.SCORING_LAUNCHES`):\n\n" + table("score", SCORING_LAUNCHES))
 
 
 def _shards() -> str:

@@ -176,3 +176,35 @@ VOCABULARY_LAUNCHES: tuple[ShardLaunch, ...] = (
                 "the packed logprob row (single-rank layout)", None),
 )
 """The six prepared launches per rank of the sharded generation reduction; every rank shares their binaries."""
+
+SCORING_LAUNCHES: tuple[ShardLaunch, ...] = (
+    ShardLaunch("tile_stats", "statistics", "ignition::score_shard_statistics", "rows x tiles",
+                "tile maximum, exp mass and sub-block maxima of every row (workspace)", None),
+    ShardLaunch("statistics", "statistics", "ignition::score_shard_statistics", "rows",
+                "exchange words (shard max, mass, target raw logit where owned); row validity and tau = 20th "
+                "sub-block maximum (workspace)", PROMPT_STATS.name),
+    ShardLaunch("normalization", "candidates", "ignition::score_shard_candidates", "rows",
+                "lse (rank-order sum), the shard cutoff tau - lse and the target's reported value (workspace)", None),
+    ShardLaunch("tile_candidates", "candidates", "ignition::score_shard_candidates", "rows x tiles",
+                "each tile's best 20 local sort keys at or above the cutoff (workspace)", None),
+    ShardLaunch("tile_greater", "candidates", "ignition::score_shard_candidates", "rows x tiles",
+                "each tile's count of reported values strictly above the target's (workspace)", None),
+    ShardLaunch("candidates", "candidates", "ignition::score_shard_candidates", "rows",
+                "exchange words (strictly-greater count; best 20 (global id, value) pairs)", PROMPT_CANDIDATES.name),
+    ShardLaunch("merge", "merge", "ignition::merge_prompt_scores", "rows",
+                "the 43-word prompt row (single-rank layout; invalid targets: the invalid pattern)", None),
+)
+"""The seven prepared launches per rank of sharded prompt scoring, per row block of at most SCORING_ROW_BLOCK rows;
+every rank shares their binaries. ``tile_greater`` re-reads the shard (the single-rank ``tile_candidates`` kernel is
+reused unchanged, so the count is its own launch)."""
+
+
+def scoring_row_blocks(rows: int, row_block: int) -> list[int]:
+    """The distinct row-block sizes sharded scoring of ``rows`` prompt rows launches, in first-use order:
+    full blocks of ``row_block`` rows, then the remainder (each size has its own seven prepared launches)."""
+    blocks = []
+    for start in range(0, rows, row_block):
+        size = min(row_block, rows - start)
+        if size not in blocks:
+            blocks.append(size)
+    return blocks

@@ -111,7 +111,9 @@ RULES = {
     "KERNEL-SMEM": "A kernel's shared memory fits its target's per-block limit.",
     "KERNEL-TARGET": "Kernel targets are known targets.",
     "KERNEL-SHARDED": "A sharded core's logprob variants each list the six vocabulary-sharded launches "
-                      "(catalog.parallel.VOCABULARY_LAUNCHES) in order, built for the core's rank count, rows and "
-                      "vocab_shard (tiles covering the shard); a single-rank core lists none of them.",
+                      "(catalog.parallel.VOCABULARY_LAUNCHES) in order, then a scored variant the seven scoring "
+                      "launches (catalog.parallel.SCORING_LAUNCHES) of each row-block size, built for the core's "
+                      "rank count, rows (row block) and vocab_shard (tiles covering the shard); a single-rank core "
+                      "lists none of them.",
     "VALIDATOR-ERROR": "The validator itself failed on this input (always a bug; please report).",
 }

@@ -5,7 +5,8 @@ ops of ``vocabulary_logprobs.py``). On CUDA the ops launch kernels prepared ahea
 runtime installs, once per device at load, a launcher built from the core's kernel table
 (``ignition.runtime.launcher``): ``PreparedReduction`` for a single-rank core (the launcher is
 called as ``ignition::reduce_logprobs``), ``PreparedVocabulary`` for a sharded one (its
-``statistics``, ``candidates`` and ``merge`` methods are the three stage ops). Nothing here
+``statistics``, ``candidates`` and ``merge`` methods are the three generation stage ops, and those of
+its ``scoring`` the three prompt-scoring stage ops). Nothing here
 imports Triton, so a serving process never compiles. Just-in-time Triton is a developer opt-in
 (``IGNITION_TRITON_JIT=1``) for running the ops outside a loaded core.
 """
@@ -17,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from ignition.catalog.parallel import EXCHANGE_WORDS
+from ignition.catalog.contract import PROMPT_ROW_WIDTH
+from ignition.catalog.parallel import EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS
 from ignition.components.logprobs import check_reduction_args, reduce_logprobs_op
-from ignition.components.vocabulary_logprobs import STAGE_OPS
+from ignition.components.vocabulary_logprobs import SCORING_STAGE_OPS, STAGE_OPS
 
 JIT_ENV = "IGNITION_TRITON_JIT"
 """Set to 1 to let the CUDA op JIT-compile Triton when no prepared launcher is installed."""
@@ -82,8 +84,10 @@ def _vocabulary_launcher(device: torch.device, op: str):
     return launcher
 
 
-def check_stage_args(op: str, rows: int, **tensors) -> None:
-    """Layout checks of the sharded stage ops on CUDA (the launches index with unit strides); raises ValueError."""
+def check_stage_args(op: str, rows: int, words: int = EXCHANGE_WORDS, **tensors) -> None:
+    """Layout checks of the sharded stage ops on CUDA (the launches index with unit strides); raises ValueError.
+
+    ``words``: the exchanges' width (EXCHANGE_WORDS for generation, SCORING_EXCHANGE_WORDS for prompt scoring)."""
     problems = []
     for name, tensor in tensors.items():
         if tensor is None:
@@ -92,10 +96,18 @@ def check_stage_args(op: str, rows: int, **tensors) -> None:
             problems.append(f"logits must have unit vocabulary stride, got strides {tensor.stride()}")
         elif name != "logits" and not tensor.is_contiguous():
             problems.append(f"{name} must be contiguous, got strides {tensor.stride()}")
-        if name in ("statistics", "candidates") and (tensor.dim() != 2 or tensor.shape[1] != EXCHANGE_WORDS
+        if name in ("statistics", "candidates") and (tensor.dim() != 2 or tensor.shape[1] != words
                                                      or tensor.shape[0] % rows):
-            problems.append(f"{name} must be [ranks * {rows}, {EXCHANGE_WORDS}], got {list(tensor.shape)}")
-        if name in ("requested", "token_id_counts") and (tensor.dtype != torch.int32 or list(tensor.shape) != [rows]):
+            problems.append(f"{name} must be [ranks * {rows}, {words}], got {list(tensor.shape)}")
+        if words == SCORING_EXCHANGE_WORDS and name in ("statistics", "candidates") and tensor.dtype != torch.int32:
+            problems.append(f"{name} must be int32, got {tensor.dtype}")
+        if name == "out" and words == SCORING_EXCHANGE_WORDS and (tensor.dtype != torch.int32
+                                                                  or tensor.shape[-1] != PROMPT_ROW_WIDTH):
+            problems.append(f"out must be int32 [..., {PROMPT_ROW_WIDTH}], got {tensor.dtype} {list(tensor.shape)}")
+        if name == "out_rows" and (tensor.dtype != torch.int64 or list(tensor.shape) != [rows]):
+            problems.append(f"out_rows must be int64 [{rows}], got {tensor.dtype} {list(tensor.shape)}")
+        if name in ("requested", "token_id_counts", "targets") and (tensor.dtype != torch.int32
+                                                                    or list(tensor.shape) != [rows]):
             problems.append(f"{name} must be int32 [{rows}], got {tensor.dtype} {list(tensor.shape)}")
     if problems:
         raise ValueError(f"ignition::{op}: " + "; ".join(problems))
@@ -126,3 +138,51 @@ def _merge_on_device(statistics, candidates, chosen, requested, out, out_rows, t
 STAGE_OPS["statistics"].register_kernel("cuda")(_statistics_on_device)
 STAGE_OPS["candidates"].register_kernel("cuda")(_candidates_on_device)
 STAGE_OPS["merge"].register_kernel("cuda")(_merge_on_device)
+
+
+# ---- the vocabulary-sharded prompt-scoring stage ops ----------------------------------------------
+_jit_scoring: dict[torch.device, object] = {}
+
+
+def _scoring_launcher(device: torch.device, op: str):
+    """The scoring stages of the installed sharded launcher (``PreparedVocabulary.scoring``), or JIT ones."""
+    launcher = _launchers.get(device)
+    if launcher is None:
+        if not jit_opted_in():
+            raise RuntimeError(
+                f"ignition::{op} on {device}: no prepared kernels are loaded for this device. Load the sharded core "
+                f"with --device cuda so its prepared cubins launch, or set {JIT_ENV}=1 to JIT-compile Triton "
+                f"(development only: serving never compiles)")
+        if device not in _jit_scoring:
+            from ignition.components.triton_vocabulary import TritonScoring
+            _jit_scoring[device] = TritonScoring()
+        return _jit_scoring[device]
+    if not hasattr(launcher, "scoring"):
+        raise RuntimeError(f"ignition::{op} on {device}: the loaded core's prepared kernels are single-rank "
+                           f"(ignition::reduce_logprobs); a sharded graph needs a core exported with --tensor-parallel")
+    return launcher.scoring
+
+
+def _score_statistics_on_device(logits, targets, vocab_start, vocab_size):
+    check_stage_args("score_shard_statistics", logits.shape[0], SCORING_EXCHANGE_WORDS, logits=logits, targets=targets)
+    return _scoring_launcher(logits.device, "score_shard_statistics").statistics(logits, targets, vocab_start,
+                                                                                 vocab_size)
+
+
+def _score_candidates_on_device(logits, statistics, targets, vocab_start, vocab_size):
+    check_stage_args("score_shard_candidates", logits.shape[0], SCORING_EXCHANGE_WORDS, logits=logits,
+                     statistics=statistics, targets=targets)
+    return _scoring_launcher(logits.device, "score_shard_candidates").candidates(logits, statistics, targets,
+                                                                                 vocab_start, vocab_size)
+
+
+def _merge_scores_on_device(statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
+    check_stage_args("merge_prompt_scores", targets.shape[0], SCORING_EXCHANGE_WORDS, statistics=statistics,
+                     candidates=candidates, targets=targets, out=out, out_rows=out_rows)
+    _scoring_launcher(targets.device, "merge_prompt_scores").merge(statistics, candidates, targets, out, out_rows,
+                                                                   vocab_size, vocab_shard)
+
+
+SCORING_STAGE_OPS["statistics"].register_kernel("cuda")(_score_statistics_on_device)
+SCORING_STAGE_OPS["candidates"].register_kernel("cuda")(_score_candidates_on_device)
+SCORING_STAGE_OPS["merge"].register_kernel("cuda")(_merge_scores_on_device)

@@ -23,8 +23,9 @@ matrices never travel. The exchanges are traceable functional all-gathers
 generation stages run six prepared Triton launches per rank (triton_vocabulary.py,
 registered in device_reduction.py) that write the same words: every exchange word and the
 packed output are bit-identical given the same inputs, except the mass (exchange 1, word 1),
-which the launches sum per tile (within a few FP32 ulp). Prompt scoring runs this reference on
-every device. Exchange words carry NaN as ``NAN_BITS`` and a -0.0 maximum as +0.0.
+which the launches sum per tile (within a few FP32 ulp). Prompt scoring's stages run seven
+prepared launches per rank and row block on CUDA (``catalog.parallel.SCORING_LAUNCHES``), with
+the same guarantee and the same exception (its exchange 1, word 1). Exchange words carry NaN as ``NAN_BITS`` and a -0.0 maximum as +0.0.
 """
 
 from __future__ import annotations
@@ -353,6 +354,11 @@ def _(statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
 
 STAGE_OPS = {"statistics": _statistics_op, "candidates": _candidates_op, "merge": _merge_op}
 """The generation stage ops by stage name (catalog.parallel.VOCABULARY_LAUNCHES); CUDA registers its launches
+on them in device_reduction.py."""
+
+SCORING_STAGE_OPS = {"statistics": _score_statistics_op, "candidates": _score_candidates_op,
+                     "merge": _merge_scores_op}
+"""The prompt-scoring stage ops by stage name (catalog.parallel.SCORING_LAUNCHES); CUDA registers its launches
 on them in device_reduction.py."""
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ignition.catalog.contract import TILE_SORT_KEYS
-from ignition.catalog.parallel import VOCABULARY_LAUNCHES
+from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES
 
 
 @dataclass(slots=True)
@@ -76,4 +76,65 @@ def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, 
                          ("out_ptr", out), ("out_rows_ptr", out_rows)):
         if tensor is not None:
             args[name] = tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor
+    return args
+
+
+@dataclass(slots=True)
+class ScoringWorkspace:
+    """One rank's scratch between the three sharded prompt-scoring stage ops of one row block."""
+
+    tiles: int
+    stats: torch.Tensor  # [rows, tiles, 2] fp32
+    maxima: torch.Tensor  # [rows, tiles, SUB] fp32
+    tau: torch.Tensor  # [rows] fp32
+    lse: torch.Tensor  # [rows] fp32
+    cutoff: torch.Tensor  # [rows] fp32
+    value: torch.Tensor  # [rows] fp32: the target's reported value
+    keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
+    greater: torch.Tensor  # [rows, tiles] int32
+    valid: torch.Tensor  # [rows] int32: written by the statistics launch
+    every_row: torch.Tensor  # [rows] int32 ones: tile_stats runs before validity is known
+
+    @classmethod
+    def allocate(cls, rows: int, tiles: int, sub: int, device) -> "ScoringWorkspace":
+        def fp32(*shape):
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        return cls(tiles, fp32(rows, tiles, 2), fp32(rows, tiles, sub), fp32(rows), fp32(rows), fp32(rows), fp32(rows),
+                   torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
+                   torch.empty(rows, tiles, dtype=torch.int32, device=device),
+                   torch.empty(rows, dtype=torch.int32, device=device),
+                   torch.ones(rows, dtype=torch.int32, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.stats, self.maxima, self.tau, self.lse, self.cutoff, self.value, self.keys, self.greater,
+                self.valid, self.every_row)
+
+
+def scoring_stage_launches(plan: list, stage: str) -> list:
+    """The launches of a scoring ``plan`` (in SCORING_LAUNCHES order) that one scoring stage op issues."""
+    return [entry for entry, launch in zip(plan, SCORING_LAUNCHES, strict=True) if launch.stage == stage]
+
+
+def scoring_arguments(stage: str, workspace: ScoringWorkspace, *, logits=None, targets, exchange=None,
+                      statistics=None, candidates=None, out=None, out_rows=None, vocab_start: int = 0,
+                      vocab_size: int, vocab_shard: int) -> dict:
+    """Every runtime argument of a scoring stage's launches, by parameter name. The reused single-rank
+    kernels (tile_stats, tile_candidates) take ``requested_ptr`` and a ``vocab_size`` of the shard's lanes:
+    tile_stats every row (validity is not known yet), tile_candidates the rows launch 2 found valid."""
+    rows = targets.shape[0]
+    lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
+    args = {"stats_ptr": workspace.stats, "maxima_ptr": workspace.maxima, "tau_ptr": workspace.tau,
+            "lse_ptr": workspace.lse, "cutoff_ptr": workspace.cutoff, "value_ptr": workspace.value,
+            "keys_ptr": workspace.keys, "greater_ptr": workspace.greater, "valid_ptr": workspace.valid,
+            "requested_ptr": workspace.every_row if stage == "statistics" else workspace.valid,
+            "counts_ptr": workspace.valid,  # never read: scoring has no selected ids (HAS_IDS False)
+            "targets_ptr": targets, "num_tiles": workspace.tiles, "rows": rows, "vocab_start": vocab_start,
+            "shard_lanes": lanes, "vocab_shard": vocab_shard, "global_vocab_size": vocab_size,
+            "vocab_size": vocab_size if stage == "merge" else lanes}
+    if logits is not None:
+        args |= {"logits_ptr": logits, "logits_row_stride": logits.stride(0)}
+    for name, tensor in (("exchange_ptr", exchange), ("statistics_ptr", statistics), ("candidates_ptr", candidates),
+                         ("out_ptr", out), ("out_rows_ptr", out_rows)):
+        if tensor is not None:
+            args[name] = tensor
     return args

@@ -22,17 +22,31 @@ def _lanes(graph: GraphBuild) -> int:
     return reduction_rows(graph.variant.operation, graph.variant.capacity, graph.variant.layout)
 
 
+def scored_rows(variant) -> int:
+    """Prompt rows C a scored variant scores: the extent of its targets argument (0: the variant scores nothing)."""
+    scoring = variant.layout.get("prompt_logprobs")
+    if not scoring:
+        return 0
+    return next(a.shape[0] for a in variant.arguments if a.name == scoring["targets"])
+
+
 def variant_plan(build: RecipeBuild, graph: GraphBuild):
     """The variant's launches: four single-rank ones, or for a sharded build the six every rank runs (one plan for
-    all ranks: a shard's position is a runtime argument, so identical shapes share one binary)."""
+    all ranks: a shard's position is a runtime argument, so identical shapes share one binary), then for a scored
+    sharded variant the seven scoring launches of each distinct row-block size (``scoring_row_blocks``)."""
     layout = graph.variant.layout.get("logprobs")
     if layout is None:
         return []
     dtype = getattr(torch, build.model["dtype"])
     if build.parallel is not None:
-        from ignition.components.triton_vocabulary import vocabulary_launch_plan
-        return vocabulary_launch_plan(_lanes(graph), build.parallel.vocab_shard, build.parallel.ranks, layout["k"],
+        from ignition.catalog.parallel import scoring_row_blocks
+        from ignition.components.triton_vocabulary import scoring_launch_plan, vocabulary_launch_plan
+        plan = vocabulary_launch_plan(_lanes(graph), build.parallel.vocab_shard, build.parallel.ranks, layout["k"],
                                       layout["explicit_ids"], dtype)
+        scoring = graph.variant.layout.get("prompt_logprobs")
+        for rows in scoring_row_blocks(scored_rows(graph.variant), scoring["row_block"]) if scoring else []:
+            plan += scoring_launch_plan(rows, build.parallel.vocab_shard, build.parallel.ranks, dtype)
+        return plan
     from ignition.components.triton_logprobs import launch_plan
     return launch_plan(_lanes(graph), build.vocab_padded, build.vocab_size, layout["k"], layout["explicit_ids"], dtype)
 
@@ -65,4 +79,14 @@ def check_captured_launches(build: RecipeBuild, graph: GraphBuild, program) -> s
         found = (logits.shape[0], logits.shape[1], logits.dtype)
         if found != expected:
             return f"prepared launches for logits {expected}, the graph reduces {found}"
+    scoring = graph.variant.layout.get("prompt_logprobs")
+    if build.parallel is None or not scoring:
+        return None
+    rows, block = scored_rows(graph.variant), scoring["row_block"]
+    wanted = [(min(block, rows - start), width, expected[2]) for start in range(0, rows, block)]
+    found = [(n.args[0].meta["val"].shape[0], n.args[0].meta["val"].shape[1], n.args[0].meta["val"].dtype)
+             for n in program.graph.nodes
+             if n.op == "call_function" and str(n.target) == "ignition.score_shard_statistics.default"]
+    if found != wanted:
+        return f"prepared scoring launches for row blocks {wanted}, the graph scores {found}"
     return None

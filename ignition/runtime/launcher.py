@@ -198,10 +198,10 @@ class PreparedReduction:
             return None
         target = select_target(torch.cuda.get_device_capability(device), list(table["targets"]) if table else [],
                                str(device))
-        if "tensor_parallel" in manifest:  # a rank of a sharded core: the six vocabulary-sharded launches
-            from ignition.runtime.vocabulary_launcher import PreparedVocabulary, vocabulary_shapes
+        if "tensor_parallel" in manifest:  # a rank of a sharded core: six sharded launches, seven per scoring block
+            from ignition.runtime.vocabulary_launcher import PreparedVocabulary, scoring_shapes, vocabulary_shapes
             return PreparedVocabulary.load(root, manifest, table, vocabulary_shapes(manifest, catalog), device, target,
-                                           driver)
+                                           driver, scoring_shapes(manifest, catalog))
         return cls.from_table(root, table, reduction_shapes(manifest, catalog), device, target, driver)
 
     @classmethod

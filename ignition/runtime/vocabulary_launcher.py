@@ -1,4 +1,5 @@
-"""The prepared launcher of a sharded core: six cubins per rank for the vocabulary-sharded reduction.
+"""The prepared launcher of a sharded core: six cubins per rank for the vocabulary-sharded reduction, and seven
+per row-block size for sharded prompt scoring (``PreparedScoring``).
 
 ``PreparedReduction.load`` hands a core with a ``tensor_parallel`` section to
 ``PreparedVocabulary.load``. Every rank loads the same binaries (the launch plan does not depend on
@@ -19,8 +20,10 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.model import reduction_rows
-from ignition.catalog.parallel import EXCHANGE_WORDS, VOCABULARY_LAUNCHES
-from ignition.components.vocabulary_workspace import VocabularyWorkspace, stage_arguments, stage_launches
+from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES, VOCABULARY_LAUNCHES,
+                                       scoring_row_blocks)
+from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
+                                                      scoring_stage_launches, stage_arguments, stage_launches)
 from ignition.runtime.launcher import LauncherError, PreparedLaunch, _driver, check, load_launches, pack_params
 
 
@@ -36,6 +39,52 @@ class VocabularyShape:
     logits_dtype: str  # torch dtype name
 
 
+@dataclass(frozen=True, slots=True)
+class ScoringShape:
+    """Everything that selects one rank's prepared launches of one sharded prompt-scoring row block."""
+
+    rows: int  # the block's rows (at most SCORING_ROW_BLOCK)
+    vocab_shard: int
+    ranks: int
+    logits_dtype: str
+
+
+def scoring_blocks(entry: dict) -> list[int]:
+    """The distinct row-block sizes a variant's sharded scoring launches (none for an unscored variant)."""
+    scoring = entry["contract"]["layout"].get("prompt_logprobs")
+    if not scoring:
+        return []
+    rows = next(a["shape"][0] for a in entry["arguments"] if a["name"] == scoring["targets"])
+    return scoring_row_blocks(rows, scoring["row_block"])
+
+
+def _variant_launches(entry: dict, ranks: int) -> list[str]:
+    """A sharded logprob variant's launch keys: six for generation, then seven per scoring row-block size."""
+    launches = list(entry.get("launches") or [])
+    wanted = len(VOCABULARY_LAUNCHES) + len(SCORING_LAUNCHES) * len(scoring_blocks(entry))
+    if len(launches) != wanted:
+        raise LauncherError(f"variant {entry['name']} reduces logprobs over {ranks} ranks but lists "
+                            f"{len(launches)} prepared launches, not {wanted}; re-export the core with --targets")
+    return launches
+
+
+def scoring_shapes(manifest: dict, catalog: dict) -> dict[ScoringShape, list[str]]:
+    """Each row block the sharded core's scored graphs score, with its seven launch keys in launch order."""
+    section = manifest["tensor_parallel"]
+    shapes: dict[ScoringShape, list[str]] = {}
+    for entry in catalog["variants"]:
+        if entry["contract"]["layout"].get("logprobs") is None:
+            continue
+        launches = _variant_launches(entry, section["ranks"])[len(VOCABULARY_LAUNCHES):]
+        for index, rows in enumerate(scoring_blocks(entry)):
+            shape = ScoringShape(rows, section["vocab_shard"], section["ranks"], manifest["model"]["dtype"])
+            own = launches[index * len(SCORING_LAUNCHES):(index + 1) * len(SCORING_LAUNCHES)]
+            if shapes.setdefault(shape, own) != own:
+                raise LauncherError(f"variant {entry['name']}: scoring launches {own} differ from another variant's "
+                                    f"for the same row block ({shapes[shape]})")
+    return shapes
+
+
 def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, list[str]]:
     """Each shape the sharded core's graphs reduce, with its six launch keys in launch order."""
     section = manifest["tensor_parallel"]
@@ -47,11 +96,7 @@ def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, li
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
         shape = VocabularyShape(rows, section["vocab_shard"], section["ranks"], layout["k"],
                                 bool(layout["explicit_ids"]), manifest["model"]["dtype"])
-        launches = list(entry.get("launches") or [])
-        if len(launches) != len(VOCABULARY_LAUNCHES):
-            raise LauncherError(f"variant {entry['name']} reduces logprobs over {section['ranks']} ranks but lists "
-                                f"{len(launches)} prepared launches, not {len(VOCABULARY_LAUNCHES)}; re-export the "
-                                f"core with --targets")
+        launches = _variant_launches(entry, section["ranks"])[:len(VOCABULARY_LAUNCHES)]
         if shapes.setdefault(shape, launches) != launches:
             raise LauncherError(f"variant {entry['name']}: launches {launches} differ from another variant of the "
                                 f"same reduction shape ({shapes[shape]})")
@@ -62,8 +107,11 @@ class PreparedVocabulary:
     """The CUDA implementation of the three sharded stage ops for one device (one rank) and one core."""
 
     def __init__(self, device: torch.device, target: str, shapes: dict[VocabularyShape, list[PreparedLaunch]],
-                 workspaces: dict[tuple[int, int], VocabularyWorkspace], modules: list, driver=None):
+                 workspaces: dict[tuple[int, int], VocabularyWorkspace], modules: list, driver=None,
+                 scoring: "dict[ScoringShape, list[PreparedLaunch]] | None" = None,
+                 scoring_workspaces: dict[tuple[int, int], ScoringWorkspace] | None = None):
         self.device, self.target = device, target
+        self.scoring = PreparedScoring(self, scoring or {}, scoring_workspaces or {})
         self.driver = driver or _driver()
         self.shapes = shapes
         self.workspaces = workspaces
@@ -83,7 +131,8 @@ class PreparedVocabulary:
 
     @classmethod
     def load(cls, root: Path, manifest: dict, table: dict, shapes: dict[VocabularyShape, list[str]],
-             device: torch.device, target: str, driver=None) -> "PreparedVocabulary":
+             device: torch.device, target: str, driver=None,
+             scoring: dict[ScoringShape, list[str]] | None = None) -> "PreparedVocabulary":
         driver = driver or _driver()
         torch.zeros(1, device=device)  # makes torch's primary context current on this thread
         if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
@@ -96,11 +145,19 @@ class PreparedVocabulary:
             if (shape.rows, shape.vocab_shard) not in workspaces:
                 workspaces[(shape.rows, shape.vocab_shard)] = VocabularyWorkspace.allocate(
                     shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
-        return cls(device, target, launches, workspaces, modules, driver)
+        scoring_launches, scoring_workspaces = {}, {}
+        for shape, keys in (scoring or {}).items():
+            scoring_launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
+            first = entries[(keys[0], target)]  # score.tile_stats: (rows, tiles) with SUB sub-blocks per tile
+            if (shape.rows, shape.vocab_shard) not in scoring_workspaces:
+                scoring_workspaces[(shape.rows, shape.vocab_shard)] = ScoringWorkspace.allocate(
+                    shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
+        return cls(device, target, launches, workspaces, modules, driver, scoring_launches, scoring_workspaces)
 
     @property
     def workspace_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for w in self.workspaces.values() for t in w.tensors())
+        workspaces = list(self.workspaces.values()) + list(self.scoring.workspaces.values())
+        return sum(t.numel() * t.element_size() for w in workspaces for t in w.tensors())
 
     def _stage(self, stage: str, key: tuple) -> list[PreparedLaunch]:
         launches = self._stages.get((stage, *key))
@@ -166,3 +223,65 @@ class PreparedVocabulary:
 
     def current_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
+
+
+class PreparedScoring:
+    """The CUDA implementation of the three sharded prompt-scoring stage ops (``PreparedVocabulary.scoring``):
+    seven launches per row block (``catalog.parallel.SCORING_LAUNCHES``), issued through the parent's driver."""
+
+    def __init__(self, parent: PreparedVocabulary, shapes: dict[ScoringShape, list[PreparedLaunch]],
+                 workspaces: dict[tuple[int, int], ScoringWorkspace]):
+        self.parent, self.shapes, self.workspaces = parent, shapes, workspaces
+        self._stages: dict[tuple, list[PreparedLaunch]] = {}
+        for shape, launches in shapes.items():
+            for stage, key in (("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
+                               ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.logits_dtype)),
+                               ("merge", (shape.rows, shape.vocab_shard, shape.ranks))):
+                own = scoring_stage_launches(launches, stage)
+                if self._stages.setdefault((stage, *key), own) != own:
+                    raise LauncherError(f"scoring stage {stage} of {shape} launches {[x.key for x in own]}, another "
+                                        f"shape with the same {stage} inputs launches "
+                                        f"{[x.key for x in self._stages[(stage, *key)]]}")
+
+    def _stage(self, stage: str, key: tuple) -> list[PreparedLaunch]:
+        launches = self._stages.get((stage, *key))
+        if launches is None:
+            prepared = sorted(str(k[1:]) for k in self._stages if k[0] == stage)
+            raise LauncherError(f"no prepared scoring {stage} launches for {key}; the core prepared "
+                                f"{prepared or 'none (export it with --prompt-logprobs)'}")
+        return launches
+
+    def _workspace(self, rows: int, vocab_shard: int) -> ScoringWorkspace:
+        return self.workspaces[(rows, vocab_shard)]
+
+    @staticmethod
+    def new_exchange(rows: int, device: torch.device) -> torch.Tensor:
+        """One rank's scoring exchange words ``[rows, SCORING_EXCHANGE_WORDS]`` int32 (the op's fresh output)."""
+        return torch.empty(rows, SCORING_EXCHANGE_WORDS, dtype=torch.int32, device=device)
+
+    def statistics(self, logits, targets, vocab_start, vocab_size):
+        rows, shard = logits.shape
+        launches = self._stage("statistics", (rows, shard, self.parent._dtype(logits)))
+        exchange = self.new_exchange(rows, logits.device)
+        self.parent._launch(launches, scoring_arguments("statistics", self._workspace(rows, shard), logits=logits,
+                                                        targets=targets, exchange=exchange, vocab_start=vocab_start,
+                                                        vocab_size=vocab_size, vocab_shard=shard))
+        return exchange
+
+    def candidates(self, logits, statistics, targets, vocab_start, vocab_size):
+        rows, shard = logits.shape
+        launches = self._stage("candidates", (rows, shard, statistics.shape[0] // rows, self.parent._dtype(logits)))
+        exchange = self.new_exchange(rows, logits.device)
+        self.parent._launch(launches, scoring_arguments("candidates", self._workspace(rows, shard), logits=logits,
+                                                        targets=targets, exchange=exchange, statistics=statistics,
+                                                        vocab_start=vocab_start, vocab_size=vocab_size,
+                                                        vocab_shard=shard))
+        return exchange
+
+    def merge(self, statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
+        rows = targets.shape[0]
+        launches = self._stage("merge", (rows, vocab_shard, statistics.shape[0] // rows))
+        self.parent._launch(launches, scoring_arguments("merge", self._workspace(rows, vocab_shard), targets=targets,
+                                                        statistics=statistics, candidates=candidates, out=out,
+                                                        out_rows=out_rows, vocab_size=vocab_size,
+                                                        vocab_shard=vocab_shard))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ignition.catalog.hashing import sha256_file
 from ignition.catalog.model import reduction_rows
-from ignition.catalog.parallel import VOCABULARY_LAUNCHES
+from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES, scoring_row_blocks
 from ignition.catalog.targets import TARGETS
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
@@ -70,11 +70,26 @@ def _check_entry(core_dir: Path, entry: dict, targets: list[str], where: str) ->
 
 
 _SHARDED_NAMES = [f"vocab.{launch.name}" for launch in VOCABULARY_LAUNCHES]
-_RANKED = {"vocab.global_normalization", "vocab.merge"}  # launches that read every rank's exchange words
+_SCORING_NAMES = [f"score.{launch.name}" for launch in SCORING_LAUNCHES]
+_RANKED = {"vocab.global_normalization", "vocab.merge", "score.normalization", "score.merge"}  # read every rank's words
+_TILED = {"vocab.tile_stats", "score.tile_stats"}
+
+
+def _scoring_blocks(variant: dict) -> list[int] | None:
+    """Row-block sizes of a scored variant (None when its declaration is malformed: other rules report it)."""
+    scoring = (variant.get("contract") or {}).get("layout", {}).get("prompt_logprobs")
+    if not scoring:
+        return []
+    try:
+        rows = next(a["shape"][0] for a in variant.get("arguments", []) if a.get("name") == scoring["targets"])
+        return scoring_row_blocks(int(rows), int(scoring["row_block"]))
+    except (StopIteration, KeyError, TypeError, ValueError, IndexError):
+        return None
 
 
 def check_sharded_launches(manifest: dict, variants: list[dict], table: dict) -> list[Violation]:
-    """KERNEL-SHARDED: each logprob variant of a sharded core launches the six sharded kernels of its shape."""
+    """KERNEL-SHARDED: each logprob variant of a sharded core launches the six sharded kernels of its shape, then
+    a scored variant the seven scoring kernels of each row-block size."""
     section = manifest.get("tensor_parallel")
     entries = {}
     for entry in table.get("kernels", []) if isinstance(table, dict) else []:
@@ -86,25 +101,31 @@ def check_sharded_launches(manifest: dict, variants: list[dict], table: dict) ->
         names = [entries.get(key, {}).get("name") for key in launches]
         where = f"variant {variant.get('name')}: launches"
         if section is None:
-            if any(name in _SHARDED_NAMES for name in names):
+            if any(name in _SHARDED_NAMES or name in _SCORING_NAMES for name in names):
                 found.append(Violation("KERNEL-SHARDED", where, f"a single-rank core lists sharded launches {names}"))
             continue
         if not launches or None in names:  # no logprobs, or KERNEL-MISSING already names the key
             continue
-        if names != _SHARDED_NAMES:
-            found.append(Violation("KERNEL-SHARDED", where, f"expected {_SHARDED_NAMES}, found {names}"))
+        blocks = _scoring_blocks(variant)
+        if blocks is None:
+            continue
+        wanted = _SHARDED_NAMES + _SCORING_NAMES * len(blocks)
+        if names != wanted:
+            found.append(Violation("KERNEL-SHARDED", where, f"expected {wanted}, found {names}"))
             continue
         rows = reduction_rows(variant["operation"], variant["capacity"], variant["contract"]["layout"])
-        for key, name in zip(launches, names):
+        covered = [rows] * len(_SHARDED_NAMES) + [b for b in blocks for _ in _SCORING_NAMES]
+        for key, name, block_rows in zip(launches, names, covered):
             entry = entries[key]
             constexprs, grid = entry.get("constexprs") or {}, entry.get("grid") or []
             if name in _RANKED and constexprs.get("RANKS") != section["ranks"]:
                 found.append(Violation("KERNEL-SHARDED", f"{where}: {key}", f"built for RANKS="
                                        f"{constexprs.get('RANKS')}, the core has {section['ranks']} ranks"))
-            if not grid or grid[0] != rows:
+            if not grid or grid[0] != block_rows:
                 found.append(Violation("KERNEL-SHARDED", f"{where}: {key}", f"grid {grid} does not cover the "
-                                       f"variant's {rows} reduction rows"))
-            if name == "vocab.tile_stats" and len(grid) == 2 and not (
+                                       f"variant's {block_rows} {'scored' if name in _SCORING_NAMES else 'reduction'}"
+                                       f" rows"))
+            if name in _TILED and len(grid) == 2 and not (
                     (grid[1] - 1) * constexprs.get("TILE", 0) < section["vocab_shard"] <= grid[1] * constexprs.get("TILE", 0)):
                 found.append(Violation("KERNEL-SHARDED", f"{where}: {key}", f"{grid[1]} tiles of "
                                        f"{constexprs.get('TILE')} lanes do not cover vocab_shard "
