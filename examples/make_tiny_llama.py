@@ -21,14 +21,14 @@ make_tiny_qwen3 = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(make_tiny_qwen3)
 
 
-def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0, kv_heads: int = 2) -> Path:
     """Write the tiny Llama (config.json, model.safetensors, tokenizer files) into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
     tokenizer = make_tiny_qwen3.build_tokenizer()
     vocab_size = -(-len(tokenizer) // make_tiny_qwen3.VOCAB_MULTIPLE) * make_tiny_qwen3.VOCAB_MULTIPLE
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=1024,
                          tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)

@@ -42,9 +42,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
 
 
-def build_model(vocab_size: int, eos_token_id: int, dtype: torch.dtype, seed: int) -> Qwen3ForCausalLM:
+def build_model(vocab_size: int, eos_token_id: int, dtype: torch.dtype, seed: int,
+                kv_heads: int = 2) -> Qwen3ForCausalLM:
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=1024,
                          rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
                          tie_word_embeddings=True, eos_token_id=eos_token_id, bos_token_id=eos_token_id)
     torch.manual_seed(seed)
@@ -64,13 +65,13 @@ def seeded(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0, kv_heads: int = 2) -> Path:
     """Write the tiny checkpoint (config.json, model.safetensors, tokenizer files) into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    model = build_model(vocab_size, tokenizer.eos_token_id, dtype, seed)
+    model = build_model(vocab_size, tokenizer.eos_token_id, dtype, seed, kv_heads)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -81,8 +82,10 @@ def main(make=make_checkpoint, description: str = __doc__) -> None:
     parser.add_argument("out", type=Path, help="checkpoint directory to write")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-heads", type=int, default=2, choices=[1, 2, 4],
+                        help="KV heads of the 4 query heads (4 lets --tensor-parallel 4 split them)")
     args = parser.parse_args()
-    path = make(args.out, getattr(torch, args.dtype), args.seed)
+    path = make(args.out, getattr(torch, args.dtype), args.seed, args.kv_heads)
     print(f"wrote {path}: {', '.join(sorted(p.name for p in path.iterdir()))}")
 
 
