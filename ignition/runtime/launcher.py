@@ -39,13 +39,24 @@ class ReductionShape:
     logits_dtype: str  # torch dtype name
 
 
+def logprob_variants(catalog: dict):
+    """Each catalog variant that reduces logprobs, with its ``logprobs`` layout."""
+    for entry in catalog["variants"]:
+        layout = entry["contract"]["layout"].get("logprobs")
+        if layout is not None:
+            yield entry, layout
+
+
+def claim_launches(shapes: dict, shape, launches: list[str], conflict: str) -> None:
+    """Records ``launches`` for ``shape``; LauncherError ``conflict`` (and the others) when it already has others."""
+    if shapes.setdefault(shape, launches) != launches:
+        raise LauncherError(f"{conflict} ({shapes[shape]})")
+
+
 def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list[str]]:
     """Each shape the core's graphs reduce, with its launch keys in launch order."""
     shapes: dict[ReductionShape, list[str]] = {}
-    for entry in catalog["variants"]:
-        layout = entry["contract"]["layout"].get("logprobs")
-        if layout is None:
-            continue
+    for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
         shape = ReductionShape(rows, manifest["vocab_padded"], manifest["vocab_size"], layout["k"],
                                bool(layout["explicit_ids"]), manifest["model"]["dtype"])
@@ -53,10 +64,19 @@ def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list
         if not launches:
             raise LauncherError(f"variant {entry['name']} reduces logprobs but lists no prepared launches; "
                                 f"re-export the core with --targets")
-        if shapes.setdefault(shape, launches) != launches:
-            raise LauncherError(f"variant {entry['name']}: launches {launches} differ from another variant of the "
-                                f"same reduction shape ({shapes[shape]})")
+        claim_launches(shapes, shape, launches, f"variant {entry['name']}: launches {launches} differ from another "
+                                                f"variant of the same reduction shape")
     return shapes
+
+
+def open_table(table: dict, device: torch.device, driver=None) -> tuple:
+    """The driver (default cuda-python) with torch's primary context current on this thread for ``device``, and
+    the kernel table's entries by (key, target); LauncherError when no context is current."""
+    driver = driver or _driver()
+    torch.zeros(1, device=device)  # makes torch's primary context current on this thread
+    if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
+        raise LauncherError(f"no CUDA context is current for {device}")
+    return driver, {(e["key"], e["target"]): e for e in table["kernels"]}
 
 
 def target_name(capability: tuple[int, int]) -> str:
@@ -209,11 +229,7 @@ class PreparedReduction:
                    target: str, driver=None) -> "PreparedReduction":
         """Load the binaries of ``target`` that ``shapes`` launch (a kernel table and the files it names under
         ``root``) and size each shape's workspace."""
-        driver = driver or _driver()
-        torch.zeros(1, device=device)  # makes torch's primary context current on this thread
-        if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
-            raise LauncherError(f"no CUDA context is current for {device}")
-        entries = {(e["key"], e["target"]): e for e in table["kernels"]}
+        driver, entries = open_table(table, device, driver)
         functions, modules, launches, workspaces = {}, [], {}, {}
         for shape, keys in shapes.items():
             launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
