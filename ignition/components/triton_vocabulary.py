@@ -243,6 +243,27 @@ def shard_candidates_kernel(
         tl.store(out + words, tl.zeros([WORDS], tl.int32), mask=words >= _VALUES_WORD + SHARD_KEYS)
 
 
+@triton.jit
+def _best_gathered(keys, value_bits, COUNT: tl.constexpr, BLOCK: tl.constexpr, REENCODE: tl.constexpr):
+    """The best COUNT of the gathered keys (unique: they hold the global id, so one per step), largest first, in
+    [BLOCK] vectors: their ids (``-1 - low word``) and value bits (REENCODE: through _value_bits), -1 and NAN_BITS
+    in every other slot."""
+    slots = tl.arange(0, BLOCK)
+    best_ids = tl.full([BLOCK], -1, tl.int32)
+    best_bits = tl.full([BLOCK], _NAN_BITS, tl.int32)
+    for i in range(COUNT):
+        top = tl.max(keys, axis=0)
+        hit = keys == top
+        bits = tl.sum(tl.where(hit, value_bits, 0), axis=0)
+        found = top != _NO_KEY
+        if REENCODE:
+            bits = _value_bits(bits.to(tl.float32, bitcast=True), found)
+        best_ids = tl.where((slots == i) & found, -1 - top.to(tl.int32), best_ids)
+        best_bits = tl.where((slots == i) & found, bits, best_bits)
+        keys = tl.where(hit, _NO_KEY, keys)
+    return best_ids, best_bits
+
+
 @triton.jit(do_not_specialize=["rows", "vocab_size", "vocab_shard"])
 def merge_shards_kernel(
     statistics_ptr,  # [RANKS * rows, WORDS] int32: exchange 1, gathered
@@ -304,16 +325,7 @@ def merge_shards_kernel(
         keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
         keys = tl.where(live, keys, _NO_KEY)
         slots = tl.arange(0, K_BLOCK)
-        best_ids = tl.full([K_BLOCK], -1, tl.int32)
-        best_bits = tl.full([K_BLOCK], _NAN_BITS, tl.int32)
-        for i in range(K):  # keys are unique (they hold the global id): one candidate per step
-            top = tl.max(keys, axis=0)
-            hit = keys == top
-            bits = tl.sum(tl.where(hit, value_bits, 0), axis=0)
-            found = top != _NO_KEY
-            best_ids = tl.where((slots == i) & found, -1 - top.to(tl.int32), best_ids)
-            best_bits = tl.where((slots == i) & found, bits, best_bits)
-            keys = tl.where(hit, _NO_KEY, keys)
+        best_ids, best_bits = _best_gathered(keys, value_bits, K, K_BLOCK, False)
         tl.store(out_row + 2 + 2 * slots, best_ids, mask=slots < K)
         tl.store(out_row + 3 + 2 * slots, best_bits, mask=slots < K)
 
@@ -496,16 +508,7 @@ def score_merge_kernel(
     ids = tl.load(words, mask=live, other=-1)
     value_bits = tl.load(words + 1, mask=live, other=0)
     keys = tl.where(ids >= 0, _sort_keys(value_bits.to(tl.float32, bitcast=True), ids), _NO_KEY)
-    best_ids = tl.full([PAIRS_BLOCK], -1, tl.int32)
-    best_bits = tl.full([PAIRS_BLOCK], _NAN_BITS, tl.int32)
-    for i in range(PAIRS):  # keys are unique (they hold the global id): one pair per step
-        top = tl.max(keys, axis=0)
-        hit = keys == top
-        bits = tl.sum(tl.where(hit, value_bits, 0), axis=0)
-        found = top != _NO_KEY
-        best_ids = tl.where((slots == i) & found, -1 - top.to(tl.int32), best_ids)
-        best_bits = tl.where((slots == i) & found, _value_bits(bits.to(tl.float32, bitcast=True), found), best_bits)
-        keys = tl.where(hit, _NO_KEY, keys)
+    best_ids, best_bits = _best_gathered(keys, value_bits, PAIRS, PAIRS_BLOCK, True)
     tl.store(out_row, target)
     tl.store(out_row + 1, _value_bits(raw - lse, target >= 0))
     tl.store(out_row + 2, greater + 1)

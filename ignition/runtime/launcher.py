@@ -79,6 +79,15 @@ def open_table(table: dict, device: torch.device, driver=None) -> tuple:
     return driver, {(e["key"], e["target"]): e for e in table["kernels"]}
 
 
+def launch_all(driver, stream: int, launches: list, values: dict) -> None:
+    """Issues ``launches`` in order on ``stream`` (a CUDA stream handle), parameters packed from ``values`` by name."""
+    stream = driver.CUstream(stream)
+    for launch in launches:
+        params, _holders = pack_params(launch.signature, values)
+        check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
+                                    stream, ctypes.addressof(params), 0), driver)
+
+
 def target_name(capability: tuple[int, int]) -> str:
     major, minor = capability
     return f"cuda:{major * 10 + minor}"
@@ -268,12 +277,7 @@ class PreparedReduction:
                   "keys_ptr": workspace.keys.data_ptr(), "out_ptr": out.data_ptr(),
                   "out_rows_ptr": out_rows.data_ptr(), "logits_row_stride": logits.stride(0),
                   "vocab_size": vocab_size, "num_tiles": workspace.tiles}
-        driver = self.driver
-        stream = driver.CUstream(self.current_stream())
-        for launch in launches:
-            params, _holders = pack_params(launch.signature, values)
-            check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
-                                        stream, ctypes.addressof(params), 0), driver)
+        launch_all(self.driver, self.current_stream(), launches, values)
         self.launch_count += len(launches)
 
     def current_stream(self) -> int:

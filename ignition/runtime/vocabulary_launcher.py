@@ -13,7 +13,6 @@ here imports Triton or compiles.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +23,8 @@ from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, S
                                        scoring_row_blocks)
 from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
                                                       scoring_stage_launches, stage_arguments, stage_launches)
-from ignition.runtime.launcher import (LauncherError, PreparedLaunch, _driver, check, claim_launches, load_launches,
-                                       logprob_variants, open_table, pack_params)
+from ignition.runtime.launcher import (LauncherError, PreparedLaunch, _driver, claim_launches, launch_all, load_launches,
+                                       logprob_variants, open_table)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,12 +165,7 @@ class PreparedVocabulary:
 
     def _launch(self, launches: list[PreparedLaunch], args: dict) -> None:
         values = {name: value.data_ptr() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
-        driver = self.driver
-        stream = driver.CUstream(self.current_stream())
-        for launch in launches:
-            params, _holders = pack_params(launch.signature, values)
-            check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
-                                        stream, ctypes.addressof(params), 0), driver)
+        launch_all(self.driver, self.current_stream(), launches, values)
         self.launch_count += len(launches)
 
     @staticmethod
