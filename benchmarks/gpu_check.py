@@ -160,19 +160,25 @@ def _max_json_difference(a, b) -> float:
     return 0.0
 
 
+def _shard_logits(vocab: int, rows: int, ranks: int, generator: torch.Generator) -> tuple[int, list[torch.Tensor]]:
+    """The shard width and each rank's contiguous bf16 shard of ``[rows, padded vocabulary]`` logits (N(0, 9))."""
+    from ignition.catalog.parallel import padded_vocabulary
+
+    padded = padded_vocabulary(vocab, ranks)
+    width = padded // ranks
+    logits = (torch.randn(rows, padded, device="cuda", generator=generator) * 3).to(torch.bfloat16)
+    return width, [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+
+
 def step_sharded(report: Report) -> None:
     """The six sharded launches per rank (JIT-compiled here) against the torch stages, on one GPU."""
-    from ignition.catalog.parallel import padded_vocabulary
     from ignition.components import vocabulary_logprobs as V
     from ignition.components.triton_vocabulary import TritonVocabulary
 
     vocab, rows, k, rows_out = 151936, 32, 20, []
     g = torch.Generator(device="cuda").manual_seed(0)
     for ranks in (2, 4):
-        padded = padded_vocabulary(vocab, ranks)
-        width = padded // ranks
-        logits = (torch.randn(rows, padded, device="cuda", generator=g) * 3).to(torch.bfloat16)
-        parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+        width, parts = _shard_logits(vocab, rows, ranks, g)
         chosen = torch.randint(0, vocab, (rows,), device="cuda", generator=g)
         requested = torch.ones(rows, dtype=torch.int32, device="cuda")
         out_rows = torch.arange(rows, device="cuda")
@@ -206,8 +212,8 @@ def step_sharded(report: Report) -> None:
         merge_same = bool(torch.equal(staged_out, ref_out))
         ids_same = bool(torch.equal(tri_out[:, 0::2], ref_out[:, 0::2]))
         value_diff = float((tri_out[:, 1::2].view(torch.float32) - ref_out[:, 1::2].view(torch.float32)).abs().max())
-        torch_ms = median_time(lambda: reference(torch.zeros_like(ref_out))) * 1e3 / ranks
-        triton_ms = median_time(lambda: triton(torch.zeros_like(ref_out))) * 1e3 / ranks
+        torch_ms, triton_ms = (median_time(lambda: run(torch.zeros_like(ref_out))) * 1e3 / ranks
+                               for run in (reference, triton))
         rows_out.append([ranks, width, stats_same, f"{mass_rel:.2e}", cands_same, merge_same, ids_same,
                          f"{value_diff:.2e}", f"{torch_ms:.2f}", f"{triton_ms:.2f}"])
     report.section(f"vocabulary-sharded stages, {rows} rows, vocabulary {vocab}, bf16, K={k} (gathers emulated)",
@@ -220,17 +226,13 @@ def step_sharded(report: Report) -> None:
 def step_sharded_scoring(report: Report, vocab: int) -> None:
     """The seven sharded scoring launches per rank (JIT) against the torch scoring stages, one 64-row block."""
     from ignition.catalog.contract import PROMPT_ROW_WIDTH, SCORING_ROW_BLOCK
-    from ignition.catalog.parallel import padded_vocabulary
     from ignition.components import vocabulary_logprobs as V
     from ignition.components.triton_vocabulary import TritonScoring
 
     rows, rows_out = SCORING_ROW_BLOCK, []
     g = torch.Generator(device="cuda").manual_seed(1)
     for ranks in (2, 4):
-        padded = padded_vocabulary(vocab, ranks)
-        width = padded // ranks
-        logits = (torch.randn(rows, padded, device="cuda", generator=g) * 3).to(torch.bfloat16)
-        parts = [logits[:, r * width:(r + 1) * width].contiguous() for r in range(ranks)]
+        width, parts = _shard_logits(vocab, rows, ranks, g)
         targets = torch.randint(0, vocab, (rows,), device="cuda", generator=g, dtype=torch.int32)
         targets[-1] = -1  # the prompt's end
         out_rows = torch.arange(rows, device="cuda")
@@ -264,8 +266,8 @@ def step_sharded_scoring(report: Report, vocab: int) -> None:
         values = [1] + list(range(4, PROMPT_ROW_WIDTH, 2))
         value_diff = float((tri_out[:, values].view(torch.float32) - ref_out[:, values].view(torch.float32))
                            .nan_to_num().abs().max())
-        torch_ms = median_time(lambda: reference(torch.zeros_like(ref_out))) * 1e3 / ranks
-        triton_ms = median_time(lambda: triton(torch.zeros_like(ref_out))) * 1e3 / ranks
+        torch_ms, triton_ms = (median_time(lambda: run(torch.zeros_like(ref_out))) * 1e3 / ranks
+                               for run in (reference, triton))
         rows_out.append([ranks, width, stats_same, f"{mass_rel:.2e}", bool(torch.equal(staged_cands, cands)),
                          bool(torch.equal(staged_out, ref_out)), bool(torch.equal(tri_out[:, ids], ref_out[:, ids])),
                          f"{value_diff:.2e}", f"{torch_ms:.2f}", f"{triton_ms:.2f}"])

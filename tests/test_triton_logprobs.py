@@ -7,38 +7,21 @@ process. Each case reports its own failures; the tolerance argument lives in tha
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _interpreted import case_names, interpreted_cases
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, packed_width
 
 HELPER = Path(__file__).with_name("_triton_interp_check.py")
-_helper_spec = importlib.util.spec_from_file_location("_triton_interp_check", HELPER)
-_helper = importlib.util.module_from_spec(_helper_spec)
-_helper_spec.loader.exec_module(_helper)
-CASE_NAMES = _helper.CASE_NAMES
+CASE_NAMES = case_names(HELPER)
 
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, list[str]]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(HELPER)], env=env, cwd=HELPER.parent.parent, capture_output=True,
-                          text=True, timeout=600)
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["case"]] = record["failures"]
-    if done.returncode != 0 or not results:
-        pytest.fail(f"interpreter run failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
-    return results
+    return interpreted_cases(HELPER)
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _interpreted import case_names, interpreted_cases
 
 from ignition.catalog.contract import NATURAL_K
 from ignition.catalog.parallel import VOCABULARY_LAUNCHES
@@ -31,29 +32,10 @@ HELPER = Path(__file__).with_name("_triton_vocabulary_check.py")
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, list[str]]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(HELPER)], env=env,
-                          cwd=HELPER.parent.parent, capture_output=True, text=True, timeout=600)
-    results = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            results[record["case"]] = record["failures"]
-    if done.returncode != 0 or not results:
-        pytest.fail(f"interpreter run failed (rc {done.returncode}):\n{done.stderr[-4000:]}")
-    return results
+    return interpreted_cases(HELPER)
 
 
-def _stage_cases() -> list[str]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_triton_vocabulary_check_names", HELPER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return list(module.CASE_NAMES)
-
-
-@pytest.mark.parametrize("case", _stage_cases())
+@pytest.mark.parametrize("case", case_names(HELPER))
 def test_triton_stages_write_the_reference_words(interpreted, case):
     assert case in interpreted, f"case {case} did not run"
     assert interpreted[case] == [], "\n".join(interpreted[case])
@@ -102,14 +84,24 @@ def test_cuda_stage_ops_refuse_bad_layouts_and_missing_launchers(monkeypatch):
         D.check_stage_args("vocab_shard_statistics", rows, logits=torch.zeros(8, rows).t())
     D.check_stage_args("merge_vocabulary_logprobs", rows, statistics=torch.zeros(2 * rows, 256),
                        candidates=torch.zeros(2 * rows, 256), requested=torch.ones(rows, dtype=torch.int32))
+    _refuses_missing_launchers(monkeypatch, D._vocabulary_launcher, "vocab_shard_statistics",
+                               "merge_vocabulary_logprobs")
+
+
+def _refuses_missing_launchers(monkeypatch, select, first_op: str, second_op: str) -> None:
+    """``select`` (a sharded launcher lookup of device_reduction) on a made-up device: no launcher installed
+    without the JIT opt-in, then a single-rank core's launcher installed."""
+    from ignition.components import device_reduction as D
+
     device = torch.device("cuda", 7)
     monkeypatch.delenv(D.JIT_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="no prepared kernels are loaded"):
-        D._vocabulary_launcher(device, "vocab_shard_statistics")
+    with pytest.raises(RuntimeError, match=f"{first_op} on cuda:7: no prepared kernels are loaded"):
+        select(device, first_op)
     D.install_reduction(device, lambda *args: None)  # a single-rank core's launcher
     try:
-        with pytest.raises(RuntimeError, match="single-rank"):
-            D._vocabulary_launcher(device, "merge_vocabulary_logprobs")
+        with pytest.raises(RuntimeError, match=f"{second_op} on cuda:7: the loaded core's prepared kernels are "
+                                               f"single-rank"):
+            select(device, second_op)
     finally:
         D.install_reduction(device, None)
 
@@ -259,16 +251,7 @@ def test_cuda_scoring_ops_refuse_bad_layouts_and_missing_launchers(monkeypatch):
     with pytest.raises(ValueError, match=r"out must be int32 \[\.\.\., 43\].*out_rows must be int64"):
         D.check_stage_args("merge_prompt_scores", 3, 64, out=torch.zeros(2, 3, 42, dtype=torch.int32),
                            out_rows=torch.arange(3, dtype=torch.int32))
-    device = torch.device("cuda", 7)
-    monkeypatch.delenv(D.JIT_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="score_shard_statistics on cuda:7: no prepared kernels are loaded"):
-        D._scoring_launcher(device, "score_shard_statistics")
-    D.install_reduction(device, lambda *args: None)  # a single-rank core's launcher
-    try:
-        with pytest.raises(RuntimeError, match="single-rank"):
-            D._scoring_launcher(device, "merge_prompt_scores")
-    finally:
-        D.install_reduction(device, None)
+    _refuses_missing_launchers(monkeypatch, D._scoring_launcher, "score_shard_statistics", "merge_prompt_scores")
 
 
 @pytest.mark.cuda

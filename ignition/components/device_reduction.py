@@ -63,10 +63,12 @@ reduce_logprobs_op.register_kernel("cuda")(_reduce_on_device)
 
 
 # ---- the vocabulary-sharded stage ops ----------------------------------------------------------
-_jit_vocabulary: dict[torch.device, object] = {}
+_jit_launchers: dict[tuple[torch.device, str], object] = {}
 
 
-def _vocabulary_launcher(device: torch.device, op: str):
+def _sharded_launcher(device: torch.device, op: str, jit_class: str, part: str | None = None):
+    """The installed sharded launcher (``PreparedVocabulary``, or its attribute ``part``: ``scoring``), or with
+    JIT opted in one ``triton_vocabulary.<jit_class>`` per device."""
     launcher = _launchers.get(device)
     if launcher is None:
         if not jit_opted_in():
@@ -74,14 +76,19 @@ def _vocabulary_launcher(device: torch.device, op: str):
                 f"ignition::{op} on {device}: no prepared kernels are loaded for this device. Load the sharded core "
                 f"with --device cuda so its prepared cubins launch, or set {JIT_ENV}=1 to JIT-compile Triton "
                 f"(development only: serving never compiles)")
-        if device not in _jit_vocabulary:
-            from ignition.components.triton_vocabulary import TritonVocabulary
-            _jit_vocabulary[device] = TritonVocabulary()
-        return _jit_vocabulary[device]
-    if not hasattr(launcher, "merge"):
+        if (device, jit_class) not in _jit_launchers:
+            from ignition.components import triton_vocabulary
+            _jit_launchers[(device, jit_class)] = getattr(triton_vocabulary, jit_class)()
+        return _jit_launchers[(device, jit_class)]
+    if not hasattr(launcher, part or "merge"):
         raise RuntimeError(f"ignition::{op} on {device}: the loaded core's prepared kernels are single-rank "
                            f"(ignition::reduce_logprobs); a sharded graph needs a core exported with --tensor-parallel")
-    return launcher
+    return getattr(launcher, part) if part else launcher
+
+
+def _vocabulary_launcher(device: torch.device, op: str):
+    """The generation stages of the installed sharded launcher (``PreparedVocabulary``), or JIT ones."""
+    return _sharded_launcher(device, op, "TritonVocabulary")
 
 
 def check_stage_args(op: str, rows: int, words: int = EXCHANGE_WORDS, **tensors) -> None:
@@ -141,26 +148,9 @@ STAGE_OPS["merge"].register_kernel("cuda")(_merge_on_device)
 
 
 # ---- the vocabulary-sharded prompt-scoring stage ops ----------------------------------------------
-_jit_scoring: dict[torch.device, object] = {}
-
-
 def _scoring_launcher(device: torch.device, op: str):
     """The scoring stages of the installed sharded launcher (``PreparedVocabulary.scoring``), or JIT ones."""
-    launcher = _launchers.get(device)
-    if launcher is None:
-        if not jit_opted_in():
-            raise RuntimeError(
-                f"ignition::{op} on {device}: no prepared kernels are loaded for this device. Load the sharded core "
-                f"with --device cuda so its prepared cubins launch, or set {JIT_ENV}=1 to JIT-compile Triton "
-                f"(development only: serving never compiles)")
-        if device not in _jit_scoring:
-            from ignition.components.triton_vocabulary import TritonScoring
-            _jit_scoring[device] = TritonScoring()
-        return _jit_scoring[device]
-    if not hasattr(launcher, "scoring"):
-        raise RuntimeError(f"ignition::{op} on {device}: the loaded core's prepared kernels are single-rank "
-                           f"(ignition::reduce_logprobs); a sharded graph needs a core exported with --tensor-parallel")
-    return launcher.scoring
+    return _sharded_launcher(device, op, "TritonScoring", "scoring")
 
 
 def _score_statistics_on_device(logits, targets, vocab_start, vocab_size):

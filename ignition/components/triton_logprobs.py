@@ -61,6 +61,23 @@ def _value_bits(values, valid):
     return tl.where(valid & (values == values), bits, _NAN_BITS)
 
 
+@triton.jit
+def _best_tile_keys(keys_ptr, row, num_tiles, CANDIDATES_BLOCK: tl.constexpr, TILE_KEYS: tl.constexpr,
+                    COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's best COUNT of its tiles' sort keys (from tile_candidates), largest first, in slots 0..COUNT-1
+    of a [BLOCK] vector; _NO_KEY in every other slot and where fewer keys exist."""
+    candidates = tl.arange(0, CANDIDATES_BLOCK)
+    keys = tl.load(keys_ptr + row * num_tiles * TILE_KEYS + candidates,
+                   mask=candidates < num_tiles * TILE_KEYS, other=_NO_KEY)
+    slots = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], _NO_KEY, tl.int64)
+    for i in range(COUNT):
+        top = tl.max(keys, axis=0)
+        best = tl.where(slots == i, top, best)
+        keys = tl.where(keys == top, _NO_KEY, keys)
+    return best
+
+
 @triton.jit(do_not_specialize=["logits_row_stride", "vocab_size", "num_tiles"])
 def tile_stats_kernel(
     logits_ptr,  # [rows, vocab_padded] fp32/bf16/fp16, unit stride along the vocabulary
@@ -223,15 +240,8 @@ def merge_kernel(
         tl.store(out_row + 2 + 2 * positions, selected, mask=active)
         tl.store(out_row + 3 + 2 * positions, _value_bits(selected_raw - lse, in_vocab), mask=active)
     elif K > 0:
-        candidates = tl.arange(0, CANDIDATES_BLOCK)
-        keys = tl.load(keys_ptr + row * num_tiles * TILE_KEYS + candidates,
-                       mask=candidates < num_tiles * TILE_KEYS, other=_NO_KEY)
+        best = _best_tile_keys(keys_ptr, row, num_tiles, CANDIDATES_BLOCK, TILE_KEYS, K, K_BLOCK)
         slots = tl.arange(0, K_BLOCK)
-        best = tl.full([K_BLOCK], _NO_KEY, tl.int64)
-        for i in range(K):
-            top = tl.max(keys, axis=0)
-            best = tl.where(slots == i, top, best)
-            keys = tl.where(keys == top, _NO_KEY, keys)
         found = best != _NO_KEY
         ids = tl.where(found, -1 - best.to(tl.int32), -1)  # low word 0xFFFFFFFF - id, read as int32
         raw = tl.load(row_logits + ids, mask=found, other=0.0).to(tl.float32)

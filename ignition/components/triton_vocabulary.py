@@ -46,8 +46,8 @@ from ignition.catalog.parallel import (CANDIDATE_VALUES_WORD, EXCHANGE_WORDS, SC
 from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
                                                       scoring_stage_launches, stage_arguments, stage_launches)
 from ignition.components.triton_logprobs import (_INF, _NAN_BITS, _NO_KEY, _POINTER_TYPES, ENABLE_FP_FUSION,
-                                                 SUB_BLOCKS, LaunchSpec, _sort_keys, _tiling, _value_bits,
-                                                 tile_candidates_kernel, tile_stats_kernel)
+                                                 SUB_BLOCKS, LaunchSpec, _best_tile_keys, _sort_keys, _tiling,
+                                                 _value_bits, tile_candidates_kernel, tile_stats_kernel)
 
 _SHARD_KEYS = TILE_SORT_KEYS  # keys (and values) one shard contributes to exchange 2
 _VALUES_WORD = tl.constexpr(CANDIDATE_VALUES_WORD)
@@ -59,20 +59,12 @@ _LIBDEVICE = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 @triton.jit
 def _exp(x):
-    if _LIBDEVICE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
+    return libdevice.exp(x) if _LIBDEVICE else tl.exp(x)  # a constexpr condition: one branch is compiled
 
 
 @triton.jit
 def _log(x):
-    if _LIBDEVICE:
-        y = libdevice.log(x)
-    else:
-        y = tl.log(x)
-    return y
+    return libdevice.log(x) if _LIBDEVICE else tl.log(x)
 
 
 @triton.jit
@@ -239,15 +231,8 @@ def shard_candidates_kernel(
         tl.store(out + 1 + positions, tl.where(owned, _raw_bits(selected_raw), 0))
         tl.store(out + words, tl.zeros([WORDS], tl.int32), mask=words >= 1 + MAX_IDS)
     else:
-        candidates = tl.arange(0, CANDIDATES_BLOCK)
-        keys = tl.load(keys_ptr + row * num_tiles * TILE_KEYS + candidates,
-                       mask=candidates < num_tiles * TILE_KEYS, other=_NO_KEY)
+        best = _best_tile_keys(keys_ptr, row, num_tiles, CANDIDATES_BLOCK, TILE_KEYS, SHARD_KEYS, SHARD_KEYS)
         slots = tl.arange(0, SHARD_KEYS)
-        best = tl.full([SHARD_KEYS], _NO_KEY, tl.int64)
-        for i in range(SHARD_KEYS):
-            top = tl.max(keys, axis=0)
-            best = tl.where(slots == i, top, best)
-            keys = tl.where(keys == top, _NO_KEY, keys)
         found = best != _NO_KEY
         local = tl.where(found, -1 - best.to(tl.int32), 0)  # low word 0xFFFFFFFF - id, read as int32
         best_raw = tl.load(row_logits + local, mask=found, other=0.0).to(tl.float32)
@@ -256,6 +241,27 @@ def shard_candidates_kernel(
         tl.store(out + 2 + 2 * slots, (global_keys >> 32).to(tl.int32))
         tl.store(out + _VALUES_WORD + slots, _value_bits(best_raw - lse, found))
         tl.store(out + words, tl.zeros([WORDS], tl.int32), mask=words >= _VALUES_WORD + SHARD_KEYS)
+
+
+@triton.jit
+def _best_gathered(keys, value_bits, COUNT: tl.constexpr, BLOCK: tl.constexpr, REENCODE: tl.constexpr):
+    """The best COUNT of the gathered keys (unique: they hold the global id, so one per step), largest first, in
+    [BLOCK] vectors: their ids (``-1 - low word``) and value bits (REENCODE: through _value_bits), -1 and NAN_BITS
+    in every other slot."""
+    slots = tl.arange(0, BLOCK)
+    best_ids = tl.full([BLOCK], -1, tl.int32)
+    best_bits = tl.full([BLOCK], _NAN_BITS, tl.int32)
+    for i in range(COUNT):
+        top = tl.max(keys, axis=0)
+        hit = keys == top
+        bits = tl.sum(tl.where(hit, value_bits, 0), axis=0)
+        found = top != _NO_KEY
+        if REENCODE:
+            bits = _value_bits(bits.to(tl.float32, bitcast=True), found)
+        best_ids = tl.where((slots == i) & found, -1 - top.to(tl.int32), best_ids)
+        best_bits = tl.where((slots == i) & found, bits, best_bits)
+        keys = tl.where(hit, _NO_KEY, keys)
+    return best_ids, best_bits
 
 
 @triton.jit(do_not_specialize=["rows", "vocab_size", "vocab_shard"])
@@ -319,16 +325,7 @@ def merge_shards_kernel(
         keys = (high.to(tl.int64) << 32) | (low.to(tl.int64) & 0xFFFFFFFF)
         keys = tl.where(live, keys, _NO_KEY)
         slots = tl.arange(0, K_BLOCK)
-        best_ids = tl.full([K_BLOCK], -1, tl.int32)
-        best_bits = tl.full([K_BLOCK], _NAN_BITS, tl.int32)
-        for i in range(K):  # keys are unique (they hold the global id): one candidate per step
-            top = tl.max(keys, axis=0)
-            hit = keys == top
-            bits = tl.sum(tl.where(hit, value_bits, 0), axis=0)
-            found = top != _NO_KEY
-            best_ids = tl.where((slots == i) & found, -1 - top.to(tl.int32), best_ids)
-            best_bits = tl.where((slots == i) & found, bits, best_bits)
-            keys = tl.where(hit, _NO_KEY, keys)
+        best_ids, best_bits = _best_gathered(keys, value_bits, K, K_BLOCK, False)
         tl.store(out_row + 2 + 2 * slots, best_ids, mask=slots < K)
         tl.store(out_row + 3 + 2 * slots, best_bits, mask=slots < K)
 
@@ -456,15 +453,8 @@ def score_candidates_kernel(
         return
     tiles = tl.arange(0, TILES_BLOCK)
     greater = tl.sum(tl.load(greater_ptr + row * num_tiles + tiles, mask=tiles < num_tiles, other=0), axis=0)
-    candidates = tl.arange(0, CANDIDATES_BLOCK)
-    keys = tl.load(keys_ptr + row * num_tiles * TILE_KEYS + candidates, mask=candidates < num_tiles * TILE_KEYS,
-                   other=_NO_KEY)
+    best = _best_tile_keys(keys_ptr, row, num_tiles, CANDIDATES_BLOCK, TILE_KEYS, PAIRS, PAIRS_BLOCK)
     slots = tl.arange(0, PAIRS_BLOCK)
-    best = tl.full([PAIRS_BLOCK], _NO_KEY, tl.int64)
-    for i in range(PAIRS):
-        top = tl.max(keys, axis=0)
-        best = tl.where(slots == i, top, best)
-        keys = tl.where(keys == top, _NO_KEY, keys)
     found = best != _NO_KEY
     local = tl.where(found, -1 - best.to(tl.int32), 0)  # low word 0xFFFFFFFF - id, read as int32
     raw = tl.load(logits_ptr + row * logits_row_stride + local, mask=found, other=0.0).to(tl.float32)
@@ -518,16 +508,7 @@ def score_merge_kernel(
     ids = tl.load(words, mask=live, other=-1)
     value_bits = tl.load(words + 1, mask=live, other=0)
     keys = tl.where(ids >= 0, _sort_keys(value_bits.to(tl.float32, bitcast=True), ids), _NO_KEY)
-    best_ids = tl.full([PAIRS_BLOCK], -1, tl.int32)
-    best_bits = tl.full([PAIRS_BLOCK], _NAN_BITS, tl.int32)
-    for i in range(PAIRS):  # keys are unique (they hold the global id): one pair per step
-        top = tl.max(keys, axis=0)
-        hit = keys == top
-        bits = tl.sum(tl.where(hit, value_bits, 0), axis=0)
-        found = top != _NO_KEY
-        best_ids = tl.where((slots == i) & found, -1 - top.to(tl.int32), best_ids)
-        best_bits = tl.where((slots == i) & found, _value_bits(bits.to(tl.float32, bitcast=True), found), best_bits)
-        keys = tl.where(hit, _NO_KEY, keys)
+    best_ids, best_bits = _best_gathered(keys, value_bits, PAIRS, PAIRS_BLOCK, True)
     tl.store(out_row, target)
     tl.store(out_row + 1, _value_bits(raw - lse, target >= 0))
     tl.store(out_row + 2, greater + 1)
@@ -544,9 +525,25 @@ _TYPES = {"logits_ptr": None, "chosen_ptr": "*i64", "requested_ptr": "*i32", "co
           "shard_lanes": "i32", "vocab_shard": "i32"}
 
 
-def _signature(kernel, logits_type: str) -> dict[str, str]:
-    types = dict(_TYPES, logits_ptr=logits_type)
-    return {name: types.get(name, "constexpr") for name in kernel.arg_names}
+def _shard_tiling(rows: int, vocab_shard: int) -> tuple[int, int, int, int, int, int]:
+    """Both sharded plans' tiling of a shard: tile, tiles, the tile launches' warps, SUB, MAXIMA_BLOCK and the
+    block of every tile's sort keys (the generation plan's for the same rows and vocab_shard)."""
+    tile, tiles = _tiling(rows, vocab_shard)
+    sub = min(SUB_BLOCKS, tile)
+    return (tile, tiles, max(1, min(8, tile // 256)), sub, triton.next_power_of_2(tiles * sub),
+            triton.next_power_of_2(tiles * TILE_SORT_KEYS))
+
+
+def _plan(prefix: str, launches, kernels: dict, types: dict, constexprs: dict) -> list[LaunchSpec]:
+    """One LaunchSpec per catalog launch, in catalog order: ``constexprs[name]`` is (values, warps, grid); every
+    kernel parameter is typed from ``types`` or else a constexpr."""
+    plan = []
+    for launch in launches:
+        kernel = kernels[launch.name]
+        values, warps, grid = constexprs[launch.name]
+        signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
+        plan.append(LaunchSpec(f"{prefix}.{launch.name}", kernel, signature, values, warps, 1, grid))
+    return plan
 
 
 _KERNELS = {"tile_stats": tile_stats_kernel, "shard_statistics": shard_statistics_kernel,
@@ -564,12 +561,7 @@ def vocabulary_launch_plan(rows: int, vocab_shard: int, ranks: int, k: int, expl
         raise ValueError(f"vocabulary_launch_plan: need rows >= 1, vocab_shard >= 1, ranks >= 1, 0 <= k <= "
                          f"{NATURAL_K} and a dtype in {list(_POINTER_TYPES)}; got rows={rows}, "
                          f"vocab_shard={vocab_shard}, ranks={ranks}, k={k}, dtype={logits_dtype}")
-    logits_type = _POINTER_TYPES[logits_dtype]
-    tile, tiles = _tiling(rows, vocab_shard)
-    tile_warps = max(1, min(8, tile // 256))
-    sub = min(SUB_BLOCKS, tile)
-    maxima_block = triton.next_power_of_2(tiles * sub)
-    tile_keys_block = triton.next_power_of_2(tiles * TILE_SORT_KEYS)
+    tile, tiles, tile_warps, sub, maxima_block, tile_keys_block = _shard_tiling(rows, vocab_shard)
     gathered_block = triton.next_power_of_2(ranks * _SHARD_KEYS)
     constexprs = {
         "tile_stats": ({"TILE": tile, "SUB": sub}, tile_warps, (rows, tiles)),
@@ -587,28 +579,29 @@ def vocabulary_launch_plan(rows: int, vocab_shard: int, ranks: int, k: int, expl
                    "OUT_WIDTH": packed_width(k, explicit_ids), "WORDS": EXCHANGE_WORDS, "HAS_IDS": explicit_ids},
                   max(1, min(8, gathered_block // 1024)), (rows,)),
     }
-    plan = []
-    for launch in VOCABULARY_LAUNCHES:
-        kernel = _KERNELS[launch.name]
-        values, warps, grid = constexprs[launch.name]
-        plan.append(LaunchSpec(f"vocab.{launch.name}", kernel, _signature(kernel, logits_type), values, warps, 1, grid))
-    return plan
+    return _plan("vocab", VOCABULARY_LAUNCHES, _KERNELS, dict(_TYPES, logits_ptr=_POINTER_TYPES[logits_dtype]),
+                 constexprs)
 
 
 # ---- the JIT path (development and tests): the same launches, compiled by Triton on first use ----
-class TritonVocabulary:
-    """The three stage ops of one device through JIT-compiled launches (``IGNITION_TRITON_JIT=1``, tests).
+class _JitStages:
+    """What both JIT stage-op classes share: one workspace per (rows, vocab_shard, device), sized by the tiling
+    (``_first_launch``: the plan's tile_stats), and the launch loop."""
 
-    Stage 1 fills a workspace per (rows, vocab_shard, device) that stage 2 of the same reduction reads."""
+    _workspace_class: type
 
     def __init__(self):
-        self.workspaces: dict[tuple, VocabularyWorkspace] = {}
+        self.workspaces: dict[tuple, object] = {}
 
-    def workspace(self, rows: int, vocab_shard: int, device) -> VocabularyWorkspace:
+    @staticmethod
+    def _first_launch(rows: int, vocab_shard: int) -> LaunchSpec:
+        raise NotImplementedError
+
+    def workspace(self, rows: int, vocab_shard: int, device):
         key = (rows, vocab_shard, torch.device(device))
         if key not in self.workspaces:
-            first = vocabulary_launch_plan(rows, vocab_shard, 1, 0, False, torch.float32)[0]
-            self.workspaces[key] = VocabularyWorkspace.allocate(rows, first.grid[1], first.constexprs["SUB"], device)
+            first = self._first_launch(rows, vocab_shard)
+            self.workspaces[key] = self._workspace_class.allocate(rows, first.grid[1], first.constexprs["SUB"], device)
         return self.workspaces[key]
 
     @staticmethod
@@ -617,6 +610,18 @@ class TritonVocabulary:
             runtime_args = {name: args[name] for name, kind in spec.signature.items() if kind != "constexpr"}
             spec.kernel[spec.grid](**runtime_args, **spec.constexprs, num_warps=spec.num_warps,
                                    num_stages=spec.num_stages, enable_fp_fusion=ENABLE_FP_FUSION)
+
+
+class TritonVocabulary(_JitStages):
+    """The three stage ops of one device through JIT-compiled launches (``IGNITION_TRITON_JIT=1``, tests).
+
+    Stage 1 fills a workspace per (rows, vocab_shard, device) that stage 2 of the same reduction reads."""
+
+    _workspace_class = VocabularyWorkspace
+
+    @staticmethod
+    def _first_launch(rows: int, vocab_shard: int) -> LaunchSpec:
+        return vocabulary_launch_plan(rows, vocab_shard, 1, 0, False, torch.float32)[0]
 
     def statistics(self, logits, requested, vocab_start, vocab_size):
         rows, shard = logits.shape
@@ -670,11 +675,7 @@ def scoring_launch_plan(rows: int, vocab_shard: int, ranks: int, logits_dtype: t
                          f"and a dtype in {list(_POINTER_TYPES)}; got rows={rows}, vocab_shard={vocab_shard}, "
                          f"ranks={ranks}, dtype={logits_dtype}")
     types = dict(_TYPES, **_SCORING_TYPES, logits_ptr=_POINTER_TYPES[logits_dtype])
-    tile, tiles = _tiling(rows, vocab_shard)
-    tile_warps = max(1, min(8, tile // 256))
-    sub = min(SUB_BLOCKS, tile)
-    maxima_block = triton.next_power_of_2(tiles * sub)
-    keys_block = triton.next_power_of_2(tiles * TILE_SORT_KEYS)
+    tile, tiles, tile_warps, sub, maxima_block, keys_block = _shard_tiling(rows, vocab_shard)
     pairs_block = triton.next_power_of_2(NATURAL_K)
     gathered_block = triton.next_power_of_2(ranks * NATURAL_K)
     tiles_block = triton.next_power_of_2(tiles)
@@ -693,27 +694,17 @@ def scoring_launch_plan(rows: int, vocab_shard: int, ranks: int, logits_dtype: t
                    "OUT_WIDTH": PROMPT_ROW_WIDTH, "WORDS": SCORING_EXCHANGE_WORDS},
                   max(1, min(8, gathered_block // 1024)), (rows,)),
     }
-    plan = []
-    for launch in SCORING_LAUNCHES:
-        kernel = _SCORING_KERNELS[launch.name]
-        values, warps, grid = constexprs[launch.name]
-        signature = {name: types.get(name, "constexpr") for name in kernel.arg_names}
-        plan.append(LaunchSpec(f"score.{launch.name}", kernel, signature, values, warps, 1, grid))
-    return plan
+    return _plan("score", SCORING_LAUNCHES, _SCORING_KERNELS, types, constexprs)
 
 
-class TritonScoring:
+class TritonScoring(_JitStages):
     """The three scoring stage ops of one device through JIT-compiled launches (``IGNITION_TRITON_JIT=1``, tests)."""
 
-    def __init__(self):
-        self.workspaces: dict[tuple, ScoringWorkspace] = {}
+    _workspace_class = ScoringWorkspace
 
-    def workspace(self, rows: int, vocab_shard: int, device) -> ScoringWorkspace:
-        key = (rows, vocab_shard, torch.device(device))
-        if key not in self.workspaces:
-            first = scoring_launch_plan(rows, vocab_shard, 1, torch.float32)[0]
-            self.workspaces[key] = ScoringWorkspace.allocate(rows, first.grid[1], first.constexprs["SUB"], device)
-        return self.workspaces[key]
+    @staticmethod
+    def _first_launch(rows: int, vocab_shard: int) -> LaunchSpec:
+        return scoring_launch_plan(rows, vocab_shard, 1, torch.float32)[0]
 
     def statistics(self, logits, targets, vocab_start, vocab_size):
         rows, shard = logits.shape
@@ -722,7 +713,7 @@ class TritonScoring:
         args = scoring_arguments("statistics", self.workspace(rows, shard, logits.device), logits=logits,
                                  targets=targets, exchange=exchange, vocab_start=vocab_start, vocab_size=vocab_size,
                                  vocab_shard=shard)
-        TritonVocabulary._run(scoring_stage_launches(plan, "statistics"), args)
+        self._run(scoring_stage_launches(plan, "statistics"), args)
         return exchange
 
     def candidates(self, logits, statistics, targets, vocab_start, vocab_size):
@@ -732,7 +723,7 @@ class TritonScoring:
         args = scoring_arguments("candidates", self.workspace(rows, shard, logits.device), logits=logits,
                                  targets=targets, exchange=exchange, statistics=statistics, vocab_start=vocab_start,
                                  vocab_size=vocab_size, vocab_shard=shard)
-        TritonVocabulary._run(scoring_stage_launches(plan, "candidates"), args)
+        self._run(scoring_stage_launches(plan, "candidates"), args)
         return exchange
 
     def merge(self, statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
@@ -741,4 +732,4 @@ class TritonScoring:
         args = scoring_arguments("merge", self.workspace(rows, vocab_shard, targets.device), targets=targets,
                                  statistics=statistics, candidates=candidates, out=out, out_rows=out_rows,
                                  vocab_size=vocab_size, vocab_shard=vocab_shard)
-        TritonVocabulary._run(scoring_stage_launches(plan, "merge"), args)
+        self._run(scoring_stage_launches(plan, "merge"), args)

@@ -17,8 +17,8 @@ from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES
 
 
 @dataclass(slots=True)
-class VocabularyWorkspace:
-    """One rank's scratch between its stage ops, sized by the plan; reused by every call of the shape."""
+class ShardNormalization:
+    """The scratch both sharded reductions share: tile statistics, sub-block maxima, tau, lse and cutoff."""
 
     tiles: int
     stats: torch.Tensor  # [rows, tiles, 2] fp32
@@ -26,14 +26,32 @@ class VocabularyWorkspace:
     tau: torch.Tensor  # [rows] fp32
     lse: torch.Tensor  # [rows] fp32
     cutoff: torch.Tensor  # [rows] fp32
+
+    @staticmethod
+    def fp32(*shape, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    @classmethod
+    def normalization(cls, rows: int, tiles: int, sub: int, device) -> tuple:
+        """The shared fields' values, in field order (a subclass's ``allocate`` appends its own)."""
+        return (tiles, cls.fp32(rows, tiles, 2, device=device), cls.fp32(rows, tiles, sub, device=device),
+                *(cls.fp32(rows, device=device) for _ in range(3)))
+
+    def pointers(self) -> dict[str, torch.Tensor]:
+        return {"stats_ptr": self.stats, "maxima_ptr": self.maxima, "tau_ptr": self.tau, "lse_ptr": self.lse,
+                "cutoff_ptr": self.cutoff}
+
+
+@dataclass(slots=True)
+class VocabularyWorkspace(ShardNormalization):
+    """One rank's scratch between its stage ops, sized by the plan; reused by every call of the shape."""
+
     keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
     chosen: torch.Tensor  # [rows] int64: chosen ids widened
 
     @classmethod
     def allocate(cls, rows: int, tiles: int, sub: int, device) -> "VocabularyWorkspace":
-        def fp32(*shape):
-            return torch.empty(shape, dtype=torch.float32, device=device)
-        return cls(tiles, fp32(rows, tiles, 2), fp32(rows, tiles, sub), fp32(rows), fp32(rows), fp32(rows),
+        return cls(*cls.normalization(rows, tiles, sub, device),
                    torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
                    torch.empty(rows, dtype=torch.int64, device=device))
 
@@ -41,8 +59,7 @@ class VocabularyWorkspace:
         return self.stats, self.maxima, self.tau, self.lse, self.cutoff, self.keys, self.chosen
 
     def pointers(self) -> dict[str, torch.Tensor]:
-        return {"stats_ptr": self.stats, "maxima_ptr": self.maxima, "tau_ptr": self.tau, "lse_ptr": self.lse,
-                "cutoff_ptr": self.cutoff, "keys_ptr": self.keys}
+        return ShardNormalization.pointers(self) | {"keys_ptr": self.keys}
 
 
 def stage_launches(plan: list, stage: str) -> list:
@@ -80,15 +97,9 @@ def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, 
 
 
 @dataclass(slots=True)
-class ScoringWorkspace:
+class ScoringWorkspace(ShardNormalization):
     """One rank's scratch between the three sharded prompt-scoring stage ops of one row block."""
 
-    tiles: int
-    stats: torch.Tensor  # [rows, tiles, 2] fp32
-    maxima: torch.Tensor  # [rows, tiles, SUB] fp32
-    tau: torch.Tensor  # [rows] fp32
-    lse: torch.Tensor  # [rows] fp32
-    cutoff: torch.Tensor  # [rows] fp32
     value: torch.Tensor  # [rows] fp32: the target's reported value
     keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
     greater: torch.Tensor  # [rows, tiles] int32
@@ -97,9 +108,7 @@ class ScoringWorkspace:
 
     @classmethod
     def allocate(cls, rows: int, tiles: int, sub: int, device) -> "ScoringWorkspace":
-        def fp32(*shape):
-            return torch.empty(shape, dtype=torch.float32, device=device)
-        return cls(tiles, fp32(rows, tiles, 2), fp32(rows, tiles, sub), fp32(rows), fp32(rows), fp32(rows), fp32(rows),
+        return cls(*cls.normalization(rows, tiles, sub, device), cls.fp32(rows, device=device),
                    torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
                    torch.empty(rows, tiles, dtype=torch.int32, device=device),
                    torch.empty(rows, dtype=torch.int32, device=device),
@@ -123,9 +132,9 @@ def scoring_arguments(stage: str, workspace: ScoringWorkspace, *, logits=None, t
     tile_stats every row (validity is not known yet), tile_candidates the rows launch 2 found valid."""
     rows = targets.shape[0]
     lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
-    args = {"stats_ptr": workspace.stats, "maxima_ptr": workspace.maxima, "tau_ptr": workspace.tau,
-            "lse_ptr": workspace.lse, "cutoff_ptr": workspace.cutoff, "value_ptr": workspace.value,
-            "keys_ptr": workspace.keys, "greater_ptr": workspace.greater, "valid_ptr": workspace.valid,
+    args = workspace.pointers() | {
+            "value_ptr": workspace.value, "keys_ptr": workspace.keys, "greater_ptr": workspace.greater,
+            "valid_ptr": workspace.valid,
             "requested_ptr": workspace.every_row if stage == "statistics" else workspace.valid,
             "counts_ptr": workspace.valid,  # never read: scoring has no selected ids (HAS_IDS False)
             "targets_ptr": targets, "num_tiles": workspace.tiles, "rows": rows, "vocab_start": vocab_start,

@@ -39,13 +39,24 @@ class ReductionShape:
     logits_dtype: str  # torch dtype name
 
 
+def logprob_variants(catalog: dict):
+    """Each catalog variant that reduces logprobs, with its ``logprobs`` layout."""
+    for entry in catalog["variants"]:
+        layout = entry["contract"]["layout"].get("logprobs")
+        if layout is not None:
+            yield entry, layout
+
+
+def claim_launches(shapes: dict, shape, launches: list[str], conflict: str) -> None:
+    """Records ``launches`` for ``shape``; LauncherError ``conflict`` (and the others) when it already has others."""
+    if shapes.setdefault(shape, launches) != launches:
+        raise LauncherError(f"{conflict} ({shapes[shape]})")
+
+
 def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list[str]]:
     """Each shape the core's graphs reduce, with its launch keys in launch order."""
     shapes: dict[ReductionShape, list[str]] = {}
-    for entry in catalog["variants"]:
-        layout = entry["contract"]["layout"].get("logprobs")
-        if layout is None:
-            continue
+    for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
         shape = ReductionShape(rows, manifest["vocab_padded"], manifest["vocab_size"], layout["k"],
                                bool(layout["explicit_ids"]), manifest["model"]["dtype"])
@@ -53,10 +64,28 @@ def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list
         if not launches:
             raise LauncherError(f"variant {entry['name']} reduces logprobs but lists no prepared launches; "
                                 f"re-export the core with --targets")
-        if shapes.setdefault(shape, launches) != launches:
-            raise LauncherError(f"variant {entry['name']}: launches {launches} differ from another variant of the "
-                                f"same reduction shape ({shapes[shape]})")
+        claim_launches(shapes, shape, launches, f"variant {entry['name']}: launches {launches} differ from another "
+                                                f"variant of the same reduction shape")
     return shapes
+
+
+def open_table(table: dict, device: torch.device, driver=None) -> tuple:
+    """The driver (default cuda-python) with torch's primary context current on this thread for ``device``, and
+    the kernel table's entries by (key, target); LauncherError when no context is current."""
+    driver = driver or _driver()
+    torch.zeros(1, device=device)  # makes torch's primary context current on this thread
+    if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
+        raise LauncherError(f"no CUDA context is current for {device}")
+    return driver, {(e["key"], e["target"]): e for e in table["kernels"]}
+
+
+def launch_all(driver, stream: int, launches: list, values: dict) -> None:
+    """Issues ``launches`` in order on ``stream`` (a CUDA stream handle), parameters packed from ``values`` by name."""
+    stream = driver.CUstream(stream)
+    for launch in launches:
+        params, _holders = pack_params(launch.signature, values)
+        check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
+                                    stream, ctypes.addressof(params), 0), driver)
 
 
 def target_name(capability: tuple[int, int]) -> str:
@@ -209,11 +238,7 @@ class PreparedReduction:
                    target: str, driver=None) -> "PreparedReduction":
         """Load the binaries of ``target`` that ``shapes`` launch (a kernel table and the files it names under
         ``root``) and size each shape's workspace."""
-        driver = driver or _driver()
-        torch.zeros(1, device=device)  # makes torch's primary context current on this thread
-        if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
-            raise LauncherError(f"no CUDA context is current for {device}")
-        entries = {(e["key"], e["target"]): e for e in table["kernels"]}
+        driver, entries = open_table(table, device, driver)
         functions, modules, launches, workspaces = {}, [], {}, {}
         for shape, keys in shapes.items():
             launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
@@ -252,12 +277,7 @@ class PreparedReduction:
                   "keys_ptr": workspace.keys.data_ptr(), "out_ptr": out.data_ptr(),
                   "out_rows_ptr": out_rows.data_ptr(), "logits_row_stride": logits.stride(0),
                   "vocab_size": vocab_size, "num_tiles": workspace.tiles}
-        driver = self.driver
-        stream = driver.CUstream(self.current_stream())
-        for launch in launches:
-            params, _holders = pack_params(launch.signature, values)
-            check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
-                                        stream, ctypes.addressof(params), 0), driver)
+        launch_all(self.driver, self.current_stream(), launches, values)
         self.launch_count += len(launches)
 
     def current_stream(self) -> int:

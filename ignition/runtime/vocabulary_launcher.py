@@ -13,7 +13,6 @@ here imports Triton or compiles.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, S
                                        scoring_row_blocks)
 from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
                                                       scoring_stage_launches, stage_arguments, stage_launches)
-from ignition.runtime.launcher import LauncherError, PreparedLaunch, _driver, check, load_launches, pack_params
+from ignition.runtime.launcher import (LauncherError, PreparedLaunch, _driver, claim_launches, launch_all, load_launches,
+                                       logprob_variants, open_table)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,16 +72,13 @@ def scoring_shapes(manifest: dict, catalog: dict) -> dict[ScoringShape, list[str
     """Each row block the sharded core's scored graphs score, with its seven launch keys in launch order."""
     section = manifest["tensor_parallel"]
     shapes: dict[ScoringShape, list[str]] = {}
-    for entry in catalog["variants"]:
-        if entry["contract"]["layout"].get("logprobs") is None:
-            continue
+    for entry, _ in logprob_variants(catalog):
         launches = _variant_launches(entry, section["ranks"])[len(VOCABULARY_LAUNCHES):]
         for index, rows in enumerate(scoring_blocks(entry)):
             shape = ScoringShape(rows, section["vocab_shard"], section["ranks"], manifest["model"]["dtype"])
             own = launches[index * len(SCORING_LAUNCHES):(index + 1) * len(SCORING_LAUNCHES)]
-            if shapes.setdefault(shape, own) != own:
-                raise LauncherError(f"variant {entry['name']}: scoring launches {own} differ from another variant's "
-                                    f"for the same row block ({shapes[shape]})")
+            claim_launches(shapes, shape, own, f"variant {entry['name']}: scoring launches {own} differ from another "
+                                               f"variant's for the same row block")
     return shapes
 
 
@@ -89,18 +86,28 @@ def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, li
     """Each shape the sharded core's graphs reduce, with its six launch keys in launch order."""
     section = manifest["tensor_parallel"]
     shapes: dict[VocabularyShape, list[str]] = {}
-    for entry in catalog["variants"]:
-        layout = entry["contract"]["layout"].get("logprobs")
-        if layout is None:
-            continue
+    for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
         shape = VocabularyShape(rows, section["vocab_shard"], section["ranks"], layout["k"],
                                 bool(layout["explicit_ids"]), manifest["model"]["dtype"])
         launches = _variant_launches(entry, section["ranks"])[:len(VOCABULARY_LAUNCHES)]
-        if shapes.setdefault(shape, launches) != launches:
-            raise LauncherError(f"variant {entry['name']}: launches {launches} differ from another variant of the "
-                                f"same reduction shape ({shapes[shape]})")
+        claim_launches(shapes, shape, launches, f"variant {entry['name']}: launches {launches} differ from another "
+                                                f"variant of the same reduction shape")
     return shapes
+
+
+def _load_shapes(shapes: dict, workspace_class: type, root: Path, entries: dict, target: str, driver, functions: dict,
+                 modules: list, device: torch.device) -> tuple[dict, dict]:
+    """Each shape's loaded launches, and one ``workspace_class`` per (rows, vocab_shard) sized by its first launch
+    (``tile_stats`` or ``score.tile_stats``: (rows, tiles) with SUB sub-blocks per tile)."""
+    launches, workspaces = {}, {}
+    for shape, keys in shapes.items():
+        launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
+        first = entries[(keys[0], target)]
+        if (shape.rows, shape.vocab_shard) not in workspaces:
+            workspaces[(shape.rows, shape.vocab_shard)] = workspace_class.allocate(
+                shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
+    return launches, workspaces
 
 
 class PreparedVocabulary:
@@ -133,25 +140,12 @@ class PreparedVocabulary:
     def load(cls, root: Path, manifest: dict, table: dict, shapes: dict[VocabularyShape, list[str]],
              device: torch.device, target: str, driver=None,
              scoring: dict[ScoringShape, list[str]] | None = None) -> "PreparedVocabulary":
-        driver = driver or _driver()
-        torch.zeros(1, device=device)  # makes torch's primary context current on this thread
-        if int(check(driver.cuCtxGetCurrent(), driver)) == 0:
-            raise LauncherError(f"no CUDA context is current for {device}")
-        entries = {(e["key"], e["target"]): e for e in table["kernels"]}
-        functions, modules, launches, workspaces = {}, [], {}, {}
-        for shape, keys in shapes.items():
-            launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
-            first = entries[(keys[0], target)]  # tile_stats: (rows, tiles) with SUB sub-blocks per tile
-            if (shape.rows, shape.vocab_shard) not in workspaces:
-                workspaces[(shape.rows, shape.vocab_shard)] = VocabularyWorkspace.allocate(
-                    shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
-        scoring_launches, scoring_workspaces = {}, {}
-        for shape, keys in (scoring or {}).items():
-            scoring_launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
-            first = entries[(keys[0], target)]  # score.tile_stats: (rows, tiles) with SUB sub-blocks per tile
-            if (shape.rows, shape.vocab_shard) not in scoring_workspaces:
-                scoring_workspaces[(shape.rows, shape.vocab_shard)] = ScoringWorkspace.allocate(
-                    shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
+        driver, entries = open_table(table, device, driver)
+        functions, modules = {}, []
+        launches, workspaces = _load_shapes(shapes, VocabularyWorkspace, root, entries, target, driver, functions,
+                                            modules, device)
+        scoring_launches, scoring_workspaces = _load_shapes(scoring or {}, ScoringWorkspace, root, entries, target,
+                                                            driver, functions, modules, device)
         return cls(device, target, launches, workspaces, modules, driver, scoring_launches, scoring_workspaces)
 
     @property
@@ -171,12 +165,7 @@ class PreparedVocabulary:
 
     def _launch(self, launches: list[PreparedLaunch], args: dict) -> None:
         values = {name: value.data_ptr() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
-        driver = self.driver
-        stream = driver.CUstream(self.current_stream())
-        for launch in launches:
-            params, _holders = pack_params(launch.signature, values)
-            check(driver.cuLaunchKernel(launch.function, *launch.grid, launch.threads, 1, 1, launch.shared_bytes,
-                                        stream, ctypes.addressof(params), 0), driver)
+        launch_all(self.driver, self.current_stream(), launches, values)
         self.launch_count += len(launches)
 
     @staticmethod
