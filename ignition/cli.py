@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
@@ -78,7 +79,7 @@ def export_core_cmd(
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Rank shards in the core (qwen3, llama)"),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Rank shards in the core (" + ", ".join(SHARDABLE_RECIPES) + ")"),
     speculative_tokens: str = typer.Option("", "--speculative-tokens",
                                            help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
     mixed: bool = typer.Option(False, "--mixed", help="Also export mixed prompt/decode variants mixed.t{C}.c{capacity}"),

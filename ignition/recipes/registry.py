@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import importlib
 
+from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
-
-SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
-"""Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE, and MLA."""
 
 RECIPES = {
     "toy": "ignition.recipes.toy",

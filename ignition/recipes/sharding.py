@@ -27,11 +27,11 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, SPLIT_FIELDS, SplitField, padded_vocabulary, shard_rule
+from ignition.catalog.parallel import (MAX_TENSOR_PARALLEL, SHARDABLE_RECIPES, SPLIT_FIELDS, SplitField,
+                                       padded_vocabulary, shard_rule)
 from ignition.components.vocabulary_logprobs import VocabularyShard
 from ignition.recipes.base import RecipeError
 from ignition.recipes.layers import pairwise_sum
-from ignition.recipes.registry import SHARDABLE_RECIPES
 
 
 
