@@ -211,8 +211,8 @@ def test_metrics_parse_and_count_requests(served, caplog):
 
 # -- one request cannot stall the server --------------------------------------------------------------
 def test_a_large_prompt_does_not_stall_health(served, monkeypatch):
-    """A ~1 MB prompt takes seconds to tokenize (with the GIL held, were it tokenized with ``encode``); /health
-    answers within a second all along. The prompt is then refused for the context bound, never generated."""
+    """A ~1 MB prompt takes about a second or more to tokenize (with the GIL held, were it tokenized with
+    ``encode``); /health answers within a second, and within half the tokenizing time, all along. The prompt is then refused for the context bound, never generated."""
     monkeypatch.setattr(served.ctx.engine.engine, "max_context", 64)
     text = " ".join(CORPUS) * 400
     tokenizing = threading.Event()
@@ -232,8 +232,10 @@ def test_a_large_prompt_does_not_stall_health(served, monkeypatch):
         time.sleep(0.05)
     thread.join()
     assert_envelope(result["response"], 400, "BadRequestError", "prompt", "more than the context of 64 tokens")
-    assert time.monotonic() - began > 1.0 and len(latencies) >= 3, latencies  # the probes overlapped the work
-    assert max(latencies) < 1.0, latencies
+    elapsed = time.monotonic() - began
+    assert len(latencies) >= 3, (elapsed, latencies)  # the probes overlapped the work
+    # a tokenizer holding the GIL would stall one probe for about the whole tokenization
+    assert max(latencies) < min(1.0, elapsed / 2), (elapsed, latencies)
 
 
 def test_body_and_prompt_bounds(served, monkeypatch):
