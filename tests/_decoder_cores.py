@@ -33,6 +33,7 @@ class TinyCase:
     max_shard_size: str | None = None
     rope: dict | None = None
     max_position_embeddings: int = 64  # the HF config's; the exported context is --max-seq-len
+    kv_heads: int = 2  # of the 4 query heads (dense families); 4 lets --tensor-parallel 4 split them
 
 
 _TINY_MOE_COMMON = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
@@ -75,7 +76,7 @@ def build_hf_model(case: TinyCase) -> torch.nn.Module:
         return build_hf_moe_model(case)
     torch.manual_seed(0)
     common = dict(vocab_size=case.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=case.max_position_embeddings,
+                  num_attention_heads=4, num_key_value_heads=case.kv_heads, max_position_embeddings=case.max_position_embeddings,
                   tie_word_embeddings=case.tie, rope_parameters=dict(case.rope) if case.rope else None)
     if case.family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))

@@ -2,8 +2,9 @@
 
 The vocabulary (151) does not divide by 2: the shards pad it to 152 and the padding lane never
 enters a result. Rank 0 runs in a subprocess (tests/_tp_runner.py) that runs every core in turn
-and starts rank 1 itself. TP=4, prompt scoring (ranks identical, its traced exchanges) and the
-reduction's bit-level claims on adversarial logits are in test_vocabulary_logprobs.py; the Qwen3
+and starts the other ranks itself; a Qwen3 with 4 KV heads also runs at TP=4 (four processes). Prompt
+scoring (ranks identical, its traced exchanges) and the reduction's bit-level claims on adversarial
+logits at TP=2 and TP=4 are in test_vocabulary_logprobs.py; the Qwen3
 core (tests/_tp_cores.py, shared with test_serve_tensor_parallel.py, which serves it over HTTP with
 prompt scoring) also prepares the six sharded launches for cuda:90.
 
@@ -72,19 +73,19 @@ def cores(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor-parallel")
     made = {}
     with torch.no_grad():
-        made["qwen3"] = (shared.checkpoint, reference_results(shared.options(1)), shared.tp2)
+        made["qwen3"] = (shared.checkpoint, reference_results_of(shared.options(1)), shared.tp2)
         for recipe, case in MOE_CASES.items():
             checkpoint = root / recipe / "ckpt"
             save_checkpoint(case, checkpoint, reload=False)
             made[recipe] = (checkpoint, None, None)
         checkpoint = made["deepseek_v3"][0]
         export_core(options_for("deepseek_v3", checkpoint, 2), root / "deepseek_v3" / "tp2")
-        made["deepseek_v3"] = (checkpoint, reference_results(options_for("deepseek_v3", checkpoint, 1)),
+        made["deepseek_v3"] = (checkpoint, reference_results_of(options_for("deepseek_v3", checkpoint, 1)),
                                root / "deepseek_v3" / "tp2")
     return made
 
 
-def reference_results(options: ExportOptions) -> list[dict]:
+def reference_results_of(options: ExportOptions) -> list[dict]:
     return [as_json(r) for r in Engine(eager_core(options)).generate(requests())]
 
 
@@ -164,6 +165,29 @@ def test_tp2_matches_tp1(cores, sharded, recipe):
     print(f"{recipe}: {len(worst)} values, max {max(u for u, _ in worst):.0f} ulp, max abs {max(a for _, a in worst):.3g}")
     explicit = results[1]["entries"][0]["top"]
     assert [i for i, _ in explicit] == [0, 150, 7, 75, 76, 3]  # caller order, across the shard boundary
+
+
+def test_tp4_matches_tp1(tmp_path_factory):
+    """A dense Qwen3 with 4 KV heads at --tensor-parallel 4 (four gloo processes): the same tokens, ids and order as
+    TP=1, explicit ids across three shard boundaries, and values within the dense bound (docs/benchmarks.md
+    measures TP=4 bit-identical on the example checkpoint)."""
+    root = tmp_path_factory.mktemp("tp4")
+    checkpoint = root / "ckpt"
+    save_checkpoint(TinyCase("qwen3", torch.float32, True, VOCAB, kv_heads=4), checkpoint, reload=False)
+    with torch.no_grad():
+        reference_results = reference_results_of(options_for("qwen3", checkpoint, 1))
+    export_core(options_for("qwen3", checkpoint, 4), root / "tp4")
+    assert json.loads((root / "tp4" / "manifest.json").read_text())["tensor_parallel"]["vocab_shard"] == 38
+    results = run([root / "tp4"], 4)["results"][0]
+    for reference, result in zip(reference_results, results, strict=True):
+        assert result["error"] is None and result["tokens"] == reference["tokens"]
+        for ref_entry, entry in zip(reference["entries"], result["entries"], strict=True):
+            assert entry["id"] == ref_entry["id"]
+            assert [i for i, _ in entry["top"]] == [i for i, _ in ref_entry["top"]]
+            pairs = [(entry["logprob"], ref_entry["logprob"])] + [(v, w) for (_, v), (_, w) in
+                                                                   zip(entry["top"], ref_entry["top"])]
+            assert all(close(v, w, ULPS["qwen3"]) for v, w in pairs), pairs
+    assert [i for i, _ in results[1]["entries"][0]["top"]] == [0, 150, 7, 75, 76, 3]  # shards of 38 ids
 
 
 def test_a_dead_rank_fails_cleanly(sharded):
