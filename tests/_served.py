@@ -23,6 +23,20 @@ from ignition.serve.config import ServeConfig
 VOCAB = 250  # tokens the serving tests' tokenizers define, and the toy's greedy chains stay below
 
 
+def serve_in_thread(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """Start uvicorn on a free 127.0.0.1 port in a daemon thread; return once it accepts, with its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start within 30 s"
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 class Served:
     """A uvicorn server on a free 127.0.0.1 port, in a thread, plus a reference engine on the same core."""
 
@@ -32,16 +46,7 @@ class Served:
         self.core_dir = core_dir
         self.ctx = self.app.state.ctx
         self.table, self.tokenizer = self.ctx.table, tokenizer
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
+        self.server, self.thread, self.url = serve_in_thread(self.app)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
         self.http = httpx.Client(base_url=self.url, timeout=60)  # one client: each new one builds an SSL context
         weights = load_file(str(core_dir / "weights.safetensors"))

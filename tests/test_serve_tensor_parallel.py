@@ -21,14 +21,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
+from _served import serve_in_thread
 from _tp_cores import close, eager_core, shared_tp_cores
 from ignition.serve.app import create_app
 from ignition.serve.config import ServeConfig
@@ -96,16 +95,8 @@ class InProcessServer:
 
     def __init__(self, shared):
         app = create_app(eager_core(shared.options(1)), model_name=MODEL, config=ServeConfig(tokenizer=shared.tokenizer))
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the reference server did not start"
-            time.sleep(0.01)
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60)
+        self.server, self.thread, url = serve_in_thread(app)
+        self.http = httpx.Client(base_url=url, timeout=60)
 
     def close(self) -> None:
         self.http.close()
