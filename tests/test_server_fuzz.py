@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +22,7 @@ from schemathesis.generation import GenerationMode  # noqa: E402
 from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,  # noqa: E402
                                                status_code_conformance)
 
+from _served import serve_in_thread  # noqa: E402
 from _serving_tokenizers import byte_level_tokenizer, write_tokenizer_dir  # noqa: E402
 from ignition.exporter.export import export_core  # noqa: E402
 from ignition.recipes.base import ExportOptions  # noqa: E402
@@ -43,17 +40,8 @@ def server(tmp_path_factory):
     core = root / "core"
     export_core(ExportOptions(recipe="toy", capacities=(1, 2), prompt_logprobs=True, chunk_limit=128,
                               tokenizer=write_tokenizer_dir(byte_level_tokenizer(), root / "tok")), core)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    app = create_app(core, model_name="toy", config=ServeConfig(enable_docs=True))
-    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
+    uvicorn_server, thread, url = serve_in_thread(create_app(core, model_name="toy",
+                                                             config=ServeConfig(enable_docs=True)))
     yield url
     uvicorn_server.should_exit = True
     thread.join(timeout=10)
