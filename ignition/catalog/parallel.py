@@ -1,7 +1,8 @@
 """Tensor and vocabulary parallelism as data: the exchanges, their word layouts, and the weight shard table.
 
 A sharded core holds N rank shards of one model (Megatron layout): column-parallel q/k/v/gate/up
-(output rows split), row-parallel o/down (input columns split, partial sums all-reduced),
+(output rows split), row-parallel o/down (input columns split; FP32 subtotals all-gathered and
+added by the single-rank tree, ``ROW_REDUCTION_BLOCKS``; BF16/FP16 partial sums all-reduced),
 vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly); MoE
 routers replicated and each expert split like an MLP; MLA's q_a/kv_a compressions replicated and
 q_b/kv_b split by heads. ``SPLIT_FIELDS`` lists the model sizes that must divide by N. The
