@@ -15,7 +15,7 @@ to stay within the suite's time budget its shard table is checked from the recip
 
 Values: the dense model's row-parallel sums keep the single-rank order (test_row_reduction.py), so
 its logits are TP=1's and only the normalization differs: at most 2 ulp of lse, measured here at most
-4 ulp of the value (|value| ~ 3-5); the bound is 8. In an MoE block the routing weights multiply each
+4 ulp of the value (|value| ~ 3-5) on one machine and 1 ulp on another; the bound is 8. In an MoE block the routing weights multiply each
 rank's partial expert outputs, so DeepSeek-V3's logits differ by rounding too (and the weights,
 scaled by routed_scaling_factor 2.5, amplify it): measured 8 ulp, bound 16. A wrong shard, owner,
 routing or normalization moves a value by far more than either (``-s`` prints each recipe's worst case).
