@@ -11,20 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks._common import run_json
+from benchmarks._common import compared_values, run_json
 
 
 def run(core: str, prompt: str, tokens: int, runtime: str) -> dict:
     return run_json(core, [prompt, "--max-tokens", str(tokens), "--logprobs", "20", "--prompt-logprobs", "5",
                            "--runtime", runtime])
-
-
-def pairs(want: dict, got: dict):
-    """(reference, other) logprob values of one entry, after checking its ids agree."""
-    assert want["id"] == got["id"], (want["id"], got["id"])
-    assert [t["id"] for t in want["top_logprobs"]] == [t["id"] for t in got["top_logprobs"]]
-    yield want["logprob"], got["logprob"]
-    yield from ((a["logprob"], b["logprob"]) for a, b in zip(want["top_logprobs"], got["top_logprobs"]))
 
 
 def main() -> None:
@@ -34,12 +26,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
     want, got = (run(args.core, args.prompt, args.tokens, runtime) for runtime in ("torch", "onnxruntime"))
-    values = [v for a, b in zip(want["tokens"], got["tokens"], strict=True) for v in pairs(a, b)]
-    prompt = []
-    for a, b in zip(want["prompt_logprobs"], got["prompt_logprobs"], strict=True):
-        assert (a is None) == (b is None) and (a is None or a["rank"] == b["rank"]), (a, b)
-        prompt += [] if a is None else list(pairs(a, b))
-    for name, found in (("generated", values), ("prompt", prompt)):
+    compared = compared_values(want, got)
+    for name, found in compared.items():
         print(f"{name}: {len(found)} values, same ids and order; max |d| {max(abs(a - b) for a, b in found):.3g}, "
               f"max |d|/max(1,|v|) {max(abs(a - b) / max(1.0, abs(a)) for a, b in found):.3g}")
 

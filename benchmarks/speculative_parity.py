@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks._common import run_json
+from benchmarks._common import compared_values, run_json
 
 
 def run(core: str, prompt_ids: str, tokens: int, extra: list[str]) -> dict:
@@ -29,13 +29,8 @@ def main() -> None:
     plain = run(args.core, args.prompt_ids, args.tokens, [])
     for value in args.speculative:
         got = run(args.core, args.prompt_ids, args.tokens, ["--speculative", value])
-        assert [t["id"] for t in got["tokens"]] == [t["id"] for t in plain["tokens"]], value
-        largest = 0.0
-        for a, b in zip(plain["tokens"], got["tokens"], strict=True):
-            assert [x["id"] for x in a["top_logprobs"]] == [x["id"] for x in b["top_logprobs"]], value
-            pairs = [(a["logprob"], b["logprob"])] + [(x["logprob"], y["logprob"])
-                                                      for x, y in zip(a["top_logprobs"], b["top_logprobs"])]
-            largest = max([largest] + [abs(x - y) for x, y in pairs])
+        values = compared_values(plain, got)["generated"]
+        largest = max(abs(x - y) for x, y in values)
         print(f"--speculative {value}: {len(got['tokens'])} tokens, the same ids in the same order; "
               f"max |d| {largest:.3g}")
 

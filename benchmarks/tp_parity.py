@@ -13,19 +13,11 @@ import argparse
 
 import numpy as np
 
-from benchmarks._common import run_json
+from benchmarks._common import compared_values, run_json
 
 
 def ulps(a: float, b: float) -> float:
     return abs(a - b) / float(np.spacing(np.float32(max(abs(a), abs(b)))))
-
-
-def pairs(want: dict, got: dict):
-    """(single-rank, sharded) logprob values of one entry, after checking its ids and order agree."""
-    assert want["id"] == got["id"], (want["id"], got["id"])
-    assert [t["id"] for t in want["top_logprobs"]] == [t["id"] for t in got["top_logprobs"]], (want, got)
-    yield want["logprob"], got["logprob"]
-    yield from ((a["logprob"], b["logprob"]) for a, b in zip(want["top_logprobs"], got["top_logprobs"]))
 
 
 def main() -> None:
@@ -41,12 +33,7 @@ def main() -> None:
               "--device", "cpu"] + (["--prompt-logprobs", str(args.prompt_logprobs)] if args.prompt_logprobs else [])
     want = run_json(args.single, common)
     got = run_json(args.sharded, common + ["--tensor-parallel", str(args.tensor_parallel)])
-    assert [t["id"] for t in want["tokens"]] == [t["id"] for t in got["tokens"]], "greedy tokens differ"
-    found = {"generated": [v for a, b in zip(want["tokens"], got["tokens"], strict=True) for v in pairs(a, b)],
-             "prompt": []}
-    for a, b in zip(want.get("prompt_logprobs") or [], got.get("prompt_logprobs") or [], strict=True):
-        assert (a is None) == (b is None) and (a is None or a["rank"] == b["rank"]), (a, b)
-        found["prompt"] += [] if a is None else list(pairs(a, b))
+    found = compared_values(want, got)
     for name, values in found.items():
         if values:
             identical = sum(a == b for a, b in values)

@@ -104,8 +104,13 @@ def eager_core(options: ExportOptions) -> LoadedCore:
     return LoadedCore(Path("eager"), manifest, build.weights, state, variants, transfer=HostTransfer(torch.device("cpu")))
 
 
-def close(a: float | None, b: float | None) -> bool:
-    """Within ``ULPS`` FP32 ulps of the larger magnitude (None and NaN only match themselves)."""
+def ulps(a: float, b: float) -> float:
+    """|a - b| in FP32 ulps of the larger magnitude."""
+    return abs(a - b) / float(np.spacing(np.float32(max(abs(a), abs(b)))))
+
+
+def close(a: float | None, b: float | None, bound: float = ULPS) -> bool:
+    """Within ``bound`` FP32 ulps of the larger magnitude (None and NaN only match themselves)."""
     if a is None or b is None or math.isnan(a) or math.isnan(b):
         return (a is None) == (b is None) and (a is None or math.isnan(a) == math.isnan(b))
-    return abs(a - b) <= ULPS * float(np.spacing(np.float32(max(abs(a), abs(b)))))
+    return ulps(a, b) <= bound

@@ -42,7 +42,7 @@ def run(cores: list[str], ranks: int, kill: bool) -> dict:
             engine = Engine(loaded)
             report["results"].append([as_json(r) for r in engine.generate(requests())])
             if kill and index == len(cores) - 1:
-                group = next(iter(loaded.variants.values())).run.group
+                group = loaded.group
                 os.kill(group.workers[0].pid, signal.SIGKILL)
                 started = time.perf_counter()
                 try:

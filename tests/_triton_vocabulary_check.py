@@ -31,12 +31,12 @@ import traceback
 import torch
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, packed_width
-from ignition.catalog.parallel import EXCHANGE_WORDS, padded_vocabulary
+from ignition.catalog.parallel import EXCHANGE_WORDS, SCORING_LAUNCHES, padded_vocabulary
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
 from ignition.components.prompt_scoring import score_rows_reference
 from ignition.components.triton_vocabulary import (TritonScoring, TritonVocabulary, scoring_launch_plan,
-                                                   scoring_stage_launches, stage_launches, vocabulary_launch_plan)
+                                                   stage_launches, vocabulary_launch_plan)
 
 SENTINEL = 0x5A5A5A5A
 
@@ -241,7 +241,7 @@ def check_scoring(name, case):
     out_rows = torch.arange(rows, device=DEVICE) + rows  # frame 1 of a [2, rows, 43] output
     blank = torch.full((2, rows, 43), SENTINEL, dtype=torch.int32, device=DEVICE)
     plan = scoring_launch_plan(rows, width, len(parts), parts[0].dtype)
-    failures = [] if [len(scoring_stage_launches(plan, s)) for s in ("statistics", "candidates", "merge")] == [
+    failures = [] if [len(stage_launches(plan, s, SCORING_LAUNCHES)) for s in ("statistics", "candidates", "merge")] == [
         2, 4, 1] else ["the scoring plan should issue 2 + 4 + 1 launches"]
     stats = torch.cat([V.score_shard_statistics(x, targets, r * width, vocab_size) for r, x in enumerate(parts)])
     cands = torch.cat([V.score_shard_candidates(x, stats, targets, r * width, vocab_size) for r, x in enumerate(parts)])

@@ -15,7 +15,6 @@ the rank, all within a bounded time.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket

@@ -23,7 +23,6 @@ routing or normalization moves a value by far more than either (``-s`` prints ea
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -31,13 +30,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from _decoder_cores import TinyCase, save_checkpoint
 from _tp_cores import ULPS as TP_ULPS
-from _tp_cores import VOCAB, eager_core, shared_tp_cores
+from _tp_cores import VOCAB, close, eager_core, shared_tp_cores, ulps
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
 from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES
@@ -101,17 +99,6 @@ def run(cores: list[Path], ranks: int, kill: bool = False) -> dict:
                           + (["--kill"] if kill else []), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
-
-
-def ulps(a: float, b: float) -> float:
-    """|a - b| in FP32 ulps of the larger magnitude."""
-    return abs(a - b) / float(np.spacing(np.float32(max(abs(a), abs(b)))))
-
-
-def close(a: float, b: float, bound: float) -> bool:
-    if a is None or b is None or math.isnan(a) or math.isnan(b):
-        return (a is None) == (b is None) and (a is None or math.isnan(a) == math.isnan(b))
-    return ulps(a, b) <= bound
 
 
 def test_sharded_core_declares_its_ranks(cores):

@@ -151,11 +151,11 @@ def _table(plan) -> dict:
 def test_scoring_launch_plan_follows_the_catalog():
     from ignition.catalog.parallel import SCORING_LAUNCHES
     from ignition.components.triton_vocabulary import scoring_launch_plan
-    from ignition.components.vocabulary_workspace import scoring_stage_launches
+    from ignition.components.vocabulary_workspace import stage_launches
 
     plan = scoring_launch_plan(64, 37984, 4, torch.bfloat16)
     assert [spec.name for spec in plan] == [f"score.{launch.name}" for launch in SCORING_LAUNCHES]
-    assert [len(scoring_stage_launches(plan, s)) for s in ("statistics", "candidates", "merge")] == [2, 4, 1]
+    assert [len(stage_launches(plan, s, SCORING_LAUNCHES)) for s in ("statistics", "candidates", "merge")] == [2, 4, 1]
     assert [launch.before for launch in SCORING_LAUNCHES if launch.before] == ["prompt_statistics",
                                                                                "prompt_candidates"]
     tile, tiles = plan[0].constexprs["TILE"], plan[0].grid[1]

@@ -212,3 +212,13 @@ def scoring_row_blocks(rows: int, row_block: int) -> list[int]:
         if size not in blocks:
             blocks.append(size)
     return blocks
+
+
+def variant_scoring_blocks(entry: dict) -> list[int]:
+    """The distinct row-block sizes a catalog variant's sharded scoring launches (none for an unscored variant):
+    ``scoring_row_blocks`` of the rows of its prompt-logprob targets argument."""
+    scoring = entry["contract"]["layout"].get("prompt_logprobs")
+    if not scoring:
+        return []
+    rows = next(a["shape"][0] for a in entry["arguments"] if a["name"] == scoring["targets"])
+    return scoring_row_blocks(rows, scoring["row_block"])

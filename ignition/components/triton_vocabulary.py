@@ -44,7 +44,7 @@ from ignition.catalog.contract import (MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, PR
 from ignition.catalog.parallel import (CANDIDATE_VALUES_WORD, EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES,
                                        VOCABULARY_LAUNCHES)
 from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
-                                                      scoring_stage_launches, stage_arguments, stage_launches)
+                                                      stage_arguments, stage_launches)
 from ignition.components.triton_logprobs import (_INF, _NAN_BITS, _NO_KEY, _POINTER_TYPES, ENABLE_FP_FUSION,
                                                  SUB_BLOCKS, LaunchSpec, _best_tile_keys, _sort_keys, _tiling,
                                                  _value_bits, tile_candidates_kernel, tile_stats_kernel)
@@ -713,7 +713,7 @@ class TritonScoring(_JitStages):
         args = scoring_arguments("statistics", self.workspace(rows, shard, logits.device), logits=logits,
                                  targets=targets, exchange=exchange, vocab_start=vocab_start, vocab_size=vocab_size,
                                  vocab_shard=shard)
-        self._run(scoring_stage_launches(plan, "statistics"), args)
+        self._run(stage_launches(plan, "statistics", SCORING_LAUNCHES), args)
         return exchange
 
     def candidates(self, logits, statistics, targets, vocab_start, vocab_size):
@@ -723,7 +723,7 @@ class TritonScoring(_JitStages):
         args = scoring_arguments("candidates", self.workspace(rows, shard, logits.device), logits=logits,
                                  targets=targets, exchange=exchange, statistics=statistics, vocab_start=vocab_start,
                                  vocab_size=vocab_size, vocab_shard=shard)
-        self._run(scoring_stage_launches(plan, "candidates"), args)
+        self._run(stage_launches(plan, "candidates", SCORING_LAUNCHES), args)
         return exchange
 
     def merge(self, statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
@@ -732,4 +732,4 @@ class TritonScoring(_JitStages):
         args = scoring_arguments("merge", self.workspace(rows, vocab_shard, targets.device), targets=targets,
                                  statistics=statistics, candidates=candidates, out=out, out_rows=out_rows,
                                  vocab_size=vocab_size, vocab_shard=vocab_shard)
-        self._run(scoring_stage_launches(plan, "merge"), args)
+        self._run(stage_launches(plan, "merge", SCORING_LAUNCHES), args)

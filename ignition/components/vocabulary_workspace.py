@@ -8,12 +8,12 @@ a rank runs its stages in stream order with the all-gathers between them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from ignition.catalog.contract import TILE_SORT_KEYS
-from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES
+from ignition.catalog.parallel import VOCABULARY_LAUNCHES
 
 
 @dataclass(slots=True)
@@ -37,6 +37,10 @@ class ShardNormalization:
         return (tiles, cls.fp32(rows, tiles, 2, device=device), cls.fp32(rows, tiles, sub, device=device),
                 *(cls.fp32(rows, device=device) for _ in range(3)))
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the workspace, in field order (the fields after ``tiles``)."""
+        return tuple(getattr(self, f.name) for f in fields(self)[1:])
+
     def pointers(self) -> dict[str, torch.Tensor]:
         return {"stats_ptr": self.stats, "maxima_ptr": self.maxima, "tau_ptr": self.tau, "lse_ptr": self.lse,
                 "cutoff_ptr": self.cutoff}
@@ -55,17 +59,29 @@ class VocabularyWorkspace(ShardNormalization):
                    torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
                    torch.empty(rows, dtype=torch.int64, device=device))
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.stats, self.maxima, self.tau, self.lse, self.cutoff, self.keys, self.chosen
-
     def pointers(self) -> dict[str, torch.Tensor]:
         return ShardNormalization.pointers(self) | {"keys_ptr": self.keys}
 
 
-def stage_launches(plan: list, stage: str) -> list:
-    """The launches of ``plan`` (specs or prepared launches, in plan order) that one stage op issues."""
-    names = [launch.name for launch in VOCABULARY_LAUNCHES if launch.stage == stage]
-    return [entry for entry, launch in zip(plan, VOCABULARY_LAUNCHES, strict=True) if launch.name in names]
+def stage_launches(plan: list, stage: str, table=VOCABULARY_LAUNCHES) -> list:
+    """The launches of ``plan`` (specs or prepared launches, in the order of ``table``: VOCABULARY_LAUNCHES, or
+    SCORING_LAUNCHES for a scoring plan) that one stage op issues."""
+    return [entry for entry, launch in zip(plan, table, strict=True) if launch.stage == stage]
+
+
+def _shard_arguments(stage: str, rows: int, tiles: int, logits, vocab_start: int, vocab_size: int, vocab_shard: int,
+                     outputs: dict) -> dict:
+    """The arguments both sharded reductions bind alike: the shard's position and lanes, the logits, and the
+    exchange and output tensors by parameter name (FP32 words as their int32 bits)."""
+    lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
+    args = {"num_tiles": tiles, "rows": rows, "vocab_start": vocab_start, "shard_lanes": lanes,
+            "vocab_shard": vocab_shard, "vocab_size": vocab_size if stage == "merge" else lanes}
+    if logits is not None:
+        args |= {"logits_ptr": logits, "logits_row_stride": logits.stride(0)}
+    for name, tensor in outputs.items():
+        if tensor is not None:
+            args[f"{name}_ptr"] = tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor
+    return args
 
 
 def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, chosen=None, requested, token_ids=None,
@@ -75,13 +91,9 @@ def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, 
 
     Stages 1 and 2 see the shard: their ``vocab_size`` parameter (of the reused single-rank kernels)
     is the shard's lane count below the vocabulary; the merge sees the global ``vocab_size``."""
-    rows = requested.shape[0]
-    lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
-    args = dict(workspace.pointers(), requested_ptr=requested, num_tiles=workspace.tiles, rows=rows,
-                vocab_start=vocab_start, shard_lanes=lanes, vocab_shard=vocab_shard,
-                vocab_size=vocab_size if stage == "merge" else lanes)
-    if logits is not None:
-        args |= {"logits_ptr": logits, "logits_row_stride": logits.stride(0)}
+    args = workspace.pointers() | {"requested_ptr": requested} | _shard_arguments(
+        stage, requested.shape[0], workspace.tiles, logits, vocab_start, vocab_size, vocab_shard,
+        {"exchange": exchange, "statistics": statistics, "candidates": candidates, "out": out, "out_rows": out_rows})
     if chosen is not None:
         if chosen.dtype != torch.int64 or not chosen.is_contiguous():
             workspace.chosen.copy_(chosen)
@@ -89,10 +101,6 @@ def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, 
         args["chosen_ptr"] = chosen
     args["token_ids_ptr"] = token_ids if token_ids is not None else requested  # never read without HAS_IDS
     args["counts_ptr"] = token_id_counts if token_id_counts is not None else requested
-    for name, tensor in (("exchange_ptr", exchange), ("statistics_ptr", statistics), ("candidates_ptr", candidates),
-                         ("out_ptr", out), ("out_rows_ptr", out_rows)):
-        if tensor is not None:
-            args[name] = tensor.view(torch.int32) if tensor.dtype == torch.float32 else tensor
     return args
 
 
@@ -114,15 +122,6 @@ class ScoringWorkspace(ShardNormalization):
                    torch.empty(rows, dtype=torch.int32, device=device),
                    torch.ones(rows, dtype=torch.int32, device=device))
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.stats, self.maxima, self.tau, self.lse, self.cutoff, self.value, self.keys, self.greater,
-                self.valid, self.every_row)
-
-
-def scoring_stage_launches(plan: list, stage: str) -> list:
-    """The launches of a scoring ``plan`` (in SCORING_LAUNCHES order) that one scoring stage op issues."""
-    return [entry for entry, launch in zip(plan, SCORING_LAUNCHES, strict=True) if launch.stage == stage]
-
 
 def scoring_arguments(stage: str, workspace: ScoringWorkspace, *, logits=None, targets, exchange=None,
                       statistics=None, candidates=None, out=None, out_rows=None, vocab_start: int = 0,
@@ -130,20 +129,11 @@ def scoring_arguments(stage: str, workspace: ScoringWorkspace, *, logits=None, t
     """Every runtime argument of a scoring stage's launches, by parameter name. The reused single-rank
     kernels (tile_stats, tile_candidates) take ``requested_ptr`` and a ``vocab_size`` of the shard's lanes:
     tile_stats every row (validity is not known yet), tile_candidates the rows launch 2 found valid."""
-    rows = targets.shape[0]
-    lanes = max(0, min(vocab_shard, vocab_size - vocab_start))
-    args = workspace.pointers() | {
-            "value_ptr": workspace.value, "keys_ptr": workspace.keys, "greater_ptr": workspace.greater,
-            "valid_ptr": workspace.valid,
-            "requested_ptr": workspace.every_row if stage == "statistics" else workspace.valid,
-            "counts_ptr": workspace.valid,  # never read: scoring has no selected ids (HAS_IDS False)
-            "targets_ptr": targets, "num_tiles": workspace.tiles, "rows": rows, "vocab_start": vocab_start,
-            "shard_lanes": lanes, "vocab_shard": vocab_shard, "global_vocab_size": vocab_size,
-            "vocab_size": vocab_size if stage == "merge" else lanes}
-    if logits is not None:
-        args |= {"logits_ptr": logits, "logits_row_stride": logits.stride(0)}
-    for name, tensor in (("exchange_ptr", exchange), ("statistics_ptr", statistics), ("candidates_ptr", candidates),
-                         ("out_ptr", out), ("out_rows_ptr", out_rows)):
-        if tensor is not None:
-            args[name] = tensor
-    return args
+    return workspace.pointers() | {
+        "value_ptr": workspace.value, "keys_ptr": workspace.keys, "greater_ptr": workspace.greater,
+        "valid_ptr": workspace.valid,
+        "requested_ptr": workspace.every_row if stage == "statistics" else workspace.valid,
+        "counts_ptr": workspace.valid,  # never read: scoring has no selected ids (HAS_IDS False)
+        "targets_ptr": targets, "global_vocab_size": vocab_size} | _shard_arguments(
+        stage, targets.shape[0], workspace.tiles, logits, vocab_start, vocab_size, vocab_shard,
+        {"exchange": exchange, "statistics": statistics, "candidates": candidates, "out": out, "out_rows": out_rows})

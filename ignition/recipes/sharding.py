@@ -3,7 +3,7 @@
 ``--tensor-parallel N`` splits one checkpoint into N rank shards by the table in
 ``ignition.catalog.parallel.SHARD_RULES`` (Megatron layout): q/k/v/gate/up split their output
 rows (GQA heads divided: query and KV heads must both divide by N), o/down split their input
-columns and all-reduce their partial sums, the embedding and LM head split the padded vocabulary
+columns and sum their partial outputs over the ranks, the embedding and LM head split the padded vocabulary
 evenly (padded to a multiple of N with zero rows, which never enter a result). The row-parallel
 sums keep the single-rank order (``catalog.parallel.ROW_REDUCTION_BLOCKS``), so for FP32 dense
 models hidden states and logits are bit-identical to TP=1 whenever N divides the reduction blocks.

@@ -20,9 +20,9 @@ import torch
 
 from ignition.catalog.model import reduction_rows
 from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES, VOCABULARY_LAUNCHES,
-                                       scoring_row_blocks)
+                                       variant_scoring_blocks)
 from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
-                                                      scoring_stage_launches, stage_arguments, stage_launches)
+                                                      stage_arguments, stage_launches)
 from ignition.runtime.launcher import (LauncherError, PreparedLaunch, _driver, claim_launches, launch_all, load_launches,
                                        logprob_variants, open_table)
 
@@ -49,19 +49,10 @@ class ScoringShape:
     logits_dtype: str
 
 
-def scoring_blocks(entry: dict) -> list[int]:
-    """The distinct row-block sizes a variant's sharded scoring launches (none for an unscored variant)."""
-    scoring = entry["contract"]["layout"].get("prompt_logprobs")
-    if not scoring:
-        return []
-    rows = next(a["shape"][0] for a in entry["arguments"] if a["name"] == scoring["targets"])
-    return scoring_row_blocks(rows, scoring["row_block"])
-
-
 def _variant_launches(entry: dict, ranks: int) -> list[str]:
     """A sharded logprob variant's launch keys: six for generation, then seven per scoring row-block size."""
     launches = list(entry.get("launches") or [])
-    wanted = len(VOCABULARY_LAUNCHES) + len(SCORING_LAUNCHES) * len(scoring_blocks(entry))
+    wanted = len(VOCABULARY_LAUNCHES) + len(SCORING_LAUNCHES) * len(variant_scoring_blocks(entry))
     if len(launches) != wanted:
         raise LauncherError(f"variant {entry['name']} reduces logprobs over {ranks} ranks but lists "
                             f"{len(launches)} prepared launches, not {wanted}; re-export the core with --targets")
@@ -74,7 +65,7 @@ def scoring_shapes(manifest: dict, catalog: dict) -> dict[ScoringShape, list[str
     shapes: dict[ScoringShape, list[str]] = {}
     for entry, _ in logprob_variants(catalog):
         launches = _variant_launches(entry, section["ranks"])[len(VOCABULARY_LAUNCHES):]
-        for index, rows in enumerate(scoring_blocks(entry)):
+        for index, rows in enumerate(variant_scoring_blocks(entry)):
             shape = ScoringShape(rows, section["vocab_shard"], section["ranks"], manifest["model"]["dtype"])
             own = launches[index * len(SCORING_LAUNCHES):(index + 1) * len(SCORING_LAUNCHES)]
             claim_launches(shapes, shape, own, f"variant {entry['name']}: scoring launches {own} differ from another "
@@ -110,6 +101,28 @@ def _load_shapes(shapes: dict, workspace_class: type, root: Path, entries: dict,
     return launches, workspaces
 
 
+def _index_stages(shapes: dict, stage_keys, table, label: str) -> dict[tuple, list[PreparedLaunch]]:
+    """(stage, *key) -> the stage's launches, for every shape; ``stage_keys(shape)`` gives each stage's key (the
+    inputs its launches depend on). LauncherError when two shapes with one key would launch different binaries."""
+    stages: dict[tuple, list[PreparedLaunch]] = {}
+    for shape, launches in shapes.items():
+        for stage, key in stage_keys(shape):
+            own = stage_launches(launches, stage, table)
+            if stages.setdefault((stage, *key), own) != own:  # a plan's stage depends only on its key
+                raise LauncherError(f"{label}{stage} of {shape} launches {[x.key for x in own]}, another shape "
+                                    f"with the same {stage} inputs launches {[x.key for x in stages[(stage, *key)]]}")
+    return stages
+
+
+def _stage_of(stages: dict, stage: str, key: tuple, label: str, none: str) -> list[PreparedLaunch]:
+    """The launches of ``stage`` for ``key``; LauncherError naming the keys the core prepared (``none``: none)."""
+    launches = stages.get((stage, *key))
+    if launches is None:
+        prepared = sorted(str(k[1:]) for k in stages if k[0] == stage)
+        raise LauncherError(f"no prepared {label}{stage} launches for {key}; the core prepared {prepared or none}")
+    return launches
+
+
 class PreparedVocabulary:
     """The CUDA implementation of the three sharded stage ops for one device (one rank) and one core."""
 
@@ -124,17 +137,11 @@ class PreparedVocabulary:
         self.workspaces = workspaces
         self._modules = modules
         self.launch_count = 0
-        self._stages: dict[tuple, list[PreparedLaunch]] = {}
-        for shape, launches in shapes.items():
-            for stage, key in (("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
-                               ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.explicit_ids,
-                                               shape.logits_dtype)),
-                               ("merge", (shape.rows, shape.vocab_shard, shape.ranks, shape.k, shape.explicit_ids))):
-                own = stage_launches(launches, stage)
-                if self._stages.setdefault((stage, *key), own) != own:  # a plan's stage depends only on its key
-                    raise LauncherError(f"stage {stage} of {shape} launches {[x.key for x in own]}, another shape "
-                                        f"with the same {stage} inputs launches "
-                                        f"{[x.key for x in self._stages[(stage, *key)]]}")
+        self._stages = _index_stages(shapes, lambda shape: (
+            ("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
+            ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.explicit_ids, shape.logits_dtype)),
+            ("merge", (shape.rows, shape.vocab_shard, shape.ranks, shape.k, shape.explicit_ids))),
+            VOCABULARY_LAUNCHES, "stage ")
 
     @classmethod
     def load(cls, root: Path, manifest: dict, table: dict, shapes: dict[VocabularyShape, list[str]],
@@ -154,11 +161,7 @@ class PreparedVocabulary:
         return sum(t.numel() * t.element_size() for w in workspaces for t in w.tensors())
 
     def _stage(self, stage: str, key: tuple) -> list[PreparedLaunch]:
-        launches = self._stages.get((stage, *key))
-        if launches is None:
-            prepared = sorted(str(k[1:]) for k in self._stages if k[0] == stage)
-            raise LauncherError(f"no prepared {stage} launches for {key}; the core prepared {prepared}")
-        return launches
+        return _stage_of(self._stages, stage, key, "", "[]")
 
     def _workspace(self, rows: int, vocab_shard: int) -> VocabularyWorkspace:
         return self.workspaces[(rows, vocab_shard)]
@@ -221,24 +224,13 @@ class PreparedScoring:
     def __init__(self, parent: PreparedVocabulary, shapes: dict[ScoringShape, list[PreparedLaunch]],
                  workspaces: dict[tuple[int, int], ScoringWorkspace]):
         self.parent, self.shapes, self.workspaces = parent, shapes, workspaces
-        self._stages: dict[tuple, list[PreparedLaunch]] = {}
-        for shape, launches in shapes.items():
-            for stage, key in (("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
-                               ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.logits_dtype)),
-                               ("merge", (shape.rows, shape.vocab_shard, shape.ranks))):
-                own = scoring_stage_launches(launches, stage)
-                if self._stages.setdefault((stage, *key), own) != own:
-                    raise LauncherError(f"scoring stage {stage} of {shape} launches {[x.key for x in own]}, another "
-                                        f"shape with the same {stage} inputs launches "
-                                        f"{[x.key for x in self._stages[(stage, *key)]]}")
+        self._stages = _index_stages(shapes, lambda shape: (
+            ("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
+            ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.logits_dtype)),
+            ("merge", (shape.rows, shape.vocab_shard, shape.ranks))), SCORING_LAUNCHES, "scoring stage ")
 
     def _stage(self, stage: str, key: tuple) -> list[PreparedLaunch]:
-        launches = self._stages.get((stage, *key))
-        if launches is None:
-            prepared = sorted(str(k[1:]) for k in self._stages if k[0] == stage)
-            raise LauncherError(f"no prepared scoring {stage} launches for {key}; the core prepared "
-                                f"{prepared or 'none (export it with --prompt-logprobs)'}")
-        return launches
+        return _stage_of(self._stages, stage, key, "scoring ", "none (export it with --prompt-logprobs)")
 
     def _workspace(self, rows: int, vocab_shard: int) -> ScoringWorkspace:
         return self.workspaces[(rows, vocab_shard)]

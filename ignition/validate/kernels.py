@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ignition.catalog.hashing import sha256_file
 from ignition.catalog.model import reduction_rows
-from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES, scoring_row_blocks
+from ignition.catalog.parallel import SCORING_LAUNCHES, VOCABULARY_LAUNCHES, variant_scoring_blocks
 from ignition.catalog.targets import TARGETS
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
@@ -77,13 +77,9 @@ _TILED = {"vocab.tile_stats", "score.tile_stats"}
 
 def _scoring_blocks(variant: dict) -> list[int] | None:
     """Row-block sizes of a scored variant (None when its declaration is malformed: other rules report it)."""
-    scoring = (variant.get("contract") or {}).get("layout", {}).get("prompt_logprobs")
-    if not scoring:
-        return []
     try:
-        rows = next(a["shape"][0] for a in variant.get("arguments", []) if a.get("name") == scoring["targets"])
-        return scoring_row_blocks(int(rows), int(scoring["row_block"]))
-    except (StopIteration, KeyError, TypeError, ValueError, IndexError):
+        return variant_scoring_blocks(variant)
+    except (StopIteration, KeyError, TypeError, ValueError, IndexError, AttributeError):
         return None
 
 
