@@ -188,13 +188,34 @@ def test_raw_tensor_constants_are_data(members):
     (lambda d: _first_node(d).update(target="torch.os.system"), "not an operator in the allowed namespaces"),
     (lambda d: _first_node(d).update(target="torch.ops.evil.op.default"), "allowed namespaces"),
     (lambda d: d["graph_module"]["graph"]["inputs"].append({"as_string": "x'); import os; ('"}), "expected a tensor"),
-    (lambda d: d.update(range_constraints={"s0": {"min_val": 2, "max_val": 4}}), "range_constraints"),
+    (lambda d: d.update(range_constraints={"s0": {"min_val": "__import__('os')", "max_val": 4}}), "range_constraints"),
+    (lambda d: d.update(range_constraints={"__import__('os')": {"min_val": 2, "max_val": 4}}), "range_constraints"),
+    (lambda d: _first_node(d)["outputs"].append({"as_sym_int": {"as_expr": {"expr_str": "__import__('os').getcwd()"}}}),
+     "symbolic expression"),
+    (lambda d: _first_node(d)["outputs"].append({"as_sym_int": {"as_expr": {
+        "expr_str": "Mul(Integer(2), Symbol('s0', positive=True, integer=True, evil=exec('1')))"}}}), "symbolic expression"),
     (lambda d: d["graph_module"]["module_call_graph"][0]["signature"].update(
         in_spec='[1, {"type": "collections.OrderedDict", "context": "[]", "children_spec": []}]'), "containers"),
 ])
 def test_program_must_be_static_and_plain(members, change, message):
     found = _edited(members, {"models/model.json": _model(members, change)})
     assert rules(found) == {"PT2-PROGRAM"} and message in found[0].message, found
+
+
+@pytest.mark.parametrize("text,allowed", [
+    ("Symbol('s72', positive=True, integer=True)", True),
+    ("Mul(Integer(512), Symbol('s72', positive=True, integer=True))", True),
+    ("Add(Integer(-1), Mul(Integer(2), Symbol('s3', positive=True, integer=True)))", True),
+    ("Symbol('os', positive=True, integer=True)", False),
+    ("Mul(Integer(2))", False),
+    ("Pow(Integer(2), Integer(99999999))", False),
+    ("Integer(1) + Integer(2)", False),
+    ("Mul(" * 300 + "Integer(1)", False),
+])
+def test_symbolic_expressions_are_a_closed_grammar(text, allowed):
+    """The key window's extent is a shape symbol; sympify may only see sums and products of literals and symbols."""
+    from ignition.validate.program_json import symbolic_expression_allowed
+    assert symbolic_expression_allowed(text) is allowed
 
 
 def test_exporter_never_writes_what_loading_refuses(tmp_path):

@@ -105,8 +105,14 @@ MIXED_BUFFERS = (
 """The additional arguments of MIXED variants (``mixed.t{C}.c{capacity}``): the merge copies the active frame of
 the role each lane is in into the shared completion_records / completion_logprobs."""
 
+WINDOW_INPUTS = (
+    BufferSpec("key_window", "int64", ("max_seq_len",), Role.INPUT, ValueSource.KEY_WINDOW,
+               "Its extent W bounds the keys attention reads, [0, W); pass a prefix covering every row's position (contents unread)"),
+)
+"""The key window of the decoder recipes' attention: the one argument whose extent is dynamic in the graph."""
+
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
-           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS}
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + WINDOW_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -115,6 +121,23 @@ PROMPT_LANE, PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS, DECODE_ROLE_RECORDS, DEC
 ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": (DECODE_ROLE_RECORDS, DECODE_ROLE_LOGPROBS)}
 """Role -> (its private records buffer, its private packed buffer)."""
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
+(KEY_WINDOW,) = (spec.name for spec in WINDOW_INPUTS)
+CHUNK_TOKENS = CHUNK_INPUTS[0].name
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A windowed input: the graph takes any prefix ``[0, W)`` of its declared extent along ``dim``,
+    ``MIN_WINDOW <= W``; the runtime passes the smallest multiple of ``granule`` (capped at the
+    extent) that covers the submission, so replays reuse few shapes."""
+
+    dim: int
+    granule: int
+
+
+WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16)}
+"""Buffer -> its window. A variant's ``layout["windows"]`` names the ones whose extent is dynamic in its graph."""
+MIN_WINDOW = 2  # torch.export specializes extents 0 and 1
 
 _CONSTANTS = {name: getattr(contract, name) for name in (
     "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH")}

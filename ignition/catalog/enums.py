@@ -38,6 +38,7 @@ class ValueSource(IntEnum):
     CHUNK_EMITS = 13  # int32[1]: nonzero when a prompt chunk ends the prompt and samples the next token
     DRAFT_TOKEN_IDS = 14  # int64[capacity, S]: each lane's proposed tokens, -1 after its proposal ends
     MIXED_PROMPT_LANE = 15  # int64[1]: the lane of a mixed graph in the prompt role (-1: none)
+    KEY_WINDOW = 16  # int64[W] (declared [max_seq_len]): its extent W is the key window attention reads; contents unread
     LOGPROB_REQUESTED = 20  # int32[capacity]: the flag vector
     LOGPROB_TOKEN_IDS = 21  # int32[capacity, 128]: caller-selected ids
     LOGPROB_TOKEN_ID_COUNTS = 22  # int32[capacity]: selected-id count (0: natural alternatives)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import DRAFT_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS
+from ignition.catalog.buffers import DRAFT_TOKENS, KEY_WINDOW, PROMPT_LOGPROBS, PROMPT_TARGETS
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
@@ -105,7 +105,7 @@ class DecodeGraph(_DecoderGraph):
         positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
         hidden = self.hidden(weights, buffers, buffers["input_ids"],
-                             Rows.decode(positions, slots, active))  # [capacity, d_model]
+                             Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW)))  # [capacity, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
         return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)
 
@@ -130,8 +130,8 @@ class PrefillGraph(_DecoderGraph):
         slot = buffers["slot_ids"]  # int64 [1]
         active = buffers["active_lanes"] != 0  # bool [1]
         valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
-        hidden = self.hidden(weights, buffers, chunk_ids,
-                             Rows.prefill(chunk_ids.shape[0], chunk_start, valid_length, slot))  # [C, d_model]
+        hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(
+            chunk_ids.shape[0], chunk_start, valid_length, slot, buffers.get(KEY_WINDOW)))  # [C, d_model]
         if score and self.parallel is not None:  # the same, over this rank's vocabulary shard
             score_hidden_rows_sharded(self.parallel.vocabulary, hidden, buffers[PROMPT_TARGETS],
                                       buffers[PROMPT_LOGPROBS], buffers["frame_index"],
@@ -188,7 +188,8 @@ class VerifyGraph(_DecoderGraph):
         capacity, width = tokens.shape
         slots = buffers["slot_ids"]  # int64 [capacity]
         rows = Rows(positions=positions.reshape(-1), write_slots=slots.repeat_interleave(width),
-                    valid=valid.reshape(-1), read_slots=slots)  # one attention group of P rows per lane
+                    valid=valid.reshape(-1), read_slots=slots,
+                    key_window=buffers.get(KEY_WINDOW))  # one attention group of P rows per lane
         hidden = self.hidden(weights, buffers, tokens.reshape(-1), rows)  # [capacity * P, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity * P, vocab_padded]
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
@@ -225,14 +226,16 @@ class MixedGraph(PrefillGraph):
         prompt_active = (buffers["mixed_prompt_lane"] >= 0) & active.index_select(0, lane)  # [1]
         chunk_ids, start, length = buffers["chunk_input_ids"], buffers["chunk_start"], buffers["chunk_length"]
         valid_length = torch.where(prompt_active, length, 0)
-        hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(chunk_ids.shape[0], start, valid_length, slot))
+        hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(chunk_ids.shape[0], start, valid_length, slot,
+                                                                      buffers.get(KEY_WINDOW)))
         last_row = (length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
         prompt_logits = lm_head_logits(weights, self.cfg, hidden.index_select(0, last_row))  # [1, vocab_padded]
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
                                  reset=prompt_active & (start == 0))
         decode_lanes = active & ~in_prompt
         decode_hidden = self.hidden(weights, buffers, buffers["input_ids"],
-                                    Rows.decode(buffers["positions"], slots, decode_lanes))  # [capacity, d_model]
+                                    Rows.decode(buffers["positions"], slots, decode_lanes,
+                                                buffers.get(KEY_WINDOW)))  # [capacity, d_model]
         decode_logits = lm_head_logits(weights, self.cfg, decode_hidden)  # [capacity, vocab_padded]
         prompt = self.sample_and_commit(role_buffers(buffers, "prompt", in_prompt),
                                         prompt_logits.expand(capacity, -1), slots, Operation.MIXED,

@@ -80,18 +80,21 @@ class Rows:
     write_slots: torch.Tensor  # int64 [R]: cache slot each row writes
     valid: torch.Tensor  # bool [R]: rows that may write the cache
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
+    key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
 
     @classmethod
-    def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor) -> Rows:
+    def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor,
+                key_window: torch.Tensor | None = None) -> Rows:
         """One request's chunk: row j is position ``chunk_start + j`` of ``slot``, valid below ``chunk_len``."""
         row = torch.arange(chunk_rows, device=chunk_start.device)
         return cls(positions=chunk_start + row, write_slots=slot.expand(chunk_rows), valid=row < chunk_len,
-                   read_slots=slot)
+                   read_slots=slot, key_window=key_window)
 
     @classmethod
-    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor) -> Rows:
+    def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor,
+               key_window: torch.Tensor | None = None) -> Rows:
         """One row per lane, each its own group; active lanes must use distinct slots."""
-        return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots)
+        return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots, key_window=key_window)
 
 
 def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor) -> None:

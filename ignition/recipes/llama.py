@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import LANE_INPUTS
+from ignition.catalog.buffers import CHUNK_TOKENS, LANE_INPUTS, WINDOW_INPUTS, WINDOWS
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
@@ -45,9 +45,10 @@ class DecoderFamily:
     parse: Callable[[Mapping[str, Any], str], Any]  # (config.json, source) -> config with cache_shapes, summary
     weight_map: Mapping[str, WeightSpec]  # HF tensor name -> ours
     decoder: Decoder  # (weights, cfg, input_ids, rows, caches) -> hidden
+    windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
 
 
-_GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder)
+_GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
 FAMILIES: dict[str, DecoderFamily] = {name: DecoderFamily(name, **_GQA) for name in ("qwen3", "llama", "qwen3_moe")}
 """Recipe name -> its family; the recipe name is also the family (HF architecture) it accepts."""
 
@@ -92,6 +93,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
                  for draft_tokens in options.speculative_tokens for capacity in options.capacities]
     variants += [mixed_variant(fixed, options.chunk_limit, capacity, token_capacity, options.outputs)
                  for capacity in mixed_capacities(options)]
+    if family.windowed:
+        variants = [with_windows(variant, options.max_seq_len) for variant in variants]
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,
@@ -143,6 +146,24 @@ def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[
                for rank in range(ranks)]
     return (ShardedBuild(ranks, vocab_padded // ranks, rank_weights, modules, shard_table(rank_weights)),
             rank_cfg, rank_weights[0])
+
+
+SHORTEST_WINDOWED = 8
+"""Extents below this stay static: a window is traced at half its extent, and torch.export fixes 0 and 1."""
+
+
+def with_windows(variant: Variant, max_seq_len: int) -> Variant:
+    """``variant`` with the key window input appended (its attention reads keys ``[0, W)`` only) and, in the
+    prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has): both
+    named in ``layout["windows"]`` (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
+    window, bindings = spec_arguments(WINDOW_INPUTS, max_seq_len=max_seq_len)
+    variant.arguments = variant.arguments + window
+    variant.bindings = variant.bindings | bindings
+    extents = {a.name: a.shape[WINDOWS[a.name].dim] for a in variant.arguments if a.name in WINDOWS}
+    if variant.operation not in (Operation.PREFILL, Operation.MIXED):
+        extents.pop(CHUNK_TOKENS, None)
+    variant.layout["windows"] = [name for name, extent in extents.items() if extent >= SHORTEST_WINDOWED]
+    return variant
 
 
 def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int,

@@ -1,8 +1,8 @@
 """Functional Qwen3 / Llama / Qwen3-MoE decoder: a static-shape forward for ``torch.export``.
 
 The forward mirrors transformers' eager implementation op for op (fp32 RMSNorm cast back like HF,
-rotate_half RoPE, GQA repeat, fp32 softmax, SiLU MLP or MoE block, Qwen3 per-head q/k norm before
-RoPE). ``decoder_stack`` (embedding, residual layers, final norm) is shared with DeepSeek-V3 (MLA).
+rotate_half RoPE, SiLU MLP or MoE block, Qwen3 per-head q/k norm before RoPE); attention reads the
+grouped KV heads in place from the cache (``recipes/attention.py``). ``decoder_stack`` (embedding, residual layers, final norm) is shared with DeepSeek-V3 (MLA).
 The KV cache is runtime-owned state that the graph mutates in place:
 ``[num_layers, num_slots, max_seq_len, num_kv_heads, head_dim]`` in the model dtype, allocated with
 finite values (``torch.zeros``). Slots and positions are tensors; nothing branches on tensor values.
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ignition.recipes.config import ModelConfig, kv_cache_shape
-from ignition.recipes.layers import Rows, causal_softmax, read_slots, rms_norm, rotate_half, row_linear, write_rows
+from ignition.recipes.attention import cached_attention
+from ignition.recipes.layers import Rows, rms_norm, rotate_half, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
 from ignition.recipes.rope import rope_cos_sin
 
@@ -42,14 +43,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     write_rows(k_cache, layer, rows, key)
     write_rows(v_cache, layer, rows, value)
 
-    groups = rows.read_slots.shape[0]
-    # keys/values: [G, S, kv_heads, D] -> [G, heads, S, D] (HF repeat_kv: each kv head serves a run of heads)
-    keys = read_slots(k_cache, layer, rows).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    values = read_slots(v_cache, layer, rows).transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
-    query = query.view(groups, num_rows // groups, heads, head_dim).transpose(1, 2)  # [G, heads, R/G, D]
-    scores = torch.matmul(query, keys.transpose(2, 3)) * head_dim**-0.5  # [G, heads, R/G, S]
-    probs = causal_softmax(scores, rows, query.dtype)
-    attended = torch.matmul(probs, values).transpose(1, 2).reshape(num_rows, heads * head_dim)  # [R, q_width]
+    attended = cached_attention(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks)  # [R, d_model]
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ignition.catalog.buffers import REQUESTED, TOKEN_ID_COUNTS, TOKEN_IDS
+from ignition.catalog.buffers import CHUNK_TOKENS, MIN_WINDOW, REQUESTED, TOKEN_ID_COUNTS, TOKEN_IDS, WINDOWS
 from ignition.catalog.enums import ValueSource as S
 
 
@@ -91,6 +91,8 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                     raise RuntimeError(f"lane {index} proposes {len(lane.draft)} tokens; {variant.name} takes "
                                        f"{target.shape[1]}")
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
+        elif source is S.KEY_WINDOW:  # only its extent is read: KeyWindow passes the prefix a replay needs
+            continue
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
         else:
@@ -115,3 +117,53 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                 b[TOKEN_IDS][index, :counts[index]] = torch.tensor(lane.state.request.logprob_token_ids, dtype=torch.int32)
     pairs = max([core.k] + [int(c) for c in counts]) if flags.any() else 0
     return flags.astype(bool), pairs
+
+
+class Windowed:
+    """A variant's ``run(buffers)`` through a graph with windowed inputs (``layout["windows"]``).
+
+    Each call passes, for each window, the smallest prefix that covers the submission, rounded up to the
+    window's granule and capped at the declared extent (``catalog.buffers.WINDOWS``):
+
+    - the key window covers every position the submission writes or attends from (the lanes' positions, a
+      verify lane's drafts after its input token, a chunk's rows): keys past it are past every row's
+      position, so the result is the full window's;
+    - the chunk tokens cover the chunk's valid rows: the rows past them are padding, whose cache writes the
+      graph drops and whose outputs nothing reads.
+
+    It reads only uploaded inputs, so every tensor-parallel rank derives the same windows from the same
+    broadcast inputs.
+    """
+
+    def __init__(self, run, bindings: dict[str, S], windows: list[str]):
+        self.run, self.windows = run, list(windows)
+        by_source = {source: name for name, source in bindings.items()}
+        self.positions, self.drafts = by_source.get(S.POSITIONS), by_source.get(S.DRAFT_TOKEN_IDS)
+        self.chunk = (by_source[S.CHUNK_START], by_source[S.CHUNK_LENGTH]) if S.CHUNK_START in by_source else None
+
+    def needed(self, name: str, buffers: dict[str, torch.Tensor]) -> int:
+        """The extent of window ``name`` this submission needs, before rounding."""
+        if name == CHUNK_TOKENS:
+            return int(buffers[self.chunk[1]].max())
+        needed = 1
+        if self.positions is not None:
+            ahead = buffers[self.drafts].shape[1] if self.drafts is not None else 0
+            needed = max(needed, int(buffers[self.positions].max()) + 1 + ahead)
+        if self.chunk is not None:
+            needed = max(needed, int(buffers[self.chunk[0]].max() + buffers[self.chunk[1]].max()))
+        return needed
+
+    def sizes(self, buffers: dict[str, torch.Tensor]) -> dict[str, int]:
+        """Window -> the extent this submission passes."""
+        sizes = {}
+        for name in self.windows:
+            window = WINDOWS[name]
+            extent = buffers[name].shape[window.dim]
+            rounded = -(-max(self.needed(name, buffers), MIN_WINDOW) // window.granule) * window.granule
+            sizes[name] = min(extent, rounded)
+        return sizes
+
+    def __call__(self, buffers: dict[str, torch.Tensor]):
+        narrowed = {name: buffers[name].narrow(WINDOWS[name].dim, 0, size) for name, size in self.sizes(buffers).items()
+                    if size < buffers[name].shape[WINDOWS[name].dim]}
+        return self.run({**buffers, **narrowed} if narrowed else buffers)

@@ -26,19 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
 from ignition.components.device_reduction import install_reduction, jit_opted_in
+from ignition.runtime.bindings import Windowed
 from ignition.runtime.device import move_program, resolve_device
 from ignition.runtime.graphs import CaptureReport, capture_variants
 from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
 from ignition.runtime.parallel import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
+from ignition.runtime.weights import WeightsFormatError, view_tensors
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
 from ignition.validate.graphs import check_graph
@@ -341,14 +342,17 @@ def _graph_files(catalog: dict, manifest: dict, rank: int) -> dict[str, str]:
     return {v["name"]: v["graph"] for v in catalog["variants"]} | rank_graph_files(manifest, rank)
 
 
-def read_verified(root: Path, rel: str, manifest: dict) -> bytes:
+def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
     """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
     what the caller loads from them is what was verified (no second read a swapped file could answer)."""
     path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
     if path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as file:  # one copy, into writable memory the weights can then be views of
+            data = bytearray(os.fstat(file.fileno()).st_size)
+            if file.readinto(data) != len(data) or file.read(1):
+                raise OSError(f"{rel} changed size while it was read")
     except OSError as exc:
         raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
     expected, found = manifest["files"].get(rel), hashlib.sha256(data).hexdigest()
@@ -418,7 +422,10 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     stages.start("weights", weights_file)
-    weights = {name: t.to(device) for name, t in load_tensors(read_verified(root, weights_file, manifest)).items()}
+    try:  # views of the verified bytes on CPU: the weights are read once and never copied
+        weights = {name: t.to(device) for name, t in view_tensors(read_verified(root, weights_file, manifest)).items()}
+    except WeightsFormatError as exc:
+        raise CoreLoadError(f"{root}: {weights_file}: {exc}") from None
     backend = _onnx_backend(root, weights, device) if onnx else None
     graph_files = _graph_files(catalog, manifest, rank)
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
@@ -448,7 +455,10 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     capture = None
     if device.type == "cuda" and not eager and not onnx:
         stages.start("capture", f"{len(variants)} CUDA graphs")
-        capture = capture_variants(variants, programs, state, device)
+        capture = capture_variants(variants, programs, state, device)  # captured at the full key window
+    for variant in variants.values():  # ONNX graphs are re-traced static, and CUDA graphs captured at full extents
+        if not onnx and variant.layout.get("windows") and (capture is None or variant.name not in capture.captured):
+            variant.run = Windowed(variant.run, variant.bindings, variant.layout["windows"])
     stages.start("tokenizer", manifest["tokenizer"] or "none")
     tokenizer = _load_tokenizer(root)
     stages.stop()

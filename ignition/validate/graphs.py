@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
+from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
 from ignition.validate.archive import check_archive
 from ignition.validate.report import Violation
 
@@ -26,6 +27,22 @@ def _argument_names(program) -> list[str] | None:
     if kwargs or len(args) != 1 or not isinstance(args[0], dict):
         return None
     return list(args[0].keys())
+
+
+def _extents(program, val, name: str, windows) -> list:
+    """The argument's extents as declared: an int per static dim; the upper bound of the dim of a window the
+    variant names (``layout["windows"]``, ``catalog.buffers.WINDOWS``) whose range is ``[MIN_WINDOW, bound]``;
+    anything else symbolic as its text, which no declaration matches."""
+    extents = []
+    for dim, extent in enumerate(val.shape):
+        if isinstance(extent, int):
+            extents.append(extent)
+            continue
+        bounds = program.range_constraints.get(extent.node.expr)
+        windowed = name in windows and name in WINDOWS and WINDOWS[name].dim == dim and bounds is not None \
+            and int(bounds.lower) == MIN_WINDOW
+        extents.append(int(bounds.upper) if windowed and bounds.upper.is_integer else f"dynamic {extent}")
+    return extents
 
 
 def _mutated_placeholders(program) -> set[str]:
@@ -132,9 +149,23 @@ def _check_program(program, variant: dict, where: str) -> list[Violation]:
         return found
     user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    windows = variant["contract"]["layout"].get("windows") or ()
+    inputs = {d["name"] for d in declared if d["role"] == "input"}
+    for name in windows:
+        if name not in WINDOWS or name not in inputs:
+            found.append(Violation("GRAPH-SIGNATURE", f"{where}: layout.windows",
+                                   f"{name!r} is not a declared input with a window (expected one of "
+                                   f"{sorted(set(WINDOWS) & inputs)})"))
+        else:
+            node = placeholders[user_inputs[[d["name"] for d in declared].index(name)]]
+            extent = node.meta["val"].shape[WINDOWS[name].dim] if node.meta.get("val") is not None else None
+            if isinstance(extent, int):
+                found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {name}",
+                                       f"layout.windows names it, but the graph fixes its extent at {extent}"))
     for decl, node_name in zip(declared, user_inputs):
         val = placeholders[node_name].meta.get("val")
-        found_sig = (str(val.dtype).removeprefix("torch."), list(val.shape)) if val is not None else None
+        found_sig = (str(val.dtype).removeprefix("torch."), _extents(program, val, decl["name"], windows)) \
+            if val is not None else None
         if found_sig != (decl["dtype"], decl["shape"]):
             found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {decl['name']}",
                                    f"expected {decl['dtype']} {decl['shape']}, found {found_sig}"))

@@ -4,8 +4,11 @@ Three fields of that JSON become code when torch deserializes or unlifts the pro
 ``guards_code`` strings are ``exec``'d by ``ExportedProgram.module()``; every ``expr_str``
 (symbolic shapes, range constraints) goes through ``sympy.sympify``, which ``eval``s; and a
 placeholder holding a string constant is pasted into generated guard code. Our graphs take
-one dict of tensors of fixed shapes, so none of these may appear. Node targets are limited to
-operator namespaces we emit, and pytree specs to the plain containers our signature uses.
+one dict of tensors of fixed shapes, except the windowed inputs (``catalog.buffers.WINDOWS``),
+whose extent is one symbol: so no guards code may appear, and every expression must be integer
+arithmetic (sum, product, min, max, floor division, modulo) of literals and shape symbols, which
+sympify can only build, never run code from; range constraints must be integer bounds of such symbols. Node targets are limited
+to operator namespaces we emit, and pytree specs to the plain containers our signature uses.
 """
 
 from __future__ import annotations
@@ -19,6 +22,35 @@ OP_NAMESPACES = ("aten", "prims", "ignition", "_c10d_functional", "higher_order"
 _TARGET = re.compile(rf"torch\.ops\.({'|'.join(OP_NAMESPACES)})\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 _SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 _REPORT_AT_MOST = 5
+_SYMBOL_NAME = re.compile(r"s[0-9]{1,6}")
+_ATOM = re.compile(r"Symbol\('s[0-9]{1,6}', positive=True, integer=True\)|Integer\(-?[0-9]{1,12}\)")
+_NODE = re.compile(r"(?:(?:Mul|Add|Min|Max)\(X(?:, X)+\))|(?:(?:FloorDiv|Mod)\(X, X\))")
+SYMBOLIC_OPERATORS = ("add", "sub", "mul", "floordiv", "mod", "neg", "lt", "le", "gt", "ge", "eq", "ne")
+"""``_operator`` functions a graph may call on shape symbols (torch maps the names to functions; nothing is evaluated)."""
+_SYMBOLIC_TARGET = re.compile(rf"_operator\.({'|'.join(SYMBOLIC_OPERATORS)})")
+_MAX_EXPRESSION = 400
+
+
+def symbolic_expression_allowed(text) -> bool:
+    """True when ``text`` is a tree of ``Add``/``Mul``/``Min``/``Max``/``FloorDiv``/``Mod`` over ``Integer(n)`` and
+    ``Symbol('sN', positive=True, integer=True)``."""
+    if not isinstance(text, str) or len(text) > _MAX_EXPRESSION:
+        return False
+    reduced = _ATOM.sub("X", text)
+    while True:
+        shorter = _NODE.sub("X", reduced)
+        if shorter == reduced:
+            return reduced == "X"
+        reduced = shorter
+
+
+def _range_constraints_allowed(constraints) -> bool:
+    """Integer bounds of plain shape symbols: ``{"s72": {"min_val": 2, "max_val": 512}}``."""
+    return isinstance(constraints, dict) and all(
+        isinstance(name, str) and _SYMBOL_NAME.fullmatch(name) and isinstance(bounds, dict)
+        and set(bounds) == {"min_val", "max_val"}
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in bounds.values())
+        for name, bounds in constraints.items())
 
 
 def program_violations(document, at: str) -> list[Violation]:
@@ -31,8 +63,9 @@ def program_violations(document, at: str) -> list[Violation]:
     found = []
     if document.get("guards_code") not in (None, []):
         found.append(bad(f"expected no guards_code (torch execs it), found {str(document['guards_code'])[:80]}"))
-    if document.get("range_constraints") not in (None, {}):
-        found.append(bad("expected no range_constraints (static shapes; torch sympifies them), "
+    if document.get("range_constraints") not in (None, {}) and \
+            not _range_constraints_allowed(document["range_constraints"]):
+        found.append(bad("expected range_constraints to be integer bounds of shape symbols (torch sympifies them), "
                          f"found {str(document['range_constraints'])[:80]}"))
     graph = document["graph_module"].get("graph")
     inputs = graph.get("inputs") if isinstance(graph, dict) else None
@@ -56,14 +89,15 @@ def _walk(document, bad) -> list[Violation]:
             continue
         if not isinstance(node, dict):
             continue
-        if "expr_str" in node:
-            found.append(bad(f"expected static shapes, found the symbolic expression {str(node['expr_str'])[:80]!r} "
-                             "(torch parses it with sympify, which evaluates Python)"))
+        if "expr_str" in node and not symbolic_expression_allowed(node["expr_str"]):
+            found.append(bad(f"expected static shapes or sums and products of integers and shape symbols, found the "
+                             f"symbolic expression {str(node['expr_str'])[:80]!r} (torch parses it with sympify, "
+                             "which evaluates Python)"))
         if node.get("as_custom_obj") is not None or node.get("custom_obj_values"):
             found.append(bad("expected no custom objects (torch unpickles them)"))
         target = node.get("target")
         if "inputs" in node and "outputs" in node and target is not None:
-            if not (isinstance(target, str) and _TARGET.fullmatch(target)):
+            if not (isinstance(target, str) and (_TARGET.fullmatch(target) or _SYMBOLIC_TARGET.fullmatch(target))):
                 found.append(bad(f"node target {str(target)[:80]!r} is not an operator in the allowed namespaces "
                                  f"{', '.join(OP_NAMESPACES)}"))
         for key in ("in_spec", "out_spec"):

@@ -1,0 +1,179 @@
+"""Cores at a real model's size against eager transformers: the reference measurement of issue 23.
+
+``python -m benchmarks.realsize --threads 2`` builds a random checkpoint in the Qwen3-0.6B shape
+(vocabulary 151,936, 28 layers, hidden 1024, 16 query and 8 KV heads, head_dim 128, MLP 3072, tied
+embeddings), exports it with ``ignition export-core`` and prints, in one run against HF eager on
+the same checkpoint, prompts and threads:
+
+- export seconds (``export-core`` in its own process) and ``load_core`` seconds and peak RSS;
+- prefill tokens/s: 8 prompts of 512 tokens, and 1 of 2,048 (a second, one-slot core);
+- decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
+  minus the time of 1, so prefill is not counted; HF does ``generate`` + ``log_softmax`` + ``topk``);
+- that greedy tokens equal HF's, and the ratios against the issue's targets.
+
+``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
+             rope_theta=1000000.0, rms_norm_eps=1e-6)
+DECODE_TOKENS = 16
+PROMPT = 4  # decode runs start from short prompts, as the issue's first table row
+
+
+def make_checkpoint(directory: Path, layers: int, dtype: str) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(num_hidden_layers=layers, torch_dtype=dtype, bos_token_id=None, eos_token_id=None, **SHAPE)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def export(checkpoint: Path, out: Path, dtype: str, extra: list[str]) -> float:
+    command = [sys.executable, "-m", "ignition.cli", "export-core", str(checkpoint), "--recipe", "qwen3", "--out",
+               str(out), "--dtype", dtype, "--overwrite", *extra]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return time.perf_counter() - started
+
+
+def timed(fn) -> tuple[float, object]:
+    started = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - started, value
+
+
+def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    requests = [Request(p, max_tokens=tokens, logprobs=logprobs, ignore_eos=True) for p in prompts]
+    seconds, results = timed(lambda: Engine(core).generate(requests))
+    return seconds, [list(r.token_ids) for r in results]
+
+
+def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
+    def run():
+        with torch.no_grad():
+            out = model.generate(torch.tensor(prompts), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 output_logits=logprobs is not None, return_dict_in_generate=True)
+            for logits in out.logits or ():  # one [batch, vocab] per step
+                values = torch.log_softmax(logits.float(), dim=-1)
+                values.topk(logprobs, dim=-1)
+                values.gather(1, logits.argmax(-1, keepdim=True))
+        return out.sequences[:, len(prompts[0]):].tolist()
+    return timed(run)
+
+
+def decode_rate(side, prompts, logprobs) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s: (N+1 tokens) minus (1 token), so the prefill and the first token are not counted."""
+    first, _ = side(prompts, 1, logprobs)
+    whole, tokens = side(prompts, DECODE_TOKENS + 1, logprobs)
+    return len(prompts) * DECODE_TOKENS / max(whole - first, 1e-9), tokens
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--logprobs", default="0,5,20", help="0 means logprobs off")
+    parser.add_argument("--skip-prefill", action="store_true", help="skip the 8 x 512 and 1 x 2048 prefill rows")
+    parser.add_argument("--skip-long", action="store_true", help="skip the 1 x 2048 prefill (a second export)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and cores here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
+    batches = [int(b) for b in args.batches.split(",")]
+    settings = [int(k) or None for k in args.logprobs.split(",")]
+
+    from transformers import Qwen3ForCausalLM
+
+    from ignition.runtime.core import load_core
+
+    rows: list[tuple[str, str, str, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.workdir or Path(tmp)
+        checkpoint = make_checkpoint(work / "checkpoint", args.layers, args.dtype)
+        slots = max(batches)
+        export_s = export(checkpoint, work / "core", args.dtype,
+                          ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640"])
+        load_s, core = timed(lambda: load_core(work / "core"))
+        weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
+        state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
+        load_rss = peak_rss_gib()
+        rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
+                  f"{export_s:.1f} s", "", ""),
+                 ("load_core", f"{load_s:.1f} s", "", ""),
+                 ("peak RSS after load (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
+                  f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
+        hf_load, model = timed(lambda: Qwen3ForCausalLM.from_pretrained(checkpoint, torch_dtype=getattr(torch, args.dtype)).eval())
+        model.generation_config.eos_token_id = None
+        model.generation_config.pad_token_id = 0
+        rows.append(("HF from_pretrained", f"{hf_load:.1f} s", "", ""))
+        generator = torch.Generator().manual_seed(1)
+
+        def prompts(count, length):
+            return torch.randint(0, SHAPE["vocab_size"], (count, length), generator=generator).tolist()
+
+        mismatches = 0
+        if not args.skip_prefill:
+            batch = prompts(8, 512)
+            t_ours, _ = ours(core, batch, 1, None)
+            t_hf, _ = hf(model, batch, 1, None)
+            rows.append(("prefill 8 x 512 tokens", f"{4096 / t_ours:.1f} tok/s", f"{4096 / t_hf:.1f} tok/s",
+                         f"{t_hf / t_ours:.2f}x"))
+        for size in batches:
+            batch = prompts(size, PROMPT)
+            for logprobs in settings:
+                rate_ours, tokens_ours = decode_rate(lambda p, n, k: ours(core, p, n, k), batch, logprobs)
+                rate_hf, tokens_hf = decode_rate(lambda p, n, k: hf(model, p, n, k), batch, logprobs)
+                mismatches += sum(a != b for a, b in zip(tokens_ours, tokens_hf))
+                rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}", f"{rate_ours:.2f} tok/s",
+                             f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
+        del core
+        if not args.skip_prefill and not args.skip_long:
+            long_export = export(checkpoint, work / "core-long", args.dtype,
+                                 ["--capacities", "1", "--max-seq-len", "2112"])
+            long_core = load_core(work / "core-long")
+            batch = prompts(1, 2048)
+            t_ours, _ = ours(long_core, batch, 1, None)
+            t_hf, _ = hf(model, batch, 1, None)
+            rows.append((f"prefill 1 x 2048 tokens (one-slot core, export {long_export:.0f} s)",
+                         f"{2048 / t_ours:.1f} tok/s", f"{2048 / t_hf:.1f} tok/s", f"{t_hf / t_ours:.2f}x"))
+    print(f"Qwen3-0.6B shape, {args.layers} layers, {args.dtype}, torch {torch.__version__}, "
+          f"threads {torch.get_num_threads()}, decode {DECODE_TOKENS} tokens from {PROMPT}-token prompts")
+    print("| measure | Ignition | HF eager | ratio |\n|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(f"greedy tokens equal to HF: {'yes' if mismatches == 0 else f'NO ({mismatches} sequences differ)'}")
+    print(json.dumps({"rows": rows, "greedy_mismatches": mismatches}))
+    if mismatches:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

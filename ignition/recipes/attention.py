@@ -1,0 +1,88 @@
+"""Grouped-query attention over the slot-indexed KV cache, with no copy of the cache.
+
+A step never clones, expands or gathers the cache (issue 23): every read is a strided view of
+``cache[layer]`` (``[num_slots, max_seq_len, kv_heads, head_dim]``) narrowed to the key window,
+and ``scaled_dot_product_attention`` reads it in place.
+
+- **Grouped heads without repetition.** Query head ``h`` belongs to KV head ``h // groups`` (HF
+  ``repeat_kv``), so the ``groups`` query heads of one KV head become extra query rows of that KV
+  head: ``[batch, kv_heads, groups * rows, head_dim]`` against ``[batch, kv_heads, window, head_dim]``.
+- **Slots without a gather.** One attention group (a prefill chunk) reads its slot's window: one
+  slot's cells, the only copy a step makes. Several groups (decode lanes, verify lanes) place their
+  queries at their slots' batch index instead and attend over every slot's window at once; slots
+  outside the submission get zero queries and their rows are dropped.
+- **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
+  input, the graph's one dynamic dimension) bounds the keys read to ``[0, W)``; the runtime passes a
+  window past every row's position, so no key beyond it could be visible.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ignition.recipes.layers import Rows
+
+
+def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
+    """The key positions ``[0, W)`` the rows attend over: the key window's extent, or every cached position.
+
+    Built from the window's extent alone (a cumulative sum of ones on its device), so whatever the
+    window buffer holds, the result is the same."""
+    if rows.key_window is not None:
+        torch._check(rows.key_window.shape[0] <= max_seq_len)
+        return torch.ones_like(rows.key_window).cumsum(0) - 1
+    return torch.arange(max_seq_len, device=device)
+
+
+def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     rows: Rows) -> torch.Tensor:
+    """Causal attention of ``query [R, heads, head_dim]`` over one layer's cache ``[num_slots, T, kv_heads, head_dim]``.
+
+    Row ``i`` of group ``g`` (``R // G`` rows per group, ``G = len(rows.read_slots)``) attends over the
+    positions ``<= rows.positions[i]`` of slot ``rows.read_slots[g]``. Returns ``[R, heads * head_dim]``.
+    """
+    num_rows, heads, head_dim = query.shape
+    num_slots, max_seq_len, kv_heads, _ = key_cache.shape
+    groups, per_group = rows.read_slots.shape[0], num_rows // rows.read_slots.shape[0]
+    share = heads // kv_heads
+    window = key_positions(rows, max_seq_len, query.device)  # [W]: 0..W-1
+    # [S, kv_heads, W, head_dim] views: narrowing the position dim of the transposed cache keeps them strided
+    keys = key_cache.transpose(1, 2).narrow(2, 0, window.shape[0])
+    values = value_cache.transpose(1, 2).narrow(2, 0, window.shape[0])
+    # query: [G, R/G, kv_heads, share, D] -> [G, kv_heads, share * R/G, D]; row s * R/G + j is head (kv, s), row j
+    grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
+    grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
+    positions = rows.positions.view(groups, per_group)
+    slots = rows.read_slots.clamp(0, num_slots - 1)
+    if groups == 1:  # one slot's window: [1, kv_heads, W, D]
+        keys, values = keys.index_select(0, slots), values.index_select(0, slots)
+        batch_query, batch_positions = grouped, positions
+    else:  # every slot's window, each lane's query at its slot
+        batch_query, batch_positions = _place_at_slots(grouped, positions, rows, slots, num_slots)
+    visible = window.view(1, 1, 1, -1) <= batch_positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)
+    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~visible, torch.finfo(query.dtype).min)  # [batch, 1, share * R/G, W]
+    attended = F.scaled_dot_product_attention(batch_query, keys, values, attn_mask=mask)
+    if groups > 1:
+        attended = attended.index_select(0, slots)  # [G, kv_heads, share * R/G, D]: the lanes' rows
+    attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
+    return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
+
+
+def _place_at_slots(grouped: torch.Tensor, positions: torch.Tensor, rows: Rows, slots: torch.Tensor,
+                    num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's queries and positions at its slot's batch index (zeros and position 0 elsewhere).
+
+    Groups with a valid row own distinct slots. A group without one repeats the first valid group's
+    write (same index, same values), so duplicate targets always carry identical values.
+    """
+    groups = grouped.shape[0]
+    live = rows.valid.view(groups, -1).any(1)  # [G]
+    first_live = torch.argmax(live.to(torch.int32))
+    source = torch.where(live, torch.arange(groups, device=grouped.device), first_live)  # [G]
+    target = slots.index_select(0, source)
+    placed = grouped.new_zeros((num_slots, *grouped.shape[1:])).index_put_((target,), grouped.index_select(0, source))
+    placed_positions = positions.new_zeros((num_slots, positions.shape[1])).index_put_(
+        (target,), positions.index_select(0, source))
+    return placed, placed_positions

@@ -1,0 +1,80 @@
+"""One decode step of a real-width core copies no KV cache and reads only the live key window (issue 23).
+
+A 4-layer checkpoint at Qwen3-0.6B's width (hidden 1024, 16 query and 8 KV heads, head_dim 128, MLP
+3072; a 4,096-word vocabulary keeps the export short: the vocabulary never touches the cache) is
+exported, loaded and driven through the engine. A dispatch mode watches every operator of one
+decode step at batch 4: no operator may read the cache and produce a new tensor larger than one
+slot's cache of one layer (what a clone, an expansion of the grouped heads or a gather of the lanes'
+slots would do), and attention must read the live window, not all ``max_seq_len`` positions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, SLOTS = 256, 8, 128, 4
+
+
+class CacheCopies(TorchDispatchMode):
+    """Operators that read the cache's storage and return a fresh tensor larger than ``limit`` bytes."""
+
+    def __init__(self, cache_storages: set[int], limit: int):
+        super().__init__()
+        self.cache_storages, self.limit = cache_storages, limit
+        self.copies: list[tuple[str, tuple[int, ...]]] = []
+        self.attention_keys: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        read = {t.untyped_storage().data_ptr() for t in inputs}
+        if "scaled_dot_product" in str(func):
+            self.attention_keys.append(tuple(args[1].shape))
+        if read & self.cache_storages:
+            for tensor in pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in read \
+                        and tensor.untyped_storage().nbytes() > self.limit:
+                    self.copies.append((str(func), tuple(tensor.shape)))
+        return out
+
+
+@pytest.fixture(scope="module")
+def real_width_core(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+
+    root = tmp_path_factory.mktemp("real-width")
+    config = Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).eval().save_pretrained(root / "checkpoint")
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(SLOTS,), chunk_limit=16,
+                              max_seq_len=MAX_SEQ_LEN), root / "core")
+    return root / "core"
+
+
+def test_a_decode_step_copies_no_cache_and_reads_the_live_window(real_width_core):
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    core = load_core(real_width_core)
+    engine = Engine(core)
+    for lane in range(SLOTS):
+        engine.submit(Request([lane + 1, 7, 9, 11, 13], max_tokens=8, logprobs=5, ignore_eos=True))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()  # every prompt prefilled: the next step is one decode round of all four lanes
+    one_slot = MAX_SEQ_LEN * KV_HEADS * HEAD_DIM * 4  # one layer of one slot, fp32
+    watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, one_slot)
+    with watch:
+        engine.step()
+    assert watch.attention_keys, "the decode step ran no attention"
+    assert watch.copies == [], f"operators copied more than one slot's cache: {watch.copies[:5]}"
+    # [slots, kv_heads, window, head_dim]: the 64-position window, not the 256 cached positions
+    assert {keys[2] for keys in watch.attention_keys} == {64}, watch.attention_keys

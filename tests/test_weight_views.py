@@ -1,0 +1,45 @@
+"""The loader's weights are views of the one verified buffer (runtime/weights.py), equal to safetensors' own load."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from ignition.runtime.weights import WeightsFormatError, view_tensors
+
+
+def test_views_equal_safetensors_and_share_the_buffer():
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4).to(torch.bfloat16),
+               "odd": torch.ones(3, dtype=torch.int8), "after_odd": torch.randn(2, 2), "scalar": torch.tensor(2.5)}
+    data = bytearray(save(tensors))
+    views = view_tensors(data)
+    expected = load(bytes(data))
+    assert views.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor), name
+    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
+    shared = [name for name, t in views.items() if base <= t.data_ptr() < base + len(data)]
+    assert "a" in shared and "b" in shared  # aligned tensors are views, not copies
+
+
+def _file(header: dict, payload: bytes = b"") -> bytearray:
+    text = json.dumps(header).encode()
+    return bytearray(struct.pack("<Q", len(text)) + text + payload)
+
+
+@pytest.mark.parametrize("data,message", [
+    (bytearray(b"abc"), "expected a safetensors file"),
+    (bytearray(struct.pack("<Q", 1 << 40)), "runs past"),
+    (_file({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8), "do not hold them"),
+    (_file({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 16), "do not hold them"),
+    (_file({"w": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, b"\0" * 8), "expected dtype"),
+    (_file({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}), "do not hold them"),
+    (_file(["not", "an", "object"]), "not a JSON object"),
+])
+def test_malformed_headers_are_refused_by_name(data, message):
+    with pytest.raises(WeightsFormatError, match=message):
+        view_tensors(data)
