@@ -73,6 +73,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served, monkeypatch):
                                               "max_output_tokens")])
 def test_zero_max_tokens_is_refused(served, path, body, param):
     assert_envelope(served.post(path, body), 400, "BadRequestError", param, "at least 1, got 0")
+    if path == CMPL:  # vLLM's echo_without_generation: the prompt alone
+        echoed = served.post(path, {**body, "echo": True}).json()
+        assert (echoed["choices"][0]["text"], echoed["usage"]["completion_tokens"]) == (served.text([1]), 0)
 
 
 def test_malformed_json_names_the_body(served):

@@ -58,6 +58,9 @@ ERRORS = {
 GENERATION_RESPONSES = {200: {"description": "One response, or server-sent events with `stream: true`",
                               "content": {"application/json": {}, "text/event-stream": {}}}, **ERRORS}
 """What /openapi.json documents for Completions and Chat (schemathesis checks responses against it)."""
+INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+    {"$ref": "#/components/schemas/CompletionRequest"}, {"$ref": "#/components/schemas/ChatCompletionRequest"}]}}}}}
+"""/invocations reads its body itself; its schema, for /openapi.json."""
 
 
 GRACEFUL_SHUTDOWN_SECONDS = 3
@@ -168,8 +171,10 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs (empty body)"},
                                                           503: ERRORS[503]})
-    @app.api_route("/ping", methods=["GET", "POST"], response_class=Response,
-                   responses={200: {"description": "/health under SageMaker's name"}, 503: ERRORS[503]})
+    @app.get("/ping", response_class=Response, responses={200: {"description": "/health under SageMaker's name"},
+                                                        503: ERRORS[503]})
+    @app.post("/ping", response_class=Response, responses={200: {"description": "/health under SageMaker's name"},
+                                                         503: ERRORS[503]})
     async def health() -> Response:
         if engine.dead is not None:
             return ApiError(f"the engine stopped: {engine.dead}", status=503,
@@ -216,7 +221,7 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     async def tokenizer_info_route() -> TokenizerInfoResponse:
         return tokenizer_info(ctx)
 
-    @app.post("/invocations", responses=GENERATION_RESPONSES)
+    @app.post("/invocations", responses=GENERATION_RESPONSES, openapi_extra=INVOCATIONS_BODY)
     async def invocations(request: Request) -> Response:
         """SageMaker's endpoint, as vLLM serves it: a body with ``messages`` is Chat, one with ``prompt`` Completions."""
         body = await _json_object(request)

@@ -62,12 +62,12 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
     return rendered
 
 
-def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
-    """Render and tokenize (on a preprocessing thread)."""
+def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, truncate: int | None = None) -> list[int]:
+    """Render and tokenize (on a preprocessing thread); ``truncate``: keep that many last tokens."""
     if ctx.tokenizer is None:
         raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json): Chat needs one; "
                        "use /v1/completions with token ids", "messages")
-    return ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages", body.truncate_prompt_tokens)
+    return ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages", truncate)
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, http: HttpRequest) -> Response:
@@ -84,7 +84,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     features = ctx.core.features
     if body.logprobs and features["allow_logprobs"] and not 0 <= top <= features["max_logprobs"]:
         raise ApiError(f"top_logprobs must be between 0 and {features['max_logprobs']}, got {top}", "top_logprobs")
-    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body)
+    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body, body.truncate_prompt_tokens)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS

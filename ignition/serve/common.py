@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ignition.runtime.core import LoadedCore
 from ignition.serve.detokenize import Span, TextStream, TokenTable
-from ignition.serve.protocol import (STRUCTURED_OUTPUT, UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields,
-                                     UsageInfo)
+from ignition.serve.protocol import (STRUCTURED_OUTPUT, UNSUPPORTED, CompletionRequest, ErrorInfo, ErrorResponse,
+                                     GenerationFields, UsageInfo)
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
 from ignition.serve.config import ServeConfig
 from ignition.serve.engine import AsyncEngine, RequestStream
@@ -162,8 +162,8 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
                   max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Request:
     """The engine request for an API body, or ApiError/AdmissionError (both 400) before admission."""
     check_unsupported(body)
-    if max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):  # vLLM's echo_without_generation
+        raise ApiError("max_tokens must be at least 1, got 0", "max_tokens")
     if body.stream_options is not None and not body.stream:
         raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
     if body.prompt_logprobs is not None and body.stream:
