@@ -273,20 +273,29 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
-async def until_disconnect(http: HttpRequest, work, outputs: list[RequestOutput]) -> Response:
-    """Run a non-streaming handler; a client disconnect cancels it and its engine requests."""
+async def _unless_disconnected(http: HttpRequest, work) -> tuple[bool, object]:
+    """``(True, result)`` of the coroutine ``work``, or ``(False, None)`` when the client disconnects first (then
+    ``work`` is cancelled: a submission still waiting on the engine cancels its request, AsyncEngine.submit)."""
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(http))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            return task.result()
+            return True, task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        return Response(status_code=499)  # nobody reads it: the client is gone
+        return False, None
     finally:
         watcher.cancel()
         task.cancel()
+
+
+async def until_disconnect(http: HttpRequest, work, outputs: list[RequestOutput]) -> Response:
+    """Run a non-streaming handler; a client disconnect cancels it and its engine requests."""
+    try:
+        finished, response = await _unless_disconnected(http, work)
+        return response if finished else Response(status_code=499)  # nobody reads a 499: the client is gone
+    finally:
         for output in outputs:
             output.close()  # a no-op once the request finished
 
@@ -301,25 +310,14 @@ async def admit_all(ctx: ServerContext, http: HttpRequest, body: GenerationField
         for request in requests:
             outputs.append(await admit(ctx, body, request))
 
-    task, watcher = asyncio.ensure_future(work()), asyncio.ensure_future(_disconnected(http))
+    finished = False
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            task.result()  # an AdmissionError or EngineStopped propagates
-            return outputs
-        task.cancel()  # a submission waiting on the engine cancels its request (AsyncEngine.submit)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        for output in outputs:
-            output.close()
-        return None
-    except BaseException:
-        for output in outputs:
-            output.close()
-        raise
-    finally:
-        watcher.cancel()
-        task.cancel()
+        finished, _ = await _unless_disconnected(http, work())
+    finally:  # a disconnect, an AdmissionError or EngineStopped: nothing of this request runs on
+        if not finished:
+            for output in outputs:
+                output.close()
+    return outputs if finished else None
 
 
 def sse(payload: str) -> str:
