@@ -23,6 +23,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ignition.catalog.abi import decode_record
 from ignition.catalog.enums import FinishReason
 from ignition.runtime.engine import Engine, RequestState
 from ignition.runtime.frames import PendingFrame, TokenEntry
@@ -62,7 +65,8 @@ class StopTokens:
         self.engine = engine
         self.previous = engine.decode_hook
         engine.decode_hook = self
-        self.noted: list[tuple[RequestState, int, tuple[int, ...], bool]] = []  # the last frame's lanes
+        self.noted: list[tuple[int, RequestState, int]] = []  # the last frame's (lane, request, generated before)
+        self.records: np.ndarray | None = None  # that frame's records, decoded only for requests that stop
         self.found: dict[str, tuple[int, bool]] = {}  # request id -> (token, ended as EOS)
 
     def __call__(self, variant, reader, pending: PendingFrame) -> None:
@@ -72,23 +76,25 @@ class StopTokens:
         owners = {(state.slot, state.epoch): state for state in self.engine.running}
         for lane, owner in enumerate(pending.lane_owner):
             state = owners.get(owner) if owner is not None else None
-            if state is None or state.done:
-                continue
-            try:
-                record = reader.record(lane)
-            except ValueError:  # a malformed record: the runtime fails that request itself
-                continue
-            if record.emitted:
-                self.noted.append((state, len(state.generated), record.emitted,
-                                   record.finish_reason is FinishReason.EOS))
+            if state is not None and not state.done:
+                self.noted.append((lane, state, len(state.generated)))
+        if self.noted:
+            self.records = reader.records_host.numpy().copy()  # [capacity, 16+T] int64: a few KiB
 
     def settle(self) -> None:
         """Find the ending token of every noted request that the decoded frame finished with "stop"."""
-        for state, before, emitted, eos in self.noted:
+        for lane, state, before in self.noted:
+            if state.finish_reason != "stop" or state.error is not None:
+                continue
+            try:
+                record = decode_record(self.records[lane])
+            except ValueError:  # a malformed record (the runtime fails such a request itself)
+                continue
             index = len(state.generated) - before
-            if state.finish_reason == "stop" and state.error is None and index < len(emitted):
-                self.found[state.request_id] = (emitted[index], eos and index == len(emitted) - 1)
-        self.noted = []
+            if index < len(record.emitted):
+                eos = record.finish_reason is FinishReason.EOS and index == len(record.emitted) - 1
+                self.found[state.request_id] = (record.emitted[index], eos)
+        self.noted, self.records = [], None
 
 
 class EngineStopped(RuntimeError):
