@@ -363,9 +363,13 @@ def serve_cmd(
     model_name: Optional[str] = typer.Option(None, "--served-model-name",
                                              help="Model id reported by /v1/models and required in `model` "
                                                   "(default: the core path)"),
-    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on every "
-                                          "endpoint but /health, /metrics, /version (default: $IGNITION_API_KEY, "
-                                          "then $VLLM_API_KEY)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on /v1/* "
+                                          "and /invocations, as vLLM (default: $IGNITION_API_KEY, then "
+                                          "$VLLM_API_KEY)"),
+    allowed_origins: Optional[str] = typer.Option(None, "--allowed-origins",
+                                                  help="CORS origins as a JSON list, e.g. '[\"*\"]' (default: none)"),
+    max_batch_prompts: int = typer.Option(1024, "--max-batch-prompts",
+                                          help="Most prompts in one Completions request (400 above)"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt plus max_tokens per request (default: the core's context)"),
     chat_template: Optional[str] = typer.Option(None, "--chat-template",
@@ -398,10 +402,19 @@ def serve_cmd(
     from ignition.runtime.parallel import ParallelError
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
+    from ignition.serve.guards import parse_allowed_origins
     from ignition.serve.parsers import PARSERS
 
     _check_limits(port=port, max_model_len=max_model_len, max_body_bytes=max_body_bytes,
                   max_prompt_bytes=max_prompt_bytes)
+    if api_key is not None and not api_key.strip():
+        raise _fail("--api-key is empty: give the key clients must send, or leave the option out to serve without one")
+    if max_batch_prompts < 1:
+        raise _fail(f"--max-batch-prompts must be at least 1, got {max_batch_prompts}")
+    try:
+        origins = parse_allowed_origins(allowed_origins) if allowed_origins is not None else ()
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
     if reasoning_parser not in PARSERS:
         raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
     if tokenizer is not None and not tokenizer.is_dir():
@@ -431,7 +444,8 @@ def serve_cmd(
     options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
     try:
         serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
-              sock=sock, on_ready=ready, engine_options=options)
+              sock=sock, on_ready=ready, engine_options=options, allowed_origins=origins,
+              max_batch_prompts=max_batch_prompts)
     except ServeSetupError as exc:
         raise _fail(str(exc)) from None
     except ParallelError as exc:  # a tensor-parallel rank died while serving: the server stopped

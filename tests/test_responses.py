@@ -140,7 +140,7 @@ def check_stream(events: list[dict]) -> dict:
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
     final = events[-1]["response"]
-    assert kinds[-1] == ("response.completed" if final["status"] == "completed" else "response.incomplete")
+    assert kinds[-1] == "response.completed"  # also when incomplete, as vLLM streams it (the SDK waits for it)
     expected = []
     for item in final["output"]:
         text_kind = "output_text" if item["type"] == "message" else "reasoning_text"
@@ -264,11 +264,14 @@ def test_reasoning_item_and_content_only_logprobs(think, stream):
     sdk = client.responses.create(model="toy", input="q", max_output_tokens=len(THINK_CHAIN), include=INCLUDE)
     assert sdk.output_text == CONTENT_TEXT and sdk.output[0].content[0].text == REASONING_TEXT
     streamed = list(client.responses.create(model="toy", input="q", max_output_tokens=4, stream=True))
-    assert streamed[-1].type == "response.incomplete"
+    assert (streamed[-1].type, streamed[-1].response.status) == ("response.completed", "incomplete")
     assert streamed[-1].response.output[0].type == "reasoning" and len(streamed[-1].response.output) == 1
     with client.responses.stream(model="toy", input="q", max_output_tokens=len(THINK_CHAIN), include=INCLUDE) as s:
         accumulated = [event for event in s][-1].response  # the SDK's own accumulator over the events
+        final_response = s.get_final_response()  # raised before: the stream ended without response.completed
     assert accumulated.output_text == CONTENT_TEXT and accumulated.status == "incomplete"
+    assert (final_response.status, final_response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert final_response.output_text == CONTENT_TEXT
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -151,12 +151,13 @@ def test_tokenize_round_trip_and_tokenizer_info(served, served_plain):
 
 
 # -- --api-key -------------------------------------------------------------------------------------
-def test_api_key_guards_everything_but_health_metrics_version(served, monkeypatch):
+def test_api_key_guards_v1_and_invocations_only(served, monkeypatch):
+    """As vLLM's AuthenticationMiddleware: /v1/* needs the key; the tokenizer endpoints, probes and metrics do not
+    (lm-eval detects a remote tokenizer through /tokenizer_info without a key). /invocations runs generation: keyed."""
     monkeypatch.setattr(served.ctx.config, "api_keys", ("sekret",))
-    guarded = [("GET", "/v1/models", None), ("POST", CMPL, {"prompt": [1], "max_tokens": 1}),
-               ("POST", CHAT, {"messages": USER, "max_tokens": 1}),
-               ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [1]}),
-               ("GET", "/tokenizer_info", None)]
+    guarded = [("GET", "/v1/models", None), ("GET", "/v1/models/toy", None),
+               ("POST", CMPL, {"prompt": [1], "max_tokens": 1}), ("POST", CHAT, {"messages": USER, "max_tokens": 1}),
+               ("POST", "/invocations", {"prompt": [1], "max_tokens": 1})]
     for method, path, body in guarded:
         for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sekret"}):
             response = served.http.request(method, path, json=body, headers=header)
@@ -164,8 +165,10 @@ def test_api_key_guards_everything_but_health_metrics_version(served, monkeypatc
             assert response.headers["www-authenticate"] == "Bearer"
         assert served.http.request(method, path, json=body,
                                    headers={"Authorization": "Bearer sekret"}).status_code == 200
-    for path in ("/health", "/metrics", "/version"):
-        assert served.http.get(path).status_code == 200
+    for method, path, body in [("GET", "/health", None), ("GET", "/metrics", None), ("GET", "/version", None),
+                               ("GET", "/ping", None), ("POST", "/ping", None), ("GET", "/tokenizer_info", None),
+                               ("POST", "/tokenize", {"prompt": "a"}), ("POST", "/detokenize", {"tokens": [1]})]:
+        assert served.http.request(method, path, json=body).status_code == 200, path
     with pytest.raises(openai.AuthenticationError):
         served.client.models.list()
     keyed = openai.OpenAI(base_url=served.url + "/v1", api_key="sekret", max_retries=0)

@@ -273,16 +273,19 @@ def test_eos_and_stop_token_ids(served_eos):
     eos = server.ctx.core.manifest["eos_token_id"]
     assert chain[2] == eos
     stopped = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0,
-                                              "return_token_ids": True}).json()["choices"][0]
-    assert (stopped["finish_reason"], stopped["token_ids"]) == ("stop", chain[:2])  # a terminating EOS: no entry
-    assert len(stopped["logprobs"]["tokens"]) == 2
+                                              "return_token_ids": True}).json()
+    assert stopped["usage"]["completion_tokens"] == 3  # the terminating EOS counts and is listed, as in vLLM
+    stopped = stopped["choices"][0]
+    assert (stopped["finish_reason"], stopped["stop_reason"], stopped["token_ids"]) == ("stop", None, chain[:3])
+    assert len(stopped["logprobs"]["tokens"]) == 2  # ... but has no logprob entry (the contract)
     ignored = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0, "ignore_eos": True,
                                               "return_token_ids": True}).json()["choices"][0]
     assert (ignored["finish_reason"], ignored["token_ids"]) == ("length", chain)  # an ignored EOS keeps its place
     assert ignored["logprobs"]["tokens"] == [server.table.names[t] for t in chain]
     by_id = server.post("/v1/completions", {"prompt": [7], "max_tokens": 5, "logprobs": 0, "ignore_eos": True,
                                             "stop_token_ids": [chain[3]], "return_token_ids": True}).json()
-    assert (by_id["choices"][0]["finish_reason"], by_id["choices"][0]["token_ids"]) == ("stop", chain[:3])
+    assert (by_id["choices"][0]["finish_reason"], by_id["choices"][0]["token_ids"]) == ("stop", chain[:4])
+    assert (by_id["choices"][0]["stop_reason"], len(by_id["choices"][0]["logprobs"]["tokens"])) == (chain[3], 3)
 
 
 # -- errors: every rejection is a 400 before admission ----------------------------------------------

@@ -1,21 +1,25 @@
 """The vLLM-compatible HTTP front end of the minimal loader: FastAPI app factory and ``ignition serve``.
 
-Endpoints: GET /health, GET /version, GET /metrics, GET /v1/models (with the core's features),
-POST /v1/completions, POST /v1/chat/completions and POST /v1/responses (JSON or server-sent events), POST /tokenize,
-POST /detokenize, GET /tokenizer_info. Every error is vLLM's JSON envelope; see docs/serving.md.
+Endpoints: GET /health, GET|POST /ping, GET /version, GET /metrics, GET /v1/models and /v1/models/{id} (with
+the core's features), POST /v1/completions, POST /v1/chat/completions and POST /v1/responses (JSON or server-sent
+events), POST /invocations (SageMaker's: Completions or Chat by the body's shape), POST /tokenize, POST /detokenize,
+GET /tokenizer_info. Every error is vLLM's JSON envelope; see docs/serving.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from pathlib import Path
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,7 +31,7 @@ from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
 from ignition.serve.chat import create_chat_completion
-from ignition.serve.common import ApiError, ServerContext
+from ignition.serve.common import MAX_BATCH_PROMPTS, ApiError, ServerContext
 from ignition.serve.completions import create_completion
 from ignition.serve.config import ServeConfig
 from ignition.serve.detokenize import TokenTable
@@ -54,6 +58,13 @@ ERRORS = {
 GENERATION_RESPONSES = {200: {"description": "One response, or server-sent events with `stream: true`",
                               "content": {"application/json": {}, "text/event-stream": {}}}, **ERRORS}
 """What /openapi.json documents for Completions and Chat (schemathesis checks responses against it)."""
+INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+    {"$ref": "#/components/schemas/CompletionRequest"}, {"$ref": "#/components/schemas/ChatCompletionRequest"}]}}}}}
+"""/invocations reads its body itself; its schema, for /openapi.json."""
+
+
+GRACEFUL_SHUTDOWN_SECONDS = 3
+"""On SIGTERM, open responses (streams included) get this long to finish before they are cancelled."""
 
 
 class ServeSetupError(ValueError):
@@ -63,6 +74,11 @@ class ServeSetupError(ValueError):
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its location is a character position, not a field
+        position = [part for part in first.get("loc", ()) if isinstance(part, int)]
+        where = f" at character {position[0]}" if position else ""
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}{where}", \
+            "body"
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors)
@@ -70,7 +86,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_capacity: int,
-             batch_invariant: bool, engine_options: dict | None = None) -> ServerContext:
+             batch_invariant: bool, engine_options: dict | None, max_batch_prompts: int) -> ServerContext:
     engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant, **(engine_options or {})),
                          queue_capacity=queue_capacity, health=loaded.group.check if loaded.group else None)
     context = engine.engine.max_context
@@ -91,18 +107,21 @@ def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_cap
     return ServerContext(core=loaded, engine=engine, table=TokenTable(files.tokenizer, loaded.vocab_size),
                          model_name=model_name, config=config, metrics=metrics, tokenizer=files.tokenizer,
                          tokenizer_dir=files.directory, tokenizer_config=files.config, chat_template=template,
-                         chat_template_source=source)
+                         chat_template_source=source, max_batch_prompts=max_batch_prompts)
 
 
 def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
                batch_invariant: bool = False, config: ServeConfig | None = None,
-               engine_options: dict | None = None) -> FastAPI:
+               engine_options: dict | None = None, allowed_origins: Sequence[str] = (),
+               max_batch_prompts: int = MAX_BATCH_PROMPTS) -> FastAPI:
     """The app serving one core; its engine thread runs while the app's lifespan does.
-    ``engine_options``: extra Engine arguments (speculative decoding: ``drafters.engine_options``)."""
+    ``engine_options``: extra Engine arguments (speculative decoding: ``drafters.engine_options``);
+    ``allowed_origins``: CORS origins (--allowed-origins; none: no CORS headers); ``max_batch_prompts``:
+    the most prompts one Completions request may hold (--max-batch-prompts)."""
     loaded = core if isinstance(core, LoadedCore) else load_core(core)
     config = config or ServeConfig()
     ctx = _context(loaded, model_name or str(loaded.path if isinstance(core, LoadedCore) else core), config,
-                   queue_capacity, batch_invariant, engine_options)
+                   queue_capacity, batch_invariant, engine_options, max_batch_prompts)
     engine = ctx.engine
 
     @contextlib.asynccontextmanager
@@ -121,6 +140,9 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     app.add_middleware(InternalErrorMiddleware)  # innermost of the three; added last runs first
     app.add_middleware(BodyLimitMiddleware, config=config)
     app.add_middleware(ApiKeyMiddleware, config=config)
+    if allowed_origins:  # outermost: refusals carry the CORS headers too, and a preflight needs no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -149,6 +171,10 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 
     @app.get("/health", response_class=Response, responses={200: {"description": "The engine runs (empty body)"},
                                                           503: ERRORS[503]})
+    @app.get("/ping", response_class=Response, responses={200: {"description": "/health under SageMaker's name"},
+                                                        503: ERRORS[503]})
+    @app.post("/ping", response_class=Response, responses={200: {"description": "/health under SageMaker's name"},
+                                                         503: ERRORS[503]})
     async def health() -> Response:
         if engine.dead is not None:
             return ApiError(f"the engine stopped: {engine.dead}", status=503,
@@ -166,17 +192,12 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
 
     @app.get("/v1/models", responses={401: ERRORS[401]})
     async def models() -> ModelList:
-        features = loaded.features
-        card = ModelCard(
-            id=ctx.model_name, root=str(loaded.path), max_model_len=ctx.max_context,
-            permission=[ModelPermission(allow_logprobs=features["allow_logprobs"])],
-            features=CoreFeatures(allow_logprobs=features["allow_logprobs"],
-                                  max_logprobs=features["max_logprobs"] if features["allow_logprobs"] else 0,
-                                  explicit_ids=features["explicit_ids"],
-                                  max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
-                                  prompt_logprobs=features["prompt_logprobs"],
-                                  chat_template=ctx.chat_template is not None))
-        return ModelList(data=[card])
+        return ModelList(data=[_model_card(ctx)])
+
+    @app.get("/v1/models/{model_id:path}", responses={401: ERRORS[401], 404: ERRORS[404]})
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)
+        return _model_card(ctx)
 
     @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -200,19 +221,59 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
     async def tokenizer_info_route() -> TokenizerInfoResponse:
         return tokenizer_info(ctx)
 
+    @app.post("/invocations", responses=GENERATION_RESPONSES, openapi_extra=INVOCATIONS_BODY)
+    async def invocations(request: Request) -> Response:
+        """SageMaker's endpoint, as vLLM serves it: a body with ``messages`` is Chat, one with ``prompt`` Completions."""
+        body = await _json_object(request)
+        shape, handler = ((ChatCompletionRequest, create_chat_completion) if "messages" in body else
+                          (CompletionRequest, create_completion) if "prompt" in body else (None, None))
+        if shape is None:
+            raise ApiError("/invocations needs a Chat body (with `messages`) or a Completions body (with `prompt`)",
+                           "body")
+        try:
+            parsed = shape.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise RequestValidationError(exc.errors()) from None
+        return await handler(ctx, parsed, request)
+
     register_responses(app, ERRORS)
     return app
+
+
+def _model_card(ctx: ServerContext) -> ModelCard:
+    features, loaded = ctx.core.features, ctx.core
+    return ModelCard(
+        id=ctx.model_name, root=str(loaded.path), max_model_len=ctx.max_context,
+        permission=[ModelPermission(allow_logprobs=features["allow_logprobs"])],
+        features=CoreFeatures(allow_logprobs=features["allow_logprobs"],
+                              max_logprobs=features["max_logprobs"] if features["allow_logprobs"] else 0,
+                              explicit_ids=features["explicit_ids"],
+                              max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
+                              prompt_logprobs=features["prompt_logprobs"],
+                              chat_template=ctx.chat_template is not None))
+
+
+async def _json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {type(body).__name__}", "body")
+    return body
 
 
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, device: str = "auto", eager: bool = False,
           batch_invariant: bool = False, config: ServeConfig | None = None, sock: socket.socket | None = None,
-          on_ready: Callable[[], None] | None = None, engine_options: dict | None = None) -> None:
+          on_ready: Callable[[], None] | None = None, engine_options: dict | None = None,
+          allowed_origins: Sequence[str] = (), max_batch_prompts: int = MAX_BATCH_PROMPTS) -> None:
     """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn.
 
     ``sock``: a socket already bound to host:port (the CLI binds before loading, so a busy port fails
-    at once); ``on_ready`` is called once the server accepts connections; ``engine_options`` as for
-    ``create_app``."""
+    at once); ``on_ready`` is called once the server accepts connections; ``engine_options``,
+    ``allowed_origins`` and ``max_batch_prompts`` as for ``create_app``. SIGTERM stops it within
+    GRACEFUL_SHUTDOWN_SECONDS plus the engine thread's join (ENGINE_STOP_SECONDS)."""
     import uvicorn
 
     class ReadyServer(uvicorn.Server):
@@ -223,7 +284,8 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
 
     loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
     app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
-                     config=config, engine_options=engine_options)
+                     config=config, engine_options=engine_options, allowed_origins=allowed_origins,
+                     max_batch_prompts=max_batch_prompts)
     lost: list[ParallelError] = []
 
     def engine_died(exc: BaseException) -> None:
@@ -240,7 +302,8 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-    server = ReadyServer(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    server = ReadyServer(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS))
     app.state.ctx.engine.on_dead = engine_died
     server.run(sockets=[sock] if sock is not None else None)
     if lost:

@@ -1,10 +1,10 @@
-"""``--api-key``: every endpoint but the open ones needs ``Authorization: Bearer KEY``, as in vLLM.
+"""``--api-key``: the OpenAI API under /v1 (and /invocations) needs ``Authorization: Bearer KEY``, as in vLLM.
 
-vLLM checks the header on /v1 paths only; here /tokenize, /detokenize and /tokenizer_info need it
-as well (they reveal the prompt's tokens and the template). /health, /metrics and /version stay
-open, so probes and scrapers need no key, and so do the API docs when --enable-docs serves them
-(a browser cannot send the header; vLLM leaves them open too). A refusal is a 401 in vLLM's error
-envelope.
+vLLM's AuthenticationMiddleware (vllm/entrypoints/openai/api_server.py, later server_utils.py) skips
+OPTIONS requests and every path that does not start with /v1, so /health, /ping, /metrics,
+/version, /tokenize, /detokenize and /tokenizer_info stay open: probes, scrapers and lm-eval's
+remote-tokenizer detection need no key. One deviation: /invocations, which runs Completions or
+Chat like /v1, needs the key too (vLLM leaves it open). A refusal is a 401 in vLLM's error envelope.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from starlette.datastructures import Headers
 from ignition.serve.common import ApiError
 from ignition.serve.config import ServeConfig
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+GUARDED_PREFIX = "/v1"
+GUARDED_PATHS = frozenset({"/invocations"})
+
+
+def guarded(path: str) -> bool:
+    """Whether ``path`` (without the root path) needs the key: /v1 and everything under it, and /invocations."""
+    return path == GUARDED_PREFIX or path.startswith(GUARDED_PREFIX + "/") or path in GUARDED_PATHS
 
 
 def authorized(headers: Headers, keys: tuple[str, ...]) -> bool:
@@ -39,7 +45,7 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not keys or scope["method"] == "OPTIONS":
             return await self.app(scope, receive, send)
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        if path in OPEN_PATHS or authorized(Headers(scope=scope), keys):
+        if not guarded(path) or authorized(Headers(scope=scope), keys):
             return await self.app(scope, receive, send)
         response = ApiError("Unauthorized: send the server's API key as `Authorization: Bearer <key>`",
                             status=HTTPStatus.UNAUTHORIZED, err_type="UnauthorizedError").response()

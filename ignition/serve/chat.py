@@ -62,12 +62,12 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
     return rendered
 
 
-def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest) -> list[int]:
-    """Render and tokenize (on a preprocessing thread)."""
+def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, truncate: int | None = None) -> list[int]:
+    """Render and tokenize (on a preprocessing thread); ``truncate``: keep that many last tokens."""
     if ctx.tokenizer is None:
         raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json): Chat needs one; "
                        "use /v1/completions with token ids", "messages")
-    return ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages")
+    return ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages", truncate)
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, http: HttpRequest) -> Response:
@@ -84,7 +84,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     features = ctx.core.features
     if body.logprobs and features["allow_logprobs"] and not 0 <= top <= features["max_logprobs"]:
         raise ApiError(f"top_logprobs must be between 0 and {features['max_logprobs']}, got {top}", "top_logprobs")
-    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body)
+    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body, body.truncate_prompt_tokens)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
@@ -112,7 +112,7 @@ class _ChatView(ResponseView):
         choice = ChatCompletionResponseChoice(
             index=0, message=ChatMessage(role=self.role, content=self.echo + "".join(texts)), logprobs=logprobs,
             finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-            token_ids=[s.token_id for s in spans] if body.return_token_ids else None)
+            token_ids=last.token_ids(spans) if body.return_token_ids else None)
         response = ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.ctx.model_name, choices=[choice],
             usage=self.usage(last.generated),
@@ -132,28 +132,30 @@ class _ChatView(ResponseView):
                                              model=self.ctx.model_name, choices=[choice])
         if self.first_chunk and self.body.return_token_ids:
             chunk.prompt_token_ids = self.prompt_ids
+        if self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats:
+            chunk.usage = self.usage(self.generated)
         self.first_chunk = False
         return sse(chunk.model_dump_json(exclude_unset=True))
 
     async def stream(self, output: RequestOutput):
-        body, options, generated = self.body, self.body.stream_options, 0
+        body, options = self.body, self.body.stream_options
         try:
             yield self._chunk(DeltaMessage(role=self.role, content=""))
             if self.echo:
                 yield self._chunk(DeltaMessage(content=self.echo))
             while (piece := await output.next()) is not None:
-                generated = piece.generated
+                self.generated = piece.generated
                 content = chat_logprobs(piece.spans, self.presenter) if body.logprobs else None
                 if not piece.text and not content and piece.finish_reason is None:
                     continue
                 yield self._chunk(DeltaMessage(content=piece.text),
                                   ChatCompletionLogProbs(content=content) if body.logprobs else None,
                                   piece.finish_reason, piece.stop_reason,
-                                  [s.token_id for s in piece.spans] if body.return_token_ids else None)
+                                  piece.token_ids() if body.return_token_ids else None)
             if options is not None and options.include_usage:
                 final = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk",
                                                      created=self.created, choices=[], model=self.ctx.model_name,
-                                                     usage=self.usage(generated))
+                                                     usage=self.usage(self.generated))
                 yield sse(final.model_dump_json(exclude_unset=True, exclude_none=True))
         except GenerationError as exc:
             yield error_event(exc)

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ignition.runtime.core import LoadedCore
 from ignition.serve.detokenize import Span, TextStream, TokenTable
-from ignition.serve.protocol import UNSUPPORTED, ErrorInfo, ErrorResponse, GenerationFields, UsageInfo
+from ignition.serve.protocol import (STRUCTURED_OUTPUT, UNSUPPORTED, CompletionRequest, ErrorInfo, ErrorResponse,
+                                     GenerationFields, UsageInfo)
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
 from ignition.serve.config import ServeConfig
 from ignition.serve.engine import AsyncEngine, RequestStream
@@ -25,6 +26,8 @@ from ignition.serve.metrics import RequestRecord, ServerMetrics
 
 PREPROCESS_THREADS = 2
 """Threads that tokenize, render templates and detokenize echoed prompts, off the event loop."""
+MAX_BATCH_PROMPTS = 1024
+"""Default bound on the prompts of one Completions request (--max-batch-prompts); more is a 400."""
 
 
 class ApiError(Exception):
@@ -62,6 +65,7 @@ class ServerContext:
     tokenizer_config: dict = field(default_factory=dict)
     chat_template: str | None = None
     chat_template_source: str = ""
+    max_batch_prompts: int = MAX_BATCH_PROMPTS
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=PREPROCESS_THREADS, thread_name_prefix="ignition-preprocess"))
 
@@ -89,15 +93,39 @@ class ServerContext:
                            f"{self.config.max_prompt_bytes} (--max-prompt-bytes)", param)
         return data
 
-    def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        """Token ids of a prompt text (call it through ``run``: a long text takes a while)."""
+    def truncation(self, keep: int | None) -> int | None:
+        """How many prompt tokens ``truncate_prompt_tokens`` keeps (the last ones, as in vLLM): -1 is the
+        context length; None keeps all."""
+        if keep is None or (keep == -1 and self.max_context is None):
+            return None
+        if keep == -1:
+            return self.max_context
+        if keep < 1:
+            raise ApiError(f"truncate_prompt_tokens must be -1 (the context length) or at least 1, got {keep}",
+                           "truncate_prompt_tokens")
+        if self.max_context is not None and keep > self.max_context:
+            raise ApiError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                           f"({self.max_context}); select a smaller truncation size", "truncate_prompt_tokens")
+        return keep
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """The last ``truncate_prompt_tokens`` of ``ids`` (see ``truncation``)."""
+        kept = self.truncation(keep)
+        return ids if kept is None else ids[-kept:]
+
+    def encode(self, text: str, add_special_tokens: bool, param: str, truncate: int | None = None) -> list[int]:
+        """Token ids of a prompt text, the last ``truncate`` (``truncate_prompt_tokens``) when given (call it
+        through ``run``: a long text takes a while)."""
         if self.tokenizer is None:
             raise ApiError(f"this core has no tokenizer ({self.core.path}/tokenizer/tokenizer.json): send the "
                            "prompt as token ids", param)
         self.check_text(text, param)
         # NOTE: encode_batch, not encode: only the batch call releases the GIL while Rust tokenizes, and a
         # multi-megabyte prompt holding it would stall the event loop as surely as tokenizing on it
+        kept = self.truncation(truncate)
         encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if kept is not None:
+            return encoding.ids[-kept:]
         if self.max_context is not None and len(encoding) > self.max_context:  # before a list of millions of ids
             raise ApiError(f"{param} has {len(encoding)} tokens, more than the context of {self.max_context} tokens",
                            param)
@@ -109,7 +137,16 @@ def check_unsupported(body: GenerationFields) -> None:
     for name, served in UNSUPPORTED.items():
         value = values.get(name)
         if value is not None and value != served and value != []:
-            raise ApiError(f"`{name}` = {value!r} is not supported by this server (supported: {served!r})", name)
+            raise ApiError(f"`{name}` = {_shown(value)} is not supported by this server (supported: {served!r})",
+                           name)
+    for name in sorted(STRUCTURED_OUTPUT & values.keys()):
+        if values[name] is not None:
+            raise ApiError(f"`{name}`: structured output is not supported yet by this server", name)
+
+
+def _shown(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def check_whole_vocabulary(ctx: ServerContext, value: int | None, param: str) -> None:
@@ -125,6 +162,8 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
                   max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Request:
     """The engine request for an API body, or ApiError/AdmissionError (both 400) before admission."""
     check_unsupported(body)
+    if max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):  # vLLM's echo_without_generation
+        raise ApiError("max_tokens must be at least 1, got 0", "max_tokens")
     if body.stream_options is not None and not body.stream:
         raise ApiError("Stream options can only be defined when `stream=True`.", "stream_options")
     if body.prompt_logprobs is not None and body.stream:
@@ -156,6 +195,7 @@ class ResponseView:
     def __init__(self, ctx: ServerContext, body: GenerationFields, request_id: str, prompt_ids: list[int]):
         self.ctx, self.body, self.request_id, self.prompt_ids = ctx, body, request_id, prompt_ids
         self.created = int(time.time())
+        self.generated = 0  # tokens streamed so far (continuous_usage_stats)
         as_ids = body.return_tokens_as_token_ids
         self.presenter = Presenter(ctx.table, not ctx.table.has_tokenizer if as_ids is None else as_ids)
 
@@ -172,8 +212,14 @@ class Piece:
     spans: list[Span]
     prompt_scores: list[dict | None]
     finish_reason: str | None
-    stop_reason: str | None
-    generated: int
+    stop_reason: int | str | None
+    generated: int  # tokens so far, the ending EOS or stop_token_ids token included (as vLLM counts)
+    stop_token: int | None = None  # that ending token: listed in token_ids, without text or logprob entry
+
+    def token_ids(self, spans: list[Span] | None = None) -> list[int]:
+        """The ids of ``spans`` (default: this piece's), then the ending token when this piece has one."""
+        ids = [s.token_id for s in (self.spans if spans is None else spans)]
+        return ids if self.stop_token is None else ids + [self.stop_token]
 
 
 class RequestOutput:
@@ -198,16 +244,21 @@ class RequestOutput:
         self.record.tokens(len(delta.entries))
         final = delta.finish_reason is not None
         release = self.text.release(final=final)
-        finish = delta.finish_reason
+        finish, stop_reason, stop_token = delta.finish_reason, release.stop, None
         if release.stop is not None:
             if not final:
                 self.engine.cancel(self.stream.request_id)  # the stop string ends it: free the slot now
             finish, final = "stop", True
+        elif delta.stop_token is not None:
+            stop_token = delta.stop_token
+            stop_reason = None if delta.stop_by_eos else stop_token
+            self.generated += 1
+            self.record.tokens(1)
         self.finished = final
         if final:
             self.record.finish(finish)
-        return Piece(release.text, release.spans, delta.prompt_entries, finish if final else None, release.stop,
-                     self.generated)
+        return Piece(release.text, release.spans, delta.prompt_entries, finish if final else None, stop_reason,
+                     self.generated, stop_token)
 
     def close(self) -> None:
         """Cancel the request unless it already finished (a client disconnect, an error while streaming)."""
@@ -222,22 +273,51 @@ async def _disconnected(http: HttpRequest) -> None:
         pass
 
 
-async def until_disconnect(http: HttpRequest, work, outputs: list[RequestOutput]) -> Response:
-    """Run a non-streaming handler; a client disconnect cancels it and its engine requests."""
+async def _unless_disconnected(http: HttpRequest, work) -> tuple[bool, object]:
+    """``(True, result)`` of the coroutine ``work``, or ``(False, None)`` when the client disconnects first (then
+    ``work`` is cancelled: a submission still waiting on the engine cancels its request, AsyncEngine.submit)."""
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(http))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
-            return task.result()
+            return True, task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        return Response(status_code=499)  # nobody reads it: the client is gone
+        return False, None
     finally:
         watcher.cancel()
         task.cancel()
+
+
+async def until_disconnect(http: HttpRequest, work, outputs: list[RequestOutput]) -> Response:
+    """Run a non-streaming handler; a client disconnect cancels it and its engine requests."""
+    try:
+        finished, response = await _unless_disconnected(http, work)
+        return response if finished else Response(status_code=499)  # nobody reads a 499: the client is gone
+    finally:
         for output in outputs:
             output.close()  # a no-op once the request finished
+
+
+async def admit_all(ctx: ServerContext, http: HttpRequest, body: GenerationFields,
+                    requests: list[Request]) -> list[RequestOutput] | None:
+    """Admit checked requests in order; None when the client disconnects first: admission stops there and
+    whatever was admitted is cancelled."""
+    outputs: list[RequestOutput] = []
+
+    async def work() -> None:
+        for request in requests:
+            outputs.append(await admit(ctx, body, request))
+
+    finished = False
+    try:
+        finished, _ = await _unless_disconnected(http, work())
+    finally:  # a disconnect, an AdmissionError or EngineStopped: nothing of this request runs on
+        if not finished:
+            for output in outputs:
+                output.close()
+    return outputs if finished else None
 
 
 def sse(payload: str) -> str:

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.common import (ApiError, EngineStreamingResponse, RequestOutput, ResponseView, ServerContext,
-                                   admit, build_request, check_whole_vocabulary, collect, error_event, sse,
+                                   admit_all, build_request, check_whole_vocabulary, collect, error_event, sse,
                                    until_disconnect)
 from ignition.serve.detokenize import Release, decode_all
 from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
@@ -31,12 +31,15 @@ def _empty_logprobs() -> CompletionLogProbs:
     return CompletionLogProbs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
 
 
-def prompts_of(body: CompletionRequest) -> list[str | list[int]]:
-    """The request's prompts: one string or id list, or a batch of either."""
+def prompts_of(body: CompletionRequest, limit: int) -> list[str | list[int]]:
+    """The request's prompts: one string or id list, or a batch of at most ``limit`` of either."""
     prompt = body.prompt
     if prompt is None:
         raise ApiError("prompt is required: a string or a list of token ids", "prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) > limit:
+            raise ApiError(f"prompt holds a batch of {len(prompt)} prompts; this server accepts at most {limit} "
+                           "per request (--max-batch-prompts)", "prompt")
         return list(prompt)
     return [prompt]
 
@@ -46,8 +49,8 @@ def _prompt_ids(ctx: ServerContext, body: CompletionRequest, prompts: list) -> l
     out = []
     for index, prompt in enumerate(prompts):
         try:
-            out.append(ctx.encode(prompt, body.add_special_tokens, "prompt") if isinstance(prompt, str)
-                       else list(prompt))
+            out.append(ctx.encode(prompt, body.add_special_tokens, "prompt", body.truncate_prompt_tokens)
+                       if isinstance(prompt, str) else ctx.truncate(list(prompt), body.truncate_prompt_tokens))
         except ApiError as exc:
             raise _in_batch(exc, index, len(prompts)) from None
     return out
@@ -62,7 +65,7 @@ def _in_batch(exc: ApiError | AdmissionError, index: int, count: int) -> ApiErro
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest, http: HttpRequest) -> Response:
     ctx.check_model(body.model)
-    prompts = prompts_of(body)
+    prompts = prompts_of(body, ctx.max_batch_prompts)
     if body.logprob_token_ids is not None and body.logprobs is None:
         raise ApiError("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
     check_whole_vocabulary(ctx, body.logprobs, "logprobs")
@@ -81,14 +84,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
     response_id = random_id("cmpl")
     # admission checks and echo detokenizing walk every prompt token: a preprocessing thread does it
     requests, views = await ctx.run(_prepare, ctx, body, response_id, all_ids, max_tokens, prompt_scores)
-    outputs: list[RequestOutput] = []
-    try:
-        for request in requests:
-            outputs.append(await admit(ctx, body, request))
-    except BaseException:
-        for output in outputs:
-            output.close()
-        raise
+    outputs = await admit_all(ctx, http, body, requests)
+    if outputs is None:
+        return Response(status_code=499)  # the client left during admission: nobody reads this
     if body.stream:
         return EngineStreamingResponse(_stream(ctx, body, response_id, views, outputs), outputs)
     return await until_disconnect(http, _full(ctx, response_id, views, outputs), outputs)
@@ -203,7 +201,7 @@ class _CompletionView(ResponseView):
             index=index, text=prefix + "".join(texts), logprobs=logprobs, finish_reason=last.finish_reason,
             stop_reason=last.stop_reason,
             prompt_logprobs=prompt_logprobs(scores, self.presenter) if scores else None,
-            token_ids=[s.token_id for s in spans] if body.return_token_ids else None,
+            token_ids=last.token_ids(spans) if body.return_token_ids else None,
             prompt_token_ids=self.prompt_ids if body.return_token_ids else None)
         return choice, last.generated
 
@@ -231,7 +229,7 @@ class _CompletionView(ResponseView):
                 index=index, text=text, logprobs=logprobs, finish_reason=piece.finish_reason,
                 stop_reason=piece.stop_reason)
             if body.return_token_ids:
-                choice.token_ids = [s.token_id for s in piece.spans]
+                choice.token_ids = piece.token_ids()
                 if first:
                     choice.prompt_token_ids = self.prompt_ids
             first = False

@@ -5,6 +5,9 @@ output through a bounded asyncio queue of deltas. A delta is sent only while the
 queue has room; otherwise new entries wait in the engine and are coalesced into the next
 delta, so a slow reader never blocks generation for others and never grows a queue.
 Delivered entries are moved out of the engine state: nothing keeps a response history.
+A request that ends on EOS or a ``stop_token_ids`` token has no entry for that token (the logprob
+contract); ``StopTokens`` reads which token it was, and the last delta carries it, so usage and
+``token_ids`` count it as vLLM does.
 The coalesced entries are bounded too: once ``entry_limit`` wait undelivered, the engine stops
 scheduling that request (its slot stays held) until the reader drains them, so a request holds
 at most ``entry_limit + T`` entries whatever its max_tokens.
@@ -20,12 +23,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ignition.catalog.abi import decode_record
+from ignition.catalog.enums import FinishReason
 from ignition.runtime.engine import Engine, RequestState
-from ignition.runtime.frames import TokenEntry
+from ignition.runtime.frames import PendingFrame, TokenEntry
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import Request
 
 log = logging.getLogger("ignition.serve")
+ENGINE_STOP_SECONDS = 5
+"""How long stopping the server waits for the engine thread (SIGTERM must stop it within 10 s in all)."""
 
 
 @dataclass(slots=True)
@@ -36,6 +45,56 @@ class Delta:
     prompt_entries: list[dict | None] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    stop_token: int | None = None  # the EOS or stop_token_ids token that ended the request (no entry)
+    stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
+
+
+class StopTokens:
+    """The token that ended each request by EOS or ``stop_token_ids``, read from the frame records.
+
+    The runtime finishes such a request without an entry for that token, as the logprob contract
+    requires, and keeps no other trace of it. vLLM counts it: check_stop (vllm/v1/core/sched/utils.py)
+    runs after the sampled token is appended to ``output_token_ids``, so it is in ``completion_tokens``
+    and ``token_ids``, and a ``stop_token_ids`` stop sets ``stop_reason`` to its id. Installed as the
+    Engine's decode hook (called once a frame's records are on the host, before the lanes are decoded),
+    this notes each lane's emitted tokens and its request's generated count; once decoded, a request
+    that finished "stop" ended on ``emitted[generated now - generated before]``.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.previous = engine.decode_hook
+        engine.decode_hook = self
+        self.noted: list[tuple[int, RequestState, int]] = []  # the last frame's (lane, request, generated before)
+        self.records: np.ndarray | None = None  # that frame's records, decoded only for requests that stop
+        self.found: dict[str, tuple[int, bool]] = {}  # request id -> (token, ended as EOS)
+
+    def __call__(self, variant, reader, pending: PendingFrame) -> None:
+        self.settle()  # the previous frame of this step is decoded by now
+        if self.previous is not None:
+            self.previous(variant, reader, pending)
+        owners = {(state.slot, state.epoch): state for state in self.engine.running}
+        for lane, owner in enumerate(pending.lane_owner):
+            state = owners.get(owner) if owner is not None else None
+            if state is not None and not state.done:
+                self.noted.append((lane, state, len(state.generated)))
+        if self.noted:
+            self.records = reader.records_host.numpy().copy()  # [capacity, 16+T] int64: a few KiB
+
+    def settle(self) -> None:
+        """Find the ending token of every noted request that the decoded frame finished with "stop"."""
+        for lane, state, before in self.noted:
+            if state.finish_reason != "stop" or state.error is not None:
+                continue
+            try:
+                record = decode_record(self.records[lane])
+            except ValueError:  # a malformed record (the runtime fails such a request itself)
+                continue
+            index = len(state.generated) - before
+            if index < len(record.emitted):
+                eos = record.finish_reason is FinishReason.EOS and index == len(record.emitted) - 1
+                self.found[state.request_id] = (record.emitted[index], eos)
+        self.noted, self.records = [], None
 
 
 class EngineStopped(RuntimeError):
@@ -78,6 +137,7 @@ class AsyncEngine:
         """``health``: called on the engine thread at least once a second, also while idle; an exception
         it raises stops the engine like a failed step (a tensor-parallel rank that died: RankGroup.check)."""
         self.engine = engine
+        self.stop_tokens = StopTokens(engine)
         self.health = health
         self.on_dead: Callable[[BaseException], None] | None = None  # called once, on the engine thread
         self.queue_capacity = queue_capacity
@@ -94,9 +154,10 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread after its current step; a step that hangs is left to the (daemon) thread."""
         self._stopping = True
         self._wakeup.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=ENGINE_STOP_SECONDS)
 
     async def submit(self, request: Request) -> RequestStream:
         """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
@@ -124,11 +185,19 @@ class AsyncEngine:
             self._wakeup.clear()
             self._apply_commands()
             worked = self.dead is None and self._healthy() and self._step()
+            self.stop_tokens.settle()
             self._deliver()
             if not worked:
                 self._wakeup.wait(timeout=1.0)
         for tracked in self._tracked.values():
             self.engine.cancel(tracked.stream.request_id)
+        while True:  # submissions still queued: their handlers get a 503 instead of waiting forever
+            try:
+                kind, _, _, admitted = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                admitted.set_exception(EngineStopped("the server is stopping"))
 
     def _healthy(self) -> bool:
         if self.health is None:
@@ -160,7 +229,7 @@ class AsyncEngine:
             self.on_dead(exc)
 
     def _apply_commands(self) -> None:
-        while True:
+        while not self._stopping:  # a stop (SIGTERM) does not wait for a long queue of submissions
             try:
                 kind, payload, stream, admitted = self._commands.get_nowait()
             except queue.Empty:
@@ -177,6 +246,7 @@ class AsyncEngine:
                 self._tracked[request_id] = _Tracked(stream, self.engine.state(request_id))
                 admitted.set_result(request_id)
             elif self._tracked.pop(payload, None) is not None:
+                self.stop_tokens.found.pop(payload, None)
                 self.engine.cancel(payload)
                 self.engine.finished.pop(payload, None)
 
@@ -192,6 +262,9 @@ class AsyncEngine:
             tracked.prompt_sent = len(state.prompt_entries)
             if finished:
                 delta.finish_reason, delta.error = state.finish_reason, state.error
+                stop = self.stop_tokens.found.pop(request_id, None)
+                if stop is not None:
+                    delta.stop_token, delta.stop_by_eos = stop
                 del self._tracked[request_id]
                 self.engine.finished.pop(request_id, None)
             stream.scheduled += 1
@@ -199,6 +272,7 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
             except RuntimeError:  # the handler's event loop is closed: nobody will read this request
                 self._tracked.pop(request_id, None)
+                self.stop_tokens.found.pop(request_id, None)
                 self.engine.cancel(request_id)
                 self.engine.finished.pop(request_id, None)
 

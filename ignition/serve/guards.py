@@ -1,7 +1,9 @@
-"""ASGI guards: a bound on request bodies (413 before parsing), and a 500 that names a request id, not a traceback."""
+"""ASGI guards: a bound on request bodies (413 before parsing), a 500 that names a request id, not a traceback,
+and the parsing of --allowed-origins (CORS)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 
@@ -84,3 +86,16 @@ class InternalErrorMiddleware:
             response = error.response()
             response.headers["X-Request-Id"] = request_id
             await response(scope, receive, send)
+
+
+def parse_allowed_origins(value: str) -> tuple[str, ...]:
+    """``--allowed-origins``: vLLM's JSON list of origins (``'["*"]'``, ``'["https://app.example"]'``); ValueError
+    naming what is wrong otherwise."""
+    try:
+        origins = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--allowed-origins {value!r} is not JSON ({exc}): give a JSON list of origins, "
+                         "as vLLM takes it, e.g. '[\"https://app.example\"]' or '[\"*\"]'") from None
+    if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+        raise ValueError(f"--allowed-origins {value!r}: expected a JSON list of non-empty origin strings")
+    return tuple(origins)

@@ -1,16 +1,22 @@
 """Wire models of the OpenAI-compatible API, shaped after vLLM's protocol (field names, defaults, extensions).
 
-Requests accept unknown fields (ignored, as vLLM does) and reject non-finite floats. Fields the
-loader cannot honour are listed in UNSUPPORTED and rejected with 400 when set.
+Requests accept unknown fields (ignored with one warning line per field name and process, as
+vLLM's ``OpenAIBaseModel`` logs them) and reject non-finite floats. Fields the loader cannot honour
+are listed in UNSUPPORTED (or STRUCTURED_OUTPUT) and rejected with 400 when set. docs/serving.md
+lists every vLLM request field under one of the three; tests/test_serve_parity.py keeps it in step.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("ignition.serve")
 
 
 def random_id(prefix: str) -> str:
@@ -34,12 +40,37 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # -- requests --------------------------------------------------------------------------------
+_warned_fields: set[str] = set()
+_warned_lock = threading.Lock()
+MAX_WARNED_FIELDS = 1024
+"""Field names warned about at most (a client inventing names cannot grow the set or the log without bound)."""
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: a field it does not define, and that no refusal list names, is ignored with a warning
+    logged once per field name and process (vLLM logs every request's; once keeps a client from flooding the log)."""
+
+    @model_validator(mode="after")
+    def _warn_ignored(self):
+        extra = self.model_extra
+        if extra:
+            refused = UNSUPPORTED.keys() | STRUCTURED_OUTPUT
+            with _warned_lock:
+                fresh = sorted(name for name in extra if name not in refused and name not in _warned_fields)
+                fresh = fresh[:max(MAX_WARNED_FIELDS - len(_warned_fields), 0)]
+                _warned_fields.update(fresh)
+            for name in fresh:
+                log.warning("the request field %r is not supported and was ignored (logged once per field name)",
+                            name[:100])
+        return self
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
 
 
-class GenerationFields(OpenAIBaseModel):
+class GenerationFields(RequestModel):
     """Fields Completions and Chat share (vLLM's sampling extensions included)."""
 
     model: str | None = None
@@ -63,6 +94,7 @@ class GenerationFields(OpenAIBaseModel):
     logprob_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -101,7 +133,11 @@ UNSUPPORTED: dict[str, object] = {
     "n": 1, "best_of": None, "use_beam_search": False, "suffix": None, "logit_bias": None,
     "allowed_token_ids": None, "bad_words": None, "min_tokens": 0, "response_format": None,
     "structured_outputs": None, "prompt_embeds": None, "tools": None, "tool_choice": "none",
+    "logits_processors": None,
 }
+STRUCTURED_OUTPUT = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                               "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"})
+"""vLLM's older structured-output fields: any value is a 400 (structured output is not supported yet)."""
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -234,14 +270,14 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # -- tokenizer endpoints (vLLM's /tokenize, /detokenize, /tokenizer_info) ---------------------------
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
@@ -259,7 +295,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str | None] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -7,8 +7,9 @@ With ``include=["message.output_text.logprobs"]`` a token gets an output-text en
 its first byte lies in a content source range; delimiters, stripped whitespace and reasoning
 get none. Streaming sends the Responses events in OpenAI's order: response.created,
 response.in_progress, then per item output_item.added, content_part.added, the deltas,
-the text's done, content_part.done, output_item.done, and response.completed (or
-response.incomplete when max_output_tokens ended it, response.failed after an error event).
+the text's done, content_part.done, output_item.done, and response.completed (also when
+max_output_tokens ended it, with status "incomplete" and incomplete_details, as vLLM sends it;
+response.failed after an error event).
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def _prepare(ctx: ServerContext, body: ResponsesRequest) -> tuple[str, list[int]
         chat = ChatCompletionRequest(messages=input_messages(body),
                                      chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None)
         prompt_text = render_prompt(ctx, chat)
-        prompt_ids = ctx.encode(prompt_text, False, "input")
+        prompt_ids = ctx.encode(prompt_text, False, "input", body.truncate_prompt_tokens)
         max_tokens = body.max_output_tokens
         if max_tokens is None:
             max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_OUTPUT_TOKENS
@@ -396,7 +397,9 @@ class _ResponsesView(ResponseView):
         for event in events:
             yield event
         final = self._response(status, generated).model_dump(mode="json")
-        yield self._event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        # NOTE: response.completed even when incomplete (its status and incomplete_details say so), as vLLM
+        # streams it: the openai SDK's get_final_response() waits for response.completed and raises without it
+        yield self._event("response.completed", response=final)
 
 
 def register(app: FastAPI, errors: dict[int, dict]) -> None:
