@@ -33,12 +33,12 @@ def say(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def listening_addresses() -> list[str]:
-    """host:port of every listening TCP socket this process holds (/proc/net/tcp{,6} and /proc/self/fd)."""
+def listening_addresses(pid: int | str = "self") -> list[str]:
+    """host:port of every listening TCP socket process ``pid`` holds (/proc/net/tcp{,6} and /proc/PID/fd)."""
     inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:["):

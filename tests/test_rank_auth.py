@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _rank_peer import listening_addresses
+from _tp_cores import shared_tp_cores
+from _tp_runner import as_json, requests
+from conftest import CoreCopy
+from ignition.runtime.core import CoreLoadError, load_core
+from ignition.runtime.engine import Engine
+from ignition.runtime.parallel import tensor_parallel
 from ignition.runtime.rendezvous import SECRET_ENVIRONMENT, MembershipError, check_host, secret_from_environment
+from ignition.validate.core import validate_core
 
 REPO = Path(__file__).parents[1]
 PEER = str(REPO / "tests" / "_rank_peer.py")
@@ -105,3 +115,51 @@ def test_secret_and_host_are_checked_before_anything_starts(capsys):
     assert check_host("127.0.0.1") == "127.0.0.1" and capsys.readouterr().err == ""
     check_host("10.1.2.3")
     assert "warning: --tp-host 10.1.2.3" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory) -> Path:
+    return shared_tp_cores(tmp_path_factory).tp2
+
+
+def test_the_launcher_listens_on_loopback_and_keeps_the_secret_out_of_argv(tp2):
+    """While a TP=2 group runs: every listening socket of both ranks is on 127.0.0.1 (the store was on *:PORT),
+    no 64-hex secret is in the worker's argv or environment, and a process that joins the store with the port
+    from that argv neither receives request data nor changes the answers."""
+    with tensor_parallel(tp2, 2) as loaded:
+        worker = loaded.group.workers[0]
+        argv = Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")
+        port = int(argv[argv.index(b"--port") + 1])
+        ours = listening_addresses() + listening_addresses(worker.pid)
+        assert f"127.0.0.1:{port}" in ours, ours
+        assert all(address.startswith("127.0.0.1:") for address in ours), ours
+        for exposed in (b" ".join(argv), Path(f"/proc/{worker.pid}/environ").read_bytes()):
+            assert not re.search(rb"[0-9a-f]{64}", exposed)
+        rogue = _start(PEER, "rogue", str(port))
+        engine = Engine(loaded)
+        first = [as_json(r) for r in engine.generate(requests())]
+        second = [as_json(r) for r in engine.generate(requests())]  # with the rogue knocking meanwhile
+        assert first == second and not any(r["error"] for r in first)
+        rogue.kill()  # it may still be waiting for a group that will never take it
+        _, events, _ = _events(rogue)
+        assert not any(e.get("received") for e in events), events
+
+
+def test_a_shard_copied_over_another_rank_is_refused(tp2, tmp_path):
+    """Finding 7: rank 0's weights copied over rank 1's and rehashed validated and changed the tokens."""
+    copy = CoreCopy(tmp_path / "core")
+    shutil.copytree(tp2, copy.root)
+    shutil.copyfile(copy.root / "weights.safetensors", copy.root / "ranks/1/weights.safetensors")
+    copy.rehash("ranks/1/weights.safetensors")
+    found = {(v.rule, v.where) for v in validate_core(copy.root, check_graphs=False).violations}
+    assert ("TP-RANK-BIND", "manifest.json:tensor_parallel.rank_files[1].sha256") in found, found
+    assert ("TP-RANK-BIND", "ranks/1/weights.safetensors:__metadata__") in found, found
+    copy.edit("manifest.json", lambda m: m["tensor_parallel"]["rank_files"][1].update(
+        sha256=m["files"]["ranks/1/weights.safetensors"]))  # the binding rewritten too: still a copy
+    violations = validate_core(copy.root, check_graphs=False).violations
+    assert any(v.rule == "TP-RANK-BIND" and "byte for byte rank 0's" in v.message for v in violations), violations
+    with pytest.raises(CoreLoadError, match="TP-RANK-BIND"):
+        load_core(copy.root, rank=1, tensor_parallel=2)
+    copy.edit("manifest.json", lambda m: m["tensor_parallel"]["rank_files"][1].update(rank=0))
+    assert any(v.rule == "TP-RANK-BIND" and v.where.endswith("rank_files[1].rank")
+               for v in validate_core(copy.root, check_graphs=False).violations)

@@ -38,11 +38,11 @@ class TemplateLimitError(Exception):
     """A request's template went past one of the server's TemplateLimits."""
 
 
-def template_of(directory: Path, config: dict) -> tuple[str | None, str]:
-    """The tokenizer directory's chat template and where it came from (for messages)."""
-    jinja = directory / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8"), str(jinja)
+def template_of(directory: Path, config: dict, jinja: str | None) -> tuple[str | None, str]:
+    """The tokenizer directory's chat template and where it came from (for messages): ``jinja`` is the text of
+    its chat_template.jinja (read once by the caller), else tokenizer_config.json's ``chat_template``."""
+    if jinja is not None:
+        return jinja, str(directory / "chat_template.jinja")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -219,7 +219,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             for seq, times in ((left, right), (right, left)):
                 if isinstance(seq, str | list | tuple) and isinstance(times, int) \
                         and len(seq) * times > self.limits.max_output_bytes:
-                    self._refuse(f"repeating {len(seq)} items {times} times")
+                    self._refuse("a repetition")
             if ints:
                 self._check_bits(f"{operator}", left.bit_length() + right.bit_length())
         elif operator == "**":
