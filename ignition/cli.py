@@ -400,6 +400,7 @@ def serve_cmd(
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
     from ignition.runtime.parallel import ParallelError
+    from ignition.runtime.rendezvous import torchrun_follower
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.parsers import PARSERS
@@ -423,6 +424,8 @@ def serve_cmd(
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")
+    if tensor_parallel > 1 and torchrun_follower():  # torchrun rank >= 1: follows rank 0, exits in _load
+        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     sock = _bind(host, port)
     loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     name = model_name or str(core)

@@ -4,9 +4,9 @@ The rendezvous checks run in small processes without a core (tests/_rank_peer.py
 store and transports listen on 127.0.0.1 only; a worker holding the launch secret receives the data; a
 process that knows only the store's port joins the group, answers the membership exchange with guesses,
 is refused by name, and never receives the data; under torchrun the secret comes from IGNITION_TP_SECRET
-and a rank with another secret is refused (one without a secret: test_secret_and_host_are_checked...). The pairs run concurrently: each is a few process
-starts. Then the real launcher, on the shared TP=2 core: its processes listen on loopback only and carry
-no secret in argv or environment.
+and a rank with another secret is refused (a missing one: test_secret_and_host_are_checked_before_anything_starts).
+The cases run concurrently: each is a few process starts. Then the real launcher, on the shared TP=2 core:
+its processes listen on loopback only and carry no secret in argv or environment; and the shard binding.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from ignition.catalog.enums import Role
 from ignition.catalog.parallel import PROCESS_GROUP_TIMEOUT_S
 from ignition.runtime.rendezvous import (LOOPBACK, STOP, MembershipError, PipeChannel, StoreChannel, check_host,
                                          launched_by_torchrun, listening_store, new_secret, pin_interfaces,
-                                         prove_membership, torchrun_store)
+                                         prove_membership, torchrun_follower, torchrun_store)
 
 WATCH_INTERVAL_S = 0.2
 
@@ -277,7 +277,7 @@ def start_for_process(core: str | Path, ranks: int, **options):
 
     if not 2 <= ranks <= MAX_TENSOR_PARALLEL:
         raise ParallelOptionError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
-    if launched_by_torchrun() and os.environ["RANK"] != "0":
+    if torchrun_follower():
         from ignition.runtime.rank_worker import torchrun_worker
 
         sys.exit(torchrun_worker(core, ranks, **options))

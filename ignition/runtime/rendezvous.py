@@ -64,6 +64,11 @@ def launched_by_torchrun(environ=os.environ) -> bool:
     return all(environ.get(name) for name in TORCHRUN_ENVIRONMENT)
 
 
+def torchrun_follower(environ=os.environ) -> bool:
+    """A rank >= 1 under torchrun: it replays rank 0's submissions and serves nothing itself."""
+    return launched_by_torchrun(environ) and environ["RANK"] != "0"
+
+
 def torchrun_store(ranks: int, timeout_s: float):
     """torchrun's env:// rendezvous: (store, this rank, the launch secret from IGNITION_TP_SECRET)."""
     import torch.distributed as dist
