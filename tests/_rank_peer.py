@@ -3,8 +3,8 @@
 ``python tests/_rank_peer.py ROLE [PORT]``, one JSON line on stdout per event:
   rank0   opens the store on 127.0.0.1 (prints its port), forms a group of 2, checks membership with the
           secret read from stdin, prints its listening sockets' addresses, then broadcasts REQUEST_DATA
-          (the stand-in for a prompt) only when the check passed.
-  member  joins PORT as rank 1 with the secret read from stdin (an honest worker).
+          (the stand-in for a prompt) only when the check passed (an honest rank 1 is the real launcher's,
+          tests/test_rank_auth.py).
   rogue   joins PORT as rank 1 knowing the port only: it answers the exchange with random bytes, then
           waits for the broadcast; it prints what it received.
   torchrun  one rank under torchrun (env://): the secret from IGNITION_TP_SECRET; rank 1 uses
@@ -87,17 +87,6 @@ def rank0() -> int:
     return 0
 
 
-def member(port: int) -> int:
-    secret = sys.stdin.readline().strip()
-    pin_interfaces(LOOPBACK)
-    join(dist.TCPStore(LOOPBACK, port, 2, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)), 1)
-    prove_membership(secret, 1, 2, torch.device("cpu"))
-    data = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(data, src=0)
-    say(received=data.tolist())
-    return 0
-
-
 def rogue(port: int) -> int:
     try:
         join(dist.TCPStore(LOOPBACK, port, 2, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S)), 1)
@@ -138,7 +127,7 @@ def torchrun() -> int:
 if __name__ == "__main__":
     role = sys.argv[1]
     try:
-        code = {"rank0": rank0, "member": lambda: member(int(sys.argv[2])), "rogue": lambda: rogue(int(sys.argv[2])),
+        code = {"rank0": rank0, "rogue": lambda: rogue(int(sys.argv[2])),
                 "torchrun": torchrun}[role]()
     finally:
         if dist.is_initialized():

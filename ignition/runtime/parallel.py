@@ -192,8 +192,12 @@ def _check_rank_count(core: Path, ranks: int) -> None:
 def _start_workers(core, ranks: int, device: str, timeout_s: float, host: str, load_options: dict):
     """Ranks 1..N-1 as child processes and rank 0's store on ``host``; each worker's first stdin line is the
     launch secret. Returns (store, secret, RankGroup)."""
-    pinned = pin_interfaces(host)
-    store = listening_store(host, ranks, timeout_s)
+    try:
+        check_host(host)
+        pinned = pin_interfaces(host)
+        store = listening_store(host, ranks, timeout_s)
+    except (ValueError, OSError) as exc:  # not an address of this machine, or one that cannot be bound
+        raise ParallelOptionError(str(exc) if "--tp-host" in str(exc) else f"--tp-host {host}: {exc}") from None
     secret = new_secret()
     command = [sys.executable, "-m", "ignition.runtime.parallel", str(core), "--ranks", str(ranks), "--host", host,
                "--port", str(store.port), "--device", device, "--timeout", str(timeout_s)]
@@ -246,10 +250,6 @@ def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeou
             raise ParallelOptionError(f"torchrun rank {rank} runs torchrun_worker, not tensor_parallel")
         group = RankGroup([], timeout_s, StoreChannel(store))
     else:
-        try:
-            check_host(host)
-        except ValueError as exc:
-            raise ParallelOptionError(str(exc)) from None
         store, secret, group = _start_workers(core, ranks, device, timeout_s, host, load_options)
     try:
         loaded = load_core(core, device=resolved, rank=0, tensor_parallel=ranks, **load_options)
