@@ -198,10 +198,12 @@ RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=_runtime, help=RUNT
 
 TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", help="Ranks of a sharded core to start (gloo on CPU, "
                                       "NCCL on CUDA); this process is rank 0")
+TP_HOST_OPTION = typer.Option("127.0.0.1", "--tp-host", help="Address the tensor-parallel store and ranks listen on "
+                              "(loopback unless set; another one is warned about)")
 
 
 def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-          runtime: str = "torch", tensor_parallel: int = 1):
+          runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = "127.0.0.1"):
     """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
     core that cannot load exits 1 with the reason (a path that is no core at all: 2). With
     ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
@@ -214,7 +216,7 @@ def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_ke
         with StageLog("load") as progress:
             if tensor_parallel > 1:
                 loaded = start_for_process(core, tensor_parallel, device=device, runtime=runtime, eager=eager,
-                                           trust_compiled=trust_compiled, trusted_key=trusted_key)
+                                           trust_compiled=trust_compiled, trusted_key=trusted_key, host=tp_host)
             else:
                 loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
                                    trusted_key=key, runtime=runtime, progress=progress)
@@ -304,6 +306,7 @@ def run_cmd(
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
     tensor_parallel: int = TENSOR_PARALLEL_OPTION,
+    tp_host: str = TP_HOST_OPTION,
     speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
@@ -328,7 +331,7 @@ def run_cmd(
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     _check_run_options(core, request, text_prompt=prompt is not None)
     _check_speculative(speculative)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
     if prompt is not None:
         if loaded.tokenizer is None:
@@ -396,10 +399,12 @@ def serve_cmd(
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
     runtime: str = RUNTIME_OPTION,
     tensor_parallel: int = TENSOR_PARALLEL_OPTION,
+    tp_host: str = TP_HOST_OPTION,
     speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
     from ignition.runtime.parallel import ParallelError
+    from ignition.runtime.rendezvous import torchrun_follower
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.guards import parse_allowed_origins
@@ -430,10 +435,12 @@ def serve_cmd(
     _check_speculative(speculative)
     _identify_core(core)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
-        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)  # exits 1 with them
+        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")
+    if tensor_parallel > 1 and torchrun_follower():  # torchrun rank >= 1: follows rank 0, exits in _load
+        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     sock = _bind(host, port)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel)
+    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     name = model_name or str(core)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 

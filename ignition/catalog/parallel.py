@@ -39,6 +39,8 @@ with the weight's row stride (single-rank K versus a rank's K / N)."""
 
 RANKS_DIR = "ranks"
 """Rank r >= 1 stores its weights and graphs under ranks/{r}/; rank 0 uses the core's top-level files."""
+RANK_METADATA, RANKS_METADATA = "ignition.tensor_parallel.rank", "ignition.tensor_parallel.ranks"
+"""Header metadata of rank r >= 1's weights file: its rank and the rank count (TP-RANK-BIND)."""
 
 PROCESS_GROUP_TIMEOUT_S = 120
 """Default process-group timeout of a TP run: a dead or stuck rank fails every other rank after at most this."""

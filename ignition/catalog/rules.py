@@ -76,6 +76,8 @@ RULES = {
                 "each weight with that shard shape and dtype.",
     "TP-EXCHANGE": "The manifest's exchange table is the contract's, and every exchange a graph hands to an "
                    "all-gather carries that exchange's word count and dtype per row per rank.",
+    "TP-RANK-BIND": "Each rank's entry names its own rank and the sha256 of its weights file, which is the file's, "
+                    "unlike every other rank's; a rank r >= 1 file's header metadata records rank r.",
     "TP-VARIANTS": "Every rank has a graph for exactly the catalog's variants (same declarations on every rank); "
                    "rank 0's files are the core's own weights and graphs.",
     "CORE-DIGEST": "The core digest (sha256 of the canonical manifest) equals the expected one (--expect-digest).",

@@ -189,7 +189,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         manifest = manifest_for(build, options, files, kernels is not None)
         if build.parallel is not None:
             from ignition.exporter.sharded import tensor_parallel_manifest
-            manifest["tensor_parallel"] = tensor_parallel_manifest(build, group_name)
+            manifest["tensor_parallel"] = tensor_parallel_manifest(build, group_name, files)
         (staging / MANIFEST_FILE).write_bytes(dump_json(manifest))
         timings["write"] = time.perf_counter() - started
 

@@ -5,7 +5,8 @@ Rank r's graphs are traced with ``torch.distributed`` initialized as the fake ba
 is recorded in the ``.pt2`` with its group size and the default group's name. At run time every
 rank starts a real gloo or NCCL default group (ignition/runtime/parallel.py), whose name is the
 same, and the recorded collectives bind to it. Rank 0's files are the core's ordinary weights and
-graphs; rank r >= 1 stores ``ranks/{r}/weights.safetensors`` and ``ranks/{r}/graphs/*.pt2``.
+graphs; rank r >= 1 stores ``ranks/{r}/weights.safetensors`` (its header metadata names rank r) and
+``ranks/{r}/graphs/*.pt2``. The manifest binds every rank's weights to its rank: index and sha256.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from ignition.catalog.model import GRAPHS_DIR, WEIGHTS_FILE
-from ignition.catalog.parallel import EXCHANGES, RANKS_DIR
+from ignition.catalog.parallel import EXCHANGES, RANK_METADATA, RANKS_DIR, RANKS_METADATA
 from ignition.recipes.base import GraphBuild, RecipeBuild
+
+
+def rank_metadata(rank: int, ranks: int) -> dict[str, str]:
+    """The safetensors header metadata of rank ``rank``'s own weights file (ranks >= 1): which shard it is."""
+    return {RANK_METADATA: str(rank), RANKS_METADATA: str(ranks)}
 
 
 def rank_weights_file(rank: int) -> str:
@@ -55,7 +61,8 @@ def capture_ranks(build: RecipeBuild, staging: Path, capture: Callable, save_pro
         weights = sharded.rank_weights[rank]
         if rank > 0:
             (staging / RANKS_DIR / str(rank) / GRAPHS_DIR).mkdir(parents=True)
-            save_file({name: t.contiguous() for name, t in weights.items()}, str(staging / rank_weights_file(rank)))
+            save_file({name: t.contiguous() for name, t in weights.items()}, str(staging / rank_weights_file(rank)),
+                      metadata=rank_metadata(rank, sharded.ranks))
         with fake_process_group(rank, sharded.ranks) as group_name:
             for graph, module in zip(build.graphs, sharded.rank_modules[rank], strict=True):
                 started = time.perf_counter()
@@ -66,14 +73,15 @@ def capture_ranks(build: RecipeBuild, staging: Path, capture: Callable, save_pro
     return group_name
 
 
-def tensor_parallel_manifest(build: RecipeBuild, group_name: str) -> dict:
-    """The manifest's ``tensor_parallel`` section: ranks, files per rank, shard geometry and exchanges."""
+def tensor_parallel_manifest(build: RecipeBuild, group_name: str, files: dict[str, str]) -> dict:
+    """The manifest's ``tensor_parallel`` section: ranks, files per rank (each bound to its rank by index and
+    its weights' sha256 from ``files``, the manifest's hash map), shard geometry and exchanges."""
     sharded = build.parallel
     return {
         "ranks": sharded.ranks,
         "vocab_shard": sharded.vocab_shard,
         "group": group_name,
-        "rank_files": [{"weights": rank_weights_file(rank),
+        "rank_files": [{"rank": rank, "weights": rank_weights_file(rank), "sha256": files[rank_weights_file(rank)],
                         "graphs": {g.variant.name: rank_graph_file(rank, g.variant.name) for g in build.graphs}}
                        for rank in range(sharded.ranks)],
         "shards": sharded.shards,

@@ -8,6 +8,12 @@ buffers over the default process group; every rank then runs its graph, whose in
 collectives join the ranks. State (KV shards, penalty counts) evolves identically on every
 rank, so nothing else travels. Peers never read frames back.
 
+Where ranks meet and how they prove they belong is ignition/runtime/rendezvous.py: the store and
+the transports on 127.0.0.1 unless ``host`` (``--tp-host``) says otherwise, a per-launch secret
+on the worker's stdin, checked over the new group before any request data. Under ``torchrun``
+(``launched_by_torchrun``) every rank runs the same command: rank 0 serves, the others run
+``rank_worker.torchrun_worker`` and are woken through the store instead of a pipe.
+
 Failure is loud and bounded: the process group has a timeout (``PROCESS_GROUP_TIMEOUT_S``),
 rank 0 checks its workers before every submission (and an idle server checks them every second,
 ``RankGroup.check``, then exits naming the rank), a watchdog thread ends the group when a worker
@@ -19,7 +25,6 @@ other ``--runtime``, called by ``tensor_parallel`` and by ``load_core``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import subprocess
@@ -33,8 +38,10 @@ import torch
 
 from ignition.catalog.enums import Role
 from ignition.catalog.parallel import PROCESS_GROUP_TIMEOUT_S
+from ignition.runtime.rendezvous import (LOOPBACK, STOP, MembershipError, PipeChannel, StoreChannel, check_host,
+                                         launched_by_torchrun, listening_store, new_secret, pin_interfaces,
+                                         prove_membership, torchrun_follower, torchrun_store)
 
-STOP = "stop"
 WATCH_INTERVAL_S = 0.2
 
 
@@ -66,8 +73,10 @@ def _input_tensors(variant) -> list[torch.Tensor]:
     return [variant.buffers[a.name] for a in variant.arguments if a.role is Role.INPUT]
 
 
-def join_group(store, rank: int, ranks: int, device: torch.device, manifest: dict, timeout_s: float) -> None:
-    """Join the default process group and check that it is the group the core's graphs were traced against."""
+def join_group(store, rank: int, ranks: int, device: torch.device, manifest: dict, timeout_s: float,
+               secret: str) -> None:
+    """Join the default process group, check that it is the group the core's graphs were traced against, and
+    prove to every rank that this one holds the launch's ``secret`` (before any request data travels)."""
     import torch.distributed as dist
 
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=ranks,
@@ -76,6 +85,7 @@ def join_group(store, rank: int, ranks: int, device: torch.device, manifest: dic
     if dist.group.WORLD.group_name != expected:
         raise ParallelError(f"the default process group is named {dist.group.WORLD.group_name!r}, but the core's "
                             f"graphs were traced against group {expected!r}")
+    prove_membership(secret, rank, ranks, device)
 
 
 class _Replicated:
@@ -99,8 +109,9 @@ class _Replicated:
 class RankGroup:
     """Rank 0's handle on the worker processes (ranks 1..N-1)."""
 
-    def __init__(self, workers: list[subprocess.Popen], timeout_s: float):
+    def __init__(self, workers: list[subprocess.Popen], timeout_s: float, channel=None):
         self.workers, self.timeout_s, self.closed = workers, timeout_s, False
+        self.channel = channel or PipeChannel(workers)  # torchrun: a StoreChannel, and no worker processes
         self._watchdog = threading.Thread(target=self._watch, name="ignition-tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -123,12 +134,10 @@ class RankGroup:
 
     def wake(self, line: str) -> None:
         self.check("found before a submission")
-        for process in self.workers:
-            try:
-                process.stdin.write(line + "\n")
-                process.stdin.flush()
-            except (BrokenPipeError, OSError):
-                raise self.failure("its control pipe closed") from None
+        try:
+            self.channel.send(line)
+        except (OSError, RuntimeError):  # a closed pipe, a lost store
+            raise self.failure("its control channel closed") from None
 
     def _watch(self) -> None:
         """Rank 0 may be blocked inside a collective when a worker dies: end the process, never hang."""
@@ -148,15 +157,14 @@ class RankGroup:
         if self.closed:
             return
         self.closed = True
-        for process in self.workers:
-            if kill:
+        if kill:
+            for process in self.workers:
                 process.kill()
-            else:
-                try:
-                    process.stdin.write(STOP + "\n")
-                    process.stdin.flush()
-                except (BrokenPipeError, OSError):
-                    pass
+        else:
+            try:
+                self.channel.send(STOP)
+            except (OSError, RuntimeError):
+                pass
         for process in self.workers:
             try:
                 process.wait(timeout=self.timeout_s)
@@ -181,13 +189,44 @@ def _check_rank_count(core: Path, ranks: int) -> None:
         raise CoreLoadError(f"{core}: the core holds {found} rank shard{'s' if found > 1 else ''}, not {ranks}; {hint}")
 
 
+def _start_workers(core, ranks: int, device: str, timeout_s: float, host: str, load_options: dict):
+    """Ranks 1..N-1 as child processes and rank 0's store on ``host``; each worker's first stdin line is the
+    launch secret. Returns (store, secret, RankGroup)."""
+    try:
+        check_host(host)
+        pinned = pin_interfaces(host)
+        store = listening_store(host, ranks, timeout_s)
+    except (ValueError, OSError) as exc:  # not an address of this machine, or one that cannot be bound
+        raise ParallelOptionError(str(exc) if "--tp-host" in str(exc) else f"--tp-host {host}: {exc}") from None
+    secret = new_secret()
+    command = [sys.executable, "-m", "ignition.runtime.parallel", str(core), "--ranks", str(ranks), "--host", host,
+               "--port", str(store.port), "--device", device, "--timeout", str(timeout_s)]
+    for name, value in load_options.items():
+        if value:
+            command += [f"--{name.replace('_', '-')}", *([] if value is True else [str(value)])]
+    environment = dict(os.environ, **pinned, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])))
+    workers = [subprocess.Popen(command + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                text=True, env=environment) for rank in range(1, ranks)]
+    group = RankGroup(workers, timeout_s)
+    for process in workers:
+        try:
+            process.stdin.write(secret + "\n")
+            process.stdin.flush()
+        except OSError:
+            pass  # the worker is already gone; the group start-up names it
+    return store, secret, group
+
+
 @contextmanager
 def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-                    runtime: str = SUPPORTED_RUNTIME, **load_options):
+                    runtime: str = SUPPORTED_RUNTIME, host: str = LOOPBACK, **load_options):
     """Start ``ranks`` ranks of a sharded core; yields rank 0's LoadedCore (give it to an Engine), whose
     ``group`` is the RankGroup of the workers.
 
-    ``runtime`` other than torch is refused (``check_runtime``) before anything starts.
+    ``runtime`` other than torch is refused (``check_runtime``) before anything starts. ``host`` is the
+    address the store and transports listen on (``--tp-host``; loopback by default). Under torchrun this
+    process must be rank 0 (``start_for_process`` runs the others) and torchrun's store is used.
     ``load_options`` go to ``load_core`` on every rank (``eager``, ``trust_compiled``, ...).
     On exit the workers are stopped and the process group is destroyed.
     """
@@ -202,22 +241,20 @@ def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeou
     except ValueError as exc:
         raise CoreLoadError(str(exc)) from None
     _check_rank_count(Path(core), ranks)
-    store = dist.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
-    command = [sys.executable, "-m", "ignition.runtime.parallel", str(core), "--ranks", str(ranks),
-               "--port", str(store.port), "--device", device, "--timeout", str(timeout_s)]
-    for name, value in load_options.items():
-        if value:
-            command += [f"--{name.replace('_', '-')}", *([] if value is True else [str(value)])]
-    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[2]),
-                                                                               os.environ.get("PYTHONPATH")])))
-    workers = [subprocess.Popen(command + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                text=True, env=environment) for rank in range(1, ranks)]
-    group = RankGroup(workers, timeout_s)
+    if launched_by_torchrun():
+        try:
+            store, rank, secret = torchrun_store(ranks, timeout_s)
+        except (MembershipError, ValueError) as exc:
+            raise ParallelOptionError(str(exc)) from None
+        if rank != 0:
+            raise ParallelOptionError(f"torchrun rank {rank} runs torchrun_worker, not tensor_parallel")
+        group = RankGroup([], timeout_s, StoreChannel(store))
+    else:
+        store, secret, group = _start_workers(core, ranks, device, timeout_s, host, load_options)
     try:
         loaded = load_core(core, device=resolved, rank=0, tensor_parallel=ranks, **load_options)
         try:
-            join_group(store, 0, ranks, resolved, loaded.manifest, timeout_s)
+            join_group(store, 0, ranks, resolved, loaded.manifest, timeout_s, secret)
         except RuntimeError as exc:
             raise group.failure(f"process-group start-up: {str(exc).splitlines()[0]}") from None
         for index, variant in enumerate(loaded.variants.values()):
@@ -231,7 +268,8 @@ def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeou
 
 
 def start_for_process(core: str | Path, ranks: int, **options):
-    """``tensor_parallel`` for a command-line process: the ranks stop when this process exits."""
+    """``tensor_parallel`` for a command-line process: the ranks stop when this process exits. Under torchrun,
+    a rank other than 0 replays rank 0's submissions here and exits with the worker's status."""
     import atexit
     from contextlib import ExitStack
 
@@ -239,6 +277,10 @@ def start_for_process(core: str | Path, ranks: int, **options):
 
     if not 2 <= ranks <= MAX_TENSOR_PARALLEL:
         raise ParallelOptionError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
+    if torchrun_follower():
+        from ignition.runtime.rank_worker import torchrun_worker
+
+        sys.exit(torchrun_worker(core, ranks, **options))
     stack = ExitStack()
     loaded = stack.enter_context(tensor_parallel(core, ranks, **options))
     atexit.register(stack.close)
@@ -246,51 +288,10 @@ def start_for_process(core: str | Path, ranks: int, **options):
 
 
 def worker(argv: list[str] | None = None) -> int:
-    """Rank r >= 1: load the shard, join the group, replay every submission rank 0 announces."""
-    parser = argparse.ArgumentParser(prog="python -m ignition.runtime.parallel")
-    parser.add_argument("core")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--ranks", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S)
-    parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--trust-compiled", action="store_true")
-    parser.add_argument("--trusted-key", default=None)
-    args = parser.parse_args(argv)
-    import warnings
+    """A rank rank 0 started (``python -m ignition.runtime.parallel``): ignition/runtime/rank_worker.py."""
+    from ignition.runtime.rank_worker import worker as rank_worker
 
-    import torch.distributed as dist
-
-    from ignition.runtime.core import load_core
-    from ignition.runtime.device import resolve_device
-
-    warnings.simplefilter("ignore")  # rank 0 reports the same load warnings once
-    try:
-        device = resolve_device(args.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", args.rank % torch.cuda.device_count())
-        loaded = load_core(args.core, device=device, rank=args.rank, tensor_parallel=args.ranks, eager=args.eager,
-                           trust_compiled=args.trust_compiled, trusted_key=args.trusted_key)
-        store = dist.TCPStore("127.0.0.1", args.port, args.ranks, is_master=False,
-                              timeout=datetime.timedelta(seconds=args.timeout))
-        join_group(store, args.rank, args.ranks, device, loaded.manifest, args.timeout)
-        variants = list(loaded.variants.values())
-        for line in sys.stdin:  # EOF: rank 0 is gone
-            if line.strip() == STOP:
-                break
-            variant = variants[int(line)]
-            for tensor in _input_tensors(variant):
-                dist.broadcast(tensor, src=0)
-            variant.run(variant.buffers)
-    except Exception as exc:  # every failure ends this rank with one line naming it
-        print(f"error: tensor-parallel rank {args.rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-              file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return rank_worker(argv)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,14 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
         ctx.check_text(message["content"], f"messages[{i}].content")
     variables = dict(messages=messages, add_generation_prompt=body.add_generation_prompt,
                      bos_token=special_token(ctx.tokenizer_config, "bos_token") or "",
-                     eos_token=special_token(ctx.tokenizer_config, "eos_token") or "",
-                     **(body.chat_template_kwargs or {}))
+                     eos_token=special_token(ctx.tokenizer_config, "eos_token") or "")
+    extra = body.chat_template_kwargs or {}
+    for key in extra:
+        if key in variables:
+            raise ApiError(f"chat_template_kwargs.{key}: {key!r} is set by the server from the request "
+                           f"(reserved: {', '.join(variables)}); pass it through its own field or leave it out",
+                           f"chat_template_kwargs.{key}")
+    variables |= extra
     try:
         if body.chat_template is not None:
             rendered = render_bounded(template, ctx.config.template_limits, variables)

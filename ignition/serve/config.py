@@ -30,6 +30,7 @@ class TemplateLimits:
     render_seconds: float = 1.0
     max_steps: int = 1_000_000  # Python lines executed while rendering, loop bodies and filters included
     max_output_bytes: int = 4 * 1024 * 1024
+    max_int_bits: int = 65_536  # an integer a template computes (``**``, ``*``): checked before the operation
 
 
 @dataclass(slots=True)

@@ -6,7 +6,9 @@ and rendered in Jinja's immutable sandbox. A request's ``chat_template`` is refu
 server allows them; then it is parsed with a size and nesting bound and rendered in the same
 sandbox with a time, step and output bound (``TemplateLimits``): a trace function counts every
 line the render executes, and the operators and calls that could allocate without running a
-line (``*``, ``**``, ``%``, width arguments, ``replace``) are checked before they run. Rendering
+line check their operands first and refuse before they run: integer bit sizes (``**``, ``*``), repeat
+counts and concatenations, ``%`` and ``str.format`` widths and precisions, ``join`` separators,
+``indent`` and ``tojson`` indents, ``replace`` (``_BoundedEnvironment``). Rendering
 happens on a worker thread, never on the event loop.
 """
 
@@ -15,27 +17,32 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import re
+import string
 import sys
 import time
 from pathlib import Path
 
 from jinja2 import nodes
 from jinja2.ext import loopcontrols
+from jinja2.filters import make_attrgetter
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ignition.serve.config import TemplateLimits
 
 
+MAX_JSON_INDENT = 16  # tojson's indent in a request template; chat templates use 2 or 4
+
 class TemplateLimitError(Exception):
     """A request's template went past one of the server's TemplateLimits."""
 
 
-def template_of(directory: Path, config: dict) -> tuple[str | None, str]:
-    """The tokenizer directory's chat template and where it came from (for messages)."""
-    jinja = directory / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8"), str(jinja)
+def template_of(directory: Path, config: dict, jinja: str | None) -> tuple[str | None, str]:
+    """The tokenizer directory's chat template and where it came from (for messages): ``jinja`` is the text of
+    its chat_template.jinja (read once by the caller), else tokenizer_config.json's ``chat_template``."""
+    if jinja is not None:
+        return jinja, str(directory / "chat_template.jinja")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
@@ -73,23 +80,33 @@ def trusted_template(source: str):
     return _environment(env).from_string(source)
 
 
-_PERCENT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PERCENT_WIDTH = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_DIGITS = re.compile(r"\d+")
 _NESTING_BLOCKS = (nodes.For, nodes.If, nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.With)
 
 
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox for request templates: operators and calls that could allocate past the bound are refused."""
+def _size(value) -> int:
+    return len(value) if isinstance(value, str | list | tuple | dict) else 0
 
-    intercepted_binops = frozenset({"*", "**", "%"})
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox for request templates: every operator and call that could allocate or compute past a bound
+    checks its operands' sizes first (integer bits, repeat counts, widths, separators, indents) and refuses
+    before it runs."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     def __init__(self, limits: TemplateLimits):
         super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         self.limits = limits
         _environment(self)
-        for name in ("center", "indent", "wordwrap", "truncate"):
+        for name in ("center", "wordwrap", "truncate"):
             self.filters[name] = self._bounded_widths(self.filters[name])
+        self.filters["indent"] = self._bounded_indent(self.filters["indent"])
         self.filters["replace"] = self._bounded_replace(self.filters["replace"])
         self.filters["format"] = self._bounded_format(self.filters["format"])
+        self.filters["join"] = self._bounded_join(self.filters["join"])
+        self.filters["tojson"] = self._bounded_tojson(self.filters["tojson"])
 
     def _refuse(self, what: str):
         raise TemplateLimitError(f"{what} would exceed the template output bound of "
@@ -100,16 +117,48 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > self.limits.max_output_bytes:
                 self._refuse(f"an argument of {value}")
 
-    def _check_percent(self, fmt) -> None:
+    def _check_bits(self, what: str, bits: int) -> None:
+        if bits > self.limits.max_int_bits:
+            raise TemplateLimitError(f"{what} would make an integer of about {bits} bits; at most "
+                                     f"{self.limits.max_int_bits} bits are allowed in a template")
+
+    def _check_percent(self, fmt, values) -> None:
+        """``fmt % values``: literal widths and precisions, and the values a ``*`` takes them from."""
         if isinstance(fmt, str):
             for match in _PERCENT_WIDTH.finditer(fmt):
                 self._check_ints(int(g) for g in match.groups() if g and g != "*")
+            self._check_ints(values if isinstance(values, tuple) else (values,))
+
+    def _check_format_spec(self, fmt: str) -> None:
+        """``fmt.format(...)``: every number in a replacement field's spec (width, precision) is bounded."""
+        for _, field_name, spec, _ in string.Formatter().parse(fmt):
+            if field_name is not None and spec:
+                if "{" in spec:
+                    raise TemplateLimitError(f"the format field {{{field_name}:{spec}}} takes its spec from an "
+                                             "argument, which templates may not do")
+                if any(int(d) > self.limits.max_output_bytes for d in _DIGITS.findall(spec)):
+                    self._refuse(f"the format field {{{field_name}:{spec}}}")
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is not None:  # checked when the method is looked up, before any call
+            self._check_format_spec(value.__self__)
+        return wrapped
 
     def _bounded_widths(self, filter_):
         @functools.wraps(filter_)
         def bounded(*args, **kwargs):
             self._check_ints([*args[1:], *kwargs.values()])
             return filter_(*args, **kwargs)
+        return bounded
+
+    def _bounded_indent(self, filter_):
+        @functools.wraps(filter_)
+        def bounded(s, width=4, *args, **kwargs):
+            width_chars = width if isinstance(width, int) else _size(width)
+            if len(str(s)) + (str(s).count("\n") + 1) * width_chars > self.limits.max_output_bytes:
+                self._refuse(f"indent({width_chars} characters)")
+            return filter_(s, width, *args, **kwargs)
         return bounded
 
     def _bounded_replace(self, filter_):
@@ -125,21 +174,63 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def _bounded_format(self, filter_):
         @functools.wraps(filter_)
         def bounded(value, *args, **kwargs):
-            self._check_percent(value)
+            self._check_percent(value, tuple(args) or tuple(kwargs.values()))
             return filter_(value, *args, **kwargs)
         return bounded
 
+    def _bounded_join(self, filter_):
+        @functools.wraps(filter_)
+        def bounded(eval_ctx, value, d="", attribute=None):
+            items = list(value) if attribute is None else list(map(make_attrgetter(self, attribute), value))
+            total = len(str(d)) * max(len(items) - 1, 0)
+            if total > self.limits.max_output_bytes:
+                self._refuse(f"join of {len(items)} items with a {len(str(d))}-character separator")
+            for item in items:
+                total += len(item) if isinstance(item, str) else len(str(item))
+                if total > self.limits.max_output_bytes:
+                    self._refuse(f"join of {len(items)} items")
+            return filter_(eval_ctx, items, d)
+        return bounded
+
+    def _bounded_tojson(self, filter_):
+        @functools.wraps(filter_)
+        def bounded(value, indent=None):
+            if indent is not None:
+                width = indent if isinstance(indent, int) else _size(indent)
+                if not isinstance(indent, int | str) or isinstance(indent, bool) or not 0 <= width <= MAX_JSON_INDENT:
+                    raise TemplateLimitError(f"tojson(indent={str(indent)[:20]!r}): an indent of 0 to "
+                                             f"{MAX_JSON_INDENT} spaces (or as short a string) is allowed")
+            return filter_(value) if indent is None else self._indented_json(value, indent)
+        return bounded
+
+    def _indented_json(self, value, indent) -> str:
+        """``json.dumps(value, indent=indent)`` written piece by piece, stopped as soon as it passes the bound."""
+        pieces, size = [], 0
+        for piece in json.JSONEncoder(ensure_ascii=False, indent=indent).iterencode(value):
+            size += len(piece)
+            if size > self.limits.max_output_bytes:
+                self._refuse(f"tojson(indent={indent!r})")
+            pieces.append(piece)
+        return "".join(pieces)
+
     def call_binop(self, context, operator, left, right):
+        ints = isinstance(left, int) and isinstance(right, int)
         if operator == "*":
             for seq, times in ((left, right), (right, left)):
                 if isinstance(seq, str | list | tuple) and isinstance(times, int) \
                         and len(seq) * times > self.limits.max_output_bytes:
                     self._refuse("a repetition")
+            if ints:
+                self._check_bits(f"{operator}", left.bit_length() + right.bit_length())
         elif operator == "**":
-            if isinstance(right, int) and isinstance(left, int) and abs(left) > 1 and right > 4096:
-                raise TemplateLimitError(f"{left} ** {right} is too large a power for a template")
-        elif isinstance(left, str):
-            self._check_percent(left)
+            if ints and abs(left) > 1 and right > 0:
+                self._check_bits(f"a power with exponent {right}", int(right * math.log2(abs(left))) + 1)
+        elif operator == "+":
+            if isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple) \
+                    and len(left) + len(right) > self.limits.max_output_bytes:
+                self._refuse("a concatenation")
+        elif operator == "%":
+            self._check_percent(left, right)
         return super().call_binop(context, operator, left, right)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)

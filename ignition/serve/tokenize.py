@@ -9,6 +9,7 @@ with ``tokenizer_class``, ``eos_token``, ``bos_token`` and the served ``chat_tem
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from ignition.serve.common import ApiError, ServerContext
 from ignition.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                      TokenizeCompletionRequest, TokenizeResponse, TokenizerInfoResponse)
 from ignition.serve.templates import template_of
+
+TOKENIZER_DIR = "tokenizer"  # a core's tokenizer files, as its manifest's files map names them
 
 
 class TokenizerLoadError(ValueError):
@@ -33,9 +36,28 @@ class TokenizerFiles:
     chat_template_source: str
 
 
+def _read_once(directory: Path, name: str, hashes: dict[str, str] | None) -> bytes | None:
+    """A tokenizer file's bytes, read once; with ``hashes`` (the core's verified files map) they must be the bytes
+    the manifest records, so a file swapped or added after verification is refused (FILE-HASH)."""
+    path, rel = directory / name, f"{TOKENIZER_DIR}/{name}"
+    try:
+        data = path.read_bytes() if path.is_file() else None
+    except OSError as exc:
+        raise TokenizerLoadError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    if hashes is None or (data is None and rel not in hashes):
+        return data
+    expected, found = hashes.get(rel), None if data is None else hashlib.sha256(data).hexdigest()
+    if found != expected:
+        raise TokenizerLoadError(f"{path}: FILE-HASH: expected {'sha256 ' + expected if expected else 'no such file'} "
+                                 f"(the core's verified manifest), found {'sha256 ' + found if found else 'none'}; "
+                                 "the file changed after the core was verified")
+    return data
+
+
 def load_tokenizer_files(directory: Path, tokenizer: object | None, vocab_size: int,
-                         load: bool = False) -> TokenizerFiles:
-    """The tokenizer directory's config and template; with ``load``, its tokenizer.json too (``--tokenizer``)."""
+                         load: bool = False, hashes: dict[str, str] | None = None) -> TokenizerFiles:
+    """The tokenizer directory's config and template, each read once; with ``load``, its tokenizer.json too
+    (``--tokenizer``). ``hashes``: the loaded core's files map, for the core's own tokenizer directory."""
     if load:
         file = directory / "tokenizer.json"
         if not file.is_file():
@@ -49,13 +71,17 @@ def load_tokenizer_files(directory: Path, tokenizer: object | None, vocab_size: 
         if size > vocab_size:
             raise TokenizerLoadError(f"--tokenizer {directory}: its ids reach {size - 1}, outside the core's "
                                      f"vocabulary [0, {vocab_size})")
-    config_file = directory / "tokenizer_config.json"
+    config_bytes = _read_once(directory, "tokenizer_config.json", hashes)
+    jinja_bytes = _read_once(directory, "chat_template.jinja", hashes)
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise TokenizerLoadError(f"{config_file}: not readable JSON: {exc}") from None
-    template, source = template_of(directory, config if isinstance(config, dict) else {})
-    return TokenizerFiles(tokenizer, directory, config if isinstance(config, dict) else {}, template, source)
+        config = json.loads(config_bytes) if config_bytes is not None else {}
+        jinja = jinja_bytes.decode("utf-8") if jinja_bytes is not None else None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise TokenizerLoadError(f"{directory}: tokenizer_config.json or chat_template.jinja is not readable "
+                                 f"UTF-8 / JSON: {exc}") from None
+    config = config if isinstance(config, dict) else {}
+    template, source = template_of(directory, config, jinja)
+    return TokenizerFiles(tokenizer, directory, config, template, source)
 
 
 def _token_strs(ctx: ServerContext, ids: list[int]) -> list[str | None]:

@@ -5,7 +5,8 @@ ignition/exporter/sharded.py). Its numbers are trusted only where tensors and gr
 them: the weights files' headers give the shard shapes, each rank's ``.pt2`` gives its
 signature (the declared arguments, identical on every rank), the group size of every
 collective it runs, and the word count of every exchange the sharded reduction hands to an
-all-gather.
+all-gather. Each rank's weights are bound to that rank (TP-RANK-BIND): its entry's index and
+sha256, unlike any other rank's, and a rank r >= 1 file's own header metadata naming rank r.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from ignition.catalog.parallel import EXCHANGES, RANKS_DIR, SPLIT_FIELDS, padded_vocabulary
+from safetensors import safe_open
+
+from ignition.catalog.parallel import (EXCHANGES, RANK_METADATA, RANKS_DIR, RANKS_METADATA, SPLIT_FIELDS,
+                                       padded_vocabulary)
 from ignition.validate.files import check_weights, safe_path
 from ignition.validate.report import Violation
 
@@ -97,11 +101,51 @@ def check_section(root: Path, manifest: dict, variants: list[dict]) -> list[Viol
             if path is not None and path.is_file():
                 found += [Violation("TP-SHARD", v.where, v.message) for v in check_weights(path, variants)]
     found += _check_shards(section, variants)
+    found += _check_rank_binding(root, manifest)
     declared = [e.to_json() for e in EXCHANGES]
     if section["exchanges"] != declared:
         found.append(Violation("TP-EXCHANGE", f"{TP}.exchanges", f"expected the contract's exchange table "
                                f"{[(e['name'], e['dtype'], e['words']) for e in declared]}, found "
                                f"{[(e['name'], e['dtype'], e['words']) for e in section['exchanges']]}"))
+    return found
+
+
+def _rank_recorded(path: Path) -> tuple[str | None, str | None] | None:
+    """(rank, ranks) from a weights file's header metadata; None when the header is unreadable (WEIGHT-DECL)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception:  # safetensors raises several exception types for corrupt headers; check_weights names it
+        return None
+    return metadata.get(RANK_METADATA), metadata.get(RANKS_METADATA)
+
+
+def _check_rank_binding(root: Path, manifest: dict) -> list[Violation]:
+    """TP-RANK-BIND: every rank's weights are bound to that rank (index, sha256, the file's own metadata), so
+    one rank's shard copied over another's, rehashed or not, is refused."""
+    section, found = manifest["tensor_parallel"], []
+    ranks, seen = section["ranks"], {}
+    for rank, entry in enumerate(section["rank_files"]):
+        where = f"{TP}.rank_files[{rank}]"
+        if entry.get("rank") != rank:
+            found.append(Violation("TP-RANK-BIND", f"{where}.rank", f"expected {rank}, found {entry.get('rank')!r}"))
+        recorded = manifest["files"].get(entry["weights"])
+        if entry.get("sha256") != recorded:
+            found.append(Violation("TP-RANK-BIND", f"{where}.sha256", f"expected the sha256 the files map records "
+                                   f"for {entry['weights']} ({recorded}), found {entry.get('sha256')}"))
+        if entry.get("sha256") in seen:
+            found.append(Violation("TP-RANK-BIND", f"{where}.sha256", f"rank {rank}'s weights are byte for byte "
+                                   f"rank {seen[entry['sha256']]}'s: a shard copied over another rank's"))
+        seen.setdefault(entry.get("sha256"), rank)
+        path, _ = safe_path(root, entry["weights"], f"{where}.weights")  # TP-VARIANTS / FILE-* name a bad path
+        recorded_rank = _rank_recorded(path) if path is not None and path.is_file() else None
+        if recorded_rank is None:
+            continue
+        expected = (str(rank), str(ranks)) if rank else (None, None)
+        if recorded_rank != expected:
+            found.append(Violation("TP-RANK-BIND", f"{entry['weights']}:__metadata__", f"expected "
+                                   f"{'rank ' + str(rank) + ' of ' + str(ranks) if rank else 'no rank'} (the core's "
+                                   f"own weights are rank 0's), found rank {recorded_rank[0]} of {recorded_rank[1]}"))
     return found
 
 
