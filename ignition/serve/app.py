@@ -97,7 +97,8 @@ def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_cap
         engine.engine.max_context = config.max_model_len  # admission checks prompt + max_tokens against it
     try:
         files = load_tokenizer_files(config.tokenizer or loaded.path / "tokenizer", loaded.tokenizer,
-                                     loaded.vocab_size, load=config.tokenizer is not None)
+                                     loaded.vocab_size, load=config.tokenizer is not None,
+                                     hashes=None if config.tokenizer is not None else loaded.manifest["files"])
     except ValueError as exc:
         raise ServeSetupError(str(exc)) from None
     template, source = files.chat_template, files.chat_template_source
