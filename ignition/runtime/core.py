@@ -34,7 +34,7 @@ from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
 from ignition.components.device_reduction import install_reduction, jit_opted_in
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.device import move_program, resolve_device
-from ignition.runtime.graphs import CaptureReport, capture_variants
+from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
 from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
 from ignition.runtime.parallel import ParallelOptionError, check_runtime
@@ -455,7 +455,10 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     capture = None
     if device.type == "cuda" and not eager and not onnx:
         stages.start("capture", f"{len(variants)} CUDA graphs")
-        capture = capture_variants(variants, programs, state, device)  # captured at the full key window
+        try:  # at the full extents of every window
+            capture = capture_variants(variants, programs, state, device)
+        except CaptureError as exc:
+            raise CoreLoadError(f"{root}: {exc}") from None
     for variant in variants.values():  # ONNX graphs are re-traced static, and CUDA graphs captured at full extents
         if not onnx and variant.layout.get("windows") and (capture is None or variant.name not in capture.captured):
             variant.run = Windowed(variant.run, variant.bindings, variant.layout["windows"])

@@ -5,11 +5,15 @@ fills in place, so a replay reads and writes exactly what an eager call would. W
 capture run on zeroed inputs (slot 0, no requesting lane), and the state is zeroed again
 afterwards. A variant whose graph calls a host-synchronizing op cannot be captured: it is
 replayed eagerly and reported, never silently dropped.
+
+Every other failure stops the load (``CaptureError``): a program that fails its first eager run on
+the device (a tensor left on another device, a missing kernel) names the variant and the cause, and
+a failed capture is never papered over by eager replay, since torch can leave capture state behind
+that breaks later captures and ``empty_cache``; the message suggests ``--eager``.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +24,10 @@ HOST_SYNCING_OPS = {
     "ignition.score_prompt_rows.default": "prompt scoring runs its torch reference (host-synchronizing) on CUDA",
 }
 WARMUP_RUNS = 2
+
+
+class CaptureError(RuntimeError):
+    """A variant failed its eager warm-up or its capture; the load stops, naming it and the cause."""
 
 
 @dataclass(slots=True)
@@ -62,22 +70,25 @@ def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tens
         for arg in variant.arguments:
             if arg.role is Role.INPUT:
                 variant.buffers[arg.name].zero_()
-        try:
+        try:  # the first eager runs on the device, on zeroed buffers: a program that cannot run stops the load
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_RUNS):
                     variant.run(variant.buffers)
             torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # the program itself is broken on this device
+            raise CaptureError(f"variant {variant.name} fails its first eager run on {device}: "
+                               f"{type(exc).__name__}: {_first_line(exc)}") from None
+        try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 variant.run(variant.buffers)
-        except Exception as exc:  # replay eagerly, loudly: a capture failure must not stop serving
-            torch.cuda.synchronize(device)
-            report.eager[variant.name] = f"capture failed: {type(exc).__name__}: {exc}"
-            warnings.warn(f"variant {variant.name}: CUDA-graph capture failed ({type(exc).__name__}: {exc}); "
-                          f"it replays eagerly", stacklevel=2)
-            continue
+        except Exception as exc:  # torch may leave capture state behind: no eager fallback, stop here
+            raise CaptureError(f"variant {variant.name}: CUDA-graph capture failed on {device} "
+                               f"({type(exc).__name__}: {_first_line(exc)}); load with --eager "
+                               f"(load_core(eager=True)) to replay without CUDA graphs") from None
         variant.run = GraphReplay(graph)
         report.captured.append(variant.name)
     torch.cuda.synchronize(device)
@@ -85,3 +96,8 @@ def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tens
         tensor.zero_()
     report.pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
     return report
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
