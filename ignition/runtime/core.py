@@ -41,7 +41,9 @@ from ignition.runtime.parallel import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
+from ignition.validate.geometry import check_graph_vocabulary
 from ignition.validate.graphs import check_graph
+from ignition.validate.onnx_graphs import check_pairing
 from ignition.validate.report import Violation
 from ignition.validate.parallel import check_program, rank_graph_files
 
@@ -179,12 +181,21 @@ class LoadedCore:
         return report
 
 
-def _load_tokenizer(path: Path):
-    file = path / "tokenizer" / "tokenizer.json"
-    if not file.is_file():
+def _tokenizer_file(manifest: dict) -> str | None:
+    return f"{manifest['tokenizer'].rstrip('/')}/tokenizer.json" if manifest.get("tokenizer") else None
+
+
+def _load_tokenizer(root: Path, manifest: dict):
+    """The core's tokenizer, built from the bytes of tokenizer.json read once and hashed (``read_verified``)."""
+    rel = _tokenizer_file(manifest)
+    if rel is None or rel not in manifest["files"]:
         return None
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(file))
+    data = read_verified(root, rel, manifest)
+    try:
+        return Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # UnicodeDecodeError; tokenizers raises a bare Exception for a malformed file
+        raise CoreLoadError(f"{root}: {rel} does not load as a tokenizer: {str(exc)[:200]}") from None
 
 
 def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
@@ -242,12 +253,34 @@ def _onnx_backend(root: Path, weights: dict[str, torch.Tensor], device: torch.de
         raise CoreLoadError(f"{root}: {exc}") from None
 
 
-def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]):
+def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor], manifest: dict,
+              offsets: dict[str, tuple[int, int]]):
+    """The variant's ONNX replay, from its graph's bytes read once, hashed, and checked by every ONNX rule
+    validate-core runs (``check_onnx_graph``) before onnxruntime parses those same bytes."""
     from ignition.runtime.onnx_backend import OnnxBackendError
+    from ignition.validate.onnx_graphs import check_onnx_graph
+
+    rel = entry.get("packages", {}).get("onnx")
+    if rel is None:
+        raise CoreLoadError(f"{backend.root}: variant {entry['name']} has no ONNX graph: export the core with --onnx")
+    data = read_verified(backend.root, rel, manifest)
+    found = check_onnx_graph(data, entry, manifest["weights"], offsets)
+    if found:
+        raise CoreLoadError(f"{backend.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     try:
-        return backend.variant_run(entry, arguments, buffers)
+        return backend.variant_run(entry, arguments, buffers, data)
     except OnnxBackendError as exc:
         raise CoreLoadError(f"{backend.root}: {exc}") from None
+
+
+def _weights_offsets(data: bytes) -> dict[str, tuple[int, int]]:
+    """Each tensor's (offset, length) in the verified weights bytes: what ONNX-WEIGHTS compares against."""
+    import struct
+
+    from ignition.catalog.onnx_layout import offsets_of_header
+
+    (header_bytes,) = struct.unpack("<Q", data[:8])
+    return offsets_of_header(data[8:8 + header_bytes])
 
 
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
@@ -311,8 +344,10 @@ def _load_program(root: Path, entry: dict, manifest: dict, rel: str):
     if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
     found, program = check_graph(graph_path, entry, sha256=manifest["files"].get(rel))
-    if not found and program is not None and "tensor_parallel" in manifest:
-        found = check_program(program, manifest, rel)
+    if not found and program is not None:
+        found = check_graph_vocabulary(program, manifest, rel)
+        if "tensor_parallel" in manifest:
+            found += check_program(program, manifest, rel)
     if found or program is None:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     return program
@@ -328,9 +363,14 @@ def _hashed_on_load(root: Path, manifest: dict | None, rank: int, runtime: str) 
     section = manifest.get("tensor_parallel")
     try:
         files = {section["rank_files"][rank]["weights"] if section else manifest["weights"]}
-        if runtime != "onnxruntime":  # the ONNX backend reads no .pt2: the validator hashes those
-            catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
-            files |= set(_graph_files(json.loads(catalog_path.read_bytes()), manifest, rank).values())
+        catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
+        catalog = json.loads(catalog_path.read_bytes())
+        if runtime == "onnxruntime":  # the ONNX backend reads no .pt2: the validator hashes those
+            files |= {v["packages"]["onnx"] for v in catalog["variants"] if "onnx" in v.get("packages", {})}
+        else:
+            files |= set(_graph_files(catalog, manifest, rank).values())
+        if _tokenizer_file(manifest) in manifest["files"]:
+            files.add(_tokenizer_file(manifest))
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError):
         return set()  # the validator reports what is wrong, and hashes everything
     return files
@@ -418,8 +458,13 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     stages.start("weights", weights_file)
-    weights = {name: t.to(device) for name, t in load_tensors(read_verified(root, weights_file, manifest)).items()}
+    weights_data = read_verified(root, weights_file, manifest)
+    weights = {name: t.to(device) for name, t in load_tensors(weights_data).items()}
+    offsets = _weights_offsets(weights_data) if onnx else {}
+    del weights_data
     backend = _onnx_backend(root, weights, device) if onnx else None
+    if onnx and (found := check_pairing(catalog["variants"])):
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     graph_files = _graph_files(catalog, manifest, rank)
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants, programs = {}, {}
@@ -438,7 +483,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
             else:
                 buffers[arg.name] = arg.empty(device)
         if onnx:  # the .pt2 programs are neither read nor loaded
-            run = _onnx_run(backend, entry, arguments, buffers)
+            run = _onnx_run(backend, entry, arguments, buffers, manifest, offsets)
         else:
             run = _load_runnable(root, entry, prefer_compiled, programs[entry["name"]], device, manifest)
         variants[entry["name"]] = LoadedVariant(
@@ -450,7 +495,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
         stages.start("capture", f"{len(variants)} CUDA graphs")
         capture = capture_variants(variants, programs, state, device)
     stages.start("tokenizer", manifest["tokenizer"] or "none")
-    tokenizer = _load_tokenizer(root)
+    tokenizer = _load_tokenizer(root, manifest)
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, device=device, transfer=HostTransfer(device),

@@ -5,7 +5,10 @@ model sizes against the declared state (catalog/geometry.py says which extent is
 vocab_padded and hidden_size against the weights file's header (read without loading a tensor),
 the tokenizer's ids against vocab_size, and the catalog's operations against what the runtime
 needs (one prefill at the chunk limit, at least one decode). The graphs' signatures are tied to
-the same declarations by STATE-DECL, WEIGHT-DECL and GRAPH-SIGNATURE.
+the same declarations by STATE-DECL, WEIGHT-DECL and GRAPH-SIGNATURE, and vocab_size and
+vocab_padded to the constants and logits each graph hands to Ignition's reduction ops
+(GEOM-VOCAB-GRAPH, ``check_graph_vocabulary``): a manifest that claims another vocabulary than
+the graphs compute with is refused.
 """
 
 from __future__ import annotations
@@ -151,3 +154,45 @@ def check_geometry(root: Path, manifest: dict, catalog: dict) -> list[Violation]
     if header is not None:
         found += check_vocab_weights(rank_view(manifest, "weights"), header, manifest["weights"])
     return found + check_tokenizer(root, manifest)
+
+
+def _call_arguments(node) -> dict:
+    """Schema argument name -> value of an operator call node (positional and keyword)."""
+    schema = node.target._schema
+    values = {arg.name: value for arg, value in zip(schema.arguments, node.args)}
+    return values | dict(node.kwargs)
+
+
+def check_graph_vocabulary(program, manifest: dict, where: str) -> list[Violation]:
+    """GEOM-VOCAB-GRAPH: every call to an ``ignition`` op in the loaded ``program`` passes the manifest's
+    vocab_size (a vocabulary shard's lane count where the call names a ``vocab_start``) and logits whose
+    last extent is vocab_padded (the shard's vocab_shard)."""
+    import torch
+
+    section = manifest.get("tensor_parallel") or {}
+    padded, size = manifest["vocab_padded"], manifest["vocab_size"]
+    shard = section.get("vocab_shard", padded)
+    found = []
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+                or node.target.namespace != "ignition":
+            continue
+        values, op = _call_arguments(node), node.target.name()
+        start = values.get("vocab_start")
+        sharded = isinstance(start, int)
+        if isinstance(values.get("vocab_size"), int):
+            expected = max(0, min(shard, size - start)) if sharded else size
+            if values["vocab_size"] != expected:
+                source = (f"the shard's lanes below manifest.json:vocab_size = {size} from vocab_start {start}"
+                          if sharded else "manifest.json:vocab_size")
+                found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}",
+                                       f"the graph computes with vocab_size {values['vocab_size']}; {source} is {expected}"))
+        logits = values.get("logits")
+        value = logits.meta.get("val") if isinstance(logits, torch.fx.Node) else None
+        if value is not None and value.dim() >= 1:
+            expected = shard if sharded else padded
+            if value.shape[-1] != expected:
+                found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}: logits",
+                                       f"expected {expected} columns ({'vocab_shard' if sharded else 'vocab_padded'}), "
+                                       f"found {list(value.shape)}"))
+    return found

@@ -5,7 +5,9 @@ Three fields of that JSON become code when torch deserializes or unlifts the pro
 (symbolic shapes, range constraints) goes through ``sympy.sympify``, which ``eval``s; and a
 placeholder holding a string constant is pasted into generated guard code. Our graphs take
 one dict of tensors of fixed shapes, so none of these may appear. Node targets are limited to
-operator namespaces we emit, and pytree specs to the plain containers our signature uses.
+operator namespaces we emit (PT2-PROGRAM) and, within them, to the operators the recipes emit
+(GRAPH-OPERATOR, ``ignition/catalog/operators.py``: ``aten.from_file`` and its kind can write files),
+and pytree specs to the plain containers our signature uses.
 """
 
 from __future__ import annotations
@@ -13,9 +15,8 @@ from __future__ import annotations
 import json
 import re
 
+from ignition.catalog.operators import OPERATOR_NAMESPACES as OP_NAMESPACES, operator_refusal
 from ignition.validate.report import Violation
-
-OP_NAMESPACES = ("aten", "prims", "ignition", "_c10d_functional", "higher_order")
 _TARGET = re.compile(rf"torch\.ops\.({'|'.join(OP_NAMESPACES)})\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 _SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 _REPORT_AT_MOST = 5
@@ -41,11 +42,11 @@ def program_violations(document, at: str) -> list[Violation]:
     for index, arg in enumerate(inputs):
         if not (isinstance(arg, dict) and set(arg) == {"as_tensor"}):
             found.append(bad(f"graph input {index}: expected a tensor, found {str(arg)[:80]}"))
-    found += _walk(document, bad)
+    found += _walk(document, bad, at)
     return found
 
 
-def _walk(document, bad) -> list[Violation]:
+def _walk(document, bad, at: str) -> list[Violation]:
     """One iterative pass over the whole tree (nested subgraphs included), without recursion."""
     found: list[Violation] = []
     stack = [document]
@@ -66,6 +67,8 @@ def _walk(document, bad) -> list[Violation]:
             if not (isinstance(target, str) and _TARGET.fullmatch(target)):
                 found.append(bad(f"node target {str(target)[:80]!r} is not an operator in the allowed namespaces "
                                  f"{', '.join(OP_NAMESPACES)}"))
+            elif (refusal := operator_refusal(target)) is not None:
+                found.append(Violation("GRAPH-OPERATOR", at, refusal))
         for key in ("in_spec", "out_spec"):
             if isinstance(node.get(key), str):
                 found += _spec_violations(node[key], key, bad)
