@@ -54,6 +54,11 @@ class CoreLoadError(Exception):
     """The core is invalid or cannot be loaded; the message lists every finding."""
 
 
+class LoadOptionError(CoreLoadError):
+    """The caller's load options cannot work here (an unknown runtime, a device this machine lacks): a usage
+    error, whatever the core holds."""
+
+
 class NotACoreError(CoreLoadError):
     """The path is no core at all (a Hugging Face checkpoint, a missing directory): a usage error.
     ``model_type``: the checkpoint's config.json ``model_type`` when the path is a checkpoint."""
@@ -433,7 +438,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     """
     root = Path(path)
     if runtime not in RUNTIMES:
-        raise CoreLoadError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+        raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     try:
         check_runtime(runtime, tensor_parallel)
     except ParallelOptionError as exc:
@@ -443,7 +448,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     try:
         device = resolve_device(device)
     except ValueError as exc:
-        raise CoreLoadError(str(exc)) from None
+        raise LoadOptionError(str(exc)) from None
     stages.start("check", "hashes, schemas, catalog rules, signature")
     try:
         report = validate_core(root, check_graphs=False, trusted_key=trusted_key,
