@@ -28,14 +28,12 @@ class Provenance:
 def check_provenance(root: Path, data: bytes, manifest, expect_digest: str | None, trusted_key) -> Provenance:
     """The digest of the manifest's exact bytes ``data`` (parsed as ``manifest``), which must be its canonical
     JSON (MANIFEST-CANONICAL), against ``expect_digest`` and the signature."""
-    found = Provenance()
+    found = Provenance(digest=hashlib.sha256(data).hexdigest())
     if not is_canonical(data, manifest):
         found.violations.append(Violation("MANIFEST-CANONICAL", MANIFEST_FILE, (
             "expected the canonical JSON export-core writes (sorted keys, each once, two-space indentation, "
             "', ' and ': ' separators, a final newline): the digest and signature cover these exact bytes, "
             "so no other spelling of the manifest is accepted")))
-        return found
-    found.digest = hashlib.sha256(data).hexdigest()
     if expect_digest is not None and found.digest != expect_digest:
         found.violations.append(Violation("CORE-DIGEST", MANIFEST_FILE,
                                           f"expected digest {expect_digest}, found {found.digest}"))
