@@ -147,3 +147,30 @@ def test_tokenizer_swapped_during_load_is_refused(tmp_path):
         with pytest.raises(CoreLoadError, match="FILE-HASH|TOKENIZER"):
             load_core(core, progress=swap_at(stage, core / "tokenizer/tokenizer.json", swapped))
         (core / "tokenizer/tokenizer.json").write_bytes(original)
+
+
+# -- bytes checked are bytes used ---------------------------------------------------------------
+def test_a_metadata_file_is_hashed_from_the_bytes_that_were_parsed(core_copy):
+    from ignition.validate.files import check_files
+
+    manifest = core_copy.load("manifest.json")
+    assert check_files(core_copy.root, manifest["files"], {}, read={"catalog.json": b"{}"})[0].rule == "FILE-HASH"
+
+
+def test_weights_that_differ_from_what_the_validator_saw_are_refused(core_copy):
+    """The manifest lists the hash of other weights (one truncated tensor); the validator is shown the
+    declared ones and the loader, reading after the check, gets the listed ones: their hash matches, their
+    shape does not."""
+    from safetensors.torch import load, save
+
+    path = core_copy.root / "weights.safetensors"
+    honest = path.read_bytes()
+    tensors = load(honest)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:8].clone()
+    listed = save(tensors)
+    path.write_bytes(listed)
+    core_copy.rehash("weights.safetensors")
+    path.write_bytes(honest)
+    with pytest.raises(CoreLoadError, match="WEIGHT-DECL.*lm_head.weight"):
+        load_core(core_copy.root, progress=swap_at("weights", path, listed))
+

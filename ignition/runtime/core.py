@@ -198,9 +198,15 @@ def _load_tokenizer(root: Path, manifest: dict):
     from tokenizers import Tokenizer
     data = read_verified(root, rel, manifest)
     try:
-        return Tokenizer.from_str(data.decode("utf-8"))
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # UnicodeDecodeError; tokenizers raises a bare Exception for a malformed file
         raise CoreLoadError(f"{root}: {rel} does not load as a tokenizer: {str(exc)[:200]}") from None
+    reach, size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1), manifest["vocab_size"]
+    if reach >= size:  # GEOM-TOKENIZER again, on the bytes that are used
+        found = Violation("GEOM-TOKENIZER", rel, f"token ids must stay below manifest.json:vocab_size = {size}; "
+                                                 f"the tokenizer's reach {reach}")
+        raise CoreLoadError(f"{root} is not a valid core:\n  {found}")
+    return tokenizer
 
 
 def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
@@ -276,6 +282,23 @@ def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[s
         return backend.variant_run(entry, arguments, buffers, data)
     except OnnxBackendError as exc:
         raise CoreLoadError(f"{backend.root}: {exc}") from None
+
+
+def _check_loaded_weights(root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],
+                          weights_file: str) -> None:
+    """WEIGHT-DECL and GEOM-VOCAB-TENSOR again, on the tensors loaded from the verified bytes (validate-core
+    read the file's header from another read)."""
+    from ignition.validate.geometry import check_vocab_weights
+    from ignition.validate.parallel import rank_view
+
+    header = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights.items()}
+    found = [Violation("WEIGHT-DECL", f"variant {variant['name']}: weight {decl['name']}",
+                       f"expected {decl['dtype']} {decl['shape']} in {weights_file}, found {header.get(decl['name'])}")
+             for variant in catalog["variants"] for decl in variant["arguments"]
+             if decl["role"] == "weight" and header.get(decl["name"]) != (decl["dtype"], decl["shape"])]
+    found += check_vocab_weights(rank_view(manifest, "weights"), header, weights_file)
+    if found:
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found[:5]))
 
 
 def _weights_offsets(data: bytes) -> dict[str, tuple[int, int]]:
@@ -464,7 +487,9 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     stages.start("weights", weights_file)
     weights_data = read_verified(root, weights_file, manifest)
-    weights = {name: t.to(device) for name, t in load_tensors(weights_data).items()}
+    weights = load_tensors(weights_data)
+    _check_loaded_weights(root, manifest, catalog, weights, weights_file)
+    weights = {name: t.to(device) for name, t in weights.items()}
     offsets = _weights_offsets(weights_data) if onnx else {}
     del weights_data
     backend = _onnx_backend(root, weights, device) if onnx else None

@@ -28,6 +28,7 @@ class ValidationReport:
     digest: str | None = None  # core digest: sha256 of manifest.json's bytes, its canonical JSON (hashing every file)
     signed_by: str | None = None  # key id of a signature.json that verifies (against trusted_key when given)
     trusted: bool = False  # the core's signature verified against the caller's trusted key
+    read: dict[str, bytes] = field(default_factory=dict, repr=False)  # metadata files as read once and parsed
 
     @property
     def ok(self) -> bool:
@@ -39,6 +40,7 @@ class ValidationReport:
 
 
 def _read_bytes(root: Path, rel: str, where: str, report: ValidationReport) -> bytes | None:
+    """The file's bytes, read once: kept in ``report.read`` so its sha256 is taken from what was parsed."""
     path, problems = safe_path(root, rel, where)
     report.violations += problems
     if path is None:
@@ -46,7 +48,8 @@ def _read_bytes(root: Path, rel: str, where: str, report: ValidationReport) -> b
     if not path.is_file():
         report.violations.append(Violation("FILE-MISSING", rel, f"named by {where} but absent"))
         return None
-    return path.read_bytes()
+    report.read[rel] = path.read_bytes()
+    return report.read[rel]
 
 
 def _read_json(root: Path, rel: str, where: str, report: ValidationReport, data: bytes | None = None):
@@ -137,7 +140,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 report.violations += check_sharded_launches(manifest, variants, kernel_table)
     elif any(v["launches"] for v in variants):
         report.violations.append(Violation("KERNEL-MISSING", MANIFEST_FILE, "variants name launches but the core has no kernel table"))
-    file_found = check_files(root, manifest["files"], named, hashed_by_caller)
+    file_found = check_files(root, manifest["files"], named, hashed_by_caller, report.read)
     report.violations += file_found
     broken = {v.where for v in file_found}
     weights_path, _ = safe_path(root, manifest["weights"], "weights")
