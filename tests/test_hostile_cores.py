@@ -64,6 +64,15 @@ def test_exported_operators_are_listed_and_none_is_refused_by_name():
         assert operator_refusal(target) is None
 
 
+def test_an_operator_passed_as_an_argument_is_checked_too():
+    from ignition.validate.program_json import program_violations
+
+    node = {"target": "torch.ops.higher_order.auto_functionalized", "outputs": [],
+            "inputs": [{"name": "_op", "arg": {"as_operator": "torch.ops.aten.from_file.default"}, "kind": 1}]}
+    document = {"graph_module": {"graph": {"inputs": [], "nodes": [node]}}}
+    assert {v.rule for v in program_violations(document, "model.json")} == {"GRAPH-OPERATOR"}
+
+
 # -- the manifest's bytes -----------------------------------------------------------------------
 def test_duplicate_keys_placed_first_are_refused(core_copy):
     data = (core_copy.root / "manifest.json").read_bytes()

@@ -62,12 +62,14 @@ def _walk(document, bad, at: str) -> list[Violation]:
                              "(torch parses it with sympify, which evaluates Python)"))
         if node.get("as_custom_obj") is not None or node.get("custom_obj_values"):
             found.append(bad("expected no custom objects (torch unpickles them)"))
-        target = node.get("target")
-        if "inputs" in node and "outputs" in node and target is not None:
-            if not (isinstance(target, str) and _TARGET.fullmatch(target)):
-                found.append(bad(f"node target {str(target)[:80]!r} is not an operator in the allowed namespaces "
+        target = node.get("target") if "inputs" in node and "outputs" in node else None
+        for operator in (target, node.get("as_operator")):  # a node's target, or an operator passed as an argument
+            if operator is None:
+                continue
+            if not (isinstance(operator, str) and _TARGET.fullmatch(operator)):
+                found.append(bad(f"operator {str(operator)[:80]!r} is not an operator in the allowed namespaces "
                                  f"{', '.join(OP_NAMESPACES)}"))
-            elif (refusal := operator_refusal(target)) is not None:
+            elif (refusal := operator_refusal(operator)) is not None:
                 found.append(Violation("GRAPH-OPERATOR", at, refusal))
         for key in ("in_spec", "out_spec"):
             if isinstance(node.get(key), str):
