@@ -6,22 +6,18 @@ schemas and every catalog rule, the sha256 of every file, the signature and trus
 the very bytes whose sha256 was just compared before ``torch.export.load`` reads them. The program
 loaded there is the one that runs. The weights are likewise read once, hashed and deserialized from
 those bytes (the validator leaves the sha256 of the files loaded here to the loader), and a compiled
-package is hashed and then loaded from a private copy of the verified bytes, so no file is read
+package is hashed and then loaded from a private copy of the verified bytes; the ONNX graphs (through
+every ONNX rule) and ``tokenizer.json`` likewise (``ignition/runtime/verified.py``). So no file is read
 twice and none can be swapped between its check and its load. ``validate-core`` stays the check of a
 core at rest, with every finding; loading stops at the first graph that fails.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,24 +35,16 @@ from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
 from ignition.runtime.parallel import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
+from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
+                                       private_copy, read_verified, tokenizer_file, weights_offsets)
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
 from ignition.validate.geometry import check_graph_vocabulary
 from ignition.validate.graphs import check_graph
 from ignition.validate.onnx_graphs import check_pairing
-from ignition.validate.report import Violation
 from ignition.validate.parallel import check_program, rank_graph_files
 
 Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
-
-
-class CoreLoadError(Exception):
-    """The core is invalid or cannot be loaded; the message lists every finding."""
-
-
-class LoadOptionError(CoreLoadError):
-    """The caller's load options cannot work here (an unknown runtime, a device this machine lacks): a usage
-    error, whatever the core holds."""
 
 
 class NotACoreError(CoreLoadError):
@@ -186,29 +174,6 @@ class LoadedCore:
         return report
 
 
-def _tokenizer_file(manifest: dict) -> str | None:
-    return f"{manifest['tokenizer'].rstrip('/')}/tokenizer.json" if manifest.get("tokenizer") else None
-
-
-def _load_tokenizer(root: Path, manifest: dict):
-    """The core's tokenizer, built from the bytes of tokenizer.json read once and hashed (``read_verified``)."""
-    rel = _tokenizer_file(manifest)
-    if rel is None or rel not in manifest["files"]:
-        return None
-    from tokenizers import Tokenizer
-    data = read_verified(root, rel, manifest)
-    try:
-        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as exc:  # UnicodeDecodeError; tokenizers raises a bare Exception for a malformed file
-        raise CoreLoadError(f"{root}: {rel} does not load as a tokenizer: {str(exc)[:200]}") from None
-    reach, size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1), manifest["vocab_size"]
-    if reach >= size:  # GEOM-TOKENIZER again, on the bytes that are used
-        found = Violation("GEOM-TOKENIZER", rel, f"token ids must stay below manifest.json:vocab_size = {size}; "
-                                                 f"the tokenizer's reach {reach}")
-        raise CoreLoadError(f"{root} is not a valid core:\n  {found}")
-    return tokenizer
-
-
 def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
     packaged = [v["name"] for v in catalog["variants"] if v.get("packages", {}).get("inductor")]
     if packaged and not trusted:
@@ -216,23 +181,6 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
                       "core is not trusted (pass trust_compiled=True / --trust-compiled, or a trusted key that "
                       "signed it); using the portable .pt2 programs", stacklevel=3)
     return trusted
-
-
-@contextmanager
-def private_copy(data: bytes, name: str):
-    """``data`` in a file only this process created and only this user can reach: a fresh ``mkdtemp``
-    directory (mode 0700) and a file opened with O_CREAT|O_EXCL|O_NOFOLLOW (0600). A loader that needs a
-    path loads the bytes it verified from there, never the core's file a writer could swap meanwhile;
-    the copy is removed on exit."""
-    directory = tempfile.mkdtemp(prefix="ignition-load-")
-    try:
-        path = os.path.join(directory, os.path.basename(name))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        yield Path(path)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device, manifest: dict):
@@ -282,33 +230,6 @@ def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[s
         return backend.variant_run(entry, arguments, buffers, data)
     except OnnxBackendError as exc:
         raise CoreLoadError(f"{backend.root}: {exc}") from None
-
-
-def _check_loaded_weights(root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],
-                          weights_file: str) -> None:
-    """WEIGHT-DECL and GEOM-VOCAB-TENSOR again, on the tensors loaded from the verified bytes (validate-core
-    read the file's header from another read)."""
-    from ignition.validate.geometry import check_vocab_weights
-    from ignition.validate.parallel import rank_view
-
-    header = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights.items()}
-    found = [Violation("WEIGHT-DECL", f"variant {variant['name']}: weight {decl['name']}",
-                       f"expected {decl['dtype']} {decl['shape']} in {weights_file}, found {header.get(decl['name'])}")
-             for variant in catalog["variants"] for decl in variant["arguments"]
-             if decl["role"] == "weight" and header.get(decl["name"]) != (decl["dtype"], decl["shape"])]
-    found += check_vocab_weights(rank_view(manifest, "weights"), header, weights_file)
-    if found:
-        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found[:5]))
-
-
-def _weights_offsets(data: bytes) -> dict[str, tuple[int, int]]:
-    """Each tensor's (offset, length) in the verified weights bytes: what ONNX-WEIGHTS compares against."""
-    import struct
-
-    from ignition.catalog.onnx_layout import offsets_of_header
-
-    (header_bytes,) = struct.unpack("<Q", data[:8])
-    return offsets_of_header(data[8:8 + header_bytes])
 
 
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
@@ -397,8 +318,8 @@ def _hashed_on_load(root: Path, manifest: dict | None, rank: int, runtime: str) 
             files |= {v["packages"]["onnx"] for v in catalog["variants"] if "onnx" in v.get("packages", {})}
         else:
             files |= set(_graph_files(catalog, manifest, rank).values())
-        if _tokenizer_file(manifest) in manifest["files"]:
-            files.add(_tokenizer_file(manifest))
+        if tokenizer_file(manifest) in manifest["files"]:
+            files.add(tokenizer_file(manifest))
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError):
         return set()  # the validator reports what is wrong, and hashes everything
     return files
@@ -407,23 +328,6 @@ def _hashed_on_load(root: Path, manifest: dict | None, rank: int, runtime: str) 
 def _graph_files(catalog: dict, manifest: dict, rank: int) -> dict[str, str]:
     """Variant name -> the graph file this rank loads (a sharded core's rank files replace the catalog's)."""
     return {v["name"]: v["graph"] for v in catalog["variants"]} | rank_graph_files(manifest, rank)
-
-
-def read_verified(root: Path, rel: str, manifest: dict) -> bytes:
-    """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
-    what the caller loads from them is what was verified (no second read a swapped file could answer)."""
-    path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
-    if path is None:  # validate_core already refused such a path; kept for a core changed since
-        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
-    expected, found = manifest["files"].get(rel), hashlib.sha256(data).hexdigest()
-    if found != expected:
-        raise CoreLoadError(f"{root} is not a valid core:\n  "
-                            f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
-    return data
 
 
 def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
@@ -488,9 +392,9 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     stages.start("weights", weights_file)
     weights_data = read_verified(root, weights_file, manifest)
     weights = load_tensors(weights_data)
-    _check_loaded_weights(root, manifest, catalog, weights, weights_file)
+    check_loaded_weights(root, manifest, catalog, weights, weights_file)
     weights = {name: t.to(device) for name, t in weights.items()}
-    offsets = _weights_offsets(weights_data) if onnx else {}
+    offsets = weights_offsets(weights_data) if onnx else {}
     del weights_data
     backend = _onnx_backend(root, weights, device) if onnx else None
     if onnx and (found := check_pairing(catalog["variants"])):
@@ -525,7 +429,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
         stages.start("capture", f"{len(variants)} CUDA graphs")
         capture = capture_variants(variants, programs, state, device)
     stages.start("tokenizer", manifest["tokenizer"] or "none")
-    tokenizer = _load_tokenizer(root, manifest)
+    tokenizer = load_tokenizer(root, manifest)
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, device=device, transfer=HostTransfer(device),
