@@ -60,12 +60,13 @@ def captured_packets(root: Path) -> set[str]:
     small = dict(capacities=(1, 2), chunk_limit=8, max_seq_len=32)
     configurations = {"toy": ExportOptions(recipe="toy", capacities=(1, 4)),
                       "toy-scored": ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True),
-                      "toy-nolp": ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False)}
+                      "toy-nolp": ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False),
+                      "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
     for family, checkpoint in checkpoints.items():
         configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
                                                speculative_tokens=(2,), mixed=True, **small)
     configurations["qwen3-tp2"] = ExportOptions(recipe="qwen3", checkpoint=checkpoints["qwen3"], prompt_logprobs=True,
-                                                tensor_parallel=2, **small)
+                                                tensor_parallel=2, targets=("cuda:90",), **small)
     packets = set()
     for name, options in configurations.items():
         out = root / name

@@ -98,7 +98,7 @@ def test_vocab_size_edit_is_refused_by_the_graphs(core_copy):
     core_copy.edit("manifest.json", lambda m: m.update(vocab_size=m["vocab_size"] - 40))
     report = validate_core(core_copy.root)
     assert rules(report) == {"GEOM-VOCAB-GRAPH"}, report.violations
-    assert "vocab_size 250" in report.violations[0].message
+    assert "vocab_size 250; manifest.json says 210" in report.violations[0].message
     with pytest.raises(CoreLoadError, match="GEOM-VOCAB-GRAPH"):
         load_core(core_copy.root)
 

@@ -23,8 +23,8 @@ RULES = {
     "GEOM-SEQ": "model.max_seq_len is the position extent of the KV caches and holds a chunk_limit prefill chunk.",
     "GEOM-VOCAB-TENSOR": "vocab_padded is the row count of the vocabulary weights (embedding, lm_head) in the "
                          "weights file and the last extent of penalty_counts.",
-    "GEOM-VOCAB-GRAPH": "Every graph's calls to Ignition's reduction ops pass manifest.json:vocab_size (a shard's lane "
-                        "count under it) and logits of vocab_padded columns (vocab_shard for a shard).",
+    "GEOM-VOCAB-GRAPH": "Every graph's calls to Ignition's reduction ops pass manifest.json:vocab_size (and a sharded "
+                        "core's vocab_shard) and logits of vocab_padded columns (vocab_shard for a shard's op).",
     "GEOM-MODEL": "The model's sizes (layers, KV heads, head_dim, hidden_size) and dtype match the state and "
                   "vocabulary weight tensors.",
     "GEOM-TOKENIZER": "The tokenizer's token ids (added tokens included) are below vocab_size.",

@@ -165,34 +165,27 @@ def _call_arguments(node) -> dict:
 
 def check_graph_vocabulary(program, manifest: dict, where: str) -> list[Violation]:
     """GEOM-VOCAB-GRAPH: every call to an ``ignition`` op in the loaded ``program`` passes the manifest's
-    vocab_size (a vocabulary shard's lane count where the call names a ``vocab_start``) and logits whose
-    last extent is vocab_padded (the shard's vocab_shard)."""
+    vocab_size (a shard's op too: it derives its lanes from vocab_start and the global size), its vocab_shard
+    (a sharded core), and logits whose last extent is vocab_padded (a shard's: vocab_shard)."""
     import torch
 
     section = manifest.get("tensor_parallel") or {}
-    padded, size = manifest["vocab_padded"], manifest["vocab_size"]
-    shard = section.get("vocab_shard", padded)
+    expected = {"vocab_size": manifest["vocab_size"], "vocab_shard": section.get("vocab_shard")}
     found = []
     for node in program.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
                 or node.target.namespace != "ignition":
             continue
         values, op = _call_arguments(node), node.target.name()
-        start = values.get("vocab_start")
-        sharded = isinstance(start, int)
-        if isinstance(values.get("vocab_size"), int):
-            expected = max(0, min(shard, size - start)) if sharded else size
-            if values["vocab_size"] != expected:
-                source = (f"the shard's lanes below manifest.json:vocab_size = {size} from vocab_start {start}"
-                          if sharded else "manifest.json:vocab_size")
-                found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}",
-                                       f"the graph computes with vocab_size {values['vocab_size']}; {source} is {expected}"))
+        for name, wanted in expected.items():
+            if isinstance(values.get(name), int) and values[name] != wanted:
+                found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}", f"the graph computes with {name} "
+                                       f"{values[name]}; manifest.json says {wanted}"))
         logits = values.get("logits")
         value = logits.meta.get("val") if isinstance(logits, torch.fx.Node) else None
-        if value is not None and value.dim() >= 1:
-            expected = shard if sharded else padded
-            if value.shape[-1] != expected:
-                found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}: logits",
-                                       f"expected {expected} columns ({'vocab_shard' if sharded else 'vocab_padded'}), "
-                                       f"found {list(value.shape)}"))
+        field = "vocab_shard" if "vocab_start" in values else "vocab_padded"
+        columns = expected["vocab_shard"] if field == "vocab_shard" else manifest["vocab_padded"]
+        if value is not None and value.dim() >= 1 and value.shape[-1] != columns:
+            found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}: logits",
+                                   f"expected {columns} columns ({field}), found {list(value.shape)}"))
     return found
