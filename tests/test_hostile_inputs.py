@@ -81,10 +81,15 @@ def test_device_errors_are_usage_errors(toy_core):
     assert code == 2 and "cuda:97" in output
 
 
-def test_trust_compiled_names_the_target_core_only(tmp_path, monkeypatch):
-    target = tmp_path / "target"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 2), speculative_tokens=(2,)), target)
-    draft = tmp_path / "draft"
+@pytest.fixture(scope="module")
+def speculative_target(tmp_path_factory):
+    target = tmp_path_factory.mktemp("cores") / "target"
+    export_core(ExportOptions(recipe="toy", capacities=(1,), chunk_limit=16, speculative_tokens=(2,)), target)
+    return target
+
+
+def test_trust_compiled_names_the_target_core_only(tmp_path, monkeypatch, speculative_target):
+    target, draft = speculative_target, tmp_path / "draft"
     shutil.copytree(target, draft)
     trusted, real_load = {}, cli._load
 
@@ -97,3 +102,20 @@ def test_trust_compiled_names_the_target_core_only(tmp_path, monkeypatch):
                            "--speculative", f"draft:{draft}:2"])
     assert code == 0, output
     assert trusted == {"target": True, "draft": False}
+
+
+def test_a_draft_core_that_writes_files_is_refused(tmp_path, speculative_target):
+    from _payloads import file_write, rewrite
+    from conftest import CoreCopy
+
+    victim = tmp_path / "victim.py"
+    victim.write_text("print('original')\n")
+    draft = CoreCopy(tmp_path / "draft")
+    shutil.copytree(speculative_target, draft.root)
+    graph = draft.root / "graphs/decode.c1.pt2"
+    graph.write_bytes(rewrite(graph.read_bytes(), file_write(victim, 8)))
+    draft.rehash("graphs/decode.c1.pt2")
+    code, output = invoke(["run", speculative_target, "--prompt-ids", "1,2", "--max-tokens", "2",
+                           "--speculative", f"draft:{draft.root}:2"])
+    assert code == 1 and "GRAPH-OPERATOR" in output and "aten.from_file" in output
+    assert victim.read_text() == "print('original')\n"
