@@ -69,9 +69,9 @@ def load_tokenizer(root: Path, manifest: dict):
 
 def check_loaded_weights(root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],
                           weights_file: str) -> None:
-    """WEIGHT-DECL and GEOM-VOCAB-TENSOR again, on the tensors loaded from the verified bytes (validate-core
+    """WEIGHT-DECL, GEOM-VOCAB-TENSOR and the attention rows (GEOM-MODEL) again, on the tensors loaded from the verified bytes (validate-core
     read the file's header from another read)."""
-    from ignition.validate.geometry import check_vocab_weights
+    from ignition.validate.geometry import check_attention_weights, check_vocab_weights
     from ignition.validate.parallel import rank_view
 
     header = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights.items()}
@@ -80,6 +80,7 @@ def check_loaded_weights(root: Path, manifest: dict, catalog: dict, weights: dic
              for variant in catalog["variants"] for decl in variant["arguments"]
              if decl["role"] == "weight" and header.get(decl["name"]) != (decl["dtype"], decl["shape"])]
     found += check_vocab_weights(rank_view(manifest, "weights"), header, weights_file)
+    found += check_attention_weights(manifest, header, weights_file)
     if found:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found[:5]))
 

@@ -13,11 +13,12 @@ the graphs compute with is refused.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from ignition.catalog.enums import Operation
-from ignition.catalog.geometry import (MODEL_DTYPE_STATE, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS, field_name,
-                                       manifest_value)
+from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, MODEL_DTYPE_STATE, STATE_SHAPES,
+                                       SYMBOL_RULES, VOCAB_WEIGHTS, field_name, manifest_value)
 from ignition.validate.files import safe_path
 from ignition.validate.parallel import rank_view
 from ignition.validate.report import Violation
@@ -81,6 +82,19 @@ def check_vocab_weights(manifest: dict, header: dict[str, tuple[str, list[int]]]
             found.append(Violation("GEOM-MODEL", f"{weights_file}: {name}",
                                    f"expected the model dtype {manifest['model']['dtype']}, found {dtype}"))
     return found
+
+
+def check_attention_weights(manifest: dict, header: dict[str, tuple[str, list[int]]], weights_file: str) -> list[Violation]:
+    """Query and KV heads (a rank's share of a sharded core) and hidden_size against the first layer's attention
+    projections in the weights header; recipes whose heads are not ``head_dim`` wide are not checked."""
+    if manifest.get("recipe") not in ATTENTION_RECIPES:
+        return []
+    view, ranks = copy.deepcopy(manifest), (manifest.get("tensor_parallel") or {}).get("ranks", 1)
+    for field in ("num_heads", "num_kv_heads"):
+        if isinstance(view["model"].get(field), int) and view["model"][field] % ranks == 0:
+            view["model"][field] //= ranks  # TP-RANKS reports counts that do not divide
+    return [violation for name, expression in ATTENTION_WEIGHTS.items() if name in header
+            for violation in _compare(view, f"{weights_file}: {name} {header[name][1]}", expression, header[name][1])]
 
 
 def check_limits(manifest: dict, variants: list[dict]) -> list[Violation]:
@@ -153,6 +167,7 @@ def check_geometry(root: Path, manifest: dict, catalog: dict) -> list[Violation]
     header = weight_shapes(weights_path) if weights_path is not None and weights_path.is_file() else None
     if header is not None:
         found += check_vocab_weights(rank_view(manifest, "weights"), header, manifest["weights"])
+        found += check_attention_weights(manifest, header, manifest["weights"])
     return found + check_tokenizer(root, manifest)
 
 
