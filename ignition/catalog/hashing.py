@@ -1,8 +1,10 @@
 """Deterministic core files: canonical JSON, the sha256 of every file, and the core digest.
 
 The exporter writes with these and the validator checks with them, so both read one
-definition. The **core digest** is the sha256 of the canonical manifest JSON; the manifest
-lists every other file's sha256, so the digest covers the whole core."""
+definition. The **core digest** is the sha256 of the manifest's bytes, which must be its canonical
+JSON (``dump_json``: sorted keys, no repeated key, fixed separators), so the bytes a signature covers
+are the only reading of the manifest; the manifest lists every other file's sha256, so the digest
+covers the whole core."""
 
 from __future__ import annotations
 
@@ -34,7 +36,15 @@ def hash_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
     return files
 
 
-
 def core_digest(manifest: dict) -> str:
-    """sha256 (hex) of the canonical JSON of a parsed manifest; ValueError when it has no canonical form."""
+    """sha256 (hex) of the canonical JSON of a parsed manifest (the digest of the manifest file a writer
+    writes with ``dump_json``); ValueError when it has no canonical form."""
     return hashlib.sha256(dump_json(manifest)).hexdigest()
+
+
+def is_canonical(data: bytes, document) -> bool:
+    """Whether ``data`` (which parsed as ``document``) is exactly its canonical JSON, ``dump_json(document)``."""
+    try:
+        return dump_json(document) == data
+    except (TypeError, ValueError):  # NaN or infinities have no canonical JSON
+        return False

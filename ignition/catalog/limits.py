@@ -81,9 +81,60 @@ LIMITS: dict[str, Range] = {
     "max_body_bytes": Range(1, None, True, "serve: bytes of one request body (413 above)"),
     "max_prompt_bytes": Range(1, None, True, "serve: UTF-8 bytes of a text prompt or of all chat messages"),
     "memory_budget": Range(0, None, True, "bytes"),
+    # checkpoint config.json fields, checked before anything is allocated (CHECKPOINT_FIELDS)
+    "num_hidden_layers": Range(1, 1024, True, "config.json: decoder layers (the largest released models have ~160)"),
+    "hidden_size": Range(1, 1 << 17, True, "config.json: model width"),
+    "intermediate_size": Range(1, 1 << 20, True, "config.json: dense MLP width"),
+    "moe_intermediate_size": Range(1, 1 << 20, True, "config.json: one expert's MLP width"),
+    "num_attention_heads": Range(1, 1024, True, "config.json: query heads"),
+    "num_key_value_heads": Range(1, 1024, True, "config.json: KV heads"),
+    "head_dim": Range(1, 4096, True, "config.json: per-head width"),
+    "vocab_size": Range(1, 1 << 24, True, "config.json: embedding rows"),
+    "num_experts": Range(1, 1 << 14, True, "config.json: routed experts per MoE layer (also num_local_experts, "
+                                            "n_routed_experts)"),
+    "num_local_experts": Range(1, 1 << 14, True, "config.json: routed experts per MoE layer"),
+    "n_routed_experts": Range(1, 1 << 14, True, "config.json: routed experts per MoE layer (DeepSeek)"),
+    "num_experts_per_tok": Range(1, 1024, True, "config.json: experts each token is routed to"),
+    "n_shared_experts": Range(0, 1024, True, "config.json: always-on experts (DeepSeek)"),
+    "n_group": Range(1, 1 << 14, True, "config.json: expert groups (DeepSeek)"),
+    "topk_group": Range(1, 1 << 14, True, "config.json: groups each token may use (DeepSeek)"),
+    "first_k_dense_replace": Range(0, 1024, True, "config.json: leading dense layers (DeepSeek)"),
+    "decoder_sparse_step": Range(1, 1024, True, "config.json: every n-th layer is sparse (Qwen3-MoE)"),
+    "q_lora_rank": Range(1, 1 << 16, True, "config.json: low-rank query width (DeepSeek)"),
+    "kv_lora_rank": Range(1, 1 << 16, True, "config.json: latent KV width (DeepSeek)"),
+    "qk_rope_head_dim": Range(1, 4096, True, "config.json: rotary part of a head (DeepSeek)"),
+    "qk_nope_head_dim": Range(1, 4096, True, "config.json: non-rotary part of a head (DeepSeek)"),
+    "v_head_dim": Range(1, 4096, True, "config.json: value head width (DeepSeek)"),
 }
+
+CHECKPOINT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_experts",
+                     "num_local_experts", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group",
+                     "topk_group", "first_k_dense_replace", "decoder_sparse_step", "q_lora_rank", "kv_lora_rank",
+                     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+"""Top-level config.json fields whose size decides what an export allocates: range-checked (when present and
+not null) before a recipe parses the config."""
 
 
 def check_limit(name: str, value, label: str | None = None) -> str | None:
     """``LIMITS[name].problem`` under the caller's name for the field (``--top-k``, ``top_k``)."""
     return LIMITS[name].problem(label or name, value)
+
+
+def config_problem(config: dict, source: str) -> str | None:
+    """Why a checkpoint's parsed ``config.json`` cannot be exported, checked before anything is allocated:
+    a non-finite number anywhere in it (named by its path, e.g. ``rope_parameters.mscale_all_dim``), or a
+    ``CHECKPOINT_FIELDS`` size out of its range. None when neither."""
+    stack = [("", config)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack += [(f"{path}.{key}" if path else str(key), child) for key, child in value.items()]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{index}]", child) for index, child in enumerate(value)]
+        elif isinstance(value, float) and not math.isfinite(value):
+            return f"{source}: field {path!r} must be a finite number; found {value!r}"
+    for name in CHECKPOINT_FIELDS:
+        if config.get(name) is not None and (problem := check_limit(name, config[name], f"field {name!r}")):
+            return f"{source}: {problem}"
+    return None

@@ -58,8 +58,13 @@ def safetensors_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """name -> (absolute byte offset, byte length) of each tensor's data in a safetensors file."""
     with open(path, "rb") as f:
         (header_bytes,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_bytes))
-    base = 8 + header_bytes
+        return offsets_of_header(f.read(header_bytes))
+
+
+def offsets_of_header(header_json: bytes) -> dict[str, tuple[int, int]]:
+    """``safetensors_offsets`` of a file whose JSON header is ``header_json`` (the bytes after its 8-byte length)."""
+    header = json.loads(header_json)
+    base = 8 + len(header_json)
     return {name: (base + entry["data_offsets"][0], entry["data_offsets"][1] - entry["data_offsets"][0])
             for name, entry in header.items() if name != "__metadata__"}
 

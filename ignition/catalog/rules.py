@@ -4,8 +4,8 @@ from ignition.catalog.limits import MAX_JSON_DEPTH
 
 RULES = {
     "CORE-MISSING": "The core path is a directory holding manifest.json.",
-    "JSON-PARSE": f"Every metadata file is strict UTF-8 JSON (no NaN/Infinity), nested at most {MAX_JSON_DEPTH} "
-                  "levels deep.",
+    "JSON-PARSE": f"Every metadata file is strict UTF-8 JSON (no NaN/Infinity, no object repeating a key), nested "
+                  f"at most {MAX_JSON_DEPTH} levels deep.",
     "SCHEMA": "Every metadata file matches its JSON Schema (draft 2020-12); unknown fields are rejected.",
     "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads.",
     "ENUM-OPERATION": "A variant's operation is a known Operation code.",
@@ -23,6 +23,8 @@ RULES = {
     "GEOM-SEQ": "model.max_seq_len is the position extent of the KV caches and holds a chunk_limit prefill chunk.",
     "GEOM-VOCAB-TENSOR": "vocab_padded is the row count of the vocabulary weights (embedding, lm_head) in the "
                          "weights file and the last extent of penalty_counts.",
+    "GEOM-VOCAB-GRAPH": "Every graph's calls to Ignition's reduction ops pass manifest.json:vocab_size (and a sharded "
+                        "core's vocab_shard) and logits of vocab_padded columns (vocab_shard for a shard's op).",
     "GEOM-MODEL": "The model's sizes (layers, KV heads, head_dim, hidden_size) and dtype match the state and "
                   "vocabulary weight tensors.",
     "GEOM-TOKENIZER": "The tokenizer's token ids (added tokens included) are below vocab_size.",
@@ -80,7 +82,9 @@ RULES = {
                     "unlike every other rank's; a rank r >= 1 file's header metadata records rank r.",
     "TP-VARIANTS": "Every rank has a graph for exactly the catalog's variants (same declarations on every rank); "
                    "rank 0's files are the core's own weights and graphs.",
-    "CORE-DIGEST": "The core digest (sha256 of the canonical manifest) equals the expected one (--expect-digest).",
+    "MANIFEST-CANONICAL": "manifest.json is exactly its canonical JSON (sorted keys, no repeated key, fixed "
+                          "indentation and separators, a final newline): the digest covers these bytes.",
+    "CORE-DIGEST": "The core digest (sha256 of manifest.json's bytes) equals the expected one (--expect-digest).",
     "SIGNATURE": "signature.json, when present or required by a trusted key, is an Ed25519 signature over the core "
                  "digest that verifies (with the trusted key, when one is given).",
     "PT2-ARCHIVE": "A graph .pt2 is a plain zip: one root folder, stored members, unique names, nothing before "
@@ -91,6 +95,9 @@ RULES = {
                   "objects, non-empty sample inputs).",
     "PT2-PROGRAM": "The serialized program is static: tensor inputs only, no guards_code, symbolic expressions, "
                    "range constraints or custom objects; node targets in allowed operator namespaces.",
+    "GRAPH-OPERATOR": "A graph calls only the operators the recipes emit (ignition/catalog/operators.py, checked "
+                      "before torch reads the program); file, storage, process and printing operators "
+                      "(aten.from_file, save, load, ...) are refused by name.",
     "GRAPH-LOAD": "Every variant's .pt2 loads with torch.export.load (after the safe reader accepted it).",
     "GRAPH-SIGNATURE": "The .pt2's inputs and outputs have the declared names, dtypes and shapes, in order.",
     "GRAPH-MUTATION": "The graph writes its outputs and state, and never writes inputs or weights.",

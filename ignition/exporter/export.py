@@ -19,7 +19,7 @@ from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
-from ignition.exporter.publish import check_output, publish, recover, staging_dir
+from ignition.exporter.publish import check_output, discard, publish, recover, staging_dir
 from ignition.exporter.signing import sign_core
 from ignition.catalog.hashing import dump_json, hash_tree
 from ignition.recipes.base import ExportOptions, GraphBuild, RecipeBuild
@@ -204,6 +204,5 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             sign_core(staging, signing_key)
         publish(staging, out, overwrite)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        discard(staging, out)  # a failed export's staging directory (published: already renamed away)
     return timings

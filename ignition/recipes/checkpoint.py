@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ignition.catalog.limits import config_problem
+
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,6 +74,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{config_path}: top level must be a JSON object; found {type(config).__name__}"
         )
+    problem = config_problem(config, str(config_path))  # before any recipe sizes anything by it
+    if problem:
+        raise CheckpointError(problem)
     return config
 
 

@@ -6,22 +6,18 @@ schemas and every catalog rule, the sha256 of every file, the signature and trus
 the very bytes whose sha256 was just compared before ``torch.export.load`` reads them. The program
 loaded there is the one that runs. The weights are likewise read once, hashed and deserialized from
 those bytes (the validator leaves the sha256 of the files loaded here to the loader), and a compiled
-package is hashed and then loaded from a private copy of the verified bytes, so no file is read
+package is hashed and then loaded from a private copy of the verified bytes; the ONNX graphs (through
+every ONNX rule) and ``tokenizer.json`` likewise (``ignition/runtime/verified.py``). So no file is read
 twice and none can be swapped between its check and its load. ``validate-core`` stays the check of a
 core at rest, with every finding; loading stops at the first graph that fails.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,18 +35,17 @@ from ignition.runtime.launcher import LauncherError, PreparedReduction
 from ignition.runtime.onnx_backend import RUNTIMES
 from ignition.runtime.parallel import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
+from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
+                                       private_copy, read_verified, tokenizer_file, weights_offsets)
 from ignition.runtime.weights import WeightsFormatError, view_tensors
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
+from ignition.validate.geometry import check_graph_vocabulary
 from ignition.validate.graphs import check_graph
-from ignition.validate.report import Violation
+from ignition.validate.onnx_graphs import check_pairing
 from ignition.validate.parallel import check_program, rank_graph_files
 
 Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
-
-
-class CoreLoadError(Exception):
-    """The core is invalid or cannot be loaded; the message lists every finding."""
 
 
 class NotACoreError(CoreLoadError):
@@ -180,14 +175,6 @@ class LoadedCore:
         return report
 
 
-def _load_tokenizer(path: Path):
-    file = path / "tokenizer" / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(file))
-
-
 def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
     packaged = [v["name"] for v in catalog["variants"] if v.get("packages", {}).get("inductor")]
     if packaged and not trusted:
@@ -195,23 +182,6 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
                       "core is not trusted (pass trust_compiled=True / --trust-compiled, or a trusted key that "
                       "signed it); using the portable .pt2 programs", stacklevel=3)
     return trusted
-
-
-@contextmanager
-def private_copy(data: bytes, name: str):
-    """``data`` in a file only this process created and only this user can reach: a fresh ``mkdtemp``
-    directory (mode 0700) and a file opened with O_CREAT|O_EXCL|O_NOFOLLOW (0600). A loader that needs a
-    path loads the bytes it verified from there, never the core's file a writer could swap meanwhile;
-    the copy is removed on exit."""
-    directory = tempfile.mkdtemp(prefix="ignition-load-")
-    try:
-        path = os.path.join(directory, os.path.basename(name))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-        yield Path(path)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _load_runnable(root: Path, entry: dict, prefer_compiled: bool, program, device: torch.device, manifest: dict):
@@ -243,10 +213,22 @@ def _onnx_backend(root: Path, weights: dict[str, torch.Tensor], device: torch.de
         raise CoreLoadError(f"{root}: {exc}") from None
 
 
-def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]):
+def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor], manifest: dict,
+              offsets: dict[str, tuple[int, int]]):
+    """The variant's ONNX replay, from its graph's bytes read once, hashed, and checked by every ONNX rule
+    validate-core runs (``check_onnx_graph``) before onnxruntime parses those same bytes."""
     from ignition.runtime.onnx_backend import OnnxBackendError
+    from ignition.validate.onnx_graphs import check_onnx_graph
+
+    rel = entry.get("packages", {}).get("onnx")
+    if rel is None:
+        raise CoreLoadError(f"{backend.root}: variant {entry['name']} has no ONNX graph: export the core with --onnx")
+    data = read_verified(backend.root, rel, manifest)
+    found = check_onnx_graph(data, entry, manifest["weights"], offsets)
+    if found:
+        raise CoreLoadError(f"{backend.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     try:
-        return backend.variant_run(entry, arguments, buffers)
+        return backend.variant_run(entry, arguments, buffers, data)
     except OnnxBackendError as exc:
         raise CoreLoadError(f"{backend.root}: {exc}") from None
 
@@ -312,8 +294,10 @@ def _load_program(root: Path, entry: dict, manifest: dict, rel: str):
     if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
     found, program = check_graph(graph_path, entry, sha256=manifest["files"].get(rel))
-    if not found and program is not None and "tensor_parallel" in manifest:
-        found = check_program(program, manifest, rel)
+    if not found and program is not None:
+        found = check_graph_vocabulary(program, manifest, rel)
+        if "tensor_parallel" in manifest:
+            found += check_program(program, manifest, rel)
     if found or program is None:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     return program
@@ -329,9 +313,14 @@ def _hashed_on_load(root: Path, manifest: dict | None, rank: int, runtime: str) 
     section = manifest.get("tensor_parallel")
     try:
         files = {section["rank_files"][rank]["weights"] if section else manifest["weights"]}
-        if runtime != "onnxruntime":  # the ONNX backend reads no .pt2: the validator hashes those
-            catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
-            files |= set(_graph_files(json.loads(catalog_path.read_bytes()), manifest, rank).values())
+        catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
+        catalog = json.loads(catalog_path.read_bytes())
+        if runtime == "onnxruntime":  # the ONNX backend reads no .pt2: the validator hashes those
+            files |= {v["packages"]["onnx"] for v in catalog["variants"] if "onnx" in v.get("packages", {})}
+        else:
+            files |= set(_graph_files(catalog, manifest, rank).values())
+        if tokenizer_file(manifest) in manifest["files"]:
+            files.add(tokenizer_file(manifest))
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError):
         return set()  # the validator reports what is wrong, and hashes everything
     return files
@@ -340,26 +329,6 @@ def _hashed_on_load(root: Path, manifest: dict | None, rank: int, runtime: str) 
 def _graph_files(catalog: dict, manifest: dict, rank: int) -> dict[str, str]:
     """Variant name -> the graph file this rank loads (a sharded core's rank files replace the catalog's)."""
     return {v["name"]: v["graph"] for v in catalog["variants"]} | rank_graph_files(manifest, rank)
-
-
-def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
-    """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
-    what the caller loads from them is what was verified (no second read a swapped file could answer)."""
-    path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
-    if path is None:  # validate_core already refused such a path; kept for a core changed since
-        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
-    try:
-        with open(path, "rb") as file:  # one copy, into writable memory the weights can then be views of
-            data = bytearray(os.fstat(file.fileno()).st_size)
-            if file.readinto(data) != len(data) or file.read(1):
-                raise OSError(f"{rel} changed size while it was read")
-    except OSError as exc:
-        raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
-    expected, found = manifest["files"].get(rel), hashlib.sha256(data).hexdigest()
-    if found != expected:
-        raise CoreLoadError(f"{root} is not a valid core:\n  "
-                            f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
-    return data
 
 
 def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
@@ -397,7 +366,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     """
     root = Path(path)
     if runtime not in RUNTIMES:
-        raise CoreLoadError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+        raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
     try:
         check_runtime(runtime, tensor_parallel)
     except ParallelOptionError as exc:
@@ -407,7 +376,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     try:
         device = resolve_device(device)
     except ValueError as exc:
-        raise CoreLoadError(str(exc)) from None
+        raise LoadOptionError(str(exc)) from None
     stages.start("check", "hashes, schemas, catalog rules, signature")
     try:
         report = validate_core(root, check_graphs=False, trusted_key=trusted_key,
@@ -422,11 +391,18 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
     prefer_compiled = not onnx and prefer_compiled and _compiled_allowed(catalog, trust_compiled or report.trusted)
     reduction = None if onnx else _device_reduction(root, report, device)  # ONNX graphs reduce in standard ops
     stages.start("weights", weights_file)
-    try:  # views of the verified bytes on CPU: the weights are read once and never copied
-        weights = {name: t.to(device) for name, t in view_tensors(read_verified(root, weights_file, manifest)).items()}
+    weights_data = read_verified(root, weights_file, manifest)
+    try:  # views of the verified bytes: on CPU the weights are read once and never copied
+        weights = view_tensors(weights_data)
     except WeightsFormatError as exc:
         raise CoreLoadError(f"{root}: {weights_file}: {exc}") from None
+    check_loaded_weights(root, manifest, catalog, weights, weights_file)
+    weights = {name: t.to(device) for name, t in weights.items()}
+    offsets = weights_offsets(weights_data) if onnx else {}
+    del weights_data  # the CPU views keep the buffer; a device copy lets it go
     backend = _onnx_backend(root, weights, device) if onnx else None
+    if onnx and (found := check_pairing(catalog["variants"])):
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
     graph_files = _graph_files(catalog, manifest, rank)
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants, programs = {}, {}
@@ -445,7 +421,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
             else:
                 buffers[arg.name] = arg.empty(device)
         if onnx:  # the .pt2 programs are neither read nor loaded
-            run = _onnx_run(backend, entry, arguments, buffers)
+            run = _onnx_run(backend, entry, arguments, buffers, manifest, offsets)
         else:
             run = _load_runnable(root, entry, prefer_compiled, programs[entry["name"]], device, manifest)
         variants[entry["name"]] = LoadedVariant(
@@ -463,7 +439,7 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
         if not onnx and variant.layout.get("windows") and (capture is None or variant.name not in capture.captured):
             variant.run = Windowed(variant.run, variant.bindings, variant.layout["windows"])
     stages.start("tokenizer", manifest["tokenizer"] or "none")
-    tokenizer = _load_tokenizer(root)
+    tokenizer = load_tokenizer(root, manifest)
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, device=device, transfer=HostTransfer(device),

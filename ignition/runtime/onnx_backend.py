@@ -87,16 +87,16 @@ class OnnxRuntimeBackend:
         self.weights = {name: ort.OrtValue.from_dlpack(tensor) for name, tensor in weights.items()}
         self.threads = torch.get_num_threads()  # the same parallelism the torch runtime gets
 
-    def variant_run(self, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> OnnxReplay:
-        if "onnx" not in entry.get("packages", {}):
-            raise OnnxBackendError(f"variant {entry['name']} has no ONNX graph: export the core with --onnx")
+    def variant_run(self, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor],
+                    model: bytes) -> OnnxReplay:
+        """The variant's replay from ``model``: its graph's bytes, which the loader read once, hashed and
+        checked (onnxruntime parses exactly those; the core's file is not opened again)."""
         options = self.ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.log_severity_level = 3  # errors only
         options.add_session_config_entry(_EXTERNAL_FOLDER, str(self.root))  # where external data would be resolved
         names = [a.name for a in arguments if a.role is Role.WEIGHT]
         options.add_external_initializers(names, [self.weights[name] for name in names])
-        model = (self.root / entry["packages"]["onnx"]).read_bytes()
         try:
             session = self.ort.InferenceSession(model, options, providers=self.providers)
         except Exception as exc:  # onnxruntime raises its own Fail/NotImplemented types

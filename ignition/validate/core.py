@@ -10,7 +10,7 @@ from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.model import MANIFEST_FILE
 from ignition.validate.contract_rules import check_catalog
 from ignition.validate.files import check_files, check_weights, safe_path
-from ignition.validate.geometry import check_geometry
+from ignition.validate.geometry import check_geometry, check_graph_vocabulary
 from ignition.validate.parallel import check_program, check_section, named_files, rank_graph_files
 from ignition.validate.report import Violation
 from ignition.validate.schema import parse_json, schema_violations
@@ -25,9 +25,10 @@ class ValidationReport:
     catalog: dict | None = None
     kernels: dict | None = None
     programs: dict = field(default_factory=dict)  # variant name -> loaded torch.export program (reused by loaders)
-    digest: str | None = None  # core digest: sha256 of the canonical manifest (which hashes every file)
+    digest: str | None = None  # core digest: sha256 of manifest.json's bytes, its canonical JSON (hashing every file)
     signed_by: str | None = None  # key id of a signature.json that verifies (against trusted_key when given)
     trusted: bool = False  # the core's signature verified against the caller's trusted key
+    read: dict[str, bytes] = field(default_factory=dict, repr=False)  # metadata files as read once and parsed
 
     @property
     def ok(self) -> bool:
@@ -38,7 +39,8 @@ class ValidationReport:
                 "violations": [v.as_dict() for v in self.violations]}
 
 
-def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
+def _read_bytes(root: Path, rel: str, where: str, report: ValidationReport) -> bytes | None:
+    """The file's bytes, read once: kept in ``report.read`` so its sha256 is taken from what was parsed."""
     path, problems = safe_path(root, rel, where)
     report.violations += problems
     if path is None:
@@ -46,7 +48,15 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport):
     if not path.is_file():
         report.violations.append(Violation("FILE-MISSING", rel, f"named by {where} but absent"))
         return None
-    document, problems = parse_json(path.read_bytes(), rel)
+    report.read[rel] = path.read_bytes()
+    return report.read[rel]
+
+
+def _read_json(root: Path, rel: str, where: str, report: ValidationReport, data: bytes | None = None):
+    data = _read_bytes(root, rel, where, report) if data is None else data
+    if data is None:
+        return None
+    document, problems = parse_json(data, rel)
     report.violations += problems
     return document
 
@@ -82,10 +92,11 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
-    manifest = _read_json(root, MANIFEST_FILE, "core", report)
+    manifest_bytes = _read_bytes(root, MANIFEST_FILE, "core", report)  # read once: parsed and digested alike
+    manifest = _read_json(root, MANIFEST_FILE, "core", report, manifest_bytes) if manifest_bytes is not None else None
     if manifest is None:
         return
-    provenance = check_provenance(root, manifest, expect_digest, trusted_key)
+    provenance = check_provenance(root, manifest_bytes, manifest, expect_digest, trusted_key)
     report.violations += provenance.violations
     report.digest, report.signed_by, report.trusted = provenance.digest, provenance.signed_by, provenance.trusted
     schema_found = schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
@@ -129,7 +140,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 report.violations += check_sharded_launches(manifest, variants, kernel_table)
     elif any(v["launches"] for v in variants):
         report.violations.append(Violation("KERNEL-MISSING", MANIFEST_FILE, "variants name launches but the core has no kernel table"))
-    file_found = check_files(root, manifest["files"], named, hashed_by_caller)
+    file_found = check_files(root, manifest["files"], named, hashed_by_caller, report.read)
     report.violations += file_found
     broken = {v.where for v in file_found}
     weights_path, _ = safe_path(root, manifest["weights"], "weights")
@@ -149,6 +160,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 report.violations += found
                 if program is not None:
                     report.violations += check_program(program, manifest, rel)
+                    report.violations += check_graph_vocabulary(program, manifest, rel)
                     if graph_rank == (rank or 0):
                         report.programs[variant["name"]] = program
         from ignition.validate.onnx_graphs import check_onnx

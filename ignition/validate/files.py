@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import hashlib
+from collections.abc import Collection, Mapping
 from pathlib import Path, PurePosixPath
 
 from safetensors import safe_open
@@ -29,19 +30,29 @@ def safe_path(root: Path, rel: str, where: str) -> tuple[Path | None, list[Viola
 
 
 def check_files(root: Path, listed: dict[str, str], named: dict[str, str],
-                hashed_by_caller: Collection[str] = ()) -> list[Violation]:
+                hashed_by_caller: Collection[str] = (), read: Mapping[str, bytes] | None = None) -> list[Violation]:
     """``listed``: manifest files (path -> sha256); ``named``: path -> who names it. ``hashed_by_caller``:
-    files checked for presence only, because the caller (a loader) hashes the very bytes it then loads."""
+    files checked for presence only, because the caller (a loader) hashes the very bytes it then loads.
+    ``read``: files the caller already read and parsed (the catalog, the kernel table), hashed from those
+    bytes, so what was checked is what the digest covers."""
+    read = read or {}
     found = []
     for rel, digest in sorted(listed.items()):
         path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
         found += problems
         if path is None:
             continue
-        if not path.is_file():
+        if rel in read:
+            actual = hashlib.sha256(read[rel]).hexdigest()
+        elif not path.is_file():
             found.append(Violation("FILE-MISSING", rel, "listed in manifest.json but absent"))
-        elif rel not in hashed_by_caller and sha256_file(path) != digest:
-            found.append(Violation("FILE-HASH", rel, f"expected sha256 {digest}, found {sha256_file(path)}"))
+            continue
+        elif rel in hashed_by_caller:
+            continue
+        else:
+            actual = sha256_file(path)
+        if actual != digest:
+            found.append(Violation("FILE-HASH", rel, f"expected sha256 {digest}, found {actual}"))
     for rel, who in sorted(named.items()):
         path, problems = safe_path(root, rel, who)
         found += problems

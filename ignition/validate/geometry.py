@@ -5,16 +5,20 @@ model sizes against the declared state (catalog/geometry.py says which extent is
 vocab_padded and hidden_size against the weights file's header (read without loading a tensor),
 the tokenizer's ids against vocab_size, and the catalog's operations against what the runtime
 needs (one prefill at the chunk limit, at least one decode). The graphs' signatures are tied to
-the same declarations by STATE-DECL, WEIGHT-DECL and GRAPH-SIGNATURE.
+the same declarations by STATE-DECL, WEIGHT-DECL and GRAPH-SIGNATURE, and vocab_size and
+vocab_padded to the constants and logits each graph hands to Ignition's reduction ops
+(GEOM-VOCAB-GRAPH, ``check_graph_vocabulary``): a manifest that claims another vocabulary than
+the graphs compute with is refused.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 from ignition.catalog.enums import Operation
-from ignition.catalog.geometry import (MODEL_DTYPE_STATE, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS, field_name,
-                                       manifest_value)
+from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, MODEL_DTYPE_STATE, STATE_SHAPES,
+                                       SYMBOL_RULES, VOCAB_WEIGHTS, field_name, manifest_value)
 from ignition.validate.files import safe_path
 from ignition.validate.parallel import rank_view
 from ignition.validate.report import Violation
@@ -78,6 +82,19 @@ def check_vocab_weights(manifest: dict, header: dict[str, tuple[str, list[int]]]
             found.append(Violation("GEOM-MODEL", f"{weights_file}: {name}",
                                    f"expected the model dtype {manifest['model']['dtype']}, found {dtype}"))
     return found
+
+
+def check_attention_weights(manifest: dict, header: dict[str, tuple[str, list[int]]], weights_file: str) -> list[Violation]:
+    """Query and KV heads (a rank's share of a sharded core) and hidden_size against the first layer's attention
+    projections in the weights header; recipes whose heads are not ``head_dim`` wide are not checked."""
+    if manifest.get("recipe") not in ATTENTION_RECIPES:
+        return []
+    view, ranks = copy.deepcopy(manifest), (manifest.get("tensor_parallel") or {}).get("ranks", 1)
+    for field in ("num_heads", "num_kv_heads"):
+        if isinstance(view["model"].get(field), int) and view["model"][field] % ranks == 0:
+            view["model"][field] //= ranks  # TP-RANKS reports counts that do not divide
+    return [violation for name, expression in ATTENTION_WEIGHTS.items() if name in header
+            for violation in _compare(view, f"{weights_file}: {name} {header[name][1]}", expression, header[name][1])]
 
 
 def check_limits(manifest: dict, variants: list[dict]) -> list[Violation]:
@@ -150,4 +167,40 @@ def check_geometry(root: Path, manifest: dict, catalog: dict) -> list[Violation]
     header = weight_shapes(weights_path) if weights_path is not None and weights_path.is_file() else None
     if header is not None:
         found += check_vocab_weights(rank_view(manifest, "weights"), header, manifest["weights"])
+        found += check_attention_weights(manifest, header, manifest["weights"])
     return found + check_tokenizer(root, manifest)
+
+
+def _call_arguments(node) -> dict:
+    """Schema argument name -> value of an operator call node (positional and keyword)."""
+    schema = node.target._schema
+    values = {arg.name: value for arg, value in zip(schema.arguments, node.args)}
+    return values | dict(node.kwargs)
+
+
+def check_graph_vocabulary(program, manifest: dict, where: str) -> list[Violation]:
+    """GEOM-VOCAB-GRAPH: every call to an ``ignition`` op in the loaded ``program`` passes the manifest's
+    vocab_size (a shard's op too: it derives its lanes from vocab_start and the global size), its vocab_shard
+    (a sharded core), and logits whose last extent is vocab_padded (a shard's: vocab_shard)."""
+    import torch
+
+    section = manifest.get("tensor_parallel") or {}
+    expected = {"vocab_size": manifest["vocab_size"], "vocab_shard": section.get("vocab_shard")}
+    found = []
+    for node in program.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+                or node.target.namespace != "ignition":
+            continue
+        values, op = _call_arguments(node), node.target.name()
+        for name, wanted in expected.items():
+            if isinstance(values.get(name), int) and values[name] != wanted:
+                found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}", f"the graph computes with {name} "
+                                       f"{values[name]}; manifest.json says {wanted}"))
+        logits = values.get("logits")
+        value = logits.meta.get("val") if isinstance(logits, torch.fx.Node) else None
+        field = "vocab_shard" if "vocab_start" in values else "vocab_padded"
+        columns = expected["vocab_shard"] if field == "vocab_shard" else manifest["vocab_padded"]
+        if value is not None and value.dim() >= 1 and value.shape[-1] != columns:
+            found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}: logits",
+                                   f"expected {columns} columns ({field}), found {list(value.shape)}"))
+    return found

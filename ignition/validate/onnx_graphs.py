@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ignition.catalog.enums import Role
 from ignition.catalog.model import BufferDecl
+from ignition.catalog.operators import ONNX_CUSTOM_DOMAINS
 from ignition.catalog.onnx_layout import (ONNX_DTYPES, ONNX_OPSET, expected_inputs, expected_outputs, external_data,
                                           onnx_path, output_name, safetensors_offsets, weights_as_inputs,
                                           written_buffers)
@@ -21,6 +22,7 @@ from ignition.validate.report import Violation
 
 _DTYPE_NAMES = {code: name for name, code in ONNX_DTYPES.items()}
 STANDARD_DOMAINS = ("", "ai.onnx")
+ALLOWED_DOMAINS = STANDARD_DOMAINS + ONNX_CUSTOM_DOMAINS
 ALIASING_OPS = ("Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 
 
@@ -139,15 +141,16 @@ def inplace_hazards(model, written: list[str]) -> list[str]:
     return hazards
 
 
-def check_onnx_graph(path: Path, variant: dict, weights_file: str,
+def check_onnx_graph(data: bytes, variant: dict, weights_file: str,
                      offsets: dict[str, tuple[int, int]] | None) -> list[Violation]:
-    """All ONNX findings for one variant's graph file."""
+    """All ONNX findings for one variant's graph, given the file's bytes (a loader passes the very bytes it
+    verified and then hands to onnxruntime)."""
     import onnx
 
     where = f"variant {variant['name']}: {variant['packages']['onnx']}"
     try:
         model = onnx.ModelProto()
-        model.ParseFromString(path.read_bytes())
+        model.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError and others on garbage
         return [Violation("ONNX-LOAD", where, f"not an ONNX model: {type(exc).__name__}: {str(exc)[:200]}")]
     if not model.HasField("graph"):
@@ -156,8 +159,8 @@ def check_onnx_graph(path: Path, variant: dict, weights_file: str,
     opsets = {o.domain: o.version for o in model.opset_import}
     if opsets.get("", opsets.get("ai.onnx", 0)) < ONNX_OPSET:
         found.append(Violation("ONNX-OPSET", where, f"expected the default-domain opset >= {ONNX_OPSET}, found {opsets}"))
-    foreign = sorted({n.domain for n in model.graph.node if n.domain not in STANDARD_DOMAINS}
-                     | {d for d in opsets if d not in STANDARD_DOMAINS} | {f.domain for f in model.functions})
+    foreign = sorted({n.domain for n in model.graph.node if n.domain not in ALLOWED_DOMAINS}
+                     | {d for d in opsets if d not in ALLOWED_DOMAINS} | {f.domain for f in model.functions})
     if foreign:
         found.append(Violation("ONNX-OPSET", where, f"expected standard operators only, found domains {foreign}"))
     try:
@@ -194,5 +197,5 @@ def check_onnx(root: Path, manifest: dict, variants: list[dict], broken: set[str
         path, _ = safe_path(root, rel, variant["name"])
         if path is None or rel in broken or not path.is_file() or rel != onnx_path(variant["name"]):
             continue  # already a file or pairing finding
-        found += check_onnx_graph(path, variant, weights_file, offsets)
+        found += check_onnx_graph(path.read_bytes(), variant, weights_file, offsets)
     return found

@@ -5,10 +5,13 @@ Three fields of that JSON become code when torch deserializes or unlifts the pro
 (symbolic shapes, range constraints) goes through ``sympy.sympify``, which ``eval``s; and a
 placeholder holding a string constant is pasted into generated guard code. Our graphs take
 one dict of tensors of fixed shapes, except the windowed inputs (``catalog.buffers.WINDOWS``),
-whose extent is one symbol: so no guards code may appear, and every expression must be integer
+whose extent is one symbol: so no guards code may appear, every expression must be integer
 arithmetic (sum, product, min, max, floor division, modulo) of literals and shape symbols, which
-sympify can only build, never run code from; range constraints must be integer bounds of such symbols. Node targets are limited
-to operator namespaces we emit, and pytree specs to the plain containers our signature uses.
+sympify can only build, never run code from, and range constraints must be integer bounds of such
+symbols. Node targets are limited to operator namespaces we emit (PT2-PROGRAM), plus a fixed list
+of ``_operator`` functions on shape symbols, and within them to the operators the recipes emit
+(GRAPH-OPERATOR, ``ignition/catalog/operators.py``: ``aten.from_file`` and its kind can write files);
+pytree specs to the plain containers our signature uses.
 """
 
 from __future__ import annotations
@@ -16,9 +19,8 @@ from __future__ import annotations
 import json
 import re
 
+from ignition.catalog.operators import OPERATOR_NAMESPACES as OP_NAMESPACES, operator_refusal
 from ignition.validate.report import Violation
-
-OP_NAMESPACES = ("aten", "prims", "ignition", "_c10d_functional", "higher_order")
 _TARGET = re.compile(rf"torch\.ops\.({'|'.join(OP_NAMESPACES)})\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
 _SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 _REPORT_AT_MOST = 5
@@ -74,11 +76,11 @@ def program_violations(document, at: str) -> list[Violation]:
     for index, arg in enumerate(inputs):
         if not (isinstance(arg, dict) and set(arg) == {"as_tensor"}):
             found.append(bad(f"graph input {index}: expected a tensor, found {str(arg)[:80]}"))
-    found += _walk(document, bad)
+    found += _walk(document, bad, at)
     return found
 
 
-def _walk(document, bad) -> list[Violation]:
+def _walk(document, bad, at: str) -> list[Violation]:
     """One iterative pass over the whole tree (nested subgraphs included), without recursion."""
     found: list[Violation] = []
     stack = [document]
@@ -95,11 +97,16 @@ def _walk(document, bad) -> list[Violation]:
                              "which evaluates Python)"))
         if node.get("as_custom_obj") is not None or node.get("custom_obj_values"):
             found.append(bad("expected no custom objects (torch unpickles them)"))
-        target = node.get("target")
-        if "inputs" in node and "outputs" in node and target is not None:
-            if not (isinstance(target, str) and (_TARGET.fullmatch(target) or _SYMBOLIC_TARGET.fullmatch(target))):
-                found.append(bad(f"node target {str(target)[:80]!r} is not an operator in the allowed namespaces "
+        target = node.get("target") if "inputs" in node and "outputs" in node else None
+        for operator in (target, node.get("as_operator")):  # a node's target, or an operator passed as an argument
+            if operator is None or (operator is target and isinstance(target, str)
+                                    and _SYMBOLIC_TARGET.fullmatch(target)):
+                continue  # shape-symbol arithmetic: torch maps these names to fixed functions
+            if not (isinstance(operator, str) and _TARGET.fullmatch(operator)):
+                found.append(bad(f"operator {str(operator)[:80]!r} is not an operator in the allowed namespaces "
                                  f"{', '.join(OP_NAMESPACES)}"))
+            elif (refusal := operator_refusal(operator)) is not None:
+                found.append(Violation("GRAPH-OPERATOR", at, refusal))
         for key in ("in_spec", "out_spec"):
             if isinstance(node.get(key), str):
                 found += _spec_violations(node[key], key, bad)

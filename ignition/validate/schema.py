@@ -59,10 +59,19 @@ def nesting_depth(document) -> int:
     return deepest
 
 
+def _unique_keys(pairs: list[tuple]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"duplicate keys {repeated[:5]} in one object (parsers disagree on which one counts)")
+    return dict(pairs)
+
+
 def parse_json(data: bytes, where: str):
-    """(document, []) for strict UTF-8 JSON nested at most MAX_JSON_DEPTH levels, else (None, [JSON-PARSE])."""
+    """(document, []) for strict UTF-8 JSON nested at most MAX_JSON_DEPTH levels, with no object repeating a
+    key, else (None, [JSON-PARSE])."""
     try:
-        document = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        document = json.loads(data.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
     except RecursionError:
         return None, [Violation("JSON-PARSE", where, f"nested deeper than Python's parser allows; "
                                                      f"expected at most {MAX_JSON_DEPTH} levels")]

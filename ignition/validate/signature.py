@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
-from ignition.catalog.hashing import core_digest
+from ignition.catalog.hashing import is_canonical
 from ignition.catalog.signatures import key_id, verify
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
@@ -18,19 +19,21 @@ _MAX_SIGNATURE_BYTES = 64 << 10
 
 @dataclass(slots=True)
 class Provenance:
-    digest: str | None = None  # sha256 of the canonical manifest
+    digest: str | None = None  # sha256 of the manifest's bytes (its canonical JSON)
     signed_by: str | None = None  # key id of a signature.json that verifies (against the trusted key, if given)
     trusted: bool = False  # the signature verified against the caller's trusted key
     violations: list[Violation] = field(default_factory=list)
 
 
-def check_provenance(root: Path, manifest, expect_digest: str | None, trusted_key) -> Provenance:
-    found = Provenance()
-    try:
-        found.digest = core_digest(manifest)
-    except (TypeError, ValueError) as exc:  # NaN or infinities have no canonical JSON
-        found.violations.append(Violation("CORE-DIGEST", MANIFEST_FILE, f"the manifest has no canonical JSON: {exc}"))
-        return found
+def check_provenance(root: Path, data: bytes, manifest, expect_digest: str | None, trusted_key) -> Provenance:
+    """The digest of the manifest's exact bytes ``data`` (parsed as ``manifest``), which must be its canonical
+    JSON (MANIFEST-CANONICAL), against ``expect_digest`` and the signature."""
+    found = Provenance(digest=hashlib.sha256(data).hexdigest())
+    if not is_canonical(data, manifest):
+        found.violations.append(Violation("MANIFEST-CANONICAL", MANIFEST_FILE, (
+            "expected the canonical JSON export-core writes (sorted keys, each once, two-space indentation, "
+            "', ' and ': ' separators, a final newline): the digest and signature cover these exact bytes, "
+            "so no other spelling of the manifest is accepted")))
     if expect_digest is not None and found.digest != expect_digest:
         found.violations.append(Violation("CORE-DIGEST", MANIFEST_FILE,
                                           f"expected digest {expect_digest}, found {found.digest}"))

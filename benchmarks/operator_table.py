@@ -1,0 +1,96 @@
+"""Regenerate or check ``ignition/catalog/operators.py``: the operators the recipes' graphs call.
+
+``python -m benchmarks.operator_table`` exports tiny cores of every recipe (toy, qwen3, llama,
+qwen3_moe, deepseek_v3) with generation and prompt logprobs, speculative verify and mixed
+variants, and a tensor-parallel qwen3 core, reads every graph's ``models/model.json`` and prints
+the operator packets (``namespace.name``) the graphs call that ``EMITTED_OPERATORS`` lacks (exit 1
+when any). ``--all`` prints every captured packet. An addition to the table is a reviewed change:
+validate-core refuses any other operator (GRAPH-OPERATOR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.operators import EMITTED_OPERATORS, operator_packet
+from ignition.exporter.export import export_core
+from ignition.recipes.base import ExportOptions
+
+
+def graph_targets(pt2: Path) -> set[str]:
+    """Every node target of the graph (nested subgraphs included), as written in the program JSON."""
+    with zipfile.ZipFile(pt2) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("models/model.json"))
+        document = json.loads(archive.read(name))
+    targets, stack = set(), [document]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if "inputs" in node and "outputs" in node and isinstance(node.get("target"), str):
+                targets.add(node["target"])
+            stack.extend(node.values())
+    return targets
+
+
+def _checkpoints(root: Path) -> dict[str, Path]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import make_tiny_llama
+    import make_tiny_moe
+    import make_tiny_qwen3
+
+    made = {"qwen3": make_tiny_qwen3.make_checkpoint(root / "qwen3"),
+            "llama": make_tiny_llama.make_checkpoint(root / "llama")}
+    for family in ("qwen3_moe", "deepseek_v3"):
+        made[family] = make_tiny_moe.make_checkpoint(root / family, family=family)
+    return made
+
+
+def captured_packets(root: Path) -> set[str]:
+    """Export every configuration into ``root`` and collect the operator packets of all their graphs."""
+    checkpoints = _checkpoints(root / "checkpoints")
+    small = dict(capacities=(1, 2), chunk_limit=8, max_seq_len=32)
+    configurations = {"toy": ExportOptions(recipe="toy", capacities=(1, 4)),
+                      "toy-scored": ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True),
+                      "toy-nolp": ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False),
+                      "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
+    for family, checkpoint in checkpoints.items():
+        configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
+                                               speculative_tokens=(2,), mixed=True, **small)
+    configurations["qwen3-tp2"] = ExportOptions(recipe="qwen3", checkpoint=checkpoints["qwen3"], prompt_logprobs=True,
+                                                tensor_parallel=2, targets=("cuda:90",), **small)
+    packets = set()
+    for name, options in configurations.items():
+        out = root / name
+        export_core(options, out)
+        for pt2 in sorted(out.rglob("*.pt2")):
+            packets |= {operator_packet(t) for t in graph_targets(pt2)}
+        print(f"{name}: {len(packets)} packets so far", file=sys.stderr)
+    return packets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="print every captured packet, not only the new ones")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="ignition-operators-") as tmp:
+        packets = captured_packets(Path(tmp))
+    missing = sorted(packets - EMITTED_OPERATORS)
+    for packet in sorted(packets) if args.all else missing:
+        print(packet)
+    if missing:
+        print(f"{len(missing)} captured operator(s) missing from ignition/catalog/operators.py", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

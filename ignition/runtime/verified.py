@@ -1,0 +1,114 @@
+"""Verified bytes: every core file the loader uses is read once, hashed against the manifest, checked and
+used from those bytes (``read_verified``); what validate-core checked on its own read of a file is checked
+again on the bytes that are used (weights declarations, vocabulary rows, tokenizer ids)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ignition.validate.files import safe_path
+from ignition.validate.report import Violation
+
+
+class CoreLoadError(Exception):
+    """The core is invalid or cannot be loaded; the message lists every finding."""
+
+
+class LoadOptionError(CoreLoadError):
+    """The caller's load options cannot work here (an unknown runtime, a device this machine lacks): a usage
+    error, whatever the core holds."""
+
+
+def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
+    """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
+    what the caller loads from them is what was verified (no second read a swapped file could answer).
+    Writable memory, so tensors can be views of it (``runtime/weights.py``) instead of a second copy."""
+    path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
+    if path is None:  # validate_core already refused such a path; kept for a core changed since
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
+    try:
+        with open(path, "rb") as file:
+            data = bytearray(os.fstat(file.fileno()).st_size)
+            if file.readinto(data) != len(data) or file.read(1):
+                raise OSError(f"{rel} changed size while it was read")
+    except OSError as exc:
+        raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
+    expected, found = manifest["files"].get(rel), hashlib.sha256(data).hexdigest()
+    if found != expected:
+        raise CoreLoadError(f"{root} is not a valid core:\n  "
+                            f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
+    return data
+
+
+def tokenizer_file(manifest: dict) -> str | None:
+    return f"{manifest['tokenizer'].rstrip('/')}/tokenizer.json" if manifest.get("tokenizer") else None
+
+
+def load_tokenizer(root: Path, manifest: dict):
+    """The core's tokenizer, built from the bytes of tokenizer.json read once and hashed (``read_verified``)."""
+    rel = tokenizer_file(manifest)
+    if rel is None or rel not in manifest["files"]:
+        return None
+    from tokenizers import Tokenizer
+    data = read_verified(root, rel, manifest)
+    try:
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as exc:  # UnicodeDecodeError; tokenizers raises a bare Exception for a malformed file
+        raise CoreLoadError(f"{root}: {rel} does not load as a tokenizer: {str(exc)[:200]}") from None
+    reach, size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1), manifest["vocab_size"]
+    if reach >= size:  # GEOM-TOKENIZER again, on the bytes that are used
+        found = Violation("GEOM-TOKENIZER", rel, f"token ids must stay below manifest.json:vocab_size = {size}; "
+                                                 f"the tokenizer's reach {reach}")
+        raise CoreLoadError(f"{root} is not a valid core:\n  {found}")
+    return tokenizer
+
+
+def check_loaded_weights(root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],
+                          weights_file: str) -> None:
+    """WEIGHT-DECL, GEOM-VOCAB-TENSOR and the attention rows (GEOM-MODEL) again, on the tensors loaded from the verified bytes (validate-core
+    read the file's header from another read)."""
+    from ignition.validate.geometry import check_attention_weights, check_vocab_weights
+    from ignition.validate.parallel import rank_view
+
+    header = {name: (str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in weights.items()}
+    found = [Violation("WEIGHT-DECL", f"variant {variant['name']}: weight {decl['name']}",
+                       f"expected {decl['dtype']} {decl['shape']} in {weights_file}, found {header.get(decl['name'])}")
+             for variant in catalog["variants"] for decl in variant["arguments"]
+             if decl["role"] == "weight" and header.get(decl["name"]) != (decl["dtype"], decl["shape"])]
+    found += check_vocab_weights(rank_view(manifest, "weights"), header, weights_file)
+    found += check_attention_weights(manifest, header, weights_file)
+    if found:
+        raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found[:5]))
+
+
+def weights_offsets(data: bytes) -> dict[str, tuple[int, int]]:
+    """Each tensor's (offset, length) in the verified weights bytes: what ONNX-WEIGHTS compares against."""
+    from ignition.catalog.onnx_layout import offsets_of_header
+
+    (header_bytes,) = struct.unpack("<Q", data[:8])
+    return offsets_of_header(data[8:8 + header_bytes])
+
+
+@contextmanager
+def private_copy(data: bytes, name: str):
+    """``data`` in a file only this process created and only this user can reach: a fresh ``mkdtemp``
+    directory (mode 0700) and a file opened with O_CREAT|O_EXCL|O_NOFOLLOW (0600). A loader that needs a
+    path loads the bytes it verified from there, never the core's file a writer could swap meanwhile;
+    the copy is removed on exit."""
+    directory = tempfile.mkdtemp(prefix="ignition-load-")
+    try:
+        path = os.path.join(directory, os.path.basename(name))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+        yield Path(path)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
