@@ -58,6 +58,9 @@ TENSOR_OPERATORS = frozenset({
     "aten.permute", "aten.transpose", "aten.t", "aten.unsqueeze", "aten.squeeze", "aten.flatten", "aten.unflatten",
     "aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "aten.contiguous", "aten.clone",
     "aten.alias", "aten.detach", "aten.view_as", "aten.expand_as",
+    # windowed inputs (catalog.buffers.WINDOWS): a dynamic extent read back as a shape symbol, and the
+    # tensors built from it on the input's device (recipes/attention.py)
+    "aten.sym_size", "aten.ones_like", "aten.new_zeros", "aten.new_ones", "aten.empty_like", "aten.any",
 })
 
 ONNX_CUSTOM_DOMAINS: tuple[str, ...] = ()
