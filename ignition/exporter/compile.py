@@ -35,7 +35,10 @@ def placeholder_inputs(program: torch.export.ExportedProgram) -> tuple[tuple, di
     """
     user_inputs = [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
     metas = {node.name: node.meta["val"] for node in program.graph.nodes if node.op == "placeholder"}
-    leaves = [torch.zeros(metas[name].shape, dtype=metas[name].dtype) for name in user_inputs]
+
+    def extent(size) -> int:  # a windowed input's symbolic extent: its largest value, the declared one
+        return size if isinstance(size, int) else int(program.range_constraints[size.node.expr].upper)
+    leaves = [torch.zeros([extent(size) for size in metas[name].shape], dtype=metas[name].dtype) for name in user_inputs]
     return pytree.tree_unflatten(leaves, program.call_spec.in_spec)
 
 

@@ -94,7 +94,9 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     variants += [mixed_variant(fixed, options.chunk_limit, capacity, token_capacity, options.outputs)
                  for capacity in mixed_capacities(options)]
     if family.windowed:
-        variants = [with_windows(variant, options.max_seq_len) for variant in variants]
+        # NOTE: AOTInductor cannot compile these dynamic extents yet (a CPU kernel meets a symbolic size), so a
+        # core with compiled packages declares no windows and its graphs always read the full extents
+        variants = [with_windows(variant, options.max_seq_len, dynamic=options.compile is None) for variant in variants]
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,
@@ -152,7 +154,7 @@ SHORTEST_WINDOWED = 8
 """Extents below this stay static: a window is traced at half its extent, and torch.export fixes 0 and 1."""
 
 
-def with_windows(variant: Variant, max_seq_len: int) -> Variant:
+def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True) -> Variant:
     """``variant`` with the key window input appended (its attention reads keys ``[0, W)`` only) and, in the
     prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has): both
     named in ``layout["windows"]`` (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
@@ -162,7 +164,7 @@ def with_windows(variant: Variant, max_seq_len: int) -> Variant:
     extents = {a.name: a.shape[WINDOWS[a.name].dim] for a in variant.arguments if a.name in WINDOWS}
     if variant.operation not in (Operation.PREFILL, Operation.MIXED):
         extents.pop(CHUNK_TOKENS, None)
-    variant.layout["windows"] = [name for name, extent in extents.items() if extent >= SHORTEST_WINDOWED]
+    variant.layout["windows"] = [name for name, extent in extents.items() if dynamic and extent >= SHORTEST_WINDOWED]
     return variant
 
 
