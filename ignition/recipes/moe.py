@@ -15,10 +15,14 @@ transposed), and each runs **only on the rows routed to it** (sorted token dispa
 gives every expert one contiguous segment of the sorted order. Graphs are static, so an expert's
 segment is padded to the smallest capacity of a fixed ladder (``capacities``) that holds it, and
 the choice is made in the graph by ``torch.cond`` on the segment's length: an expert no row picked
-runs nothing and reads none of its weights, an expert with ``n`` rows runs a GEMM of at most
-``max(MIN_CAPACITY, CAPACITY_STEP * n)`` rows. Padding rows add exact zeros (``torch.where``, so
+runs nothing and reads none of its weights, an expert with ``n`` rows runs GEMMs of about
+``max(MIN_CAPACITY, CAPACITY_STEP * n)`` rows at most (1 row when ``n`` is 1). Padding rows add exact zeros (``torch.where``, so
 even a non-finite result of a padding row cannot leak). Results are added into the output in
 ascending expert order, like transformers' per-expert ``index_add_``.
+
+NOTE: the conds read their predicate on the host. On CUDA that is a synchronisation per expert,
+and a graph holding them cannot be captured as a CUDA graph (``runtime/graphs.py`` replays it
+eagerly and says so).
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ ROUTERS: dict[str, Router] = {
 """Router name -> ``(weights, layer prefix, moe, normed hidden [R, d]) -> (experts [R, k] int64, weights [R, k])``."""
 
 
-MIN_CAPACITY = 8  # rows: a GEMM this short costs about what a 1-row one does (it is bound by reading the weights)
+MIN_CAPACITY = 8  # rows: the shortest padded rung above the 1-row one
 CAPACITY_STEP = 4  # each rung of the ladder holds this many times the rows of the one below
 
 
@@ -133,11 +137,12 @@ def capacities(rows: int) -> tuple[int, ...]:
     """The static row capacities, ascending, an expert's segment is padded to in a graph of ``rows`` rows.
 
     The top rung is ``rows`` (an expert appears at most once per row, so it always fits); each rung
-    below holds ``1 / CAPACITY_STEP`` of the one above, down to ``MIN_CAPACITY``."""
+    below holds ``1 / CAPACITY_STEP`` of the one above, down to ``MIN_CAPACITY``; the bottom rung is
+    1 row, a GEMV, the common case in decode (8 lanes pick 64 experts of 128, most of them once)."""
     ladder = [rows]
     while ladder[-1] // CAPACITY_STEP >= MIN_CAPACITY:
         ladder.append(ladder[-1] // CAPACITY_STEP)
-    return tuple(reversed(ladder))
+    return tuple(reversed(ladder + [1] if rows > 1 else ladder))
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +177,8 @@ def _run_segment(capacity: int, out, hidden, rows, weights, start, count, gate, 
     return out.index_add(0, row, torch.where((slot < count)[:, None], result, 0))
 
 
+# NOTE: the cond operator itself, not ``torch.cond``: the latter traces every call with dynamo, which
+# makes torch.export about 4x slower per expert; both record the same ``higher_order.cond`` node.
 def _choose(capacity: int, fits, larger, *operands) -> torch.Tensor:
     return torch.ops.higher_order.cond(operands[_COUNT] <= capacity, fits, larger, operands)
 
