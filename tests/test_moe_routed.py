@@ -57,12 +57,12 @@ def skewed_block(experts: int = 16, hidden: int = 24, intermediate: int = 12):
 
 
 def test_capacity_ladder() -> None:
-    assert capacities(1) == (1,) and capacities(2) == (1, 2) and capacities(31) == (1, 31)
-    assert capacities(32) == (1, 8, 32) and capacities(130) == (1, 8, 32, 130)
-    assert capacities(512) == (1, 8, 32, 128, 512)
+    assert capacities(1) == (1,) and capacities(2) == (1, 2) and capacities(15) == (1, 15) and capacities(31) == (1, 15, 31)
+    assert capacities(32) == (1, 8, 16, 32) and capacities(130) == (1, 8, 16, 32, 65, 130)
+    assert capacities(512) == (1, 8, 16, 32, 64, 128, 256, 512)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 40, 121])
+@pytest.mark.parametrize("rows", [1, 3, 8, 40, 112])
 def test_routed_block_matches_transformers_expert_loop(rows: int) -> None:
     """Every rung of the capacity ladder (segments of 1 row up to all rows) against the eager oracle."""
     moe, weights, generator = skewed_block()

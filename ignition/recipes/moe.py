@@ -16,9 +16,13 @@ gives every expert one contiguous segment of the sorted order. Graphs are static
 segment is padded to the smallest capacity of a fixed ladder (``capacities``) that holds it, and
 the choice is made in the graph by ``torch.cond`` on the segment's length: an expert no row picked
 runs nothing and reads none of its weights, an expert with ``n`` rows runs GEMMs of about
-``max(MIN_CAPACITY, CAPACITY_STEP * n)`` rows at most (1 row when ``n`` is 1). Padding rows add exact zeros (``torch.where``, so
-even a non-finite result of a padding row cannot leak). Results are added into the output in
-ascending expert order, like transformers' per-expert ``index_add_``.
+``max(MIN_CAPACITY, CAPACITY_STEP * n)`` rows at most (1 row when ``n`` is 1). Padding rows add
+exact zeros (``torch.where``, so even a non-finite result of a padding row cannot leak). Results
+are added into the output in ascending expert order, like transformers' per-expert ``index_add_``.
+
+Why not the alternatives (torch 2.13): slicing each segment at its data-dependent length puts
+unbacked symbolic sizes in the program, which the safe ``.pt2`` reader rejects; ``torch._grouped_mm``
+needs the experts stacked into one tensor and its export (meta) kernel accepts only bfloat16.
 
 NOTE: the conds read their predicate on the host. On CUDA that is a synchronisation per expert,
 and a graph holding them cannot be captured as a CUDA graph (``runtime/graphs.py`` replays it
@@ -130,7 +134,7 @@ ROUTERS: dict[str, Router] = {
 
 
 MIN_CAPACITY = 8  # rows: the shortest padded rung above the 1-row one
-CAPACITY_STEP = 4  # each rung of the ladder holds this many times the rows of the one below
+CAPACITY_STEP = 2  # each rung of the ladder holds this many times the rows of the one below
 
 
 def capacities(rows: int) -> tuple[int, ...]:
