@@ -161,34 +161,37 @@ class Dispatch:
     @classmethod
     def sort(cls, top_experts: torch.Tensor, top_weights: torch.Tensor, num_experts: int) -> Dispatch:
         flat = top_experts.reshape(-1)  # [R*k]
-        order = torch.argsort(flat, stable=True)
+        position = torch.arange(flat.shape[0], device=flat.device)
+        # NOTE: distinct keys make any sort stable; ONNX has no stable sort (aten.sort.stable)
+        order = torch.argsort(flat * flat.shape[0] + position)
         counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add(
             0, flat, torch.ones_like(flat))
         return cls(rows=order // top_experts.shape[1], weights=top_weights.reshape(-1)[order],
                    starts=torch.cumsum(counts, 0) - counts, counts=counts)
 
 
-# The operands every branch of an expert's dispatch takes (torch.cond passes them positionally).
+# The operands every branch of an expert's dispatch takes (torch.cond passes them positionally); each
+# branch returns a 1-tuple, the form torch.onnx's converter of a cond's outputs expects.
 _COUNT = 5  # the segment length's position among them
 
 
-def _run_segment(capacity: int, out, hidden, rows, weights, start, count, gate, up, down) -> torch.Tensor:
+def _run_segment(capacity: int, out, hidden, rows, weights, start, count, gate, up, down) -> tuple[torch.Tensor]:
     """One expert on its segment padded to ``capacity`` rows; adds the weighted results into ``out``."""
     slot = torch.arange(capacity, device=hidden.device)
     index = (start + slot).clamp(max=rows.shape[0] - 1)  # [C]: positions in the sorted assignments
     row = rows[index]  # [C]: padding slots hold later experts' rows
     result = (gated_mlp(hidden[row], gate, up, down) * weights[index, None]).to(out.dtype)  # [C, d_model]
-    return out.index_add(0, row, torch.where((slot < count)[:, None], result, 0))
+    return (out.index_add(0, row, torch.where((slot < count)[:, None], result, 0)),)
 
 
 # NOTE: the cond operator itself, not ``torch.cond``: the latter traces every call with dynamo, which
 # makes torch.export about 4x slower per expert; both record the same ``higher_order.cond`` node.
-def _choose(capacity: int, fits, larger, *operands) -> torch.Tensor:
+def _choose(capacity: int, fits, larger, *operands) -> tuple[torch.Tensor]:
     return torch.ops.higher_order.cond(operands[_COUNT] <= capacity, fits, larger, operands)
 
 
-def _skip(out, *_) -> torch.Tensor:
-    return out.clone()  # a branch may not return its input
+def _skip(out, *_) -> tuple[torch.Tensor]:
+    return (out.clone(),)  # a branch may not return its input
 
 
 def _ladder(rows: int):
@@ -212,7 +215,7 @@ def moe_block(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig, 
         out = torch.ops.higher_order.cond(
             count > 0, routed, _skip,
             (out, hidden, assigned.rows, assigned.weights, assigned.starts[expert], count,
-             weights[name + "gate_proj"], weights[name + "up_proj"], weights[name + "down_proj"]))
+             weights[name + "gate_proj"], weights[name + "up_proj"], weights[name + "down_proj"]))[0]
     if moe.num_shared_experts:
         out = out + gated_mlp(hidden, weights[prefix + "shared.gate_proj"], weights[prefix + "shared.up_proj"],
                               weights[prefix + "shared.down_proj"])
