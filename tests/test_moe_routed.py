@@ -57,7 +57,8 @@ def skewed_block(experts: int = 16, hidden: int = 24, intermediate: int = 12):
 
 
 def test_capacity_ladder() -> None:
-    assert capacities(1) == (1,) and capacities(2) == (1, 2) and capacities(15) == (1, 15) and capacities(31) == (1, 15, 31)
+    assert capacities(1) == (1,) and capacities(2) == (1, 2) and capacities(15) == (1, 15)
+    assert capacities(31) == (1, 15, 31)
     assert capacities(32) == (1, 8, 16, 32) and capacities(130) == (1, 8, 16, 32, 65, 130)
     assert capacities(512) == (1, 8, 16, 32, 64, 128, 256, 512)
 
@@ -123,3 +124,24 @@ def test_an_expert_never_routed_to_never_touches_the_output(tmp_path, recipe: st
             input_ids = torch.tensor([int(sequence[position]), 3])
             logits = lm_head_logits(weights, cfg, family.decoder(weights, cfg, input_ids, rows, caches))
             torch.testing.assert_close(logits[0], reference[position], atol=TOL, rtol=0)
+
+
+def test_routed_block_converts_to_onnx_and_onnxruntime_agrees() -> None:
+    """The static graph (sort, nested conds) survives torch.export and torch.onnx: ``--onnx`` cores keep MoE."""
+    import onnxruntime
+
+    moe, weights, generator = skewed_block(experts=6, hidden=16, intermediate=8)
+    hidden = torch.randn(8, 16, generator=generator)  # rungs (1, 8): the skip, both rungs and their nesting
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return moe_block(weights, "", moe, x)
+
+    with torch.no_grad():
+        expected = moe_block(weights, "", moe, hidden)
+        program = torch.export.export(Block(), (hidden,), strict=False)
+        converted = torch.onnx.export(program, (), dynamo=True, opset_version=18, optimize=False, verbose=False)
+    session = onnxruntime.InferenceSession(converted.model_proto.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: hidden.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), expected, atol=1e-5, rtol=1e-5)
