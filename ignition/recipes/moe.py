@@ -10,17 +10,30 @@ Two routers, chosen by name from ``ROUTERS`` (a table, read once when the graph 
   optionally renormalised, times ``routed_scaling_factor``.
 
 The experts are the checkpoint's own per-expert tensors (stored once, never stacked or
-transposed). The plain batched implementation runs **every expert on every row** and weights
-each result by the row's dense routing weight (zero for experts it did not pick), summing in
-ascending expert order like transformers' ``index_add_``. Its cost, per MoE layer and row:
-``num_experts / experts_per_token`` times the FLOPs of sparse dispatch, and every expert's
-weights are read on every call; see docs/api.md ("Mixture of experts").
+transposed), and each runs **only on the rows routed to it** (sorted token dispatch): the R*k
+(row, expert) assignments are sorted by expert (stable, so rows ascend within an expert), which
+gives every expert one contiguous segment of the sorted order. Graphs are static, so an expert's
+segment is padded to the smallest capacity of a fixed ladder (``capacities``) that holds it, and
+the choice is made in the graph by ``torch.cond`` on the segment's length: an expert no row picked
+runs nothing and reads none of its weights, an expert with ``n`` rows runs GEMMs of about
+``max(MIN_CAPACITY, CAPACITY_STEP * n)`` rows at most (1 row when ``n`` is 1). Padding rows add
+exact zeros (``torch.where``, so even a non-finite result of a padding row cannot leak). Results
+are added into the output in ascending expert order, like transformers' per-expert ``index_add_``.
+
+Why not the alternatives (torch 2.13): slicing each segment at its data-dependent length puts
+unbacked symbolic sizes in the program, which the safe ``.pt2`` reader rejects; ``torch._grouped_mm``
+needs the experts stacked into one tensor and its export (meta) kernel accepts only bfloat16.
+
+NOTE: the conds read their predicate on the host. On CUDA that is a synchronisation per expert,
+and a graph holding them cannot be captured as a CUDA graph (``runtime/graphs.py`` replays it
+eagerly and says so).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -82,20 +95,19 @@ def check_routing(moe: MoeConfig, source: str, fields: Mapping[str, str]) -> Non
 
 
 def route_softmax_topk(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig,
-                       hidden: torch.Tensor) -> torch.Tensor:
-    """Qwen3-MoE routing: dense weights ``[R, num_experts]`` in the model dtype (zero for unpicked experts)."""
+                       hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: the picked experts ``[R, k]`` (int64) and their weights ``[R, k]`` in the model dtype."""
     router_logits = F.linear(hidden, weights[prefix + "router"])  # [R, E], model dtype
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     top_values, top_experts = torch.topk(probs, moe.experts_per_token, dim=-1)  # [R, k]
     if moe.norm_topk_prob:
         top_values = top_values / top_values.sum(dim=-1, keepdim=True)
-    top_values = top_values.to(router_logits.dtype)
-    return torch.zeros_like(router_logits).scatter(1, top_experts, top_values)
+    return top_experts, top_values.to(router_logits.dtype)
 
 
 def route_grouped_sigmoid_topk(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig,
-                               hidden: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3 routing (group-limited, bias-corrected choice): dense fp32 weights ``[R, num_experts]``."""
+                               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing (group-limited, bias-corrected choice): the picked experts ``[R, k]`` and fp32 weights."""
     rows = hidden.shape[0]
     router_logits = F.linear(hidden.to(torch.float32), weights[prefix + "router"].to(torch.float32))  # [R, E]
     scores = router_logits.sigmoid()
@@ -110,27 +122,100 @@ def route_grouped_sigmoid_topk(weights: Mapping[str, torch.Tensor], prefix: str,
     top_values = scores.gather(1, top_experts)
     if moe.norm_topk_prob:
         top_values = top_values / (top_values.sum(dim=-1, keepdim=True) + 1e-20)
-    top_values = top_values * moe.routed_scaling_factor
-    return torch.zeros_like(scores).scatter(1, top_experts, top_values)
+    return top_experts, top_values * moe.routed_scaling_factor
 
 
-Router = Callable[[Mapping[str, torch.Tensor], str, MoeConfig, torch.Tensor], torch.Tensor]
+Router = Callable[[Mapping[str, torch.Tensor], str, MoeConfig, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ROUTERS: dict[str, Router] = {
     "softmax_topk": route_softmax_topk,
     "grouped_sigmoid_topk": route_grouped_sigmoid_topk,
 }
-"""Router name -> function ``(weights, layer prefix, moe, normed hidden [R, d]) -> dense weights [R, E]``."""
+"""Router name -> ``(weights, layer prefix, moe, normed hidden [R, d]) -> (experts [R, k] int64, weights [R, k])``."""
+
+
+MIN_CAPACITY = 8  # rows: the shortest padded rung above the 1-row one
+CAPACITY_STEP = 2  # each rung of the ladder holds this many times the rows of the one below
+
+
+def capacities(rows: int) -> tuple[int, ...]:
+    """The static row capacities, ascending, an expert's segment is padded to in a graph of ``rows`` rows.
+
+    The top rung is ``rows`` (an expert appears at most once per row, so it always fits); each rung
+    below holds ``1 / CAPACITY_STEP`` of the one above, down to ``MIN_CAPACITY``; the bottom rung is
+    1 row, a GEMV, the common case in decode (8 lanes pick 64 experts of 128, most of them once)."""
+    ladder = [rows]
+    while ladder[-1] // CAPACITY_STEP >= MIN_CAPACITY:
+        ladder.append(ladder[-1] // CAPACITY_STEP)
+    return tuple(reversed(ladder + [1] if rows > 1 else ladder))
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """The R*k (row, expert) assignments sorted by expert: expert e owns ``[starts[e], starts[e] + counts[e])``."""
+
+    rows: torch.Tensor  # int64 [R*k]: the row of each sorted assignment (ascending within an expert)
+    weights: torch.Tensor  # [R*k]: its routing weight
+    starts: torch.Tensor  # int64 [E]
+    counts: torch.Tensor  # int64 [E]
+
+    @classmethod
+    def sort(cls, top_experts: torch.Tensor, top_weights: torch.Tensor, num_experts: int) -> Dispatch:
+        flat = top_experts.reshape(-1)  # [R*k]
+        position = torch.arange(flat.shape[0], device=flat.device)
+        # NOTE: distinct keys make any sort stable; ONNX has no stable sort (aten.sort.stable)
+        order = torch.argsort(flat * flat.shape[0] + position)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add(
+            0, flat, torch.ones_like(flat))
+        return cls(rows=order // top_experts.shape[1], weights=top_weights.reshape(-1)[order],
+                   starts=torch.cumsum(counts, 0) - counts, counts=counts)
+
+
+# The operands every branch of an expert's dispatch takes (torch.cond passes them positionally); each
+# branch returns a 1-tuple, the form torch.onnx's converter of a cond's outputs expects.
+_COUNT = 5  # the segment length's position among them
+
+
+def _run_segment(capacity: int, out, hidden, rows, weights, start, count, gate, up, down) -> tuple[torch.Tensor]:
+    """One expert on its segment padded to ``capacity`` rows; adds the weighted results into ``out``."""
+    slot = torch.arange(capacity, device=hidden.device)
+    index = (start + slot).clamp(max=rows.shape[0] - 1)  # [C]: positions in the sorted assignments
+    row = rows[index]  # [C]: padding slots hold later experts' rows
+    result = (gated_mlp(hidden[row], gate, up, down) * weights[index, None]).to(out.dtype)  # [C, d_model]
+    return (out.index_add(0, row, torch.where((slot < count)[:, None], result, 0)),)
+
+
+# NOTE: the cond operator itself, not ``torch.cond``: the latter traces every call with dynamo, which
+# makes torch.export 2.4-4x slower per expert (measured); both record the same ``higher_order.cond`` node.
+def _choose(capacity: int, fits, larger, *operands) -> tuple[torch.Tensor]:
+    return torch.ops.higher_order.cond(operands[_COUNT] <= capacity, fits, larger, operands)
+
+
+def _skip(out, *_) -> tuple[torch.Tensor]:
+    return (out.clone(),)  # a branch may not return its input
+
+
+def _ladder(rows: int):
+    """The routed branch: the smallest capacity that holds the segment, chosen by nested conds."""
+    ladder = capacities(rows)
+    branch = partial(_run_segment, ladder[-1])
+    for capacity in reversed(ladder[:-1]):
+        branch = partial(_choose, capacity, partial(_run_segment, capacity), branch)
+    return branch
 
 
 def moe_block(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig, hidden: torch.Tensor) -> torch.Tensor:
-    """Routed experts (plain batched: every expert on every row) plus shared experts; ``[R, d_model]``."""
-    routing = ROUTERS[moe.router](weights, prefix, moe, hidden)  # [R, E], zero where not routed
+    """Routed experts (each on its own rows, sorted dispatch) plus shared experts; ``[R, d_model]``."""
+    top_experts, top_weights = ROUTERS[moe.router](weights, prefix, moe, hidden)  # [R, k] each
+    assigned = Dispatch.sort(top_experts, top_weights, moe.num_experts)
+    routed = _ladder(hidden.shape[0])
     out = torch.zeros_like(hidden)
     for expert in range(moe.num_experts):  # ascending, like HF's index_add_ per expert
         name = f"{prefix}experts.{expert}."
-        expert_out = gated_mlp(hidden, weights[name + "gate_proj"], weights[name + "up_proj"],
-                               weights[name + "down_proj"])  # [R, d_model]
-        out = out + (expert_out * routing[:, expert:expert + 1]).to(out.dtype)
+        count = assigned.counts[expert]
+        out = torch.ops.higher_order.cond(
+            count > 0, routed, _skip,
+            (out, hidden, assigned.rows, assigned.weights, assigned.starts[expert], count,
+             weights[name + "gate_proj"], weights[name + "up_proj"], weights[name + "down_proj"]))[0]
     if moe.num_shared_experts:
         out = out + gated_mlp(hidden, weights[prefix + "shared.gate_proj"], weights[prefix + "shared.up_proj"],
                               weights[prefix + "shared.down_proj"])
