@@ -61,6 +61,8 @@ TENSOR_OPERATORS = frozenset({
     # windowed inputs (catalog.buffers.WINDOWS): a dynamic extent read back as a shape symbol, and the
     # tensors built from it on the input's device (recipes/attention.py)
     "aten.sym_size", "aten.ones_like", "aten.new_zeros", "aten.new_ones", "aten.empty_like", "aten.any",
+    # routed experts (recipes/moe.py): sorted dispatch and a torch.cond capacity ladder
+    "aten.argsort", "aten.floor_divide", "higher_order.cond",
 })
 
 ONNX_CUSTOM_DOMAINS: tuple[str, ...] = ()

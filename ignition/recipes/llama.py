@@ -46,10 +46,12 @@ class DecoderFamily:
     weight_map: Mapping[str, WeightSpec]  # HF tensor name -> ours
     decoder: Decoder  # (weights, cfg, input_ids, rows, caches) -> hidden
     windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
+    dynamic_chunks: bool = False  # prefill rows are a window too (not for MoE: its capacity ladder fixes the rows)
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
-FAMILIES: dict[str, DecoderFamily] = {name: DecoderFamily(name, **_GQA) for name in ("qwen3", "llama", "qwen3_moe")}
+FAMILIES: dict[str, DecoderFamily] = {name: DecoderFamily(name, **_GQA, dynamic_chunks=name != "qwen3_moe")
+                                      for name in ("qwen3", "llama", "qwen3_moe")}
 """Recipe name -> its family; the recipe name is also the family (HF architecture) it accepts."""
 
 PREFILL_LANE_INPUTS = tuple(spec for spec in LANE_INPUTS if spec.name not in ("input_ids", "positions"))
@@ -96,7 +98,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if family.windowed:
         # NOTE: AOTInductor cannot compile these dynamic extents yet (a CPU kernel meets a symbolic size), so a
         # core with compiled packages declares no windows and its graphs always read the full extents
-        variants = [with_windows(variant, options.max_seq_len, dynamic=options.compile is None) for variant in variants]
+        variants = [with_windows(variant, options.max_seq_len, dynamic=options.compile is None,
+                                 chunks=family.dynamic_chunks) for variant in variants]
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,
@@ -154,7 +157,7 @@ SHORTEST_WINDOWED = 8
 """Extents below this stay static: a window is traced at half its extent, and torch.export fixes 0 and 1."""
 
 
-def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True) -> Variant:
+def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True, chunks: bool = True) -> Variant:
     """``variant`` with the key window input appended (its attention reads keys ``[0, W)`` only) and, in the
     prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has): both
     named in ``layout["windows"]`` (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
@@ -162,7 +165,7 @@ def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True) -> Va
     variant.arguments = variant.arguments + window
     variant.bindings = variant.bindings | bindings
     extents = {a.name: a.shape[WINDOWS[a.name].dim] for a in variant.arguments if a.name in WINDOWS}
-    if variant.operation not in (Operation.PREFILL, Operation.MIXED):
+    if not chunks or variant.operation not in (Operation.PREFILL, Operation.MIXED):
         extents.pop(CHUNK_TOKENS, None)
     variant.layout["windows"] = [name for name, extent in extents.items() if dynamic and extent >= SHORTEST_WINDOWED]
     return variant

@@ -22,6 +22,7 @@ from ignition.catalog.enums import Role
 
 HOST_SYNCING_OPS = {
     "ignition.score_prompt_rows.default": "prompt scoring runs its torch reference (host-synchronizing) on CUDA",
+    "cond": "routed experts branch on the host (torch.cond reads each expert's predicate, recipes/moe.py)",
 }
 WARMUP_RUNS = 2
 
