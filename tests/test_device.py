@@ -62,7 +62,7 @@ def test_unknown_devices_are_refused(spec):
 @pytest.mark.parametrize("device,message", [("cuda", "torch sees no CUDA device"), ("tpu", "unknown device")])
 def test_cli_device_errors_are_clean(toy_core, device, message):
     result = CliRunner().invoke(app, ["run", str(toy_core), "--prompt-ids", "1,2", "--device", device])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a usage error (issue 24): exit 2, like every bad option
     assert message in result.output and "Traceback" not in result.output
 
 

@@ -4,6 +4,8 @@ A step never clones, expands or gathers the cache (issue 23): every read is a st
 ``cache[layer]`` (``[num_slots, max_seq_len, kv_heads, head_dim]``) narrowed to the key window,
 and ``scaled_dot_product_attention`` reads it in place.
 
+- **FP32 through the fused kernel, BF16/FP16 as transformers' eager path** (scores rounded to the
+  model dtype, softmax in FP32), one batched product per KV head on its strided view.
 - **Grouped heads without repetition.** Query head ``h`` belongs to KV head ``h // groups`` (HF
   ``repeat_kv``), so the ``groups`` query heads of one KV head become extra query rows of that KV
   head: ``[batch, kv_heads, groups * rows, head_dim]`` against ``[batch, kv_heads, window, head_dim]``.
@@ -61,13 +63,35 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     else:  # every slot's window, each lane's query at its slot
         batch_query, batch_positions = _place_at_slots(grouped, positions, rows, slots, num_slots)
     visible = window.view(1, 1, 1, -1) <= batch_positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)
-    mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
-        ~visible, torch.finfo(query.dtype).min)  # [batch, 1, share * R/G, W]
-    attended = F.scaled_dot_product_attention(batch_query, keys, values, attn_mask=mask)
+    if query.dtype == torch.float32:
+        mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~visible, torch.finfo(query.dtype).min)  # [batch, 1, share * R/G, W]
+        attended = F.scaled_dot_product_attention(batch_query, keys, values, attn_mask=mask)
+    else:
+        attended = _eager_low_precision(batch_query, keys, values, visible)
     if groups > 1:
         attended = attended.index_select(0, slots)  # [G, kv_heads, share * R/G, D]: the lanes' rows
     attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
+
+
+def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         visible: torch.Tensor) -> torch.Tensor:
+    """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
+
+    A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
+    (a MoE router flips experts). One batched product per KV head reads its strided cache view in
+    place (a product over the merged batch and head dims would copy it). ``query [B, kv, M, D]``,
+    ``keys``/``values [B, kv, W, D]``, ``visible [B, 1, M, W]`` -> ``[B, kv, M, D]``.
+    """
+    scale = query.shape[-1] ** -0.5
+    heads = []
+    for head in range(query.shape[1]):
+        scores = torch.bmm(query[:, head], keys[:, head].transpose(1, 2)) * scale  # [B, M, W] in the model dtype
+        scores = scores.to(torch.float32).masked_fill(~visible[:, 0], torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        heads.append(torch.bmm(probs, values[:, head]))  # [B, M, D]
+    return torch.stack(heads, dim=1)
 
 
 def _place_at_slots(grouped: torch.Tensor, positions: torch.Tensor, rows: Rows, slots: torch.Tensor,

@@ -223,7 +223,7 @@ def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[s
     rel = entry.get("packages", {}).get("onnx")
     if rel is None:
         raise CoreLoadError(f"{backend.root}: variant {entry['name']} has no ONNX graph: export the core with --onnx")
-    data = read_verified(backend.root, rel, manifest)
+    data = bytes(read_verified(backend.root, rel, manifest))  # onnxruntime parses bytes (weights are external)
     found = check_onnx_graph(data, entry, manifest["weights"], offsets)
     if found:
         raise CoreLoadError(f"{backend.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
