@@ -9,10 +9,11 @@ and ``scaled_dot_product_attention`` reads it in place.
 - **Grouped heads without repetition.** Query head ``h`` belongs to KV head ``h // groups`` (HF
   ``repeat_kv``), so the ``groups`` query heads of one KV head become extra query rows of that KV
   head: ``[batch, kv_heads, groups * rows, head_dim]`` against ``[batch, kv_heads, window, head_dim]``.
-- **Slots without a gather.** One attention group (a prefill chunk) reads its slot's window: one
-  slot's cells, the only copy a step makes. Several groups (decode lanes, verify lanes) place their
-  queries at their slots' batch index instead and attend over every slot's window at once; slots
-  outside the submission get zero queries and their rows are dropped.
+- **Slots without a gather.** A prefill chunk (one group of many rows) copies its slot's window
+  once for all its rows: one slot's cells, the only copy a step makes. Decode and verify lanes
+  (even a single lane, whose copy would cost more than its one query row) place their queries at
+  their slots' batch index instead and attend over every slot's window at once; slots outside the
+  submission get zero queries and their rows are dropped.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, the graph's one dynamic dimension) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
@@ -57,10 +58,11 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     positions = rows.positions.view(groups, per_group)
     slots = rows.read_slots.clamp(0, num_slots - 1)
-    if groups == 1:  # one slot's window: [1, kv_heads, W, D]
+    placed = groups > 1 or per_group == 1
+    if not placed:  # a chunk: one slot's window, [1, kv_heads, W, D], copied once for its rows
         keys, values = keys.index_select(0, slots), values.index_select(0, slots)
         batch_query, batch_positions = grouped, positions
-    else:  # every slot's window, each lane's query at its slot
+    else:  # lanes (even one): every slot's window read in place, each lane's query at its slot
         batch_query, batch_positions = _place_at_slots(grouped, positions, rows, slots, num_slots)
     visible = window.view(1, 1, 1, -1) <= batch_positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)
     if query.dtype == torch.float32:
@@ -69,7 +71,7 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         attended = F.scaled_dot_product_attention(batch_query, keys, values, attn_mask=mask)
     else:
         attended = _eager_low_precision(batch_query, keys, values, visible)
-    if groups > 1:
+    if placed:
         attended = attended.index_select(0, slots)  # [G, kv_heads, share * R/G, D]: the lanes' rows
     attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
