@@ -120,9 +120,6 @@ def export_core_cmd(
             read_config(checkpoint)
         except CheckpointError as exc:
             raise _fail(str(exc))
-    if options.onnx and options.speculative_tokens:  # torch.onnx.export cannot lower the verify graphs
-        raise _fail("--onnx cannot be combined with --speculative-tokens: the verify variants have no ONNX export; "
-                    "export the speculative core without --onnx (it runs with --runtime torch)")
     try:
         with StageLog("export") as progress:
             timings = export_core(options, out, overwrite=overwrite, signing_key=signing_key, progress=progress)

@@ -119,3 +119,11 @@ def test_a_draft_core_that_writes_files_is_refused(tmp_path, speculative_target)
                            "--speculative", f"draft:{draft.root}:2"])
     assert code == 1 and "GRAPH-OPERATOR" in output and "aten.from_file" in output
     assert victim.read_text() == "print('original')\n"
+
+
+def test_onnx_with_speculative_tokens_is_refused_by_the_options_themselves():
+    """Code that calls export_core directly gets the same refusal: ExportOptions owns the rule, not the CLI."""
+    from ignition.recipes.base import ExportOptions, RecipeError
+
+    with pytest.raises(RecipeError, match="--onnx cannot be combined with --speculative-tokens"):
+        ExportOptions(recipe="toy", onnx=True, speculative_tokens=(4,))

@@ -72,6 +72,9 @@ class ExportOptions:
             raise RecipeError(f"--speculative-tokens {self.speculative_tokens[-1]}: a verify round emits up to S+1 = "
                               f"{self.speculative_tokens[-1] + 1} positions, more than T={token_capacity} "
                               f"(raise --completion-token-capacity)")
+        if self.onnx and self.speculative_tokens:  # torch.onnx.export cannot lower the verify graphs
+            raise RecipeError("--onnx cannot be combined with --speculative-tokens: the verify variants have no ONNX "
+                              "export; export the speculative core without --onnx (it runs with --runtime torch)")
         if self.mixed and self.capacities[-1] < 2:
             raise RecipeError(f"--mixed needs a decode capacity of at least 2 (a prompt lane and a decode lane), "
                               f"got {list(self.capacities)}")
