@@ -138,6 +138,8 @@ class Window:
 WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16)}
 """Buffer -> its window. A variant's ``layout["windows"]`` names the ones whose extent is dynamic in its graph."""
 MIN_WINDOW = 2  # torch.export specializes extents 0 and 1
+SHORTEST_WINDOWED = 8
+"""Declared extents below this stay static: a window is traced at half its extent, which must stay above 1."""
 
 _CONSTANTS = {name: getattr(contract, name) for name in (
     "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH")}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import CHUNK_TOKENS, LANE_INPUTS, WINDOW_INPUTS, WINDOWS
+from ignition.catalog.buffers import CHUNK_TOKENS, LANE_INPUTS, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
@@ -151,10 +151,6 @@ def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[
                for rank in range(ranks)]
     return (ShardedBuild(ranks, vocab_padded // ranks, rank_weights, modules, shard_table(rank_weights)),
             rank_cfg, rank_weights[0])
-
-
-SHORTEST_WINDOWED = 8
-"""Extents below this stay static: a window is traced at half its extent, and torch.export fixes 0 and 1."""
 
 
 def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True, chunks: bool = True) -> Variant:

@@ -91,7 +91,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                     raise RuntimeError(f"lane {index} proposes {len(lane.draft)} tokens; {variant.name} takes "
                                        f"{target.shape[1]}")
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
-        elif source is S.KEY_WINDOW:  # only its extent is read: KeyWindow passes the prefix a replay needs
+        elif source is S.KEY_WINDOW:  # only its extent is read: Windowed passes the prefix a replay needs
             continue
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
