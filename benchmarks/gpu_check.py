@@ -92,7 +92,7 @@ def median_time(fn, repeats: int = 3) -> float:
 
 
 def decode_rate(core, batch: int, logprobs: int | None) -> float:
-    from ignition.runtime.engine import Engine
+    from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
     prompts = [[(17 * i + 5 * j) % 150000 + 1 for j in range(PROMPT)] for i in range(batch)]
@@ -361,7 +361,7 @@ def main() -> None:
 
     @step("scoring")
     def _():
-        from ignition.runtime.engine import Engine
+        from ignition.runtime.scheduler import Engine
         from ignition.runtime.requests import Request
 
         core = state["core"]

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.runtime.core import LoadedCore, load_core
-from ignition.runtime.engine import Engine
+from ignition.runtime.scheduler import Engine
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware

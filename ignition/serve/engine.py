@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ignition.catalog.abi import decode_record
+from ignition.catalog.abi import TokenEntry, decode_record
 from ignition.catalog.enums import FinishReason
-from ignition.runtime.engine import Engine, RequestState
-from ignition.runtime.frames import PendingFrame, TokenEntry
+from ignition.runtime.scheduler import Engine, RequestState
+from ignition.runtime.frames import PendingFrame
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import Request
 

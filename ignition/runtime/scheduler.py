@@ -1,9 +1,10 @@
-"""A small scheduler over a loaded core: prefill chunks, batched decode, slots with epochs.
+"""The scheduler: the engine's policy over a loaded core. Slots with epochs, admission order, the variant choice.
 
-Each step is one submission: the prefill chunk of one request, or one decode round for up
-to the largest capacity of running requests, run in the smallest decode variant that fits
-(the core's padding rule). Inputs are filled by value source (ignition.runtime.bindings);
-records and payload are read back and decoded by ignition.runtime.frames.
+Each step is one submission: the prefill chunk of one request, a mixed round, or one decode round
+for up to the largest capacity of running requests, run in the smallest variant that fits (the
+core's padding rule). The mechanics of a submission (frames, inputs, replay, readback, the
+record-ownership check) are the runner's (ignition.runtime.runner); the scheduler decides what to
+submit and what each lane's record means for its request.
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from ignition.catalog.abi import has_payload
-from ignition.catalog.enums import FinishReason, Operation, RoundKind
-from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
+from ignition.catalog.abi import TokenEntry, has_payload
+from ignition.catalog.enums import FinishReason, Operation
+from ignition.runtime.bindings import ChunkPlan, Lane
 from ignition.runtime.core import LoadedCore, LoadedVariant
-from ignition.runtime.frames import FrameReader, PendingFrame, TokenEntry
+from ignition.runtime.runner import OwnershipError, Runner, Submission
 from ignition.runtime.requests import Request, check_admission
 
 
@@ -90,11 +89,23 @@ class Engine:
         self.retiring: list[RequestState] = []  # cancelled while running: slot held until a MAINTENANCE record
         self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
         self.finished: dict[str, RequestState] = {}
-        self.readers = {v.name: FrameReader(v.buffers, core.transfer) for v in core.variants.values()
-                        if v.layout.get("records")}
+        self.runner = Runner(core)
         self._ids = itertools.count()
-        self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
         self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0}
+
+    @property
+    def readers(self):
+        """Each variant's frame reader (the runner's)."""
+        return self.runner.readers
+
+    @property
+    def decode_hook(self):
+        """Called with (variant, reader, pending) once a frame is read back, before its lanes are decoded."""
+        return self.runner.hook
+
+    @decode_hook.setter
+    def decode_hook(self, hook) -> None:
+        self.runner.hook = hook
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
@@ -275,81 +286,60 @@ class Engine:
                 self._finish(state, "length")
         return lane, finish
 
-    def _publish_prompt_rows(self, reader: FrameReader, lane: Lane) -> None:
+    def _publish_prompt_rows(self, submission: Submission) -> None:
         """Decode this chunk's prompt rows (already read back) in order; published positions are skipped."""
-        state, plan = lane.state, lane.chunk
+        state, plan = submission.lanes[0].state, submission.lanes[0].chunk
         if not state.prompt_entries:
             state.prompt_entries.append(None)  # position 0 has no score
-        rows = reader.prompt_host[:len(plan.tokens)].numpy()  # host copy of this chunk only
-        wanted = state.request.prompt_logprobs
-        for j, row in enumerate(rows):
+        prompt = state.request.prompt_ids
+        for j, entry in enumerate(submission.prompt_entries(state.request.prompt_logprobs)):
             position = plan.start + j + 1
-            if position != len(state.prompt_entries) or position >= len(state.request.prompt_ids):
+            if position != len(state.prompt_entries) or position >= len(prompt):
                 continue
-            if int(row[0]) != state.request.prompt_ids[position]:
-                raise ValueError(f"prompt row {position} scores token {int(row[0])}, expected "
-                                 f"{state.request.prompt_ids[position]}")
-            values = row[3:].view(np.float32)
-            state.prompt_entries.append({
-                "id": int(row[0]), "logprob": float(row[1:2].view(np.float32)[0]), "rank": int(row[2]),
-                "top_logprobs": [{"id": int(row[3 + 2 * i]), "logprob": float(values[2 * i + 1])} for i in range(wanted)
-                                 if int(row[3 + 2 * i]) >= 0],
-            })
+            if entry.id != prompt[position]:
+                raise ValueError(f"prompt row {position} scores token {entry.id}, expected {prompt[position]}")
+            state.prompt_entries.append(entry.as_json())
 
     # -- one submission --------------------------------------------------------------------
     def _submit(self, variant: LoadedVariant, lanes: list[Lane]) -> None:
-        frame = variant.next_frame
-        variant.next_frame ^= 1  # frames alternate: the host reads one while the next submission writes the other
-        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
-        variant.run(variant.buffers)
-        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
-        pending = PendingFrame(frame, owners, request_mask, pairs)
-        reader = self.readers[variant.name]
-        scored = variant.operation is Operation.SCORED_PREFILL
-        reader.read(variant.buffers, pending, prompt_rows=len(lanes[0].chunk.tokens) if scored else 0)
-        if self.decode_hook is not None:
-            self.decode_hook(variant, reader, pending)
-        if scored:
+        submission = self.runner.submit(variant, lanes)
+        if variant.operation is Operation.SCORED_PREFILL:
             try:
-                self._publish_prompt_rows(reader, lanes[0])
+                self._publish_prompt_rows(submission)
             except ValueError as exc:
                 self._finish(lanes[0].state, "error", str(exc))
                 return
         speculative = variant.operation is Operation.SPECULATIVE_VERIFY
         self.stats["verify_rounds"] += speculative
         for index, lane in enumerate(lanes):
-            self._decode_lane(reader, pending, index, lane, speculative)
+            self._decode_lane(submission, index, lane)
 
-    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane,
-                     speculative: bool = False) -> None:
+    def _decode_lane(self, submission: Submission, index: int, lane: Lane) -> None:
         state, request = lane.state, lane.state.request
-        record = reader.record(index)
         if lane.retire:  # a cancelled request's lane: records only; its slot is free once the record is read
             self._release_retiring([state])
             return
-        # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
+        # The graph already gates the reduction on slot, epoch and emission (components/commit.py); the runner's
         # check asserts the same facts and fails only this request if a record is stale or foreign.
-        records_only = lane.chunk is not None and not lane.chunk.emits  # ADMISSION or PROMPT: nothing emitted
-        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else \
-            (RoundKind.SPECULATIVE,) if speculative else (RoundKind.SAMPLING,)
-        if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind not in expected:
-            self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
-                                         f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
+        try:
+            record = submission.record(index)
+        except OwnershipError as exc:
+            self._finish(state, "error", str(exc))
             return
-        if records_only:
-            return  # positions come from record emission (none here), never from payload contents
+        if lane.chunk is not None and not lane.chunk.emits:
+            return  # ADMISSION or PROMPT: positions come from record emission (none here), never from payload
         self.stats["proposed"] += len(lane.draft)
         self.stats["accepted"] += min(len(lane.draft), max(len(record.emitted) - 1, 0))
         for position, token in enumerate(record.emitted):
             if record.forced[position]:
                 entry = TokenEntry(token, None, forced=True)
-            elif request.wants_logprobs and not has_payload(record, position, bool(pending.request_mask[index])):
+            elif request.wants_logprobs and not has_payload(record, position, submission.requested(index)):
                 self._finish(state, "error", f"missing logprob payload for lane {index} position {position}")
                 return
             elif request.wants_logprobs:
                 try:
-                    entry = reader.entry(index, position, pending, token, request.logprobs,
-                                         len(request.logprob_token_ids or ()))
+                    entry = submission.entry(index, position, token, request.logprobs,
+                                             len(request.logprob_token_ids or ()))
                 except ValueError as exc:
                     self._finish(state, "error", str(exc))
                     return  # an error suppresses this request's later tokens in the frame
