@@ -209,24 +209,38 @@ TP_HOST_OPTION = typer.Option("127.0.0.1", "--tp-host", help="Address the tensor
                               "(loopback unless set; another one is warned about)")
 
 
-def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-          runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = "127.0.0.1"):
+def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
+                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = "127.0.0.1"):
+    """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
+    (--device, --runtime, --tensor-parallel, --trusted-key) exits 2 naming it."""
+    from ignition.runtime.options import LoadOptions
+    from ignition.runtime.verified import LoadOptionError
+
+    try:
+        return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
+                                  trusted_key=_trusted_key(trusted_key), tp_host=tp_host)
+    except LoadOptionError as exc:
+        raise _fail(str(exc))
+
+
+def _load(core: Path, options):
     """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
     core that cannot load exits 1 with the reason (a path that is no core at all: 2). With
-    ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
+    ``options.ranks`` > 1 the other ranks start too and stop when this process exits
     (ignition/runtime/parallel.py)."""
     from ignition.runtime.core import CoreLoadError, LoadOptionError, NotACoreError, load_core
     from ignition.runtime.parallel import ParallelError, ParallelOptionError, start_for_process
+    from ignition.runtime.rendezvous import torchrun_follower
 
-    key = _trusted_key(trusted_key)
+    if options.ranks > 1 and torchrun_follower():  # a torchrun rank >= 1 replays rank 0's submissions, then exits
+        from ignition.runtime.rank_worker import torchrun_worker
+        raise typer.Exit(torchrun_worker(core, options))
     try:
         with StageLog("load") as progress:
-            if tensor_parallel > 1:
-                loaded = start_for_process(core, tensor_parallel, device=device, runtime=runtime, eager=eager,
-                                           trust_compiled=trust_compiled, trusted_key=trusted_key, host=tp_host)
+            if options.ranks > 1:
+                loaded = start_for_process(core, options)
             else:
-                loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                                   trusted_key=key, runtime=runtime, progress=progress)
+                loaded = load_core(core, options, progress=progress)
     except NotACoreError as exc:
         raise _fail(_not_a_core_message(exc, core))
     except LoadOptionError as exc:  # --device or --runtime that cannot work here: a usage error
@@ -281,7 +295,7 @@ def _check_speculative(text: Optional[str]) -> None:
             raise _fail(str(exc))
 
 
-def _speculative(text: Optional[str], loaded, device: str, eager: bool, trusted_key: Optional[Path]) -> dict:
+def _speculative(text: Optional[str], loaded) -> dict:
     """Engine options for --speculative; a bad option or draft core exits 2 (a draft core that cannot load: 1).
     ``--trust-compiled`` names the target core only: a draft core's compiled packages load only when its own
     signature verifies against ``--trusted-key``."""
@@ -289,7 +303,7 @@ def _speculative(text: Optional[str], loaded, device: str, eager: bool, trusted_
 
     try:
         speculation = parse_speculative(text) if text is not None else None
-        return engine_options(speculation, loaded, lambda path: _load(path, device, eager, False, trusted_key))
+        return engine_options(speculation, loaded, lambda path: _load(path, loaded.options.for_draft()))
     except SpeculativeError as exc:
         raise _fail(str(exc))
 
@@ -341,8 +355,8 @@ def run_cmd(
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     _check_run_options(core, request, text_prompt=prompt is not None)
     _check_speculative(speculative)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
-    options = _speculative(speculative, loaded, device, eager, trusted_key)
+    loaded = _load(core, _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host))
+    options = _speculative(speculative, loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise _fail("this core has no tokenizer; pass --prompt-ids")
@@ -444,13 +458,14 @@ def serve_cmd(
                          log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
     _check_speculative(speculative)
     _identify_core(core)
+    load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
-        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)  # exits 1 with them
+        _load(core, load_options)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")
     if tensor_parallel > 1 and torchrun_follower():  # torchrun rank >= 1: follows rank 0, exits in _load
-        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
+        _load(core, load_options)
     sock = _bind(host, port)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
+    loaded = _load(core, load_options)
     name = model_name or str(core)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
@@ -458,7 +473,7 @@ def serve_cmd(
         console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
                       markup=False, highlight=False, soft_wrap=True)
 
-    options = _speculative(speculative, loaded, device, eager, trusted_key)
+    options = _speculative(speculative, loaded)
     try:
         serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
               sock=sock, on_ready=ready, engine_options=options, allowed_origins=origins,

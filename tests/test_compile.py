@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from _decoder_cores import CoreReplay, TinyCase, save_checkpoint
-from ignition.exporter.compile import CompileError, compile_inductor, load_compiled, package_path
+from ignition.exporter.compile import CompileError, compile_inductor, package_path
+from ignition.runtime.backends.aoti import load_package as load_compiled
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 

@@ -22,7 +22,8 @@ from ignition.catalog.model import BufferDecl
 from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
-from ignition.runtime.device import foreign_devices, move_program, resolve_device
+from ignition.runtime.device import foreign_devices, move_program
+from ignition.runtime.options import resolve_device
 from ignition.runtime.launcher import LauncherError, ReductionShape, pack_params, reduction_shapes, select_target
 from ignition.runtime.transfer import pitched_rows
 

@@ -82,7 +82,7 @@ def replay_both(core, vocab: int, scored: bool):
     results, loaded = {}, {}
     for runtime in ("torch", "onnxruntime"):
         loaded[runtime] = load_core(core, runtime=runtime)
-        assert loaded[runtime].runtime == runtime
+        assert loaded[runtime].backend == {"torch": "pt2", "onnxruntime": "onnx"}[runtime]
         results[runtime] = Engine(loaded[runtime]).generate(requests(vocab, scored))
     return results["torch"], results["onnxruntime"], loaded["torch"]
 
