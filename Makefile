@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHECKPOINT := build/tiny-qwen3
 CORE := build/qwen3-core
 
-.PHONY: demo test venv clean bench gpu-check
+.PHONY: demo test venv clean bench gpu-check gpu-wheelhouse
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench: $(STAMP)
 # no venv, the checkout on PYTHONPATH. Exports, runs `pytest -m cuda`, benchmarks; build/gpu-check/results.md.
 gpu-check:
 	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check --out build/gpu-check
+
+# Here (PyPI reachable): build/wheelhouse, every wheel the GPU image lacks, CPython 3.10-3.13, manifest.json.
+gpu-wheelhouse: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.gpu.wheelhouse --out build/wheelhouse
 
 clean:
 	rm -rf build $(VENV)
