@@ -130,7 +130,8 @@ def summary(results: dict) -> str:
         held = sum(a["ok"] for a in step["assertions"])
         lines.append(f"  {step['name']:<12} {step['status']:<8} {step['seconds']:>6} s of {step['timeout_s']:>5} s  "
                      f"{held}/{len(step['assertions'])} assertions")
-        lines += [f"      FAILED {a['name']}: {a['detail'][:300]}" for a in step["assertions"] if not a["ok"]]
+        lines += [f"      FAILED {a['name']}" + (f": {a['detail'][:300]}" if a["detail"] else "")
+                  for a in step["assertions"] if not a["ok"]]
     return "\n".join(lines)
 
 

@@ -29,15 +29,15 @@ class Step:
 
 
 PLAN: tuple[Step, ...] = (
-    Step("install", "benchmarks.gpu.steps.install", 40,
+    Step("install", "benchmarks.gpu.steps.install", 45,
          "pip install --no-index --find-links build/wheelhouse -r build/wheelhouse/requirements.txt",
          ("every wheel matches manifest.json", "pip install exits 0", "every requirement is installed at a "
           "version its specifier allows", "ignition's CLI, exporter, runtime and server import")),
     Step("smoke", "benchmarks.gpu.steps.smoke", SMOKE_S,
          "the carried toy core on CUDA: load, one forward, one prepared launch",
-         ("load_core(device='cuda') succeeds", "one request returns one token with 5 alternatives",
-          "the prepared reduction launched")),
-    Step("environment", "benchmarks.gpu.steps.environment", 10,
+         ("load_core(device='cuda', eager=True) succeeds", "one request returns one token with 5 alternatives",
+          "the forward made exactly the prepared launches its catalog lists")),
+    Step("environment", "benchmarks.gpu.steps.environment", 15,
          "versions, device, driver and clocks (nvidia-smi)",
          ("CUDA is available", "the carried cores hold kernels for this device's target")),
     Step("export", "benchmarks.gpu.steps.export", 75,
@@ -46,16 +46,18 @@ PLAN: tuple[Step, ...] = (
     Step("parity", "benchmarks.gpu.steps.parity", 60,
          "carried (torch 2.13) and fresh cores: CUDA graphs vs CPU, capture coverage, launch counts",
          ("same token and logprob ids as CPU, values within 2e-5", "every capturable variant is captured",
-          "replays add only the launches of eager variants", "eager replay launches exactly the catalog's "
-          "launches per forward")),
+          "replays add only the launches of eager variants", "two cores loaded eagerly at once: each forward makes "
+          "exactly its catalog's launches, results still match CPU")),
     Step("serve", "benchmarks.gpu.steps.serve", 35,
          "`ignition serve` on CUDA answers a completion; its process never imported Triton",
-         ("the server answers /v1/completions with logprobs", "no triton module in the serving process")),
-    Step("vocabulary", "benchmarks.gpu.steps.vocabulary", 70,
+         ("the server answers /v1/completions with logprobs, Triton unimportable",
+          "no triton module in the serving process")),
+    Step("vocabulary", "benchmarks.gpu.steps.vocabulary", 65,
          "vocabulary 151,936: prepared launches vs the CPU reference, tokens vs Hugging Face on this GPU, "
          "prefill and decode timed per logprobs setting (0, 5, 20)",
-         ("same ids as the CPU reference, values within 2e-5", "greedy tokens equal HF's")),
-    Step("pytest-cuda", "benchmarks.gpu.steps.pytest_cuda", 150,
+         ("same ids as the CPU reference, values within 2e-5", "every capturable variant is captured",
+          "greedy tokens equal HF's")),
+    Step("pytest-cuda", "benchmarks.gpu.steps.pytest_cuda", 145,
          "pytest -m cuda over the test files holding cuda-marked tests",
          ("pytest exits 0", "at least one test ran", "no test skipped for want of CUDA"), elastic=True),
 )

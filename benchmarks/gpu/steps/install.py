@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -26,13 +27,15 @@ def run(context, record) -> None:
         return
     record.check("every wheel matches manifest.json and installs on every CPython", not problems,
                  "; ".join(problems[:5]))
-    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-index", "--no-input",
-               "--find-links", str(context.wheelhouse), "-r", str(context.wheelhouse / wheelhouse.REQUIREMENTS)]
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
+               "--no-input", "--no-compile", "--find-links", str(context.wheelhouse),
+               "-r", str(context.wheelhouse / wheelhouse.REQUIREMENTS)]
     print("$ " + " ".join(command), flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     print(done.stdout[-4000:] + done.stderr[-4000:], flush=True)
-    record.check("pip install --no-index exits 0", done.returncode == 0, f"exit {done.returncode}: "
-                 + (done.stderr.strip().splitlines() or ["(no message)"])[-1] if done.returncode else "")
+    last_line = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+    record.check("pip install --no-index exits 0", done.returncode == 0,
+                 f"exit {done.returncode}: {last_line}" if done.returncode else "")
     record.check("every requirement is installed at an allowed version",
                  *_versions(context.wheelhouse / wheelhouse.REQUIREMENTS, record))
     imported = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, cwd=ROOT)
@@ -43,10 +46,19 @@ def run(context, record) -> None:
 
 def _versions(requirements, record) -> tuple[bool, str]:
     """Every line of requirements.txt against the installed distribution (a fresh process sees the install)."""
-    script = ("import json, sys\nfrom importlib import metadata\nfrom packaging.requirements import Requirement\n"
-              "found = {}\nfor line in open(sys.argv[1]):\n    r = Requirement(line)\n"
-              "    try:\n        found[str(r)] = metadata.version(r.name)\n"
-              "    except metadata.PackageNotFoundError:\n        found[str(r)] = None\nprint(json.dumps(found))")
+    script = textwrap.dedent("""
+        import json, sys
+        from importlib import metadata
+        from packaging.requirements import Requirement
+        found = {}
+        for line in open(sys.argv[1]).read().splitlines():
+            if line.strip() and not line.startswith("#"):
+                try:
+                    found[line] = metadata.version(Requirement(line).name)
+                except metadata.PackageNotFoundError:
+                    found[line] = None
+        print(json.dumps(found))
+    """)
     done = subprocess.run([sys.executable, "-c", script, str(requirements)], capture_output=True, text=True)
     if done.returncode != 0:
         return False, done.stderr.strip()[-1000:]

@@ -23,8 +23,8 @@ def run(context, record) -> None:
     prepared = read_prepared(context.cores) or {}
     record.metric("carried_exported_with", {k: prepared.get(k) for k in ("torch", "triton", "python", "commit")})
     record.metric("loaded_with", {"torch": torch.__version__})
-    cores = {"toy (carried)": context.carried("toy"), "qwen3 (carried)": context.carried("qwen3"),
-             "qwen3 (exported here)": context.fresh("qwen3")}
+    cores = {"qwen3 (carried)": context.carried("qwen3"), "qwen3 (exported here)": context.fresh("qwen3"),
+             "toy (carried)": context.carried("toy")}
     expected, rows = {}, []
     for label, path in cores.items():
         if record.check(f"{label}: the core is there", (path / "manifest.json").is_file(), str(path)):

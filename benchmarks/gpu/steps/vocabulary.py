@@ -139,10 +139,11 @@ def _timings(record, loaded, model) -> None:
     from benchmarks.gpu.steps.environment import nvidia_smi
 
     record.metric("clocks_before_timing", nvidia_smi())
+    device = next(model.parameters()).device
     rows = []
     for batch in BATCHES:
         prompts = [[(17 * i + 5 * j) % 150000 + 1 for j in range(PROMPT)] for i in range(batch)]
-        tensor = torch.tensor(prompts, device="cuda")
+        tensor = torch.tensor(prompts, device=device)
         for k in SETTINGS:
             hf_greedy(model, tensor, NEW_TOKENS, k)  # warm-up
             runs = [hf_greedy(model, tensor, NEW_TOKENS, k)[1:] for _ in range(REPEATS)]
