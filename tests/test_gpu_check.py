@@ -131,3 +131,12 @@ def test_a_missing_dependency_is_found_per_python_version(manifest, tmp_path):
     (tmp_path / next(w["file"] for w in manifest["wheels"] if w["name"] == "tomli")).unlink()
     problems = wheelhouse.check(tmp_path, verify_hashes=False)
     assert problems and all(p.startswith("CPython 3.10: ") and "tomli" in p for p in problems)
+
+
+def test_the_dry_run_passes_without_exporting(manifest, tmp_path):
+    """`make gpu-check DRY=1` less the core exports (a minute or more here): plan, wheelhouse, coverage, imports."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--no-export", "--cores",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0 and done.stdout.strip().endswith("dry run: ok"), done.stdout + done.stderr
+    assert "[ok] the budgets sum to" in done.stdout and "[FAIL]" not in done.stdout
