@@ -24,6 +24,7 @@ from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
+from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
@@ -308,16 +309,22 @@ def _speculative(text: Optional[str], loaded) -> dict:
         raise _fail(str(exc))
 
 
+SAMPLING = SamplingParams()
+"""``run``'s sampling defaults: the runtime's (which reads the catalog's)."""
+
+
 @app.command("run")
 def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     prompt: Optional[str] = typer.Argument(None, help="Prompt text (needs the core's tokenizer)"),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids"),
-    max_tokens: int = typer.Option(16, "--max-tokens"),
-    temperature: float = typer.Option(0.0), top_k: int = typer.Option(0), top_p: float = typer.Option(1.0),
-    min_p: float = typer.Option(0.0), seed: Optional[int] = typer.Option(None),
-    repetition_penalty: float = typer.Option(1.0), presence_penalty: float = typer.Option(0.0),
-    frequency_penalty: float = typer.Option(0.0),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens"),
+    temperature: float = typer.Option(SAMPLING.temperature), top_k: int = typer.Option(SAMPLING.top_k),
+    top_p: float = typer.Option(SAMPLING.top_p), min_p: float = typer.Option(SAMPLING.min_p),
+    seed: Optional[int] = typer.Option(SAMPLING.seed),
+    repetition_penalty: float = typer.Option(SAMPLING.repetition_penalty),
+    presence_penalty: float = typer.Option(SAMPLING.presence_penalty),
+    frequency_penalty: float = typer.Option(SAMPLING.frequency_penalty),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Natural alternatives per token (0..K)"),
     logprob_token_ids: Optional[str] = typer.Option(None, "--logprob-token-ids", help="Comma-separated ids to report"),
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),

@@ -26,6 +26,7 @@ import torch
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
 from ignition.components.device_reduction import install_reduction, jit_opted_in
 from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Backend, backend_family
@@ -123,6 +124,7 @@ class LoadedCore:
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
     group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel.py)
+    _spec: Manifest | None = None
 
     @property
     def load_seconds(self) -> float:
@@ -131,6 +133,13 @@ class LoadedCore:
     @property
     def device(self) -> torch.device:
         return self.options.device if self.options is not None else torch.device("cpu")
+
+    @property
+    def spec(self) -> Manifest:
+        """The typed view of the manifest (parsed once, on first use)."""
+        if self._spec is None:
+            self._spec = Manifest.from_json(self.manifest)
+        return self._spec
 
     @property
     def features(self) -> dict:
@@ -269,9 +278,9 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     means a file is hashed by the loader instead of the validator."""
     if manifest is None:
         return set()
-    section, rank = manifest.get("tensor_parallel"), options.rank
+    rank = options.rank
     try:
-        files = {section["rank_files"][rank]["weights"] if section else manifest["weights"]}
+        files = {Manifest.from_json(manifest).rank_weights(rank)}
         catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
         catalog = json.loads(catalog_path.read_bytes())
         files |= backend_family(options.runtime).files(catalog, manifest, rank)  # the validator hashes the others
@@ -282,17 +291,13 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     return files
 
 
-def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
-    """The weights file of ``rank``; refuses a rank count that is not the core's."""
-    section = manifest.get("tensor_parallel")
-    ranks = section["ranks"] if section else 1
-    if tensor_parallel != ranks:
-        hint = f"run it with --tensor-parallel {ranks}" if section else "run it without --tensor-parallel"
-        raise CoreLoadError(f"{root}: the core holds {ranks} rank shard{'s' if ranks > 1 else ''}, "
-                            f"not {tensor_parallel}; {hint}")
-    if not 0 <= rank < ranks:
-        raise CoreLoadError(f"{root}: rank {rank} is outside the core's {ranks} ranks")
-    return section["rank_files"][rank]["weights"] if section else manifest["weights"]
+def _rank_weights(root: Path, spec: Manifest, options: LoadOptions) -> str:
+    """The weights file of this rank; refuses a rank count that is not the core's."""
+    if options.ranks != spec.ranks:
+        hint = f"run it with --tensor-parallel {spec.ranks}" if spec.sharded else "run it without --tensor-parallel"
+        raise CoreLoadError(f"{root}: the core holds {spec.ranks} rank shard{'s' if spec.sharded else ''}, "
+                            f"not {options.ranks}; {hint}")
+    return spec.rank_weights(options.rank)
 
 
 def load_core(path: str | Path, options: LoadOptions | None = None, *, progress: Progress | None = None,
@@ -333,8 +338,9 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    spec = Manifest.from_json(manifest)
     device = options.device
-    weights_file = _rank_weights(root, manifest, options.rank, options.ranks)
+    weights_file = _rank_weights(root, spec, options)
     stages.start("weights", weights_file)
     weights_data = read_verified(root, weights_file, manifest)
     try:  # views of the verified bytes: on CPU the weights are read once and never copied
@@ -380,4 +386,4 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, options=options, backend=backend.name, transfer=HostTransfer(device),
-                      reduction=reduction, capture=capture, timings=stages.timings)
+                      reduction=reduction, capture=capture, timings=stages.timings, _spec=spec)
