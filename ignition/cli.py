@@ -10,6 +10,7 @@ ignition/cli_support.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,7 +25,11 @@ from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
+from ignition.recipes.base import ExportOptions
 from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
+
+EXPORT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
+"""``export-core``'s defaults: ExportOptions' own."""
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
@@ -64,19 +69,19 @@ def export_core_cmd(
     checkpoint: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint directory (toy: optional .safetensors)"),
     recipe: str = typer.Option(..., "--recipe", help="Recipe name: toy, qwen3, llama"),
     out: Path = typer.Option(..., "--out", help="Core directory to create"),
-    capacities: str = typer.Option("1,2,4,8", help="Decode capacities, comma-separated"),
-    chunk_limit: int = typer.Option(256, help="Prefill chunk limit (largest chunk capacity)"),
+    capacities: str = typer.Option(",".join(map(str, EXPORT_DEFAULTS["capacities"])), help="Decode capacities, comma-separated"),
+    chunk_limit: int = typer.Option(EXPORT_DEFAULTS["chunk_limit"], help="Prefill chunk limit (largest chunk capacity)"),
     completion_token_capacity: int = typer.Option(0, help="T: token positions per record (0 means 8)"),
     targets: str = typer.Option("", help="Kernel targets to prepare, e.g. cuda:90,cuda:120"),
     dtype: Optional[str] = typer.Option(None, help="Weight dtype: bfloat16, float16, float32"),
-    logprob_k: int = typer.Option(20, "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
-    logprob_ids: bool = typer.Option(True, "--logprob-ids/--no-logprob-ids",
+    logprob_k: int = typer.Option(EXPORT_DEFAULTS["logprob_k"], "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
+    logprob_ids: bool = typer.Option(EXPORT_DEFAULTS["logprob_ids"], "--logprob-ids/--no-logprob-ids",
                                      help="Export the explicit-ID inputs (off: a natural-only core, packed width 2+2K)"),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Also export scored-prefill graphs"),
-    max_seq_len: int = typer.Option(512, help="KV capacity per slot (tokens)"),
+    max_seq_len: int = typer.Option(EXPORT_DEFAULTS["max_seq_len"], help="KV capacity per slot (tokens)"),
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
-    seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
+    seed: int = typer.Option(EXPORT_DEFAULTS["seed"], help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
