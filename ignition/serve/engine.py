@@ -162,6 +162,8 @@ class AsyncEngine:
 
     async def submit(self, request: Request) -> RequestStream:
         """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
+        if request.n != 1:
+            raise ValueError("a request for several samples is admitted with submit_samples")
         (stream,) = await self._submit(request, [request.request_id])
         return stream
 
