@@ -108,10 +108,11 @@ def test_greedy_samples_are_identical(core):
     assert_same_sample(first, expected)
 
 
-def test_unseeded_samples_differ():
-    one, two = (sample_seed(None, i) for i in range(2))
-    assert one is two is None  # each sample then draws from its own request id (bindings._seed)
+def test_sample_seeds(core):
     assert sample_seed(2**63 - 1, 1) == -2**63 and sample_seed(-3, 2) == -1  # seed + index, wrapped into int64
+    assert sample_seed(None, 3) is None  # an unseeded sample draws from its own request id (bindings._seed)
+    unseeded = Engine(core, mixed=False).generate([sampled(n=3, seed=None)])
+    assert len({tuple(r.token_ids) for r in unseeded}) == 3
 
 
 def test_prompt_scores_are_computed_once_and_reported_by_every_sample(core):
@@ -198,7 +199,8 @@ def test_prompt_copier_copies_the_prompt_rows_of_one_slot():
     assert torch.equal(kv[:, 3, :5], kv[:, 1, :5]) and torch.equal(kv[:, 3, 5:], before["k_cache"][:, 3, 5:])
     assert torch.equal(counts[3, 0], counts[1, 0]) and not counts[3, 1].any()
     for slot in (0, 1, 2):
-        assert torch.equal(kv[:, slot], before["k_cache"][:, slot]) and torch.equal(counts[slot], before["penalty_counts"][slot])
+        assert torch.equal(kv[:, slot], before["k_cache"][:, slot])
+        assert torch.equal(counts[slot], before["penalty_counts"][slot])
     Core.state = {"unknown_state": torch.zeros(4, 3)}
     assert not PromptCopier(Core).shared  # each sample then prefills its own prompt
 
@@ -216,10 +218,13 @@ def counters(served) -> dict[str, float]:
 
 def close_choices(got: dict, expected: dict) -> None:
     """Equal choices, logprob values within TOL (a sample's first token comes from a decode lane)."""
-    values = lambda choice: choice["logprobs"]["token_logprobs"]  # noqa: E731
-    np.testing.assert_allclose(values(got), values(expected), atol=TOL, rtol=0)
-    strip = lambda choice: {**choice, "logprobs": {**choice["logprobs"], "token_logprobs": None,  # noqa: E731
-                                                   "top_logprobs": [list(t) for t in choice["logprobs"]["top_logprobs"]]}}
+    np.testing.assert_allclose(got["logprobs"]["token_logprobs"], expected["logprobs"]["token_logprobs"], atol=TOL,
+                               rtol=0)
+
+    def strip(choice: dict) -> dict:  # the token names of top_logprobs, without their values
+        logprobs = choice["logprobs"]
+        return {**choice, "logprobs": {**logprobs, "token_logprobs": None,
+                                       "top_logprobs": [list(top) for top in logprobs["top_logprobs"]]}}
     assert strip(got) == strip(expected)
 
 
@@ -325,9 +330,11 @@ def test_best_of_returns_the_best_by_cumulative_logprob(decoder):
 @pytest.mark.parametrize("path,body,param,message", [
     (CMPL, {"prompt": [1], "n": 0}, "n", "n must be at least 1, got 0"),
     (CMPL, {"prompt": [1], "n": 5}, "n", "n = 5 is more than this core's 4 slots"),
-    (CHAT, {"messages": USER, "n": 2, "best_of": 9, "temperature": 1}, "best_of", "best_of = 9 is more than this core's 4"),
+    (CHAT, {"messages": USER, "n": 2, "best_of": 9, "temperature": 1}, "best_of",
+     "best_of = 9 is more than this core's 4"),
     (CMPL, {"prompt": [1], "n": 2, "best_of": 1}, "best_of", "greater than or equal to n, got n=2 and best_of=1"),
-    (CMPL, {"prompt": [1], "best_of": 2, "temperature": 1, "stream": True}, "best_of", "must equal n (1) when streaming"),
+    (CMPL, {"prompt": [1], "best_of": 2, "temperature": 1, "stream": True}, "best_of",
+     "must equal n (1) when streaming"),
     (CMPL, {"prompt": [1], "best_of": 2}, "best_of", "must equal n (1) with greedy sampling"),
     ("/v1/responses", {"input": "hi", "n": 2}, "n", "`n` = 2 is not supported by this endpoint"),
 ])

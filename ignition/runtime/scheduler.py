@@ -4,7 +4,9 @@ Each step is one submission: the prefill chunk of one request, a mixed round, or
 for up to the largest capacity of running requests, run in the smallest variant that fits (the
 core's padding rule). The mechanics of a submission (frames, inputs, replay, readback, the
 record-ownership check) are the runner's (ignition.runtime.runner); the scheduler decides what to
-submit and what each lane's record means for its request.
+submit and what each lane's record means for its request. A request for ``n`` samples is a group
+(ignition/runtime/samples.py): admitted together, its prompt prefilled once by its first sample and
+copied into the others' slots (the "sample groups" methods).
 """
 
 from __future__ import annotations

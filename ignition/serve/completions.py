@@ -136,8 +136,9 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, response_id: str,
                   outputs: list[list[RequestOutput]]):
     n = len(outputs[0])  # best_of equals n when streaming (common.sample_counts)
     try:
-        async for chunk in merged([view.chunks(output, i * n + j) for i, (view, samples) in enumerate(zip(views, outputs))
-                                   for j, output in enumerate(samples)]):
+        sources = [view.chunks(output, i * n + j) for i, (view, samples) in enumerate(zip(views, outputs))
+                   for j, output in enumerate(samples)]
+        async for chunk in merged(sources):
             yield sse(chunk.model_dump_json(exclude_unset=True))
         if body.stream_options is not None and body.stream_options.include_usage:
             final = CompletionStreamResponse(id=response_id, object="text_completion", created=views[0].created,
