@@ -56,6 +56,7 @@ class Request:
     forced_tokens: dict[int, int] = field(default_factory=dict)  # generated index -> token emitted without logprob
     prompt_logprobs: int | None = None
     request_id: str = ""
+    n: int = 1  # samples of this prompt (ignition/runtime/samples.py): the prompt is prefilled once for all
 
     @property
     def wants_logprobs(self) -> bool:
@@ -66,6 +67,8 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
     """Raise AdmissionError with an exact message for anything this core cannot serve."""
     if not request.prompt_ids:
         raise AdmissionError("prompt must contain at least one token", "prompt")
+    if request.n < 1:
+        raise AdmissionError(f"n must be at least 1, got {request.n}", "n")
     bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
