@@ -428,6 +428,12 @@ def serve_cmd(
     reasoning_parser: str = typer.Option("plain", "--reasoning-parser",
                                          help="How /v1/responses splits output: plain (all content) or think "
                                               "(<think>reasoning</think>content)"),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
+                                                   help="How tool calls are read from the output: hermes "
+                                                        "(<tool_call>{...}</tool_call>, Qwen) or llama3_json"),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
+                                                 help="Let the model choose to call tools (tool_choice auto, the "
+                                                      "default with tools); needs --tool-call-parser"),
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
@@ -445,6 +451,7 @@ def serve_cmd(
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.guards import parse_allowed_origins
     from ignition.serve.parsers import PARSERS
+    from ignition.serve.tool_parsers import TOOL_PARSERS
 
     _check_limits(port=port, max_model_len=max_model_len, max_body_bytes=max_body_bytes,
                   max_prompt_bytes=max_prompt_bytes)
@@ -458,6 +465,10 @@ def serve_cmd(
         raise _fail(str(exc)) from None
     if reasoning_parser not in PARSERS:
         raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise _fail(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise _fail("--enable-auto-tool-choice requires --tool-call-parser (which format the model writes calls in)")
     if tokenizer is not None and not tokenizer.is_dir():
         raise _fail(f"--tokenizer {tokenizer}: not a directory")
     try:
@@ -467,7 +478,8 @@ def serve_cmd(
     config = ServeConfig(api_keys=api_keys_from(api_key), max_model_len=max_model_len, max_body_bytes=max_body_bytes,
                          max_prompt_bytes=max_prompt_bytes, chat_template=template, tokenizer=tokenizer,
                          allow_request_chat_template=allow_request_chat_template, enable_docs=enable_docs,
-                         log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
+                         log_requests=not disable_log_requests, reasoning_parser=reasoning_parser,
+                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
     _check_speculative(speculative)
     _identify_core(core)
     load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)

@@ -113,6 +113,30 @@ class CompletionRequest(GenerationFields):
     add_special_tokens: bool = True
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
@@ -125,16 +149,16 @@ class ChatCompletionRequest(GenerationFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = "none"  # "auto" when tools are sent without it (vLLM); serve/tools.py
+    parallel_tool_calls: bool | None = True  # False: only the first call is returned (vLLM)
 
 
 # field -> the only value the loader serves (anything else is a 400)
 UNSUPPORTED: dict[str, object] = {
     "use_beam_search": False, "suffix": None, "logit_bias": None,
     "allowed_token_ids": None, "bad_words": None, "min_tokens": 0, "response_format": None,
-    "structured_outputs": None, "prompt_embeds": None, "tools": None, "tool_choice": "none",
-    "logits_processors": None,
+    "structured_outputs": None, "prompt_embeds": None, "logits_processors": None,
 }
 STRUCTURED_OUTPUT = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar",
                                "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"})
@@ -220,14 +244,42 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))  # vLLM's make_tool_call_id
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A call's first delta has ``id``, ``type``, ``function.name`` and empty arguments; the next ones
+    ``index`` and argument text only (chunks are written with exclude_unset)."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):

@@ -230,6 +230,12 @@ class ToolCallParser:
     def _advance(self, final: bool) -> list:
         raise NotImplementedError
 
+    @classmethod
+    def grammar(cls, call_schema: str, several: bool) -> str:
+        """A Lark grammar (llguidance) of output that is only calls in this format: one, or ``several`` (at least
+        one); ``call_schema`` is the JSON Schema of one call object."""
+        raise NotImplementedError
+
 
 class HermesToolParser(ToolCallParser):
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in the content."""
@@ -237,6 +243,13 @@ class HermesToolParser(ToolCallParser):
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     keep_special_tokens = True  # vLLM's hermes parser: some tokenizers mark <tool_call> special
+
+    @classmethod
+    def grammar(cls, call_schema: str, several: bool) -> str:
+        calls = 'call ("\\n" call)*' if several else "call"
+        return (f"start: {calls}\n"
+                f'call: "{cls.OPEN}\\n" body "\\n{cls.CLOSE}"\n'  # Qwen's templates put each call on its own lines
+                f"body: %json {call_schema}\n")
 
     def __init__(self):
         super().__init__()
@@ -299,6 +312,11 @@ class Llama3JsonToolParser(ToolCallParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
     ARGUMENT_KEYS = ("parameters", "arguments")
+
+    @classmethod
+    def grammar(cls, call_schema: str, several: bool) -> str:
+        calls = 'call ("; " call)*' if several else "call"
+        return f"start: {calls}\ncall: %json {call_schema}\n"
 
     def _advance(self, final: bool) -> list:
         out: list = []

@@ -1,0 +1,167 @@
+"""Tool calling for Chat and Responses: the request's choice, what the template sees, how the output is read.
+
+``tool_use`` resolves ``tools`` and ``tool_choice`` as vLLM's ``check_tool_usage`` and chat serving do:
+with tools and no ``tool_choice`` the choice is ``auto``; ``auto`` needs ``--enable-auto-tool-choice`` and
+``--tool-call-parser``; ``none`` passes the tools to the template but reads no calls; ``required`` and a
+named function are enforced with a grammar in the tool parser's own format (``grammar``), so the same
+parser reads them. ``ToolUse.parser()`` makes the request's tool-call parser (None: content only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+
+from ignition.serve.common import ApiError
+from ignition.serve.config import ServeConfig
+from ignition.serve.detokenize import Span
+from ignition.serve.parsers import CONTENT
+from ignition.serve.protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, random_id
+from ignition.serve.tool_parsers import (TOOL_CALL, TOOL_PARSERS, HermesToolParser, ToolCallingParser,
+                                         ToolCallParser)
+
+AUTO_NEEDS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+"""vLLM's refusal, word for word (clients and guides search for it)."""
+
+
+@dataclass(slots=True, frozen=True)
+class ToolUse:
+    choice: str  # none | auto | required | named
+    tools: tuple[dict, ...]  # Chat-format tool definitions, as the chat template receives them
+    named: str | None = None  # the function of a named choice
+    parser_class: type[ToolCallParser] | None = None  # None: the output is content only
+    parallel: bool = True  # False: only the first call is returned
+
+    def parser(self) -> ToolCallParser | None:
+        return None if self.parser_class is None else self.parser_class()
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        return list(self.tools) if self.tools else None
+
+    def finish_reason(self, called: bool, finish_reason: str | None) -> str | None:
+        """OpenAI's: ``tool_calls`` when auto or required called a tool and the output ended by itself; a named
+        call keeps ``stop``; a cut output (``length``) keeps its reason (vLLM reports ``tool_calls`` there too,
+        with arguments that do not parse)."""
+        if called and self.choice in ("auto", "required") and finish_reason == "stop":
+            return "tool_calls"
+        return finish_reason
+
+    def grammar(self) -> str:
+        """The Lark grammar (llguidance) that enforces ``required`` or a named call in the parser's format."""
+        tools = [t for t in self.tools if self.named is None or t["function"]["name"] == self.named]
+        schemas = [_call_schema(self.parser_class or HermesToolParser, t["function"]) for t in tools]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        return (self.parser_class or HermesToolParser).grammar(json.dumps(schema, ensure_ascii=False),
+                                                               several=self.parallel and self.named is None)
+
+
+def _call_schema(parser: type[ToolCallParser], function: dict) -> dict:
+    """A call object of ``function``: its name, then its arguments (property order is output order)."""
+    arguments = function.get("parameters") or {"type": "object"}
+    key = parser.ARGUMENT_KEYS[0]
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, key: arguments},
+            "required": ["name", key], "additionalProperties": False}
+
+
+def tool_use(config: ServeConfig, tools: list[dict] | None, tool_choice, choice_sent: bool,
+             parallel: bool | None = True) -> ToolUse:
+    """The request's tool use; ApiError (400) naming ``tools`` or ``tool_choice``. ``tools`` in Chat format;
+    ``tool_choice`` "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    ``choice_sent``: the request set ``tool_choice`` (to something other than null)."""
+    if tools is not None and not tools:
+        raise ApiError("`tools` must not be an empty array. Either provide at least one tool or omit the field "
+                       "entirely.", "tools")
+    if not choice_sent:
+        tool_choice = "auto" if tools else "none"
+    if tool_choice == "none":
+        return ToolUse("none", tuple(tools or ()))
+    if not tools:
+        raise ApiError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    names = [tool["function"]["name"] for tool in tools]
+    parser = TOOL_PARSERS[config.tool_call_parser] if config.tool_call_parser else None
+    if tool_choice == "auto":
+        if not (config.enable_auto_tool_choice and parser is not None):
+            raise ApiError(AUTO_NEEDS, "tool_choice")
+        return ToolUse("auto", tuple(tools), parser_class=parser, parallel=parallel is not False)
+    if tool_choice == "required":
+        return ToolUse("required", tuple(tools), parser_class=parser or HermesToolParser,
+                       parallel=parallel is not False)
+    name = tool_choice["function"]["name"]
+    if name not in names:
+        raise ApiError(f"The tool specified in `tool_choice` ({name!r}) does not match any of the specified `tools` "
+                       f"({', '.join(map(repr, names))})", "tool_choice")
+    return ToolUse("named", tuple(tools), named=name, parser_class=parser or HermesToolParser, parallel=False)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Assistant ``tool_calls`` with their JSON-text arguments parsed, as Hugging Face tool templates expect
+    them (vLLM's chat_utils does the same); a 400 names arguments that are not JSON."""
+    out = []
+    for i, message in enumerate(messages):
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            parsed = []
+            for j, call in enumerate(calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise ApiError(f"messages[{i}].tool_calls[{j}]: expected {{'type': 'function', 'function': "
+                                   "{'name': ..., 'arguments': ...}}", f"messages[{i}].tool_calls[{j}]")
+                arguments = function.get("arguments")
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except ValueError as exc:
+                        raise ApiError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: {exc}",
+                                       f"messages[{i}].tool_calls[{j}].function.arguments") from None
+                parsed.append({**call, "function": {**function, "arguments": arguments}})
+            message = {**message, "tool_calls": parsed}
+        out.append(message)
+    return out
+
+
+class ToolCallReader:
+    """One sample's output read for tool calls, piece by piece: content, the calls' deltas, and the tokens whose
+    first character is decided (a Chat chunk carries exactly those tokens' logprob entries, as it carries their
+    text). The full response is the same reading of the whole output, so streamed deltas add up to it."""
+
+    def __init__(self, use: ToolUse, output_parser):
+        self.use = use
+        self.parser = ToolCallingParser(output_parser, use.parser())
+        self.waiting: deque[Span] = deque()
+        self.ids: list[str] = []  # one per call started
+        self.calls: list[list[str]] = []  # [name, arguments] per call
+
+    def step(self, text: str, spans: list[Span], final: bool) -> tuple[str | None, list[DeltaToolCall], list[Span]]:
+        events = self.parser.feed(text) + (self.parser.finish() if final else [])
+        self.waiting.extend(spans)
+        decided = []
+        while self.waiting and (final or self.waiting[0].offset < self.parser.consumed):
+            decided.append(self.waiting.popleft())
+        content, deltas = [], []
+        for event in events:
+            if event.kind == CONTENT:
+                content.append(event.text)
+            elif event.kind == TOOL_CALL and (self.use.parallel or event.index == 0):
+                if event.name is not None:  # a call starts: vLLM's first delta of a call
+                    self.ids.append(random_id("chatcmpl-tool"))
+                    self.calls.append([event.name, ""])
+                    deltas.append(DeltaToolCall(index=event.index, id=self.ids[-1], type="function",
+                                                function=DeltaFunctionCall(name=event.name, arguments="")))
+                elif event.text:
+                    self.calls[event.index][1] += event.text
+                    deltas.append(DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text)))
+        return ("".join(content) if content else None), deltas, decided
+
+    def tool_calls(self) -> list[ToolCall]:
+        return [ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+                for call_id, (name, arguments) in zip(self.ids, self.calls)]
+
+
+def enforce(use: ToolUse, request) -> None:
+    """``required`` and named choices: constrain the engine request with ``use.grammar()``."""
+    if use.choice in ("required", "named"):
+        shown = "required" if use.choice == "required" else f"the function {use.named!r}"
+        raise ApiError(f"tool_choice {shown} must be enforced with a grammar, and this server has no grammar engine "
+                       "yet; use tool_choice 'auto'", "tool_choice")
