@@ -134,7 +134,7 @@ class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
     type: Literal["function"] = "function"
 
 
-ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+ToolChoice = ChatCompletionNamedToolChoiceParam | str  # a string other than none/auto/required: a 400 (serve/tools.py)
 
 
 class ChatCompletionRequest(GenerationFields):

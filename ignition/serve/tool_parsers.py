@@ -294,11 +294,12 @@ class HermesToolParser(ToolCallParser):
                 if found < 0 and not final:
                     return out
                 length = len(self.buffer) if found < 0 else found + len(self.CLOSE)
+                called = True
                 if state == "whole":
-                    self._whole(out, self.buffer[len(self.OPEN):found if found >= 0 else None], length)
+                    called = self._whole(out, self.buffer[len(self.OPEN):found if found >= 0 else None], length)
                 else:
                     self._skip(length)  # the call object's closing brace and whitespace
-                self.state = "lead"
+                self.state = "lead" if called else "content"
             else:  # lead: whitespace after a call
                 self._skip(len(self.buffer) - len(self.buffer.lstrip(_WS)))
                 if self.buffer:

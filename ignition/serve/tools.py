@@ -75,6 +75,9 @@ def tool_use(config: ServeConfig, tools: list[dict] | None, tool_choice, choice_
                        "entirely.", "tools")
     if not choice_sent:
         tool_choice = "auto" if tools else "none"
+    if not isinstance(tool_choice, dict) and tool_choice not in ("none", "auto", "required"):
+        raise ApiError(f"Invalid value for `tool_choice`: {tool_choice!r}! Only named tools, \"none\", \"auto\" or "
+                       "\"required\" are supported.", "tool_choice")
     if tool_choice == "none":
         return ToolUse("none", tuple(tools or ()))
     if not tools:
