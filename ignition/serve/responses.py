@@ -33,7 +33,7 @@ from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
 from ignition.serve.tool_parsers import TOOL_CALL, ToolCallingParser
-from ignition.serve.tools import ToolUse, enforce, tool_use
+from ignition.serve.tools import ToolUse, enforce, messages_with_tool_item, responses_tool_use
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 DEFAULT_MAX_OUTPUT_TOKENS = 256  # when the core declares no context length to fill (Chat's default)
@@ -212,7 +212,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
         if kind == "reasoning":
             continue  # earlier turns' reasoning is not re-sent, as reasoning chat templates drop it
         if kind in ("function_call", "function_call_output"):
-            _tool_item(messages, item, i)
+            messages_with_tool_item(messages, item, i, _text_of)
             continue
         role = item.get("role")
         if kind != "message" or role not in ("user", "assistant", "system", "developer"):
@@ -221,53 +221,6 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
         messages.append({"role": "system" if role == "developer" else role,
                          "content": _text_of(item.get("content"), f"input[{i}].content")})
     return messages
-
-
-def _tool_item(messages: list[dict], item: dict, i: int) -> None:
-    """An earlier turn's call (an assistant message's tool call; consecutive calls share one message) or a call's
-    output (a ``tool`` message), as vLLM's Responses serving renders them."""
-    call_id = item.get("call_id")
-    if not isinstance(call_id, str):
-        raise ApiError(f"input[{i}]: a {item['type']} item needs a string call_id", f"input[{i}].call_id")
-    if item["type"] == "function_call_output":
-        output = item.get("output")
-        messages.append({"role": "tool", "tool_call_id": call_id,
-                         "content": _text_of(output, f"input[{i}].output")})
-        return
-    if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
-        raise ApiError(f"input[{i}]: a function_call item needs a string name and arguments", f"input[{i}]")
-    call = {"id": call_id, "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-        messages[-1]["tool_calls"].append(call)
-    else:
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-
-
-def responses_tool_use(ctx: ServerContext, body: ResponsesRequest) -> ToolUse:
-    """Responses' flat function tools and tool_choice, in Chat's shape, resolved as Chat resolves them."""
-    tools = []
-    for i, tool in enumerate(body.tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-            raise ApiError(f"tools[{i}]: only function tools are supported, got type {kind!r}", f"tools[{i}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise ApiError(f"tools[{i}].name: a function tool needs a name", f"tools[{i}].name")
-        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-            raise ApiError(f"tools[{i}].parameters must be a JSON Schema object", f"tools[{i}].parameters")
-        tools.append({"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")
-                                                       if tool.get(key) is not None}})
-    choice = body.tool_choice
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise ApiError(f"`tool_choice` = {choice!r}: expected 'none', 'auto', 'required' or "
-                           "{'type': 'function', 'name': ...}", "tool_choice")
-        choice = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice not in ("none", "auto", "required"):
-        raise ApiError(f"`tool_choice` = {choice!r}: expected 'none', 'auto', 'required' or "
-                       "{'type': 'function', 'name': ...}", "tool_choice")
-    if not tools and choice == "auto":  # Responses' default choice: nothing to call
-        choice = "none"
-    return tool_use(ctx.config, tools or None, choice, True, body.parallel_tool_calls)
 
 
 def _renamed(exc: ApiError | AdmissionError, body: ResponsesRequest) -> ApiError:
@@ -303,7 +256,7 @@ def _prepare(ctx: ServerContext, body: ResponsesRequest, tools: ToolUse) -> tupl
 async def create_response(ctx: ServerContext, body: ResponsesRequest, http: HttpRequest) -> Response:
     ctx.check_model(body.model)
     _check_request(ctx, body)
-    tools = responses_tool_use(ctx, body)
+    tools = responses_tool_use(ctx.config, body.tools, body.tool_choice, body.parallel_tool_calls)
     if tools.parser_class is not None and tools.parser_class.keep_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special
     prompt_text, prompt_ids, request = await ctx.run(_prepare, ctx, body, tools)

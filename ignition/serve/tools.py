@@ -124,6 +124,53 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def messages_with_tool_item(messages: list[dict], item: dict, i: int, text_of) -> None:
+    """An earlier turn's call (an assistant message's tool call; consecutive calls share one message) or a call's
+    output (a ``tool`` message; ``text_of(content, where)`` reads its text), as vLLM's Responses serving renders
+    them."""
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise ApiError(f"input[{i}]: a {item['type']} item needs a string call_id", f"input[{i}].call_id")
+    if item["type"] == "function_call_output":
+        output = item.get("output")
+        messages.append({"role": "tool", "tool_call_id": call_id,
+                         "content": text_of(output, f"input[{i}].output")})
+        return
+    if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+        raise ApiError(f"input[{i}]: a function_call item needs a string name and arguments", f"input[{i}]")
+    call = {"id": call_id, "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+        messages[-1]["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def responses_tool_use(config: ServeConfig, body_tools: list, choice, parallel: bool | None) -> ToolUse:
+    """Responses' flat function tools and tool_choice, in Chat's shape, resolved as Chat resolves them."""
+    tools = []
+    for i, tool in enumerate(body_tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise ApiError(f"tools[{i}]: only function tools are supported, got type {kind!r}", f"tools[{i}].type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ApiError(f"tools[{i}].name: a function tool needs a name", f"tools[{i}].name")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise ApiError(f"tools[{i}].parameters must be a JSON Schema object", f"tools[{i}].parameters")
+        tools.append({"type": "function", "function": {key: tool[key] for key in ("name", "description", "parameters")
+                                                       if tool.get(key) is not None}})
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ApiError(f"`tool_choice` = {choice!r}: expected 'none', 'auto', 'required' or "
+                           "{'type': 'function', 'name': ...}", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice not in ("none", "auto", "required"):
+        raise ApiError(f"`tool_choice` = {choice!r}: expected 'none', 'auto', 'required' or "
+                       "{'type': 'function', 'name': ...}", "tool_choice")
+    if not tools and choice == "auto":  # Responses' default choice: nothing to call
+        choice = "none"
+    return tool_use(config, tools or None, choice, True, parallel)
+
+
 class ToolCallReader:
     """One sample's output read for tool calls, piece by piece: content, the calls' deltas, and the tokens whose
     first character is decided (a Chat chunk carries exactly those tokens' logprob entries, as it carries their
