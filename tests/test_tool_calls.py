@@ -279,6 +279,25 @@ def test_tool_fields_are_refused_by_name(served, fields, param, message):
     assert error["param"] == param and message in error["message"], error
 
 
+def test_required_and_named_choices_are_never_served_unenforced(served):
+    """Their grammar (the seam the grammar engine compiles) is valid llguidance Lark; until the engine enforces it,
+    the request is a 400 rather than an unconstrained generation."""
+    llguidance = pytest.importorskip("llguidance")
+    server, stop_id = served
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        response = server.post("/v1/chat/completions", _chat(stop_id, tool_choice=choice))
+        assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+        assert "grammar" in response.json()["error"]["message"]
+    second = {"type": "function", "function": {"name": "other"}}
+    for parser in ("hermes", "llama3_json"):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            use = tool_use(ServeConfig(tool_call_parser=parser), [WEATHER, second], choice, True)
+            grammar = use.grammar()
+            assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("lark", grammar)) == ""
+            assert ('"const": "other"' in grammar) == (choice == "required")
+            assert ('<tool_call>' in grammar) == (parser == "hermes")
+
+
 def test_auto_needs_the_parser_and_the_option(served):
     """vLLM's rule and message: auto (the default with tools) needs --enable-auto-tool-choice and a parser."""
     server, stop_id = served
