@@ -38,30 +38,13 @@ import torch
 
 from ignition.catalog.enums import Role
 from ignition.catalog.parallel import PROCESS_GROUP_TIMEOUT_S
+from ignition.runtime.parallel_options import (SUPPORTED_RUNTIME, ParallelError, ParallelOptionError,  # noqa: F401
+                                               check_runtime)
 from ignition.runtime.rendezvous import (LOOPBACK, STOP, MembershipError, PipeChannel, StoreChannel, check_host,
                                          launched_by_torchrun, listening_store, new_secret, pin_interfaces,
                                          prove_membership, torchrun_follower, torchrun_store)
 
 WATCH_INTERVAL_S = 0.2
-
-
-class ParallelError(RuntimeError):
-    """A tensor-parallel group cannot start or has lost a rank; the message names the rank and the cause."""
-
-
-class ParallelOptionError(ParallelError):
-    """Options that cannot run tensor parallelism at all (a usage error, refused before anything starts)."""
-
-
-SUPPORTED_RUNTIME = "torch"
-
-
-def check_runtime(runtime: str, ranks: int) -> None:
-    """The one refusal of tensor parallelism with a backend that cannot replay rank shards."""
-    if ranks > 1 and runtime != SUPPORTED_RUNTIME:
-        raise ParallelOptionError(f"--runtime {runtime} replays single-rank cores only, so it cannot run "
-                                  f"--tensor-parallel {ranks}; tensor parallelism is supported with --runtime "
-                                  f"{SUPPORTED_RUNTIME} (gloo on CPU, NCCL on CUDA)")
 
 
 def _backend(device: torch.device) -> str:
