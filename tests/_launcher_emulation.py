@@ -29,6 +29,7 @@ import ctypes
 import json
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ from ignition.components import triton_logprobs as T
 from ignition.components import triton_vocabulary as TV
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
-from ignition.runtime.launcher import PreparedReduction
+from ignition.runtime.launcher import PreparedReduction, load_launcher
 
 KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
                                       T.merge_kernel, TV.shard_statistics_kernel, TV.global_normalization_kernel,
@@ -51,7 +52,14 @@ MASS_TOLERANCE = 2.0**-18
 
 
 class EmulatedDriver:
-    """The slice of ``cuda.bindings.driver`` the launcher uses; launches run in the interpreter."""
+    """The slice of ``cuda.bindings.driver`` the launcher uses; launches run in the interpreter.
+
+    Contexts are per thread, as the driver's are: a thread starts with none current, the primary context
+    (handle ``PRIMARY``) is current only where ``cuCtxSetCurrent`` bound it, and a module load or a launch
+    on a thread without it is recorded as a problem (CUDA_ERROR_INVALID_CONTEXT on a GPU)."""
+
+    PRIMARY = 0xC0
+    OTHER = 0xC1  # another context a thread may hold (a second device's)
 
     class CUresult:
         CUDA_SUCCESS = 0
@@ -66,6 +74,9 @@ class EmulatedDriver:
         self.tensors: dict[int, torch.Tensor] = {}
         self.problems: list[str] = []
         self.launched: list[str] = []
+        self.modules: list[list[dict]] = []  # every module loaded, in order
+        self.retained = 0  # primary-context references held
+        self._thread = threading.local()
 
     def CUstream(self, handle):  # noqa: N802 - the driver's name
         return handle
@@ -73,10 +84,34 @@ class EmulatedDriver:
     def cuGetErrorName(self, error):  # noqa: N802
         return 0, b"EMULATED_ERROR"
 
+    def cuInit(self, flags):  # noqa: N802
+        return (0,)
+
+    def cuDeviceGet(self, ordinal):  # noqa: N802
+        return 0, ordinal
+
+    def cuDevicePrimaryCtxRetain(self, device):  # noqa: N802
+        self.retained += 1
+        return 0, self.PRIMARY
+
+    def cuDevicePrimaryCtxRelease(self, device):  # noqa: N802
+        self.retained -= 1
+        return (0,)
+
     def cuCtxGetCurrent(self):  # noqa: N802
-        return 0, 1
+        return 0, getattr(self._thread, "context", 0)
+
+    def cuCtxSetCurrent(self, context):  # noqa: N802
+        self._thread.context = int(context)
+        return (0,)
+
+    def _needs_context(self, call: str) -> None:
+        if getattr(self._thread, "context", 0) != self.PRIMARY:
+            self.problems.append(f"{call} on thread {threading.current_thread().name} without the primary context "
+                                 f"current (CUDA_ERROR_INVALID_CONTEXT)")
 
     def cuModuleLoadData(self, address: int):  # noqa: N802
+        self._needs_context("cuModuleLoadData")
         header = ctypes.string_at(address, 64)
         shoff, = struct.unpack_from("<Q", header, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", header, 0x3A)
@@ -84,6 +119,7 @@ class EmulatedDriver:
         matches = [entries for binary, entries in self.binaries.items() if binary.startswith(prefix)]
         if len(matches) != 1:
             raise AssertionError(f"module image matches {len(matches)} prepared cubins")
+        self.modules.append(matches[0])
         return 0, matches[0]
 
     def cuModuleGetFunction(self, module, name: bytes):  # noqa: N802
@@ -95,6 +131,7 @@ class EmulatedDriver:
         return (0,)
 
     def cuLaunchKernel(self, entries, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: N802
+        self._needs_context("cuLaunchKernel")
         padded = [tuple(e["grid"]) + (1,) * (3 - len(e["grid"])) for e in entries]
         if (gx, gy, gz) not in padded:
             self.problems.append(f"{entries[0]['name']}: grid {(gx, gy, gz)} is none of the table's {padded}")
@@ -106,6 +143,9 @@ class EmulatedDriver:
         for index, param in enumerate(runtime):
             if param["type"].startswith("*"):
                 pointer = ctypes.c_void_p.from_address(slots[index]).value
+                if pointer is not None and pointer % param.get("divisibility", 1):
+                    self.problems.append(f"{entry['name']}: {param['name']} = {pointer:#x} breaks the binary's "
+                                         f"divisibility {param['divisibility']}")
                 if pointer not in self.tensors:
                     self.problems.append(f"{entry['name']}: {param['name']} = {pointer:#x} addresses no known tensor")
                     return (0,)
@@ -223,7 +263,7 @@ def emulate(core: Path) -> dict[str, list[str]]:
     results = {}
     if "tensor_parallel" in manifest:
         ranks = manifest["tensor_parallel"]["ranks"]
-        launchers = [PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+        launchers = [load_launcher(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
                      for _ in range(ranks)]  # one process per rank: one workspace each
         for launcher in launchers:
             launcher.current_stream = lambda: 0
@@ -245,7 +285,7 @@ def emulate(core: Path) -> dict[str, list[str]]:
         results["launches"] = [] if issued == len(driver.launched) else [
             f"launch_count {issued} != {len(driver.launched)} emulated launches"]
         return results
-    launcher = PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+    launcher = load_launcher(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
     launcher.current_stream = lambda: 0
     for rows in sorted({s.rows for s in launcher.launches}):
         for dtype in (torch.int64, torch.int32, "strided"):  # strided: a column view of the records

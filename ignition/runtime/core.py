@@ -27,13 +27,13 @@ import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
-from ignition.components.device_reduction import install_reduction, jit_opted_in
+from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.device import move_program, resolve_device
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
-from ignition.runtime.launcher import LauncherError, PreparedReduction
+from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.onnx_backend import RUNTIMES
-from ignition.runtime.parallel import ParallelOptionError, check_runtime
+from ignition.runtime.parallel_options import ParallelOptionError, check_runtime
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
                                        private_copy, read_verified, tokenizer_file, weights_offsets)
@@ -234,20 +234,17 @@ def _onnx_run(backend, entry: dict, arguments: list[BufferDecl], buffers: dict[s
 
 
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
-    """Install the op's implementation for a CUDA device: the core's prepared cubins (or JIT, opted in)."""
+    """The core's launcher of its prepared cubins on a CUDA device (None: JIT, opted in), bound to its variants."""
     if device.type != "cuda":
         return None
     if jit_opted_in():
         warnings.warn("IGNITION_TRITON_JIT=1: the reduction JIT-compiles Triton instead of launching the core's "
                       "prepared kernels (development only)", stacklevel=3)
-        install_reduction(device, None)
         return None
     try:
-        reduction = PreparedReduction.load(root, report.manifest, report.catalog, report.kernels, device)
+        return load_launcher(root, report.manifest, report.catalog, report.kernels, device)
     except LauncherError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
-    install_reduction(device, reduction)
-    return reduction
 
 
 def read_manifest(path: str | Path) -> dict | None:
@@ -424,6 +421,8 @@ def load_core(path: str | Path, device: str | torch.device = "cpu", prefer_compi
             run = _onnx_run(backend, entry, arguments, buffers, manifest, offsets)
         else:
             run = _load_runnable(root, entry, prefer_compiled, programs[entry["name"]], device, manifest)
+            if reduction is not None:  # the core's own launcher, while its graphs run (and are captured)
+                run = reduction.bound(run)
         variants[entry["name"]] = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
