@@ -46,8 +46,8 @@ def divisibility(spec: LaunchSpec) -> dict[str, int]:
     by_value = [name for name, kind in spec.signature.items() if kind in _INTEGER_TYPES and name not in unspecialized]
     if by_value:
         raise KernelPreparationError(f"kernel {spec.name}: integer parameter(s) {', '.join(by_value)} would be "
-                                     f"specialized by value under the JIT, which a prepared binary cannot be; mark them "
-                                     f"do_not_specialize")
+                                     f"specialized by value under the JIT, which a prepared binary cannot be; mark "
+                                     f"them do_not_specialize")
     return {name: POINTER_DIVISIBILITY for name, kind in spec.signature.items() if kind.startswith("*")}
 
 

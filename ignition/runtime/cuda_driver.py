@@ -1,7 +1,7 @@
-"""The CUDA driver, through NVIDIA's ``cuda-python``: the one module that talks to it, and the runtime's device decisions.
+"""The CUDA driver, through NVIDIA's ``cuda-python``: the one module that calls it, and the runtime's device choices.
 
 - ``load_driver``: ``cuda.bindings.driver`` (cuda-python 12.6 and later) or its older home ``cuda.cuda``.
-- ``check``: a driver result ``(CUresult, *values)`` -> its values, or ``LauncherError`` with the driver's error name.
+- ``check``: a driver result ``(CUresult, *values)`` -> its values, or ``LauncherError`` naming the driver error.
 - ``pack_params``: the ``cuLaunchKernel`` parameter array of a kernel-table signature, refusing a pointer that breaks the
   alignment the binary was compiled for (``tt.divisibility``).
 - ``load_function`` and ``launch``: ``cuModuleLoadData`` / ``cuModuleGetFunction`` / ``cuLaunchKernel``.
@@ -146,8 +146,8 @@ def pack_params(signature: list[dict], values: dict[str, int | float], label: st
         if kind == "constexpr":
             continue
         value = values[param["name"]]
-        divisibility = param.get("divisibility", 1)
-        if value % divisibility:
+        divisibility = param.get("divisibility")
+        if divisibility and value % divisibility:
             raise LauncherError(f"{label}: {param['name']} = {value:#x} is not a multiple of {divisibility}, but the "
                                 f"prepared binary was compiled assuming it is (tt.divisibility={divisibility})")
         holders.append(ctypes.c_void_p(value) if kind.startswith("*") else _PARAM_TYPES[kind](value))

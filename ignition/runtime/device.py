@@ -111,7 +111,7 @@ def foreign_devices(program, device: torch.device) -> list[str]:
                     found.append(f"{where}node {node.name} produces a tensor on {tensor.device}")
         for match in _DEVICE_NAMES.finditer(module.code):
             kind, index, literal = match.groups()
-            named = torch.device(literal) if literal else torch.device(kind, int(index)) if index else torch.device(kind)
+            named = torch.device(literal) if literal else torch.device(kind, int(index) if index else None)
             if named != device:
                 found.append(f"{where}generated code names {match.group(0)}")
         for tensor_name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(
