@@ -80,11 +80,11 @@ def first_runs(variant, device: torch.device, runs: int = WARMUP_RUNS) -> None:
                            f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
-def capture_one(variant, pool, device: torch.device) -> torch.cuda.CUDAGraph:
-    """The variant's run captured into a CUDA graph that allocates from ``pool``; CaptureError (suggesting
-    ``--eager``) when the capture fails, after undoing what the failed capture left behind."""
+def capture_one(variant, pool, stream, device: torch.device) -> torch.cuda.CUDAGraph:
+    """The variant's run captured on ``stream`` into a CUDA graph that allocates from ``pool`` (every capture of a
+    pool on one stream, so the pool's blocks are reused across them); CaptureError (suggesting ``--eager``) when
+    the capture fails, after undoing what the failed capture left behind."""
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the pool starts from every cached block returned
     with torch.cuda.stream(stream):  # restores the previous current stream however the capture ends
@@ -129,7 +129,7 @@ def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tens
     report = CaptureReport()
     for variant in variants.values():
         arrange_inputs(variant)
-    pool = torch.cuda.graph_pool_handle()
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
     torch.cuda.synchronize(device)
     reserved_before = torch.cuda.memory_reserved(device)
     for variant in sorted(variants.values(), key=lambda v: -sum(a.nbytes for a in v.arguments)):  # largest first
@@ -138,7 +138,7 @@ def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tens
         if reason is not None:
             report.eager[variant.name] = reason
             continue
-        variant.run = GraphReplay(capture_one(variant, pool, device))
+        variant.run = GraphReplay(capture_one(variant, pool, stream, device))
         report.captured.append(variant.name)
     torch.cuda.synchronize(device)
     for tensor in state.values():
