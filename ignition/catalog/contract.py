@@ -47,6 +47,11 @@ SCRATCH_POINTERS = 2
 """Trailing null pointers every prepared launch takes after its non-constexpr arguments (Triton's
 global and profile scratch); prepared kernels must not need either buffer."""
 
+POINTER_DIVISIBILITY = 16
+"""Bytes every pointer argument of a prepared launch is a multiple of: the binaries are compiled with
+Triton's ``tt.divisibility`` at this value (as the JIT compiles an aligned call), kernels.json records it
+per parameter, and the launcher refuses an address that breaks it."""
+
 INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""

@@ -63,7 +63,8 @@ _IDLE = {S.SLOT_IDS: -1, S.EOS_TOKEN_ID: -1, S.FORCED_TOKEN_ID: -1, S.TOP_P: 1.0
 
 def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarray, int]:
     """Upload every bound input; return the lane request mask and W (pairs to read back)."""
-    b = variant.buffers
+    inputs = core.transfer.inputs(variant)  # pinned host mirrors on CUDA, uploaded below; the buffers themselves on CPU
+    b = inputs.buffers
     eos = core.manifest.get("eos_token_id")
     per_lane = [_lane_values(lane, eos) for lane in lanes]
     for name, source in variant.bindings.items():
@@ -115,6 +116,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
         for index, lane in enumerate(lanes):
             if counts[index]:
                 b[TOKEN_IDS][index, :counts[index]] = torch.tensor(lane.state.request.logprob_token_ids, dtype=torch.int32)
+    inputs.upload()
     pairs = max([core.k] + [int(c) for c in counts]) if flags.any() else 0
     return flags.astype(bool), pairs
 
