@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.catalog.limits import check_limit
+from ignition.runtime.constraints import LaneConstraints
 
 
 class AdmissionError(ValueError):
@@ -42,6 +43,7 @@ class Request:
     forced_tokens: dict[int, int] = field(default_factory=dict)  # generated index -> token emitted without logprob
     prompt_logprobs: int | None = None
     request_id: str = ""
+    constraints: LaneConstraints | None = None  # structured output and sampling controls (runtime/constraints.py)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -94,6 +96,10 @@ def check_options(request: Request, features: dict, vocab_size: int) -> None:
         if not 0 <= request.prompt_logprobs <= k:
             raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
                                  "prompt_logprobs")
+    if request.constraints is not None and not features.get("structured_output", False):
+        raise AdmissionError("this core was exported without the structured-output inputs (token_bitmask, logit "
+                             "bias): response_format, structured_outputs, logit_bias, allowed_token_ids, bad_words "
+                             "and min_tokens need a re-export", "response_format")
     check_sampling(request.sampling)
 
 
