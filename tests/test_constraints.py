@@ -7,7 +7,6 @@ with the rest of it; EOS and the stop ids are banned while fewer than ``min_toke
 
 from __future__ import annotations
 
-import json
 import random
 from types import SimpleNamespace
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from _grammar_tokenizers import byte_level_bpe
+from _grammar_cases import byte_level_bpe, token_pieces
 from ignition.catalog.contract import MAX_LOGIT_BIAS, bitmask_words
 from ignition.catalog.enums import ValueSource as S
 from ignition.runtime.bindings import fill_constraints
@@ -24,7 +23,6 @@ from ignition.runtime.constraints import (ConstraintConflict, ConstraintError, L
 from ignition.runtime.grammar import GrammarCompiler
 from ignition.runtime.grammar_spec import grammar_spec
 from ignition.runtime.requests import AdmissionError, Request, check_options
-from ignition.serve.detokenize import byte_level_alphabet
 
 
 def ids_of(row: np.ndarray) -> set[int]:
@@ -122,10 +120,7 @@ def test_bad_word_sequences_follow_vllm():
 def grammar_compiler():
     text, eos = byte_level_bpe(600)
     compiler = GrammarCompiler(text, 640, eos)
-    config = json.loads(text)
-    alphabet = byte_level_alphabet()
-    pieces = {i: bytes(alphabet[c] for c in token) for token, i in config["model"]["vocab"].items()}
-    yield compiler, eos, {piece: i for i, piece in pieces.items()}
+    yield compiler, eos, {piece: i for i, piece in token_pieces(text).items()}
     compiler.close()
 
 

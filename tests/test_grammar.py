@@ -5,8 +5,10 @@ allows, accept it. Two pickers: ``closing`` takes the allowed token ranked first
 then closing quotes and brackets, separators, other punctuation, letters and digits, whitespace last), which
 gives the shortest documents; ``explorer`` picks uniformly at random among the allowed tokens for 40 steps,
 then closes like ``closing``. A picker that has not ended 50 steps after it started closing picks among the
-three best-ranked allowed tokens (a grammar may not accept after every digit, e.g. a bounded decimal). The produced bytes must be valid UTF-8, parse as JSON and validate against the
-schema with ``jsonschema`` (an independent validator), for every schema, both pickers and three seeds.
+three best-ranked allowed tokens (a grammar may not accept after every digit, e.g. a bounded decimal). The
+produced bytes must be valid UTF-8, parse as JSON and validate against the schema with ``jsonschema`` (an
+independent validator), for every schema (``_grammar_cases.SCHEMAS``), with the closing picker and three seeds
+of the explorer.
 """
 
 from __future__ import annotations
@@ -20,81 +22,21 @@ import jsonschema
 import numpy as np
 import pytest
 
-from _grammar_tokenizers import byte_level_bpe
+from _grammar_cases import SCHEMAS, byte_level_bpe, preference, token_pieces
 from ignition.catalog.contract import bitmask_words
 from ignition.runtime import grammar as grammar_module
 from ignition.runtime.grammar import GrammarCompiler, GrammarError, GrammarMatcher, GrammarSetupError, GrammarViolation
 from ignition.runtime.grammar_spec import GrammarSpec, grammar_spec
-from ignition.serve.detokenize import byte_level_alphabet
 
 REGULAR = 2000
 VOCAB_PADDED = 2048 + 32  # padded past the tokenizer's 2003 ids, like real checkpoints
 MAX_STEPS = 3000
 
-SCHEMAS = {
-    "flat_required": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                                       "admin": {"type": "boolean"}},
-                      "required": ["name", "age", "admin"], "additionalProperties": False},
-    "nested_objects": {"type": "object", "required": ["user"], "properties": {"user": {
-        "type": "object", "required": ["address", "id"], "properties": {
-            "id": {"type": "integer"},
-            "address": {"type": "object", "required": ["city", "zip"],
-                        "properties": {"city": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}}},
-    "string_enum": {"type": "object", "required": ["color"],
-                    "properties": {"color": {"enum": ["red", "green", "blue", "with \"quote\""]}}},
-    "mixed_enum": {"enum": ["a", 1, 2.5, None, True, {"k": [1, 2]}]},
-    "const": {"type": "object", "required": ["version"], "properties": {"version": {"const": "v1.2"}}},
-    "int_array_bounds": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
-    "object_array_bounds": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
-        "type": "object", "required": ["id", "tags"], "properties": {
-            "id": {"type": "integer", "minimum": 0},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "minItems": 1, "maxItems": 2}}}},
-    "anyof_scalar": {"anyOf": [{"type": "string", "minLength": 2}, {"type": "integer", "minimum": 10}]},
-    "anyof_objects": {"type": "object", "required": ["shape"], "properties": {"shape": {"anyOf": [
-        {"type": "object", "required": ["radius"], "properties": {"radius": {"type": "number", "minimum": 0}},
-         "additionalProperties": False},
-        {"type": "object", "required": ["w", "h"], "properties": {"w": {"type": "integer"}, "h": {"type": "integer"}},
-         "additionalProperties": False}]}}},
-    "integer_range": {"type": "object", "required": ["n", "m"], "properties": {
-        "n": {"type": "integer", "minimum": 5, "maximum": 10},
-        "m": {"type": "integer", "exclusiveMinimum": -3, "exclusiveMaximum": 3}}},
-    "number_range": {"type": "number", "minimum": -1.5, "maximum": 2.25},
-    "string_lengths": {"type": "object", "required": ["code", "note"], "properties": {
-        "code": {"type": "string", "minLength": 3, "maxLength": 3}, "note": {"type": "string", "maxLength": 8}}},
-    "string_pattern": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2,4}$"},
-    "defs_and_ref": {"$defs": {"point": {"type": "object", "required": ["x", "y"],
-                                         "properties": {"x": {"type": "number"}, "y": {"type": "number"}}}},
-                     "type": "object", "required": ["start", "end"],
-                     "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}},
-    "recursive_tree": {"$defs": {"node": {"type": "object", "required": ["value"], "properties": {
-        "value": {"type": "integer"}, "children": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/node"}}},
-        "additionalProperties": False}}, "$ref": "#/$defs/node"},
-    "additional_properties_map": {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 3},
-    "nullable_types": {"type": "object", "required": ["a", "b"], "properties": {
-        "a": {"type": ["string", "null"]}, "b": {"type": ["integer", "boolean"]}}},
-    "tuple_prefix_items": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"},
-                                                            {"type": "boolean"}], "items": False, "minItems": 3},
-    "all_of": {"allOf": [{"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}},
-                         {"required": ["b"], "properties": {"b": {"type": "string", "enum": ["x", "y"]}}}]},
-    "formats": {"type": "object", "required": ["id", "ip"], "properties": {
-        "id": {"type": "string", "format": "uuid"}, "ip": {"type": "string", "format": "ipv4"}}},
-    "optional_properties": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
-                                                             "c": {"type": "array", "items": {"type": "number"}}}},
-    "deep_mixed": {"type": "object", "required": ["items", "meta"], "properties": {
-        "items": {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "object", "required": ["kind"],
-                  "properties": {"kind": {"enum": ["a", "b"]}, "score": {"type": "number"}}}},
-        "meta": {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"},
-                                                                      "note": {"type": ["string", "null"]}}}}},
-}
-
 
 @pytest.fixture(scope="module")
 def vocabulary():
     text, eos = byte_level_bpe(REGULAR)
-    config = json.loads(text)
-    to_byte = byte_level_alphabet()
-    pieces = {i: bytes(to_byte[c] for c in token) for token, i in config["model"]["vocab"].items()}
-    return text, eos, pieces
+    return text, eos, token_pieces(text)
 
 
 @pytest.fixture(scope="module")
@@ -107,26 +49,6 @@ def compiler(vocabulary):
 
 def allowed_ids(row: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
-
-
-def preference(pieces: dict[int, bytes], eos: int):
-    """Rank of each token for the ``closing`` picker: lower is preferred."""
-    def rank(token: int) -> tuple:
-        piece = pieces.get(token)
-        if token == eos:
-            return 0, token
-        if piece is None:  # other special tokens: never allowed by a grammar anyway
-            return 9, token
-        if piece and all(c in b'"}]' for c in piece):  # a quote first: inside a string, brackets are text
-            return 1, not piece.startswith(b'"'), -len(piece), token
-        if piece == b",":
-            return 2, token
-        if any(c in b" \n\r\t" for c in piece):
-            return 5, token
-        if piece.isalnum():
-            return 4, token
-        return 3, token
-    return rank
 
 
 def drive(compiler: GrammarCompiler, spec: GrammarSpec, pieces, eos: int, explore_steps: int = 0,
@@ -258,7 +180,8 @@ def test_uncompilable_specs_raise_grammar_error(compiler, fields, param, message
     ({"response_format": "json"}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+     "response_format.json_schema.schema"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),

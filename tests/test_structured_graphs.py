@@ -150,7 +150,8 @@ def test_qwen_single_token_mask_emits_it_with_the_raw_logprob(qwen, sampling):
     for lane in (0, 1):
         got = results[lane].packed
         assert results[lane].token == step_targets[lane] == got.chosen_id
-        assert np.float32(got.chosen_logprob).tobytes() == np.float32(unmasked[lane].packed.alternatives[0][1]).tobytes()
+        reported = unmasked[lane].packed.alternatives[0][1]
+        assert np.float32(got.chosen_logprob).tobytes() == np.float32(reported).tobytes()
         assert abs(got.chosen_logprob - step_oracle[lane][step_targets[lane]]) <= QWEN_TOL
 
 

@@ -81,7 +81,8 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
             raise GrammarError("response_format.json_schema.strict must be a boolean", "response_format")
         # NOTE: like vLLM, the schema is enforced whatever `strict` says: the grammar is the only way to honour it.
         return GrammarSpec("json", _json_schema(schema, "response_format.json_schema.schema"), "response_format")
-    raise GrammarError(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    raise GrammarError(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                       "response_format")
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")

@@ -66,8 +66,8 @@ def check_catalog_constraints(manifest: dict, variants: list[dict]) -> list[Viol
     found = []
     if declaring and len(declaring) != len(constrained):
         missing = [v["name"] for v in constrained if v["name"] not in declaring]
-        found.append(Violation("CONSTRAINT-ALL", "catalog.json", f"{', '.join(declaring)} declare the structured-output "
-                               f"inputs but {', '.join(missing)} do not; a core declares them in every "
+        found.append(Violation("CONSTRAINT-ALL", "catalog.json", f"{', '.join(declaring)} declare the "
+                               f"structured-output inputs but {', '.join(missing)} do not; a core declares them in every "
                                f"{'/'.join(op.name for op in CONSTRAINED_OPERATIONS)} variant or in none"))
     implied = bool(declaring)
     stated = manifest["features"].get(FEATURE, FEATURE_DEFAULT)
