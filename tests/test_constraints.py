@@ -130,6 +130,7 @@ def test_grammar_rows_intersect_the_other_constraints(grammar_compiler):
     a, c, e, x = (by_piece[p] for p in (b"a", b"c", b"e", b"x"))
     constraints = LaneConstraints.build(640, allowed_token_ids=[a, c, x, eos], bad_words=[(c,)], grammar=matcher,
                                         min_tokens=3, stop_ids=[eos])
+    assert constraints.fields == ("structured_outputs.choice", "allowed_token_ids", "bad_words", "min_tokens")
     row = np.zeros(compiler.words, dtype=np.int32)
     assert constraints.fill_mask(row, []) and ids_of(row) == {a}
     matcher.accept(a)
@@ -194,9 +195,10 @@ def test_fill_constraints_refuses_a_variant_without_the_inputs():
 
 def test_admission_refuses_constraints_on_a_core_without_the_feature():
     features = {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True, "prompt_logprobs": False}
-    request = Request([1, 2], constraints=LaneConstraints.build(250, min_tokens=1, stop_ids=[3]))
-    with pytest.raises(AdmissionError, match="without the structured-output inputs") as raised:
+    request = Request([1, 2], constraints=LaneConstraints.build(250, min_tokens=1, stop_ids=[3], logit_bias={1: 2}))
+    with pytest.raises(AdmissionError, match="cannot serve min_tokens, logit_bias; re-export") as raised:
         check_options(request, features, 250)
-    assert raised.value.param == "response_format"
+    assert raised.value.param == "min_tokens"
     check_options(request, features | {"structured_output": True}, 250)
     check_options(Request([1, 2]), features, 250)  # an old core still serves unconstrained requests
+    check_options(Request([1, 2], constraints=LaneConstraints.build(250)), features, 250)  # and empty constraints

@@ -148,6 +148,16 @@ class LaneConstraints:
         return constraints
 
     @property
+    def fields(self) -> tuple[str, ...]:
+        """The request fields these constraints carry (for error messages); a grammar is ``response_format`` or
+        ``structured_outputs``, named by its spec."""
+        named = (("grammar", self.grammar is not None), ("allowed_token_ids", self.allowed_token_ids is not None),
+                 ("bad_words", bool(self.bad_words)), ("min_tokens", self.min_tokens > 0),
+                 ("logit_bias", bool(self.logit_bias)))
+        return tuple(getattr(getattr(self.grammar, "spec", None), "param", "structured_outputs") if name == "grammar"
+                     else name for name, present in named if present)
+
+    @property
     def masks(self) -> bool:
         """Whether this request ever uploads a non-zero bitmask row."""
         return (self.grammar is not None or self.allowed_token_ids is not None or bool(self.bad_words)

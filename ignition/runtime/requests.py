@@ -96,10 +96,11 @@ def check_options(request: Request, features: dict, vocab_size: int) -> None:
         if not 0 <= request.prompt_logprobs <= k:
             raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
                                  "prompt_logprobs")
-    if request.constraints is not None and not features.get("structured_output", False):
-        raise AdmissionError("this core was exported without the structured-output inputs (token_bitmask, logit "
-                             "bias): response_format, structured_outputs, logit_bias, allowed_token_ids, bad_words "
-                             "and min_tokens need a re-export", "response_format")
+    if request.constraints is not None and request.constraints.fields \
+            and not features.get("structured_output", False):
+        fields = request.constraints.fields
+        raise AdmissionError(f"this core was exported without the structured-output inputs (token_bitmask, logit "
+                             f"bias), so it cannot serve {', '.join(fields)}; re-export it", fields[0])
     check_sampling(request.sampling)
 
 
