@@ -186,6 +186,20 @@ def test_fill_constraints_writes_sampling_lanes_only():
     assert not values[1:].any()
 
 
+def test_fill_constraints_skips_the_upload_while_the_inputs_stay_neutral():
+    variant = fake_variant(2, 8)
+    fill_constraints(variant, [fake_lane(None)])
+    mask = variant.buffers["token_bitmask"]
+    assert not mask.any() and (variant.buffers["logit_bias_ids"] == -1).all()
+    mask.fill_(7)  # a round without constrained lanes does not upload again
+    fill_constraints(variant, [fake_lane(None), fake_lane(None)])
+    assert (mask == 7).all()
+    fill_constraints(variant, [fake_lane(LaneConstraints.build(250, allowed_token_ids=[3]))])
+    assert ids_of(mask[0].numpy()) == {3} and not mask[1].any()
+    fill_constraints(variant, [fake_lane(None)])  # the constrained row must be cleared
+    assert not mask.any()
+
+
 def test_fill_constraints_refuses_a_variant_without_the_inputs():
     constrained = LaneConstraints.build(250, allowed_token_ids=[5])
     fill_constraints(fake_variant(2, 8, constrained=False), [fake_lane(None)])  # nothing to do
