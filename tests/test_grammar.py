@@ -203,10 +203,13 @@ def test_spec_parsing():
         "type": "object", "properties": {"b": {}, "a": {}}}}})
     assert (spec.kind, spec.source) == ("json", '{"type":"object","properties":{"b":{},"a":{}}}')  # order kept
     assert grammar_spec(structured_outputs={"json": '{"type": "integer"}'}).source == '{"type":"integer"}'
-    closed = grammar_spec(structured_outputs={"json": {"type": "object", "properties": {"o": {"type": "object"}}},
-                                              "disable_additional_properties": True})
+    closed = grammar_spec(structured_outputs={"json": {"type": "object", "properties": {
+        "o": {"type": "object"}, "type": {"const": {"type": "object"}}, "l": {"items": {"properties": {}}}},
+        "$defs": {"d": {"anyOf": [{"type": "object"}]}}}, "disable_additional_properties": True})
     assert json.loads(closed.source) == {"type": "object", "additionalProperties": False, "properties": {
-        "o": {"type": "object", "additionalProperties": False}}}
+        "o": {"type": "object", "additionalProperties": False}, "type": {"const": {"type": "object"}},
+        "l": {"items": {"properties": {}, "additionalProperties": False}}},
+        "$defs": {"d": {"anyOf": [{"type": "object", "additionalProperties": False}]}}}
     tight = grammar_spec(structured_outputs={"json_object": True, "disable_any_whitespace": True})
     assert (tight.kind, tight.whitespace_flexible) == ("json_object", False)
     assert grammar_spec(structured_outputs={"choice": ["a", "b"]}).source == '["a","b"]'

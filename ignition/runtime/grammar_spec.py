@@ -41,13 +41,28 @@ def _canonical(value) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
 def _closed_objects(schema):
-    """vLLM's ``disable_additional_properties``: every object schema without ``additionalProperties`` gets false."""
-    if isinstance(schema, list):
-        return [_closed_objects(item) for item in schema]
+    """vLLM's ``disable_additional_properties``: every object schema without ``additionalProperties`` gets false.
+    Walks subschemas only (``const``, ``enum`` and ``default`` are data and stay as written)."""
     if not isinstance(schema, dict):
         return schema
-    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in schema:
+            closed[key] = [_closed_objects(s) for s in schema[key]] if isinstance(schema[key], list) \
+                else _closed_objects(schema[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            closed[key] = [_closed_objects(s) for s in schema[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            closed[key] = {name: _closed_objects(s) for name, s in schema[key].items()}
     if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
