@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHECKPOINT := build/tiny-qwen3
 CORE := build/qwen3-core
 
-.PHONY: demo test venv clean bench gpu-check
+.PHONY: demo test venv clean bench gpu-check gpu-wheelhouse
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,10 +33,15 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.reduction --quick
 	$(PY) -m benchmarks.export_time
 
-# On a CUDA machine (e.g. the H200 image: torch 2.11, Triton 3.6, cuda-bindings preinstalled):
-# no venv, the checkout on PYTHONPATH. Exports, runs `pytest -m cuda`, benchmarks; build/gpu-check/results.md.
-gpu-check:
-	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(PYTHON) -m benchmarks.gpu_check --out build/gpu-check
+# On a CUDA machine (the H200 image: torch 2.11, Triton 3.6, cuda-bindings preinstalled): no venv, the checkout on
+# PYTHONPATH, build/wheelhouse and build/gpu-check-cores carried in; 8-minute deadline; results in $OUT or build/gpu-check.
+# `make gpu-check DRY=1` is its CPU half, here: wheelhouse, import coverage, carried cores, plan and budgets.
+gpu-check: $(if $(DRY),$(STAMP))
+	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(if $(DRY),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(DRY),--dry-run)
+
+# Here (PyPI reachable): build/wheelhouse, every wheel the GPU image lacks, CPython 3.10-3.13, manifest.json.
+gpu-wheelhouse: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.gpu.wheelhouse --out build/wheelhouse
 
 clean:
 	rm -rf build $(VENV)

@@ -62,7 +62,7 @@ def timed(fn) -> tuple[float, object]:
 
 
 def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
-    from ignition.runtime.engine import Engine
+    from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
     requests = [Request(p, max_tokens=tokens, logprobs=logprobs, ignore_eos=True) for p in prompts]

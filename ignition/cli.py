@@ -10,6 +10,7 @@ ignition/cli_support.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,11 @@ from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
+from ignition.recipes.base import ExportOptions
+from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
+
+EXPORT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
+"""``export-core``'s defaults: ExportOptions' own."""
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
@@ -63,19 +69,19 @@ def export_core_cmd(
     checkpoint: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint directory (toy: optional .safetensors)"),
     recipe: str = typer.Option(..., "--recipe", help="Recipe name: toy, qwen3, llama"),
     out: Path = typer.Option(..., "--out", help="Core directory to create"),
-    capacities: str = typer.Option("1,2,4,8", help="Decode capacities, comma-separated"),
-    chunk_limit: int = typer.Option(256, help="Prefill chunk limit (largest chunk capacity)"),
+    capacities: str = typer.Option(",".join(map(str, EXPORT_DEFAULTS["capacities"])), help="Decode capacities, comma-separated"),
+    chunk_limit: int = typer.Option(EXPORT_DEFAULTS["chunk_limit"], help="Prefill chunk limit (largest chunk capacity)"),
     completion_token_capacity: int = typer.Option(0, help="T: token positions per record (0 means 8)"),
     targets: str = typer.Option("", help="Kernel targets to prepare, e.g. cuda:90,cuda:120"),
     dtype: Optional[str] = typer.Option(None, help="Weight dtype: bfloat16, float16, float32"),
-    logprob_k: int = typer.Option(20, "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
-    logprob_ids: bool = typer.Option(True, "--logprob-ids/--no-logprob-ids",
+    logprob_k: int = typer.Option(EXPORT_DEFAULTS["logprob_k"], "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
+    logprob_ids: bool = typer.Option(EXPORT_DEFAULTS["logprob_ids"], "--logprob-ids/--no-logprob-ids",
                                      help="Export the explicit-ID inputs (off: a natural-only core, packed width 2+2K)"),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Also export scored-prefill graphs"),
-    max_seq_len: int = typer.Option(512, help="KV capacity per slot (tokens)"),
+    max_seq_len: int = typer.Option(EXPORT_DEFAULTS["max_seq_len"], help="KV capacity per slot (tokens)"),
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
-    seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
+    seed: int = typer.Option(EXPORT_DEFAULTS["seed"], help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
@@ -209,24 +215,38 @@ TP_HOST_OPTION = typer.Option("127.0.0.1", "--tp-host", help="Address the tensor
                               "(loopback unless set; another one is warned about)")
 
 
-def _load(core: Path, device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-          runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = "127.0.0.1"):
+def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
+                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = "127.0.0.1"):
+    """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
+    (--device, --runtime, --tensor-parallel, --trusted-key) exits 2 naming it."""
+    from ignition.runtime.options import LoadOptions
+    from ignition.runtime.verified import LoadOptionError
+
+    try:
+        return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
+                                  trusted_key=_trusted_key(trusted_key), tp_host=tp_host)
+    except LoadOptionError as exc:
+        raise _fail(str(exc))
+
+
+def _load(core: Path, options):
     """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
     core that cannot load exits 1 with the reason (a path that is no core at all: 2). With
-    ``tensor_parallel`` > 1 the other ranks start too and stop when this process exits
+    ``options.ranks`` > 1 the other ranks start too and stop when this process exits
     (ignition/runtime/parallel.py)."""
     from ignition.runtime.core import CoreLoadError, LoadOptionError, NotACoreError, load_core
     from ignition.runtime.parallel import ParallelError, ParallelOptionError, start_for_process
+    from ignition.runtime.rendezvous import torchrun_follower
 
-    key = _trusted_key(trusted_key)
+    if options.ranks > 1 and torchrun_follower():  # a torchrun rank >= 1 replays rank 0's submissions, then exits
+        from ignition.runtime.rank_worker import torchrun_worker
+        raise typer.Exit(torchrun_worker(core, options))
     try:
         with StageLog("load") as progress:
-            if tensor_parallel > 1:
-                loaded = start_for_process(core, tensor_parallel, device=device, runtime=runtime, eager=eager,
-                                           trust_compiled=trust_compiled, trusted_key=trusted_key, host=tp_host)
+            if options.ranks > 1:
+                loaded = start_for_process(core, options)
             else:
-                loaded = load_core(core, device=device, eager=eager, trust_compiled=trust_compiled,
-                                   trusted_key=key, runtime=runtime, progress=progress)
+                loaded = load_core(core, options, progress=progress)
     except NotACoreError as exc:
         raise _fail(_not_a_core_message(exc, core))
     except LoadOptionError as exc:  # --device or --runtime that cannot work here: a usage error
@@ -281,7 +301,7 @@ def _check_speculative(text: Optional[str]) -> None:
             raise _fail(str(exc))
 
 
-def _speculative(text: Optional[str], loaded, device: str, eager: bool, trusted_key: Optional[Path]) -> dict:
+def _speculative(text: Optional[str], loaded) -> dict:
     """Engine options for --speculative; a bad option or draft core exits 2 (a draft core that cannot load: 1).
     ``--trust-compiled`` names the target core only: a draft core's compiled packages load only when its own
     signature verifies against ``--trusted-key``."""
@@ -289,9 +309,13 @@ def _speculative(text: Optional[str], loaded, device: str, eager: bool, trusted_
 
     try:
         speculation = parse_speculative(text) if text is not None else None
-        return engine_options(speculation, loaded, lambda path: _load(path, device, eager, False, trusted_key))
+        return engine_options(speculation, loaded, lambda path: _load(path, loaded.options.for_draft()))
     except SpeculativeError as exc:
         raise _fail(str(exc))
+
+
+SAMPLING = SamplingParams()
+"""``run``'s sampling defaults: the runtime's (which reads the catalog's)."""
 
 
 @app.command("run")
@@ -299,11 +323,13 @@ def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     prompt: Optional[str] = typer.Argument(None, help="Prompt text (needs the core's tokenizer)"),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids"),
-    max_tokens: int = typer.Option(16, "--max-tokens"),
-    temperature: float = typer.Option(0.0), top_k: int = typer.Option(0), top_p: float = typer.Option(1.0),
-    min_p: float = typer.Option(0.0), seed: Optional[int] = typer.Option(None),
-    repetition_penalty: float = typer.Option(1.0), presence_penalty: float = typer.Option(0.0),
-    frequency_penalty: float = typer.Option(0.0),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens"),
+    temperature: float = typer.Option(SAMPLING.temperature), top_k: int = typer.Option(SAMPLING.top_k),
+    top_p: float = typer.Option(SAMPLING.top_p), min_p: float = typer.Option(SAMPLING.min_p),
+    seed: Optional[int] = typer.Option(SAMPLING.seed),
+    repetition_penalty: float = typer.Option(SAMPLING.repetition_penalty),
+    presence_penalty: float = typer.Option(SAMPLING.presence_penalty),
+    frequency_penalty: float = typer.Option(SAMPLING.frequency_penalty),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Natural alternatives per token (0..K)"),
     logprob_token_ids: Optional[str] = typer.Option(None, "--logprob-token-ids", help="Comma-separated ids to report"),
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
@@ -341,13 +367,13 @@ def run_cmd(
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     _check_run_options(core, request, text_prompt=prompt is not None)
     _check_speculative(speculative)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
-    options = _speculative(speculative, loaded, device, eager, trusted_key)
+    loaded = _load(core, _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host))
+    options = _speculative(speculative, loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise _fail("this core has no tokenizer; pass --prompt-ids")
         request.prompt_ids = loaded.tokenizer.encode(prompt).ids
-    from ignition.runtime.engine import Engine
+    from ignition.runtime.scheduler import Engine
     from ignition.runtime.parallel import ParallelError
     engine = Engine(loaded, batch_invariant=batch_invariant, **options)
     try:
@@ -444,13 +470,14 @@ def serve_cmd(
                          log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
     _check_speculative(speculative)
     _identify_core(core)
+    load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
-        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)  # exits 1 with them
+        _load(core, load_options)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")
     if tensor_parallel > 1 and torchrun_follower():  # torchrun rank >= 1: follows rank 0, exits in _load
-        _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
+        _load(core, load_options)
     sock = _bind(host, port)
-    loaded = _load(core, device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
+    loaded = _load(core, load_options)
     name = model_name or str(core)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
@@ -458,7 +485,7 @@ def serve_cmd(
         console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
                       markup=False, highlight=False, soft_wrap=True)
 
-    options = _speculative(speculative, loaded, device, eager, trusted_key)
+    options = _speculative(speculative, loaded)
     try:
         serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
               sock=sock, on_ready=ready, engine_options=options, allowed_origins=origins,

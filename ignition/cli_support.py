@@ -164,7 +164,7 @@ RUNTIME_HELP = "Backend replaying the graphs: torch (.pt2 programs) or onnxrunti
 
 
 def _runtime(value: str) -> str:
-    from ignition.runtime.onnx_backend import RUNTIMES
+    from ignition.runtime.backends import RUNTIMES
     if value not in RUNTIMES:
         raise typer.BadParameter(f"expected one of {', '.join(RUNTIMES)}, got {value!r}", param_hint="--runtime")
     return value

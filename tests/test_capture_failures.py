@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ignition.catalog.enums import Role
+from ignition.catalog.enums import Operation, Role
 from ignition.catalog.model import BufferDecl
 from ignition.runtime import graphs
+from ignition.runtime.core import LoadedVariant
 from ignition.runtime.graphs import CaptureError, GraphReplay, capture_variants
 
 
@@ -58,7 +59,7 @@ class FakeCuda:
 
 def _variant(run):
     arguments = [BufferDecl("x", "float32", [2], Role.INPUT)]
-    return SimpleNamespace(name="decode.c2", arguments=arguments, buffers={"x": torch.ones(2)}, run=run)
+    return LoadedVariant("decode.c2", Operation.DECODE, 2, arguments, {}, {}, run, {"x": torch.ones(2)})
 
 
 def _program():

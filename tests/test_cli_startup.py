@@ -216,7 +216,7 @@ class Letters:
 
 
 def _result(entries, prompt_entries=None):
-    from ignition.runtime.engine import Result
+    from ignition.runtime.scheduler import Result
 
     return Result("r", [0, 1, 2], [e.id for e in entries], entries, "length", None, prompt_entries)
 
@@ -232,7 +232,7 @@ def _render(result, tokenizer=Letters()) -> str:
 
 
 def test_run_output_shows_the_text_and_logprobs_only_when_asked():
-    from ignition.runtime.frames import TokenEntry
+    from ignition.catalog.abi import TokenEntry
     from ignition.runtime.present import run_json
 
     plain = _render(_result([TokenEntry(7, None), TokenEntry(4, None)]))
@@ -249,7 +249,7 @@ def test_run_output_shows_the_text_and_logprobs_only_when_asked():
 
 
 def test_run_output_shows_prompt_logprobs_without_json():
-    from ignition.runtime.frames import TokenEntry
+    from ignition.catalog.abi import TokenEntry
 
     scores = [None, {"id": 1, "logprob": -2.0, "rank": 3, "top_logprobs": [{"id": 5, "logprob": -0.25}]},
               {"id": 2, "logprob": -0.75, "rank": 1, "top_logprobs": [{"id": 2, "logprob": -0.75}]}]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from _decoder_cores import CoreReplay, TinyCase, save_checkpoint
-from ignition.exporter.compile import CompileError, compile_inductor, load_compiled, package_path
+from ignition.exporter.compile import CompileError, compile_inductor, package_path
+from ignition.runtime.backends.aoti import load_package as load_compiled
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 
@@ -67,7 +68,7 @@ def test_export_compile_inductor_packages_are_validated_and_preferred(tmp_path):
     from ignition.exporter.export import export_core
     from ignition.recipes.base import ExportOptions
     from ignition.runtime.core import load_core
-    from ignition.runtime.engine import Engine
+    from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
     from ignition.validate.core import validate_core
 

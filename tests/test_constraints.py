@@ -140,6 +140,25 @@ def test_grammar_rows_intersect_the_other_constraints(grammar_compiler):
     assert constraints.fill_mask(row, [a, by_piece[b"b"], 1]) and ids_of(row) == {eos}
 
 
+def test_forked_constraints_advance_independently(grammar_compiler):
+    """n > 1: each sample gets its own grammar position (runtime/samples.py forks the request's constraints)."""
+    from ignition.runtime.samples import sample_requests
+    compiler, eos, by_piece = grammar_compiler
+    matcher = compiler.matcher(compiler.compile(grammar_spec(structured_outputs={"choice": ["ab", "cd"]})))
+    request = Request([1], n=3, constraints=LaneConstraints.build(640, grammar=matcher, logit_bias={7: 1.0}))
+    samples = sample_requests(request, "r")
+    assert len({id(s.constraints.grammar) for s in samples} | {id(matcher)}) == 4
+    samples[0].constraints.grammar.accept(by_piece[b"a"])
+    rows = [np.zeros(compiler.words, dtype=np.int32) for _ in samples]
+    for row, sample in zip(rows, samples):
+        sample.constraints.fill_mask(row, [])
+    assert ids_of(rows[0]) == {by_piece[b"b"]}
+    assert ids_of(rows[1]) == ids_of(rows[2]) and {by_piece[b"a"], by_piece[b"c"], by_piece[b"ab"]} <= ids_of(rows[1])
+    bias = samples[1].constraints.logit_bias
+    assert bias == {7: 1.0} and bias is not request.constraints.logit_bias
+    assert sample_requests(Request([1], n=2), "u")[1].constraints is None
+
+
 def test_fill_mask_rows_batches_the_grammar_rows(grammar_compiler):
     compiler, eos, by_piece = grammar_compiler
     lanes = []

@@ -61,7 +61,7 @@ def real_width_core(tmp_path_factory):
 
 def test_a_decode_step_copies_no_cache_and_reads_the_live_window(real_width_core):
     from ignition.runtime.core import load_core
-    from ignition.runtime.engine import Engine
+    from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
     core = load_core(real_width_core)

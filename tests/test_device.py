@@ -22,7 +22,8 @@ from ignition.catalog.model import BufferDecl
 from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
-from ignition.runtime.device import foreign_devices, move_program, resolve_device
+from ignition.runtime.device import foreign_devices, move_program
+from ignition.runtime.options import resolve_device
 from ignition.runtime.launcher import LauncherError, ReductionShape, pack_params, reduction_shapes, select_target
 from ignition.runtime.transfer import pitched_rows
 
@@ -170,7 +171,7 @@ def test_serving_never_imports_triton(toy_core):
         import sys
         sys.modules["triton"] = None  # any `import triton` now raises ImportError
         from ignition.runtime.core import load_core
-        from ignition.runtime.engine import Engine
+        from ignition.runtime.scheduler import Engine
         from ignition.runtime.requests import Request
         engine = Engine(load_core({str(toy_core)!r}, device="cpu"))
         (result,) = engine.generate([Request(prompt_ids=[1, 2], max_tokens=4, logprobs=5)])

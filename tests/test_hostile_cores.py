@@ -139,7 +139,7 @@ def test_onnx_graph_swapped_during_load_is_refused(onnx_copy):
         with pytest.raises(CoreLoadError, match="FILE-HASH"):
             load_core(onnx_copy.root, runtime="onnxruntime", progress=swap_at(stage, graph, other))
         graph.write_bytes(original)
-    assert load_core(onnx_copy.root, runtime="onnxruntime").runtime == "onnxruntime"
+    assert load_core(onnx_copy.root, runtime="onnxruntime").backend == "onnx"
 
 
 # -- the tokenizer ------------------------------------------------------------------------------

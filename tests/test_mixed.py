@@ -13,7 +13,7 @@ from ignition.components.merge import merge_role_frames
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
-from ignition.runtime.engine import Engine
+from ignition.runtime.scheduler import Engine
 from ignition.runtime.requests import Request
 
 from conftest import CoreCopy
@@ -63,7 +63,7 @@ def test_scored_requests_never_take_the_prompt_role(mixed_core):
 
 
 def engine_state(engine, request):
-    from ignition.runtime.engine import RequestState
+    from ignition.runtime.scheduler import RequestState
     return RequestState(request, request.request_id)
 
 

@@ -27,8 +27,8 @@ from ignition.exporter.export import export_core  # noqa: E402
 from ignition.catalog.hashing import sha256_file  # noqa: E402
 from ignition.recipes.base import ExportOptions  # noqa: E402
 from ignition.runtime.core import CoreLoadError, load_core  # noqa: E402
-from ignition.runtime.engine import Engine  # noqa: E402
-from ignition.runtime.frames import TokenEntry  # noqa: E402
+from ignition.runtime.scheduler import Engine  # noqa: E402
+from ignition.catalog.abi import TokenEntry  # noqa: E402
 from ignition.runtime.requests import Request  # noqa: E402
 
 VALUE_TOL = 1e-6
@@ -82,7 +82,7 @@ def replay_both(core, vocab: int, scored: bool):
     results, loaded = {}, {}
     for runtime in ("torch", "onnxruntime"):
         loaded[runtime] = load_core(core, runtime=runtime)
-        assert loaded[runtime].runtime == runtime
+        assert loaded[runtime].backend == {"torch": "pt2", "onnxruntime": "onnx"}[runtime]
         results[runtime] = Engine(loaded[runtime]).generate(requests(vocab, scored))
     return results["torch"], results["onnxruntime"], loaded["torch"]
 

@@ -257,7 +257,7 @@ def test_dtype_and_slots_options_shape_weights_and_state(exported) -> None:
 def test_minimal_loader_serves_the_core_like_transformers(exported) -> None:
     """The runtime's own scheduling (chunking, padded decode capacities) reproduces HF greedy generation."""
     from ignition.runtime.core import load_core
-    from ignition.runtime.engine import Engine
+    from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
     core, hf = exported("llama_fp32_tied_llama3")

@@ -22,7 +22,7 @@ from _served import serve_in_thread
 from ignition.catalog.abi import RECORD_HEADER_WORDS, RecordField
 from ignition.catalog.enums import FinishReason, RoundKind
 from ignition.cli import app as cli
-from ignition.runtime.engine import RequestState
+from ignition.runtime.scheduler import RequestState
 from ignition.runtime.frames import PendingFrame
 from ignition.runtime.requests import Request
 from ignition.serve.app import create_app
@@ -220,7 +220,7 @@ def test_the_field_table_matches_the_request_models(column, model, caplog):
 
 def test_stop_tokens_reads_the_ending_token_of_a_multi_token_round():
     """A speculative round emits several tokens; the runtime appends those before the stop and finishes the
-    request (ignition/runtime/engine.py _decode_lane): the ending token is emitted[generated now - before]."""
+    request (ignition/runtime/scheduler.py _decode_lane): the ending token is emitted[generated now - before]."""
     states = [RequestState(Request([1], max_tokens=9), f"r{i}", slot=i, epoch=3, generated=[2]) for i in range(4)]
     engine = types.SimpleNamespace(decode_hook=None, running=list(states))
     tap = StopTokens(engine)

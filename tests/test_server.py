@@ -23,8 +23,8 @@ import pytest
 from _served import VOCAB, Served
 from _serving_tokenizers import (CHAT_TEMPLATE, byte_fallback_tokenizer, byte_level_tokenizer, offsets_oracle,
                                  splits_a_character)
-from ignition.runtime.engine import Engine
-from ignition.runtime.frames import TokenEntry
+from ignition.runtime.scheduler import Engine
+from ignition.catalog.abi import TokenEntry
 from ignition.runtime.requests import Request
 
 
@@ -319,8 +319,8 @@ REJECTIONS = [  # (server, path, body, param, message part)
      "(U+D800) at character 0"),
     ("served", CHAT, {"messages": [{"role": "user", "content": "x\udfffy"}]}, "messages[0].content",
      "lone surrogate (U+DFFF) at character 1"),
-    ("served", CMPL, {"prompt": [1], "n": 2}, "n", "not supported"),
-    ("served", CMPL, {"prompt": [1], "best_of": 3}, "best_of", "not supported"),
+    ("served", CMPL, {"prompt": [1], "n": 5}, "n", "n = 5 is more than this core's 4 slots"),
+    ("served", CMPL, {"prompt": [1], "n": 3, "best_of": 2}, "best_of", "greater than or equal to n"),
     ("served", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "not supported"),
     ("served", CMPL, {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options", "stream=True"),

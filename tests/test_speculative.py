@@ -11,7 +11,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
 from ignition.runtime.drafters import DraftCoreDrafter, NgramDrafter, SpeculativeError, parse_speculative
-from ignition.runtime.engine import Engine
+from ignition.runtime.scheduler import Engine
 from ignition.runtime.requests import Request, SamplingParams
 
 VOCAB = 250  # the toy core's vocabulary: the toy bigram serves as the wild draft core

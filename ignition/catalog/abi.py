@@ -1,19 +1,20 @@
-"""ABI6 completion records and packed logprob positions: layouts and host-side decoding.
+"""ABI6 completion records, packed logprob positions and scored prompt rows: layouts and host-side decoding.
 
 A record is one int64 vector ``[16 + T]`` per lane per frame: the header fields below,
 then T emitted token ids. A packed position is int32 ``[2 + 2*A]``: chosen id, chosen
-FP32 logprob bits, then (id, FP32 bits) pairs.
+FP32 logprob bits, then (id, FP32 bits) pairs. A prompt row is int32 ``[3 + 2*K]``: the
+actual token id, its FP32 logprob bits and its rank, then (id, FP32 bits) pairs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
 
 from ignition.catalog.buffers import BUFFERS, RECORDS
-from ignition.catalog.contract import INVALID_TOKEN_ID, PACKED_CHOSEN_WORDS, RECORD_HEADER_WORDS
+from ignition.catalog.contract import INVALID_TOKEN_ID, PACKED_CHOSEN_WORDS, PROMPT_ROW_HEADER_WORDS, RECORD_HEADER_WORDS
 from ignition.catalog.enums import FinishReason, RoundKind
 
 
@@ -115,4 +116,39 @@ def decode_packed_position(words, pairs: int) -> PackedPosition:
     )
 
 
-__all__ = ["RecordField", "Record", "decode_record", "has_payload", "PackedPosition", "decode_packed_position"]
+@dataclass(slots=True)
+class TokenEntry:
+    """One generated position as the runtime reports it."""
+
+    id: int
+    logprob: float | None  # None for a forced token, or when the request asked for no logprobs
+    top: list[tuple[int, float]] = field(default_factory=list)
+    forced: bool = False  # emitted by the forced-token binding (the record's forced mask), never sampled
+
+
+@dataclass(frozen=True, slots=True)
+class PromptEntry:
+    """One scored prompt position: the actual token, its logprob and rank, and the top alternatives."""
+
+    id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]  # (id, logprob); unused pairs (id -1) dropped
+
+    def as_json(self) -> dict:
+        """The shape the server publishes (``prompt_logprobs`` entries)."""
+        return {"id": self.id, "logprob": self.logprob, "rank": self.rank,
+                "top_logprobs": [{"id": i, "logprob": v} for i, v in self.top]}
+
+
+def decode_prompt_row(words, alternatives: int) -> PromptEntry:
+    """Decode one int32 prompt row with its first ``alternatives`` (id, logprob) pairs."""
+    w = np.asarray(words, dtype=np.int32)
+    pairs = w[PROMPT_ROW_HEADER_WORDS:PROMPT_ROW_HEADER_WORDS + 2 * alternatives]
+    values = bits_to_float(pairs[1::2])
+    return PromptEntry(id=int(w[0]), logprob=float(bits_to_float(w[1:2])[0]), rank=int(w[2]),
+                       top=tuple((int(i), float(v)) for i, v in zip(pairs[0::2], values) if i != INVALID_TOKEN_ID))
+
+
+__all__ = ["RecordField", "Record", "decode_record", "has_payload", "PackedPosition", "decode_packed_position",
+           "TokenEntry", "PromptEntry", "decode_prompt_row"]

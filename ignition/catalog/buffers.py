@@ -85,6 +85,14 @@ SAMPLING_INPUTS = (
 )
 """Per-lane sampling parameters (ignition.components.sampling reads its field order from here)."""
 
+SAMPLING_DEFAULTS: dict[str, float | int] = dict(
+    temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+    presence_penalty=0.0, frequency_penalty=0.0, seed=0, offset=0,
+)
+"""The value of each sampling input when a request leaves it out: greedy, every filter and penalty off. The
+runtime's ``SamplingParams``, the CLI's options and ``SamplingTensors.from_requests`` all read it from here."""
+assert set(SAMPLING_DEFAULTS) == {spec.name for spec in SAMPLING_INPUTS}
+
 SPECULATIVE_INPUTS = (
     BufferSpec("draft_token_ids", "int64", ("capacity", "S"), Role.INPUT, ValueSource.DRAFT_TOKEN_IDS,
                "Each lane's proposed tokens after its input token; -1 from the end of its proposal on"),

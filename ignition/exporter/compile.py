@@ -65,11 +65,3 @@ def compile_inductor(program: torch.export.ExportedProgram, path: Path) -> None:
         raise CompileError(f"{path}: AOTInductor reported {written}, expected the package at {path}")
 
 
-def load_compiled(path: Path):
-    """Load a compiled package; returns a callable taking the same (buffers_dict,) as the program.
-
-    This dlopens native code from the package: only for trusted cores (``load_core`` decides; the
-    validator never calls it)."""
-    import ignition.components.logprobs  # noqa: F401  (registers ignition::reduce_logprobs for the proxy executor)
-    from torch._inductor import aoti_load_package
-    return aoti_load_package(str(path))

@@ -147,6 +147,12 @@ class LaneConstraints:
                                      "allowed_token_ids")
         return constraints
 
+    def fork(self) -> "LaneConstraints":
+        """The same constraints with an independent grammar position: one per sample of an ``n > 1`` request."""
+        grammar = None if self.grammar is None else self.grammar.fork()
+        return LaneConstraints(self.vocab_size, self.allowed_token_ids, self.bad_words, self.min_tokens, self.stop_ids,
+                               dict(self.logit_bias), grammar)
+
     @property
     def fields(self) -> tuple[str, ...]:
         """The request fields these constraints carry (for error messages); a grammar is ``response_format`` or

@@ -1,4 +1,4 @@
-"""Choosing the device once, at load, and moving exported programs onto it.
+"""Moving exported programs onto the device LoadOptions chose (ignition/runtime/options.py).
 
 Graphs are captured on the CPU. ``move_program`` uses torch.export's own
 ``move_to_device_pass`` (parameters, constants, every node's burnt-in ``device`` argument and
@@ -9,31 +9,6 @@ program either replays entirely on the device or is refused at load.
 from __future__ import annotations
 
 import torch
-
-DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
-
-
-def resolve_device(spec: str | torch.device) -> torch.device:
-    """``auto`` (CUDA when present), ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``; ValueError otherwise."""
-    text = str(spec).strip().lower()
-    if text == "auto":
-        text = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ValueError(f"unknown device {spec!r}; expected {DEVICE_CHOICES}") from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != "cuda":
-        raise ValueError(f"unsupported device {spec!r}; expected {DEVICE_CHOICES}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} was asked for, but torch sees no CUDA device "
-                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(f"device {spec!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
-
 
 def foreign_devices(program, device: torch.device) -> list[str]:
     """Where a program still names a device other than ``device``: nodes, parameters, constants."""

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ignition.catalog.enums import Operation, RoundKind
-from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
-from ignition.runtime.frames import FrameReader, PendingFrame
+from ignition.catalog.enums import Operation
+from ignition.runtime.bindings import ChunkPlan, Lane
 from ignition.runtime.requests import Request, SamplingParams
+from ignition.runtime.runner import OwnershipError, Runner
 
 
 class SpeculativeError(ValueError):
@@ -58,7 +58,7 @@ def engine_options(speculation: Speculation | None, target_core, load_draft) -> 
     """
     if speculation is None:
         return {}
-    from ignition.runtime.engine import select_verify_variants
+    from ignition.runtime.scheduler import select_verify_variants
 
     try:
         select_verify_variants(target_core, speculation.draft_tokens)
@@ -127,8 +127,7 @@ class DraftCoreDrafter:
         self.free_slots = list(range(self.num_slots))
         self.epochs = [0] * self.num_slots
         self.states: dict[str, _DraftState] = {}
-        self.readers = {v.name: FrameReader(v.buffers, draft_core.transfer) for v in draft_core.variants.values()
-                        if v.layout.get("records")}
+        self.runner = Runner(draft_core)
 
     def release(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
@@ -188,21 +187,12 @@ class DraftCoreDrafter:
         state.cached = list(tokens)
 
     def _run(self, variant, lanes: list[Lane]) -> None:
-        frame = variant.next_frame
-        variant.next_frame ^= 1
-        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
-        variant.run(variant.buffers)
-        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
-        reader = self.readers[variant.name]
-        reader.read(variant.buffers, PendingFrame(frame, owners, request_mask, pairs))
+        submission = self.runner.submit(variant, lanes)
         for index, lane in enumerate(lanes):
-            record = reader.record(index)
-            emits = lane.chunk is None or lane.chunk.emits
-            expected = (RoundKind.SAMPLING,) if emits else (RoundKind.ADMISSION, RoundKind.PROMPT)
-            if (record.slot, record.epoch) != (lane.state.slot, lane.state.epoch) or record.round_kind not in expected:
-                raise SpeculativeError(f"draft core record of lane {index} belongs to slot {record.slot} epoch "
-                                       f"{record.epoch} ({record.round_kind.name}); expected slot {lane.state.slot} "
-                                       f"epoch {lane.state.epoch}")
+            try:
+                record = submission.record(index)
+            except OwnershipError as exc:
+                raise SpeculativeError(f"draft core {self.core.path}: {exc}") from None
             lane.state.generated += record.emitted
 
 

@@ -9,23 +9,16 @@ other lanes is never decoded. Positions are chosen by record emission, never by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ignition.catalog.abi import Record, decode_packed_position, decode_record
+from ignition.catalog.abi import (PromptEntry, Record, TokenEntry, decode_packed_position, decode_prompt_row,
+                                  decode_record)
 from ignition.catalog.buffers import LOGPROBS, PROMPT_LOGPROBS, RECORDS
 from ignition.catalog.contract import PACKED_CHOSEN_WORDS
 from ignition.runtime.transfer import HostTransfer
-
-
-@dataclass(slots=True)
-class TokenEntry:
-    id: int
-    logprob: float | None  # None for a forced token, or when the request asked for no logprobs
-    top: list[tuple[int, float]] = field(default_factory=list)
-    forced: bool = False  # emitted by the forced-token binding (the record's forced mask), never sampled
 
 
 @dataclass(slots=True)
@@ -87,3 +80,7 @@ class FrameReader:
         if selected and len(top) != selected:
             raise ValueError(f"logprob payload lists {len(top)} of {selected} selected ids (lane {lane})")
         return TokenEntry(token, packed.chosen_logprob, top)
+
+    def prompt_entry(self, row: int, alternatives: int) -> PromptEntry:
+        """Decode scored prompt row ``row`` of the last read (its first ``alternatives`` pairs)."""
+        return decode_prompt_row(self.prompt_host[row].numpy(), alternatives)

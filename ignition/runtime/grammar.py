@@ -113,6 +113,10 @@ class GrammarMatcher:
         """The text so far is a complete match (EOS is allowed next)."""
         return self._matcher.is_accepting()
 
+    def fork(self) -> "GrammarMatcher":
+        """An independent matcher at this one's position (another sample of the same request)."""
+        return GrammarMatcher(self.spec, self._matcher.deep_copy(), self.words)
+
     def accept(self, token: int) -> None:
         """Advance over an emitted token; GrammarViolation when the grammar does not allow it."""
         if not self._matcher.consume_token(int(token)):

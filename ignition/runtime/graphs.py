@@ -90,7 +90,7 @@ def capture_variants(variants: dict, programs: dict, state: dict[str, torch.Tens
             raise CaptureError(f"variant {variant.name}: CUDA-graph capture failed on {device} "
                                f"({type(exc).__name__}: {_first_line(exc)}); load with --eager "
                                f"(load_core(eager=True)) to replay without CUDA graphs") from None
-        variant.run = GraphReplay(graph)
+        variant.wrap("cuda-graph", lambda _eager, graph=graph: GraphReplay(graph))  # replaces the eager replay
         report.captured.append(variant.name)
     torch.cuda.synchronize(device)
     for tensor in state.values():

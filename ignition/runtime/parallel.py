@@ -1,7 +1,7 @@
 """Tensor-parallel start-up: N rank processes over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
 Rank 0 is the calling process: it owns the engine, the HTTP server and the frame readback.
-Ranks 1..N-1 are worker processes (``python -m ignition.runtime.parallel``) that load their own
+Ranks 1..N-1 are worker processes (``python -m ignition.runtime.rank_worker``) that load their own
 shard of the core and replay the same submissions: before each graph run rank 0 wakes every
 worker with the variant's index over its stdin pipe, then broadcasts the variant's input
 buffers over the default process group; every rank then runs its graph, whose in-graph
@@ -19,8 +19,9 @@ rank 0 checks its workers before every submission (and an idle server checks the
 ``RankGroup.check``, then exits naming the rank), a watchdog thread ends the group when a worker
 dies while rank 0 is blocked, and a worker whose stdin closes (rank 0 gone) exits.
 
-Tensor parallelism runs on the torch backend only: ``check_runtime`` is the one refusal of any
-other ``--runtime``, called by ``tensor_parallel`` and by ``load_core``.
+Every choice arrives in one ``LoadOptions`` (ignition/runtime/options.py), which already refused a
+backend that cannot replay rank shards; workers receive it whole on their stdin and take their device
+from ``LoadOptions.rank_device``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.enums import Role
-from ignition.catalog.parallel import PROCESS_GROUP_TIMEOUT_S
-from ignition.runtime.rendezvous import (LOOPBACK, STOP, MembershipError, PipeChannel, StoreChannel, check_host,
+from ignition.runtime.options import LoadOptions
+from ignition.runtime.rendezvous import (STOP, MembershipError, PipeChannel, StoreChannel, check_host,
                                          launched_by_torchrun, listening_store, new_secret, pin_interfaces,
-                                         prove_membership, torchrun_follower, torchrun_store)
+                                         prove_membership, torchrun_store)
+from ignition.runtime.verified import LoadOptionError
 
 WATCH_INTERVAL_S = 0.2
 
@@ -53,46 +55,30 @@ class ParallelOptionError(ParallelError):
     """Options that cannot run tensor parallelism at all (a usage error, refused before anything starts)."""
 
 
-SUPPORTED_RUNTIME = "torch"
-
-
-def check_runtime(runtime: str, ranks: int) -> None:
-    """The one refusal of tensor parallelism with a backend that cannot replay rank shards."""
-    if ranks > 1 and runtime != SUPPORTED_RUNTIME:
-        raise ParallelOptionError(f"--runtime {runtime} replays single-rank cores only, so it cannot run "
-                                  f"--tensor-parallel {ranks}; tensor parallelism is supported with --runtime "
-                                  f"{SUPPORTED_RUNTIME} (gloo on CPU, NCCL on CUDA)")
-
-
-def _backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def _input_tensors(variant) -> list[torch.Tensor]:
     """The buffers rank 0 uploads for a submission, in argument order (what every peer must receive)."""
     return [variant.buffers[a.name] for a in variant.arguments if a.role is Role.INPUT]
 
 
-def join_group(store, rank: int, ranks: int, device: torch.device, manifest: dict, timeout_s: float,
-               secret: str) -> None:
+def join_group(store, options: LoadOptions, manifest: dict, secret: str) -> None:
     """Join the default process group, check that it is the group the core's graphs were traced against, and
     prove to every rank that this one holds the launch's ``secret`` (before any request data travels)."""
     import torch.distributed as dist
 
-    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(options.collective_backend, store=store, rank=options.rank, world_size=options.ranks,
+                            timeout=datetime.timedelta(seconds=options.timeout_s))
     expected = manifest["tensor_parallel"]["group"]
     if dist.group.WORLD.group_name != expected:
         raise ParallelError(f"the default process group is named {dist.group.WORLD.group_name!r}, but the core's "
                             f"graphs were traced against group {expected!r}")
-    prove_membership(secret, rank, ranks, device)
+    prove_membership(secret, options.rank, options.ranks, options.device)
 
 
 class _Replicated:
-    """Rank 0's ``variant.run``: wake the workers, broadcast the inputs, run this rank's graph."""
+    """Rank 0's outermost replay layer: wake the workers, broadcast the inputs, run this rank's graph."""
 
-    def __init__(self, group: "RankGroup", index: int, variant):
-        self.group, self.index, self.run, self.inputs = group, index, variant.run, _input_tensors(variant)
+    def __init__(self, group: "RankGroup", index: int, variant, inner):
+        self.group, self.index, self.run, self.inputs = group, index, inner, _input_tensors(variant)
 
     def __call__(self, buffers):
         import torch.distributed as dist
@@ -175,23 +161,22 @@ class RankGroup:
 
 def _check_rank_count(core: Path, ranks: int) -> None:
     """Refuse a rank count the core does not have before any worker starts (load_core checks it again)."""
-    import json
+    from ignition.catalog.manifest import Manifest
+    from ignition.runtime.core import CoreLoadError, read_manifest
 
-    from ignition.runtime.core import CoreLoadError
-
-    try:
-        manifest = json.loads((core / "manifest.json").read_bytes())
-        found = manifest.get("tensor_parallel", {}).get("ranks", 1)
-    except (OSError, ValueError, AttributeError):
+    manifest = read_manifest(core)
+    if manifest is None:
         return  # load_core reports an unreadable core with the validator's findings
+    found = Manifest.from_json(manifest).ranks
     if found != ranks:
         hint = f"run it with --tensor-parallel {found}" if found > 1 else "run it without --tensor-parallel"
         raise CoreLoadError(f"{core}: the core holds {found} rank shard{'s' if found > 1 else ''}, not {ranks}; {hint}")
 
 
-def _start_workers(core, ranks: int, device: str, timeout_s: float, host: str, load_options: dict):
-    """Ranks 1..N-1 as child processes and rank 0's store on ``host``; each worker's first stdin line is the
-    launch secret. Returns (store, secret, RankGroup)."""
+def _start_workers(core, options: LoadOptions):
+    """Ranks 1..N-1 as child processes and rank 0's store on ``options.tp_host``; each worker's stdin gets the
+    launch secret, then the load options whole. Returns (store, secret, RankGroup)."""
+    ranks, host, timeout_s = options.ranks, options.tp_host, options.timeout_s
     try:
         check_host(host)
         pinned = pin_interfaces(host)
@@ -199,11 +184,7 @@ def _start_workers(core, ranks: int, device: str, timeout_s: float, host: str, l
     except (ValueError, OSError) as exc:  # not an address of this machine, or one that cannot be bound
         raise ParallelOptionError(str(exc) if "--tp-host" in str(exc) else f"--tp-host {host}: {exc}") from None
     secret = new_secret()
-    command = [sys.executable, "-m", "ignition.runtime.parallel", str(core), "--ranks", str(ranks), "--host", host,
-               "--port", str(store.port), "--device", device, "--timeout", str(timeout_s)]
-    for name, value in load_options.items():
-        if value:
-            command += [f"--{name.replace('_', '-')}", *([] if value is True else [str(value)])]
+    command = [sys.executable, "-m", "ignition.runtime.rank_worker", str(core), "--port", str(store.port)]
     environment = dict(os.environ, **pinned, PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])))
     workers = [subprocess.Popen(command + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -211,7 +192,7 @@ def _start_workers(core, ranks: int, device: str, timeout_s: float, host: str, l
     group = RankGroup(workers, timeout_s)
     for process in workers:
         try:
-            process.stdin.write(secret + "\n")
+            process.stdin.write(secret + "\n" + options.to_json() + "\n")
             process.stdin.flush()
         except OSError:
             pass  # the worker is already gone; the group start-up names it
@@ -219,46 +200,40 @@ def _start_workers(core, ranks: int, device: str, timeout_s: float, host: str, l
 
 
 @contextmanager
-def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-                    runtime: str = SUPPORTED_RUNTIME, host: str = LOOPBACK, **load_options):
-    """Start ``ranks`` ranks of a sharded core; yields rank 0's LoadedCore (give it to an Engine), whose
-    ``group`` is the RankGroup of the workers.
+def tensor_parallel(core: str | Path, ranks_or_options: int | LoadOptions, **choices):
+    """Start the ranks of a sharded core; yields rank 0's LoadedCore (give it to an Engine), whose ``group``
+    is the RankGroup of the workers.
 
-    ``runtime`` other than torch is refused (``check_runtime``) before anything starts. ``host`` is the
-    address the store and transports listen on (``--tp-host``; loopback by default). Under torchrun this
-    process must be rank 0 (``start_for_process`` runs the others) and torchrun's store is used.
-    ``load_options`` go to ``load_core`` on every rank (``eager``, ``trust_compiled``, ...).
+    ``ranks_or_options``: a ``LoadOptions`` (its ``ranks``, ``tp_host``, ``timeout_s`` and the rest), or a rank
+    count with keyword ``choices`` for ``LoadOptions.create``. Under torchrun
+    this process must be rank 0 (``start_for_process`` runs the others) and torchrun's store is used.
     On exit the workers are stopped and the process group is destroyed.
     """
-    check_runtime(runtime, ranks)
     import torch.distributed as dist
 
-    from ignition.runtime.core import CoreLoadError, load_core
-    from ignition.runtime.device import resolve_device
+    from ignition.runtime.core import load_core
 
-    try:
-        resolved = resolve_device(device)
-    except ValueError as exc:
-        raise CoreLoadError(str(exc)) from None
+    options = _options(ranks_or_options, choices)
+    ranks = options.ranks
     _check_rank_count(Path(core), ranks)
     if launched_by_torchrun():
         try:
-            store, rank, secret = torchrun_store(ranks, timeout_s)
+            store, rank, secret = torchrun_store(ranks, options.timeout_s)
         except (MembershipError, ValueError) as exc:
             raise ParallelOptionError(str(exc)) from None
         if rank != 0:
             raise ParallelOptionError(f"torchrun rank {rank} runs torchrun_worker, not tensor_parallel")
-        group = RankGroup([], timeout_s, StoreChannel(store))
+        group = RankGroup([], options.timeout_s, StoreChannel(store))
     else:
-        store, secret, group = _start_workers(core, ranks, device, timeout_s, host, load_options)
+        store, secret, group = _start_workers(core, options)
     try:
-        loaded = load_core(core, device=resolved, rank=0, tensor_parallel=ranks, **load_options)
+        loaded = load_core(core, options)
         try:
-            join_group(store, 0, ranks, resolved, loaded.manifest, timeout_s, secret)
+            join_group(store, options, loaded.manifest, secret)
         except RuntimeError as exc:
             raise group.failure(f"process-group start-up: {str(exc).splitlines()[0]}") from None
         for index, variant in enumerate(loaded.variants.values()):
-            variant.run = _Replicated(group, index, variant)
+            variant.wrap("replicated", lambda inner, i=index, v=variant: _Replicated(group, i, v, inner))
         loaded.group = group
         yield loaded
     finally:
@@ -267,32 +242,33 @@ def tensor_parallel(core: str | Path, ranks: int, *, device: str = "cpu", timeou
             dist.destroy_process_group()
 
 
-def start_for_process(core: str | Path, ranks: int, **options):
-    """``tensor_parallel`` for a command-line process: the ranks stop when this process exits. Under torchrun,
-    a rank other than 0 replays rank 0's submissions here and exits with the worker's status."""
+def _options(ranks_or_options: int | LoadOptions, choices: dict) -> LoadOptions:
+    """The LoadOptions of a tensor-parallel start (ParallelOptionError when they cannot run one)."""
+    if isinstance(ranks_or_options, LoadOptions):
+        if choices:
+            raise ParallelOptionError(f"pass either LoadOptions or keyword choices, not both ({', '.join(choices)})")
+        options = ranks_or_options
+    else:
+        if "host" in choices:
+            choices["tp_host"] = choices.pop("host")
+        try:
+            options = LoadOptions.create(ranks=ranks_or_options, **choices)
+        except LoadOptionError as exc:
+            raise ParallelOptionError(str(exc)) from None
+    if options.ranks < 2:
+        from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
+        raise ParallelOptionError(f"--tensor-parallel must be between 2 and {MAX_TENSOR_PARALLEL} to start ranks, "
+                                  f"got {options.ranks}")
+    return options
+
+
+def start_for_process(core: str | Path, options: LoadOptions):
+    """``tensor_parallel`` for a command-line process: the ranks stop when this process exits. (Under torchrun,
+    a rank other than 0 runs ``rank_worker.torchrun_worker`` instead: the CLI's choice.)"""
     import atexit
     from contextlib import ExitStack
 
-    from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
-
-    if not 2 <= ranks <= MAX_TENSOR_PARALLEL:
-        raise ParallelOptionError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks}")
-    if torchrun_follower():
-        from ignition.runtime.rank_worker import torchrun_worker
-
-        sys.exit(torchrun_worker(core, ranks, **options))
     stack = ExitStack()
-    loaded = stack.enter_context(tensor_parallel(core, ranks, **options))
+    loaded = stack.enter_context(tensor_parallel(core, options))
     atexit.register(stack.close)
     return loaded
-
-
-def worker(argv: list[str] | None = None) -> int:
-    """A rank rank 0 started (``python -m ignition.runtime.parallel``): ignition/runtime/rank_worker.py."""
-    from ignition.runtime.rank_worker import worker as rank_worker
-
-    return rank_worker(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(worker())

@@ -1,7 +1,7 @@
 """Ranks 1..N-1 of a tensor-parallel run: load this rank's shard, join the group, replay rank 0's submissions.
 
-Started either by rank 0 (``python -m ignition.runtime.parallel``; the launch secret is the first line
-of stdin, then one line per submission) or by torchrun (``torchrun_worker``; the secret comes from
+Started either by rank 0 (``python -m ignition.runtime.rank_worker``; the launch secret is the first line
+of stdin, rank 0's LoadOptions the second, then one line per submission) or by torchrun (``torchrun_worker``; the secret comes from
 IGNITION_TP_SECRET and the submissions through the store). ignition/runtime/parallel.py is rank 0's side.
 """
 
@@ -15,30 +15,27 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.parallel import PROCESS_GROUP_TIMEOUT_S
-from ignition.runtime.parallel import SUPPORTED_RUNTIME, _input_tensors, check_runtime, join_group
-from ignition.runtime.rendezvous import LOOPBACK, STOP, store_lines, torchrun_store
+from ignition.runtime.options import LoadOptions
+from ignition.runtime.parallel import _input_tensors, join_group
+from ignition.runtime.rendezvous import STOP, store_lines, torchrun_store
+from ignition.runtime.verified import LoadOptionError
 
 
-def _replay(core, rank: int, ranks: int, device: str, timeout_s: float, connect, lines, load_options: dict) -> int:
-    """Rank r >= 1: load the shard, join the group (``connect()`` -> (store, secret)), replay every submission
-    ``lines`` announces until STOP or its end (rank 0 gone)."""
+def _replay(core, options: LoadOptions, connect, lines) -> int:
+    """Rank r >= 1 (``options.rank``): load the shard, join the group (``connect()`` -> (store, secret)), replay
+    every submission ``lines`` announces until STOP or its end (rank 0 gone)."""
     import warnings
 
     import torch.distributed as dist
 
     from ignition.runtime.core import load_core
-    from ignition.runtime.device import resolve_device
 
     warnings.simplefilter("ignore")  # rank 0 reports the same load warnings once
+    rank = options.rank
     try:
-        resolved = resolve_device(device)
-        if resolved.type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", rank))  # torchrun: this machine's rank
-            resolved = torch.device("cuda", local % torch.cuda.device_count())
-        loaded = load_core(core, device=resolved, rank=rank, tensor_parallel=ranks, **load_options)
+        loaded = load_core(core, options)
         store, secret = connect()
-        join_group(store, rank, ranks, resolved, loaded.manifest, timeout_s, secret)
+        join_group(store, options, loaded.manifest, secret)
         variants = list(loaded.variants.values())
         for line in lines(store):
             if line.strip() == STOP:
@@ -57,41 +54,44 @@ def _replay(core, rank: int, ranks: int, device: str, timeout_s: float, connect,
     return 0
 
 
-def torchrun_worker(core: str | Path, ranks: int, *, device: str = "cpu", timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-                    runtime: str = SUPPORTED_RUNTIME, host: str = LOOPBACK, **load_options) -> int:
-    """A rank >= 1 started by torchrun: the same load, group and secret check as a worker rank 0 started."""
-    check_runtime(runtime, ranks)
+def torchrun_worker(core: str | Path, options: LoadOptions) -> int:
+    """A rank >= 1 started by torchrun: the same load, group and secret check as a worker rank 0 started. Its
+    device is LOCAL_RANK's GPU on CUDA (torchrun's placement), the CPU otherwise."""
     try:
-        store, rank, secret = torchrun_store(ranks, timeout_s)
+        store, rank, secret = torchrun_store(options.ranks, options.timeout_s)
     except (RuntimeError, ValueError) as exc:  # MembershipError (no secret), the rank count, the rendezvous
         print(f"error: tensor-parallel rank {os.environ.get('RANK')}: {exc}", file=sys.stderr, flush=True)
         return 2
-    return _replay(core, rank, ranks, device, timeout_s, lambda: (store, secret), store_lines, load_options)
+    device = None
+    if options.cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    return _replay(core, options.for_rank(rank, device), lambda: (store, secret), store_lines)
 
 
 def worker(argv: list[str] | None = None) -> int:
-    """A rank rank 0 started: its first stdin line is the launch secret, then one line per submission."""
-    parser = argparse.ArgumentParser(prog="python -m ignition.runtime.parallel")
+    """A rank rank 0 started: its stdin carries the launch secret, then rank 0's LoadOptions (one JSON line),
+    then one line per submission."""
+    parser = argparse.ArgumentParser(prog="python -m ignition.runtime.rank_worker")
     parser.add_argument("core")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--ranks", type=int, required=True)
-    parser.add_argument("--host", default=LOOPBACK)
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--timeout", type=float, default=PROCESS_GROUP_TIMEOUT_S)
-    parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--trust-compiled", action="store_true")
-    parser.add_argument("--trusted-key", default=None)
     args = parser.parse_args(argv)
     secret = sys.stdin.readline().strip()
+    try:
+        options = LoadOptions.from_json(sys.stdin.readline()).for_rank(args.rank)
+    except LoadOptionError as exc:  # rank 0 and this rank disagree on what can run here
+        print(f"error: tensor-parallel rank {args.rank}: {exc}", file=sys.stderr, flush=True)
+        return 2
 
     def connect():
         import torch.distributed as dist
 
-        store = dist.TCPStore(args.host, args.port, args.ranks, is_master=False,
-                              timeout=datetime.timedelta(seconds=args.timeout))
+        store = dist.TCPStore(options.tp_host, args.port, options.ranks, is_master=False,
+                              timeout=datetime.timedelta(seconds=options.timeout_s))
         return store, secret
 
-    options = dict(eager=args.eager, trust_compiled=args.trust_compiled, trusted_key=args.trusted_key)
-    return _replay(args.core, args.rank, args.ranks, args.device, args.timeout, connect, lambda store: sys.stdin,
-                   options)
+    return _replay(args.core, options, connect, lambda store: sys.stdin)
+
+
+if __name__ == "__main__":
+    sys.exit(worker())

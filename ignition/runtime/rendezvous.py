@@ -142,17 +142,17 @@ def _tag(secret: str, rank: int, transcript: bytes) -> bytes:
 
 
 def prove_membership(secret: str, rank: int, ranks: int, device: torch.device) -> None:
-    """Every rank shows every other an HMAC of this exchange's nonces under the launch secret.
+    """Every rank shows every other an HMAC of this exchange's nonces under the launch secret (exchanged as
+    tensors on ``device``, the rank's own, which its process group's backend serves).
 
     Runs right after the default group forms, before any request data: a rank whose tag does not verify
     raises MembershipError naming it (on every honest rank); one that stays silent times the group out.
     """
     import torch.distributed as dist
 
-    on = device if device.type == "cuda" else torch.device("cpu")
-    nonce = torch.tensor(list(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8, device=on)
+    nonce = torch.tensor(list(secrets.token_bytes(NONCE_BYTES)), dtype=torch.uint8, device=device)
     transcript = b"".join(_gathered(nonce, ranks)) + dist.group.WORLD.group_name.encode()
-    tag = torch.tensor(list(_tag(secret, rank, transcript)), dtype=torch.uint8, device=on)
+    tag = torch.tensor(list(_tag(secret, rank, transcript)), dtype=torch.uint8, device=device)
     tags = _gathered(tag, ranks)
     strangers = [r for r, found in enumerate(tags) if not hmac.compare_digest(found, _tag(secret, r, transcript))]
     if strangers:

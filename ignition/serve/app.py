@@ -26,7 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.runtime.core import LoadedCore, load_core
-from ignition.runtime.engine import Engine
+from ignition.runtime.options import LoadOptions
+from ignition.runtime.scheduler import Engine
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
@@ -114,12 +115,13 @@ def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_cap
 def create_app(core: str | Path | LoadedCore, model_name: str | None = None, queue_capacity: int = 4,
                batch_invariant: bool = False, config: ServeConfig | None = None,
                engine_options: dict | None = None, allowed_origins: Sequence[str] = (),
-               max_batch_prompts: int = MAX_BATCH_PROMPTS) -> FastAPI:
-    """The app serving one core; its engine thread runs while the app's lifespan does.
+               max_batch_prompts: int = MAX_BATCH_PROMPTS, options: LoadOptions | None = None) -> FastAPI:
+    """The app serving one core (loaded as ``options`` say when it is a path); its engine thread runs while the
+    app's lifespan does.
     ``engine_options``: extra Engine arguments (speculative decoding: ``drafters.engine_options``);
     ``allowed_origins``: CORS origins (--allowed-origins; none: no CORS headers); ``max_batch_prompts``:
     the most prompts one Completions request may hold (--max-batch-prompts)."""
-    loaded = core if isinstance(core, LoadedCore) else load_core(core)
+    loaded = core if isinstance(core, LoadedCore) else load_core(core, options or LoadOptions.create())
     config = config or ServeConfig()
     ctx = _context(loaded, model_name or str(loaded.path if isinstance(core, LoadedCore) else core), config,
                    queue_capacity, batch_invariant, engine_options, max_batch_prompts)
@@ -265,11 +267,11 @@ async def _json_object(request: Request) -> dict:
 
 
 def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 8000,
-          model_name: str | None = None, device: str = "auto", eager: bool = False,
+          model_name: str | None = None, options: LoadOptions | None = None,
           batch_invariant: bool = False, config: ServeConfig | None = None, sock: socket.socket | None = None,
           on_ready: Callable[[], None] | None = None, engine_options: dict | None = None,
           allowed_origins: Sequence[str] = (), max_batch_prompts: int = MAX_BATCH_PROMPTS) -> None:
-    """``ignition serve``: load the core onto ``device`` (unless already loaded) and serve it with uvicorn.
+    """``ignition serve``: load the core as ``options`` say (unless already loaded) and serve it with uvicorn.
 
     ``sock``: a socket already bound to host:port (the CLI binds before loading, so a busy port fails
     at once); ``on_ready`` is called once the server accepts connections; ``engine_options``,
@@ -283,7 +285,7 @@ def serve(core: str | Path | LoadedCore, host: str = "127.0.0.1", port: int = 80
             if self.started and on_ready is not None:
                 on_ready()
 
-    loaded = core if isinstance(core, LoadedCore) else load_core(core, device=device, eager=eager)
+    loaded = core if isinstance(core, LoadedCore) else load_core(core, options or LoadOptions.create())
     app = create_app(loaded, model_name=model_name or str(loaded.path), batch_invariant=batch_invariant,
                      config=config, engine_options=engine_options, allowed_origins=allowed_origins,
                      max_batch_prompts=max_batch_prompts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 from fastapi import Request as HttpRequest
@@ -10,8 +11,9 @@ from fastapi.responses import Response
 from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
-from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, check_whole_vocabulary, collect, error_event, respond, sse)
+from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext, best,
+                                   build_request, check_whole_vocabulary, collect, error_event, merged,
+                                   respond_samples, sse)
 from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
 from ignition.serve.templates import TemplateLimitError, render_bounded, special_token, trusted_template
 
@@ -95,13 +97,20 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     if max_tokens is None:
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
     request = await ctx.run(functools.partial(build_request, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs,
-                                              logprobs=top if body.logprobs else None),
+                                              logprobs=top if body.logprobs else None, samples=True),
                             ctx, body, prompt_ids, random_id("chatcmpl"))
-    return await respond(ctx, http, body, request, _ChatView(ctx, body, request.request_id, prompt_ids))
+    return await respond_samples(ctx, http, body, request, _ChatView(ctx, body, request.request_id, prompt_ids))
+
+
+async def _pieces(output: RequestOutput, index: int):
+    """``(index, piece)`` for each piece of one sample's output."""
+    while (piece := await output.next()) is not None:
+        yield index, piece
 
 
 class _ChatView(ResponseView):
-    """Turns released pieces into Chat responses for one request."""
+    """Turns released pieces into Chat responses for one request: choice ``i`` is sample ``i`` (the best ``n``,
+    best first, when ``best_of`` > ``n``); usage counts the prompt once and the returned choices' tokens."""
 
     def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, request_id: str, prompt_ids: list[int]):
         super().__init__(ctx, body, request_id, prompt_ids)
@@ -109,26 +118,29 @@ class _ChatView(ResponseView):
         self.role = "assistant" if body.add_generation_prompt else last.get("role", "assistant")
         # echo: the last message is continued when it has the response's role (synthetic text: no token entries)
         self.echo = _text_content(last, len(body.messages) - 1) if body.echo and last.get("role") == self.role else ""
-        self.first_chunk = True
 
-    async def full(self, output: RequestOutput) -> Response:
-        texts, spans, scores, last = await collect(output)
+    async def full(self, outputs: list[RequestOutput]) -> Response:
+        collected = await asyncio.gather(*(collect(output) for output in outputs))
         body = self.body
-        logprobs = ChatCompletionLogProbs(content=chat_logprobs(spans, self.presenter)) if body.logprobs else None
-        choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role=self.role, content=self.echo + "".join(texts)), logprobs=logprobs,
-            finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-            token_ids=last.token_ids(spans) if body.return_token_ids else None)
+        choices, generated = [], 0
+        for index, (texts, spans, _, last) in enumerate(best(outputs, collected, 1 if body.n is None else body.n)):
+            logprobs = ChatCompletionLogProbs(content=chat_logprobs(spans, self.presenter)) if body.logprobs else None
+            choices.append(ChatCompletionResponseChoice(
+                index=index, message=ChatMessage(role=self.role, content=self.echo + "".join(texts)),
+                logprobs=logprobs, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+                token_ids=last.token_ids(spans) if body.return_token_ids else None))
+            generated += last.generated
+        scores = collected[0][2]  # the prompt is scored once; every sample reports the same scores
         response = ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=[choice],
-            usage=self.usage(last.generated),
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices,
+            usage=self.usage(generated),
             prompt_logprobs=prompt_logprobs(scores, self.presenter) if scores else None,
             prompt_token_ids=self.prompt_ids if body.return_token_ids else None)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _chunk(self, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
-               token_ids=None) -> str:
-        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs,
+    def _chunk(self, index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
+               token_ids=None, generated: int = 0) -> str:
+        choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                     finish_reason=finish_reason)
         if finish_reason is not None:
             choice.stop_reason = stop_reason
@@ -136,32 +148,35 @@ class _ChatView(ResponseView):
             choice.token_ids = token_ids
         chunk = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk", created=self.created,
                                              model=self.ctx.model_name, choices=[choice])
-        if self.first_chunk and self.body.return_token_ids:
+        if delta.role is not None and self.body.return_token_ids:  # on each choice's first chunk, as vLLM
             chunk.prompt_token_ids = self.prompt_ids
         if self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats:
-            chunk.usage = self.usage(self.generated)
-        self.first_chunk = False
+            chunk.usage = self.usage(generated)
         return sse(chunk.model_dump_json(exclude_unset=True))
 
-    async def stream(self, output: RequestOutput):
+    async def stream(self, outputs: list[RequestOutput]):
+        """vLLM's order: each choice's role chunk, then each choice's echo, then the samples' chunks as they come,
+        each with its choice ``index``."""
         body, options = self.body, self.body.stream_options
+        generated = [0] * len(outputs)
         try:
-            yield self._chunk(DeltaMessage(role=self.role, content=""))
-            if self.echo:
-                yield self._chunk(DeltaMessage(content=self.echo))
-            while (piece := await output.next()) is not None:
-                self.generated = piece.generated
+            for index in range(len(outputs)):
+                yield self._chunk(index, DeltaMessage(role=self.role, content=""))
+            for index in range(len(outputs) if self.echo else 0):
+                yield self._chunk(index, DeltaMessage(content=self.echo))
+            async for index, piece in merged([_pieces(output, index) for index, output in enumerate(outputs)]):
+                generated[index] = piece.generated
                 content = chat_logprobs(piece.spans, self.presenter) if body.logprobs else None
                 if not piece.text and not content and piece.finish_reason is None:
                     continue
-                yield self._chunk(DeltaMessage(content=piece.text),
+                yield self._chunk(index, DeltaMessage(content=piece.text),
                                   ChatCompletionLogProbs(content=content) if body.logprobs else None,
                                   piece.finish_reason, piece.stop_reason,
-                                  piece.token_ids() if body.return_token_ids else None)
+                                  piece.token_ids() if body.return_token_ids else None, piece.generated)
             if options is not None and options.include_usage:
                 final = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk",
                                                      created=self.created, choices=[], model=self.ctx.model_name,
-                                                     usage=self.usage(self.generated))
+                                                     usage=self.usage(sum(generated)))
                 yield sse(final.model_dump_json(exclude_unset=True, exclude_none=True))
         except GenerationError as exc:
             yield error_event(exc)

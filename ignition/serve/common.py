@@ -158,10 +158,55 @@ def check_whole_vocabulary(ctx: ServerContext, value: int | None, param: str) ->
                        "name the tokens you need with `logprob_token_ids`", param)
 
 
+def sample_counts(ctx: ServerContext, body: GenerationFields) -> tuple[int, int]:
+    """``(n, best_of)``: the choices to return and the samples to draw per prompt (``best_of`` defaults to ``n``).
+
+    vLLM V0's rules (``SamplingParams._verify_args``, vllm/sampling_params.py): n >= 1 and best_of >= n; the best
+    ``n`` of ``best_of`` are those with the highest cumulative logprob, so best_of > n is not streamed (vLLM
+    0.6.4+: "best_of must equal n to use output_kind=DELTA") and needs sampling (vLLM V0 refuses best_of > 1 with
+    greedy sampling: the samples would all be the same). A prompt's samples decode together, one slot each,
+    so best_of is at most the core's slot count. vLLM V1 (>= 0.7) refuses best_of > 1 and current vLLM has no
+    such field; this server keeps V0's behaviour (docs/serving.md).
+    """
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise ApiError(f"n must be at least 1, got {n}", "n")
+    best_of = n if body.best_of is None else body.best_of
+    if best_of < n:
+        raise ApiError(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}", "best_of")
+    slots = ctx.engine.engine.num_slots
+    if best_of > slots:
+        param = "best_of" if best_of > n else "n"
+        raise ApiError(f"{param} = {best_of} is more than this core's {slots} slots: the samples of a prompt decode "
+                       f"together, one slot each, so {param} can be at most {slots}", param)
+    if best_of > n:
+        if body.stream:
+            raise ApiError(f"best_of ({best_of}) must equal n ({n}) when streaming: the best {n} of {best_of} samples "
+                           "are known only when all have finished", "best_of")
+        if not ctx.core.features["allow_logprobs"]:
+            raise ApiError("best_of > n ranks the samples by cumulative logprob, and this core was exported without "
+                           "logprob outputs", "best_of")
+        if not body.temperature:
+            raise ApiError(f"best_of ({best_of}) must equal n ({n}) with greedy sampling (temperature 0, this server's "
+                           "default): every sample would be the same", "best_of")
+    return n, best_of
+
+
 def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[int], request_id: str, *,
-                  max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> Request:
-    """The engine request for an API body, or ApiError/AdmissionError (both 400) before admission."""
+                  max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, samples: bool = False) -> Request:
+    """The engine request for an API body, or ApiError/AdmissionError (both 400) before admission. ``samples``:
+    the endpoint serves ``n`` and ``best_of`` (Completions, Chat); the request then draws ``best_of`` samples."""
     check_unsupported(body)
+    drawn = 1
+    if samples:
+        n, drawn = sample_counts(ctx, body)
+        if drawn > n and logprobs is None and not body.logprob_token_ids:
+            logprobs = 0  # the ranking reads each sampled token's logprob; the response shows them only if asked
+    else:
+        for name in ("n", "best_of"):
+            if getattr(body, name) not in (None, 1):
+                raise ApiError(f"`{name}` = {_shown(getattr(body, name))} is not supported by this endpoint "
+                               "(supported: 1)", name)
     if max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):  # vLLM's echo_without_generation
         raise ApiError("max_tokens must be at least 1, got 0", "max_tokens")
     if body.stream_options is not None and not body.stream:
@@ -183,7 +228,7 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
     request = Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                       logprobs=None if body.logprob_token_ids else logprobs,
                       logprob_token_ids=body.logprob_token_ids, stop_token_ids=list(body.stop_token_ids or ()),
-                      ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=request_id)
+                      ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=request_id, n=drawn)
     check_admission(request, ctx.core.features, ctx.core.vocab_size, ctx.max_context)
     check_server_request(request, ctx.core.vocab_size)
     return request
@@ -228,6 +273,7 @@ class RequestOutput:
     def __init__(self, engine: AsyncEngine, stream: RequestStream, text: TextStream, record: RequestRecord):
         self.engine, self.stream, self.text, self.record = engine, stream, text, record
         self.generated = 0
+        self.cumulative_logprob = 0.0  # of every generated token with a logprob entry: what best_of ranks by
         self.finished = False
 
     async def next(self) -> Piece | None:
@@ -240,6 +286,8 @@ class RequestOutput:
             raise GenerationError(delta.error or "the loader failed this request")
         for entry in delta.entries:
             self.text.add(entry.id, entry)
+            if entry.logprob is not None:
+                self.cumulative_logprob += entry.logprob
         self.generated += len(delta.entries)
         self.record.tokens(len(delta.entries))
         final = delta.finish_reason is not None
@@ -301,23 +349,66 @@ async def until_disconnect(http: HttpRequest, work, outputs: list[RequestOutput]
 
 
 async def admit_all(ctx: ServerContext, http: HttpRequest, body: GenerationFields,
-                    requests: list[Request]) -> list[RequestOutput] | None:
-    """Admit checked requests in order; None when the client disconnects first: admission stops there and
-    whatever was admitted is cancelled."""
-    outputs: list[RequestOutput] = []
+                    requests: list[Request]) -> list[list[RequestOutput]] | None:
+    """Admit checked requests in order, each request's samples in index order; None when the client disconnects
+    first: admission stops there and whatever was admitted is cancelled."""
+    outputs: list[list[RequestOutput]] = []
 
     async def work() -> None:
         for request in requests:
-            outputs.append(await admit(ctx, body, request))
+            outputs.append(await admit_samples(ctx, body, request))
 
     finished = False
     try:
         finished, _ = await _unless_disconnected(http, work())
     finally:  # a disconnect, an AdmissionError or EngineStopped: nothing of this request runs on
         if not finished:
-            for output in outputs:
+            for output in (o for samples in outputs for o in samples):
                 output.close()
     return outputs if finished else None
+
+
+async def merged(sources: list):
+    """Items of several async generators as they come; backpressure holds (the queue has one place per source)."""
+    if len(sources) == 1:
+        async for item in sources[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sources))
+    end = object()
+
+    async def pump(source):
+        try:
+            async for item in source:
+                await queue.put((item, None))
+            await queue.put((end, None))
+        except Exception as exc:  # a GenerationError: the stream reports it and ends
+            await queue.put((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def best(outputs: list[RequestOutput], results: list, n: int) -> list:
+    """The results of the ``n`` samples with the highest cumulative logprob, best first (vLLM V0's best_of:
+    ``RequestOutput.from_seq_group`` sorts by ``get_cumulative_logprob()``, vllm/outputs.py); all of them, in
+    index order, when ``n`` is every sample. Ties keep index order."""
+    if n == len(outputs):
+        return list(results)
+    order = sorted(range(len(outputs)), key=lambda i: -outputs[i].cumulative_logprob)
+    return [results[i] for i in order[:n]]
 
 
 def sse(payload: str) -> str:
@@ -359,12 +450,36 @@ async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[di
     return texts, spans, scores, last
 
 
+def _text_stream(ctx: ServerContext, body: GenerationFields) -> TextStream:
+    return TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
+                      include_stop=body.include_stop_str_in_output)
+
+
 async def admit(ctx: ServerContext, body: GenerationFields, request: Request) -> RequestOutput:
     """Submit a checked request to the engine; its output decodes text the way the body asks."""
-    text = TextStream(ctx.table, skip_special=body.skip_special_tokens, stops=body.stop_strings(),
-                      include_stop=body.include_stop_str_in_output)
     stream = await ctx.engine.submit(request)
-    return RequestOutput(ctx.engine, stream, text, ctx.metrics.start(request.request_id, len(request.prompt_ids)))
+    return RequestOutput(ctx.engine, stream, _text_stream(ctx, body),
+                         ctx.metrics.start(request.request_id, len(request.prompt_ids)))
+
+
+async def admit_samples(ctx: ServerContext, body: GenerationFields, request: Request) -> list[RequestOutput]:
+    """Submit a checked request for ``request.n`` samples (its prompt is prefilled once); one output per sample,
+    in index order, each an engine request of its own (metrics and logs count samples, as vLLM counts its
+    child requests)."""
+    if request.n == 1:
+        return [await admit(ctx, body, request)]
+    streams = await ctx.engine.submit_samples(request)
+    return [RequestOutput(ctx.engine, stream, _text_stream(ctx, body),
+                          ctx.metrics.start(stream.request_id, len(request.prompt_ids))) for stream in streams]
+
+
+async def respond_samples(ctx: ServerContext, http: HttpRequest, body: GenerationFields, request: Request,
+                          view: ResponseView) -> Response:
+    """Submit an admitted request for its samples and answer with the view, which takes every sample's output."""
+    outputs = await admit_samples(ctx, body, request)
+    if body.stream:
+        return EngineStreamingResponse(view.stream(outputs), outputs)
+    return await until_disconnect(http, view.full(outputs), outputs)
 
 
 async def respond(ctx: ServerContext, http: HttpRequest, body: GenerationFields, request: Request,

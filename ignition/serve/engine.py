@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ignition.catalog.abi import decode_record
+from ignition.catalog.abi import TokenEntry, decode_record
 from ignition.catalog.enums import FinishReason
-from ignition.runtime.engine import Engine, RequestState
-from ignition.runtime.frames import PendingFrame, TokenEntry
+from ignition.runtime.scheduler import Engine, RequestState
+from ignition.runtime.frames import PendingFrame
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import Request
+from ignition.runtime.samples import sample_ids
 
 log = logging.getLogger("ignition.serve")
 ENGINE_STOP_SECONDS = 5
@@ -161,21 +162,38 @@ class AsyncEngine:
 
     async def submit(self, request: Request) -> RequestStream:
         """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
+        if request.n != 1:
+            raise ValueError("a request for several samples is admitted with submit_samples")
+        (stream,) = await self._submit(request, [request.request_id])
+        return stream
+
+    async def submit_samples(self, request: Request) -> list[RequestStream]:
+        """Admit a request for ``request.n`` samples (its ``request_id`` names the group): one stream per sample,
+        in index order, each the stream of an engine request ``samples.sample_ids`` names."""
+        if not request.request_id:
+            raise ValueError("a request for several samples needs a request_id")
+        return await self._submit(request, sample_ids(request.request_id, request.n) if request.n > 1
+                                  else [request.request_id])
+
+    async def _submit(self, request: Request, ids: list[str]) -> list[RequestStream]:
         if self.dead is not None:
             raise EngineStopped(f"the engine stopped: {self.dead}")
-        stream = RequestStream(request.request_id, asyncio.get_running_loop(), self._wakeup.set, self.queue_capacity)
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(request_id, loop, self._wakeup.set, self.queue_capacity) for request_id in ids]
         admitted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("submit", request, stream, admitted))
+        self._commands.put(("submit", request, streams, admitted))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:  # the handler went away while waiting: the request must not run on
-            self.cancel(request.request_id)
+            for request_id in ids:
+                self.cancel(request_id)
             raise
-        return stream
+        return streams
 
     def cancel(self, request_id: str) -> None:
-        """Abort a request (client gone, or a stop string ended it); its slot is freed on the engine thread."""
+        """Abort a request (client gone, or a stop string ended it), or every sample of a group by the group's id;
+        its slots are freed on the engine thread."""
         self._commands.put(("cancel", request_id, None, None))
         self._wakeup.set()
 
@@ -243,12 +261,15 @@ class AsyncEngine:
                 except Exception as exc:  # AdmissionError (a 400), or a loader bug: the handler reports it
                     admitted.set_exception(exc)
                     continue
-                self._tracked[request_id] = _Tracked(stream, self.engine.state(request_id))
+                for sample_id, sample_stream in zip(self.engine.samples(request_id), stream, strict=True):
+                    self._tracked[sample_id] = _Tracked(sample_stream, self.engine.state(sample_id))
                 admitted.set_result(request_id)
-            elif self._tracked.pop(payload, None) is not None:
-                self.stop_tokens.found.pop(payload, None)
-                self.engine.cancel(payload)
-                self.engine.finished.pop(payload, None)
+            else:
+                for request_id in self.engine.samples(payload):  # a group's id cancels each of its samples
+                    if self._tracked.pop(request_id, None) is not None:
+                        self.stop_tokens.found.pop(request_id, None)
+                        self.engine.cancel(request_id)
+                        self.engine.finished.pop(request_id, None)
 
     def _deliver(self) -> None:
         for request_id, tracked in list(self._tracked.items()):
@@ -280,4 +301,6 @@ class AsyncEngine:
     def load(self) -> dict[str, int]:
         engine = self.engine
         return {"running": len(engine.running), "waiting": len(engine.waiting),
-                "free_slots": len(engine.free_slots), "num_slots": engine.num_slots, "tracked": len(self._tracked)}
+                "free_slots": len(engine.free_slots), "num_slots": engine.num_slots, "tracked": len(self._tracked),
+                "prefill_chunks": engine.stats["prefill_chunks"],
+                "prompt_tokens_prefilled": engine.stats["prompt_tokens_prefilled"]}

@@ -8,7 +8,7 @@ prompt position zero (a row whose values are null). -inf is written as -9999.0.
 from __future__ import annotations
 
 from ignition.serve.detokenize import Span, TokenTable
-from ignition.runtime.frames import TokenEntry
+from ignition.catalog.abi import TokenEntry
 from ignition.serve.protocol import (ChatCompletionLogProb, ChatCompletionLogProbsContent, CompletionLogProbs,
                                               PromptLogprob)
 

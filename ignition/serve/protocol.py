@@ -82,7 +82,8 @@ class GenerationFields(RequestModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    n: int | None = 1
+    n: int | None = 1  # choices per prompt (common.sample_counts): the prompt is prefilled once for all
+    best_of: int | None = None  # samples drawn per prompt, the best n returned (vLLM V0); None: n
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -130,7 +131,7 @@ class ChatCompletionRequest(GenerationFields):
 
 # field -> the only value the loader serves (anything else is a 400)
 UNSUPPORTED: dict[str, object] = {
-    "n": 1, "best_of": None, "use_beam_search": False, "suffix": None, "logit_bias": None,
+    "use_beam_search": False, "suffix": None, "logit_bias": None,
     "allowed_token_ids": None, "bad_words": None, "min_tokens": 0, "response_format": None,
     "structured_outputs": None, "prompt_embeds": None, "tools": None, "tool_choice": "none",
     "logits_processors": None,

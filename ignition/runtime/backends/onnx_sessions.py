@@ -1,6 +1,6 @@
 """The onnxruntime backend: each variant's ``graphs/<variant>.onnx`` replayed over the loader's own buffers.
 
-Chosen once, at load (``load_core(..., runtime="onnxruntime")``); the engine, admission, frames and
+Chosen once, at load (``--runtime onnxruntime``: ignition/runtime/backends/onnx.py); the engine, admission, frames and
 presentation are the torch loader's. One ``InferenceSession`` per variant:
 
 * the weights are the graphs' external initializers, supplied from the loader's single copy
@@ -24,9 +24,6 @@ import torch
 from ignition.catalog.enums import Role
 from ignition.catalog.model import BufferDecl
 from ignition.catalog.onnx_layout import NEXT_TOKENS, expected_inputs, output_name, written_buffers
-
-RUNTIMES = ("torch", "onnxruntime")
-"""``load_core``'s ``runtime`` choices: torch.export programs (or AOTInductor packages), or the ONNX graphs."""
 
 _EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 

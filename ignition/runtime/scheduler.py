@@ -1,9 +1,12 @@
-"""A small scheduler over a loaded core: prefill chunks, batched decode, slots with epochs.
+"""The scheduler: the engine's policy over a loaded core. Slots with epochs, admission order, the variant choice.
 
-Each step is one submission: the prefill chunk of one request, or one decode round for up
-to the largest capacity of running requests, run in the smallest decode variant that fits
-(the core's padding rule). Inputs are filled by value source (ignition.runtime.bindings);
-records and payload are read back and decoded by ignition.runtime.frames.
+Each step is one submission: the prefill chunk of one request, a mixed round, or one decode round
+for up to the largest capacity of running requests, run in the smallest variant that fits (the
+core's padding rule). The mechanics of a submission (frames, inputs, replay, readback, the
+record-ownership check) are the runner's (ignition.runtime.runner); the scheduler decides what to
+submit and what each lane's record means for its request. A request for ``n`` samples is a group
+(ignition/runtime/samples.py): admitted together, its prompt prefilled once by its first sample and
+copied into the others' slots (the "sample groups" methods).
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from ignition.catalog.abi import has_payload
-from ignition.catalog.enums import FinishReason, Operation, RoundKind
-from ignition.runtime.bindings import ChunkPlan, Lane, fill_inputs
+from ignition.catalog.abi import TokenEntry, has_payload
+from ignition.catalog.enums import FinishReason, Operation
+from ignition.runtime.bindings import ChunkPlan, Lane
 from ignition.runtime.core import LoadedCore, LoadedVariant
-from ignition.runtime.frames import FrameReader, PendingFrame, TokenEntry
-from ignition.runtime.requests import Request, check_admission
+from ignition.runtime.runner import OwnershipError, Runner, Submission
+from ignition.runtime.requests import AdmissionError, Request, check_admission
+from ignition.runtime.samples import PromptCopier, SampleGroup, sample_requests
 
 
 @dataclass(slots=True)
@@ -34,6 +36,8 @@ class RequestState:
     entries: list[TokenEntry] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    group: SampleGroup | None = None  # a sample of an n > 1 request (ignition/runtime/samples.py)
+    prompt_source: RequestState | None = None  # the sibling whose slot will hold the prompt state to copy
 
     @property
     def done(self) -> bool:
@@ -90,27 +94,52 @@ class Engine:
         self.retiring: list[RequestState] = []  # cancelled while running: slot held until a MAINTENANCE record
         self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
         self.finished: dict[str, RequestState] = {}
-        self.readers = {v.name: FrameReader(v.buffers, core.transfer) for v in core.variants.values()
-                        if v.layout.get("records")}
+        self.runner = Runner(core)
         self._ids = itertools.count()
-        self.decode_hook = None  # tests: called with (variant, reader, pending) before decoding
-        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0}
+        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0,
+                      "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0}
+        self.groups: dict[str, SampleGroup] = {}  # n > 1 requests by id, until every sample finished
+        self.copier = PromptCopier(core)
+
+    @property
+    def readers(self):
+        """Each variant's frame reader (the runner's)."""
+        return self.runner.readers
+
+    @property
+    def decode_hook(self):
+        """Called with (variant, reader, pending) once a frame is read back, before its lanes are decoded."""
+        return self.runner.hook
+
+    @decode_hook.setter
+    def decode_hook(self, hook) -> None:
+        self.runner.hook = hook
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
-        """Admit a request (AdmissionError before any state changes) and return its id."""
+        """Admit a request (AdmissionError before any state changes) and return its id; an ``n > 1`` request's
+        id names its group (``samples`` lists the samples' ids)."""
         check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
         request_id = request.request_id or f"req-{next(self._ids)}"
+        if request.n > 1:
+            return self._submit_group(request, request_id)
         self.waiting.append(RequestState(request, request_id))
         return request_id
 
     def _assign_slots(self) -> None:
         while self.waiting and self.free_slots:
-            state = self.waiting.popleft()
-            state.slot = self.free_slots.popleft()
-            self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
-            state.epoch = self.epochs[state.slot]
-            self.running.append(state)
+            group = self.waiting[0].group
+            if group is not None and not group.admitted:  # first come, first served: later requests wait too
+                if not self._admit_group(group):
+                    break
+                continue
+            self._take_slot(self.waiting.popleft())
+
+    def _take_slot(self, state: RequestState) -> None:
+        state.slot = self.free_slots.popleft()
+        self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
+        state.epoch = self.epochs[state.slot]
+        self.running.append(state)
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
         state.finish_reason, state.error = reason, error
@@ -132,9 +161,11 @@ class Engine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one submission; False when nothing is left to do."""
+        self._forget_groups()
         self._assign_slots()
-        prefilling = [s for s in self.running if s.prefilled < len(s.context())]
-        decoding = [s for s in self.running if not s.done and not self._backlogged(s) and s not in prefilling]
+        ready = [s for s in self.running if s.prompt_source is None]  # not a sample waiting for its prompt state
+        prefilling = [s for s in ready if s.prefilled < len(s.context())]
+        decoding = [s for s in ready if not s.done and not self._backlogged(s) and s not in prefilling]
         if prefilling and self._mixed_round(prefilling[0], decoding):
             return True
         if prefilling:
@@ -184,7 +215,8 @@ class Engine:
         return {rid: self.result(rid) for rid in self.finished}
 
     def generate(self, requests: list[Request]) -> list[Result]:
-        ids = [self.submit(r) for r in requests]
+        """One result per request, in order; an ``n > 1`` request gives its samples' results, in index order."""
+        ids = [sample for r in requests for sample in self.samples(self.submit(r))]
         self.run()
         return [self.result(rid) for rid in ids]
 
@@ -200,9 +232,10 @@ class Engine:
         remaining prompt scores and never publishes a position twice.
         """
         state = next(s for s in self.running if s.request_id == request_id)
+        self._hand_over_prompt(state)
         self.running.remove(state)
         self.free_slots.append(state.slot)
-        state.slot, state.prefilled = -1, 0
+        state.slot, state.prefilled, state.prompt_source = -1, 0, None
         self.waiting.appendleft(state)
 
     def state(self, request_id: str) -> RequestState:
@@ -213,7 +246,12 @@ class Engine:
         return self.finished[request_id]
 
     def cancel(self, request_id: str) -> None:
-        """Abort a request (a client disconnect): its slot is freed at once."""
+        """Abort a request (a client disconnect): its slot is freed at once. A group's id aborts every sample."""
+        if request_id in self.groups:  # the samples waiting for the prompt first: the prompt is then not handed over
+            for member in reversed(self.groups[request_id].members):
+                if not member.done:
+                    self.cancel(member.request_id)
+            return
         for state in list(self.waiting):
             if state.request_id == request_id:
                 self.waiting.remove(state)
@@ -221,7 +259,11 @@ class Engine:
                 self.finished[request_id] = state
                 return
         state = next((s for s in self.running if s.request_id == request_id), None)
+        if state is not None and state.prompt_source is not None:  # a sample that never ran: nothing in flight
+            self._finish(state, "abort")
+            return
         if state is not None:  # the lane rides the next decode round as a records-only MAINTENANCE lane
+            self._hand_over_prompt(state)
             state.finish_reason = "abort"
             if self.drafter is not None:
                 self.drafter.release(request_id)
@@ -244,6 +286,7 @@ class Engine:
         lane, finish = self._chunk_lane(prompting, self.chunk)
         self._submit(variant, [Lane(state=s) for s in decoding] + [lane])
         finish()
+        self._share_prompt(prompting)
         self.stats["mixed_rounds"] += 1
         return True
 
@@ -256,6 +299,7 @@ class Engine:
         lane, finish = self._chunk_lane(state, chunk, scored=variant.operation is Operation.SCORED_PREFILL)
         self._submit(variant, [lane])
         finish()
+        self._share_prompt(state)
 
     def _chunk_lane(self, state: RequestState, chunk: int, scored: bool = False):
         """The lane of ``state``'s next prompt chunk (at most ``chunk`` rows), and what to do once it was decoded."""
@@ -275,81 +319,131 @@ class Engine:
                 self._finish(state, "length")
         return lane, finish
 
-    def _publish_prompt_rows(self, reader: FrameReader, lane: Lane) -> None:
+    def _publish_prompt_rows(self, submission: Submission) -> None:
         """Decode this chunk's prompt rows (already read back) in order; published positions are skipped."""
-        state, plan = lane.state, lane.chunk
+        state, plan = submission.lanes[0].state, submission.lanes[0].chunk
         if not state.prompt_entries:
             state.prompt_entries.append(None)  # position 0 has no score
-        rows = reader.prompt_host[:len(plan.tokens)].numpy()  # host copy of this chunk only
-        wanted = state.request.prompt_logprobs
-        for j, row in enumerate(rows):
+        prompt = state.request.prompt_ids
+        for j, entry in enumerate(submission.prompt_entries(state.request.prompt_logprobs)):
             position = plan.start + j + 1
-            if position != len(state.prompt_entries) or position >= len(state.request.prompt_ids):
+            if position != len(state.prompt_entries) or position >= len(prompt):
                 continue
-            if int(row[0]) != state.request.prompt_ids[position]:
-                raise ValueError(f"prompt row {position} scores token {int(row[0])}, expected "
-                                 f"{state.request.prompt_ids[position]}")
-            values = row[3:].view(np.float32)
-            state.prompt_entries.append({
-                "id": int(row[0]), "logprob": float(row[1:2].view(np.float32)[0]), "rank": int(row[2]),
-                "top_logprobs": [{"id": int(row[3 + 2 * i]), "logprob": float(values[2 * i + 1])} for i in range(wanted)
-                                 if int(row[3 + 2 * i]) >= 0],
-            })
+            if entry.id != prompt[position]:
+                raise ValueError(f"prompt row {position} scores token {entry.id}, expected {prompt[position]}")
+            state.prompt_entries.append(entry.as_json())
+
+    # -- sample groups (n > 1; ignition/runtime/samples.py) ----------------------------------
+    def _submit_group(self, request: Request, group_id: str) -> str:
+        if request.n > self.num_slots:
+            raise AdmissionError(f"n = {request.n} samples of one prompt decode together, one slot each, and this "
+                                 f"core has {self.num_slots} slots", "n")
+        if group_id in self.groups:
+            raise AdmissionError(f"request id {group_id!r} is already running", "request_id")
+        group = SampleGroup(group_id)
+        group.members = [RequestState(sample, sample.request_id, group=group)
+                         for sample in sample_requests(request, group_id)]
+        self.waiting.extend(group.members)
+        self.groups[group_id] = group
+        return group_id
+
+    def samples(self, request_id: str) -> list[str]:
+        """The ids of a request's samples, in index order, while any runs: a group's, else the request's own id."""
+        group = self.groups.get(request_id)
+        return [member.request_id for member in group.members] if group is not None else [request_id]
+
+    def _admit_group(self, group: SampleGroup) -> bool:
+        """Give each of ``group``'s waiting samples a slot, all at once (False, nothing taken, while fewer slots
+        are free). The first prefills the prompt; the others wait for its state (``_share_prompt``)."""
+        members = list(itertools.takewhile(lambda state: state.group is group, self.waiting))
+        if len(members) > len(self.free_slots):
+            return False
+        for state in members:
+            self.waiting.popleft()
+            self._take_slot(state)
+        group.admitted = True
+        if self.copier.shared:
+            for state in members[1:]:
+                state.prompt_source = members[0]
+        return True
+
+    def _share_prompt(self, leader: RequestState) -> None:
+        """Once ``leader``'s prompt is in its slot (right after the submission that completed it, before any
+        other), copy its prompt state into the slots of the samples waiting for it; they decode from there."""
+        waiting = [s for s in leader.group.members if s.prompt_source is leader] if leader.group else []
+        prompt = leader.request.prompt_ids
+        if not waiting or (leader.error is None and leader.prefilled < len(prompt)):
+            return
+        for state in waiting:
+            state.prompt_source = None
+            if leader.error is not None:  # the prompt failed: so does every sample that shares it
+                self._finish(state, "error", leader.error)
+                continue
+            state.prompt_entries = list(leader.prompt_entries)  # prompt scores are computed once, reported by all
+            if state.request.max_tokens == 0:
+                self._finish(state, "length")
+                continue
+            self.copier.copy(leader.slot, state.slot, len(prompt))
+            state.prefilled = len(prompt)  # the first decode lane recomputes position L - 1 in its own slot
+            self.stats["prompt_copies"] += 1
+
+    def _hand_over_prompt(self, state: RequestState) -> None:
+        """``state`` leaves before its prompt state was shared: the first sample waiting for it prefills the
+        prompt in its own slot instead, for the others."""
+        waiting = [s for s in state.group.members if s.prompt_source is state] if state.group else []
+        if waiting:
+            waiting[0].prompt_source = None
+            for other in waiting[1:]:
+                other.prompt_source = waiting[0]
+
+    def _forget_groups(self) -> None:
+        for group_id in [g for g, group in self.groups.items() if all(s.done for s in group.members)]:
+            del self.groups[group_id]
 
     # -- one submission --------------------------------------------------------------------
     def _submit(self, variant: LoadedVariant, lanes: list[Lane]) -> None:
-        frame = variant.next_frame
-        variant.next_frame ^= 1  # frames alternate: the host reads one while the next submission writes the other
-        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
-        variant.run(variant.buffers)
-        owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
-        pending = PendingFrame(frame, owners, request_mask, pairs)
-        reader = self.readers[variant.name]
-        scored = variant.operation is Operation.SCORED_PREFILL
-        reader.read(variant.buffers, pending, prompt_rows=len(lanes[0].chunk.tokens) if scored else 0)
-        if self.decode_hook is not None:
-            self.decode_hook(variant, reader, pending)
-        if scored:
+        for lane in lanes:
+            if lane.chunk is not None:
+                self.stats["prefill_chunks"] += 1
+                self.stats["prompt_tokens_prefilled"] += len(lane.chunk.tokens)
+        submission = self.runner.submit(variant, lanes)
+        if variant.operation is Operation.SCORED_PREFILL:
             try:
-                self._publish_prompt_rows(reader, lanes[0])
+                self._publish_prompt_rows(submission)
             except ValueError as exc:
                 self._finish(lanes[0].state, "error", str(exc))
                 return
         speculative = variant.operation is Operation.SPECULATIVE_VERIFY
         self.stats["verify_rounds"] += speculative
         for index, lane in enumerate(lanes):
-            self._decode_lane(reader, pending, index, lane, speculative)
+            self._decode_lane(submission, index, lane)
 
-    def _decode_lane(self, reader: FrameReader, pending: PendingFrame, index: int, lane: Lane,
-                     speculative: bool = False) -> None:
+    def _decode_lane(self, submission: Submission, index: int, lane: Lane) -> None:
         state, request = lane.state, lane.state.request
-        record = reader.record(index)
         if lane.retire:  # a cancelled request's lane: records only; its slot is free once the record is read
             self._release_retiring([state])
             return
-        # The graph already gates the reduction on slot, epoch and emission (components/commit.py); this host
+        # The graph already gates the reduction on slot, epoch and emission (components/commit.py); the runner's
         # check asserts the same facts and fails only this request if a record is stale or foreign.
-        records_only = lane.chunk is not None and not lane.chunk.emits  # ADMISSION or PROMPT: nothing emitted
-        expected = (RoundKind.ADMISSION, RoundKind.PROMPT) if records_only else \
-            (RoundKind.SPECULATIVE,) if speculative else (RoundKind.SAMPLING,)
-        if (record.slot, record.epoch) != (state.slot, state.epoch) or record.round_kind not in expected:
-            self._finish(state, "error", f"record of lane {index} belongs to slot {record.slot} epoch {record.epoch} "
-                                         f"({record.round_kind.name}), expected slot {state.slot} epoch {state.epoch}")
+        try:
+            record = submission.record(index)
+        except OwnershipError as exc:
+            self._finish(state, "error", str(exc))
             return
-        if records_only:
-            return  # positions come from record emission (none here), never from payload contents
+        if lane.chunk is not None and not lane.chunk.emits:
+            return  # ADMISSION or PROMPT: positions come from record emission (none here), never from payload
         self.stats["proposed"] += len(lane.draft)
         self.stats["accepted"] += min(len(lane.draft), max(len(record.emitted) - 1, 0))
         for position, token in enumerate(record.emitted):
             if record.forced[position]:
                 entry = TokenEntry(token, None, forced=True)
-            elif request.wants_logprobs and not has_payload(record, position, bool(pending.request_mask[index])):
+            elif request.wants_logprobs and not has_payload(record, position, submission.requested(index)):
                 self._finish(state, "error", f"missing logprob payload for lane {index} position {position}")
                 return
             elif request.wants_logprobs:
                 try:
-                    entry = reader.entry(index, position, pending, token, request.logprobs,
-                                         len(request.logprob_token_ids or ()))
+                    entry = submission.entry(index, position, token, request.logprobs,
+                                             len(request.logprob_token_ids or ()))
                 except ValueError as exc:
                     self._finish(state, "error", str(exc))
                     return  # an error suppresses this request's later tokens in the frame

@@ -1,0 +1,59 @@
+"""The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and moved to the device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.manifest import Manifest
+from ignition.catalog.model import BufferDecl
+from ignition.runtime.backends.protocol import Runner, graph_files
+from ignition.runtime.device import move_program
+from ignition.runtime.verified import CoreLoadError
+from ignition.validate.files import safe_path
+from ignition.validate.geometry import check_graph_vocabulary
+from ignition.validate.graphs import check_graph
+from ignition.validate.parallel import check_program
+
+
+class Pt2Backend:
+    name = "pt2"
+    capturable = True
+    needs_reduction = True
+    supports_ranks = True
+
+    def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device):
+        self.root, self.manifest, self.device = root, manifest, device
+        self.graphs = graph_files(catalog, manifest, rank)
+        self.sharded = Manifest.from_json(manifest).sharded
+        self.programs: dict[str, object] = {}  # variant name -> its ExportedProgram (what CUDA capture traces)
+
+    @staticmethod
+    def files(catalog: dict, manifest: dict, rank: int) -> set[str]:
+        return set(graph_files(catalog, manifest, rank).values())
+
+    def program(self, entry: dict):
+        """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes
+        that torch.export.load then reads; a sharded core's graph also has its collectives checked."""
+        rel = self.graphs[entry["name"]]
+        graph_path, problems = safe_path(self.root, rel, f"variant {entry['name']}")
+        if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
+            raise CoreLoadError(f"{self.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
+        found, program = check_graph(graph_path, entry, sha256=self.manifest["files"].get(rel))
+        if not found and program is not None:
+            found = check_graph_vocabulary(program, self.manifest, rel)
+            if self.sharded:
+                found += check_program(program, self.manifest, rel)
+        if found or program is None:
+            raise CoreLoadError(f"{self.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
+        self.programs[entry["name"]] = program
+        return program
+
+    def runner(self, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> Runner:
+        program = self.program(entry)
+        try:
+            program = move_program(program, self.device)
+        except ValueError as exc:
+            raise CoreLoadError(f"variant {entry['name']}: {exc}") from None
+        return program.module()

@@ -1,0 +1,157 @@
+"""LoadOptions: every load-time choice (device, backend, ranks, eager, trust), made once and passed down.
+
+The CLI, the server and library callers build one ``LoadOptions`` with ``LoadOptions.create``, which
+validates every field and resolves the device; ``load_core`` and the tensor-parallel start-up read it
+and never decide again. Worker ranks receive it whole (``to_json`` / ``from_json`` over their stdin),
+each with its own device from ``rank_device``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT_S
+from ignition.runtime.backends import RUNTIMES, backend_family
+from ignition.runtime.verified import LoadOptionError
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+LOOPBACK = "127.0.0.1"
+
+
+def resolve_device(spec: str | torch.device) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``; ValueError otherwise."""
+    text = str(spec).strip().lower()
+    if text == "auto":
+        text = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"unknown device {spec!r}; expected {DEVICE_CHOICES}") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ValueError(f"unsupported device {spec!r}; expected {DEVICE_CHOICES}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} was asked for, but torch sees no CUDA device "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device {spec!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """What a load was asked for, validated. Build it with ``create``; fields are already resolved."""
+
+    device: torch.device  # rank 0's device; ``rank_device`` gives the others
+    runtime: str = "torch"  # the backend family (ignition.runtime.backends.RUNTIMES)
+    ranks: int = 1  # tensor-parallel ranks (the core must hold that many shards)
+    rank: int = 0  # the rank this process loads
+    eager: bool = False  # CUDA: no CUDA-graph capture
+    prefer_compiled: bool = True  # load AOTInductor packages when the core has them and they are trusted
+    trust_compiled: bool = False  # load compiled packages without a signature
+    trusted_key: object | None = None  # an Ed25519 public key: the core must be signed by it
+    tp_host: str = LOOPBACK  # where the tensor-parallel store and transports listen
+    timeout_s: float = PROCESS_GROUP_TIMEOUT_S  # the process group's timeout
+
+    @classmethod
+    def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
+               prefer_compiled: bool = True, trust_compiled: bool = False, trusted_key=None,
+               tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> "LoadOptions":
+        """Validate and resolve; LoadOptionError naming the option that cannot work here."""
+        if runtime not in RUNTIMES:
+            raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_TENSOR_PARALLEL:
+            raise LoadOptionError(f"--tensor-parallel must be between 1 and {MAX_TENSOR_PARALLEL}, got {ranks!r}")
+        if ranks > 1 and not backend_family(runtime).supports_ranks:
+            supported = ", ".join(name for name in RUNTIMES if backend_family(name).supports_ranks)
+            raise LoadOptionError(f"--runtime {runtime} replays single-rank cores only, so it cannot run "
+                                  f"--tensor-parallel {ranks}; tensor parallelism is supported with --runtime "
+                                  f"{supported} (gloo on CPU, NCCL on CUDA)")
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise LoadOptionError(f"the process-group timeout must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(trusted_key, (str, Path)):
+            from ignition.catalog.signatures import SigningError, load_trusted_key
+            try:
+                trusted_key = load_trusted_key(trusted_key)
+            except SigningError as exc:
+                raise LoadOptionError(f"--trusted-key {exc}") from None
+        try:
+            resolved = resolve_device(device)
+        except ValueError as exc:
+            raise LoadOptionError(str(exc)) from None
+        options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
+                      trusted_key, tp_host, float(timeout_s))
+        options.rank_device(ranks - 1)  # every rank must get a device before anything starts
+        return options
+
+    @property
+    def cuda(self) -> bool:
+        """Whether this load runs on a CUDA device (the one place the runtime asks)."""
+        return self.device.type == "cuda"
+
+    @property
+    def collective_backend(self) -> str:
+        """The torch.distributed backend of a tensor-parallel group: NCCL on CUDA, gloo on the CPU."""
+        return "nccl" if self.cuda else "gloo"
+
+    def rank_device(self, rank: int) -> torch.device:
+        """Rank ``rank``'s device: the CPU for every rank on CPU; on CUDA, consecutive GPUs from rank 0's
+        (``--device cuda:1 --tensor-parallel 2`` runs ranks 0 and 1 on cuda:1 and cuda:2). LoadOptionError
+        when this machine has too few."""
+        if not 0 <= rank < self.ranks:
+            raise LoadOptionError(f"rank {rank} is outside the {self.ranks} ranks")
+        if not self.cuda:
+            return self.device
+        index = self.device.index + rank
+        if index >= torch.cuda.device_count():
+            raise LoadOptionError(f"--tensor-parallel {self.ranks} from {self.device} needs CUDA devices "
+                                  f"{self.device.index}..{self.device.index + self.ranks - 1}, but torch sees "
+                                  f"{torch.cuda.device_count()}")
+        return torch.device("cuda", index)
+
+    def for_rank(self, rank: int, device: torch.device | None = None) -> "LoadOptions":
+        """These options as rank ``rank`` loads them (its own device unless ``device`` is given, as torchrun's
+        LOCAL_RANK gives it)."""
+        return replace(self, rank=rank, device=device if device is not None else self.rank_device(rank))
+
+    def for_draft(self) -> "LoadOptions":
+        """The options a speculative draft core loads with: rank 0's device, one rank, and its compiled packages
+        trusted only by its own signature (``--trust-compiled`` names the target core only)."""
+        return replace(self, ranks=1, rank=0, trust_compiled=False)
+
+    def to_json(self) -> str:
+        """One line for a worker rank's stdin (the trusted key as its PEM text): rank 0's options, which the
+        worker turns into its own with ``for_rank``."""
+        fields = asdict(self) | {"device": str(self.device)}
+        if self.trusted_key is not None:
+            from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+            fields["trusted_key"] = self.trusted_key.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo).decode()
+        return json.dumps(fields)
+
+    @classmethod
+    def from_json(cls, line: str) -> "LoadOptions":
+        """What ``to_json`` wrote, checked field by field."""
+        try:
+            fields = json.loads(line)
+            key = fields.pop("trusted_key")
+            rank, device = fields.pop("rank"), fields.pop("device")
+            runtime, ranks = fields.pop("runtime"), fields.pop("ranks")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise LoadOptionError(f"unreadable load options from rank 0: {exc}") from None
+        if key is not None:
+            from cryptography.hazmat.primitives.serialization import load_pem_public_key
+            key = load_pem_public_key(key.encode())
+        try:
+            options = cls.create(device, runtime, ranks, trusted_key=key, **fields)
+        except TypeError as exc:
+            raise LoadOptionError(f"unreadable load options from rank 0: {exc}") from None
+        return options if rank == 0 else options.for_rank(rank)
+
+
+__all__ = ["LoadOptions", "LoadOptionError", "resolve_device", "DEVICE_CHOICES", "LOOPBACK"]

@@ -1,0 +1,108 @@
+"""The folders are the architecture: data flows one way, no module imports in a circle, and every device or
+backend decision of the runtime lives in runtime/options.py, runtime/backends/ or runtime/cuda_driver.py.
+
+Imports are read from the source (module level and inside functions alike: a lazy import is still an arrow).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "ignition"
+
+LAYERS = {
+    "catalog": set(),
+    "schemas": set(),
+    "components": {"catalog"},
+    "recipes": {"catalog", "components"},
+    "validate": {"catalog", "schemas"},
+    "exporter": {"catalog", "components", "recipes", "validate", "schemas"},
+    "runtime": {"catalog", "components", "validate", "schemas"},
+    "serve": {"catalog", "runtime"},
+    "cli_support": {"catalog", "recipes", "runtime"},
+    "cli": {"catalog", "components", "recipes", "exporter", "validate", "runtime", "serve", "cli_support"},
+}
+"""Subpackage -> the subpackages it may import (besides itself and the top-level ``ignition`` package)."""
+
+DECIDERS = ("runtime/options.py", "runtime/backends/", "runtime/cuda_driver.py")
+"""Where the runtime may ask which device or backend it has."""
+
+DECISION = re.compile(r"device\.type\b|\.is_cuda\b|runtime\s*==|==\s*\"onnxruntime\"|backend\s*==\s*\"")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    modules = {_module(p): p for p in ROOT.rglob("*.py")}
+    edges: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # ``from package import submodule`` is an arrow to the submodule, not to the package
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            edges[name] |= {t for t in targets if t in modules and t != name}
+    return edges
+
+
+def _subpackage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "ignition"
+
+
+def test_data_flows_one_way():
+    arrows = sorted({(a, b) for a, targets in _imports().items() for b in targets
+                     if _subpackage(a) != _subpackage(b) and "ignition" not in (_subpackage(a), _subpackage(b))
+                     and _subpackage(b) not in LAYERS[_subpackage(a)]})
+    assert not arrows, "imports against the flow: " + ", ".join(f"{a} -> {b}" for a, b in arrows)
+
+
+def test_no_import_circles():
+    edges = _imports()
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in edges.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_device_and_backend_decisions_live_in_one_place():
+    strays = []
+    for path in sorted((ROOT / "runtime").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(DECIDERS):
+            continue
+        strays += [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+                   if DECISION.search(line)]
+    assert not strays, "device or backend decided outside options/backends/cuda_driver:\n" + "\n".join(strays)
