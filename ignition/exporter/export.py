@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ignition.catalog.buffers import TOKEN_BITMASK
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
@@ -46,6 +47,7 @@ def save_program(program: torch.export.ExportedProgram, staging: Path, graph_fil
 def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, str], kernels: bool) -> dict:
     has_ids = any(g.variant.layout.get("logprobs") and g.variant.layout["logprobs"]["explicit_ids"] for g in build.graphs)
     scored = any(g.variant.layout.get("prompt_logprobs") for g in build.graphs)
+    constrained = any(a.name == TOKEN_BITMASK for g in build.graphs for a in g.variant.arguments)
     return {
         "format_version": FORMAT_VERSION,
         "recipe": build.recipe,
@@ -59,7 +61,7 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
         "padding_rule": "smallest_capacity_at_least_batch",
         "eos_token_id": build.eos_token_id,
         "features": {"allow_logprobs": build.k > 0, "max_logprobs": build.k,
-                     "explicit_ids": has_ids, "prompt_logprobs": scored},
+                     "explicit_ids": has_ids, "prompt_logprobs": scored, "structured_output": constrained},
         "state": [s.to_json() for s in build.state],
         "weights": WEIGHTS_FILE,
         "catalog": CATALOG_FILE,

@@ -17,10 +17,8 @@ import torch
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT_S
 from ignition.runtime.backends import RUNTIMES, backend_family
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
+from ignition.runtime.rendezvous import LOOPBACK
 from ignition.runtime.verified import LoadOptionError
-
-LOOPBACK = "127.0.0.1"
-
 
 @dataclass(frozen=True, slots=True)
 class LoadOptions:
