@@ -1,7 +1,8 @@
 """The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
 
 Shapes are expressions over the geometry symbols ``capacity``, ``T``, ``C`` (scored
-chunk capacity) and ``S`` (draft tokens a verification variant scores after each lane's input token) and the contract constants; ``resolve_shape`` evaluates them and
+chunk capacity), ``S`` (draft tokens a verification variant scores after each lane's input token) and
+``VOCAB_WORDS`` (``ceil(vocab_padded / 32)``) and the contract constants; ``resolve_shape`` evaluates them and
 ``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
 is written exactly once, here.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ignition.catalog import contract
-from ignition.catalog.enums import Role, ValueSource
+from ignition.catalog.enums import Operation, Role, ValueSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,20 @@ MIXED_BUFFERS = (
 """The additional arguments of MIXED variants (``mixed.t{C}.c{capacity}``): the merge copies the active frame of
 the role each lane is in into the shared completion_records / completion_logprobs."""
 
+CONSTRAINT_INPUTS = (
+    BufferSpec("token_bitmask", "int32", ("capacity", "VOCAB_WORDS"), Role.INPUT, ValueSource.TOKEN_BITMASK,
+               "Bit i of word w allows token 32*w+i for the lane's sampling; an all-zero row leaves the lane unmasked"),
+    BufferSpec("logit_bias_ids", "int64", ("capacity", "MAX_LOGIT_BIAS"), Role.INPUT, ValueSource.LOGIT_BIAS_IDS,
+               "Token ids whose sampling logit gets a bias, distinct per lane; -1 for an empty entry"),
+    BufferSpec("logit_bias_values", "float32", ("capacity", "MAX_LOGIT_BIAS"), Role.INPUT, ValueSource.LOGIT_BIAS_VALUES,
+               "The bias added to each id's sampling logit (entries with id -1 are ignored)"),
+)
+"""Structured-output inputs (``features.structured_output``): they shape the *sampling* logits only; the logprob
+reduction reads the raw row. Declared by every variant of a CONSTRAINED_OPERATIONS operation, or by none."""
+CONSTRAINED_OPERATIONS = (Operation.PREFILL, Operation.SCORED_PREFILL, Operation.DECODE, Operation.MIXED)
+"""Operations whose variants take the constraint inputs: one sampled position per lane. A verify round samples S+1
+positions per lane, so SPECULATIVE_VERIFY variants take none (constrained requests never speculate)."""
+
 WINDOW_INPUTS = (
     BufferSpec("key_window", "int64", ("max_seq_len",), Role.INPUT, ValueSource.KEY_WINDOW,
                "Its extent W bounds the keys attention reads, [0, W); pass a prefix covering every row's position (contents unread)"),
@@ -120,7 +135,7 @@ WINDOW_INPUTS = (
 """The key window of the decoder recipes' attention: the one argument whose extent is dynamic in the graph."""
 
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
-           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + WINDOW_INPUTS}
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -130,6 +145,7 @@ ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": 
 """Role -> (its private records buffer, its private packed buffer)."""
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
 (KEY_WINDOW,) = (spec.name for spec in WINDOW_INPUTS)
+TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
 
 
@@ -150,11 +166,12 @@ SHORTEST_WINDOWED = 8
 """Declared extents below this stay static: a window is traced at half its extent, which must stay above 1."""
 
 _CONSTANTS = {name: getattr(contract, name) for name in (
-    "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH")}
+    "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH", "MAX_LOGIT_BIAS")}
 
 
 def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
-    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=`` (and ``PACKED_WIDTH=`` override)."""
+    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=``, ``VOCAB_WORDS=`` (and ``PACKED_WIDTH=``
+    override)."""
     env = {**_CONSTANTS, **geometry}
     shape = []
     for dim in spec.shape:

@@ -18,11 +18,12 @@ class Features:
     max_logprobs: int
     explicit_ids: bool
     prompt_logprobs: bool
+    structured_output: bool = False  # the token bitmask and logit-bias inputs; omitted by older cores
 
     @classmethod
     def from_json(cls, features: dict) -> "Features":
         return cls(bool(features["allow_logprobs"]), int(features["max_logprobs"]), bool(features["explicit_ids"]),
-                   bool(features["prompt_logprobs"]))
+                   bool(features["prompt_logprobs"]), bool(features.get("structured_output", False)))
 
     @property
     def effective_k(self) -> int:

@@ -67,7 +67,12 @@ RULES = {
     "MIXED-MERGE": "layout.mixed is present exactly in MIXED variants and names the prompt lane input, both roles' "
                    "frames and the active-frame merge.",
     "MIXED-SCORED": "A MIXED variant declares no prompt-scoring buffers: scored requests never enter the prompt role.",
-    "FEAT-MISMATCH": "The manifest's features equal what the catalog declares.",
+    "CONSTRAINT-PARTIAL": "token_bitmask, logit_bias_ids and logit_bias_values come together, only in sampling "
+                          "variants of PREFILL, SCORED_PREFILL, DECODE and MIXED (never SPECULATIVE_VERIFY).",
+    "CONSTRAINT-ALL": "A core declares the structured-output inputs in every PREFILL, SCORED_PREFILL, DECODE and MIXED "
+                      "variant, or in none.",
+    "CONSTRAINT-WORDS": "token_bitmask's last extent is ceil(vocab_padded / 32): one bit per logit column.",
+    "FEAT-MISMATCH": "The manifest's features equal what the catalog declares (an omitted structured_output is false).",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",
     "WEIGHT-DECL": "Weight arguments exist in the weights file with the declared dtype and shape.",
     "TP-RANKS": "A sharded core's rank count divides its query and KV heads and its padded vocabulary "

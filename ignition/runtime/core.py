@@ -28,12 +28,12 @@ from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
-from ignition.components.device_reduction import install_reduction, jit_opted_in
+from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Backend, backend_family
 from ignition.runtime.backends.aoti import has_packages
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
-from ignition.runtime.launcher import LauncherError, PreparedReduction
+from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
@@ -96,8 +96,9 @@ class LoadedVariant:
         self.run = self.runner
 
     def wrap(self, name: str, layer: Callable) -> None:
-        """Put ``layer(inner)`` around the current replay (``layers`` records it). CUDA capture, windowing and
-        tensor parallelism compose this way, in that order; nothing else changes ``run``."""
+        """Put ``layer(inner)`` around the current replay (``layers`` records it). The core's launcher binding,
+        CUDA capture, windowing and tensor parallelism compose this way, in that order; nothing else changes
+        ``run``."""
         self.run = layer(self.run)
         self.layers.append(name)
 
@@ -220,18 +221,15 @@ def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: di
 
 
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
-    """Install the op's implementation for a CUDA device: the core's prepared cubins (or JIT, opted in)."""
+    """The core's launcher of its prepared cubins on a CUDA device (None: JIT, opted in), bound to its variants."""
     if jit_opted_in():
         warnings.warn("IGNITION_TRITON_JIT=1: the reduction JIT-compiles Triton instead of launching the core's "
                       "prepared kernels (development only)", stacklevel=3)
-        install_reduction(device, None)
         return None
     try:
-        reduction = PreparedReduction.load(root, report.manifest, report.catalog, report.kernels, device)
+        return load_launcher(root, report.manifest, report.catalog, report.kernels, device)
     except LauncherError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
-    install_reduction(device, reduction)
-    return reduction
 
 
 def read_manifest(path: str | Path) -> dict | None:
@@ -366,10 +364,13 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        variants[entry["name"]] = LoadedVariant(
+        variant = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
             layout=entry["contract"]["layout"], runner=backend.runner(entry, arguments, buffers), buffers=buffers)
+        if reduction is not None:  # the core's own launcher, while its graphs run (and are captured)
+            variant.wrap("launcher", reduction.bound)
+        variants[entry["name"]] = variant
     capture = None
     if options.cuda and not options.eager and backend.capturable:
         stages.start("capture", f"{len(variants)} CUDA graphs")

@@ -8,6 +8,7 @@ from ignition.catalog.buffers import SAMPLING_DEFAULTS
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.catalog.limits import check_limit
 from ignition.catalog.manifest import Features
+from ignition.runtime.constraints import LaneConstraints
 
 
 class AdmissionError(ValueError):
@@ -57,6 +58,7 @@ class Request:
     prompt_logprobs: int | None = None
     request_id: str = ""
     n: int = 1  # samples of this prompt (ignition/runtime/samples.py): the prompt is prefilled once for all
+    constraints: LaneConstraints | None = None  # structured output and sampling controls (runtime/constraints.py)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -111,6 +113,11 @@ def check_options(request: Request, features: dict, vocab_size: int) -> None:
         if not 0 <= request.prompt_logprobs <= k:
             raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
                                  "prompt_logprobs")
+    if request.constraints is not None and request.constraints.fields \
+            and not Features.from_json(features).structured_output:
+        fields = request.constraints.fields
+        raise AdmissionError(f"this core was exported without the structured-output inputs (token_bitmask, logit "
+                             f"bias), so it cannot serve {', '.join(fields)}; re-export it", fields[0])
     check_sampling(request.sampling)
 
 

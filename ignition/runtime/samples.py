@@ -49,7 +49,8 @@ def sample_requests(request, request_id: str) -> list:
     """One ``n = 1`` request per sample, each with its own id and seed."""
     return [dataclasses.replace(request, n=1, request_id=sample_id,
                                 sampling=dataclasses.replace(request.sampling,
-                                                             seed=sample_seed(request.sampling.seed, index)))
+                                                             seed=sample_seed(request.sampling.seed, index)),
+                                constraints=request.constraints and request.constraints.fork())  # own grammar state
             for index, sample_id in enumerate(sample_ids(request_id, request.n))]
 
 
