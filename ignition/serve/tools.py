@@ -213,5 +213,7 @@ def enforce(use: ToolUse, request) -> None:
     """``required`` and named choices: constrain the engine request with ``use.grammar()``."""
     if use.choice in ("required", "named"):
         shown = "required" if use.choice == "required" else f"the function {use.named!r}"
-        raise ApiError(f"tool_choice {shown} must be enforced with a grammar, and this server has no grammar engine "
-                       "yet; use tool_choice 'auto'", "tool_choice")
+        # NOTE: the seam for runtime/grammar.py: compile GrammarSpec("grammar", use.grammar(), "tool_choice") with the
+        # server's GrammarCompiler and set request.constraints = LaneConstraints.build(..., grammar=matcher)
+        raise ApiError(f"tool_choice {shown} must be enforced with a grammar, and this server does not compile "
+                       "request grammars yet; use tool_choice 'auto'", "tool_choice")
