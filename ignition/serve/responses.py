@@ -160,10 +160,6 @@ def _check_request(ctx: ServerContext, body: ResponsesRequest) -> None:
     if body.tool_choice not in ("auto", "none"):
         raise ApiError(f"`tool_choice` = {body.tool_choice!r} needs tools, which this server does not support "
                        "(supported: 'auto', 'none')", "tool_choice")
-    text_format = (body.text or {}).get("format")
-    if text_format is not None and (not isinstance(text_format, dict) or text_format.get("type") != "text"):
-        raise ApiError(f"`text.format` = {text_format!r} is not supported (supported: {{'type': 'text'}})",
-                       "text.format")
     if body.prompt_logprobs is not None:
         raise ApiError("`prompt_logprobs` are not available on /v1/responses; use /v1/completions", "prompt_logprobs")
     unknown = [item for item in body.include or () if item != LOGPROBS_INCLUDE]
