@@ -240,7 +240,8 @@ def sampling_constraints(ctx: ServerContext, body: GenerationFields, spec: Gramm
     when it sets no constraint. 400s name the field: a core exported without the structured-output inputs, ids
     outside the vocabulary, more than 300 biases, ``min_tokens`` above ``max_tokens``, ..."""
     present = [spec.param] if spec is not None else []
-    present += [name for name in CONTROLS if getattr(body, name) not in (None, 0, [], {})]
+    present += [name for name in CONTROLS if getattr(body, name) not in (None, 0, [], {})
+                or (name == "allowed_token_ids" and body.allowed_token_ids == [])]  # vLLM: "... is not None and empty"
     if not present:
         return None
     if not Features.from_json(ctx.core.features).structured_output:
