@@ -281,7 +281,7 @@ REJECTIONS = [  # (body changes, status, param, message part)
     ({"include": ["reasoning.encrypted_content"]}, 400, "include", "not supported"),
     ({"tools": [{"type": "function", "name": "f"}]}, 400, "tools", "not supported"),
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "not stored"),
-    ({"text": {"format": {"type": "json_object"}}}, 400, "text.format", "not supported"),
+    ({"text": {"format": {"type": "yaml"}}}, 400, "text.format", "not supported"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input[0]", "expected a message"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0].content[0]", "only text"),
     ({"input": []}, 400, "input", "at least one item"),
