@@ -44,6 +44,7 @@ class RequestState:
     group: SampleGroup | None = None  # a sample of an n > 1 request (ignition/runtime/samples.py)
     prompt_source: RequestState | None = None  # the sibling whose slot will hold the prompt state to copy
     grammar_ended: bool = False  # finished "stop" because its grammar is complete: the EOS it forces next is implied
+    error_param: str | None = None  # the request field an "error" finish is due to (its constraints): a client error
 
     @property
     def done(self) -> bool:
@@ -147,8 +148,8 @@ class Engine:
         state.epoch = self.epochs[state.slot]
         self.running.append(state)
 
-    def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
-        state.finish_reason, state.error = reason, error
+    def _finish(self, state: RequestState, reason: str, error: str | None = None, param: str | None = None) -> None:
+        state.finish_reason, state.error, state.error_param = reason, error, param
         if self.drafter is not None:
             self.drafter.release(state.request_id)
         self.running.remove(state)
@@ -511,8 +512,8 @@ class Engine:
             return True
         try:
             grammar.accept(token)
-        except GrammarViolation as exc:
-            self._finish(state, "error", str(exc))
+        except GrammarViolation as exc:  # e.g. bytes the grammar needs that no token of this tokenizer produces
+            self._finish(state, "error", str(exc), grammar.spec.param)
             return False
         if not grammar.stopped:
             return True
@@ -520,7 +521,7 @@ class Engine:
             if len(state.generated) < constraints.min_tokens:
                 self._finish(state, "error", f"the {grammar.spec.param} constraint is complete after "
                                              f"{len(state.generated)} tokens, before min_tokens = "
-                                             f"{constraints.min_tokens}: nothing is allowed next")
+                                             f"{constraints.min_tokens}: nothing is allowed next", "min_tokens")
                 return False
             state.grammar_ended = True
         self._finish(state, "stop")
@@ -530,7 +531,8 @@ class Engine:
         """Filling the inputs failed for one lane (its constraints allow no token, or its grammar is in error):
         nothing ran; fail that lane's request and submit the others."""
         failed = lanes[exc.lane]
-        self._finish(failed.state, "error", str(exc))
+        fields = failed.state.request.constraints.fields
+        self._finish(failed.state, "error", str(exc), getattr(exc, "param", None) or fields[0])
         rest = [lane for lane in lanes if lane is not failed]
         if not rest:
             return

@@ -52,7 +52,19 @@ class ApiError(Exception):
 
 
 class GenerationError(Exception):
-    """The loader failed a request after it was admitted."""
+    """The loader failed a request after it was admitted; ``param``: the request field it is due to (a grammar
+    that this tokenizer cannot follow, constraints that leave no token), else None (a loader failure)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def generation_api_error(exc: GenerationError) -> ApiError:
+    """A 400 naming the field when the request's own constraints failed it, else a 500."""
+    if getattr(exc, "param", None) is not None:
+        return ApiError(str(exc), exc.param)
+    return ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
 @dataclass(slots=True)
@@ -250,17 +262,15 @@ def sampling_constraints(ctx: ServerContext, body: GenerationFields, spec: Gramm
                        f"`ignition export-core` to serve {', '.join(f'`{name}`' for name in present)}", present[0])
     if spec is not None:
         ctx.grammar_compiler(spec.param)  # a 400 now if the tokenizer cannot drive the grammar engine
-    bad_words = ()
-    if body.bad_words:
-        if ctx.tokenizer is None:
-            raise ApiError("bad_words are tokenized with the core's tokenizer, and this core has none", "bad_words")
-        encode = functools.partial(_encode_plain, ctx.tokenizer)
-        for word in body.bad_words:
-            ctx.check_text(word, "bad_words")
-        bad_words = bad_word_sequences(body.bad_words, encode)
+    if body.bad_words and ctx.tokenizer is None:
+        raise ApiError("bad_words are tokenized with the core's tokenizer, and this core has none", "bad_words")
+    for word in body.bad_words or ():
+        ctx.check_text(word, "bad_words")
     eos = ctx.core.manifest.get("eos_token_id")
     stop_ids = ([] if body.ignore_eos or eos is None else [eos]) + list(body.stop_token_ids or ())
     try:
+        bad_words = bad_word_sequences(body.bad_words, functools.partial(_encode_plain, ctx.tokenizer)) \
+            if body.bad_words else ()
         return LaneConstraints.build(ctx.core.vocab_size, allowed_token_ids=body.allowed_token_ids,
                                      bad_words=bad_words, min_tokens=body.min_tokens, max_tokens=max_tokens,
                                      stop_ids=stop_ids, logit_bias=body.logit_bias)
@@ -429,7 +439,7 @@ class RequestOutput:
         if delta.finish_reason == "error" or delta.error is not None:
             self.finished = True
             self.record.finish("error")
-            raise GenerationError(delta.error or "the loader failed this request")
+            raise GenerationError(delta.error or "the loader failed this request", delta.error_param)
         for entry in delta.entries:
             self.text.add(entry.id, entry)
             if entry.logprob is not None:
@@ -563,7 +573,8 @@ def sse(payload: str) -> str:
 
 def error_event(exc: Exception) -> str:
     """A failure after the stream started: vLLM's error object as an event (the status is already 200)."""
-    error = ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
+    error = generation_api_error(exc) if isinstance(exc, GenerationError) else \
+        ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
     return sse(error.body().model_dump_json())
 
 
@@ -592,7 +603,7 @@ async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[di
             scores += piece.prompt_scores
             last = piece
     except GenerationError as exc:
-        raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
+        raise generation_api_error(exc) from exc
     return texts, spans, scores, last
 
 

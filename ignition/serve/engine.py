@@ -49,6 +49,7 @@ class Delta:
     error: str | None = None
     stop_token: int | None = None  # the EOS or stop_token_ids token that ended the request (no entry)
     stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
+    error_param: str | None = None  # the request field an error is due to (its constraints): answered as a 400
 
 
 class StopTokens:
@@ -285,6 +286,7 @@ class AsyncEngine:
             tracked.prompt_sent = len(state.prompt_entries)
             if finished:
                 delta.finish_reason, delta.error = state.finish_reason, state.error
+                delta.error_param = state.error_param
                 stop = self.stop_tokens.found.pop(request_id, None)
                 if stop is None and state.grammar_ended and self.eos is not None:
                     stop = (self.eos, True)  # the EOS a complete grammar forces: counted as vLLM samples it

@@ -28,7 +28,7 @@ from pydantic import Field
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.serve.chat import render_prompt
 from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, respond)
+                                   build_request, generation_api_error, respond)
 from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
@@ -369,7 +369,7 @@ class _ResponsesView(ResponseView):
                 self._apply(self.attribution.feed(piece.text, piece.spans))
                 last = piece
         except GenerationError as exc:
-            raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
+            raise generation_api_error(exc) from exc
         _, status = self._finish(last.finish_reason)
         return Response(self._response(status, last.generated).model_dump_json(), media_type="application/json")
 
