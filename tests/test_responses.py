@@ -282,7 +282,7 @@ REJECTIONS = [  # (body changes, status, param, message part)
     ({"tools": [{"type": "function", "name": "f"}]}, 400, "tool_choice", "requires --enable-auto-tool-choice"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools[0].type", "only function tools"),
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "not stored"),
-    ({"text": {"format": {"type": "json_object"}}}, 400, "text.format", "not supported"),
+    ({"text": {"format": {"type": "yaml"}}}, 400, "text.format", "not supported"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, 400, "input[0].call_id", "needs a string call_id"),
     ({"input": [{"type": "file_search_call"}]}, 400, "input[0]", "expected a message"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0].content[0]", "only text"),

@@ -60,7 +60,8 @@ def test_models_advertise_the_core_features(served, served_eos, served_plain):
     (card,) = served.client.models.list().data
     assert card.id == "toy"
     assert card.features == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True,
-                             "max_logprob_token_ids": 128, "prompt_logprobs": True, "chat_template": True}
+                             "max_logprob_token_ids": 128, "prompt_logprobs": True, "chat_template": True,
+                             "structured_output": True}
     assert card.permission[0]["allow_logprobs"] is True
     plain = httpx.get(served_plain.url + "/v1/models").json()
     assert plain["data"][0]["features"]["allow_logprobs"] is False

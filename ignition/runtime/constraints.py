@@ -35,6 +35,7 @@ class ConstraintError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+        self.lane: int | None = None  # raised while filling a submission's rows: the row (lane) at fault
 
 
 class ConstraintConflict(ConstraintError):
@@ -223,9 +224,13 @@ def fill_mask_rows(bitmask: np.ndarray, lanes: Sequence[tuple[int, LaneConstrain
     bitmask.fill(0)
     grammars = [(constraints.grammar, index) for index, constraints, _ in lanes if constraints.grammar is not None]
     if grammars:
-        type(grammars[0][0]).fill_many(grammars, bitmask)
+        type(grammars[0][0]).fill_many(grammars, bitmask)  # a GrammarViolation names its row in ``.lane``
     for index, constraints, generated in lanes:
-        constraints.fill_mask(bitmask[index], generated, grammar_filled=True)
+        try:
+            constraints.fill_mask(bitmask[index], generated, grammar_filled=True)
+        except ConstraintError as exc:
+            exc.lane = index  # the scheduler fails only this lane's request
+            raise
 
 
 __all__ = ["ConstraintConflict", "ConstraintError", "LaneConstraints", "bad_word_sequences", "clear_bits",

@@ -41,7 +41,12 @@ class GrammarSetupError(RuntimeError):
 
 
 class GrammarViolation(RuntimeError):
-    """A token the request's grammar does not allow was emitted (a forced token, or a bug upstream)."""
+    """A token the request's grammar does not allow was emitted (a forced token, or a bug upstream); ``lane`` is
+    the bitmask row at fault when raised by ``GrammarMatcher.fill_many``."""
+
+    def __init__(self, message: str, lane: int | None = None):
+        super().__init__(message)
+        self.lane = lane
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -149,9 +154,9 @@ class GrammarMatcher:
                              f"{list(bitmask.shape)}")
         _executor().unsafe_compute_mask_ptr([(lane._matcher, index) for lane, index in lanes], bitmask.ctypes.data,
                                             words * 4, bitmask.shape[0])
-        for lane, _ in lanes:
+        for lane, index in lanes:
             if lane._matcher.is_error():
-                raise GrammarViolation(f"{lane.spec.param}: {lane._matcher.get_error()}")
+                raise GrammarViolation(f"{lane.spec.param}: {lane._matcher.get_error()}", index)
 
 
 class GrammarCompiler:

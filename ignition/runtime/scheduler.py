@@ -6,7 +6,10 @@ core's padding rule). The mechanics of a submission (frames, inputs, replay, rea
 record-ownership check) are the runner's (ignition.runtime.runner); the scheduler decides what to
 submit and what each lane's record means for its request. A request for ``n`` samples is a group
 (ignition/runtime/samples.py): admitted together, its prompt prefilled once by its first sample and
-copied into the others' slots (the "sample groups" methods).
+copied into the others' slots (the "sample groups" methods). A request with ``constraints`` (structured output and
+the sampling controls, ignition/runtime/constraints.py) has its bitmask and bias rows written before every
+submission that samples for it, advances its grammar over every emitted token, and never rides a speculative
+verify round (the "constraints" methods).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from dataclasses import dataclass, field
 from ignition.catalog.abi import TokenEntry, has_payload
 from ignition.catalog.enums import FinishReason, Operation
 from ignition.runtime.bindings import ChunkPlan, Lane
+from ignition.runtime.constraints import ConstraintError
 from ignition.runtime.core import LoadedCore, LoadedVariant
+from ignition.runtime.grammar import GrammarViolation
 from ignition.runtime.runner import OwnershipError, Runner, Submission
 from ignition.runtime.requests import AdmissionError, Request, check_admission
 from ignition.runtime.samples import PromptCopier, SampleGroup, sample_requests
@@ -38,6 +43,8 @@ class RequestState:
     error: str | None = None
     group: SampleGroup | None = None  # a sample of an n > 1 request (ignition/runtime/samples.py)
     prompt_source: RequestState | None = None  # the sibling whose slot will hold the prompt state to copy
+    grammar_ended: bool = False  # finished "stop" because its grammar is complete: the EOS it forces next is implied
+    error_param: str | None = None  # the request field an "error" finish is due to (its constraints): a client error
 
     @property
     def done(self) -> bool:
@@ -141,8 +148,8 @@ class Engine:
         state.epoch = self.epochs[state.slot]
         self.running.append(state)
 
-    def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
-        state.finish_reason, state.error = reason, error
+    def _finish(self, state: RequestState, reason: str, error: str | None = None, param: str | None = None) -> None:
+        state.finish_reason, state.error, state.error_param = reason, error, param
         if self.drafter is not None:
             self.drafter.release(state.request_id)
         self.running.remove(state)
@@ -176,18 +183,29 @@ class Engine:
             self._release_retiring(list(self.retiring))
             return freed and bool(self.waiting)
         drafts = self._drafts(decoding)
-        variants = self.verify_variants if any(drafts) else self.decode_variants
-        largest = variants[-1].capacity
         retiring = list(self.retiring)
-        for start in range(0, len(decoding), largest):
-            batch = zip(decoding[start:start + largest], drafts[start:start + largest])
-            lanes = [Lane(state=s, draft=d) for s, d in batch]
+        if any(drafts):  # constrained requests never ride a verify round (its graphs take no mask): decode apart
+            masked = [s for s in decoding if self._constrained(s)]
+            plain = [(s, d) for s, d in zip(decoding, drafts) if not self._constrained(s)]
+            retiring = self._rounds(self.verify_variants, plain, retiring)
+            retiring = self._rounds(self.decode_variants, [(s, []) for s in masked], retiring)
+        else:
+            retiring = self._rounds(self.decode_variants, list(zip(decoding, drafts)), retiring)
+        self._release_retiring(retiring)  # no room in this round
+        return True
+
+    def _rounds(self, variants: list[LoadedVariant], planned: list[tuple[RequestState, list[int]]],
+                retiring: list[RequestState]) -> list[RequestState]:
+        """Submit ``planned`` (request, draft) lanes in rounds of the largest capacity, cancelled lanes riding where
+        there is room; the cancelled lanes left without a round."""
+        largest = variants[-1].capacity
+        for start in range(0, len(planned), largest):
+            lanes = [Lane(state=s, draft=d) for s, d in planned[start:start + largest]]
             riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
             lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
             variant = variants[-1] if self.batch_invariant else next(v for v in variants if v.capacity >= len(lanes))
             self._submit(variant, lanes)
-        self._release_retiring(retiring)  # no room in this round
-        return True
+        return retiring
 
     def _drafts(self, decoding: list[RequestState]) -> list[list[int]]:
         """Each decoding request's proposal (empty without a drafter).
@@ -195,7 +213,8 @@ class Engine:
         The rule: a round is a speculative ``verify`` round when at least one lane has a proposal, else an
         ordinary decode round. A proposal never reaches past the request's token budget or a forced token
         (a forced token is emitted alone at position 0 of its own round), so every drafted position can be
-        emitted; a lane without a proposal emits exactly what a decode round would.
+        emitted; a lane without a proposal emits exactly what a decode round would. A constrained request gets
+        no proposal (``step`` decodes it in an ordinary round).
         """
         if self.drafter is None:
             return [[] for _ in decoding]
@@ -206,6 +225,8 @@ class Engine:
             forced = [index - generated for index in state.request.forced_tokens if index >= generated]
             if forced:
                 limit = min(limit, min(forced) - 1)
+            if self._constrained(state):
+                limit = 0
             asks.append((state.request_id, state.request.prompt_ids + state.generated, max(limit, 0)))
         return self.drafter.propose(asks)
 
@@ -406,7 +427,13 @@ class Engine:
             if lane.chunk is not None:
                 self.stats["prefill_chunks"] += 1
                 self.stats["prompt_tokens_prefilled"] += len(lane.chunk.tokens)
-        submission = self.runner.submit(variant, lanes)
+        try:
+            submission = self.runner.submit(variant, lanes)
+        except (ConstraintError, GrammarViolation) as exc:
+            if getattr(exc, "lane", None) is None:
+                raise
+            self._resubmit_without(variant, lanes, exc)
+            return
         if variant.operation is Operation.SCORED_PREFILL:
             try:
                 self._publish_prompt_rows(submission)
@@ -457,9 +484,62 @@ class Engine:
                 return
             state.generated.append(token)
             state.entries.append(entry)
+            if not self._advance_grammar(state, token):
+                return
         state.prefilled = record.sequence_length  # the KV now holds everything before the newest token
         if record.finish_reason is FinishReason.LENGTH or len(state.generated) >= request.max_tokens:
             self._finish(state, "length")
+
+
+    # -- constraints (structured output and sampling controls; ignition/runtime/constraints.py) --------
+    @staticmethod
+    def _constrained(state: RequestState) -> bool:
+        constraints = state.request.constraints
+        return constraints is not None and bool(constraints.fields)
+
+    def _advance_grammar(self, state: RequestState, token: int) -> bool:
+        """Advance ``state``'s grammar over an emitted token (forced ones too); False once that finished it: "error"
+        on a token the grammar refuses, "stop" when the grammar is complete.
+
+        A complete grammar allows only EOS next, so vLLM samples that EOS in one more step and counts it
+        (``check_stop``, vllm/v1/core/sched/utils.py); the request ends here instead, one step earlier, with
+        ``grammar_ended`` set so the server counts and lists the EOS as if it had been sampled (the same output,
+        usage and ``token_ids``). With fewer than ``min_tokens`` tokens that EOS would be masked: the request
+        fails as the next fill would (``ConstraintConflict``). With ``ignore_eos`` it simply ends "stop"."""
+        constraints = state.request.constraints
+        grammar = constraints.grammar if constraints is not None else None
+        if grammar is None:
+            return True
+        try:
+            grammar.accept(token)
+        except GrammarViolation as exc:  # e.g. bytes the grammar needs that no token of this tokenizer produces
+            self._finish(state, "error", str(exc), grammar.spec.param)
+            return False
+        if not grammar.stopped:
+            return True
+        if not state.request.ignore_eos:  # (with ignore_eos vLLM would emit that EOS until max_tokens)
+            if len(state.generated) < constraints.min_tokens:
+                self._finish(state, "error", f"the {grammar.spec.param} constraint is complete after "
+                                             f"{len(state.generated)} tokens, before min_tokens = "
+                                             f"{constraints.min_tokens}: nothing is allowed next", "min_tokens")
+                return False
+            state.grammar_ended = True
+        self._finish(state, "stop")
+        return False
+
+    def _resubmit_without(self, variant: LoadedVariant, lanes: list[Lane], exc: Exception) -> None:
+        """Filling the inputs failed for one lane (its constraints allow no token, or its grammar is in error):
+        nothing ran; fail that lane's request and submit the others."""
+        failed = lanes[exc.lane]
+        fields = failed.state.request.constraints.fields
+        self._finish(failed.state, "error", str(exc), getattr(exc, "param", None) or fields[0])
+        rest = [lane for lane in lanes if lane is not failed]
+        if not rest:
+            return
+        if variant.operation is Operation.MIXED and all(lane.chunk is None for lane in rest):
+            variant = self.decode_variants[-1] if self.batch_invariant else \
+                next(v for v in self.decode_variants if v.capacity >= len(rest))
+        self._submit(variant, rest)
 
 
 def select_verify_variants(core: LoadedCore, draft_tokens: int) -> list[LoadedVariant]:

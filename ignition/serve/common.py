@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,10 +16,13 @@ from pathlib import Path
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ignition.catalog.manifest import Features
+from ignition.runtime.constraints import ConstraintError, LaneConstraints, bad_word_sequences
 from ignition.runtime.core import LoadedCore
+from ignition.runtime.grammar import GrammarCompiler, GrammarError, GrammarSetupError, GrammarSpec, grammar_spec
 from ignition.serve.detokenize import Span, TextStream, TokenTable
 from ignition.serve.protocol import (STRUCTURED_OUTPUT, UNSUPPORTED, CompletionRequest, ErrorInfo, ErrorResponse,
-                                     GenerationFields, UsageInfo)
+                                     GenerationFields, UsageInfo, warn_once)
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
 from ignition.serve.config import ServeConfig
 from ignition.serve.engine import AsyncEngine, RequestStream
@@ -47,7 +52,19 @@ class ApiError(Exception):
 
 
 class GenerationError(Exception):
-    """The loader failed a request after it was admitted."""
+    """The loader failed a request after it was admitted; ``param``: the request field it is due to (a grammar
+    that this tokenizer cannot follow, constraints that leave no token), else None (a loader failure)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def generation_api_error(exc: GenerationError) -> ApiError:
+    """A 400 naming the field when the request's own constraints failed it, else a 500."""
+    if getattr(exc, "param", None) is not None:
+        return ApiError(str(exc), exc.param)
+    return ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
 
 
 @dataclass(slots=True)
@@ -68,6 +85,8 @@ class ServerContext:
     max_batch_prompts: int = MAX_BATCH_PROMPTS
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         max_workers=PREPROCESS_THREADS, thread_name_prefix="ignition-preprocess"))
+    grammars: GrammarCompiler | str | None = None  # made on first use: the compiler, or why there is none
+    grammars_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def max_context(self) -> int | None:
@@ -80,6 +99,29 @@ class ServerContext:
     async def run(self, fn, *args):
         """``fn(*args)`` on a preprocessing thread: tokenizing, templating and detokenizing never block the loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def grammar_compiler(self, param: str) -> GrammarCompiler:
+        """The core's grammar compiler (made once, from the tokenizer's tokenizer.json text, the core's padded
+        vocabulary and EOS), or a 400 naming ``param`` when the tokenizer cannot drive the grammar engine."""
+        with self.grammars_lock:
+            if self.grammars is None:
+                self.grammars = self._make_grammar_compiler()
+        if isinstance(self.grammars, str):
+            raise ApiError(f"`{param}` cannot be served: {self.grammars}", param)
+        return self.grammars
+
+    def _make_grammar_compiler(self) -> GrammarCompiler | str:
+        if self.tokenizer is None:
+            return f"this core has no tokenizer ({self.core.path}/tokenizer/tokenizer.json) to compile grammars for"
+        eos = self.core.manifest.get("eos_token_id")
+        if eos is None:  # the graph then stops on no token; the grammar still needs one to end on
+            name = self.tokenizer_config.get("eos_token")
+            name = name.get("content") if isinstance(name, dict) else name
+            eos = self.tokenizer.token_to_id(name) if isinstance(name, str) else None
+        try:
+            return GrammarCompiler(self.tokenizer.to_str(), int(self.core.manifest["vocab_padded"]), eos)
+        except GrammarSetupError as exc:
+            return str(exc)
 
     def check_text(self, text: str, param: str) -> bytes:
         """The UTF-8 of a prompt text, or a 400: lone surrogates, or more bytes than --max-prompt-bytes."""
@@ -141,7 +183,118 @@ def check_unsupported(body: GenerationFields) -> None:
                            name)
     for name in sorted(STRUCTURED_OUTPUT & values.keys()):
         if values[name] is not None:
-            raise ApiError(f"`{name}`: structured output is not supported yet by this server", name)
+            raise ApiError(f"`{name}`: structural tags are not supported by this server; constrain the output with "
+                           "`response_format` or `structured_outputs` (json, regex, choice, grammar)", name)
+
+
+# -- structured output and sampling controls (runtime/grammar_spec.py, grammar.py, constraints.py) --------------
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+"""vLLM's deprecated top-level fields -> their ``structured_outputs`` keys. vLLM 0.10.2-0.11 accepted them with a
+deprecation warning and v0.12 removed them (docs.vllm.ai, "Structured Outputs"); here they keep working, warned
+about once per field name, so an older client is never silently unconstrained."""
+CONTROLS = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
+
+
+def responses_format(text: dict | None) -> dict | None:
+    """A Responses ``text.format`` as Chat's ``response_format`` (OpenAI flattens ``name``/``schema``/``strict``
+    into the format object); 400 naming ``text.format`` for any other shape."""
+    text_format = (text or {}).get("format") if isinstance(text, dict) else None
+    if text_format is None:
+        return None
+    kind = text_format.get("type") if isinstance(text_format, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {key: text_format[key] for key in ("name", "schema", "strict")
+                                                       if key in text_format}}
+    raise ApiError(f"`text.format` = {_shown(text_format)} is not supported (supported: type text, json_object or "
+                   "json_schema)", "text.format")
+
+
+def structured_spec(body: GenerationFields) -> GrammarSpec | None:
+    """The request's output constraint (``response_format``, ``structured_outputs``, the deprecated ``guided_*``
+    aliases, or Responses' ``text.format``), or None; a malformed one is a 400 naming its field."""
+    responses = isinstance(getattr(body, "text", None), dict)  # /v1/responses: text.format is its response_format
+    response_format = responses_format(body.text) if responses else body.response_format
+    structured = body.structured_outputs
+    aliases = {name: getattr(body, name) for name in GUIDED_ALIASES if getattr(body, name) is not None}
+    if aliases:
+        if structured is not None:
+            raise ApiError(f"`{next(iter(aliases))}` is a deprecated alias of `structured_outputs`; send one of them",
+                           next(iter(aliases)))
+        for name in aliases:
+            warn_once(name, f"the request field {name!r} is deprecated (removed in vLLM 0.12): it was read as "
+                            f"structured_outputs.{GUIDED_ALIASES[name]}")
+        structured = {GUIDED_ALIASES[name]: value for name, value in aliases.items()}
+    try:
+        spec = grammar_spec(response_format, structured)
+    except GrammarError as exc:
+        raise ApiError(str(exc), _renamed_param(exc.param, responses, aliases)) from None
+    if spec is not None and (responses or aliases):
+        spec = dataclasses.replace(spec, param=_renamed_param(spec.param, responses, aliases))
+    return spec
+
+
+def _renamed_param(param: str | None, responses: bool, aliases: dict) -> str | None:
+    """The field the client sent: ``text.format`` on /v1/responses, the ``guided_*`` alias it used."""
+    if responses and param is not None and param.startswith("response_format"):
+        return "text.format" + param[len("response_format"):]
+    for name, key in GUIDED_ALIASES.items():
+        if name in aliases and param in (f"structured_outputs.{key}", "structured_outputs"):
+            return name
+    return param
+
+
+def sampling_constraints(ctx: ServerContext, body: GenerationFields, spec: GrammarSpec | None,
+                         max_tokens: int) -> LaneConstraints | None:
+    """The request's ``LaneConstraints`` without its grammar (``attach_grammar`` adds it once compiled), or None
+    when it sets no constraint. 400s name the field: a core exported without the structured-output inputs, ids
+    outside the vocabulary, more than 300 biases, ``min_tokens`` above ``max_tokens``, ..."""
+    present = [spec.param] if spec is not None else []
+    present += [name for name in CONTROLS if getattr(body, name) not in (None, 0, [], {})
+                or (name == "allowed_token_ids" and body.allowed_token_ids == [])]  # vLLM: "... is not None and empty"
+    if not present:
+        return None
+    if not Features.from_json(ctx.core.features).structured_output:
+        raise ApiError(f"`{present[0]}` needs the structured-output inputs (features.structured_output: the token "
+                       f"bitmask and logit bias), and this core was exported without them; export it again with "
+                       f"`ignition export-core` to serve {', '.join(f'`{name}`' for name in present)}", present[0])
+    if spec is not None:
+        ctx.grammar_compiler(spec.param)  # a 400 now if the tokenizer cannot drive the grammar engine
+    if body.bad_words and ctx.tokenizer is None:
+        raise ApiError("bad_words are tokenized with the core's tokenizer, and this core has none", "bad_words")
+    for word in body.bad_words or ():
+        ctx.check_text(word, "bad_words")
+    eos = ctx.core.manifest.get("eos_token_id")
+    stop_ids = ([] if body.ignore_eos or eos is None else [eos]) + list(body.stop_token_ids or ())
+    try:
+        bad_words = bad_word_sequences(body.bad_words, functools.partial(_encode_plain, ctx.tokenizer)) \
+            if body.bad_words else ()
+        return LaneConstraints.build(ctx.core.vocab_size, allowed_token_ids=body.allowed_token_ids,
+                                     bad_words=bad_words, min_tokens=body.min_tokens, max_tokens=max_tokens,
+                                     stop_ids=stop_ids, logit_bias=body.logit_bias)
+    except ConstraintError as exc:
+        raise ApiError(str(exc), exc.param) from None
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+async def attach_grammar(ctx: ServerContext, body: GenerationFields, request: Request) -> None:
+    """Compile the request's constraint off the event loop (the compiler's worker threads; cached by spec) and
+    give the request its own matcher; a spec the engine cannot compile is a 400 naming the field and, for JSON
+    Schema, the keywords."""
+    spec = await ctx.run(structured_spec, body)  # canonical JSON of a large schema: not on the event loop
+    if spec is None or request.constraints is None:
+        return
+    compiler = ctx.grammar_compiler(spec.param)
+    try:
+        compiled = await asyncio.wrap_future(compiler.submit(spec))
+    except GrammarError as exc:
+        raise ApiError(str(exc), spec.param) from None
+    request.constraints.grammar = compiler.matcher(compiled)
 
 
 def _shown(value: object, limit: int = 200) -> str:
@@ -215,6 +368,8 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
         raise ApiError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     if body.stop_strings() and ctx.tokenizer is None:
         raise ApiError("stop strings need a tokenizer and this core has none; use stop_token_ids", "stop")
+    spec = structured_spec(body)
+    constraints = sampling_constraints(ctx, body, spec, max_tokens)
     top_k = body.top_k if body.top_k is not None else 0
     defaults = SamplingParams()
     sampling = SamplingParams(
@@ -228,7 +383,8 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
     request = Request(prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling,
                       logprobs=None if body.logprob_token_ids else logprobs,
                       logprob_token_ids=body.logprob_token_ids, stop_token_ids=list(body.stop_token_ids or ()),
-                      ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=request_id, n=drawn)
+                      ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=request_id, n=drawn,
+                      constraints=constraints)
     check_admission(request, ctx.core.features, ctx.core.vocab_size, ctx.max_context)
     check_server_request(request, ctx.core.vocab_size)
     return request
@@ -283,7 +439,7 @@ class RequestOutput:
         if delta.finish_reason == "error" or delta.error is not None:
             self.finished = True
             self.record.finish("error")
-            raise GenerationError(delta.error or "the loader failed this request")
+            raise GenerationError(delta.error or "the loader failed this request", delta.error_param)
         for entry in delta.entries:
             self.text.add(entry.id, entry)
             if entry.logprob is not None:
@@ -417,7 +573,8 @@ def sse(payload: str) -> str:
 
 def error_event(exc: Exception) -> str:
     """A failure after the stream started: vLLM's error object as an event (the status is already 200)."""
-    error = ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
+    error = generation_api_error(exc) if isinstance(exc, GenerationError) else \
+        ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError")
     return sse(error.body().model_dump_json())
 
 
@@ -446,7 +603,7 @@ async def collect(output: RequestOutput) -> tuple[list[str], list[Span], list[di
             scores += piece.prompt_scores
             last = piece
     except GenerationError as exc:
-        raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
+        raise generation_api_error(exc) from exc
     return texts, spans, scores, last
 
 
@@ -456,7 +613,9 @@ def _text_stream(ctx: ServerContext, body: GenerationFields) -> TextStream:
 
 
 async def admit(ctx: ServerContext, body: GenerationFields, request: Request) -> RequestOutput:
-    """Submit a checked request to the engine; its output decodes text the way the body asks."""
+    """Submit a checked request to the engine (its grammar compiled first); its output decodes text the way the
+    body asks."""
+    await attach_grammar(ctx, body, request)
     stream = await ctx.engine.submit(request)
     return RequestOutput(ctx.engine, stream, _text_stream(ctx, body),
                          ctx.metrics.start(request.request_id, len(request.prompt_ids)))
@@ -468,6 +627,7 @@ async def admit_samples(ctx: ServerContext, body: GenerationFields, request: Req
     child requests)."""
     if request.n == 1:
         return [await admit(ctx, body, request)]
+    await attach_grammar(ctx, body, request)  # each sample forks it (runtime/samples.py)
     streams = await ctx.engine.submit_samples(request)
     return [RequestOutput(ctx.engine, stream, _text_stream(ctx, body),
                           ctx.metrics.start(stream.request_id, len(request.prompt_ids))) for stream in streams]

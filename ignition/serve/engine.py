@@ -7,7 +7,8 @@ delta, so a slow reader never blocks generation for others and never grows a que
 Delivered entries are moved out of the engine state: nothing keeps a response history.
 A request that ends on EOS or a ``stop_token_ids`` token has no entry for that token (the logprob
 contract); ``StopTokens`` reads which token it was, and the last delta carries it, so usage and
-``token_ids`` count it as vLLM does.
+``token_ids`` count it as vLLM does. A request whose grammar is complete ends one step before the EOS
+its grammar then forces (``RequestState.grammar_ended``); its last delta carries that EOS the same way.
 The coalesced entries are bounded too: once ``entry_limit`` wait undelivered, the engine stops
 scheduling that request (its slot stays held) until the reader drains them, so a request holds
 at most ``entry_limit + T`` entries whatever its max_tokens.
@@ -48,6 +49,7 @@ class Delta:
     error: str | None = None
     stop_token: int | None = None  # the EOS or stop_token_ids token that ended the request (no entry)
     stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
+    error_param: str | None = None  # the request field an error is due to (its constraints): answered as a 400
 
 
 class StopTokens:
@@ -139,6 +141,7 @@ class AsyncEngine:
         it raises stops the engine like a failed step (a tensor-parallel rank that died: RankGroup.check)."""
         self.engine = engine
         self.stop_tokens = StopTokens(engine)
+        self.eos: int | None = engine.core.manifest.get("eos_token_id")  # a request whose grammar ended implies it
         self.health = health
         self.on_dead: Callable[[BaseException], None] | None = None  # called once, on the engine thread
         self.queue_capacity = queue_capacity
@@ -283,7 +286,10 @@ class AsyncEngine:
             tracked.prompt_sent = len(state.prompt_entries)
             if finished:
                 delta.finish_reason, delta.error = state.finish_reason, state.error
+                delta.error_param = state.error_param
                 stop = self.stop_tokens.found.pop(request_id, None)
+                if stop is None and state.grammar_ended and self.eos is not None:
+                    stop = (self.eos, True)  # the EOS a complete grammar forces: counted as vLLM samples it
                 if stop is not None:
                     delta.stop_token, delta.stop_by_eos = stop
                 del self._tracked[request_id]

@@ -4,6 +4,9 @@ Requests accept unknown fields (ignored with one warning line per field name and
 vLLM's ``OpenAIBaseModel`` logs them) and reject non-finite floats. Fields the loader cannot honour
 are listed in UNSUPPORTED (or STRUCTURED_OUTPUT) and rejected with 400 when set. docs/serving.md
 lists every vLLM request field under one of the three; tests/test_serve_parity.py keeps it in step.
+Structured output (``response_format``, ``structured_outputs`` and vLLM's deprecated ``guided_*`` aliases) and
+the sampling controls (``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``) are read by
+``common.structured_spec`` and ``common.sampling_constraints``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ class RequestModel(OpenAIBaseModel):
         return self
 
 
+def warn_once(name: str, message: str) -> None:
+    """Log ``message`` the first time field ``name`` is seen in this process (a deprecated alias, ...)."""
+    with _warned_lock:
+        fresh = name not in _warned_fields and len(_warned_fields) < MAX_WARNED_FIELDS
+        if fresh:
+            _warned_fields.add(name)
+    if fresh:
+        log.warning("%s (logged once per field name)", message)
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
@@ -97,6 +110,18 @@ class GenerationFields(RequestModel):
     return_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     user: str | None = None
+    # structured output (common.structured_spec) and the sampling controls (common.sampling_constraints)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's deprecated aliases of structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -156,13 +181,11 @@ class ChatCompletionRequest(GenerationFields):
 
 # field -> the only value the loader serves (anything else is a 400)
 UNSUPPORTED: dict[str, object] = {
-    "use_beam_search": False, "suffix": None, "logit_bias": None,
-    "allowed_token_ids": None, "bad_words": None, "min_tokens": 0, "response_format": None,
-    "structured_outputs": None, "prompt_embeds": None, "logits_processors": None,
+    "use_beam_search": False, "suffix": None, "prompt_embeds": None, "logits_processors": None,
 }
-STRUCTURED_OUTPUT = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                               "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"})
-"""vLLM's older structured-output fields: any value is a 400 (structured output is not supported yet)."""
+STRUCTURED_OUTPUT = frozenset({"structural_tag"})
+"""Structured-output fields this server refuses whatever their value: vLLM's structural tags (a JSON schema between
+trigger strings), which llguidance's JSON-Schema and Lark front ends do not express here."""
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -391,6 +414,7 @@ class CoreFeatures(OpenAIBaseModel):
     max_logprob_token_ids: int
     prompt_logprobs: bool
     chat_template: bool
+    structured_output: bool = False  # token bitmask and logit-bias inputs: response_format, structured_outputs, ...
 
 
 class ModelCard(OpenAIBaseModel):

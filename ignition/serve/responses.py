@@ -28,7 +28,7 @@ from pydantic import Field
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.serve.chat import render_prompt
 from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, respond)
+                                   build_request, generation_api_error, respond)
 from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
@@ -166,10 +166,6 @@ def _check_request(ctx: ServerContext, body: ResponsesRequest) -> None:
         raise ApiError("`background` = True is not supported by this server (supported: False)", "background")
     if body.truncation == "auto":
         raise ApiError("`truncation` = 'auto' is not supported by this server (supported: 'disabled')", "truncation")
-    text_format = (body.text or {}).get("format")
-    if text_format is not None and (not isinstance(text_format, dict) or text_format.get("type") != "text"):
-        raise ApiError(f"`text.format` = {text_format!r} is not supported (supported: {{'type': 'text'}})",
-                       "text.format")
     if body.prompt_logprobs is not None:
         raise ApiError("`prompt_logprobs` are not available on /v1/responses; use /v1/completions", "prompt_logprobs")
     unknown = [item for item in body.include or () if item != LOGPROBS_INCLUDE]
@@ -422,7 +418,7 @@ class _ResponsesView(ResponseView):
                 self._apply(self.attribution.feed(piece.text, piece.spans))
                 last = piece
         except GenerationError as exc:
-            raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
+            raise generation_api_error(exc) from exc
         _, status = self._finish(last.finish_reason)
         return Response(self._response(status, last.generated).model_dump_json(), media_type="application/json")
 
