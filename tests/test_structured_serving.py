@@ -409,3 +409,32 @@ def test_a_grammar_the_tokenizer_cannot_follow_is_a_400(served):
     events = served.sse(CMPL, {**body, "stream": True})
     assert events[-1]["error"]["param"] == "structured_outputs.regex" and events[-1]["error"]["code"] == 400
     served.wait_idle()
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_choice_required_and_named_are_enforced(core, server, choice):
+    """The grammar of the hermes parser around the tool's JSON Schema constrains a random model: its output is a
+    parsed call of the tool whose arguments validate (the same model answers in prose without it)."""
+    from ignition.serve.config import ServeConfig
+
+    app = create_app(core, model_name="tiny", config=ServeConfig(tool_call_parser="hermes"))
+    uvicorn_server, thread, url = serve_in_thread(app)
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL],
+                "tool_choice": choice, "max_tokens": 120, "temperature": 0, "logit_bias": ending_bias(server.pieces)}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        out = response.json()["choices"][0]
+        assert out["finish_reason"] == ("tool_calls" if choice == "required" else "stop"), out
+        calls = out["message"]["tool_calls"]
+        assert calls and all(call["function"]["name"] == "get_weather" for call in calls), out
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_TOOL["function"]["parameters"])
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)

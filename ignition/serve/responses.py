@@ -243,7 +243,6 @@ def _prepare(ctx: ServerContext, body: ResponsesRequest, tools: ToolUse) -> tupl
         engine_body = body.model_copy(update={"tools": None, "tool_choice": None})  # both resolved in `tools`
         request = build_request(ctx, engine_body, prompt_ids, _id("resp"), max_tokens=max_tokens,
                                 logprobs=(body.top_logprobs or 0) if wants else None, prompt_logprobs=None)
-        enforce(tools, request)
     except (ApiError, AdmissionError) as exc:
         raise _renamed(exc, body) from exc
     return prompt_text, prompt_ids, request
@@ -256,6 +255,10 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, http: Http
     if tools.parser_class is not None and tools.parser_class.keep_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special
     prompt_text, prompt_ids, request = await ctx.run(_prepare, ctx, body, tools)
+    try:
+        await enforce(ctx, tools, request)
+    except ApiError as exc:
+        raise _renamed(exc, body) from exc
     parser = PARSERS[ctx.config.reasoning_parser](prompt_text)
     if tools.parser_class is not None:  # tool calls are read from the content; they get no output-text entries
         parser = ToolCallingParser(parser, tools.parser())

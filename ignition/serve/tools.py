@@ -9,10 +9,14 @@ parser reads them. ``ToolUse.parser()`` makes the request's tool-call parser (No
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from dataclasses import dataclass
 
+from ignition.catalog.manifest import Features
+from ignition.runtime.constraints import LaneConstraints
+from ignition.runtime.grammar import GrammarError, GrammarSpec
 from ignition.serve.common import ApiError
 from ignition.serve.config import ServeConfig
 from ignition.serve.detokenize import Span
@@ -209,11 +213,28 @@ class ToolCallReader:
                 for call_id, (name, arguments) in zip(self.ids, self.calls)]
 
 
-def enforce(use: ToolUse, request) -> None:
-    """``required`` and named choices: constrain the engine request with ``use.grammar()``."""
-    if use.choice in ("required", "named"):
-        shown = "required" if use.choice == "required" else f"the function {use.named!r}"
-        # NOTE: the seam for runtime/grammar.py: compile GrammarSpec("grammar", use.grammar(), "tool_choice") with the
-        # server's GrammarCompiler and set request.constraints = LaneConstraints.build(..., grammar=matcher)
-        raise ApiError(f"tool_choice {shown} must be enforced with a grammar, and this server does not compile "
-                       "request grammars yet; use tool_choice 'auto'", "tool_choice")
+async def enforce(ctx, use: ToolUse, request) -> None:
+    """``required`` and named choices: the engine request is constrained with ``use.grammar()`` (the parser's
+    delimiters around the calls' JSON Schemas), compiled off the event loop and cached like any request grammar.
+    A 400 names ``tool_choice`` when the core has no structured-output inputs, when the request already carries a
+    grammar (``response_format`` / ``structured_outputs``), or when the tools' schemas cannot be compiled."""
+    if use.choice not in ("required", "named"):
+        return
+    if not Features.from_json(ctx.core.features).structured_output:
+        raise ApiError("tool_choice 'required' or a named function is enforced with the token bitmask "
+                       "(features.structured_output), and this core was exported without it; export it again with "
+                       "`ignition export-core`, or use tool_choice 'auto'", "tool_choice")
+    if request.constraints is not None and request.constraints.grammar is not None:
+        raise ApiError("tool_choice 'required' or a named function cannot be combined with response_format or "
+                       "structured_outputs: both constrain the output", "tool_choice")
+    compiler = ctx.grammar_compiler("tool_choice")
+    try:
+        compiled = await asyncio.wrap_future(compiler.submit(GrammarSpec("grammar", use.grammar(), "tool_choice")))
+    except GrammarError as exc:
+        raise ApiError(f"the tools' parameters cannot be enforced: {exc}", "tool_choice") from None
+    if request.constraints is None:
+        eos = ctx.core.manifest.get("eos_token_id")
+        stop_ids = [eos] if eos is not None and not request.ignore_eos else []
+        request.constraints = LaneConstraints.build(ctx.core.vocab_size, max_tokens=request.max_tokens,
+                                                    stop_ids=stop_ids + list(request.stop_token_ids))
+    request.constraints.grammar = compiler.matcher(compiled)
