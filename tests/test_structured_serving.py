@@ -438,3 +438,29 @@ def test_tool_choice_required_and_named_are_enforced(core, server, choice):
     finally:
         uvicorn_server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_langchain_with_structured_output_function_calling(core, server):
+    """LangChain's function-calling mode binds the schema as a tool with a named tool_choice: the grammar enforces
+    the call and the hermes parser returns it, so the object LangChain parses is schema-valid."""
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    from ignition.serve.config import ServeConfig
+
+    class Reading(BaseModel):
+        sensor: str = Field(max_length=6)
+        value: int = Field(ge=0, le=99)
+        ok: bool
+
+    app = create_app(core, model_name="tiny", config=ServeConfig(tool_call_parser="hermes"))
+    uvicorn_server, thread, url = serve_in_thread(app)
+    try:
+        model = ChatOpenAI(model="tiny", base_url=url + "/v1", api_key="none", max_tokens=80, temperature=1.0,
+                           seed=5, max_retries=0, logit_bias={int(k): v for k, v in ending_bias(server.pieces).items()})
+        reading = model.with_structured_output(Reading, method="function_calling").invoke("read the sensor")
+        assert isinstance(reading, Reading) and 0 <= reading.value <= 99 and len(reading.sensor) <= 6
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)
