@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks._common import best_of
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 REGULAR, SPECIALS, VOCAB_PADDED = 151_643, 22, 151_936
@@ -106,13 +108,8 @@ def graph_cost(rows: int, repeats: int) -> tuple[float, float]:
     params = SamplingTensors.from_requests([{"temperature": 1.0, "seed": i} for i in range(rows)])
 
     def best(fn) -> float:
-        fn()
-        result = float("inf")
-        for _ in range(repeats):
-            started = time.perf_counter()
-            fn()
-            result = min(result, time.perf_counter() - started)
-        return result
+        fn()  # warm-up
+        return best_of(fn, repeats)
     return (best(lambda: sampling_logits(buffers, logits)),
             best(lambda: sample(logits, counts, seen, params, REGULAR + SPECIALS)))
 

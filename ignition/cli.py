@@ -26,6 +26,7 @@ from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
 from ignition.recipes.base import ExportOptions
+from ignition.runtime.rendezvous import LOOPBACK
 from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
 
 EXPORT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
@@ -211,12 +212,12 @@ RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=_runtime, help=RUNT
 
 TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", min=1, help="Ranks of a sharded core to start (gloo on "
                                       "CPU, NCCL on CUDA); this process is rank 0")
-TP_HOST_OPTION = typer.Option("127.0.0.1", "--tp-host", help="Address the tensor-parallel store and ranks listen on "
+TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-parallel store and ranks listen on "
                               "(loopback unless set; another one is warned about)")
 
 
 def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = "127.0.0.1"):
+                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK):
     """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
     (--device, --runtime, --tensor-parallel, --trusted-key) exits 2 naming it."""
     from ignition.runtime.options import LoadOptions
@@ -391,7 +392,7 @@ def run_cmd(
     raise typer.Exit(0 if result.error is None else 1)
 
 
-from ignition.serve.config import MAX_BODY_BYTES, MAX_PROMPT_BYTES  # noqa: E402 (serve's defaults, for --help)
+from ignition.serve.config import MAX_BATCH_PROMPTS, MAX_BODY_BYTES, MAX_PROMPT_BYTES  # noqa: E402 (for --help)
 
 
 @app.command("serve")
@@ -407,7 +408,7 @@ def serve_cmd(
                                           "$VLLM_API_KEY)"),
     allowed_origins: Optional[str] = typer.Option(None, "--allowed-origins",
                                                   help="CORS origins as a JSON list, e.g. '[\"*\"]' (default: none)"),
-    max_batch_prompts: int = typer.Option(1024, "--max-batch-prompts",
+    max_batch_prompts: int = typer.Option(MAX_BATCH_PROMPTS, "--max-batch-prompts",
                                           help="Most prompts in one Completions request (400 above)"),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len",
                                                 help="Prompt plus max_tokens per request (default: the core's context)"),

@@ -11,6 +11,7 @@ are compared with the unconstrained model's: the same position's explicit-id log
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -411,6 +412,20 @@ def test_a_grammar_the_tokenizer_cannot_follow_is_a_400(served):
     served.wait_idle()
 
 
+@contextlib.contextmanager
+def hermes_server(core_dir):
+    """A second server over the same core that reads hermes tool calls; yields its URL."""
+    from ignition.serve.config import ServeConfig
+
+    uvicorn_server, thread, url = serve_in_thread(create_app(core_dir, model_name="tiny",
+                                                             config=ServeConfig(tool_call_parser="hermes")))
+    try:
+        yield url
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(timeout=10)
+
+
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
     "required": ["city", "days"], "additionalProperties": False}}}
@@ -420,11 +435,7 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "paramet
 def test_tool_choice_required_and_named_are_enforced(core, server, choice):
     """The grammar of the hermes parser around the tool's JSON Schema constrains a random model: its output is a
     parsed call of the tool whose arguments validate (the same model answers in prose without it)."""
-    from ignition.serve.config import ServeConfig
-
-    app = create_app(core, model_name="tiny", config=ServeConfig(tool_call_parser="hermes"))
-    uvicorn_server, thread, url = serve_in_thread(app)
-    try:
+    with hermes_server(core) as url:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER_TOOL],
                 "tool_choice": choice, "max_tokens": 120, "temperature": 0, "logit_bias": ending_bias(server.pieces)}
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
@@ -435,9 +446,6 @@ def test_tool_choice_required_and_named_are_enforced(core, server, choice):
         assert calls and all(call["function"]["name"] == "get_weather" for call in calls), out
         for call in calls:
             jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER_TOOL["function"]["parameters"])
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_langchain_with_structured_output_function_calling(core, server):
@@ -447,20 +455,13 @@ def test_langchain_with_structured_output_function_calling(core, server):
     from langchain_openai import ChatOpenAI
     from pydantic import BaseModel, Field
 
-    from ignition.serve.config import ServeConfig
-
     class Reading(BaseModel):
         sensor: str = Field(max_length=6)
         value: int = Field(ge=0, le=99)
         ok: bool
 
-    app = create_app(core, model_name="tiny", config=ServeConfig(tool_call_parser="hermes"))
-    uvicorn_server, thread, url = serve_in_thread(app)
-    try:
+    with hermes_server(core) as url:
         model = ChatOpenAI(model="tiny", base_url=url + "/v1", api_key="none", max_tokens=80, temperature=1.0,
                            seed=5, max_retries=0, logit_bias={int(k): v for k, v in ending_bias(server.pieces).items()})
         reading = model.with_structured_output(Reading, method="function_calling").invoke("read the sensor")
         assert isinstance(reading, Reading) and 0 <= reading.value <= 99 and len(reading.sensor) <= 6
-    finally:
-        uvicorn_server.should_exit = True
-        thread.join(timeout=10)

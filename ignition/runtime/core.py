@@ -289,12 +289,17 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     return files
 
 
-def _rank_weights(root: Path, spec: Manifest, options: LoadOptions) -> str:
-    """The weights file of this rank; refuses a rank count that is not the core's."""
-    if options.ranks != spec.ranks:
+def check_rank_count(root: Path, spec: Manifest, ranks: int) -> None:
+    """CoreLoadError when ``ranks`` is not the core's rank count, naming the option that fits."""
+    if ranks != spec.ranks:
         hint = f"run it with --tensor-parallel {spec.ranks}" if spec.sharded else "run it without --tensor-parallel"
         raise CoreLoadError(f"{root}: the core holds {spec.ranks} rank shard{'s' if spec.sharded else ''}, "
-                            f"not {options.ranks}; {hint}")
+                            f"not {ranks}; {hint}")
+
+
+def _rank_weights(root: Path, spec: Manifest, options: LoadOptions) -> str:
+    """The weights file of this rank; refuses a rank count that is not the core's."""
+    check_rank_count(root, spec, options.ranks)
     return spec.rank_weights(options.rank)
 
 

@@ -116,7 +116,8 @@ class LoadOptions:
         try:
             fields = json.loads(line)
             key = fields.pop("trusted_key")
-            rank, device = fields.pop("rank"), fields.pop("device")
+            fields.pop("rank")  # rank 0's options: each worker takes its own with ``for_rank``
+            device = fields.pop("device")
             runtime, ranks = fields.pop("runtime"), fields.pop("ranks")
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise LoadOptionError(f"unreadable load options from rank 0: {exc}") from None
@@ -124,10 +125,9 @@ class LoadOptions:
             from cryptography.hazmat.primitives.serialization import load_pem_public_key
             key = load_pem_public_key(key.encode())
         try:
-            options = cls.create(device, runtime, ranks, trusted_key=key, **fields)
+            return cls.create(device, runtime, ranks, trusted_key=key, **fields)
         except TypeError as exc:
             raise LoadOptionError(f"unreadable load options from rank 0: {exc}") from None
-        return options if rank == 0 else options.for_rank(rank)
 
 
 __all__ = ["LoadOptions", "LoadOptionError", "resolve_device", "DEVICE_CHOICES", "LOOPBACK"]

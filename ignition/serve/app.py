@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
+from ignition.catalog.manifest import Features
 from ignition.runtime.core import LoadedCore, load_core
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.scheduler import Engine
@@ -32,9 +33,9 @@ from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
 from ignition.serve.chat import create_chat_completion
-from ignition.serve.common import MAX_BATCH_PROMPTS, ApiError, ServerContext
+from ignition.serve.common import ApiError, ServerContext
 from ignition.serve.completions import create_completion
-from ignition.serve.config import ServeConfig
+from ignition.serve.config import MAX_BATCH_PROMPTS, ServeConfig
 from ignition.serve.detokenize import TokenTable
 from ignition.serve.engine import AsyncEngine, EngineStopped
 from ignition.serve.guards import BodyLimitMiddleware, InternalErrorMiddleware
@@ -251,7 +252,7 @@ def _model_card(ctx: ServerContext) -> ModelCard:
         id=ctx.model_name, root=str(loaded.path), max_model_len=ctx.max_context,
         permission=[ModelPermission(allow_logprobs=features["allow_logprobs"])],
         features=CoreFeatures(allow_logprobs=features["allow_logprobs"],
-                              max_logprobs=features["max_logprobs"] if features["allow_logprobs"] else 0,
+                              max_logprobs=Features.from_json(features).effective_k,
                               explicit_ids=features["explicit_ids"],
                               max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
                               prompt_logprobs=features["prompt_logprobs"],

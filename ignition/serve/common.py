@@ -24,15 +24,13 @@ from ignition.serve.detokenize import Span, TextStream, TokenTable
 from ignition.serve.protocol import (STRUCTURED_OUTPUT, UNSUPPORTED, CompletionRequest, ErrorInfo, ErrorResponse,
                                      GenerationFields, UsageInfo, warn_once)
 from ignition.runtime.requests import Request, SamplingParams, check_admission, check_server_request
-from ignition.serve.config import ServeConfig
+from ignition.serve.config import MAX_BATCH_PROMPTS, ServeConfig
 from ignition.serve.engine import AsyncEngine, RequestStream
 from ignition.serve.logprobs import Presenter
 from ignition.serve.metrics import RequestRecord, ServerMetrics
 
 PREPROCESS_THREADS = 2
 """Threads that tokenize, render templates and detokenize echoed prompts, off the event loop."""
-MAX_BATCH_PROMPTS = 1024
-"""Default bound on the prompts of one Completions request (--max-batch-prompts); more is a 400."""
 
 
 class ApiError(Exception):
@@ -266,8 +264,7 @@ def sampling_constraints(ctx: ServerContext, body: GenerationFields, spec: Gramm
         raise ApiError("bad_words are tokenized with the core's tokenizer, and this core has none", "bad_words")
     for word in body.bad_words or ():
         ctx.check_text(word, "bad_words")
-    eos = ctx.core.manifest.get("eos_token_id")
-    stop_ids = ([] if body.ignore_eos or eos is None else [eos]) + list(body.stop_token_ids or ())
+    stop_ids = ending_ids(ctx, body.ignore_eos, body.stop_token_ids)
     try:
         bad_words = bad_word_sequences(body.bad_words, functools.partial(_encode_plain, ctx.tokenizer)) \
             if body.bad_words else ()
@@ -276,6 +273,13 @@ def sampling_constraints(ctx: ServerContext, body: GenerationFields, spec: Gramm
                                      stop_ids=stop_ids, logit_bias=body.logit_bias)
     except ConstraintError as exc:
         raise ApiError(str(exc), exc.param) from None
+
+
+def ending_ids(ctx: ServerContext, ignore_eos: bool, stop_token_ids) -> list[int]:
+    """The ids that end a request (EOS unless ignored, then its stop ids): what ``min_tokens`` masks and a grammar
+    may end on."""
+    eos = ctx.core.manifest.get("eos_token_id")
+    return ([] if ignore_eos or eos is None else [eos]) + list(stop_token_ids or ())
 
 
 def _encode_plain(tokenizer, text: str) -> list[int]:
@@ -305,7 +309,7 @@ def _shown(value: object, limit: int = 200) -> str:
 def check_whole_vocabulary(ctx: ServerContext, value: int | None, param: str) -> None:
     """vLLM reads -1 as "the logprobs of every token"; a core reports at most K natural alternatives."""
     if value == -1:
-        k = ctx.core.features["max_logprobs"] if ctx.core.features["allow_logprobs"] else 0
+        k = Features.from_json(ctx.core.features).effective_k
         raise ApiError(f"{param}=-1 asks for the logprobs of the whole vocabulary ({ctx.core.vocab_size} tokens, as "
                        f"in vLLM); this core reports at most {k} alternatives per position: ask for 0 to {k}, or "
                        "name the tokens you need with `logprob_token_ids`", param)

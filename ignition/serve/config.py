@@ -20,6 +20,8 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 """Default bound on a request body; a larger body is a 413 before it is parsed."""
 MAX_PROMPT_BYTES = 16 * 1024 * 1024
 """Default bound on the UTF-8 bytes of a text prompt (Completions) or of all message texts (Chat)."""
+MAX_BATCH_PROMPTS = 1024
+"""Default bound on the prompts of one Completions request (--max-batch-prompts); more is a 400."""
 
 
 @dataclass(frozen=True, slots=True)

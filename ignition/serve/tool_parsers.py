@@ -215,6 +215,25 @@ class ToolCallParser:
         self._emit(out, len(self.buffer), self.calls - 1)
         return False
 
+    def _call_state(self, out: list, state: str, offset: int, final: bool) -> bool:
+        """The ``head`` and ``arguments`` states every format shares (the call object starting ``offset`` characters
+        into the buffer); False: wait for more text."""
+        if state == "head":
+            head = call_head(self.buffer, offset, self.ARGUMENT_KEYS)
+            if head:
+                self._start_call(out, head[0])
+                self._skip(head[1])
+                self.state = "arguments"
+            elif head is False or final:
+                self.state = "whole"
+            else:
+                return False
+        else:
+            if not self._arguments(out):
+                return False
+            self.state = "tail"
+        return True
+
     def _whole(self, out: list, body: str, length: int) -> bool:
         """A call held whole (``body`` its JSON, ``length`` buffered characters with delimiters): reported with
         re-serialized arguments (True), or left as content when it is not a call object (False)."""
@@ -275,20 +294,9 @@ class HermesToolParser(ToolCallParser):
                     continue
                 self._emit(out, len(self.buffer) if final else len(self.buffer) - self._held_open())
                 return out
-            if state == "head":
-                head = call_head(self.buffer, len(self.OPEN), self.ARGUMENT_KEYS)
-                if head:
-                    self._start_call(out, head[0])
-                    self._skip(head[1])
-                    self.state = "arguments"
-                elif head is False or final:
-                    self.state = "whole"
-                else:
+            if state in ("head", "arguments"):
+                if not self._call_state(out, state, len(self.OPEN), final):
                     return out
-            elif state == "arguments":
-                if not self._arguments(out):
-                    return out
-                self.state = "tail"
             elif state in ("tail", "whole"):
                 found = self.buffer.find(self.CLOSE)
                 if found < 0 and not final:
@@ -342,20 +350,9 @@ class Llama3JsonToolParser(ToolCallParser):
                     self.state = "content"
             elif state == "content":
                 self._emit(out, len(self.buffer))
-            elif state == "head":
-                head = call_head(self.buffer, 0, self.ARGUMENT_KEYS)
-                if head:
-                    self._start_call(out, head[0])
-                    self._skip(head[1])
-                    self.state = "arguments"
-                elif head is False or final:
-                    self.state = "whole"
-                else:
+            elif state in ("head", "arguments"):
+                if not self._call_state(out, state, 0, final):
                     return out
-            elif state == "arguments":
-                if not self._arguments(out):
-                    return out
-                self.state = "tail"
             elif state == "whole":  # the rest is one call object with another key order, or content
                 end = _object_end(self.buffer)
                 if end is None and not final:

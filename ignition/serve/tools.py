@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ignition.catalog.manifest import Features
 from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.grammar import GrammarError, GrammarSpec
-from ignition.serve.common import ApiError
+from ignition.serve.common import ApiError, ending_ids
 from ignition.serve.config import ServeConfig
 from ignition.serve.detokenize import Span
 from ignition.serve.parsers import CONTENT
@@ -233,8 +233,7 @@ async def enforce(ctx, use: ToolUse, request) -> None:
     except GrammarError as exc:
         raise ApiError(f"the tools' parameters cannot be enforced: {exc}", "tool_choice") from None
     if request.constraints is None:
-        eos = ctx.core.manifest.get("eos_token_id")
-        stop_ids = [eos] if eos is not None and not request.ignore_eos else []
         request.constraints = LaneConstraints.build(ctx.core.vocab_size, max_tokens=request.max_tokens,
-                                                    stop_ids=stop_ids + list(request.stop_token_ids))
+                                                    stop_ids=ending_ids(ctx, request.ignore_eos,
+                                                                        request.stop_token_ids))
     request.constraints.grammar = compiler.matcher(compiled)
