@@ -3,9 +3,10 @@
 A 4-layer checkpoint at Qwen3-0.6B's width (hidden 1024, 16 query and 8 KV heads, head_dim 128, MLP
 3072; a 4,096-word vocabulary keeps the export short: the vocabulary never touches the cache) is
 exported, loaded and driven through the engine. A dispatch mode watches every operator of one
-decode step at batch 4: no operator may read the cache and produce a new tensor larger than one
-slot's cache of one layer (what a clone, an expansion of the grouped heads or a gather of the lanes'
-slots would do), and attention must read the live window, not all ``max_seq_len`` positions.
+decode step at batch 4 and at batch 1: no operator may read the cache and produce a new tensor larger
+than one slot's cache of one layer (what a clone, an expansion of the grouped heads or a gather of the
+lanes' slots would do), and attention must read the live window, not all ``max_seq_len`` positions:
+four lanes every slot's window in place, a single lane its own slot's window.
 """
 
 from __future__ import annotations
@@ -54,27 +55,35 @@ def real_width_core(tmp_path_factory):
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).eval().save_pretrained(root / "checkpoint")
-    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(SLOTS,), chunk_limit=16,
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, SLOTS), chunk_limit=16,
                               max_seq_len=MAX_SEQ_LEN), root / "core")
     return root / "core"
 
 
-def test_a_decode_step_copies_no_cache_and_reads_the_live_window(real_width_core):
+@pytest.fixture(scope="module")
+def loaded(real_width_core):
     from ignition.runtime.core import load_core
+    return load_core(real_width_core)
+
+
+@pytest.mark.parametrize("lanes", [SLOTS, 1])
+def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: int):
     from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
-    core = load_core(real_width_core)
+    core = loaded
     engine = Engine(core)
-    for lane in range(SLOTS):
+    for lane in range(lanes):
         engine.submit(Request([lane + 1, 7, 9, 11, 13], max_tokens=8, logprobs=5, ignore_eos=True))
     while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
-        engine.step()  # every prompt prefilled: the next step is one decode round of all four lanes
+        engine.step()  # every prompt prefilled: the next step is one decode round of every lane
     one_slot = MAX_SEQ_LEN * KV_HEADS * HEAD_DIM * 4  # one layer of one slot, fp32
     watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, one_slot)
     with watch:
         engine.step()
     assert watch.attention_keys, "the decode step ran no attention"
     assert watch.copies == [], f"operators copied more than one slot's cache: {watch.copies[:5]}"
-    # [slots, kv_heads, window, head_dim]: the 64-position window, not the 256 cached positions
-    assert {keys[2] for keys in watch.attention_keys} == {64}, watch.attention_keys
+    # [batch, kv_heads, window, head_dim]: the 64-position window, not the 256 cached positions; four lanes
+    # read all four slots in place, one lane (decode.c1) its own slot's window
+    batch = SLOTS if lanes > 1 else 1
+    assert set(watch.attention_keys) == {(batch, KV_HEADS, 64, HEAD_DIM)}, watch.attention_keys

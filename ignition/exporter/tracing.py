@@ -40,4 +40,20 @@ def capture(graph, weights) -> torch.export.ExportedProgram:
     else:
         program = torch.export.export(graph.module, (windowed[0],), strict=False, dynamic_shapes=(windowed[1],))
     program._example_inputs = None  # sample inputs would embed a copy of the weights in every .pt2
+    _drop_metadata_asserts(program)
     return program
+
+
+def _drop_metadata_asserts(program: torch.export.ExportedProgram) -> None:
+    """Erase the ``aten._assert_tensor_metadata`` nodes ``torch.export`` leaves after each ``.to()``.
+
+    Each re-checks, on every replay, a dtype and device that the tracer saw and the declared arguments fix
+    (GRAPH-SIGNATURE checks their dtypes at load), so they only cost time: one Python-dispatched node each,
+    43 of a tiny decode step's 914 operators."""
+    graph = program.graph_module.graph
+    asserts = [node for node in graph.nodes
+               if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default]
+    for node in asserts:
+        graph.erase_node(node)
+    if asserts:
+        program.graph_module.recompile()
