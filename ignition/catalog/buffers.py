@@ -1,7 +1,8 @@
 """The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
 
 Shapes are expressions over the geometry symbols ``capacity``, ``T``, ``C`` (scored
-chunk capacity) and ``S`` (draft tokens a verification variant scores after each lane's input token) and the contract constants; ``resolve_shape`` evaluates them and
+chunk capacity; a packed prefill's rows per lane) and ``S`` (draft tokens a verification variant scores after each
+lane's input token) and the contract constants; ``resolve_shape`` evaluates them and
 ``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
 is written exactly once, here.
 """
@@ -111,8 +112,24 @@ WINDOW_INPUTS = (
 )
 """The key window of the decoder recipes' attention: the one argument whose extent is dynamic in the graph."""
 
+PACKED_INPUTS = (
+    BufferSpec("packed_input_ids", "int64", ("capacity*C",), Role.INPUT, ValueSource.PACKED_TOKEN_IDS,
+               "The lanes' prompt chunks concatenated in lane order (lane 0's rows first), zero after"),
+    BufferSpec("segment_starts", "int64", ("capacity",), Role.INPUT, ValueSource.SEGMENT_STARTS,
+               "Absolute position of each lane's chunk's first row"),
+    BufferSpec("segment_lengths", "int64", ("capacity",), Role.INPUT, ValueSource.SEGMENT_LENGTHS,
+               "Rows of each lane's chunk, at most C; 0 for a lane outside the submission"),
+    BufferSpec("segment_emits", "int32", ("capacity",), Role.INPUT, ValueSource.SEGMENT_EMITS,
+               "Nonzero: the lane's chunk ends its prompt and samples the first token; zero: records only"),
+    BufferSpec("segment_window", "int64", ("C",), Role.INPUT, ValueSource.SEGMENT_WINDOW,
+               "Its extent E bounds the rows of each lane's chunk, [0, E); pass a prefix covering the longest "
+               "(contents unread)"),
+)
+"""The additional inputs of PACKED_PREFILL variants (``packed.t{C}.c{capacity}``): each lane's next prompt chunk
+(a *segment* of at most C rows), all of them in one submission. They replace the chunk inputs."""
+
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
-           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + WINDOW_INPUTS}
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + WINDOW_INPUTS + PACKED_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -123,6 +140,7 @@ ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": 
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
 (KEY_WINDOW,) = (spec.name for spec in WINDOW_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
+PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +153,8 @@ class Window:
     granule: int
 
 
-WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16)}
+WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16),
+           PACKED_TOKENS: Window(dim=0, granule=16), SEGMENT_WINDOW: Window(dim=0, granule=16)}
 """Buffer -> its window. A variant's ``layout["windows"]`` names the ones whose extent is dynamic in its graph."""
 MIN_WINDOW = 2  # torch.export specializes extents 0 and 1
 SHORTEST_WINDOWED = 8
@@ -146,13 +165,18 @@ _CONSTANTS = {name: getattr(contract, name) for name in (
 
 
 def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
-    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=`` (and ``PACKED_WIDTH=`` override)."""
+    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=`` (and ``PACKED_WIDTH=`` override).
+
+    A dimension is a sum of terms, each a product of integers and names (``RECORD_HEADER_WORDS+T``, ``capacity*C``)."""
     env = {**_CONSTANTS, **geometry}
     shape = []
     for dim in spec.shape:
         total = 0
         for term in dim.split("+"):
-            total += int(term) if term.isdigit() else env[term]
+            product = 1
+            for factor in term.split("*"):
+                product *= int(factor) if factor.isdigit() else env[factor]
+            total += product
         shape.append(total)
     return shape
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.recipes.config import ModelConfig, kv_cache_shape
-from ignition.recipes.attention import cached_attention
+from ignition.recipes.attention import cached_attention, packed_attention
 from ignition.recipes.layers import Rows, rms_norm, rotate_half, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
 from ignition.recipes.rope import rope_cos_sin
@@ -43,7 +43,8 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     write_rows(k_cache, layer, rows, key)
     write_rows(v_cache, layer, rows, value)
 
-    attended = cached_attention(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
+    attend = cached_attention if rows.segments is None else packed_attention
+    attended = attend(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks)  # [R, d_model]
 
 

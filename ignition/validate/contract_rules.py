@@ -11,6 +11,7 @@ from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_token_capacity, packed_width, scored_capacities
 from ignition.catalog.enums import Operation, ValueSource, reserved_status
 from ignition.catalog.model import lane_count
+from ignition.validate.packed import check_packed, prefill_rows
 from ignition.validate.report import Violation
 
 _DIM_RULES = {"FRAMES": "BUF-FRAMES", "capacity": "BUF-CAPACITY", "C": "BUF-CAPACITY", "T": "BUF-T",
@@ -264,8 +265,9 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
     names = [v["name"] for v in variants]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         found.append(Violation("CATALOG-DUP", f"variant {dup}", "variant name used more than once"))
+    chunk_rows = prefill_rows(variants)
     for variant in variants:
-        found += check_variant(variant, manifest)
+        found += check_variant(variant, manifest) + check_packed(variant, manifest, chunk_rows)
     declares = lambda name: any(a["name"] == name for v in variants for a in v["arguments"])  # noqa: E731
     has_lp, has_ids = declares(B.LOGPROBS), declares(B.TOKEN_IDS)
     if not has_lp and manifest["k"] != 0:
