@@ -107,6 +107,19 @@ def prefill_rows(core, model, prompts, short_generator, args) -> tuple[list[tupl
     return rows, mismatches
 
 
+def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
+    def run():
+        with torch.no_grad():
+            out = model.generate(torch.tensor(prompts), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 output_logits=logprobs is not None, return_dict_in_generate=True)
+            for logits in out.logits or ():  # one [batch, vocab] per step
+                values = torch.log_softmax(logits.float(), dim=-1)
+                values.topk(logprobs, dim=-1)
+                values.gather(1, logits.argmax(-1, keepdim=True))
+        return out.sequences[:, len(prompts[0]):].tolist()
+    return timed(run)
+
+
 def decode_rate(side, prompts, logprobs, repeats: int = 1) -> tuple[float, list[list[int]]]:
     """Decode tokens/s: (N+1 tokens) minus (1 token), so the prefill and the first token are not counted; the
     best of ``repeats`` of each (the least disturbed)."""

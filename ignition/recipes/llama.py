@@ -177,8 +177,9 @@ def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[
 
 def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True, chunks: bool = True) -> Variant:
     """``variant`` with the key window input appended (its attention reads keys ``[0, W)`` only) and, in the
-    prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has): both
-    named in ``layout["windows"]`` (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
+    prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has; the packed
+    prefill's packed rows and segment window likewise): all named in ``layout["windows"]``
+    (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
     window, bindings = spec_arguments(WINDOW_INPUTS, max_seq_len=max_seq_len)
     variant.arguments = variant.arguments + window
     variant.bindings = variant.bindings | bindings
