@@ -47,7 +47,7 @@ class ExportOptions:
     tensor_parallel: int = 1  # rank shards in the core (recipes/sharding.py)
     speculative_tokens: tuple[int, ...] = ()  # S of each verify.s{S}.c{capacity} family (empty: none)
     mixed: bool = False  # mixed.t{chunk_limit}.c{capacity} variants for every decode capacity >= 2
-    packed_prefill: bool = True  # packed.t{chunk_limit}.c{widest capacity}, where the recipe supports it (recipes/llama.py)
+    packed_prefill: bool = True  # packed.t{chunk_limit}.c{widest capacity} where it pays (llama.packed_capacity)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
