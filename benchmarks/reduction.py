@@ -24,6 +24,7 @@ from whatever machine runs it; on a shared machine expect noise of tens of perce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -138,13 +139,14 @@ def cuda_peak_extra_bytes(fn, args):
     return torch.cuda.max_memory_allocated() - before
 
 
-def prepare_cuda_launches(shapes, dtype_names) -> None:
-    """Prepare every shape's launches for this GPU's target ahead of time, as export-core does, and
-    install the prepared-kernel launcher: the timed path launches cubins, never JIT-compiled Triton."""
+def prepare_cuda_launches(shapes, dtype_names):
+    """Prepare every shape's launches for this GPU's target ahead of time, as export-core does; returns the
+    binding of the prepared-kernel launcher (a context manager): the timed path launches cubins, never
+    JIT-compiled Triton."""
     import tempfile
     from pathlib import Path
 
-    from ignition.components.device_reduction import install_reduction
+    from ignition.components.device_reduction import bind_launcher
     from ignition.components.triton_logprobs import launch_plan
     from ignition.exporter.kernels import launch_key, prepare_kernels
     from ignition.runtime.launcher import PreparedReduction, ReductionShape, target_name
@@ -161,7 +163,7 @@ def prepare_cuda_launches(shapes, dtype_names) -> None:
             specs += plan
     root = Path(tempfile.mkdtemp(prefix="ignition-bench-kernels-"))
     table = prepare_kernels(specs, [target], root)
-    install_reduction(device, PreparedReduction.from_table(root, table, keyed, device, target))
+    return bind_launcher(device, PreparedReduction.from_table(root, table, keyed, device, target))
 
 
 def main():
@@ -188,8 +190,9 @@ def main():
               f"{'(best)':>7} | {'ours MB':>8} {'base MB':>8} | {floor_head}")
     print(header)
     print("-" * len(header))
+    bindings = contextlib.ExitStack()  # the launcher stays bound to this thread while the rows are timed
     if on_cuda:
-        prepare_cuda_launches(shapes, options.dtype)
+        bindings.enter_context(prepare_cuda_launches(shapes, options.dtype))
     times_ms = cuda_times_ms if on_cuda else cpu_times_ms
     peak_extra_bytes = cuda_peak_extra_bytes if on_cuda else cpu_peak_extra_bytes
     for dtype_name, (rows, vocab, mode) in [(d, s) for d in options.dtype for s in shapes]:

@@ -10,6 +10,7 @@ ignition/cli_support.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,6 +25,11 @@ from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
+from ignition.recipes.base import ExportOptions
+from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
+
+EXPORT_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ExportOptions)}
+"""``export-core``'s defaults: ExportOptions' own."""
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Ignition: export LLM checkpoints to validated cores with in-graph logprobs.")
@@ -63,19 +69,19 @@ def export_core_cmd(
     checkpoint: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint directory (toy: optional .safetensors)"),
     recipe: str = typer.Option(..., "--recipe", help="Recipe name: toy, qwen3, llama"),
     out: Path = typer.Option(..., "--out", help="Core directory to create"),
-    capacities: str = typer.Option("1,2,4,8", help="Decode capacities, comma-separated"),
-    chunk_limit: int = typer.Option(256, help="Prefill chunk limit (largest chunk capacity)"),
+    capacities: str = typer.Option(",".join(map(str, EXPORT_DEFAULTS["capacities"])), help="Decode capacities, comma-separated"),
+    chunk_limit: int = typer.Option(EXPORT_DEFAULTS["chunk_limit"], help="Prefill chunk limit (largest chunk capacity)"),
     completion_token_capacity: int = typer.Option(0, help="T: token positions per record (0 means 8)"),
     targets: str = typer.Option("", help="Kernel targets to prepare, e.g. cuda:90,cuda:120"),
     dtype: Optional[str] = typer.Option(None, help="Weight dtype: bfloat16, float16, float32"),
-    logprob_k: int = typer.Option(20, "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
-    logprob_ids: bool = typer.Option(True, "--logprob-ids/--no-logprob-ids",
+    logprob_k: int = typer.Option(EXPORT_DEFAULTS["logprob_k"], "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
+    logprob_ids: bool = typer.Option(EXPORT_DEFAULTS["logprob_ids"], "--logprob-ids/--no-logprob-ids",
                                      help="Export the explicit-ID inputs (off: a natural-only core, packed width 2+2K)"),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Also export scored-prefill graphs"),
-    max_seq_len: int = typer.Option(512, help="KV capacity per slot (tokens)"),
+    max_seq_len: int = typer.Option(EXPORT_DEFAULTS["max_seq_len"], help="KV capacity per slot (tokens)"),
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
-    seed: int = typer.Option(0, help="Seed for recipes that generate weights (toy)"),
+    seed: int = typer.Option(EXPORT_DEFAULTS["seed"], help="Seed for recipes that generate weights (toy)"),
     tokenizer: Optional[Path] = typer.Option(None, help="Tokenizer directory to ship in the core (default: the checkpoint's own)"),
     sign_key: Optional[Path] = typer.Option(None, "--sign-key", help="Ed25519 private key (PEM): write signature.json over the core digest"),
     onnx: bool = typer.Option(False, "--onnx", help="Also write graphs/<variant>.onnx (opset 18) for --runtime onnxruntime"),
@@ -312,16 +318,22 @@ def _speculative(text: Optional[str], loaded) -> dict:
         raise _fail(str(exc))
 
 
+SAMPLING = SamplingParams()
+"""``run``'s sampling defaults: the runtime's (which reads the catalog's)."""
+
+
 @app.command("run")
 def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     prompt: Optional[str] = typer.Argument(None, help="Prompt text (needs the core's tokenizer)"),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids"),
-    max_tokens: int = typer.Option(16, "--max-tokens"),
-    temperature: float = typer.Option(0.0), top_k: int = typer.Option(0), top_p: float = typer.Option(1.0),
-    min_p: float = typer.Option(0.0), seed: Optional[int] = typer.Option(None),
-    repetition_penalty: float = typer.Option(1.0), presence_penalty: float = typer.Option(0.0),
-    frequency_penalty: float = typer.Option(0.0),
+    max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens"),
+    temperature: float = typer.Option(SAMPLING.temperature), top_k: int = typer.Option(SAMPLING.top_k),
+    top_p: float = typer.Option(SAMPLING.top_p), min_p: float = typer.Option(SAMPLING.min_p),
+    seed: Optional[int] = typer.Option(SAMPLING.seed),
+    repetition_penalty: float = typer.Option(SAMPLING.repetition_penalty),
+    presence_penalty: float = typer.Option(SAMPLING.presence_penalty),
+    frequency_penalty: float = typer.Option(SAMPLING.frequency_penalty),
     logprobs: Optional[int] = typer.Option(None, "--logprobs", help="Natural alternatives per token (0..K)"),
     logprob_token_ids: Optional[str] = typer.Option(None, "--logprob-token-ids", help="Comma-separated ids to report"),
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
@@ -420,6 +432,12 @@ def serve_cmd(
     reasoning_parser: str = typer.Option("plain", "--reasoning-parser",
                                          help="How /v1/responses splits output: plain (all content) or think "
                                               "(<think>reasoning</think>content)"),
+    tool_call_parser: Optional[str] = typer.Option(None, "--tool-call-parser",
+                                                   help="How tool calls are read from the output: hermes "
+                                                        "(<tool_call>{...}</tool_call>, Qwen) or llama3_json"),
+    enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
+                                                 help="Let the model choose to call tools (tool_choice auto, the "
+                                                      "default with tools); needs --tool-call-parser"),
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
@@ -437,6 +455,7 @@ def serve_cmd(
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.guards import parse_allowed_origins
     from ignition.serve.parsers import PARSERS
+    from ignition.serve.tool_parsers import TOOL_PARSERS
 
     _check_limits(port=port, max_model_len=max_model_len, max_body_bytes=max_body_bytes,
                   max_prompt_bytes=max_prompt_bytes)
@@ -450,6 +469,10 @@ def serve_cmd(
         raise _fail(str(exc)) from None
     if reasoning_parser not in PARSERS:
         raise _fail(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got {reasoning_parser!r}")
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise _fail(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise _fail("--enable-auto-tool-choice requires --tool-call-parser (which format the model writes calls in)")
     if tokenizer is not None and not tokenizer.is_dir():
         raise _fail(f"--tokenizer {tokenizer}: not a directory")
     try:
@@ -459,7 +482,8 @@ def serve_cmd(
     config = ServeConfig(api_keys=api_keys_from(api_key), max_model_len=max_model_len, max_body_bytes=max_body_bytes,
                          max_prompt_bytes=max_prompt_bytes, chat_template=template, tokenizer=tokenizer,
                          allow_request_chat_template=allow_request_chat_template, enable_docs=enable_docs,
-                         log_requests=not disable_log_requests, reasoning_parser=reasoning_parser)
+                         log_requests=not disable_log_requests, reasoning_parser=reasoning_parser,
+                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
     _check_speculative(speculative)
     _identify_core(core)
     load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)

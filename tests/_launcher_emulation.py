@@ -19,8 +19,16 @@ sharded scored core, built by tests/test_triton_vocabulary.py from the export's 
 the scoring launches compiled) loads one ``PreparedVocabulary`` per rank without generation shapes
 and runs its ``scoring`` stage ops the same way (``run_scoring_case``).
 
+Cores side by side (``--cores DIR...``, ``emulate_cores``): every core is loaded in one process, each prepared
+one gets its own launcher (``load_launcher``) bound to its own variants (``launcher.bound``), and the CPU replay
+of ``ignition::reduce_logprobs`` takes the CUDA op's path (``device_reduction``), so each core's exported graphs
+reach the launcher bound to them. The cores then generate in turn, a core without logprobs in between and one
+core on a fresh thread: every launch must come from the modules of the running core's own launcher, on a thread
+with the primary context current, and every result must equal the plain CPU replay's.
+
     python tests/_launcher_emulation.py CORE_DIR  -> prints one JSON object {case: [problems]}
     python tests/_launcher_emulation.py --scoring DIR
+    python tests/_launcher_emulation.py --cores DIR DIR ...
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import ctypes
 import json
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -38,7 +47,7 @@ from ignition.components import triton_logprobs as T
 from ignition.components import triton_vocabulary as TV
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
-from ignition.runtime.launcher import PreparedReduction
+from ignition.runtime.launcher import PreparedReduction, load_launcher
 
 KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
                                       T.merge_kernel, TV.shard_statistics_kernel, TV.global_normalization_kernel,
@@ -50,8 +59,21 @@ POINTER_DTYPES = {"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float
 MASS_TOLERANCE = 2.0**-18
 
 
+class EmulatedModule:
+    """A loaded module (and its function): the table entries of its binary."""
+
+    def __init__(self, entries: list[dict]):
+        self.entries = entries
+
+
 class EmulatedDriver:
-    """The slice of ``cuda.bindings.driver`` the launcher uses; launches run in the interpreter."""
+    """The slice of ``cuda.bindings.driver`` the launcher uses; launches run in the interpreter.
+
+    Contexts are per thread, as the driver's are: a thread starts with none current, the primary context
+    (handle ``PRIMARY``) is current only where ``cuCtxSetCurrent`` bound it, and a module load or a launch
+    on a thread without it is recorded as a problem (CUDA_ERROR_INVALID_CONTEXT on a GPU)."""
+
+    PRIMARY = 0xC0
 
     class CUresult:
         CUDA_SUCCESS = 0
@@ -59,13 +81,19 @@ class EmulatedDriver:
     class CUfunction_attribute:
         CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
-    def __init__(self, core: Path, table: dict):
+    def __init__(self, core: Path, table: dict, *others: tuple[Path, dict]):
+        """Identifies the binaries of ``table`` under ``core``, and of each (core, table) of ``others``: one
+        driver per process, whatever the cores it loads."""
         self.binaries = {}
-        for entry in table["kernels"]:
-            self.binaries.setdefault((core / entry["file"]).read_bytes(), []).append(entry)
+        for root, kernels in ((core, table), *others):
+            for entry in kernels["kernels"]:
+                self.binaries.setdefault((root / entry["file"]).read_bytes(), []).append(entry)
         self.tensors: dict[int, torch.Tensor] = {}
         self.problems: list[str] = []
         self.launched: list[str] = []
+        self.launched_modules: list[EmulatedModule] = []  # the module of each launch: which load it came from
+        self.retained = 0  # primary-context references held
+        self._thread = threading.local()
 
     def CUstream(self, handle):  # noqa: N802 - the driver's name
         return handle
@@ -73,10 +101,34 @@ class EmulatedDriver:
     def cuGetErrorName(self, error):  # noqa: N802
         return 0, b"EMULATED_ERROR"
 
+    def cuInit(self, flags):  # noqa: N802
+        return (0,)
+
+    def cuDeviceGet(self, ordinal):  # noqa: N802
+        return 0, ordinal
+
+    def cuDevicePrimaryCtxRetain(self, device):  # noqa: N802
+        self.retained += 1
+        return 0, self.PRIMARY
+
+    def cuDevicePrimaryCtxRelease(self, device):  # noqa: N802
+        self.retained -= 1
+        return (0,)
+
     def cuCtxGetCurrent(self):  # noqa: N802
-        return 0, 1
+        return 0, getattr(self._thread, "context", 0)
+
+    def cuCtxSetCurrent(self, context):  # noqa: N802
+        self._thread.context = int(context)
+        return (0,)
+
+    def _needs_context(self, call: str) -> None:
+        if getattr(self._thread, "context", 0) != self.PRIMARY:
+            self.problems.append(f"{call} on thread {threading.current_thread().name} without the primary context "
+                                 f"current (CUDA_ERROR_INVALID_CONTEXT)")
 
     def cuModuleLoadData(self, address: int):  # noqa: N802
+        self._needs_context("cuModuleLoadData")
         header = ctypes.string_at(address, 64)
         shoff, = struct.unpack_from("<Q", header, 0x28)
         shentsize, shnum = struct.unpack_from("<HH", header, 0x3A)
@@ -84,17 +136,20 @@ class EmulatedDriver:
         matches = [entries for binary, entries in self.binaries.items() if binary.startswith(prefix)]
         if len(matches) != 1:
             raise AssertionError(f"module image matches {len(matches)} prepared cubins")
-        return 0, matches[0]
+        return 0, EmulatedModule(matches[0])  # a new handle per load, as the driver's
 
     def cuModuleGetFunction(self, module, name: bytes):  # noqa: N802
-        if any(entry["kernel_name"] != name.decode() for entry in module):
+        if any(entry["kernel_name"] != name.decode() for entry in module.entries):
             raise AssertionError(f"function {name!r} is not the module's kernel")
         return 0, module  # every table entry of this binary: they differ only in grid
 
     def cuFuncSetAttribute(self, function, attribute, value):  # noqa: N802
         return (0,)
 
-    def cuLaunchKernel(self, entries, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: N802
+    def cuLaunchKernel(self, module, gx, gy, gz, bx, by, bz, shared, stream, params, extra):  # noqa: N802
+        self._needs_context("cuLaunchKernel")
+        self.launched_modules.append(module)
+        entries = module.entries
         padded = [tuple(e["grid"]) + (1,) * (3 - len(e["grid"])) for e in entries]
         if (gx, gy, gz) not in padded:
             self.problems.append(f"{entries[0]['name']}: grid {(gx, gy, gz)} is none of the table's {padded}")
@@ -106,6 +161,9 @@ class EmulatedDriver:
         for index, param in enumerate(runtime):
             if param["type"].startswith("*"):
                 pointer = ctypes.c_void_p.from_address(slots[index]).value
+                if pointer is not None and pointer % param.get("divisibility", 1):
+                    self.problems.append(f"{entry['name']}: {param['name']} = {pointer:#x} breaks the binary's "
+                                         f"divisibility {param['divisibility']}")
                 if pointer not in self.tensors:
                     self.problems.append(f"{entry['name']}: {param['name']} = {pointer:#x} addresses no known tensor")
                     return (0,)
@@ -223,7 +281,7 @@ def emulate(core: Path) -> dict[str, list[str]]:
     results = {}
     if "tensor_parallel" in manifest:
         ranks = manifest["tensor_parallel"]["ranks"]
-        launchers = [PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+        launchers = [load_launcher(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
                      for _ in range(ranks)]  # one process per rank: one workspace each
         for launcher in launchers:
             launcher.current_stream = lambda: 0
@@ -245,7 +303,7 @@ def emulate(core: Path) -> dict[str, list[str]]:
         results["launches"] = [] if issued == len(driver.launched) else [
             f"launch_count {issued} != {len(driver.launched)} emulated launches"]
         return results
-    launcher = PreparedReduction.load(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+    launcher = load_launcher(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
     launcher.current_stream = lambda: 0
     for rows in sorted({s.rows for s in launcher.launches}):
         for dtype in (torch.int64, torch.int32, "strided"):  # strided: a column view of the records
@@ -319,8 +377,107 @@ def emulate_scoring(root: Path) -> dict[str, list[str]]:
     return results
 
 
+CORE_REQUESTS = [dict(prompt_ids=[1, 2, 3], max_tokens=3, logprobs=5, ignore_eos=True),
+                 dict(prompt_ids=[9, 8], max_tokens=2, logprob_token_ids=[0, 7, 3], ignore_eos=True),
+                 dict(prompt_ids=[4], max_tokens=2, ignore_eos=True)]
+
+
+def _generated(core) -> list:
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    plain = not core.features["allow_logprobs"]  # a core without logprobs serves the requests without them
+    requests = [{k: v for k, v in r.items() if not (plain and k.startswith("logprob"))} for r in CORE_REQUESTS]
+    results = Engine(core).generate([Request(**request) for request in requests])
+    return [(r.error, r.token_ids, [(e.id, e.logprob, e.top) for e in r.entries]) for r in results]
+
+
+VALUE_TOLERANCE = 1e-5  # the interpreter's expf/logf are numpy's, not torch's: values may differ by an ulp or so
+
+
+def _same_results(got: list, want: list) -> bool:
+    """Errors, token ids and every reported id identical; every reported value within VALUE_TOLERANCE."""
+    def ids(results):
+        return [(error, tokens, [(i, [t for t, _ in top]) for i, _, top in entries])
+                for error, tokens, entries in results]
+
+    def values(results):
+        return [v for _, _, entries in results for _, value, top in entries for v in [value] + [x for _, x in top]]
+    return ids(got) == ids(want) and all(a == b or a is not None and b is not None and abs(a - b) <= VALUE_TOLERANCE
+                                         for a, b in zip(values(got), values(want)))
+
+
+def emulate_cores(roots: list[Path]) -> dict[str, list[str]]:
+    """{check: [problems]} for cores loaded side by side, each prepared one with its own launcher."""
+    import threading
+
+    from ignition.components import device_reduction as D
+    from ignition.components.logprobs import reduce_logprobs_op
+    from ignition.runtime.core import load_core
+
+    tables = {}
+    for root in roots:
+        manifest = json.loads((root / "manifest.json").read_text())
+        tables[root] = (manifest, json.loads((root / manifest["catalog"]).read_text()),
+                        json.loads((root / manifest["kernels"]).read_text()) if manifest["kernels"] else None)
+    prepared = [(root, table) for root, (_, _, table) in tables.items() if table is not None]
+    driver = EmulatedDriver(*prepared[0], *prepared[1:])
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    cores, launchers, expected = {}, {}, {}
+    for root in roots:  # the plain CPU replay first: the oracle
+        cores[root.name] = load_core(root)
+        expected[root.name] = _generated(cores[root.name])
+    reduce_logprobs_op.register_kernel("cpu")(D._reduce_on_device)  # from here on, the CUDA op's path
+    for root in roots:  # all loaded before any runs: a later load must not displace an earlier core's launcher
+        manifest, catalog, table = tables[root]
+        launcher = load_launcher(root, manifest, catalog, table, torch.device("cpu"), driver=driver)
+        launchers[root.name] = launcher
+        if launcher is None:
+            continue
+        launcher.current_stream = lambda: 0
+        launch = launcher.launch
+
+        def registering(launches, args, launch=launch):  # the emulator resolves each pointer to its tensor
+            driver.tensors.update({v.data_ptr(): v for v in args.values() if isinstance(v, torch.Tensor)})
+            return launch(launches, args)
+        launcher.launch = registering
+        for variant in cores[root.name].variants.values():
+            variant.run = launcher.bound(variant.run)
+    results = {}
+    order = [root.name for root in roots] + [roots[0].name]
+    for index, name in enumerate(order):
+        launcher, before, issued = launchers[name], len(driver.launched_modules), {}
+        counts = {other: (x.launch_count if x else 0) for other, x in launchers.items()}
+        if index == len(order) - 1:  # the first core again, from a thread that has never touched the driver
+            thread = threading.Thread(target=lambda: issued.setdefault("got", _generated(cores[name])), name="engine")
+            thread.start()
+            thread.join()
+            got = issued["got"]
+        else:
+            got = _generated(cores[name])
+        problems = [] if _same_results(got, expected[name]) else [f"{name}: results differ from the CPU replay"]
+        ran = driver.launched_modules[before:]
+        own = [] if launcher is None else launcher.table.modules
+        if launcher is not None and not ran:
+            problems.append(f"{name}: no prepared launch ran")
+        if any(not any(module is mine for mine in own) for module in ran):
+            problems.append(f"{name}: launched modules of another core's launcher")
+        grown = {other: (x.launch_count if x else 0) - counts[other] for other, x in launchers.items()}
+        if any(n for other, n in grown.items() if other != name) or (launcher and grown[name] != len(ran)):
+            problems.append(f"{name}: launch counts moved {grown}, the driver saw {len(ran)} launches")
+        results[f"run{index}-{name}"] = problems
+    results["driver"] = list(driver.problems)
+    probe = threading.Thread(target=lambda: driver._needs_context("probe"), name="bare")
+    probe.start()
+    probe.join()  # the emulator does refuse a thread without the context: the runs above were checked
+    results["probe"] = [] if driver.problems[-1:] and "thread bare" in driver.problems[-1] else ["no refusal"]
+    return results
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--scoring":
         print(json.dumps(emulate_scoring(Path(sys.argv[2]))))
+    elif sys.argv[1] == "--cores":
+        print(json.dumps(emulate_cores([Path(arg) for arg in sys.argv[2:]])))
     else:
         print(json.dumps(emulate(Path(sys.argv[1]))))

@@ -132,3 +132,32 @@ def test_core_without_the_devices_architecture_is_refused(tmp_path):
 def test_core_without_prepared_kernels_is_refused(toy_core):
     with pytest.raises(CoreLoadError, match="exported without --targets"):
         load_core(toy_core, device="cuda")
+
+
+def test_two_cores_on_one_gpu_keep_their_own_kernels(cores, toy_core_no_logprobs):
+    """Each core's eager variants launch its own prepared kernels, whatever was loaded after it (a core without
+    logprobs included): the launcher is bound per core, not one slot per device."""
+    big = load_core(cores["qwen3"], device="cuda", eager=True)
+    small = load_core(cores["toy"], device="cuda", eager=True)
+    plain = load_core(toy_core_no_logprobs, device="cuda", eager=True)
+    assert plain.reduction is None
+    for loaded, name in ((big, "qwen3"), (small, "toy"), (big, "qwen3")):
+        before = loaded.reduction.launch_count
+        _assert_same(Engine(loaded).generate(_requests(loaded.vocab_size)), _generate(cores[name], "cpu")[1])
+        assert loaded.reduction.launch_count > before
+    (result,) = Engine(plain).generate([Request(prompt_ids=[1, 2], max_tokens=4)])
+    assert result.error is None and len(result.token_ids) == 4
+
+
+def test_an_engine_thread_launches_and_reads_back(cores):
+    """The engine's own thread (no CUDA context of its own until something binds one) drives prepared launches
+    and the pitched readback."""
+    import threading
+
+    loaded = load_core(cores["qwen3"], device="cuda", eager=True)
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("results", Engine(loaded).generate(
+        _requests(loaded.vocab_size))), name="engine")
+    thread.start()
+    thread.join()
+    _assert_same(out["results"], _generate(cores["qwen3"], "cpu")[1])

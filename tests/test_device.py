@@ -17,13 +17,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ignition.catalog.contract import SCRATCH_POINTERS
+from ignition.catalog.contract import POINTER_DIVISIBILITY, SCRATCH_POINTERS
 from ignition.catalog.model import BufferDecl
 from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.device import foreign_devices, move_program
-from ignition.runtime.options import resolve_device
+from ignition.runtime.cuda_driver import resolve_device
 from ignition.runtime.launcher import LauncherError, ReductionShape, pack_params, reduction_shapes, select_target
 from ignition.runtime.transfer import pitched_rows
 
@@ -78,23 +78,6 @@ def test_programs_follow_their_inputs_device(toy_core):
         assert tokens.device == META, name
 
 
-def test_decoder_programs_follow_their_inputs_device(tmp_path):
-    """The same for a real decoder with KV state, penalties and scored prefill (tiny Qwen3)."""
-    from tests._decoder_cores import TinyCase, save_checkpoint
-
-    save_checkpoint(TinyCase("qwen3", torch.float32, False, 96), tmp_path / "ckpt")
-    export_core(ExportOptions(recipe="qwen3", checkpoint=tmp_path / "ckpt", capacities=(2,), chunk_limit=16,
-                              max_seq_len=32, prompt_logprobs=True), tmp_path / "core")
-    manifest = json.loads((tmp_path / "core" / "manifest.json").read_text())
-    state = {d["name"]: BufferDecl.from_json(d).empty(META) for d in manifest["state"]}
-    for name, (program, entry) in _programs(tmp_path / "core").items():
-        moved = move_program(program, META)
-        assert foreign_devices(moved, META) == [], name
-        buffers = {a["name"]: state[a["name"]] if a["role"] == "state" else BufferDecl.from_json(a).empty(META)
-                   for a in entry["arguments"]}
-        moved.module()(buffers)
-
-
 def test_kernel_target_selection():
     assert select_target((9, 0), ["cuda:120", "cuda:90"]) == "cuda:90"
     assert select_target((12, 0), ["cuda:120", "cuda:90"]) == "cuda:120"
@@ -134,6 +117,82 @@ def test_launch_parameters_follow_the_signature(prepared_core):
         assert kind.from_address(array[i]).value == values[param["name"]], param["name"]
     assert [ctypes.c_void_p.from_address(array[-1 - i]).value for i in range(SCRATCH_POINTERS)] == \
         [None] * SCRATCH_POINTERS
+
+
+def test_prepared_binaries_record_and_enforce_pointer_divisibility(prepared_core):
+    """Every pointer parameter was compiled with tt.divisibility=16 (as the JIT compiles an aligned call), the table
+    says so, and packing refuses an address that breaks it before any launch."""
+    table = json.loads((prepared_core / "kernels.json").read_text())
+    for entry in table["kernels"]:
+        for param in entry["signature"]:
+            assert param.get("divisibility") == (POINTER_DIVISIBILITY if param["type"].startswith("*") else None), \
+                (entry["name"], param)
+    entry = next(e for e in table["kernels"] if e["name"] == "logprobs.merge")
+    runtime = [p for p in entry["signature"] if p["type"] != "constexpr"]
+    values = {p["name"]: (0x1000 + 16 * i if p["type"].startswith("*") else 7 + i) for i, p in enumerate(runtime)}
+    pointer = next(p["name"] for p in runtime if p["type"].startswith("*"))
+    with pytest.raises(LauncherError, match=rf"launch logprobs.merge: {pointer} = 0x1008 is not a multiple of 16"):
+        pack_params(entry["signature"], values | {pointer: 0x1008}, "launch logprobs.merge")
+
+
+class ContextDriver:
+    """The driver's per-thread current context, and nothing else."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self):
+        import threading
+        self.local, self.sets = threading.local(), 0
+
+    def cuInit(self, flags):  # noqa: N802 - the driver's names
+        return (0,)
+
+    def cuDeviceGet(self, ordinal):  # noqa: N802
+        return 0, ordinal
+
+    def cuDevicePrimaryCtxRetain(self, device):  # noqa: N802
+        return 0, 0xC0 + device
+
+    def cuDevicePrimaryCtxRelease(self, device):  # noqa: N802
+        return (0,)
+
+    def cuCtxGetCurrent(self):  # noqa: N802
+        return 0, getattr(self.local, "context", 0)
+
+    def cuCtxSetCurrent(self, context):  # noqa: N802
+        self.sets += 1
+        self.local.context = context
+        return (0,)
+
+
+def test_the_primary_context_is_made_current_on_any_thread_and_the_previous_one_restored():
+    import threading
+
+    from ignition.runtime.cuda_driver import PrimaryContext
+
+    driver = ContextDriver()
+    context = PrimaryContext(torch.device("cpu"), driver)
+    seen = {}
+
+    def engine_thread():  # a thread that never touched the driver: no context at all
+        previous = context.make_current()
+        seen["during"] = driver.cuCtxGetCurrent()[1]
+        context.restore(previous)
+        seen["after"] = driver.cuCtxGetCurrent()[1]
+        driver.local.context = 0xC7  # another device's context current here
+        previous = context.make_current()
+        seen["swapped"] = driver.cuCtxGetCurrent()[1]
+        context.restore(previous)
+        seen["restored"] = driver.cuCtxGetCurrent()[1]
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"during": 0xC0, "after": 0xC0, "swapped": 0xC0, "restored": 0xC7}
+    sets = driver.sets
+    driver.local.context = 0xC0
+    assert context.make_current() is None and driver.sets == sets  # already current: one query, no switch
 
 
 def _emulated_pitched_copy(host_base: torch.Tensor, host: torch.Tensor, source_base: torch.Tensor,

@@ -50,7 +50,8 @@ def test_natural_only_core_exports_and_validates(natural_core):
     assert report.ok, report.violations
     manifest = report.manifest
     assert (manifest["k"], manifest["features"]) == (K, {"allow_logprobs": True, "max_logprobs": K,
-                                                         "explicit_ids": False, "prompt_logprobs": False})
+                                                         "explicit_ids": False, "prompt_logprobs": False,
+                                                         "structured_output": True})
     for variant in report.catalog["variants"]:
         args = {a["name"]: a for a in variant["arguments"]}
         assert not set(ID_INPUTS) & set(args) and not set(ID_INPUTS) & set(variant["contract"]["bindings"])

@@ -45,7 +45,8 @@ def test_invalid_core_is_refused(core_copy):
 
 
 def test_features_and_memory(core):
-    assert core.features == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True, "prompt_logprobs": False}
+    assert core.features == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True, "prompt_logprobs": False,
+                             "structured_output": True}
     memory = core.memory_report()
     assert memory["weights_bytes"] == 2 * 256 * 32 * 4
     assert memory["completion_frame_bytes"] == sum(2 * c * 24 * 8 + 2 * c * 8 * 258 * 4 for c in (1, 4, 1))

@@ -78,7 +78,11 @@ def chi_squared_p_value(observed: np.ndarray, expected_probs: np.ndarray) -> flo
     return float(torch.special.gammaincc(half_dof, half_statistic))
 
 
-make_params = SamplingTensors.from_requests
+def make_params(requests):
+    """Sampling tensors for ``requests``; these tests sample at temperature 1 unless a request says otherwise
+    (the catalog's default is greedy)."""
+    return SamplingTensors.from_requests([{"temperature": 1.0} | dict(r) if isinstance(r, dict) else r
+                                          for r in requests])
 
 
 def no_history(batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +160,7 @@ def test_sampling_tensors_table_and_builder():
     for name, dtype in SamplingTensors.FIELDS:
         assert getattr(params, name).dtype == dtype and getattr(params, name).shape == (2,)
     assert params.seed.tolist() == [-1, 0] and params.offset.tolist() == [7, 0]
-    assert params.temperature.tolist() == [1.0, 0.5] and params.top_k.tolist() == [0, 3]
+    assert params.temperature.tolist() == [0.0, 0.5] and params.top_k.tolist() == [0, 3]  # the catalog default: greedy
     round_trip = SamplingTensors.from_tuple(params.as_tuple())
     assert all(a is b for a, b in zip(round_trip.as_tuple(), params.as_tuple()))
     with pytest.raises(AttributeError):

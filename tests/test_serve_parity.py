@@ -50,7 +50,7 @@ def test_unknown_fields_warn_once_per_name(served, caplog):
 @pytest.mark.parametrize("field", sorted(STRUCTURED_OUTPUT))
 def test_structured_output_fields_are_refused(served, path, body, field):
     assert_envelope(served.post(path, {**body, field: {"type": "object"}}), 400, "BadRequestError", field,
-                    "structured output is not supported yet")
+                    "structural tags are not supported")
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(served, monkeypatch):

@@ -60,7 +60,8 @@ def test_models_advertise_the_core_features(served, served_eos, served_plain):
     (card,) = served.client.models.list().data
     assert card.id == "toy"
     assert card.features == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True,
-                             "max_logprob_token_ids": 128, "prompt_logprobs": True, "chat_template": True}
+                             "max_logprob_token_ids": 128, "prompt_logprobs": True, "chat_template": True,
+                             "structured_output": True}
     assert card.permission[0]["allow_logprobs"] is True
     plain = httpx.get(served_plain.url + "/v1/models").json()
     assert plain["data"][0]["features"]["allow_logprobs"] is False
@@ -319,10 +320,10 @@ REJECTIONS = [  # (server, path, body, param, message part)
      "(U+D800) at character 0"),
     ("served", CHAT, {"messages": [{"role": "user", "content": "x\udfffy"}]}, "messages[0].content",
      "lone surrogate (U+DFFF) at character 1"),
-    ("served", CMPL, {"prompt": [1], "n": 2}, "n", "not supported"),
-    ("served", CMPL, {"prompt": [1], "best_of": 3}, "best_of", "not supported"),
-    ("served", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "not supported"),
+    ("served", CMPL, {"prompt": [1], "n": 5}, "n", "n = 5 is more than this core's 4 slots"),
+    ("served", CMPL, {"prompt": [1], "n": 3, "best_of": 2}, "best_of", "greater than or equal to n"),
+    ("served", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
+     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
     ("served", CMPL, {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options", "stream=True"),
     ("served", CMPL, {"prompt": [1], "max_tokens": "a"}, "max_tokens", "valid integer"),
     ("served", CMPL, {"prompt": [1], "max_tokens": -1}, "max_tokens", "max_tokens must be >= 0"),

@@ -89,21 +89,20 @@ def test_cuda_stage_ops_refuse_bad_layouts_and_missing_launchers(monkeypatch):
 
 
 def _refuses_missing_launchers(monkeypatch, select, first_op: str, second_op: str) -> None:
-    """``select`` (a sharded launcher lookup of device_reduction) on a made-up device: no launcher installed
-    without the JIT opt-in, then a single-rank core's launcher installed."""
+    """``select`` (a sharded launcher lookup of device_reduction) on a made-up device: no launcher bound
+    without the JIT opt-in, then a single-rank core's launcher bound."""
     from ignition.components import device_reduction as D
 
     device = torch.device("cuda", 7)
     monkeypatch.delenv(D.JIT_ENV, raising=False)
     with pytest.raises(RuntimeError, match=f"{first_op} on cuda:7: no prepared kernels are loaded"):
         select(device, first_op)
-    D.install_reduction(device, lambda *args: None)  # a single-rank core's launcher
-    try:
+    with D.bind_launcher(device, lambda *args: None):  # a single-rank core's launcher, bound while its graph runs
         with pytest.raises(RuntimeError, match=f"{second_op} on cuda:7: the loaded core's prepared kernels are "
                                                f"single-rank"):
             select(device, second_op)
-    finally:
-        D.install_reduction(device, None)
+    with pytest.raises(RuntimeError, match="no prepared kernels are loaded"):  # the binding ended with the block
+        select(device, first_op)
 
 
 @pytest.mark.cuda
@@ -151,7 +150,7 @@ def _table(plan) -> dict:
 def test_scoring_launch_plan_follows_the_catalog():
     from ignition.catalog.parallel import SCORING_LAUNCHES
     from ignition.components.triton_vocabulary import scoring_launch_plan
-    from ignition.components.vocabulary_workspace import stage_launches
+    from ignition.components.workspaces import stage_launches
 
     plan = scoring_launch_plan(64, 37984, 4, torch.bfloat16)
     assert [spec.name for spec in plan] == [f"score.{launch.name}" for launch in SCORING_LAUNCHES]

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from ignition.catalog.buffers import CONSTRAINT_INPUTS
 from ignition.catalog.enums import Operation, ValueSource
 from ignition.validate.core import validate_core
 from ignition.catalog.rules import RULES
@@ -400,6 +401,9 @@ def _as_verify(core_copy, draft_tokens: int, draft_shape=None):
     def change(catalog):
         variant = core_copy.variant(catalog, "decode.c1")
         variant.update(operation=int(Operation.SPECULATIVE_VERIFY))
+        constraints = {spec.name for spec in CONSTRAINT_INPUTS}  # verify variants take no structured-output inputs
+        variant["arguments"] = [a for a in variant["arguments"] if a["name"] not in constraints]
+        variant["contract"]["bindings"] = {k: v for k, v in variant["contract"]["bindings"].items() if k not in constraints}
         variant["arguments"].append({"name": "draft_token_ids", "dtype": "int64", "role": "input",
                                      "shape": draft_shape or [1, draft_tokens]})
         variant["contract"]["bindings"]["draft_token_ids"] = int(ValueSource.DRAFT_TOKEN_IDS)

@@ -1,9 +1,9 @@
 """The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
 
 Shapes are expressions over the geometry symbols ``capacity``, ``T``, ``C`` (scored
-chunk capacity; a packed prefill's rows per lane) and ``S`` (draft tokens a verification variant scores after each
-lane's input token) and the contract constants; ``resolve_shape`` evaluates them and
-``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
+chunk capacity; a packed prefill's rows per lane), ``S`` (draft tokens a verification variant scores after each
+lane's input token) and ``VOCAB_WORDS`` (``ceil(vocab_padded / 32)``) and the contract constants; ``resolve_shape``
+evaluates them and ``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
 is written exactly once, here.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ignition.catalog import contract
-from ignition.catalog.enums import Role, ValueSource
+from ignition.catalog.enums import Operation, Role, ValueSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,14 @@ SAMPLING_INPUTS = (
 )
 """Per-lane sampling parameters (ignition.components.sampling reads its field order from here)."""
 
+SAMPLING_DEFAULTS: dict[str, float | int] = dict(
+    temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+    presence_penalty=0.0, frequency_penalty=0.0, seed=0, offset=0,
+)
+"""The value of each sampling input when a request leaves it out: greedy, every filter and penalty off. The
+runtime's ``SamplingParams``, the CLI's options and ``SamplingTensors.from_requests`` all read it from here."""
+assert set(SAMPLING_DEFAULTS) == {spec.name for spec in SAMPLING_INPUTS}
+
 SPECULATIVE_INPUTS = (
     BufferSpec("draft_token_ids", "int64", ("capacity", "S"), Role.INPUT, ValueSource.DRAFT_TOKEN_IDS,
                "Each lane's proposed tokens after its input token; -1 from the end of its proposal on"),
@@ -105,6 +113,21 @@ MIXED_BUFFERS = (
 )
 """The additional arguments of MIXED variants (``mixed.t{C}.c{capacity}``): the merge copies the active frame of
 the role each lane is in into the shared completion_records / completion_logprobs."""
+
+CONSTRAINT_INPUTS = (
+    BufferSpec("token_bitmask", "int32", ("capacity", "VOCAB_WORDS"), Role.INPUT, ValueSource.TOKEN_BITMASK,
+               "Bit i of word w allows token 32*w+i for the lane's sampling; an all-zero row leaves the lane unmasked"),
+    BufferSpec("logit_bias_ids", "int64", ("capacity", "MAX_LOGIT_BIAS"), Role.INPUT, ValueSource.LOGIT_BIAS_IDS,
+               "Token ids whose sampling logit gets a bias, distinct per lane; -1 for an empty entry"),
+    BufferSpec("logit_bias_values", "float32", ("capacity", "MAX_LOGIT_BIAS"), Role.INPUT, ValueSource.LOGIT_BIAS_VALUES,
+               "The bias added to each id's sampling logit (entries with id -1 are ignored)"),
+)
+"""Structured-output inputs (``features.structured_output``): they shape the *sampling* logits only; the logprob
+reduction reads the raw row. Declared by every variant of a CONSTRAINED_OPERATIONS operation, or by none."""
+CONSTRAINED_OPERATIONS = (Operation.PREFILL, Operation.SCORED_PREFILL, Operation.DECODE, Operation.MIXED,
+                          Operation.PACKED_PREFILL)
+"""Operations whose variants take the constraint inputs: one sampled position per lane. A verify round samples S+1
+positions per lane, so SPECULATIVE_VERIFY variants take none (constrained requests never speculate)."""
 
 WINDOW_INPUTS = (
     BufferSpec("key_window", "int64", ("max_seq_len",), Role.INPUT, ValueSource.KEY_WINDOW,
@@ -129,7 +152,7 @@ PACKED_INPUTS = (
 (a *segment* of at most C rows), all of them in one submission. They replace the chunk inputs."""
 
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
-           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + WINDOW_INPUTS + PACKED_INPUTS}
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS + PACKED_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -139,6 +162,7 @@ ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": 
 """Role -> (its private records buffer, its private packed buffer)."""
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
 (KEY_WINDOW,) = (spec.name for spec in WINDOW_INPUTS)
+TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
 PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
 
@@ -161,11 +185,12 @@ SHORTEST_WINDOWED = 8
 """Declared extents below this stay static: a window is traced at half its extent, which must stay above 1."""
 
 _CONSTANTS = {name: getattr(contract, name) for name in (
-    "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH")}
+    "FRAMES", "RECORD_HEADER_WORDS", "PACKED_WIDTH", "MAX_SELECTED_IDS", "PROMPT_ROW_WIDTH", "MAX_LOGIT_BIAS")}
 
 
 def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
-    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=`` (and ``PACKED_WIDTH=`` override).
+    """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=``, ``VOCAB_WORDS=`` (and ``PACKED_WIDTH=``
+    override).
 
     A dimension is a sum of terms, each a product of integers and names (``RECORD_HEADER_WORDS+T``, ``capacity*C``)."""
     env = {**_CONSTANTS, **geometry}

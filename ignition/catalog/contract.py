@@ -47,6 +47,17 @@ SCRATCH_POINTERS = 2
 """Trailing null pointers every prepared launch takes after its non-constexpr arguments (Triton's
 global and profile scratch); prepared kernels must not need either buffer."""
 
+POINTER_DIVISIBILITY = 16
+"""Bytes every pointer argument of a prepared launch is a multiple of: the binaries are compiled with
+Triton's ``tt.divisibility`` at this value (as the JIT compiles an aligned call), kernels.json records it
+per parameter, and the launcher refuses an address that breaks it."""
+
+MAX_LOGIT_BIAS = 300
+"""Largest number of (token id, bias) entries per request (OpenAI's logit_bias limit): the sparse bias width."""
+
+BITMASK_WORD_BITS = 32
+"""token_bitmask packs 32 tokens per int32 word: bit i of word w allows token 32*w + i."""
+
 INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""
@@ -59,6 +70,11 @@ def packed_width(k: int, explicit_ids: bool) -> int:
     """Last extent of completion_logprobs: 2 + 2*A, A = 128 with explicit IDs, else K."""
     alternatives = MAX_SELECTED_IDS if explicit_ids else k
     return PACKED_CHOSEN_WORDS + 2 * alternatives
+
+
+def bitmask_words(vocab_padded: int) -> int:
+    """VOCAB_WORDS: int32 words of one token_bitmask row, ceil(vocab_padded / 32)."""
+    return -(-vocab_padded // BITMASK_WORD_BITS)
 
 
 def resolve_completion_token_capacity(value: int | None) -> int:

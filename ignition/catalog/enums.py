@@ -58,6 +58,9 @@ class ValueSource(IntEnum):
     SEED = 37
     RNG_OFFSET = 38
     PROMPT_TARGET_TOKEN = 39  # int32[C]: prompt token at chunk_start + j + 1, or -1 (fixed by the Protobuf)
+    TOKEN_BITMASK = 40  # int32[capacity, VOCAB_WORDS]: bit i of word w allows token 32*w+i; an all-zero row: no mask
+    LOGIT_BIAS_IDS = 41  # int64[capacity, 300]: biased token ids, -1 for an empty entry
+    LOGIT_BIAS_VALUES = 42  # float32[capacity, 300]: the bias added to each id's sampling logit
 
 
 class Role(IntEnum):

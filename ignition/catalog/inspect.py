@@ -85,11 +85,12 @@ def inspect_core(report, budget: int | None = None) -> dict:
 
 def render_inspection(summary: dict, console: Console, memory: bool = False) -> None:
     features = Table(title=f"core {summary['core']} ({summary['recipe']})")
-    for column in ("allow_logprobs", "K", "explicit IDs", "prompt scoring", "T", "vocab", "targets"):
+    for column in ("allow_logprobs", "K", "explicit IDs", "prompt scoring", "structured output", "T", "vocab",
+                   "targets"):
         features.add_column(column)
     f = summary["features"]
     features.add_row(str(f["allow_logprobs"]), str(f["k"]), str(f["explicit_ids"]), str(f["prompt_logprobs"]),
-                     str(summary["completion_token_capacity"]), str(summary["vocab_size"]), ",".join(summary["targets"]) or "-")
+                     str(f.get("structured_output", False)), str(summary["completion_token_capacity"]), str(summary["vocab_size"]), ",".join(summary["targets"]) or "-")
     console.print(features)
     console.print(f"digest sha256:{summary['digest']}  "
                   f"{'signed by ' + summary['signed_by'] if summary['signed_by'] else 'unsigned'}", highlight=False, soft_wrap=True)

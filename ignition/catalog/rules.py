@@ -75,7 +75,13 @@ RULES = {
                      "segment_window with segment_rows = the PREFILL variant's chunk rows (a lane's chunk is the one "
                      "a serial round runs); the variant's capacity is at least 2 and at most model.num_slots (each "
                      "lane needs its own slot).",
-    "FEAT-MISMATCH": "The manifest's features equal what the catalog declares.",
+    "CONSTRAINT-PARTIAL": "token_bitmask, logit_bias_ids and logit_bias_values come together, only in sampling "
+                          "variants of PREFILL, SCORED_PREFILL, DECODE, MIXED and PACKED_PREFILL (never "
+                          "SPECULATIVE_VERIFY).",
+    "CONSTRAINT-ALL": "A core declares the structured-output inputs in every PREFILL, SCORED_PREFILL, DECODE, MIXED "
+                      "and PACKED_PREFILL variant, or in none.",
+    "CONSTRAINT-WORDS": "token_bitmask's last extent is ceil(vocab_padded / 32): one bit per logit column.",
+    "FEAT-MISMATCH": "The manifest's features equal what the catalog declares (an omitted structured_output is false).",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",
     "WEIGHT-DECL": "Weight arguments exist in the weights file with the declared dtype and shape.",
     "TP-RANKS": "A sharded core's rank count divides its query and KV heads and its padded vocabulary "

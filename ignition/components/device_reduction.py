@@ -1,20 +1,25 @@
 """Which implementation of the logprob reductions runs on an accelerator.
 
 The CPU runs the pure-torch references (``logprobs.py``; for a vocabulary shard the three stage
-ops of ``vocabulary_logprobs.py``). On CUDA the ops launch kernels prepared ahead of time: the
-runtime installs, once per device at load, a launcher built from the core's kernel table
-(``ignition.runtime.launcher``): ``PreparedReduction`` for a single-rank core (the launcher is
-called as ``ignition::reduce_logprobs``), ``PreparedVocabulary`` for a sharded one (its
+ops of ``vocabulary_logprobs.py``). On CUDA the ops launch kernels prepared ahead of time, through
+the launcher of the core whose graph is running: each loaded core owns its launcher
+(``ignition.runtime.launcher``), built from its kernel table, and binds it for the duration of
+each of its graph runs (``bind_launcher``; a CUDA-graph capture records the launches it issued, so a
+replay needs no binding). The op looks up the launcher bound to its tensors' device on this thread,
+so two cores on one GPU (a draft core, a core with and one without logprobs) each launch their own
+kernels. ``PreparedReduction`` is ``ignition::reduce_logprobs``; a ``PreparedVocabulary``'s
 ``statistics``, ``candidates`` and ``merge`` methods are the three generation stage ops, and those of
-its ``scoring`` the three prompt-scoring stage ops). Nothing here
-imports Triton, so a serving process never compiles. Just-in-time Triton is a developer opt-in
-(``IGNITION_TRITON_JIT=1``) for running the ops outside a loaded core.
+its ``scoring`` the three prompt-scoring stage ops. Nothing here imports Triton, so a serving
+process never compiles. Just-in-time Triton is a developer opt-in (``IGNITION_TRITON_JIT=1``) for
+running the ops outside a loaded core.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -24,35 +29,46 @@ from ignition.components.logprobs import check_reduction_args, reduce_logprobs_o
 from ignition.components.vocabulary_logprobs import SCORING_STAGE_OPS, STAGE_OPS
 
 JIT_ENV = "IGNITION_TRITON_JIT"
-"""Set to 1 to let the CUDA op JIT-compile Triton when no prepared launcher is installed."""
+"""Set to 1 to let the CUDA op JIT-compile Triton when no prepared launcher is bound."""
 
-_launchers: dict[torch.device, Callable] = {}
-
-
-def install_reduction(device: torch.device, launcher: Callable | None) -> None:
-    """Route the op on ``device`` to ``launcher`` (same arguments as the op); None removes it."""
-    if launcher is None:
-        _launchers.pop(device, None)
-    else:
-        _launchers[device] = launcher
+_bound: ContextVar[tuple[tuple[torch.device, Callable], ...]] = ContextVar("ignition_bound_launchers", default=())
 
 
-def installed_reduction(device: torch.device) -> Callable | None:
-    return _launchers.get(device)
+@contextmanager
+def bind_launcher(device: torch.device, launcher: Callable):
+    """Route the ops on ``device`` to ``launcher`` (same arguments as the op) in this thread while the block runs;
+    the innermost binding of a device wins, and leaving the block restores the previous one."""
+    token = _bound.set(_bound.get() + ((torch.device(device), launcher),))
+    try:
+        yield launcher
+    finally:
+        _bound.reset(token)
+
+
+def bound_launcher(device: torch.device) -> Callable | None:
+    """The launcher bound to ``device`` in this thread, or None."""
+    for bound_device, launcher in reversed(_bound.get()):
+        if bound_device == device:
+            return launcher
+    return None
 
 
 def jit_opted_in() -> bool:
     return os.environ.get(JIT_ENV) == "1"
 
 
+def _no_launcher(op: str, device: torch.device, load_hint: str) -> RuntimeError:
+    return RuntimeError(f"ignition::{op} on {device}: no prepared kernels are loaded for this device. {load_hint} "
+                        f"so its prepared cubins launch (a core binds them while its graphs run), or set {JIT_ENV}=1 "
+                        f"to JIT-compile Triton (development only: serving never compiles)")
+
+
 def _reduce_on_device(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k):
-    launcher = _launchers.get(logits.device)
+    launcher = bound_launcher(logits.device)
     if launcher is None:
         if not jit_opted_in():
-            raise RuntimeError(
-                f"ignition::reduce_logprobs on {logits.device}: no prepared kernels are loaded for this device. "
-                f"Load the core with load_core(path, device='{logits.device}') so its prepared cubins launch, "
-                f"or set {JIT_ENV}=1 to JIT-compile Triton (development only: serving never compiles)")
+            raise _no_launcher("reduce_logprobs", logits.device,
+                               f"Run it through a core loaded with load_core(path, device='{logits.device}')")
         from ignition.components.triton_logprobs import reduce_logprobs_triton
         launcher = reduce_logprobs_triton
     check_reduction_args(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k)
@@ -67,15 +83,12 @@ _jit_launchers: dict[tuple[torch.device, str], object] = {}
 
 
 def _sharded_launcher(device: torch.device, op: str, jit_class: str, part: str | None = None):
-    """The installed sharded launcher (``PreparedVocabulary``, or its attribute ``part``: ``scoring``), or with
+    """The bound sharded launcher (``PreparedVocabulary``, or its attribute ``part``: ``scoring``), or with
     JIT opted in one ``triton_vocabulary.<jit_class>`` per device."""
-    launcher = _launchers.get(device)
+    launcher = bound_launcher(device)
     if launcher is None:
         if not jit_opted_in():
-            raise RuntimeError(
-                f"ignition::{op} on {device}: no prepared kernels are loaded for this device. Load the sharded core "
-                f"with --device cuda so its prepared cubins launch, or set {JIT_ENV}=1 to JIT-compile Triton "
-                f"(development only: serving never compiles)")
+            raise _no_launcher(op, device, "Run it through the sharded core loaded with --device cuda")
         if (device, jit_class) not in _jit_launchers:
             from ignition.components import triton_vocabulary
             _jit_launchers[(device, jit_class)] = getattr(triton_vocabulary, jit_class)()
@@ -87,7 +100,7 @@ def _sharded_launcher(device: torch.device, op: str, jit_class: str, part: str |
 
 
 def _vocabulary_launcher(device: torch.device, op: str):
-    """The generation stages of the installed sharded launcher (``PreparedVocabulary``), or JIT ones."""
+    """The generation stages of the bound sharded launcher (``PreparedVocabulary``), or JIT ones."""
     return _sharded_launcher(device, op, "TritonVocabulary")
 
 
@@ -149,7 +162,7 @@ STAGE_OPS["merge"].register_kernel("cuda")(_merge_on_device)
 
 # ---- the vocabulary-sharded prompt-scoring stage ops ----------------------------------------------
 def _scoring_launcher(device: torch.device, op: str):
-    """The scoring stages of the installed sharded launcher (``PreparedVocabulary.scoring``), or JIT ones."""
+    """The scoring stages of the bound sharded launcher (``PreparedVocabulary.scoring``), or JIT ones."""
     return _sharded_launcher(device, op, "TritonScoring", "scoring")
 
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ignition.catalog.buffers import SAMPLING_INPUTS
+from ignition.catalog.buffers import SAMPLING_DEFAULTS, SAMPLING_INPUTS
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -110,11 +110,6 @@ SAMPLING_FIELDS: tuple[tuple[str, torch.dtype], ...] = tuple(
     (spec.name, getattr(torch, spec.dtype)) for spec in SAMPLING_INPUTS
 )
 
-# Value used by ``SamplingTensors.from_requests`` when a request omits a field.
-SAMPLING_DEFAULTS: dict[str, float | int] = dict(
-    temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-    presence_penalty=0.0, frequency_penalty=0.0, seed=0, offset=0,
-)
 
 
 def _signed64(value: int) -> int:

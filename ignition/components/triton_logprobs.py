@@ -30,7 +30,6 @@ vocabulary read or write. The pure-torch reference in ``logprobs.py`` defines th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -38,6 +37,7 @@ import triton.language as tl
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, TILE_SORT_KEYS, packed_width
 from ignition.components.logprobs import check_reduction_args
+from ignition.components.workspaces import ReductionWorkspace, reduction_arguments
 
 TILE_KEYS = TILE_SORT_KEYS  # keys a tile retains: the width of the sharded candidate exchange
 _NO_KEY = tl.constexpr(-(2**63))  # below every real key (NaN ranks as -inf, whose key is larger)
@@ -249,16 +249,8 @@ def merge_kernel(
         tl.store(out_row + 3 + 2 * slots, _value_bits(raw - lse, found), mask=slots < K)
 
 
-class ReductionWorkspace(NamedTuple):
-    stats: torch.Tensor  # [rows, tiles, 2] fp32
-    lse: torch.Tensor  # [rows] fp32
-    keys: torch.Tensor  # [rows, tiles, TILE_KEYS] int64
-    maxima: torch.Tensor  # [rows, tiles, SUB] fp32
-    cutoff: torch.Tensor  # [rows] fp32
-
-
 def launch_reduction(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k):
-    """Allocate the workspaces and run the four launches; returns the workspaces."""
+    """Allocate the workspace and run the four launches (JIT-compiled); returns the workspace."""
     device = logits.device
     tensors = {"chosen": chosen, "requested": requested, "out": out, "out_rows": out_rows, "token_ids": token_ids,
                "token_id_counts": token_id_counts}
@@ -268,20 +260,10 @@ def launch_reduction(logits, chosen, requested, out, out_rows, token_ids, token_
                          f"and every tensor must be on {device} (not: {misplaced})")
     rows = logits.shape[0]
     plan = launch_plan(rows, logits.shape[1], vocab_size, k, token_ids is not None, logits.dtype) if rows else []
-    tiles = plan[0].grid[1] if plan else 0
-    sub = plan[0].constexprs["SUB"] if plan else 1
-    workspace = ReductionWorkspace(torch.empty(rows, tiles, 2, dtype=torch.float32, device=device),
-                                   torch.empty(rows, dtype=torch.float32, device=device),
-                                   torch.empty(rows, tiles, TILE_KEYS, dtype=torch.int64, device=device),
-                                   torch.empty(rows, tiles, sub, dtype=torch.float32, device=device),
-                                   torch.empty(rows, dtype=torch.float32, device=device))
-    args = {"logits_ptr": logits, "chosen_ptr": chosen.to(torch.int64), "requested_ptr": requested,
-            "token_ids_ptr": token_ids if token_ids is not None else requested,  # never read without HAS_IDS
-            "counts_ptr": token_id_counts if token_id_counts is not None else requested,
-            "stats_ptr": workspace.stats, "lse_ptr": workspace.lse, "keys_ptr": workspace.keys, "out_ptr": out,
-            "maxima_ptr": workspace.maxima, "cutoff_ptr": workspace.cutoff,
-            "out_rows_ptr": out_rows, "logits_row_stride": logits.stride(0), "vocab_size": vocab_size,
-            "num_tiles": tiles}
+    workspace = ReductionWorkspace.allocate(rows, plan[0].grid[1] if plan else 0,
+                                            plan[0].constexprs["SUB"] if plan else 1, device)
+    args = reduction_arguments(workspace, logits, chosen, requested, out, out_rows, token_ids, token_id_counts,
+                               vocab_size)
     for spec in plan:
         runtime_args = {name: args[name] for name, kind in spec.signature.items() if kind != "constexpr"}
         spec.kernel[spec.grid](**runtime_args, **spec.constexprs, num_warps=spec.num_warps,

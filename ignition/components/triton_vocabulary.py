@@ -43,7 +43,7 @@ from ignition.catalog.contract import (MAX_SELECTED_IDS, NAN_BITS, NATURAL_K, PR
                                        TILE_SORT_KEYS, packed_width)
 from ignition.catalog.parallel import (CANDIDATE_VALUES_WORD, EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES,
                                        VOCABULARY_LAUNCHES)
-from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
+from ignition.components.workspaces import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
                                                       stage_arguments, stage_launches)
 from ignition.components.triton_logprobs import (_INF, _NAN_BITS, _NO_KEY, _POINTER_TYPES, ENABLE_FP_FUSION,
                                                  SUB_BLOCKS, LaunchSpec, _best_tile_keys, _sort_keys, _tiling,

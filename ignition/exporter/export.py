@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
+from ignition.catalog.buffers import TOKEN_BITMASK
 from ignition.catalog.contract import FORMAT_VERSION
-from ignition.catalog.enums import Operation, Role
+from ignition.catalog.enums import Operation
 from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WEIGHTS_FILE
 from ignition.exporter.publish import check_output, discard, publish, recover, staging_dir
 from ignition.exporter.signing import sign_core
+from ignition.exporter.tracing import capture, dynamic_shapes, example_buffers  # noqa: F401 (re-exported)
 from ignition.catalog.hashing import dump_json, hash_tree
 from ignition.recipes.base import ExportOptions, GraphBuild, RecipeBuild
 from ignition.recipes.registry import build_recipe
@@ -31,37 +32,6 @@ Progress = Callable[[str, str], None]  # (stage, item)
 
 class ExportError(Exception):
     """The export produced no core; the message says why (validation findings included)."""
-
-
-def example_buffers(graph, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tracing inputs: real weights, zeros for everything the runtime binds or owns."""
-    return {a.name: weights[a.name] if a.role is Role.WEIGHT else a.empty() for a in graph.variant.arguments}
-
-
-def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str]) -> tuple[dict, dict] | None:
-    """(tracing inputs, ``torch.export`` dynamic shapes) for a graph with windowed inputs, else None.
-
-    Each input the variant's ``layout["windows"]`` names is traced at a prefix shorter than its declared
-    extent, so the extent stays symbolic over ``[MIN_WINDOW, declared]`` (``catalog.buffers.WINDOWS``)."""
-    if not windows:
-        return None
-    traced, shapes = dict(example), {name: None for name in example}
-    for name in windows:
-        dim, extent = WINDOWS[name].dim, example[name].shape[WINDOWS[name].dim]
-        traced[name] = example[name].narrow(dim, 0, extent // 2)
-        shapes[name] = {dim: torch.export.Dim(f"{name}_extent", min=MIN_WINDOW, max=extent)}
-    return traced, shapes
-
-
-def capture(graph, weights) -> torch.export.ExportedProgram:
-    example = example_buffers(graph, weights)
-    windowed = dynamic_shapes(example, graph.variant.layout.get("windows", []))
-    if windowed is None:
-        program = torch.export.export(graph.module, (example,), strict=False)
-    else:
-        program = torch.export.export(graph.module, (windowed[0],), strict=False, dynamic_shapes=(windowed[1],))
-    program._example_inputs = None  # sample inputs would embed a copy of the weights in every .pt2
-    return program
 
 
 def save_program(program: torch.export.ExportedProgram, staging: Path, graph_file: str) -> None:
@@ -77,6 +47,7 @@ def save_program(program: torch.export.ExportedProgram, staging: Path, graph_fil
 def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, str], kernels: bool) -> dict:
     has_ids = any(g.variant.layout.get("logprobs") and g.variant.layout["logprobs"]["explicit_ids"] for g in build.graphs)
     scored = any(g.variant.layout.get("prompt_logprobs") for g in build.graphs)
+    constrained = any(a.name == TOKEN_BITMASK for g in build.graphs for a in g.variant.arguments)
     return {
         "format_version": FORMAT_VERSION,
         "recipe": build.recipe,
@@ -90,7 +61,7 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
         "padding_rule": "smallest_capacity_at_least_batch",
         "eos_token_id": build.eos_token_id,
         "features": {"allow_logprobs": build.k > 0, "max_logprobs": build.k,
-                     "explicit_ids": has_ids, "prompt_logprobs": scored},
+                     "explicit_ids": has_ids, "prompt_logprobs": scored, "structured_output": constrained},
         "state": [s.to_json() for s in build.state],
         "weights": WEIGHTS_FILE,
         "catalog": CATALOG_FILE,

@@ -6,6 +6,12 @@ hermetic and reproducible: a fresh Triton cache directory per call, line informa
 (it would embed this checkout's absolute source paths in the binary), and FP fusion set
 explicitly. Preparing the same specs twice gives byte-identical files and table.
 
+Each binary gets the specialization Triton's JIT gives a call with aligned arguments: every pointer
+argument carries ``tt.divisibility=16`` (so loads vectorize as they do under the JIT), recorded per
+parameter in the table as ``divisibility``; the launcher refuses an address that breaks it. The JIT also
+specializes integer arguments by value (1 becomes a constant, multiples of 16 divisible), which one
+prepared binary cannot: every integer parameter of a prepared kernel must be ``do_not_specialize``.
+
 Triton is imported only inside ``prepare_kernels``. The targets themselves are contract data
 (``ignition.catalog.targets``).
 """
@@ -18,14 +24,31 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ignition.catalog.contract import POINTER_DIVISIBILITY
 from ignition.catalog.targets import KERNELS_DIR, TARGETS, Target, parse_targets
 
 if TYPE_CHECKING:
     from ignition.components.triton_logprobs import LaunchSpec
 
 
+_INTEGER_TYPES = ("i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64")
+
+
 class KernelPreparationError(RuntimeError):
     """A launch cannot be prepared for a target (compilation failed or it does not fit)."""
+
+
+def divisibility(spec: LaunchSpec) -> dict[str, int]:
+    """Parameter -> the divisibility its binary assumes: ``POINTER_DIVISIBILITY`` for every pointer argument, as the
+    JIT assumes of an aligned one. KernelPreparationError for an integer parameter the JIT would specialize by value."""
+    names = spec.kernel.arg_names
+    unspecialized = {names[i] if isinstance(i, int) else i for i in spec.kernel.do_not_specialize}
+    by_value = [name for name, kind in spec.signature.items() if kind in _INTEGER_TYPES and name not in unspecialized]
+    if by_value:
+        raise KernelPreparationError(f"kernel {spec.name}: integer parameter(s) {', '.join(by_value)} would be "
+                                     f"specialized by value under the JIT, which a prepared binary cannot be; mark "
+                                     f"them do_not_specialize")
+    return {name: POINTER_DIVISIBILITY for name, kind in spec.signature.items() if kind.startswith("*")}
 
 
 def launch_key(spec: LaunchSpec) -> str:
@@ -59,7 +82,11 @@ def prepare_kernels(specs: list[LaunchSpec], targets: list[str], out_dir: Path) 
         for key, spec in sorted(unique.items()):
             for target_name in sorted(targets):
                 target = TARGETS[target_name]
-                source = ASTSource(fn=spec.kernel, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
+                aligned = divisibility(spec)
+                attrs = {(spec.kernel.arg_names.index(name),): [["tt.divisibility", value]]
+                         for name, value in aligned.items()}
+                source = ASTSource(fn=spec.kernel, signature=dict(spec.signature), constexprs=dict(spec.constexprs),
+                                   attrs=attrs)
                 try:
                     compiled = triton.compile(source, target=GPUTarget(target.backend, target.arch, target.warp_size),
                                               options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
@@ -72,6 +99,7 @@ def prepare_kernels(specs: list[LaunchSpec], targets: list[str], out_dir: Path) 
 
 
 def _write_binary(out_dir: Path, key: str, spec: LaunchSpec, target_name: str, target: Target, compiled) -> dict:
+    aligned = divisibility(spec)
     scratch = {name: int(getattr(compiled.metadata, name, 0) or 0)
                for name in ("global_scratch_size", "profile_scratch_size")}
     if any(scratch.values()):  # the launcher passes null scratch pointers (SCRATCH_POINTERS), never buffers
@@ -89,6 +117,7 @@ def _write_binary(out_dir: Path, key: str, spec: LaunchSpec, target_name: str, t
         path.write_bytes(binary)
     return {"key": key, "name": spec.name, "target": target_name, "file": rel, "sha256": digest,
             "triton_hash": compiled.hash, "kernel_name": compiled.metadata.name,
-            "signature": [{"name": name, "type": kind} for name, kind in spec.signature.items()],  # call order
+            "signature": [{"name": name, "type": kind} | ({"divisibility": aligned[name]} if name in aligned else {})
+                          for name, kind in spec.signature.items()],  # call order
             "constexprs": dict(spec.constexprs), "num_warps": spec.num_warps,
             "num_stages": spec.num_stages, "shared_bytes": shared, "grid": list(spec.grid)}

@@ -40,6 +40,7 @@ from ignition.catalog.model import BufferDecl
 from ignition.catalog.onnx_layout import (NEXT_TOKENS, ONNX_DTYPES, ONNX_OPSET, onnx_path, output_name,
                                           safetensors_offsets, weights_as_inputs, written_buffers)
 from ignition.components.onnx_standard import STANDARD_FORMULATIONS
+from ignition.exporter.tracing import example_buffers
 
 
 class OnnxExportError(ValueError):
@@ -172,8 +173,6 @@ def export_variants(build, programs: dict[str, torch.export.ExportedProgram], st
 
     ``weights_file`` must already be written in ``staging``. Returns wall seconds per variant.
     """
-    from ignition.exporter.export import example_buffers
-
     offsets = safetensors_offsets(staging / weights_file)
     timings = {}
     for graph in build.graphs:

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, DRAFT_TOKENS, ID_INPUTS, LANE_INPUTS,
-                                     LOGPROBS, MIXED_BUFFERS, PROMPT_LANE, RECORDS, REQUESTED, ROLE_FRAMES, SAMPLING_INPUTS,
-                                     SPECULATIVE_INPUTS, BufferSpec)
-from ignition.catalog.contract import NATURAL_K, packed_width, resolve_completion_token_capacity
+from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, CONSTRAINED_OPERATIONS,
+                                     CONSTRAINT_INPUTS, DRAFT_TOKENS, ID_INPUTS, LANE_INPUTS, LOGPROBS, MIXED_BUFFERS,
+                                     PROMPT_LANE, RECORDS, REQUESTED, ROLE_FRAMES, SAMPLING_INPUTS, SPECULATIVE_INPUTS,
+                                     BufferSpec)
+from ignition.catalog.contract import NATURAL_K, bitmask_words, packed_width, resolve_completion_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.limits import check_limit
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL
-from ignition.catalog.model import BufferDecl, Variant
+from ignition.catalog.model import BufferDecl, Variant, lane_count
 from ignition.components.completion import CompletionOutputs, declare
 from ignition.components.prompt_scoring import prompt_arguments
 
@@ -47,6 +48,7 @@ class ExportOptions:
     tensor_parallel: int = 1  # rank shards in the core (recipes/sharding.py)
     speculative_tokens: tuple[int, ...] = ()  # S of each verify.s{S}.c{capacity} family (empty: none)
     mixed: bool = False  # mixed.t{chunk_limit}.c{capacity} variants for every decode capacity >= 2
+    structured_output: bool = True  # token bitmask + logit bias inputs in every sampling variant but verify
     packed_prefill: bool = True  # packed.t{chunk_limit}.c{widest capacity} where it pays (llama.packed_capacity)
 
     def __post_init__(self):
@@ -192,6 +194,18 @@ def sampling_arguments(capacity: int):
 
 def chunk_arguments(chunk_limit: int):
     return spec_arguments(CHUNK_INPUTS, C=chunk_limit)
+
+
+def with_constraints(variant: Variant, vocab_padded: int) -> Variant:
+    """``variant`` with the structured-output inputs (``catalog.buffers.CONSTRAINT_INPUTS``) appended, when its
+    operation samples one position per lane; other variants are returned unchanged."""
+    if variant.operation not in CONSTRAINED_OPERATIONS:
+        return variant
+    lanes = lane_count(variant.operation, variant.capacity)
+    decls, bindings = spec_arguments(CONSTRAINT_INPUTS, capacity=lanes, VOCAB_WORDS=bitmask_words(vocab_padded))
+    variant.arguments = variant.arguments + decls
+    variant.bindings = variant.bindings | bindings
+    return variant
 
 
 def next_tokens_return(capacity: int) -> list[BufferDecl]:

@@ -6,7 +6,8 @@ family (GQA or MLA) over the config's cache buffers. One sampling round, in orde
 
 1. the decoder writes the KV cache cells (K/V, or MLA's latent and rope key) of valid rows;
 2. the lm_head gives the *raw* logits (model dtype), never modified afterwards;
-3. ``sample`` draws from a float32 copy with the slot's penalty state;
+3. ``sample`` draws from a float32 copy with the structured-output constraints (bitmask, logit bias:
+   ``components/constraints.py``, when the variant declares them) and the slot's penalty state;
 4. ``commit_sampling_round`` writes the ABI6 records and reduces logprobs from the raw logits;
 5. emitted tokens are counted into the slot's penalty state.
 
@@ -28,6 +29,7 @@ from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
+from ignition.components.constraints import sampling_logits
 from ignition.components.merge import merge_role_frames, prompt_lanes, role_buffers
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.vocabulary_logprobs import score_hidden_rows_sharded
@@ -87,8 +89,8 @@ class _DecoderGraph(torch.nn.Module):
         # NOTE: sampling's penalties, top-k/top-p and Philox draw need each sampled row's whole vocabulary, so a
         # sharded graph gathers those rows; the logprob reduction below keeps the shard (two compact exchanges).
         full_logits = raw_logits if self.parallel is None else self.parallel.gather_vocab(raw_logits)
-        sampled = sample(full_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
-                         SamplingTensors.from_buffers(buffers), self.vocab_size)
+        sampled = sample(sampling_logits(buffers, full_logits), history[:, OUTPUT_PLANE],
+                         history[:, PROMPT_PLANE] > 0, SamplingTensors.from_buffers(buffers), self.vocab_size)
         tokens = commit_sampling_round(buffers, raw_logits, sampled, operation=operation, vocab_size=self.vocab_size,
                                        k=self.k, sequence_lengths=sequence_lengths, emits=emits,
                                        idle_round_kind=idle_round_kind,

@@ -28,7 +28,7 @@ from ignition.catalog.model import BufferDecl, Variant
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, ShardedBuild,
                                    chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
                                    next_tokens_return, prefill_family, sampling_arguments, spec_arguments,
-                                   verify_family, weight_arguments)
+                                   verify_family, weight_arguments, with_constraints)
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
                                          read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
@@ -107,6 +107,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
         # core with compiled packages declares no windows and its graphs always read the full extents
         variants = [with_windows(variant, options.max_seq_len, dynamic=options.compile is None,
                                  chunks=family.dynamic_chunks) for variant in variants]
+    if options.structured_output:  # appended last: every other argument keeps its position
+        variants = [with_constraints(variant, vocab_padded) for variant in variants]
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,

@@ -14,12 +14,14 @@ from ignition.catalog.contract import resolve_completion_token_capacity, scored_
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import Variant
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
+from ignition.components.constraints import sampling_logits
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.merge import merge_role_frames, prompt_lanes, role_buffers
 from ignition.components.speculative import accept_draft, commit_speculative_round, verify_rows
 from ignition.recipes.base import (ExportOptions, GraphBuild, RecipeBuild, RecipeError, chunk_arguments,
                                    completion_arguments, lane_arguments, mixed_capacities, mixed_family,
-                                   next_tokens_return, prefill_family, verify_family, weight_arguments)
+                                   next_tokens_return, prefill_family, verify_family, weight_arguments,
+                                   with_constraints)
 from ignition.recipes.tokenizer import tokenizer_dir
 
 VOCAB_SIZE = 250
@@ -38,7 +40,8 @@ def batch_invariant_logits(hidden: torch.Tensor, lm_head: torch.Tensor) -> torch
 
 
 class ToyGraph(torch.nn.Module):
-    """Greedy sampling from the bigram logits of ``token_ids``, then the shared commit."""
+    """Greedy sampling from the bigram logits of ``token_ids`` (under the structured-output constraints when the
+    variant declares them), then the shared commit, which reduces logprobs from the raw logits."""
 
     def __init__(self, vocab_size: int, k: int):
         super().__init__()
@@ -48,7 +51,7 @@ class ToyGraph(torch.nn.Module):
         embedding, lm_head = buffers["embedding.weight"], buffers["lm_head.weight"]
         hidden = embedding[token_ids.clamp(0, embedding.shape[0] - 1)]  # [rows, hidden]
         logits = batch_invariant_logits(hidden, lm_head)  # raw logits: [rows, vocab_padded]
-        sampled = logits[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
+        sampled = sampling_logits(buffers, logits)[:, :self.vocab_size].argmax(dim=1)  # greedy, first maximum on ties
         return (commit_sampling_round(buffers, logits, sampled, operation=operation, vocab_size=self.vocab_size,
                                       k=self.k, sequence_lengths=sequence_lengths, emits=emits,
                                       idle_round_kind=idle_round_kind),)
@@ -195,6 +198,9 @@ def build(options: ExportOptions) -> RecipeBuild:
         variant = Variant(**identity, arguments=weight_arguments(weights) + inputs + outputs,
                           returns=next_tokens_return(capacity), bindings=bindings | output_bindings, layout=layout)
         graphs.append(GraphBuild(variant, ToyMixed(VOCAB_SIZE, k)))
+    if options.structured_output:  # appended last: every other argument keeps its position
+        for graph in graphs:
+            with_constraints(graph.variant, VOCAB_PADDED)
     return RecipeBuild(
         recipe="toy",
         model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},

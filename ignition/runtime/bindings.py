@@ -7,6 +7,7 @@ flags, and a nonzero count requires that lane's flag: both are checked before up
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from ignition.catalog.buffers import (CHUNK_TOKENS, MIN_WINDOW, PACKED_TOKENS, REQUESTED, SEGMENT_WINDOW, TOKEN_ID_COUNTS,
                                      TOKEN_IDS, WINDOWS)
 from ignition.catalog.enums import ValueSource as S
+from ignition.runtime.constraints import fill_mask_rows
 
 
 @dataclass(slots=True)
@@ -64,7 +66,8 @@ _IDLE = {S.SLOT_IDS: -1, S.EOS_TOKEN_ID: -1, S.FORCED_TOKEN_ID: -1, S.TOP_P: 1.0
 
 def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarray, int]:
     """Upload every bound input; return the lane request mask and W (pairs to read back)."""
-    b = variant.buffers
+    inputs = core.transfer.inputs(variant)  # pinned host mirrors on CUDA, uploaded below; the buffers themselves on CPU
+    b = inputs.buffers
     eos = core.manifest.get("eos_token_id")
     per_lane = [_lane_values(lane, eos) for lane in lanes]
     for name, source in variant.bindings.items():
@@ -98,9 +101,12 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
             continue
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
+        elif source in CONSTRAINT_SOURCES:
+            continue  # below: fill_constraints writes the three together
         else:
             values = [values[source] for values in per_lane] + [_IDLE.get(source, 0)] * (variant.lanes - len(lanes))
             target.copy_(torch.tensor(values, dtype=target.dtype))
+    fill_constraints(variant, lanes)
     flags = np.zeros(variant.lanes, dtype=np.int32)
     counts = np.zeros(variant.lanes, dtype=np.int32)
     for index, lane in enumerate(lanes):
@@ -118,6 +124,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
         for index, lane in enumerate(lanes):
             if counts[index]:
                 b[TOKEN_IDS][index, :counts[index]] = torch.tensor(lane.state.request.logprob_token_ids, dtype=torch.int32)
+    inputs.upload()
     pairs = max([core.k] + [int(c) for c in counts]) if flags.any() else 0
     return flags.astype(bool), pairs
 
@@ -168,6 +175,46 @@ def packed_needed(name: str, starts: torch.Tensor, lengths: torch.Tensor) -> int
     if name == SEGMENT_WINDOW:
         return int(lengths.max())
     return int((starts + lengths).max())
+
+
+CONSTRAINT_SOURCES = (S.TOKEN_BITMASK, S.LOGIT_BIAS_IDS, S.LOGIT_BIAS_VALUES)
+_UNCONSTRAINED: dict[int, weakref.ref] = {}
+"""id -> weak reference of each bitmask buffer whose variant's constraint inputs hold the neutral values (zero rows,
+ids -1) since their last upload: a round without constrained lanes skips the three uploads (~0.7 MB per round at
+capacity 32 and a Qwen vocabulary)."""
+
+
+def fill_constraints(variant, lanes: list[Lane]) -> None:
+    """The structured-output inputs: each sampling lane's bitmask and bias rows from its request's
+    ``LaneConstraints`` (after the lane's matcher accepted every generated token), zero rows and ids -1 for
+    every other lane (idle, unconstrained, a prompt chunk that emits nothing, a retiring lane)."""
+    names = {source: name for name, source in variant.bindings.items() if source in CONSTRAINT_SOURCES}
+    constrained = [(index, lane.state.request.constraints, lane.state.generated) for index, lane in enumerate(lanes)
+                   if lane.state.request.constraints is not None and (lane.chunk is None or lane.chunk.emits)
+                   and not lane.retire]
+    if len(names) != len(CONSTRAINT_SOURCES):
+        if constrained:  # a verify variant, or a core without the feature: the lane would sample unconstrained
+            raise RuntimeError(f"{variant.name} takes no structured-output inputs; lane {constrained[0][0]}'s request "
+                               "is constrained")
+        return
+    mask = variant.buffers[names[S.TOKEN_BITMASK]]
+    ids, values = variant.buffers[names[S.LOGIT_BIAS_IDS]], variant.buffers[names[S.LOGIT_BIAS_VALUES]]
+    neutral = _UNCONSTRAINED.get(id(mask))
+    if not constrained and neutral is not None and neutral() is mask:  # NOTE: `is`: tensors compare elementwise
+        return
+    mask_rows = np.zeros(tuple(mask.shape), dtype=np.int32)
+    id_rows = np.full(tuple(ids.shape), -1, dtype=np.int64)
+    value_rows = np.zeros(tuple(values.shape), dtype=np.float32)
+    fill_mask_rows(mask_rows, constrained)
+    for index, constraints, _ in constrained:
+        constraints.fill_bias(id_rows[index], value_rows[index])
+    mask.copy_(torch.from_numpy(mask_rows))
+    ids.copy_(torch.from_numpy(id_rows))
+    values.copy_(torch.from_numpy(value_rows))
+    if constrained:
+        _UNCONSTRAINED.pop(id(mask), None)
+    else:
+        _UNCONSTRAINED[id(mask)] = weakref.ref(mask)
 
 
 class Windowed:

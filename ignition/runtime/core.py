@@ -26,13 +26,14 @@ import torch
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
-from ignition.components.device_reduction import install_reduction, jit_opted_in
+from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Backend, backend_family
 from ignition.runtime.backends.aoti import has_packages
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
-from ignition.runtime.launcher import LauncherError, PreparedReduction
+from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
@@ -95,8 +96,9 @@ class LoadedVariant:
         self.run = self.runner
 
     def wrap(self, name: str, layer: Callable) -> None:
-        """Put ``layer(inner)`` around the current replay (``layers`` records it). CUDA capture, windowing and
-        tensor parallelism compose this way, in that order; nothing else changes ``run``."""
+        """Put ``layer(inner)`` around the current replay (``layers`` records it). The core's launcher binding,
+        CUDA capture, windowing and tensor parallelism compose this way, in that order; nothing else changes
+        ``run``."""
         self.run = layer(self.run)
         self.layers.append(name)
 
@@ -123,6 +125,7 @@ class LoadedCore:
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
     group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel.py)
+    _spec: Manifest | None = None
 
     @property
     def load_seconds(self) -> float:
@@ -131,6 +134,13 @@ class LoadedCore:
     @property
     def device(self) -> torch.device:
         return self.options.device if self.options is not None else torch.device("cpu")
+
+    @property
+    def spec(self) -> Manifest:
+        """The typed view of the manifest (parsed once, on first use)."""
+        if self._spec is None:
+            self._spec = Manifest.from_json(self.manifest)
+        return self._spec
 
     @property
     def features(self) -> dict:
@@ -211,18 +221,15 @@ def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: di
 
 
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
-    """Install the op's implementation for a CUDA device: the core's prepared cubins (or JIT, opted in)."""
+    """The core's launcher of its prepared cubins on a CUDA device (None: JIT, opted in), bound to its variants."""
     if jit_opted_in():
         warnings.warn("IGNITION_TRITON_JIT=1: the reduction JIT-compiles Triton instead of launching the core's "
                       "prepared kernels (development only)", stacklevel=3)
-        install_reduction(device, None)
         return None
     try:
-        reduction = PreparedReduction.load(root, report.manifest, report.catalog, report.kernels, device)
+        return load_launcher(root, report.manifest, report.catalog, report.kernels, device)
     except LauncherError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
-    install_reduction(device, reduction)
-    return reduction
 
 
 def read_manifest(path: str | Path) -> dict | None:
@@ -269,9 +276,9 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     means a file is hashed by the loader instead of the validator."""
     if manifest is None:
         return set()
-    section, rank = manifest.get("tensor_parallel"), options.rank
+    rank = options.rank
     try:
-        files = {section["rank_files"][rank]["weights"] if section else manifest["weights"]}
+        files = {Manifest.from_json(manifest).rank_weights(rank)}
         catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
         catalog = json.loads(catalog_path.read_bytes())
         files |= backend_family(options.runtime).files(catalog, manifest, rank)  # the validator hashes the others
@@ -282,17 +289,13 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     return files
 
 
-def _rank_weights(root: Path, manifest: dict, rank: int, tensor_parallel: int) -> str:
-    """The weights file of ``rank``; refuses a rank count that is not the core's."""
-    section = manifest.get("tensor_parallel")
-    ranks = section["ranks"] if section else 1
-    if tensor_parallel != ranks:
-        hint = f"run it with --tensor-parallel {ranks}" if section else "run it without --tensor-parallel"
-        raise CoreLoadError(f"{root}: the core holds {ranks} rank shard{'s' if ranks > 1 else ''}, "
-                            f"not {tensor_parallel}; {hint}")
-    if not 0 <= rank < ranks:
-        raise CoreLoadError(f"{root}: rank {rank} is outside the core's {ranks} ranks")
-    return section["rank_files"][rank]["weights"] if section else manifest["weights"]
+def _rank_weights(root: Path, spec: Manifest, options: LoadOptions) -> str:
+    """The weights file of this rank; refuses a rank count that is not the core's."""
+    if options.ranks != spec.ranks:
+        hint = f"run it with --tensor-parallel {spec.ranks}" if spec.sharded else "run it without --tensor-parallel"
+        raise CoreLoadError(f"{root}: the core holds {spec.ranks} rank shard{'s' if spec.sharded else ''}, "
+                            f"not {options.ranks}; {hint}")
+    return spec.rank_weights(options.rank)
 
 
 def load_core(path: str | Path, options: LoadOptions | None = None, *, progress: Progress | None = None,
@@ -333,8 +336,9 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     if not report.ok:
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in report.violations))
     manifest, catalog = report.manifest, report.catalog
+    spec = Manifest.from_json(manifest)
     device = options.device
-    weights_file = _rank_weights(root, manifest, options.rank, options.ranks)
+    weights_file = _rank_weights(root, spec, options)
     stages.start("weights", weights_file)
     weights_data = read_verified(root, weights_file, manifest)
     try:  # views of the verified bytes: on CPU the weights are read once and never copied
@@ -360,10 +364,13 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
                 buffers[arg.name] = state[arg.name]
             else:
                 buffers[arg.name] = arg.empty(device)
-        variants[entry["name"]] = LoadedVariant(
+        variant = LoadedVariant(
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
             layout=entry["contract"]["layout"], runner=backend.runner(entry, arguments, buffers), buffers=buffers)
+        if reduction is not None:  # the core's own launcher, while its graphs run (and are captured)
+            variant.wrap("launcher", reduction.bound)
+        variants[entry["name"]] = variant
     capture = None
     if options.cuda and not options.eager and backend.capturable:
         stages.start("capture", f"{len(variants)} CUDA graphs")
@@ -380,4 +387,4 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, options=options, backend=backend.name, transfer=HostTransfer(device),
-                      reduction=reduction, capture=capture, timings=stages.timings)
+                      reduction=reduction, capture=capture, timings=stages.timings, _spec=spec)

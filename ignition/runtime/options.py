@@ -16,33 +16,9 @@ import torch
 
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT_S
 from ignition.runtime.backends import RUNTIMES, backend_family
+from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
+from ignition.runtime.rendezvous import LOOPBACK
 from ignition.runtime.verified import LoadOptionError
-
-DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
-LOOPBACK = "127.0.0.1"
-
-
-def resolve_device(spec: str | torch.device) -> torch.device:
-    """``auto`` (CUDA when present), ``cpu``, ``cuda`` (the current CUDA device) or ``cuda:N``; ValueError otherwise."""
-    text = str(spec).strip().lower()
-    if text == "auto":
-        text = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise ValueError(f"unknown device {spec!r}; expected {DEVICE_CHOICES}") from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != "cuda":
-        raise ValueError(f"unsupported device {spec!r}; expected {DEVICE_CHOICES}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {spec!r} was asked for, but torch sees no CUDA device "
-                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'})")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if not 0 <= index < torch.cuda.device_count():
-        raise ValueError(f"device {spec!r} does not exist: torch sees {torch.cuda.device_count()} CUDA device(s)")
-    return torch.device("cuda", index)
-
 
 @dataclass(frozen=True, slots=True)
 class LoadOptions:
@@ -93,7 +69,7 @@ class LoadOptions:
     @property
     def cuda(self) -> bool:
         """Whether this load runs on a CUDA device (the one place the runtime asks)."""
-        return self.device.type == "cuda"
+        return is_cuda(self.device)
 
     @property
     def collective_backend(self) -> str:

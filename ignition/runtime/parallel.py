@@ -161,12 +161,13 @@ class RankGroup:
 
 def _check_rank_count(core: Path, ranks: int) -> None:
     """Refuse a rank count the core does not have before any worker starts (load_core checks it again)."""
+    from ignition.catalog.manifest import Manifest
     from ignition.runtime.core import CoreLoadError, read_manifest
 
     manifest = read_manifest(core)
     if manifest is None:
         return  # load_core reports an unreadable core with the validator's findings
-    found = manifest.get("tensor_parallel", {}).get("ranks", 1)
+    found = Manifest.from_json(manifest).ranks
     if found != ranks:
         hint = f"run it with --tensor-parallel {found}" if found > 1 else "run it without --tensor-parallel"
         raise CoreLoadError(f"{core}: the core holds {found} rank shard{'s' if found > 1 else ''}, not {ranks}; {hint}")

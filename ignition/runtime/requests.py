@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ignition.catalog.buffers import SAMPLING_DEFAULTS
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.catalog.limits import check_limit
+from ignition.catalog.manifest import Features
+from ignition.runtime.constraints import LaneConstraints
 
 
 class AdmissionError(ValueError):
@@ -16,16 +19,28 @@ class AdmissionError(ValueError):
         self.param = param
 
 
+DEFAULT_MAX_TOKENS = 16
+"""Tokens generated when a request names no limit: ``ignition run``, the runtime's ``Request`` and Completions
+(vLLM's and OpenAI's Completions default)."""
+
+DEFAULT_FILL_TOKENS = 256
+"""Chat's and Responses' limit when a request names none and the core declares no context length to fill."""
+
+_D = SAMPLING_DEFAULTS
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
+    """One request's sampling; every default is the catalog's (``SAMPLING_DEFAULTS``)."""
+
+    temperature: float = _D["temperature"]
+    top_k: int = _D["top_k"]
+    top_p: float = _D["top_p"]
+    min_p: float = _D["min_p"]
+    repetition_penalty: float = _D["repetition_penalty"]
+    presence_penalty: float = _D["presence_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
+    seed: int | None = None  # None: a seed derived from the request id (ignition/runtime/bindings.py)
 
 
 @dataclass(slots=True)
@@ -33,7 +48,7 @@ class Request:
     """One generation request, in token ids."""
 
     prompt_ids: list[int]
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None  # natural alternatives 0..K (None: no logprobs)
     logprob_token_ids: list[int] | None = None  # explicit ids, reported in caller order
@@ -42,6 +57,8 @@ class Request:
     forced_tokens: dict[int, int] = field(default_factory=dict)  # generated index -> token emitted without logprob
     prompt_logprobs: int | None = None
     request_id: str = ""
+    n: int = 1  # samples of this prompt (ignition/runtime/samples.py): the prompt is prefilled once for all
+    constraints: LaneConstraints | None = None  # structured output and sampling controls (runtime/constraints.py)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -52,6 +69,8 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
     """Raise AdmissionError with an exact message for anything this core cannot serve."""
     if not request.prompt_ids:
         raise AdmissionError("prompt must contain at least one token", "prompt")
+    if request.n < 1:
+        raise AdmissionError(f"n must be at least 1, got {request.n}", "n")
     bad = [t for t in request.prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise AdmissionError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
@@ -67,7 +86,7 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
 def check_options(request: Request, features: dict, vocab_size: int) -> None:
     """The part of check_admission that needs no prompt: logprob options against the core's features
     (from its manifest alone, so ``ignition run`` refuses them before loading) and sampling ranges."""
-    k = features["max_logprobs"] if features["allow_logprobs"] else 0
+    k = Features.from_json(features).effective_k
     if request.wants_logprobs and not features["allow_logprobs"]:
         raise AdmissionError("this core was exported without logprob outputs (allow_logprobs: false)", "logprobs")
     if request.logprobs is not None and not 0 <= request.logprobs <= k:
@@ -94,6 +113,11 @@ def check_options(request: Request, features: dict, vocab_size: int) -> None:
         if not 0 <= request.prompt_logprobs <= k:
             raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
                                  "prompt_logprobs")
+    if request.constraints is not None and request.constraints.fields \
+            and not Features.from_json(features).structured_output:
+        fields = request.constraints.fields
+        raise AdmissionError(f"this core was exported without the structured-output inputs (token_bitmask, logit "
+                             f"bias), so it cannot serve {', '.join(fields)}; re-export it", fields[0])
     check_sampling(request.sampling)
 
 

@@ -75,8 +75,8 @@ class Runner:
 
     def submit(self, variant, lanes: list[Lane]) -> Submission:
         frame = variant.next_frame
+        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)  # may fail one lane: nothing ran yet
         variant.next_frame ^= 1
-        request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)
         variant.run(variant.buffers)
         owners = [(lane.state.slot, lane.state.epoch) for lane in lanes] + [None] * (variant.lanes - len(lanes))
         pending = PendingFrame(frame, owners, request_mask, pairs)

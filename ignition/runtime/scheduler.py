@@ -4,7 +4,12 @@ Each step is one submission: the prefill chunk of one request (or the chunks of 
 round, or one decode round for up to the largest capacity of running requests, run in the smallest variant
 that fits (the core's padding rule). The mechanics of a submission (frames, inputs, replay, readback, the
 record-ownership check) are the runner's (ignition.runtime.runner); the scheduler decides what to
-submit and what each lane's record means for its request.
+submit and what each lane's record means for its request. A request for ``n`` samples is a group
+(ignition/runtime/samples.py): admitted together, its prompt prefilled once by its first sample and
+copied into the others' slots (the "sample groups" methods). A request with ``constraints`` (structured output and
+the sampling controls, ignition/runtime/constraints.py) has its bitmask and bias rows written before every
+submission that samples for it, advances its grammar over every emitted token, and never rides a speculative
+verify round (the "constraints" methods).
 """
 
 from __future__ import annotations
@@ -17,9 +22,12 @@ from ignition.catalog.abi import TokenEntry, has_payload
 from ignition.catalog.buffers import KEY_WINDOW
 from ignition.catalog.enums import FinishReason, Operation
 from ignition.runtime.bindings import ChunkPlan, Lane, replayed_extent
+from ignition.runtime.constraints import ConstraintError
 from ignition.runtime.core import LoadedCore, LoadedVariant
+from ignition.runtime.grammar import GrammarViolation
 from ignition.runtime.runner import OwnershipError, Runner, Submission
-from ignition.runtime.requests import Request, check_admission
+from ignition.runtime.requests import AdmissionError, Request, check_admission
+from ignition.runtime.samples import PromptCopier, SampleGroup, sample_requests
 
 
 @dataclass(slots=True)
@@ -34,6 +42,10 @@ class RequestState:
     entries: list[TokenEntry] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    group: SampleGroup | None = None  # a sample of an n > 1 request (ignition/runtime/samples.py)
+    prompt_source: RequestState | None = None  # the sibling whose slot will hold the prompt state to copy
+    grammar_ended: bool = False  # finished "stop" because its grammar is complete: the EOS it forces next is implied
+    error_param: str | None = None  # the request field an "error" finish is due to (its constraints): a client error
 
     @property
     def done(self) -> bool:
@@ -95,7 +107,10 @@ class Engine:
         self.finished: dict[str, RequestState] = {}
         self.runner = Runner(core)
         self._ids = itertools.count()
-        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0, "packed_rounds": 0}
+        self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0,
+                      "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0, "packed_rounds": 0}
+        self.groups: dict[str, SampleGroup] = {}  # n > 1 requests by id, until every sample finished
+        self.copier = PromptCopier(core)
 
     @property
     def readers(self):
@@ -113,22 +128,32 @@ class Engine:
 
     # -- admission -------------------------------------------------------------------------
     def submit(self, request: Request) -> str:
-        """Admit a request (AdmissionError before any state changes) and return its id."""
+        """Admit a request (AdmissionError before any state changes) and return its id; an ``n > 1`` request's
+        id names its group (``samples`` lists the samples' ids)."""
         check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
         request_id = request.request_id or f"req-{next(self._ids)}"
+        if request.n > 1:
+            return self._submit_group(request, request_id)
         self.waiting.append(RequestState(request, request_id))
         return request_id
 
     def _assign_slots(self) -> None:
         while self.waiting and self.free_slots:
-            state = self.waiting.popleft()
-            state.slot = self.free_slots.popleft()
-            self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
-            state.epoch = self.epochs[state.slot]
-            self.running.append(state)
+            group = self.waiting[0].group
+            if group is not None and not group.admitted:  # first come, first served: later requests wait too
+                if not self._admit_group(group):
+                    break
+                continue
+            self._take_slot(self.waiting.popleft())
 
-    def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
-        state.finish_reason, state.error = reason, error
+    def _take_slot(self, state: RequestState) -> None:
+        state.slot = self.free_slots.popleft()
+        self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
+        state.epoch = self.epochs[state.slot]
+        self.running.append(state)
+
+    def _finish(self, state: RequestState, reason: str, error: str | None = None, param: str | None = None) -> None:
+        state.finish_reason, state.error, state.error_param = reason, error, param
         if self.drafter is not None:
             self.drafter.release(state.request_id)
         self.running.remove(state)
@@ -147,9 +172,11 @@ class Engine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one submission; False when nothing is left to do."""
+        self._forget_groups()
         self._assign_slots()
-        prefilling = [s for s in self.running if s.prefilled < len(s.context())]
-        decoding = [s for s in self.running if not s.done and not self._backlogged(s) and s not in prefilling]
+        ready = [s for s in self.running if s.prompt_source is None]  # not a sample waiting for its prompt state
+        prefilling = [s for s in ready if s.prefilled < len(s.context())]
+        decoding = [s for s in ready if not s.done and not self._backlogged(s) and s not in prefilling]
         if prefilling and self._mixed_round(prefilling[0], decoding):
             return True
         if prefilling and self._packed_prefill(prefilling):
@@ -162,18 +189,29 @@ class Engine:
             self._release_retiring(list(self.retiring))
             return freed and bool(self.waiting)
         drafts = self._drafts(decoding)
-        variants = self.verify_variants if any(drafts) else self.decode_variants
-        largest = variants[-1].capacity
         retiring = list(self.retiring)
-        for start in range(0, len(decoding), largest):
-            batch = zip(decoding[start:start + largest], drafts[start:start + largest])
-            lanes = [Lane(state=s, draft=d) for s, d in batch]
+        if any(drafts):  # constrained requests never ride a verify round (its graphs take no mask): decode apart
+            masked = [s for s in decoding if self._constrained(s)]
+            plain = [(s, d) for s, d in zip(decoding, drafts) if not self._constrained(s)]
+            retiring = self._rounds(self.verify_variants, plain, retiring)
+            retiring = self._rounds(self.decode_variants, [(s, []) for s in masked], retiring)
+        else:
+            retiring = self._rounds(self.decode_variants, list(zip(decoding, drafts)), retiring)
+        self._release_retiring(retiring)  # no room in this round
+        return True
+
+    def _rounds(self, variants: list[LoadedVariant], planned: list[tuple[RequestState, list[int]]],
+                retiring: list[RequestState]) -> list[RequestState]:
+        """Submit ``planned`` (request, draft) lanes in rounds of the largest capacity, cancelled lanes riding where
+        there is room; the cancelled lanes left without a round."""
+        largest = variants[-1].capacity
+        for start in range(0, len(planned), largest):
+            lanes = [Lane(state=s, draft=d) for s, d in planned[start:start + largest]]
             riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
             lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
             variant = variants[-1] if self.batch_invariant else next(v for v in variants if v.capacity >= len(lanes))
             self._submit(variant, lanes)
-        self._release_retiring(retiring)  # no room in this round
-        return True
+        return retiring
 
     def _drafts(self, decoding: list[RequestState]) -> list[list[int]]:
         """Each decoding request's proposal (empty without a drafter).
@@ -181,7 +219,8 @@ class Engine:
         The rule: a round is a speculative ``verify`` round when at least one lane has a proposal, else an
         ordinary decode round. A proposal never reaches past the request's token budget or a forced token
         (a forced token is emitted alone at position 0 of its own round), so every drafted position can be
-        emitted; a lane without a proposal emits exactly what a decode round would.
+        emitted; a lane without a proposal emits exactly what a decode round would. A constrained request gets
+        no proposal (``step`` decodes it in an ordinary round).
         """
         if self.drafter is None:
             return [[] for _ in decoding]
@@ -192,6 +231,8 @@ class Engine:
             forced = [index - generated for index in state.request.forced_tokens if index >= generated]
             if forced:
                 limit = min(limit, min(forced) - 1)
+            if self._constrained(state):
+                limit = 0
             asks.append((state.request_id, state.request.prompt_ids + state.generated, max(limit, 0)))
         return self.drafter.propose(asks)
 
@@ -201,7 +242,8 @@ class Engine:
         return {rid: self.result(rid) for rid in self.finished}
 
     def generate(self, requests: list[Request]) -> list[Result]:
-        ids = [self.submit(r) for r in requests]
+        """One result per request, in order; an ``n > 1`` request gives its samples' results, in index order."""
+        ids = [sample for r in requests for sample in self.samples(self.submit(r))]
         self.run()
         return [self.result(rid) for rid in ids]
 
@@ -217,9 +259,10 @@ class Engine:
         remaining prompt scores and never publishes a position twice.
         """
         state = next(s for s in self.running if s.request_id == request_id)
+        self._hand_over_prompt(state)
         self.running.remove(state)
         self.free_slots.append(state.slot)
-        state.slot, state.prefilled = -1, 0
+        state.slot, state.prefilled, state.prompt_source = -1, 0, None
         self.waiting.appendleft(state)
 
     def state(self, request_id: str) -> RequestState:
@@ -230,7 +273,12 @@ class Engine:
         return self.finished[request_id]
 
     def cancel(self, request_id: str) -> None:
-        """Abort a request (a client disconnect): its slot is freed at once."""
+        """Abort a request (a client disconnect): its slot is freed at once. A group's id aborts every sample."""
+        if request_id in self.groups:  # the samples waiting for the prompt first: the prompt is then not handed over
+            for member in reversed(self.groups[request_id].members):
+                if not member.done:
+                    self.cancel(member.request_id)
+            return
         for state in list(self.waiting):
             if state.request_id == request_id:
                 self.waiting.remove(state)
@@ -238,7 +286,11 @@ class Engine:
                 self.finished[request_id] = state
                 return
         state = next((s for s in self.running if s.request_id == request_id), None)
+        if state is not None and state.prompt_source is not None:  # a sample that never ran: nothing in flight
+            self._finish(state, "abort")
+            return
         if state is not None:  # the lane rides the next decode round as a records-only MAINTENANCE lane
+            self._hand_over_prompt(state)
             state.finish_reason = "abort"
             if self.drafter is not None:
                 self.drafter.release(request_id)
@@ -261,6 +313,7 @@ class Engine:
         lane, finish = self._chunk_lane(prompting, self.chunk)
         self._submit(variant, [Lane(state=s) for s in decoding] + [lane])
         finish()
+        self._share_prompt(prompting)
         self.stats["mixed_rounds"] += 1
         return True
 
@@ -283,8 +336,9 @@ class Engine:
             return False
         lanes, finishes = zip(*(self._chunk_lane(state, chunk) for state in states))
         self._submit(variant, list(lanes))
-        for finish in finishes:
+        for state, finish in zip(states, finishes):
             finish()
+            self._share_prompt(state)
         self.stats["packed_rounds"] += 1
         return True
 
@@ -305,6 +359,7 @@ class Engine:
         lane, finish = self._chunk_lane(state, chunk, scored=variant.operation is Operation.SCORED_PREFILL)
         self._submit(variant, [lane])
         finish()
+        self._share_prompt(state)
 
     def _chunk_lane(self, state: RequestState, chunk: int, scored: bool = False):
         """The lane of ``state``'s next prompt chunk (at most ``chunk`` rows), and what to do once it was decoded."""
@@ -338,9 +393,86 @@ class Engine:
                 raise ValueError(f"prompt row {position} scores token {entry.id}, expected {prompt[position]}")
             state.prompt_entries.append(entry.as_json())
 
+    # -- sample groups (n > 1; ignition/runtime/samples.py) ----------------------------------
+    def _submit_group(self, request: Request, group_id: str) -> str:
+        if request.n > self.num_slots:
+            raise AdmissionError(f"n = {request.n} samples of one prompt decode together, one slot each, and this "
+                                 f"core has {self.num_slots} slots", "n")
+        if group_id in self.groups:
+            raise AdmissionError(f"request id {group_id!r} is already running", "request_id")
+        group = SampleGroup(group_id)
+        group.members = [RequestState(sample, sample.request_id, group=group)
+                         for sample in sample_requests(request, group_id)]
+        self.waiting.extend(group.members)
+        self.groups[group_id] = group
+        return group_id
+
+    def samples(self, request_id: str) -> list[str]:
+        """The ids of a request's samples, in index order, while any runs: a group's, else the request's own id."""
+        group = self.groups.get(request_id)
+        return [member.request_id for member in group.members] if group is not None else [request_id]
+
+    def _admit_group(self, group: SampleGroup) -> bool:
+        """Give each of ``group``'s waiting samples a slot, all at once (False, nothing taken, while fewer slots
+        are free). The first prefills the prompt; the others wait for its state (``_share_prompt``)."""
+        members = list(itertools.takewhile(lambda state: state.group is group, self.waiting))
+        if len(members) > len(self.free_slots):
+            return False
+        for state in members:
+            self.waiting.popleft()
+            self._take_slot(state)
+        group.admitted = True
+        if self.copier.shared:
+            for state in members[1:]:
+                state.prompt_source = members[0]
+        return True
+
+    def _share_prompt(self, leader: RequestState) -> None:
+        """Once ``leader``'s prompt is in its slot (right after the submission that completed it, before any
+        other), copy its prompt state into the slots of the samples waiting for it; they decode from there."""
+        waiting = [s for s in leader.group.members if s.prompt_source is leader] if leader.group else []
+        prompt = leader.request.prompt_ids
+        if not waiting or (leader.error is None and leader.prefilled < len(prompt)):
+            return
+        for state in waiting:
+            state.prompt_source = None
+            if leader.error is not None:  # the prompt failed: so does every sample that shares it
+                self._finish(state, "error", leader.error)
+                continue
+            state.prompt_entries = list(leader.prompt_entries)  # prompt scores are computed once, reported by all
+            if state.request.max_tokens == 0:
+                self._finish(state, "length")
+                continue
+            self.copier.copy(leader.slot, state.slot, len(prompt))
+            state.prefilled = len(prompt)  # the first decode lane recomputes position L - 1 in its own slot
+            self.stats["prompt_copies"] += 1
+
+    def _hand_over_prompt(self, state: RequestState) -> None:
+        """``state`` leaves before its prompt state was shared: the first sample waiting for it prefills the
+        prompt in its own slot instead, for the others."""
+        waiting = [s for s in state.group.members if s.prompt_source is state] if state.group else []
+        if waiting:
+            waiting[0].prompt_source = None
+            for other in waiting[1:]:
+                other.prompt_source = waiting[0]
+
+    def _forget_groups(self) -> None:
+        for group_id in [g for g, group in self.groups.items() if all(s.done for s in group.members)]:
+            del self.groups[group_id]
+
     # -- one submission --------------------------------------------------------------------
     def _submit(self, variant: LoadedVariant, lanes: list[Lane]) -> None:
-        submission = self.runner.submit(variant, lanes)
+        for lane in lanes:
+            if lane.chunk is not None:
+                self.stats["prefill_chunks"] += 1
+                self.stats["prompt_tokens_prefilled"] += len(lane.chunk.tokens)
+        try:
+            submission = self.runner.submit(variant, lanes)
+        except (ConstraintError, GrammarViolation) as exc:
+            if getattr(exc, "lane", None) is None:
+                raise
+            self._resubmit_without(variant, lanes, exc)
+            return
         if variant.operation is Operation.SCORED_PREFILL:
             try:
                 self._publish_prompt_rows(submission)
@@ -391,9 +523,62 @@ class Engine:
                 return
             state.generated.append(token)
             state.entries.append(entry)
+            if not self._advance_grammar(state, token):
+                return
         state.prefilled = record.sequence_length  # the KV now holds everything before the newest token
         if record.finish_reason is FinishReason.LENGTH or len(state.generated) >= request.max_tokens:
             self._finish(state, "length")
+
+
+    # -- constraints (structured output and sampling controls; ignition/runtime/constraints.py) --------
+    @staticmethod
+    def _constrained(state: RequestState) -> bool:
+        constraints = state.request.constraints
+        return constraints is not None and bool(constraints.fields)
+
+    def _advance_grammar(self, state: RequestState, token: int) -> bool:
+        """Advance ``state``'s grammar over an emitted token (forced ones too); False once that finished it: "error"
+        on a token the grammar refuses, "stop" when the grammar is complete.
+
+        A complete grammar allows only EOS next, so vLLM samples that EOS in one more step and counts it
+        (``check_stop``, vllm/v1/core/sched/utils.py); the request ends here instead, one step earlier, with
+        ``grammar_ended`` set so the server counts and lists the EOS as if it had been sampled (the same output,
+        usage and ``token_ids``). With fewer than ``min_tokens`` tokens that EOS would be masked: the request
+        fails as the next fill would (``ConstraintConflict``). With ``ignore_eos`` it simply ends "stop"."""
+        constraints = state.request.constraints
+        grammar = constraints.grammar if constraints is not None else None
+        if grammar is None:
+            return True
+        try:
+            grammar.accept(token)
+        except GrammarViolation as exc:  # e.g. bytes the grammar needs that no token of this tokenizer produces
+            self._finish(state, "error", str(exc), grammar.spec.param)
+            return False
+        if not grammar.stopped:
+            return True
+        if not state.request.ignore_eos:  # (with ignore_eos vLLM would emit that EOS until max_tokens)
+            if len(state.generated) < constraints.min_tokens:
+                self._finish(state, "error", f"the {grammar.spec.param} constraint is complete after "
+                                             f"{len(state.generated)} tokens, before min_tokens = "
+                                             f"{constraints.min_tokens}: nothing is allowed next", "min_tokens")
+                return False
+            state.grammar_ended = True
+        self._finish(state, "stop")
+        return False
+
+    def _resubmit_without(self, variant: LoadedVariant, lanes: list[Lane], exc: Exception) -> None:
+        """Filling the inputs failed for one lane (its constraints allow no token, or its grammar is in error):
+        nothing ran; fail that lane's request and submit the others."""
+        failed = lanes[exc.lane]
+        fields = failed.state.request.constraints.fields
+        self._finish(failed.state, "error", str(exc), getattr(exc, "param", None) or fields[0])
+        rest = [lane for lane in lanes if lane is not failed]
+        if not rest:
+            return
+        if variant.operation is Operation.MIXED and all(lane.chunk is None for lane in rest):
+            variant = self.decode_variants[-1] if self.batch_invariant else \
+                next(v for v in self.decode_variants if v.capacity >= len(rest))
+        self._submit(variant, rest)
 
 
 def select_verify_variants(core: LoadedCore, draft_tokens: int) -> list[LoadedVariant]:

@@ -1,7 +1,7 @@
 """The prepared launcher of a sharded core: six cubins per rank for the vocabulary-sharded reduction, and seven
 per row-block size for sharded prompt scoring (``PreparedScoring``).
 
-``PreparedReduction.load`` hands a core with a ``tensor_parallel`` section to
+``launcher.load_launcher`` hands a core with a ``tensor_parallel`` section to
 ``PreparedVocabulary.load``. Every rank loads the same binaries (the launch plan does not depend on
 the rank; a shard's position is a runtime argument) and one workspace per (rows, vocab_shard). The
 CUDA stage ops (``ignition.components.device_reduction``) call ``statistics``, ``candidates`` and
@@ -21,10 +21,10 @@ import torch
 from ignition.catalog.model import reduction_rows
 from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES, VOCABULARY_LAUNCHES,
                                        variant_scoring_blocks)
-from ignition.components.vocabulary_workspace import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments,
-                                                      stage_arguments, stage_launches)
-from ignition.runtime.launcher import (LauncherError, PreparedLaunch, _driver, claim_launches, launch_all, load_launches,
-                                       logprob_variants, open_table)
+from ignition.components.workspaces import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments, stage_arguments,
+                                             stage_launches)
+from ignition.runtime.cuda_driver import LauncherError
+from ignition.runtime.launches import KernelTable, PreparedKernels, PreparedLaunch, claim_launches, logprob_variants
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +87,13 @@ def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, li
     return shapes
 
 
-def _load_shapes(shapes: dict, workspace_class: type, root: Path, entries: dict, target: str, driver, functions: dict,
-                 modules: list, device: torch.device) -> tuple[dict, dict]:
+def _load_shapes(shapes: dict, workspace_class: type, kernels: KernelTable, device: torch.device) -> tuple[dict, dict]:
     """Each shape's loaded launches, and one ``workspace_class`` per (rows, vocab_shard) sized by its first launch
     (``tile_stats`` or ``score.tile_stats``: (rows, tiles) with SUB sub-blocks per tile)."""
     launches, workspaces = {}, {}
     for shape, keys in shapes.items():
-        launches[shape] = load_launches(root, entries, keys, target, driver, functions, modules)
-        first = entries[(keys[0], target)]
+        launches[shape] = kernels.launches(keys)
+        first = kernels.entry(keys[0])
         if (shape.rows, shape.vocab_shard) not in workspaces:
             workspaces[(shape.rows, shape.vocab_shard)] = workspace_class.allocate(
                 shape.rows, first["grid"][1], first["constexprs"]["SUB"], device)
@@ -123,20 +122,17 @@ def _stage_of(stages: dict, stage: str, key: tuple, label: str, none: str) -> li
     return launches
 
 
-class PreparedVocabulary:
-    """The CUDA implementation of the three sharded stage ops for one device (one rank) and one core."""
+class PreparedVocabulary(PreparedKernels):
+    """The CUDA implementation of the three sharded stage ops for one core on one device (one rank)."""
 
-    def __init__(self, device: torch.device, target: str, shapes: dict[VocabularyShape, list[PreparedLaunch]],
-                 workspaces: dict[tuple[int, int], VocabularyWorkspace], modules: list, driver=None,
+    def __init__(self, device: torch.device, table: KernelTable, shapes: dict[VocabularyShape, list[PreparedLaunch]],
+                 workspaces: dict[tuple[int, int], VocabularyWorkspace],
                  scoring: "dict[ScoringShape, list[PreparedLaunch]] | None" = None,
                  scoring_workspaces: dict[tuple[int, int], ScoringWorkspace] | None = None):
-        self.device, self.target = device, target
+        super().__init__(device, table)
         self.scoring = PreparedScoring(self, scoring or {}, scoring_workspaces or {})
-        self.driver = driver or _driver()
         self.shapes = shapes
         self.workspaces = workspaces
-        self._modules = modules
-        self.launch_count = 0
         self._stages = _index_stages(shapes, lambda shape: (
             ("statistics", (shape.rows, shape.vocab_shard, shape.logits_dtype)),
             ("candidates", (shape.rows, shape.vocab_shard, shape.ranks, shape.explicit_ids, shape.logits_dtype)),
@@ -147,29 +143,20 @@ class PreparedVocabulary:
     def load(cls, root: Path, manifest: dict, table: dict, shapes: dict[VocabularyShape, list[str]],
              device: torch.device, target: str, driver=None,
              scoring: dict[ScoringShape, list[str]] | None = None) -> "PreparedVocabulary":
-        driver, entries = open_table(table, device, driver)
-        functions, modules = {}, []
-        launches, workspaces = _load_shapes(shapes, VocabularyWorkspace, root, entries, target, driver, functions,
-                                            modules, device)
-        scoring_launches, scoring_workspaces = _load_shapes(scoring or {}, ScoringWorkspace, root, entries, target,
-                                                            driver, functions, modules, device)
-        return cls(device, target, launches, workspaces, modules, driver, scoring_launches, scoring_workspaces)
+        kernels = KernelTable(root, table, target, device, driver)
+        launches, workspaces = _load_shapes(shapes, VocabularyWorkspace, kernels, device)
+        scoring_launches, scoring_workspaces = _load_shapes(scoring or {}, ScoringWorkspace, kernels, device)
+        return cls(device, kernels, launches, workspaces, scoring_launches, scoring_workspaces)
 
     @property
     def workspace_bytes(self) -> int:
-        workspaces = list(self.workspaces.values()) + list(self.scoring.workspaces.values())
-        return sum(t.numel() * t.element_size() for w in workspaces for t in w.tensors())
+        return sum(w.nbytes for w in list(self.workspaces.values()) + list(self.scoring.workspaces.values()))
 
     def _stage(self, stage: str, key: tuple) -> list[PreparedLaunch]:
         return _stage_of(self._stages, stage, key, "", "[]")
 
     def _workspace(self, rows: int, vocab_shard: int) -> VocabularyWorkspace:
         return self.workspaces[(rows, vocab_shard)]
-
-    def _launch(self, launches: list[PreparedLaunch], args: dict) -> None:
-        values = {name: value.data_ptr() if isinstance(value, torch.Tensor) else value for name, value in args.items()}
-        launch_all(self.driver, self.current_stream(), launches, values)
-        self.launch_count += len(launches)
 
     @staticmethod
     def new_exchange(rows: int, device: torch.device) -> torch.Tensor:
@@ -186,9 +173,9 @@ class PreparedVocabulary:
         rows, shard = logits.shape
         launches = self._stage("statistics", (rows, shard, self._dtype(logits)))
         exchange = self.new_exchange(rows, logits.device)
-        self._launch(launches, stage_arguments("statistics", self._workspace(rows, shard), logits=logits,
-                                               requested=requested, exchange=exchange, vocab_start=vocab_start,
-                                               vocab_size=vocab_size, vocab_shard=shard))
+        self.launch(launches, stage_arguments("statistics", self._workspace(rows, shard), logits=logits,
+                                              requested=requested, exchange=exchange, vocab_start=vocab_start,
+                                              vocab_size=vocab_size, vocab_shard=shard))
         return exchange
 
     def candidates(self, logits, statistics, chosen, requested, token_ids, token_id_counts, vocab_start, vocab_size):
@@ -196,25 +183,22 @@ class PreparedVocabulary:
         key = (rows, shard, statistics.shape[0] // rows, token_ids is not None, self._dtype(logits))
         launches = self._stage("candidates", key)
         exchange = self.new_exchange(rows, logits.device)
-        self._launch(launches, stage_arguments("candidates", self._workspace(rows, shard), logits=logits,
-                                               chosen=chosen, requested=requested, token_ids=token_ids,
-                                               token_id_counts=token_id_counts, exchange=exchange,
-                                               statistics=statistics, vocab_start=vocab_start,
-                                               vocab_size=vocab_size, vocab_shard=shard))
+        self.launch(launches, stage_arguments("candidates", self._workspace(rows, shard), logits=logits,
+                                              chosen=chosen, requested=requested, token_ids=token_ids,
+                                              token_id_counts=token_id_counts, exchange=exchange,
+                                              statistics=statistics, vocab_start=vocab_start,
+                                              vocab_size=vocab_size, vocab_shard=shard))
         return exchange
 
     def merge(self, statistics, candidates, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size,
               vocab_shard, k):
         rows = chosen.shape[0]
         launches = self._stage("merge", (rows, vocab_shard, statistics.shape[0] // rows, k, token_ids is not None))
-        self._launch(launches, stage_arguments("merge", self._workspace(rows, vocab_shard), chosen=chosen,
-                                               requested=requested, token_ids=token_ids,
-                                               token_id_counts=token_id_counts, statistics=statistics,
-                                               candidates=candidates, out=out, out_rows=out_rows,
-                                               vocab_size=vocab_size, vocab_shard=vocab_shard))
-
-    def current_stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        self.launch(launches, stage_arguments("merge", self._workspace(rows, vocab_shard), chosen=chosen,
+                                              requested=requested, token_ids=token_ids,
+                                              token_id_counts=token_id_counts, statistics=statistics,
+                                              candidates=candidates, out=out, out_rows=out_rows,
+                                              vocab_size=vocab_size, vocab_shard=vocab_shard))
 
 
 class PreparedScoring:
@@ -244,25 +228,25 @@ class PreparedScoring:
         rows, shard = logits.shape
         launches = self._stage("statistics", (rows, shard, self.parent._dtype(logits)))
         exchange = self.new_exchange(rows, logits.device)
-        self.parent._launch(launches, scoring_arguments("statistics", self._workspace(rows, shard), logits=logits,
-                                                        targets=targets, exchange=exchange, vocab_start=vocab_start,
-                                                        vocab_size=vocab_size, vocab_shard=shard))
+        self.parent.launch(launches, scoring_arguments("statistics", self._workspace(rows, shard), logits=logits,
+                                                       targets=targets, exchange=exchange, vocab_start=vocab_start,
+                                                       vocab_size=vocab_size, vocab_shard=shard))
         return exchange
 
     def candidates(self, logits, statistics, targets, vocab_start, vocab_size):
         rows, shard = logits.shape
         launches = self._stage("candidates", (rows, shard, statistics.shape[0] // rows, self.parent._dtype(logits)))
         exchange = self.new_exchange(rows, logits.device)
-        self.parent._launch(launches, scoring_arguments("candidates", self._workspace(rows, shard), logits=logits,
-                                                        targets=targets, exchange=exchange, statistics=statistics,
-                                                        vocab_start=vocab_start, vocab_size=vocab_size,
-                                                        vocab_shard=shard))
+        self.parent.launch(launches, scoring_arguments("candidates", self._workspace(rows, shard), logits=logits,
+                                                       targets=targets, exchange=exchange, statistics=statistics,
+                                                       vocab_start=vocab_start, vocab_size=vocab_size,
+                                                       vocab_shard=shard))
         return exchange
 
     def merge(self, statistics, candidates, targets, out, out_rows, vocab_size, vocab_shard):
         rows = targets.shape[0]
         launches = self._stage("merge", (rows, vocab_shard, statistics.shape[0] // rows))
-        self.parent._launch(launches, scoring_arguments("merge", self._workspace(rows, vocab_shard), targets=targets,
-                                                        statistics=statistics, candidates=candidates, out=out,
-                                                        out_rows=out_rows, vocab_size=vocab_size,
-                                                        vocab_shard=vocab_shard))
+        self.parent.launch(launches, scoring_arguments("merge", self._workspace(rows, vocab_shard), targets=targets,
+                                                       statistics=statistics, candidates=candidates, out=out,
+                                                       out_rows=out_rows, vocab_size=vocab_size,
+                                                       vocab_shard=vocab_shard))

@@ -135,6 +135,8 @@ def create_app(core: str | Path | LoadedCore, model_name: str | None = None, que
         finally:
             engine.stop()
             ctx.executor.shutdown(wait=False, cancel_futures=True)
+            if not isinstance(ctx.grammars, (str, type(None))):
+                ctx.grammars.close()
 
     docs = config.enable_docs
     app = FastAPI(title="Ignition", version=ignition.__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
@@ -253,7 +255,8 @@ def _model_card(ctx: ServerContext) -> ModelCard:
                               explicit_ids=features["explicit_ids"],
                               max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
                               prompt_logprobs=features["prompt_logprobs"],
-                              chat_template=ctx.chat_template is not None))
+                              chat_template=ctx.chat_template is not None,
+                              structured_output=bool(features.get("structured_output", False))))
 
 
 async def _json_object(request: Request) -> dict:

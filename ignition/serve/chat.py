@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 from fastapi import Request as HttpRequest
@@ -10,10 +11,13 @@ from fastapi.responses import Response
 from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                               ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                               ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
-from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, check_whole_vocabulary, collect, error_event, respond, sse)
+from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext, best,
+                                   build_request, check_whole_vocabulary, collect, error_event, merged,
+                                   respond_samples, sse)
 from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
+from ignition.serve.parsers import OutputParser
 from ignition.serve.templates import TemplateLimitError, render_bounded, special_token, trusted_template
+from ignition.serve.tools import ToolCallReader, ToolUse, enforce, template_messages, tool_use
 
 DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
 
@@ -27,8 +31,8 @@ def _text_content(message: dict, index: int) -> str:
     raise ApiError(f"messages[{index}].content: only text content is supported", f"messages[{index}].content")
 
 
-def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
-    """The prompt text the chat template makes of the messages (on a preprocessing thread)."""
+def render_prompt(ctx: ServerContext, body: ChatCompletionRequest, tools: list[dict] | None = None) -> str:
+    """The prompt text the chat template makes of the messages and ``tools`` (on a preprocessing thread)."""
     if body.chat_template is not None and not ctx.config.allow_request_chat_template:
         raise ApiError("this server does not accept chat templates in requests (start it with "
                        "--allow-request-chat-template); leave out `chat_template` to use the model's", "chat_template")
@@ -40,10 +44,10 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
     if body.continue_final_message and body.add_generation_prompt:
         raise ApiError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                        "continue_final_message")
-    messages = [dict(m, content=_text_content(m, i)) for i, m in enumerate(body.messages)]
+    messages = template_messages([dict(m, content=_text_content(m, i)) for i, m in enumerate(body.messages)])
     for i, message in enumerate(messages):
         ctx.check_text(message["content"], f"messages[{i}].content")
-    variables = dict(messages=messages, add_generation_prompt=body.add_generation_prompt,
+    variables = dict(messages=messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
                      bos_token=special_token(ctx.tokenizer_config, "bos_token") or "",
                      eos_token=special_token(ctx.tokenizer_config, "eos_token") or "")
     extra = body.chat_template_kwargs or {}
@@ -68,12 +72,21 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest) -> str:
     return rendered
 
 
-def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, truncate: int | None = None) -> list[int]:
+def chat_prompt_ids(ctx: ServerContext, body: ChatCompletionRequest, truncate: int | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
     """Render and tokenize (on a preprocessing thread); ``truncate``: keep that many last tokens."""
     if ctx.tokenizer is None:
         raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json): Chat needs one; "
                        "use /v1/completions with token ids", "messages")
-    return ctx.encode(render_prompt(ctx, body), body.add_special_tokens, "messages", truncate)
+    return ctx.encode(render_prompt(ctx, body, tools), body.add_special_tokens, "messages", truncate)
+
+
+def chat_tool_use(ctx: ServerContext, body: ChatCompletionRequest) -> ToolUse:
+    """The request's tools and tool_choice, resolved as vLLM resolves them (serve/tools.py)."""
+    choice = body.tool_choice
+    return tool_use(ctx.config, None if body.tools is None else [t.model_dump(exclude_none=True) for t in body.tools],
+                    choice.model_dump() if hasattr(choice, "model_dump") else choice,
+                    "tool_choice" in body.model_fields_set and choice is not None, body.parallel_tool_calls)
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, http: HttpRequest) -> Response:
@@ -90,45 +103,74 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     features = ctx.core.features
     if body.logprobs and features["allow_logprobs"] and not 0 <= top <= features["max_logprobs"]:
         raise ApiError(f"top_logprobs must be between 0 and {features['max_logprobs']}, got {top}", "top_logprobs")
-    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body, body.truncate_prompt_tokens)
+    tools = chat_tool_use(ctx, body)
+    if tools.parser_class is not None and tools.parser_class.keep_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special
+    prompt_ids = await ctx.run(chat_prompt_ids, ctx, body, body.truncate_prompt_tokens, tools.template_tools)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
     request = await ctx.run(functools.partial(build_request, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs,
-                                              logprobs=top if body.logprobs else None),
+                                              logprobs=top if body.logprobs else None, samples=True),
                             ctx, body, prompt_ids, random_id("chatcmpl"))
-    return await respond(ctx, http, body, request, _ChatView(ctx, body, request.request_id, prompt_ids))
+    await enforce(ctx, tools, request)
+    view = _ChatView(ctx, body, request.request_id, prompt_ids, tools if tools.parser_class is not None else None)
+    return await respond_samples(ctx, http, body, request, view)
+
+
+async def _pieces(output: RequestOutput, index: int):
+    """``(index, piece)`` for each piece of one sample's output."""
+    while (piece := await output.next()) is not None:
+        yield index, piece
 
 
 class _ChatView(ResponseView):
-    """Turns released pieces into Chat responses for one request."""
+    """Turns released pieces into Chat responses for one request: choice ``i`` is sample ``i`` (the best ``n``,
+    best first, when ``best_of`` > ``n``); usage counts the prompt once and the returned choices' tokens."""
 
-    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, request_id: str, prompt_ids: list[int]):
+    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
+                 tools: ToolUse | None = None):
         super().__init__(ctx, body, request_id, prompt_ids)
+        self.tools = tools  # None: no tool calls are read, the output is content
         last = body.messages[-1]
         self.role = "assistant" if body.add_generation_prompt else last.get("role", "assistant")
         # echo: the last message is continued when it has the response's role (synthetic text: no token entries)
         self.echo = _text_content(last, len(body.messages) - 1) if body.echo and last.get("role") == self.role else ""
-        self.first_chunk = True
 
-    async def full(self, output: RequestOutput) -> Response:
-        texts, spans, scores, last = await collect(output)
+    async def full(self, outputs: list[RequestOutput]) -> Response:
+        collected = await asyncio.gather(*(collect(output) for output in outputs))
         body = self.body
-        logprobs = ChatCompletionLogProbs(content=chat_logprobs(spans, self.presenter)) if body.logprobs else None
-        choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role=self.role, content=self.echo + "".join(texts)), logprobs=logprobs,
-            finish_reason=last.finish_reason, stop_reason=last.stop_reason,
-            token_ids=last.token_ids(spans) if body.return_token_ids else None)
+        choices, generated = [], 0
+        for index, (texts, spans, _, last) in enumerate(best(outputs, collected, 1 if body.n is None else body.n)):
+            logprobs = ChatCompletionLogProbs(content=chat_logprobs(spans, self.presenter)) if body.logprobs else None
+            message, finish = ChatMessage(role=self.role, content=self.echo + "".join(texts)), last.finish_reason
+            if self.tools is not None:  # every token keeps its Chat logprob entry, tool calls' too (vLLM)
+                message, finish = self._tool_message("".join(texts), last.finish_reason)
+            choices.append(ChatCompletionResponseChoice(
+                index=index, message=message, logprobs=logprobs, finish_reason=finish, stop_reason=last.stop_reason,
+                token_ids=last.token_ids(spans) if body.return_token_ids else None))
+            generated += last.generated
+        scores = collected[0][2]  # the prompt is scored once; every sample reports the same scores
         response = ChatCompletionResponse(
-            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=[choice],
-            usage=self.usage(last.generated),
+            id=self.request_id, created=self.created, model=self.ctx.model_name, choices=choices,
+            usage=self.usage(generated),
             prompt_logprobs=prompt_logprobs(scores, self.presenter) if scores else None,
             prompt_token_ids=self.prompt_ids if body.return_token_ids else None)
         return Response(response.model_dump_json(), media_type="application/json")
 
-    def _chunk(self, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
-               token_ids=None) -> str:
-        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs,
+    def _tool_message(self, text: str, finish_reason: str | None) -> tuple[ChatMessage, str | None]:
+        reader = ToolCallReader(self.tools, OutputParser())
+        content, _, _ = reader.step(text, [], final=True)
+        calls = reader.tool_calls()
+        if calls and not content:  # vLLM: null content beside auto calls, "" beside required or named ones
+            content = None if self.tools.choice == "auto" and not self.echo else ""
+        return (ChatMessage(role=self.role, content=None if content is None else self.echo + content,
+                            tool_calls=calls),
+                self.tools.finish_reason(bool(calls), finish_reason))
+
+    def _chunk(self, index: int, delta: DeltaMessage, logprobs=None, finish_reason=None, stop_reason=None,
+               token_ids=None, generated: int = 0) -> str:
+        choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                     finish_reason=finish_reason)
         if finish_reason is not None:
             choice.stop_reason = stop_reason
@@ -136,32 +178,49 @@ class _ChatView(ResponseView):
             choice.token_ids = token_ids
         chunk = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk", created=self.created,
                                              model=self.ctx.model_name, choices=[choice])
-        if self.first_chunk and self.body.return_token_ids:
+        if delta.role is not None and self.body.return_token_ids:  # on each choice's first chunk, as vLLM
             chunk.prompt_token_ids = self.prompt_ids
         if self.body.stream_options is not None and self.body.stream_options.continuous_usage_stats:
-            chunk.usage = self.usage(self.generated)
-        self.first_chunk = False
+            chunk.usage = self.usage(generated)
         return sse(chunk.model_dump_json(exclude_unset=True))
 
-    async def stream(self, output: RequestOutput):
+    @staticmethod
+    def _tool_delta(reader: ToolCallReader, piece) -> tuple[DeltaMessage, list]:
+        """The piece read for tool calls: its delta (content and/or call deltas; an empty content when neither),
+        and the tokens whose entries go with it."""
+        content, calls, spans = reader.step(piece.text, piece.spans, final=piece.finish_reason is not None)
+        if not calls:
+            return DeltaMessage(content=content or ""), spans
+        return (DeltaMessage(tool_calls=calls) if content is None else DeltaMessage(content=content, tool_calls=calls),
+                spans)
+
+    async def stream(self, outputs: list[RequestOutput]):
+        """vLLM's order: each choice's role chunk, then each choice's echo, then the samples' chunks as they come,
+        each with its choice ``index``."""
         body, options = self.body, self.body.stream_options
+        generated = [0] * len(outputs)
         try:
-            yield self._chunk(DeltaMessage(role=self.role, content=""))
-            if self.echo:
-                yield self._chunk(DeltaMessage(content=self.echo))
-            while (piece := await output.next()) is not None:
-                self.generated = piece.generated
-                content = chat_logprobs(piece.spans, self.presenter) if body.logprobs else None
-                if not piece.text and not content and piece.finish_reason is None:
+            for index in range(len(outputs)):
+                yield self._chunk(index, DeltaMessage(role=self.role, content=""))
+            for index in range(len(outputs) if self.echo else 0):
+                yield self._chunk(index, DeltaMessage(content=self.echo))
+            readers = [ToolCallReader(self.tools, OutputParser()) if self.tools else None for _ in outputs]
+            async for index, piece in merged([_pieces(output, index) for index, output in enumerate(outputs)]):
+                generated[index] = piece.generated
+                delta, spans, finish = DeltaMessage(content=piece.text), piece.spans, piece.finish_reason
+                if readers[index] is not None:
+                    delta, spans = self._tool_delta(readers[index], piece)
+                    finish = self.tools.finish_reason(bool(readers[index].calls), finish)
+                content = chat_logprobs(spans, self.presenter) if body.logprobs else None
+                if not (delta.content or delta.tool_calls) and not content and finish is None:
                     continue
-                yield self._chunk(DeltaMessage(content=piece.text),
-                                  ChatCompletionLogProbs(content=content) if body.logprobs else None,
-                                  piece.finish_reason, piece.stop_reason,
-                                  piece.token_ids() if body.return_token_ids else None)
+                yield self._chunk(index, delta, ChatCompletionLogProbs(content=content) if body.logprobs else None,
+                                  finish, piece.stop_reason,
+                                  piece.token_ids() if body.return_token_ids else None, piece.generated)
             if options is not None and options.include_usage:
                 final = ChatCompletionStreamResponse(id=self.request_id, object="chat.completion.chunk",
                                                      created=self.created, choices=[], model=self.ctx.model_name,
-                                                     usage=self.usage(self.generated))
+                                                     usage=self.usage(sum(generated)))
                 yield sse(final.model_dump_json(exclude_unset=True, exclude_none=True))
         except GenerationError as exc:
             yield error_event(exc)

@@ -1,8 +1,10 @@
 """POST /v1/completions, as vLLM's completion serving presents it (echo, logprobs, prompt_logprobs, SSE).
 
 A batch (a list of strings or of token-id lists) becomes one engine request per prompt, all
-checked before any is admitted, so they share the engine's lanes; prompt i's choice has
-``index`` i in the response and in every stream chunk, and usage sums over the prompts.
+checked before any is admitted, so they share the engine's lanes. Each prompt's request draws
+``best_of`` (default ``n``) samples from one prefill; choice ``j`` of prompt ``i`` has ``index``
+``i * n + j`` in the response and in every stream chunk (vLLM's ``output.index + prompt_idx *
+num_choices``), and usage counts each prompt once and the returned choices' tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from fastapi.responses import Response
 
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.common import (ApiError, EngineStreamingResponse, RequestOutput, ResponseView, ServerContext,
-                                   admit_all, build_request, check_whole_vocabulary, collect, error_event, sse,
-                                   until_disconnect)
+                                   admit_all, best, build_request, check_whole_vocabulary, collect, error_event,
+                                   merged, sse, until_disconnect)
 from ignition.serve.detokenize import Release, decode_all
 from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
@@ -87,9 +89,10 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
     outputs = await admit_all(ctx, http, body, requests)
     if outputs is None:
         return Response(status_code=499)  # the client left during admission: nobody reads this
+    every = [output for samples in outputs for output in samples]
     if body.stream:
-        return EngineStreamingResponse(_stream(ctx, body, response_id, views, outputs), outputs)
-    return await until_disconnect(http, _full(ctx, response_id, views, outputs), outputs)
+        return EngineStreamingResponse(_stream(ctx, body, response_id, views, outputs), every)
+    return await until_disconnect(http, _full(ctx, body, response_id, views, outputs), every)
 
 
 def _prepare(ctx: ServerContext, body: CompletionRequest, response_id: str, all_ids: list[list[int]],
@@ -100,7 +103,7 @@ def _prepare(ctx: ServerContext, body: CompletionRequest, response_id: str, all_
         try:
             requests.append(build_request(ctx, body, ids, f"{response_id}-{index}" if batched else response_id,
                                           max_tokens=max_tokens, logprobs=body.logprobs,
-                                          prompt_logprobs=prompt_scores))
+                                          prompt_logprobs=prompt_scores, samples=True))
         except (ApiError, AdmissionError) as exc:
             raise _in_batch(exc, index, len(all_ids)) from None
     created = int(time.time())
@@ -115,57 +118,32 @@ def _usage(views: list[_CompletionView], generated: list[int]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=sum(generated), total_tokens=prompt + sum(generated))
 
 
-async def _full(ctx: ServerContext, response_id: str, views: list[_CompletionView],
-                outputs: list[RequestOutput]) -> Response:
-    results = await asyncio.gather(*(view.choice(output, i) for i, (view, output) in enumerate(zip(views, outputs))))
+async def _full(ctx: ServerContext, body: CompletionRequest, response_id: str, views: list[_CompletionView],
+                outputs: list[list[RequestOutput]]) -> Response:
+    n = 1 if body.n is None else body.n
+    per_prompt = await asyncio.gather(*(asyncio.gather(*(view.choice(output, 0) for output in samples))
+                                        for view, samples in zip(views, outputs)))
+    returned = [result for samples, results in zip(outputs, per_prompt) for result in best(samples, results, n)]
+    for index, (choice, _) in enumerate(returned):
+        choice.index = index  # prompt i's choices are i * n .. i * n + n - 1, best first when best_of > n
     response = CompletionResponse(id=response_id, created=views[0].created, model=ctx.model_name,
-                                  choices=[choice for choice, _ in results],
-                                  usage=_usage(views, [generated for _, generated in results]))
+                                  choices=[choice for choice, _ in returned],
+                                  usage=_usage(views, [generated for _, generated in returned]))
     return Response(response.model_dump_json(), media_type="application/json")
 
 
-async def _merged(sources: list):
-    """Items of several async generators as they come; backpressure holds (the queue has one place per source)."""
-    if len(sources) == 1:
-        async for item in sources[0]:
-            yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sources))
-    end = object()
-
-    async def pump(source):
-        try:
-            async for item in source:
-                await queue.put((item, None))
-            await queue.put((end, None))
-        except Exception as exc:  # a GenerationError: the stream reports it and ends
-            await queue.put((None, exc))
-
-    tasks = [asyncio.ensure_future(pump(source)) for source in sources]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is end:
-                remaining -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
 async def _stream(ctx: ServerContext, body: CompletionRequest, response_id: str, views: list[_CompletionView],
-                  outputs: list[RequestOutput]):
+                  outputs: list[list[RequestOutput]]):
+    n = len(outputs[0])  # best_of equals n when streaming (common.sample_counts)
     try:
-        async for chunk in _merged([view.chunks(output, i) for i, (view, output) in enumerate(zip(views, outputs))]):
+        sources = [view.chunks(output, i * n + j) for i, (view, samples) in enumerate(zip(views, outputs))
+                   for j, output in enumerate(samples)]
+        async for chunk in merged(sources):
             yield sse(chunk.model_dump_json(exclude_unset=True))
         if body.stream_options is not None and body.stream_options.include_usage:
             final = CompletionStreamResponse(id=response_id, object="text_completion", created=views[0].created,
                                              model=ctx.model_name, choices=[],
-                                             usage=_usage(views, [o.generated for o in outputs]))
+                                             usage=_usage(views, [o.generated for samples in outputs for o in samples]))
             yield sse(final.model_dump_json(exclude_none=True))
     except Exception as exc:  # noqa: BLE001 (GenerationError: reported as vLLM does, then the stream ends)
         yield error_event(exc)

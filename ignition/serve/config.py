@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ignition.serve.parsers import PARSERS
+from ignition.serve.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENVIRONMENT = ("IGNITION_API_KEY", "VLLM_API_KEY")
 """Environment variables read for the API key when ``--api-key`` is not given, in this order."""
@@ -48,11 +49,18 @@ class ServeConfig:
     enable_docs: bool = False  # /docs, /redoc and /openapi.json
     log_requests: bool = True  # one log line per finished request
     reasoning_parser: str = "plain"  # how /v1/responses splits output: a name in parsers.PARSERS
+    tool_call_parser: str | None = None  # how tool calls are read from the output: a name in TOOL_PARSERS
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) needs it and a parser
 
     def __post_init__(self):
         self.api_keys = tuple(key for key in self.api_keys if key)
         if self.reasoning_parser not in PARSERS:
             raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r} (choices: {', '.join(PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r} "
+                             f"(choices: {', '.join(TOOL_PARSERS)})")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM refuses this at start too
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 def api_keys_from(option: str | None) -> tuple[str, ...]:

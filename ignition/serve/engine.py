@@ -7,7 +7,8 @@ delta, so a slow reader never blocks generation for others and never grows a que
 Delivered entries are moved out of the engine state: nothing keeps a response history.
 A request that ends on EOS or a ``stop_token_ids`` token has no entry for that token (the logprob
 contract); ``StopTokens`` reads which token it was, and the last delta carries it, so usage and
-``token_ids`` count it as vLLM does.
+``token_ids`` count it as vLLM does. A request whose grammar is complete ends one step before the EOS
+its grammar then forces (``RequestState.grammar_ended``); its last delta carries that EOS the same way.
 The coalesced entries are bounded too: once ``entry_limit`` wait undelivered, the engine stops
 scheduling that request (its slot stays held) until the reader drains them, so a request holds
 at most ``entry_limit + T`` entries whatever its max_tokens.
@@ -31,6 +32,7 @@ from ignition.runtime.scheduler import Engine, RequestState
 from ignition.runtime.frames import PendingFrame
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import Request
+from ignition.runtime.samples import sample_ids
 
 log = logging.getLogger("ignition.serve")
 ENGINE_STOP_SECONDS = 5
@@ -47,6 +49,7 @@ class Delta:
     error: str | None = None
     stop_token: int | None = None  # the EOS or stop_token_ids token that ended the request (no entry)
     stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
+    error_param: str | None = None  # the request field an error is due to (its constraints): answered as a 400
 
 
 class StopTokens:
@@ -138,6 +141,7 @@ class AsyncEngine:
         it raises stops the engine like a failed step (a tensor-parallel rank that died: RankGroup.check)."""
         self.engine = engine
         self.stop_tokens = StopTokens(engine)
+        self.eos: int | None = engine.core.manifest.get("eos_token_id")  # a request whose grammar ended implies it
         self.health = health
         self.on_dead: Callable[[BaseException], None] | None = None  # called once, on the engine thread
         self.queue_capacity = queue_capacity
@@ -161,21 +165,38 @@ class AsyncEngine:
 
     async def submit(self, request: Request) -> RequestStream:
         """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
+        if request.n != 1:
+            raise ValueError("a request for several samples is admitted with submit_samples")
+        (stream,) = await self._submit(request, [request.request_id])
+        return stream
+
+    async def submit_samples(self, request: Request) -> list[RequestStream]:
+        """Admit a request for ``request.n`` samples (its ``request_id`` names the group): one stream per sample,
+        in index order, each the stream of an engine request ``samples.sample_ids`` names."""
+        if not request.request_id:
+            raise ValueError("a request for several samples needs a request_id")
+        return await self._submit(request, sample_ids(request.request_id, request.n) if request.n > 1
+                                  else [request.request_id])
+
+    async def _submit(self, request: Request, ids: list[str]) -> list[RequestStream]:
         if self.dead is not None:
             raise EngineStopped(f"the engine stopped: {self.dead}")
-        stream = RequestStream(request.request_id, asyncio.get_running_loop(), self._wakeup.set, self.queue_capacity)
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(request_id, loop, self._wakeup.set, self.queue_capacity) for request_id in ids]
         admitted: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("submit", request, stream, admitted))
+        self._commands.put(("submit", request, streams, admitted))
         self._wakeup.set()
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:  # the handler went away while waiting: the request must not run on
-            self.cancel(request.request_id)
+            for request_id in ids:
+                self.cancel(request_id)
             raise
-        return stream
+        return streams
 
     def cancel(self, request_id: str) -> None:
-        """Abort a request (client gone, or a stop string ended it); its slot is freed on the engine thread."""
+        """Abort a request (client gone, or a stop string ended it), or every sample of a group by the group's id;
+        its slots are freed on the engine thread."""
         self._commands.put(("cancel", request_id, None, None))
         self._wakeup.set()
 
@@ -243,12 +264,15 @@ class AsyncEngine:
                 except Exception as exc:  # AdmissionError (a 400), or a loader bug: the handler reports it
                     admitted.set_exception(exc)
                     continue
-                self._tracked[request_id] = _Tracked(stream, self.engine.state(request_id))
+                for sample_id, sample_stream in zip(self.engine.samples(request_id), stream, strict=True):
+                    self._tracked[sample_id] = _Tracked(sample_stream, self.engine.state(sample_id))
                 admitted.set_result(request_id)
-            elif self._tracked.pop(payload, None) is not None:
-                self.stop_tokens.found.pop(payload, None)
-                self.engine.cancel(payload)
-                self.engine.finished.pop(payload, None)
+            else:
+                for request_id in self.engine.samples(payload):  # a group's id cancels each of its samples
+                    if self._tracked.pop(request_id, None) is not None:
+                        self.stop_tokens.found.pop(request_id, None)
+                        self.engine.cancel(request_id)
+                        self.engine.finished.pop(request_id, None)
 
     def _deliver(self) -> None:
         for request_id, tracked in list(self._tracked.items()):
@@ -262,7 +286,10 @@ class AsyncEngine:
             tracked.prompt_sent = len(state.prompt_entries)
             if finished:
                 delta.finish_reason, delta.error = state.finish_reason, state.error
+                delta.error_param = state.error_param
                 stop = self.stop_tokens.found.pop(request_id, None)
+                if stop is None and state.grammar_ended and self.eos is not None:
+                    stop = (self.eos, True)  # the EOS a complete grammar forces: counted as vLLM samples it
                 if stop is not None:
                     delta.stop_token, delta.stop_by_eos = stop
                 del self._tracked[request_id]
@@ -280,4 +307,6 @@ class AsyncEngine:
     def load(self) -> dict[str, int]:
         engine = self.engine
         return {"running": len(engine.running), "waiting": len(engine.waiting),
-                "free_slots": len(engine.free_slots), "num_slots": engine.num_slots, "tracked": len(self._tracked)}
+                "free_slots": len(engine.free_slots), "num_slots": engine.num_slots, "tracked": len(self._tracked),
+                "prefill_chunks": engine.stats["prefill_chunks"],
+                "prompt_tokens_prefilled": engine.stats["prompt_tokens_prefilled"]}

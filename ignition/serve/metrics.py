@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("ignition.serve")
 
@@ -21,6 +23,26 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+ENGINE_COUNTERS = (("prefill_chunks", "Prompt chunks the engine prefilled (every prefill, scored or mixed submission "
+                    "of a prompt chunk)."),
+                   ("prompt_tokens_prefilled", "Prompt tokens the engine prefilled: a prompt shared by n samples "
+                    "counts once, where prompt_tokens counts it per sample."))
+"""Ignition's own counters, read from the engine's ``stats`` when scraped (``AsyncEngine.load``)."""
+
+
+class _EngineCounters(Collector):
+    def __init__(self, model_name: str, load: Callable[[], dict[str, int]]):
+        self.model_name, self.load = model_name, load
+
+    def describe(self):
+        return [CounterMetricFamily(f"ignition:{name}", doc, labels=["model_name"]) for name, doc in ENGINE_COUNTERS]
+
+    def collect(self):
+        counts = self.load()
+        for name, doc in ENGINE_COUNTERS:
+            family = CounterMetricFamily(f"ignition:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], counts[name])
+            yield family
 
 
 class ServerMetrics:
@@ -34,6 +56,7 @@ class ServerMetrics:
                                ("num_requests_waiting", "waiting", "Requests waiting for a lane.")):
             gauge = Gauge(f"ignition:{name}", doc, model, registry=registry)
             gauge.labels(model_name).set_function(lambda key=key: load()[key])
+        registry.register(_EngineCounters(model_name, load))
         self.prompt_tokens = Counter("ignition:prompt_tokens", "Prompt tokens admitted.", model,
                                      registry=registry).labels(model_name)
         self.generation_tokens = Counter("ignition:generation_tokens", "Generated tokens delivered.", model,

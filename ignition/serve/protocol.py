@@ -4,6 +4,9 @@ Requests accept unknown fields (ignored with one warning line per field name and
 vLLM's ``OpenAIBaseModel`` logs them) and reject non-finite floats. Fields the loader cannot honour
 are listed in UNSUPPORTED (or STRUCTURED_OUTPUT) and rejected with 400 when set. docs/serving.md
 lists every vLLM request field under one of the three; tests/test_serve_parity.py keeps it in step.
+Structured output (``response_format``, ``structured_outputs`` and vLLM's deprecated ``guided_*`` aliases) and
+the sampling controls (``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``) are read by
+``common.structured_spec`` and ``common.sampling_constraints``.
 """
 
 from __future__ import annotations
@@ -65,6 +68,16 @@ class RequestModel(OpenAIBaseModel):
         return self
 
 
+def warn_once(name: str, message: str) -> None:
+    """Log ``message`` the first time field ``name`` is seen in this process (a deprecated alias, ...)."""
+    with _warned_lock:
+        fresh = name not in _warned_fields and len(_warned_fields) < MAX_WARNED_FIELDS
+        if fresh:
+            _warned_fields.add(name)
+    if fresh:
+        log.warning("%s (logged once per field name)", message)
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = True
     continuous_usage_stats: bool | None = False
@@ -82,7 +95,8 @@ class GenerationFields(RequestModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    n: int | None = 1
+    n: int | None = 1  # choices per prompt (common.sample_counts): the prompt is prefilled once for all
+    best_of: int | None = None  # samples drawn per prompt, the best n returned (vLLM V0); None: n
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -96,6 +110,18 @@ class GenerationFields(RequestModel):
     return_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     user: str | None = None
+    # structured output (common.structured_spec) and the sampling controls (common.sampling_constraints)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's deprecated aliases of structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -112,6 +138,30 @@ class CompletionRequest(GenerationFields):
     add_special_tokens: bool = True
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = ChatCompletionNamedToolChoiceParam | str  # a string other than none/auto/required: a 400 (serve/tools.py)
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
@@ -124,20 +174,18 @@ class ChatCompletionRequest(GenerationFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = "none"  # "auto" when tools are sent without it (vLLM); serve/tools.py
+    parallel_tool_calls: bool | None = True  # False: only the first call is returned (vLLM)
 
 
 # field -> the only value the loader serves (anything else is a 400)
 UNSUPPORTED: dict[str, object] = {
-    "n": 1, "best_of": None, "use_beam_search": False, "suffix": None, "logit_bias": None,
-    "allowed_token_ids": None, "bad_words": None, "min_tokens": 0, "response_format": None,
-    "structured_outputs": None, "prompt_embeds": None, "tools": None, "tool_choice": "none",
-    "logits_processors": None,
+    "use_beam_search": False, "suffix": None, "prompt_embeds": None, "logits_processors": None,
 }
-STRUCTURED_OUTPUT = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                               "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag"})
-"""vLLM's older structured-output fields: any value is a 400 (structured output is not supported yet)."""
+STRUCTURED_OUTPUT = frozenset({"structural_tag"})
+"""Structured-output fields this server refuses whatever their value: vLLM's structural tags (a JSON schema between
+trigger strings), which llguidance's JSON-Schema and Lark front ends do not express here."""
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -219,14 +267,42 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # the arguments object as JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))  # vLLM's make_tool_call_id
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A call's first delta has ``id``, ``type``, ``function.name`` and empty arguments; the next ones
+    ``index`` and argument text only (chunks are written with exclude_unset)."""
+
+    id: str | None = None
+    type: Literal["function"] | None = None
+    index: int
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -338,6 +414,7 @@ class CoreFeatures(OpenAIBaseModel):
     max_logprob_token_ids: int
     prompt_logprobs: bool
     chat_template: bool
+    structured_output: bool = False  # token bitmask and logit-bias inputs: response_format, structured_outputs, ...
 
 
 class ModelCard(OpenAIBaseModel):

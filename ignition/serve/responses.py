@@ -28,10 +28,12 @@ from pydantic import Field
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.serve.chat import render_prompt
 from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, respond)
+                                   build_request, generation_api_error, respond)
 from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
+from ignition.serve.tool_parsers import TOOL_CALL, ToolCallingParser
+from ignition.serve.tools import ToolUse, enforce, messages_with_tool_item, responses_tool_use
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 DEFAULT_MAX_OUTPUT_TOKENS = 256  # when the core declares no context length to fill (Chat's default)
@@ -102,6 +104,15 @@ class ReasoningItem(OpenAIBaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
+class FunctionCallItem(OpenAIBaseModel):
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseUsage(OpenAIBaseModel):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -117,7 +128,7 @@ class ResponseObject(OpenAIBaseModel):
     status: Literal["completed", "failed", "in_progress", "incomplete"]
     completed_at: int | None = None
     model: str
-    output: list[OutputMessage | ReasoningItem]
+    output: list[OutputMessage | ReasoningItem | FunctionCallItem]
     error: dict[str, Any] | None = None
     incomplete_details: dict[str, str] | None = None
     instructions: str | None = None
@@ -155,15 +166,6 @@ def _check_request(ctx: ServerContext, body: ResponsesRequest) -> None:
         raise ApiError("`background` = True is not supported by this server (supported: False)", "background")
     if body.truncation == "auto":
         raise ApiError("`truncation` = 'auto' is not supported by this server (supported: 'disabled')", "truncation")
-    if body.tools:
-        raise ApiError("`tools` are not supported by this server (no tool parser)", "tools")
-    if body.tool_choice not in ("auto", "none"):
-        raise ApiError(f"`tool_choice` = {body.tool_choice!r} needs tools, which this server does not support "
-                       "(supported: 'auto', 'none')", "tool_choice")
-    text_format = (body.text or {}).get("format")
-    if text_format is not None and (not isinstance(text_format, dict) or text_format.get("type") != "text"):
-        raise ApiError(f"`text.format` = {text_format!r} is not supported (supported: {{'type': 'text'}})",
-                       "text.format")
     if body.prompt_logprobs is not None:
         raise ApiError("`prompt_logprobs` are not available on /v1/responses; use /v1/completions", "prompt_logprobs")
     unknown = [item for item in body.include or () if item != LOGPROBS_INCLUDE]
@@ -205,6 +207,9 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, str]]:
         kind = item.get("type", "message")
         if kind == "reasoning":
             continue  # earlier turns' reasoning is not re-sent, as reasoning chat templates drop it
+        if kind in ("function_call", "function_call_output"):
+            messages_with_tool_item(messages, item, i, _text_of)
+            continue
         role = item.get("role")
         if kind != "message" or role not in ("user", "assistant", "system", "developer"):
             raise ApiError(f"input[{i}]: expected a message with role user, assistant, system or developer "
@@ -223,19 +228,19 @@ def _renamed(exc: ApiError | AdmissionError, body: ResponsesRequest) -> ApiError
     return ApiError(message, param, status, getattr(exc, "err_type", "BadRequestError"))
 
 
-def _prepare(ctx: ServerContext, body: ResponsesRequest) -> tuple[str, list[int], Request]:
+def _prepare(ctx: ServerContext, body: ResponsesRequest, tools: ToolUse) -> tuple[str, list[int], Request]:
     """Render, tokenize and check the engine request (on a preprocessing thread, as Chat does)."""
     effort = (body.reasoning or {}).get("effort")
     try:
         chat = ChatCompletionRequest(messages=input_messages(body),
                                      chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None)
-        prompt_text = render_prompt(ctx, chat)
+        prompt_text = render_prompt(ctx, chat, tools.template_tools)
         prompt_ids = ctx.encode(prompt_text, False, "input", body.truncate_prompt_tokens)
         max_tokens = body.max_output_tokens
         if max_tokens is None:
             max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_OUTPUT_TOKENS
         wants = LOGPROBS_INCLUDE in (body.include or ())
-        engine_body = body.model_copy(update={"tools": None, "tool_choice": None})  # both checked above
+        engine_body = body.model_copy(update={"tools": None, "tool_choice": None})  # both resolved in `tools`
         request = build_request(ctx, engine_body, prompt_ids, _id("resp"), max_tokens=max_tokens,
                                 logprobs=(body.top_logprobs or 0) if wants else None, prompt_logprobs=None)
     except (ApiError, AdmissionError) as exc:
@@ -246,19 +251,30 @@ def _prepare(ctx: ServerContext, body: ResponsesRequest) -> tuple[str, list[int]
 async def create_response(ctx: ServerContext, body: ResponsesRequest, http: HttpRequest) -> Response:
     ctx.check_model(body.model)
     _check_request(ctx, body)
-    prompt_text, prompt_ids, request = await ctx.run(_prepare, ctx, body)
+    tools = responses_tool_use(ctx.config, body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tools.parser_class is not None and tools.parser_class.keep_special_tokens:
+        body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special
+    prompt_text, prompt_ids, request = await ctx.run(_prepare, ctx, body, tools)
+    try:
+        await enforce(ctx, tools, request)
+    except ApiError as exc:
+        raise _renamed(exc, body) from exc
     parser = PARSERS[ctx.config.reasoning_parser](prompt_text)
-    view = _ResponsesView(ctx, body, request.request_id, prompt_ids, parser, LOGPROBS_INCLUDE in (body.include or ()))
+    if tools.parser_class is not None:  # tool calls are read from the content; they get no output-text entries
+        parser = ToolCallingParser(parser, tools.parser())
+    view = _ResponsesView(ctx, body, request.request_id, prompt_ids, parser, LOGPROBS_INCLUDE in (body.include or ()),
+                          tools.parallel)
     return await respond(ctx, http, body, request, view)
 
 
 # -- the response ------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Item:
-    kind: str  # parsers.REASONING or CONTENT
+    kind: str  # parsers.REASONING or CONTENT, or tool_parsers.TOOL_CALL
     id: str
-    texts: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # a call's: its arguments text
     logprobs: list = field(default_factory=list)  # ChatCompletionLogProbsContent of content tokens
+    name: str = ""  # a call's function
 
     def part(self, logprobs: bool, text: str | None = None) -> OutputText | ReasoningText:
         text = "".join(self.texts) if text is None else text
@@ -267,7 +283,10 @@ class _Item:
         return OutputText(text=text, logprobs=[OutputLogprob.model_validate(e.model_dump()) for e in self.logprobs]
                           if logprobs else None)
 
-    def item(self, status: str, logprobs: bool, empty: bool = False) -> OutputMessage | ReasoningItem:
+    def item(self, status: str, logprobs: bool, empty: bool = False) -> OutputMessage | ReasoningItem | FunctionCallItem:
+        if self.kind == TOOL_CALL:  # vLLM's ids: fc_ for the item, call_ for the call
+            return FunctionCallItem(id=self.id, call_id="call_" + self.id.removeprefix("fc_"), name=self.name,
+                                    arguments="" if empty else "".join(self.texts), status=status)
         parts = [] if empty else [self.part(logprobs)]
         if self.kind == CONTENT:
             return OutputMessage(id=self.id, status=status, content=parts)
@@ -284,8 +303,9 @@ class _ResponsesView(ResponseView):
     """Turns released pieces into a response object, or into Responses events, for one request."""
 
     def __init__(self, ctx: ServerContext, body: ResponsesRequest, request_id: str, prompt_ids: list[int],
-                 parser: OutputParser, logprobs: bool):
+                 parser: OutputParser, logprobs: bool, parallel_calls: bool = True):
         super().__init__(ctx, body, request_id, prompt_ids)
+        self.parallel_calls = parallel_calls  # False: calls after the first are dropped
         table, skip = ctx.table, body.skip_special_tokens
         self.attribution = TokenAttribution(parser,
                                             lambda t: bool(table.bytes[t]) and not (skip and t in table.special))
@@ -303,13 +323,23 @@ class _ResponsesView(ResponseView):
 
     def _open(self, item: _Item) -> list[str]:
         where = self._where(item)
+        if item.kind == TOOL_CALL:
+            return [self._event("response.output_item.added", output_index=where["output_index"],
+                                item=item.item("in_progress", False, empty=True).model_dump(mode="json"))]
         return [self._event("response.output_item.added", output_index=where["output_index"],
                             item=item.item("in_progress", self.logprobs, empty=True).model_dump(mode="json")),
                 self._event("response.content_part.added", **where,
                             part=item.part(self.logprobs, "").model_dump(mode="json"))]
 
     def _close(self, item: _Item, status: str) -> list[str]:
-        where, part = self._where(item), item.part(self.logprobs)
+        where = self._where(item)
+        if item.kind == TOOL_CALL:
+            done = item.item(status, False)
+            return [self._event("response.function_call_arguments.done", output_index=where["output_index"],
+                                item_id=item.id, arguments=done.arguments),
+                    self._event("response.output_item.done", output_index=where["output_index"],
+                                item=done.model_dump(mode="json"))]
+        part = item.part(self.logprobs)
         if item.kind == CONTENT:
             done = self._event("response.output_text.done", **where, text=part.text,
                                logprobs=_delta_logprobs(item.logprobs))
@@ -323,6 +353,9 @@ class _ResponsesView(ResponseView):
         """Add parsed text to the items; the stream events that say so."""
         events = []
         for parsed, spans in attributed:
+            if parsed.kind == TOOL_CALL:
+                events += self._call(parsed)
+                continue
             if not self.items or self.items[-1].kind != parsed.kind:
                 if self.items:
                     events += self._close(self.items[-1], "completed")
@@ -338,6 +371,21 @@ class _ResponsesView(ResponseView):
             else:
                 events.append(self._event("response.reasoning_text.delta", **self._where(item), delta=parsed.text))
         return events
+
+    def _call(self, parsed) -> list[str]:
+        """A call starts (its own function_call item) or its arguments grow."""
+        if not self.parallel_calls and parsed.index > 0:
+            return []
+        events = []
+        if parsed.name is not None:
+            if self.items:
+                events += self._close(self.items[-1], "completed")
+            self.items.append(_Item(TOOL_CALL, _id("fc"), name=parsed.name))
+            return events + self._open(self.items[-1])
+        item = self.items[-1]
+        item.texts.append(parsed.text)
+        return [self._event("response.function_call_arguments.delta", output_index=self.items.index(item),
+                            item_id=item.id, delta=parsed.text)]
 
     def _finish(self, finish_reason: str | None) -> tuple[list[str], str]:
         events = self._apply(self.attribution.finish())
@@ -373,7 +421,7 @@ class _ResponsesView(ResponseView):
                 self._apply(self.attribution.feed(piece.text, piece.spans))
                 last = piece
         except GenerationError as exc:
-            raise ApiError(str(exc), status=HTTPStatus.INTERNAL_SERVER_ERROR, err_type="InternalServerError") from exc
+            raise generation_api_error(exc) from exc
         _, status = self._finish(last.finish_reason)
         return Response(self._response(status, last.generated).model_dump_json(), media_type="application/json")
 

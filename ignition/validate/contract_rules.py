@@ -11,6 +11,7 @@ from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_token_capacity, packed_width, scored_capacities
 from ignition.catalog.enums import Operation, ValueSource, reserved_status
 from ignition.catalog.model import lane_count
+from ignition.validate.constraint_rules import check_catalog_constraints, check_variant_constraints
 from ignition.validate.packed import check_packed, prefill_rows
 from ignition.validate.report import Violation
 
@@ -102,6 +103,7 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
     found += _check_prompt_buffers(variant, args, operation)
     found += _check_speculative(variant, args, operation, manifest)
     found += _check_mixed(variant, args, operation)
+    found += check_variant_constraints(variant, args, manifest)
     return found
 
 
@@ -296,6 +298,7 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
         if manifest["features"].get(key) != value:
             found.append(Violation("FEAT-MISMATCH", f"manifest.json:features.{key}", f"catalog implies {value!r}, "
                                    f"found {manifest['features'].get(key)!r}"))
+    found += check_catalog_constraints(manifest, variants)
     state = {s["name"]: s for s in manifest["state"]}
     for variant in variants:
         for decl in variant["arguments"]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
 from ignition.runtime.backends.protocol import Runner, graph_files
 from ignition.runtime.device import move_program
@@ -25,6 +26,7 @@ class Pt2Backend:
     def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device):
         self.root, self.manifest, self.device = root, manifest, device
         self.graphs = graph_files(catalog, manifest, rank)
+        self.sharded = Manifest.from_json(manifest).sharded
         self.programs: dict[str, object] = {}  # variant name -> its ExportedProgram (what CUDA capture traces)
 
     @staticmethod
@@ -41,7 +43,7 @@ class Pt2Backend:
         found, program = check_graph(graph_path, entry, sha256=self.manifest["files"].get(rel))
         if not found and program is not None:
             found = check_graph_vocabulary(program, self.manifest, rel)
-            if "tensor_parallel" in self.manifest:
+            if self.sharded:
                 found += check_program(program, self.manifest, rel)
         if found or program is None:
             raise CoreLoadError(f"{self.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))

@@ -1,9 +1,16 @@
-"""One rank's scratch between the three sharded stage ops, and how each stage binds its launch arguments.
+"""Scratch between the launches of one logprob reduction, and how each launch binds its arguments.
 
-Shared by the JIT path (``triton_vocabulary.TritonVocabulary``) and the prepared launcher
-(``ignition.runtime.launcher.PreparedVocabulary``); nothing here imports Triton. Stage 1 fills
-the workspace (tile statistics, sub-block maxima, tau) that stage 2 of the same reduction reads;
-a rank runs its stages in stream order with the all-gathers between them.
+One workspace class per reduction and one argument binder per reduction, shared by the JIT path
+(``triton_logprobs.launch_reduction``, ``triton_vocabulary``) and the prepared launchers
+(``ignition.runtime.launcher.PreparedReduction``, ``ignition.runtime.vocabulary_launcher``): the binder
+returns every runtime argument by kernel parameter name, as tensors; the JIT passes them to Triton, the
+prepared launcher their addresses to ``cuLaunchKernel``. Nothing here imports Triton.
+
+- single-rank (``ReductionWorkspace``, ``reduction_arguments``): the four launches of one reduction;
+- sharded (``VocabularyWorkspace``, ``stage_arguments``): stage 1 fills the workspace (tile statistics,
+  sub-block maxima, tau) that stage 2 of the same reduction reads; a rank runs its stages in stream order
+  with the all-gathers between them;
+- sharded prompt scoring (``ScoringWorkspace``, ``scoring_arguments``).
 """
 
 from __future__ import annotations
@@ -12,34 +19,92 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ignition.catalog.contract import TILE_SORT_KEYS
+from ignition.catalog.contract import POINTER_DIVISIBILITY, TILE_SORT_KEYS
 from ignition.catalog.parallel import VOCABULARY_LAUNCHES
 
 
 @dataclass(slots=True)
-class ShardNormalization:
-    """The scratch both sharded reductions share: tile statistics, sub-block maxima, tau, lse and cutoff."""
+class Workspace:
+    """What every workspace has: its tile count and the tensors after it, sized once per shape and reused."""
 
     tiles: int
+
+    @staticmethod
+    def fp32(*shape, device) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the workspace, in field order (the fields after ``tiles``)."""
+        return tuple(getattr(self, f.name) for f in fields(self)[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass(slots=True)
+class ReductionWorkspace(Workspace):
+    """The single-rank reduction's scratch between its four launches."""
+
+    stats: torch.Tensor  # [rows, tiles, 2] fp32: tile maximum, exp-sum relative to it
+    maxima: torch.Tensor  # [rows, tiles, SUB] fp32 sub-block maxima
+    lse: torch.Tensor  # [rows] fp32
+    cutoff: torch.Tensor  # [rows] fp32
+    keys: torch.Tensor  # [rows, tiles, TILE_SORT_KEYS] int64
+    chosen: torch.Tensor  # [rows] int64: chosen ids widened when a graph passes int32 or a strided view
+
+    @classmethod
+    def allocate(cls, rows: int, tiles: int, sub: int, device) -> "ReductionWorkspace":
+        return cls(tiles, cls.fp32(rows, tiles, 2, device=device), cls.fp32(rows, tiles, sub, device=device),
+                   cls.fp32(rows, device=device), cls.fp32(rows, device=device),
+                   torch.empty(rows, tiles, TILE_SORT_KEYS, dtype=torch.int64, device=device),
+                   torch.empty(rows, dtype=torch.int64, device=device))
+
+
+def widened_chosen(workspace, chosen: torch.Tensor) -> torch.Tensor:
+    """``chosen`` as the kernels index it (int64, unit stride, 16-byte aligned): itself, or its copy in
+    ``workspace.chosen`` (a graph may pass int32 ids, or a column or an offset view of its records)."""
+    if chosen.dtype != torch.int64 or not chosen.is_contiguous() or chosen.data_ptr() % POINTER_DIVISIBILITY:
+        workspace.chosen.copy_(chosen)
+        return workspace.chosen
+    return chosen
+
+
+def reduction_arguments(workspace: ReductionWorkspace, logits, chosen, requested, out, out_rows, token_ids,
+                        token_id_counts, vocab_size: int) -> dict:
+    """Every runtime argument of the four single-rank launches, by parameter name.
+
+    ValueError when a tensor the kernels index with unit stride is a strided view (``chosen`` is widened
+    instead). Without selected ids, ``requested`` stands in for the id pointers, which are never read."""
+    ids = token_ids if token_ids is not None else requested  # never read without HAS_IDS
+    counts = token_id_counts if token_id_counts is not None else requested
+    strided = [name for name, t in (("requested", requested), ("out_rows", out_rows), ("token_ids", ids),
+                                    ("token_id_counts", counts)) if not t.is_contiguous()]
+    if logits.stride(-1) != 1 or strided:
+        raise ValueError(f"reduce_logprobs: the launches index logits rows (vocabulary stride {logits.stride(-1)}, "
+                         f"must be 1) and {', '.join(strided) or 'every id and flag tensor'} with unit stride")
+    return {"logits_ptr": logits, "chosen_ptr": widened_chosen(workspace, chosen), "requested_ptr": requested,
+            "token_ids_ptr": ids, "counts_ptr": counts, "stats_ptr": workspace.stats, "lse_ptr": workspace.lse,
+            "maxima_ptr": workspace.maxima, "cutoff_ptr": workspace.cutoff, "keys_ptr": workspace.keys,
+            "out_ptr": out, "out_rows_ptr": out_rows, "logits_row_stride": logits.stride(0),
+            "vocab_size": vocab_size, "num_tiles": workspace.tiles}
+
+
+@dataclass(slots=True)
+class ShardNormalization(Workspace):
+    """The scratch both sharded reductions share: tile statistics, sub-block maxima, tau, lse and cutoff."""
+
     stats: torch.Tensor  # [rows, tiles, 2] fp32
     maxima: torch.Tensor  # [rows, tiles, SUB] fp32
     tau: torch.Tensor  # [rows] fp32
     lse: torch.Tensor  # [rows] fp32
     cutoff: torch.Tensor  # [rows] fp32
 
-    @staticmethod
-    def fp32(*shape, device) -> torch.Tensor:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-
     @classmethod
     def normalization(cls, rows: int, tiles: int, sub: int, device) -> tuple:
         """The shared fields' values, in field order (a subclass's ``allocate`` appends its own)."""
         return (tiles, cls.fp32(rows, tiles, 2, device=device), cls.fp32(rows, tiles, sub, device=device),
                 *(cls.fp32(rows, device=device) for _ in range(3)))
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every tensor of the workspace, in field order (the fields after ``tiles``)."""
-        return tuple(getattr(self, f.name) for f in fields(self)[1:])
 
     def pointers(self) -> dict[str, torch.Tensor]:
         return {"stats_ptr": self.stats, "maxima_ptr": self.maxima, "tau_ptr": self.tau, "lse_ptr": self.lse,
@@ -95,10 +160,7 @@ def stage_arguments(stage: str, workspace: VocabularyWorkspace, *, logits=None, 
         stage, requested.shape[0], workspace.tiles, logits, vocab_start, vocab_size, vocab_shard,
         {"exchange": exchange, "statistics": statistics, "candidates": candidates, "out": out, "out_rows": out_rows})
     if chosen is not None:
-        if chosen.dtype != torch.int64 or not chosen.is_contiguous():
-            workspace.chosen.copy_(chosen)
-            chosen = workspace.chosen
-        args["chosen_ptr"] = chosen
+        args["chosen_ptr"] = widened_chosen(workspace, chosen)
     args["token_ids_ptr"] = token_ids if token_ids is not None else requested  # never read without HAS_IDS
     args["counts_ptr"] = token_id_counts if token_id_counts is not None else requested
     return args

@@ -1,0 +1,102 @@
+"""A typed, read-only view of a validated manifest: parsed once, asked everywhere.
+
+The manifest JSON stays the artifact (its schema is ignition/schemas/manifest.schema.json and the
+validator checks every rule on it); this view is what code reads after validation, so that a fact
+derived from several fields is derived in exactly one place: the effective K a request may ask for
+(``Features.effective_k``), whether a core is sharded (``Manifest.sharded``), a rank's files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    allow_logprobs: bool
+    max_logprobs: int
+    explicit_ids: bool
+    prompt_logprobs: bool
+    structured_output: bool = False  # the token bitmask and logit-bias inputs; omitted by older cores
+
+    @classmethod
+    def from_json(cls, features: dict) -> "Features":
+        return cls(bool(features["allow_logprobs"]), int(features["max_logprobs"]), bool(features["explicit_ids"]),
+                   bool(features["prompt_logprobs"]), bool(features.get("structured_output", False)))
+
+    @property
+    def effective_k(self) -> int:
+        """The most natural alternatives a request may ask for: K when the core reports logprobs, else 0."""
+        return self.max_logprobs if self.allow_logprobs else 0
+
+
+@dataclass(frozen=True, slots=True)
+class RankFiles:
+    weights: str
+    graphs: MappingProxyType  # variant name -> this rank's graph file
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelSection:
+    ranks: int
+    vocab_shard: int
+    group: str
+    rank_files: tuple[RankFiles, ...]
+
+    @classmethod
+    def from_json(cls, section: dict) -> "ParallelSection":
+        files = tuple(RankFiles(entry["weights"], MappingProxyType(dict(entry.get("graphs", {}))))
+                      for entry in section["rank_files"])
+        return cls(int(section["ranks"]), int(section["vocab_shard"]), str(section["group"]), files)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    architecture: str
+    num_layers: int
+    max_seq_len: int | None
+    num_slots: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """The facts of a validated manifest (``Manifest.from_json(report.manifest)``)."""
+
+    recipe: str
+    vocab_size: int
+    vocab_padded: int
+    k: int
+    eos_token_id: int | None
+    weights: str
+    features: Features
+    model: ModelShape
+    parallel: ParallelSection | None
+
+    @classmethod
+    def from_json(cls, manifest: dict) -> "Manifest":
+        model = manifest["model"]
+        section = manifest.get("tensor_parallel")
+        return cls(recipe=manifest["recipe"], vocab_size=int(manifest["vocab_size"]),
+                   vocab_padded=int(manifest["vocab_padded"]), k=int(manifest["k"]),
+                   eos_token_id=manifest.get("eos_token_id"), weights=manifest["weights"],
+                   features=Features.from_json(manifest["features"]),
+                   model=ModelShape(model.get("architecture", ""), int(model.get("num_layers", 0)),
+                                    model.get("max_seq_len"), model.get("num_slots")),
+                   parallel=ParallelSection.from_json(section) if section else None)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the core holds tensor-parallel rank shards (the one place this is asked)."""
+        return self.parallel is not None
+
+    @property
+    def ranks(self) -> int:
+        return self.parallel.ranks if self.parallel is not None else 1
+
+    def rank_weights(self, rank: int) -> str:
+        """The weights file rank ``rank`` loads."""
+        return self.parallel.rank_files[rank].weights if self.parallel is not None else self.weights
+
+
+__all__ = ["Manifest", "Features", "ParallelSection", "RankFiles", "ModelShape"]

@@ -1,0 +1,97 @@
+"""Sample groups: a request for ``n`` samples of one prompt, whose prompt is prefilled once.
+
+A group's samples are ordinary requests (``Request`` with ``n == 1``), one per slot, admitted
+together: the group waits at the head of the queue until it has a free slot for every sample
+(``Engine._assign_slots``), so no sample ever waits for a slot whose prompt state must come from
+a sibling that may already be gone. The first sample (the *leader*) prefills the prompt as any
+request does, scored prefill and its emitted first token included. Right after the submission that
+completes the prompt, ``PromptCopier`` copies the prompt's rows of every state tensor from the
+leader's slot into each sibling's slot: cache positions ``[0, L)`` and the prompt-token counts of
+``penalty_counts`` (its emitted-token counts start at zero). Each sibling then decodes its first
+token from the last prompt position: its first decode lane has input token ``prompt[-1]`` at
+position ``L - 1``, generated count 0, so the lane recomputes that cell in its own slot and samples
+with RNG offset 0, exactly where an ``n = 1`` request's emitting prefill samples.
+
+Seeds follow vLLM v1 (``ParentRequest._get_child_sampling_params``, vllm/v1/engine/parallel_sampling.py):
+sample ``i`` of a seeded request gets ``seed + i`` (wrapped into int64), so sample ``i`` reproduces an
+``n = 1`` request with that seed; an unseeded sample draws from its own request id. Sample ids are
+vLLM's child ids, ``f"{index}_{request_id}"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ignition.catalog.geometry import PENALTY_COUNTS, STATE_SHAPES
+
+PROMPT_PLANE, OUTPUT_PLANE = 0, 1
+"""``penalty_counts`` planes (catalog/geometry.py: prompt-token counts, then emitted-token counts)."""
+
+_INT64 = 1 << 64
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a group's samples, in index order (vLLM's child request ids)."""
+    return [f"{index}_{request_id}" for index in range(n)]
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s seed: ``seed + index`` wrapped into int64 (vLLM v1), None for an unseeded request."""
+    if seed is None:
+        return None
+    return (seed + index + (1 << 63)) % _INT64 - (1 << 63)
+
+
+def sample_requests(request, request_id: str) -> list:
+    """One ``n = 1`` request per sample, each with its own id and seed."""
+    return [dataclasses.replace(request, n=1, request_id=sample_id,
+                                sampling=dataclasses.replace(request.sampling,
+                                                             seed=sample_seed(request.sampling.seed, index)),
+                                constraints=request.constraints and request.constraints.fork())  # own grammar state
+            for index, sample_id in enumerate(sample_ids(request_id, request.n))]
+
+
+@dataclass(slots=True, eq=False)
+class SampleGroup:
+    """The samples of one request, in index order; ``admitted`` once every one holds a slot."""
+
+    group_id: str
+    members: list = field(default_factory=list)  # RequestState, sample 0 first
+    admitted: bool = False
+
+
+class PromptCopier:
+    """Copies a prompt's state rows from one slot to another, between submissions (plain tensor copies on the
+    core's device, in stream order with the replays).
+
+    ``shared`` is False where the copy cannot be made and each sample then prefills its own prompt: a state
+    tensor whose layout ``catalog.geometry.STATE_SHAPES`` does not declare, or a tensor-parallel core (each
+    rank holds its own state shard and replays only broadcast submissions, ignition/runtime/parallel.py).
+    """
+
+    def __init__(self, core):
+        self.state: dict[str, torch.Tensor] = core.state
+        layouts = {name: STATE_SHAPES.get(name) for name in self.state}
+        self.shared = core.group is None and all(
+            layout is not None and "num_slots" in layout and (name == PENALTY_COUNTS or "max_seq_len" in layout)
+            for name, layout in layouts.items())
+        self.layouts = layouts if self.shared else {}
+
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Make slot ``target`` hold what slot ``source`` holds for prompt positions ``[0, length)``."""
+        for name, tensor in self.state.items():
+            layout = self.layouts[name]
+            slot_dim = layout.index("num_slots")
+            src, dst = tensor.select(slot_dim, source), tensor.select(slot_dim, target)
+            if name == PENALTY_COUNTS:  # [planes, vocab] per slot
+                dst[PROMPT_PLANE].copy_(src[PROMPT_PLANE])
+                dst[OUTPUT_PLANE].zero_()
+            else:  # a cache: the prompt's positions
+                seq_dim = layout.index("max_seq_len") - (layout.index("max_seq_len") > slot_dim)
+                dst.narrow(seq_dim, 0, length).copy_(src.narrow(seq_dim, 0, length))
+
+
+__all__ = ["SampleGroup", "PromptCopier", "sample_ids", "sample_seed", "sample_requests"]
