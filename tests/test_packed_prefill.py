@@ -20,7 +20,7 @@ from test_decode_copies import CacheCopies
 from test_validate_rules import rules_of
 
 from ignition.catalog.abi import RecordField
-from ignition.catalog.buffers import KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW
+from ignition.catalog.buffers import KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW, TOKEN_BITMASK
 from ignition.catalog.enums import Operation, RoundKind
 from ignition.exporter.export import export_core
 from ignition.recipes.attention import cached_attention, packed_attention
@@ -28,6 +28,7 @@ from ignition.recipes.base import ExportOptions
 from ignition.recipes.layers import Rows
 from ignition.recipes.llama import FAMILIES, packed_capacity
 from ignition.runtime.bindings import ChunkPlan, Lane, Windowed, fill_inputs, replayed_extent
+from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.core import load_core
 from ignition.runtime.requests import Request, SamplingParams
 from ignition.runtime.scheduler import Engine, RequestState
@@ -143,6 +144,23 @@ def test_batch_invariant_engine_packs_single_requests_with_the_same_results(core
     assert [rounds for _, _, rounds, _ in alone] == [3, 1]  # one lane per packed round
     together, _, rounds, _ = run_fresh(core, requests, batch_invariant=True)
     assert rounds == 3 and together == [outcome[0] for outcome, *_ in alone]
+
+
+def test_constrained_requests_are_packed_with_their_masks(core):
+    """Structured output in a packed round: each lane samples from its own bitmask and bias rows."""
+    assert TOKEN_BITMASK in core.variants[PACKED].buffers
+
+    def requests():
+        allowed = LaneConstraints.build(VOCAB, allowed_token_ids=[5, 17, 250])
+        biased = LaneConstraints.build(VOCAB, logit_bias={"9": 100.0})
+        return [Request(prompt(0, 20), max_tokens=1, logprobs=3, constraints=allowed),
+                Request(prompt(1, 7), max_tokens=1, logprobs=3, constraints=biased),
+                Request(prompt(2, 12), max_tokens=1, logprobs=3)]
+
+    serial, _, _, _ = run_fresh(core, requests(), packed=False)
+    packed, _, rounds, _ = run_fresh(core, requests())
+    assert rounds == 1 and packed == serial  # 16+7+12 rows packed, then the first request's last 4 alone
+    assert packed[0][0][0] in (5, 17, 250) and packed[1][0] == [9]
 
 
 @pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", [(torch.float32, 4, 2, 16), (torch.bfloat16, 4, 2, 16),
