@@ -93,9 +93,9 @@ def test_trust_compiled_names_the_target_core_only(tmp_path, monkeypatch, specul
     shutil.copytree(target, draft)
     trusted, real_load = {}, cli._load
 
-    def recording_load(core, device, eager, trust_compiled, *args):
-        trusted[core.name] = trust_compiled
-        return real_load(core, device, eager, trust_compiled, *args)
+    def recording_load(core, options):
+        trusted[core.name] = options.trust_compiled
+        return real_load(core, options)
 
     monkeypatch.setattr(cli, "_load", recording_load)
     code, output = invoke(["run", target, "--prompt-ids", "1,2", "--max-tokens", "2", "--trust-compiled",

@@ -106,7 +106,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
         else:
             values = [values[source] for values in per_lane] + [_IDLE.get(source, 0)] * (variant.lanes - len(lanes))
             target.copy_(torch.tensor(values, dtype=target.dtype))
-    fill_constraints(variant, lanes)
+    fill_constraints(variant, lanes, b)
     flags = np.zeros(variant.lanes, dtype=np.int32)
     counts = np.zeros(variant.lanes, dtype=np.int32)
     for index, lane in enumerate(lanes):
@@ -184,10 +184,12 @@ ids -1) since their last upload: a round without constrained lanes skips the thr
 capacity 32 and a Qwen vocabulary)."""
 
 
-def fill_constraints(variant, lanes: list[Lane]) -> None:
+def fill_constraints(variant, lanes: list[Lane], buffers: dict | None = None) -> None:
     """The structured-output inputs: each sampling lane's bitmask and bias rows from its request's
     ``LaneConstraints`` (after the lane's matcher accepted every generated token), zero rows and ids -1 for
-    every other lane (idle, unconstrained, a prompt chunk that emits nothing, a retiring lane)."""
+    every other lane (idle, unconstrained, a prompt chunk that emits nothing, a retiring lane). ``buffers``: where
+    inputs are written (``fill_inputs``' staged mirrors, which its one upload carries; default the variant's own)."""
+    buffers = variant.buffers if buffers is None else buffers
     names = {source: name for name, source in variant.bindings.items() if source in CONSTRAINT_SOURCES}
     constrained = [(index, lane.state.request.constraints, lane.state.generated) for index, lane in enumerate(lanes)
                    if lane.state.request.constraints is not None and (lane.chunk is None or lane.chunk.emits)
@@ -197,8 +199,8 @@ def fill_constraints(variant, lanes: list[Lane]) -> None:
             raise RuntimeError(f"{variant.name} takes no structured-output inputs; lane {constrained[0][0]}'s request "
                                "is constrained")
         return
-    mask = variant.buffers[names[S.TOKEN_BITMASK]]
-    ids, values = variant.buffers[names[S.LOGIT_BIAS_IDS]], variant.buffers[names[S.LOGIT_BIAS_VALUES]]
+    mask = buffers[names[S.TOKEN_BITMASK]]
+    ids, values = buffers[names[S.LOGIT_BIAS_IDS]], buffers[names[S.LOGIT_BIAS_VALUES]]
     neutral = _UNCONSTRAINED.get(id(mask))
     if not constrained and neutral is not None and neutral() is mask:  # NOTE: `is`: tensors compare elementwise
         return
