@@ -6,12 +6,15 @@ embeddings), exports it with ``ignition export-core`` and prints, in one run aga
 the same checkpoint, prompts and threads:
 
 - export seconds (``export-core`` in its own process) and ``load_core`` seconds and peak RSS;
-- prefill tokens/s: 8 prompts of 512 tokens, and 1 of 2,048 (a second, one-slot core);
+- prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
   minus the time of 1, so prefill is not counted; HF does ``generate`` + ``log_softmax`` + ``topk``);
 - that greedy tokens equal HF's, and the ratios against the issue's targets.
 
-``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one.
+``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
+skips the decode rows; ``--compare-serial`` also times every prefill row with one prompt chunk per submission
+(``Engine(core, packed=False)``, the path of cores without a packed variant), the two interleaved ``--repeats``
+times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,13 +65,46 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - started, value
 
 
-def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
+def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None,
+         packed: bool | None = None) -> tuple[float, list[list[int]]]:
+    """``packed``: None leaves the engine's default (the packed prefill when the core has it); False: serial."""
     from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
     requests = [Request(p, max_tokens=tokens, logprobs=logprobs, ignore_eos=True) for p in prompts]
-    seconds, results = timed(lambda: Engine(core).generate(requests))
+    engine = Engine(core) if packed is None else Engine(core, packed=packed)
+    seconds, results = timed(lambda: engine.generate(requests))
     return seconds, [list(r.token_ids) for r in results]
+
+
+def prefill_rows(core, model, prompts, short_generator, args) -> tuple[list[tuple[str, str, str, str]], int]:
+    """Prefill rows (8 x 512, 8 x 4, 8 x 64; one generated token, no logprobs): tokens/s, medians of ``--repeats``
+    interleaved runs, against HF; with ``--compare-serial`` the serial schedule too. Returns (rows, mismatches):
+    the sequences whose greedy token differs from HF's."""
+    rows, mismatches = [], 0
+    for count, length in ((8, 512), (8, 4), (8, 64)):
+        batch = prompts(count, length) if length == 512 else prompts(count, length, short_generator)
+        sides = {"ours": lambda: ours(core, batch, 1, None), "hf": lambda: hf(model, batch, 1, None)}
+        if args.compare_serial:
+            sides["serial"] = lambda: ours(core, batch, 1, None, packed=False)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        tokens: dict[str, list[list[int]]] = {}
+        for _ in range(args.repeats):
+            for name, side in sides.items():
+                seconds, tokens[name] = side()
+                times[name].append(seconds)
+        mismatches += sum(sum(a != b for a, b in zip(tokens[name], tokens["hf"])) for name in sides if name != "hf")
+        median = {name: statistics.median(values) for name, values in times.items()}
+        total = count * length
+        rows.append((f"prefill {count} x {length} tokens", f"{total / median['ours']:.1f} tok/s",
+                     f"{total / median['hf']:.1f} tok/s", f"{median['hf'] / median['ours']:.2f}x"))
+        if args.compare_serial:
+            rows.append((f"prefill {count} x {length} tokens, one chunk per submission",
+                         f"{total / median['serial']:.1f} tok/s", "",
+                         f"{median['serial'] / median['ours']:.2f}x slower than packed"))
+        print(f"prefill {count} x {length}: seconds per run: " + "; ".join(
+            f"{name} {', '.join(f'{v:.2f}' for v in values)}" for name, values in times.items()), file=sys.stderr)
+    return rows, mismatches
 
 
 def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
@@ -103,10 +140,16 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--logprobs", default="0,5,20", help="0 means logprobs off")
-    parser.add_argument("--skip-prefill", action="store_true", help="skip the 8 x 512 and 1 x 2048 prefill rows")
+    parser.add_argument("--skip-prefill", action="store_true", help="skip the prefill rows (8 x 512, 8 x 4, 8 x 64, "
+                        "1 x 2048)")
     parser.add_argument("--skip-long", action="store_true", help="skip the 1 x 2048 prefill (a second export)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and cores here")
-    parser.add_argument("--repeats", type=int, default=1, help="decode rows: best of this many runs of each side")
+    parser.add_argument("--repeats", type=int, default=1, help="decode rows: best of this many runs of each side; "
+                        "prefill rows: median of this many interleaved runs")
+    parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
+    parser.add_argument("--compare-serial", action="store_true",
+                        help="prefill rows: also time the serial schedule (one prompt chunk per submission)")
+    parser.add_argument("--core", type=Path, default=None, help="use this exported core (no export)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
@@ -122,9 +165,13 @@ def main() -> None:
         work = args.workdir or Path(tmp)
         checkpoint = make_checkpoint(work / "checkpoint", args.layers, args.dtype)
         slots = max(batches)
-        export_s = export(checkpoint, work / "core", args.dtype,
-                          ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640"])
-        load_s, core = timed(lambda: load_core(work / "core"))
+        if args.core is None:
+            args.core = work / "core"
+            export_s = export(checkpoint, args.core, args.dtype,
+                              ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640"])
+        else:
+            export_s = float("nan")
+        load_s, core = timed(lambda: load_core(args.core))
         weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
         load_rss = peak_rss_gib()
@@ -139,17 +186,16 @@ def main() -> None:
         rows.append(("HF from_pretrained", f"{hf_load:.1f} s", "", ""))
         generator = torch.Generator().manual_seed(1)
 
-        def prompts(count, length):
-            return torch.randint(0, SHAPE["vocab_size"], (count, length), generator=generator).tolist()
+        short_generator = torch.Generator().manual_seed(2)  # short prefill rows: the decode prompts stay as they were
+
+        def prompts(count, length, source=generator):
+            return torch.randint(0, SHAPE["vocab_size"], (count, length), generator=source).tolist()
 
         mismatches = 0
         if not args.skip_prefill:
-            batch = prompts(8, 512)
-            t_ours, _ = ours(core, batch, 1, None)
-            t_hf, _ = hf(model, batch, 1, None)
-            rows.append(("prefill 8 x 512 tokens", f"{4096 / t_ours:.1f} tok/s", f"{4096 / t_hf:.1f} tok/s",
-                         f"{t_hf / t_ours:.2f}x"))
-        for size in batches:
+            prefill, mismatches = prefill_rows(core, model, prompts, short_generator, args)
+            rows += prefill
+        for size in batches if not args.prefill_only else ():
             batch = prompts(size, PROMPT)
             for logprobs in settings:
                 rate_ours, tokens_ours = decode_rate(lambda p, n, k: ours(core, p, n, k), batch, logprobs, args.repeats)

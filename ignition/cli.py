@@ -91,6 +91,9 @@ def export_core_cmd(
     speculative_tokens: str = typer.Option("", "--speculative-tokens",
                                            help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
     mixed: bool = typer.Option(False, "--mixed", help="Also export mixed prompt/decode variants mixed.t{C}.c{capacity}"),
+    packed_prefill: bool = typer.Option(True, "--packed-prefill/--no-packed-prefill",
+                                        help="Export packed.t{C}.c{capacity}: several prompts' chunks per submission "
+                                             "(qwen3, llama; not with --compile, --onnx, --tensor-parallel)"),
 ) -> None:
     """Run a recipe, prepare kernels, capture every graph variant, validate, and publish a core."""
     from ignition.exporter.publish import PublishError, check_output
@@ -118,7 +121,8 @@ def export_core_cmd(
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
             logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
             tokenizer=tokenizer, onnx=onnx, tensor_parallel=tensor_parallel,
-            speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed)
+            speculative_tokens=_int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed,
+            packed_prefill=packed_prefill)
     except (RecipeError, ValueError) as exc:
         raise _fail(str(exc))
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():

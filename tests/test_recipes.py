@@ -73,7 +73,8 @@ def test_core_validates_and_stores_weights_once(exported, name: str) -> None:
     assert manifest["model"]["dtype"] == dtype and manifest["model"]["max_seq_len"] == MAX_SEQ_LEN
     assert [s["name"] for s in manifest["state"]] == ["k_cache", "v_cache", PENALTY_COUNTS]
     variants = json.loads((core / "catalog.json").read_text())["variants"]
-    assert [v["name"] for v in variants] == [f"prefill.t{CHUNK_LIMIT}", "decode.c1", "decode.c2"]
+    assert [v["name"] for v in variants] == [f"prefill.t{CHUNK_LIMIT}", "decode.c1", "decode.c2",
+                                             f"packed.t{CHUNK_LIMIT}.c2"]
     with safe_open(str(core / "weights.safetensors"), framework="pt") as f:
         names = set(f.keys())
         assert {str(f.get_slice(n).get_dtype()) for n in names} == {"F32" if dtype == "float32" else "BF16"}

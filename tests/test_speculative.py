@@ -112,9 +112,10 @@ def test_speculative_option_errors(cores):
 
 
 def test_mixed_rounds_equal_serial_rounds(cores, plain):
-    """The 30-token prompt's two chunks ride in mixed rounds beside the other request's decode lane."""
+    """The 30-token prompt's two chunks ride in mixed rounds beside the other request's decode lane (no packed
+    prefill: it would run both prompts' first chunks in one round before anything decodes)."""
     _, core, _, _ = cores
-    mixed = Engine(core)
+    mixed = Engine(core, packed=False)
     requests = [Request(p, max_tokens=10, logprobs=5, ignore_eos=True) for p in reversed(PROMPTS)]
     results = list(reversed(mixed.generate(requests)))
     assert mixed.stats["mixed_rounds"] >= 2

@@ -1,9 +1,9 @@
 """The buffer table: every contract buffer's name, dtype, shape expression, role and binding.
 
 Shapes are expressions over the geometry symbols ``capacity``, ``T``, ``C`` (scored
-chunk capacity), ``S`` (draft tokens a verification variant scores after each lane's input token) and
-``VOCAB_WORDS`` (``ceil(vocab_padded / 32)``) and the contract constants; ``resolve_shape`` evaluates them and
-``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
+chunk capacity; a packed prefill's rows per lane), ``S`` (draft tokens a verification variant scores after each
+lane's input token) and ``VOCAB_WORDS`` (``ceil(vocab_padded / 32)``) and the contract constants; ``resolve_shape``
+evaluates them and ``shape_expression`` renders them for docs and error messages, so ``[2, capacity, T, 258]``
 is written exactly once, here.
 """
 
@@ -124,7 +124,8 @@ CONSTRAINT_INPUTS = (
 )
 """Structured-output inputs (``features.structured_output``): they shape the *sampling* logits only; the logprob
 reduction reads the raw row. Declared by every variant of a CONSTRAINED_OPERATIONS operation, or by none."""
-CONSTRAINED_OPERATIONS = (Operation.PREFILL, Operation.SCORED_PREFILL, Operation.DECODE, Operation.MIXED)
+CONSTRAINED_OPERATIONS = (Operation.PREFILL, Operation.SCORED_PREFILL, Operation.DECODE, Operation.MIXED,
+                          Operation.PACKED_PREFILL)
 """Operations whose variants take the constraint inputs: one sampled position per lane. A verify round samples S+1
 positions per lane, so SPECULATIVE_VERIFY variants take none (constrained requests never speculate)."""
 
@@ -134,8 +135,24 @@ WINDOW_INPUTS = (
 )
 """The key window of the decoder recipes' attention: the one argument whose extent is dynamic in the graph."""
 
+PACKED_INPUTS = (
+    BufferSpec("packed_input_ids", "int64", ("capacity*C",), Role.INPUT, ValueSource.PACKED_TOKEN_IDS,
+               "The lanes' prompt chunks concatenated in lane order (lane 0's rows first), zero after"),
+    BufferSpec("segment_starts", "int64", ("capacity",), Role.INPUT, ValueSource.SEGMENT_STARTS,
+               "Absolute position of each lane's chunk's first row"),
+    BufferSpec("segment_lengths", "int64", ("capacity",), Role.INPUT, ValueSource.SEGMENT_LENGTHS,
+               "Rows of each lane's chunk, at most C; 0 for a lane outside the submission"),
+    BufferSpec("segment_emits", "int32", ("capacity",), Role.INPUT, ValueSource.SEGMENT_EMITS,
+               "Nonzero: the lane's chunk ends its prompt and samples the first token; zero: records only"),
+    BufferSpec("segment_window", "int64", ("C",), Role.INPUT, ValueSource.SEGMENT_WINDOW,
+               "Its extent E bounds the rows of each lane's chunk, [0, E); pass a prefix covering the longest "
+               "(contents unread)"),
+)
+"""The additional inputs of PACKED_PREFILL variants (``packed.t{C}.c{capacity}``): each lane's next prompt chunk
+(a *segment* of at most C rows), all of them in one submission. They replace the chunk inputs."""
+
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
-           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS}
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS + PACKED_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -147,6 +164,7 @@ ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
 (KEY_WINDOW,) = (spec.name for spec in WINDOW_INPUTS)
 TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
+PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +177,8 @@ class Window:
     granule: int
 
 
-WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16)}
+WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16),
+           PACKED_TOKENS: Window(dim=0, granule=16), SEGMENT_WINDOW: Window(dim=0, granule=16)}
 """Buffer -> its window. A variant's ``layout["windows"]`` names the ones whose extent is dynamic in its graph."""
 MIN_WINDOW = 2  # torch.export specializes extents 0 and 1
 SHORTEST_WINDOWED = 8
@@ -171,13 +190,18 @@ _CONSTANTS = {name: getattr(contract, name) for name in (
 
 def resolve_shape(spec: BufferSpec, **geometry: int) -> list[int]:
     """Evaluate the shape expression for ``capacity=``, ``T=``, ``C=``, ``S=``, ``VOCAB_WORDS=`` (and ``PACKED_WIDTH=``
-    override)."""
+    override).
+
+    A dimension is a sum of terms, each a product of integers and names (``RECORD_HEADER_WORDS+T``, ``capacity*C``)."""
     env = {**_CONSTANTS, **geometry}
     shape = []
     for dim in spec.shape:
         total = 0
         for term in dim.split("+"):
-            total += int(term) if term.isdigit() else env[term]
+            product = 1
+            for factor in term.split("*"):
+                product *= int(factor) if factor.isdigit() else env[factor]
+            total += product
         shape.append(total)
     return shape
 

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from ignition.catalog.abi import RecordField
-from ignition.catalog.buffers import (CHUNK_INPUTS, COMPLETION_BUFFERS, CONSTRAINT_INPUTS, LANE_INPUTS, PROMPT_BUFFERS,
-                                      SAMPLING_INPUTS, MIXED_BUFFERS, SPECULATIVE_INPUTS, WINDOW_INPUTS,
+from ignition.catalog.buffers import (CHUNK_INPUTS, COMPLETION_BUFFERS, CONSTRAINT_INPUTS, LANE_INPUTS, PACKED_INPUTS,
+                                      PROMPT_BUFFERS, SAMPLING_INPUTS, MIXED_BUFFERS, SPECULATIVE_INPUTS, WINDOW_INPUTS,
                                       shape_expression)
 from ignition.catalog.enums import ENUMS, reserved_status
 
@@ -102,7 +102,7 @@ SECTIONS = {
     "completion-buffers": lambda: _buffer_table(COMPLETION_BUFFERS),
     "prompt-buffers": lambda: _buffer_table(PROMPT_BUFFERS),
     "lane-inputs": lambda: _buffer_table(LANE_INPUTS + CHUNK_INPUTS + SAMPLING_INPUTS + SPECULATIVE_INPUTS
-                                         + MIXED_BUFFERS + WINDOW_INPUTS),
+                                         + MIXED_BUFFERS + WINDOW_INPUTS + PACKED_INPUTS),
     "constraint-inputs": lambda: _buffer_table(CONSTRAINT_INPUTS),
     "record-fields": _record_fields,
     "rules": _rules,

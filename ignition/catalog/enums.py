@@ -17,6 +17,7 @@ class Operation(IntEnum):
     MIXED = 3  # one prompt chunk (prompt role) and decode lanes (decode role) in one graph
     SPECULATIVE_VERIFY = 4  # target scores S+1 positions per lane and accepts a prefix of the draft
     DRAFT_PROPOSE = 5  # draft model proposals (reserved)
+    PACKED_PREFILL = 6  # the next prompt chunks of up to capacity requests, concatenated in one submission
     SCORED_PREFILL = 12  # prefill that also scores every prompt token (fixed by the Protobuf)
 
 
@@ -39,6 +40,11 @@ class ValueSource(IntEnum):
     DRAFT_TOKEN_IDS = 14  # int64[capacity, S]: each lane's proposed tokens, -1 after its proposal ends
     MIXED_PROMPT_LANE = 15  # int64[1]: the lane of a mixed graph in the prompt role (-1: none)
     KEY_WINDOW = 16  # int64[W] (declared [max_seq_len]): its extent W is the key window attention reads; contents unread
+    PACKED_TOKEN_IDS = 17  # int64[capacity*C]: the lanes' prompt chunks concatenated in lane order, zero after
+    SEGMENT_STARTS = 18  # int64[capacity]: absolute position of each lane's chunk's first row
+    SEGMENT_LENGTHS = 19  # int64[capacity]: rows of each lane's chunk (0: an idle lane)
+    SEGMENT_EMITS = 23  # int32[capacity]: nonzero when the lane's chunk ends its prompt and samples the next token
+    SEGMENT_WINDOW = 24  # int64[E] (declared [C]): its extent E bounds the rows of each lane's chunk; contents unread
     LOGPROB_REQUESTED = 20  # int32[capacity]: the flag vector
     LOGPROB_TOKEN_IDS = 21  # int32[capacity, 128]: caller-selected ids
     LOGPROB_TOKEN_ID_COUNTS = 22  # int32[capacity]: selected-id count (0: natural alternatives)

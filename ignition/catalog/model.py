@@ -20,7 +20,7 @@ PREFILL_FAMILY = (Operation.PREFILL, Operation.SCORED_PREFILL)
 
 
 def lane_count(operation: int, capacity: int) -> int:
-    """Lanes per submission: a decode variant's capacity; one request for the prefill family
+    """Lanes per submission: a decode (or PACKED_PREFILL) variant's capacity; one request for the prefill family
     (a SCORED_PREFILL variant's capacity is its prompt-row capacity C)."""
     return 1 if operation in PREFILL_FAMILY else capacity
 

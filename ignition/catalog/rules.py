@@ -67,10 +67,19 @@ RULES = {
     "MIXED-MERGE": "layout.mixed is present exactly in MIXED variants and names the prompt lane input, both roles' "
                    "frames and the active-frame merge.",
     "MIXED-SCORED": "A MIXED variant declares no prompt-scoring buffers: scored requests never enter the prompt role.",
+    "PACKED-INPUTS": "A PACKED_PREFILL variant declares every packed input (packed_input_ids [capacity*C], "
+                     "segment_starts, segment_lengths, segment_emits [capacity], segment_window [C], with C its "
+                     "layout.packed.segment_rows) with its table dtype and role, and none of the single-chunk inputs "
+                     "(chunk_*, input_ids, positions); no other variant declares a packed input.",
+    "PACKED-LAYOUT": "layout.packed is present exactly in PACKED_PREFILL variants and names packed_input_ids and "
+                     "segment_window with segment_rows = the PREFILL variant's chunk rows (a lane's chunk is the one "
+                     "a serial round runs); the variant's capacity is at least 2 and at most model.num_slots (each "
+                     "lane needs its own slot).",
     "CONSTRAINT-PARTIAL": "token_bitmask, logit_bias_ids and logit_bias_values come together, only in sampling "
-                          "variants of PREFILL, SCORED_PREFILL, DECODE and MIXED (never SPECULATIVE_VERIFY).",
-    "CONSTRAINT-ALL": "A core declares the structured-output inputs in every PREFILL, SCORED_PREFILL, DECODE and MIXED "
-                      "variant, or in none.",
+                          "variants of PREFILL, SCORED_PREFILL, DECODE, MIXED and PACKED_PREFILL (never "
+                          "SPECULATIVE_VERIFY).",
+    "CONSTRAINT-ALL": "A core declares the structured-output inputs in every PREFILL, SCORED_PREFILL, DECODE, MIXED "
+                      "and PACKED_PREFILL variant, or in none.",
     "CONSTRAINT-WORDS": "token_bitmask's last extent is ceil(vocab_padded / 32): one bit per logit column.",
     "FEAT-MISMATCH": "The manifest's features equal what the catalog declares (an omitted structured_output is false).",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",

@@ -140,3 +140,41 @@ def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     source = torch.where(live, torch.arange(groups, device=slots.device), first_live)  # [G]
     empty = slots.new_zeros((num_slots,)) + groups  # [num_slots]: G, the zero row
     return empty.index_put_((slots.index_select(0, source),), source)
+
+
+def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     rows: Rows) -> torch.Tensor:
+    """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
+
+    Lane b's segment (``rows.segments``) attends over the positions ``<=`` each row's of slot
+    ``rows.read_slots[b]``, exactly as a prefill chunk does: its slot's window is copied once for all its rows
+    (one slot's cells per lane, never the cache), its rows are regrouped as ``[lanes, kv_heads, groups * E,
+    head_dim]`` (E: the segment window's extent) and one batched attention call runs every lane with the same
+    per-row mask and kernel as ``cached_attention``'s chunk path. Rows past a segment's length (the next
+    segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row order.
+    """
+    segments = rows.segments
+    num_rows, heads, head_dim = query.shape
+    num_slots, max_seq_len, kv_heads, _ = key_cache.shape
+    lanes, share = rows.read_slots.shape[0], heads // kv_heads
+    extent = segments.extent.shape[0]
+    window = key_positions(rows, max_seq_len, query.device)  # [W]: 0..W-1
+    slots = rows.read_slots.clamp(0, num_slots - 1)
+    keys = key_cache.transpose(1, 2).narrow(2, 0, window.shape[0]).index_select(0, slots)  # [B, kv_heads, W, D]
+    values = value_cache.transpose(1, 2).narrow(2, 0, window.shape[0]).index_select(0, slots)
+    local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
+    source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
+    # [B * E, heads, D] -> [B, kv_heads, share * E, D]; row s * E + j is head (kv, s) of the segment's row j
+    grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, head_dim)
+    grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
+    positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
+    hidden = window.view(1, 1, 1, -1) > positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)  # [B, 1, share*E, W]
+    if query.dtype == torch.float32:
+        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill(
+            hidden, torch.finfo(query.dtype).min)
+        attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+    else:
+        attended = _eager_low_precision(grouped, keys, values, hidden)
+    attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
+    attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j
+    return attended.index_select(0, segments.row_source)  # [R, heads * head_dim]

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import DRAFT_TOKENS, KEY_WINDOW, PROMPT_LOGPROBS, PROMPT_TARGETS
+from ignition.catalog.buffers import (DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS,
+                                     SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW)
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
@@ -173,6 +174,55 @@ class ScoredPrefillGraph(PrefillGraph):
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         return self.prefill_chunk(buffers, score=True)
+
+
+class PackedPrefillGraph(PrefillGraph):
+    """``packed.t{C}.c{capacity}`` (PACKED_PREFILL): the next prompt chunk of up to ``capacity`` requests at once.
+
+    Lane b's chunk (its segment, at most C rows) is ``segment_lengths[b]`` rows of ``packed_input_ids`` after the
+    chunks of lanes ``< b``, at positions ``segment_starts[b]..`` of its slot. Each lane's round is the one
+    ``prefill.t{C}`` runs for that chunk, with the same FP32 ops per row: every row writes its cache cell,
+    attends over its own slot's window only (``recipes/attention.py`` ``packed_attention``), the lm_head
+    projects each lane's last valid row alone (``[1, d_model]``, as prefill does), the slot's penalty state
+    is reset at ``segment_starts == 0`` and counts the chunk's tokens, and the lane samples (SAMPLING) when
+    ``segment_emits != 0`` or writes its ADMISSION or PROMPT record. Records carry operation PREFILL.
+    """
+
+    def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
+        weights = self.weights(buffers)
+        packed = buffers[PACKED_TOKENS]  # int64 [R]
+        starts, slots = buffers[SEGMENT_STARTS], buffers["slot_ids"]  # int64 [capacity]
+        active = buffers["active_lanes"] != 0
+        lengths = torch.where(active, buffers[SEGMENT_LENGTHS], 0)  # an inactive lane has no rows
+        rows = Rows.packed(packed.shape[0], starts, lengths, slots, buffers[SEGMENT_WINDOW], buffers.get(KEY_WINDOW))
+        hidden = self.hidden(weights, buffers, packed, rows)  # [R, d_model]
+        last_rows = (rows.segments.offsets + lengths - 1).clamp(0, packed.shape[0] - 1)  # [capacity]
+        # NOTE: one [1, d_model] projection per lane, as prefill's: a GEMM over the lanes' rows would sum each
+        # logit in another order than the serial path does, and the lanes' logprobs would differ from it.
+        raw_logits = torch.cat([lm_head_logits(weights, self.cfg, hidden.index_select(0, last_rows[lane:lane + 1]))
+                                for lane in range(slots.shape[0])])  # [capacity, vocab_padded]
+        self.count_segment_tokens(buffers[PENALTY_COUNTS], slots, packed, rows, active, reset=active & (starts == 0))
+        tokens = self.sample_and_commit(buffers, raw_logits, slots, Operation.PREFILL, starts + buffers[SEGMENT_LENGTHS],
+                                        emits=buffers[SEGMENT_EMITS] != 0, idle_round_kind=prompt_round_kind(starts))
+        return (tokens,)
+
+    @staticmethod
+    def count_segment_tokens(penalty: torch.Tensor, slots: torch.Tensor, packed: torch.Tensor, rows: Rows,
+                             active: torch.Tensor, reset: torch.Tensor) -> None:
+        """Per active lane: reset its slot's planes when ``reset``, add its segment's valid tokens to the prompt plane.
+
+        One ``index_put_`` writes every lane's planes; an inactive lane repeats the first active lane's write (same
+        slot, same values), so duplicate targets always carry identical values."""
+        num_slots, _, width = penalty.shape
+        lanes = slots.shape[0]
+        safe_slots = slots.clamp(0, num_slots - 1)  # [capacity]
+        history = torch.where(reset.view(-1, 1, 1), 0, penalty.index_select(0, safe_slots))  # [capacity, 2, V]
+        hits = torch.zeros(lanes, width, dtype=penalty.dtype, device=penalty.device).index_put_(
+            (rows.segments.row_lanes, packed.clamp(0, width - 1)), rows.valid.to(penalty.dtype), accumulate=True)
+        history[:, PROMPT_PLANE] += hits  # history is a fresh tensor (torch.where), not a view of the state
+        first_active = torch.argmax(active.to(torch.int32))
+        source = torch.where(active, torch.arange(lanes, device=slots.device), first_active)  # [capacity]
+        penalty.index_put_((safe_slots.index_select(0, source),), history.index_select(0, source))
 
 
 class VerifyGraph(_DecoderGraph):

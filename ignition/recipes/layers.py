@@ -73,14 +73,30 @@ def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch
 
 
 @dataclass(frozen=True, slots=True)
+class Segments:
+    """Packed prompt chunks: lane b's chunk (its *segment*) is the packed rows ``[offsets[b], offsets[b] + lengths[b])``.
+
+    Attention regroups the rows as ``[lanes, E]`` (lane b's row j at ``b * E + j``; E is the extent of
+    ``extent``, at least the longest segment) and ``row_source`` maps each packed row back to it."""
+
+    offsets: torch.Tensor  # int64 [B]: first packed row of each lane's segment (exclusive prefix sums of the lengths)
+    starts: torch.Tensor  # int64 [B]: absolute position of each segment's first row
+    row_lanes: torch.Tensor  # int64 [R]: the lane each packed row belongs to (the last lane for rows past every segment)
+    row_source: torch.Tensor  # int64 [R]: each packed row's index in the [lanes * E] regrouped rows
+    extent: torch.Tensor  # [E]: the segment window; only its extent is read
+
+
+@dataclass(frozen=True, slots=True)
 class Rows:
-    """Per-row indexing of one forward call. R rows split into G attention groups of R // G rows each."""
+    """Per-row indexing of one forward call. R rows split into G attention groups of R // G rows each
+    (or, with ``segments``, into one variable-length segment per lane)."""
 
     positions: torch.Tensor  # int64 [R]: absolute position of each row
     write_slots: torch.Tensor  # int64 [R]: cache slot each row writes
     valid: torch.Tensor  # bool [R]: rows that may write the cache
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
+    segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
 
     @classmethod
     def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor,
@@ -89,6 +105,25 @@ class Rows:
         row = torch.arange(chunk_rows, device=chunk_start.device)
         return cls(positions=chunk_start + row, write_slots=slot.expand(chunk_rows), valid=row < chunk_len,
                    read_slots=slot, key_window=key_window)
+
+    @classmethod
+    def packed(cls, packed_rows: int, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
+               segment_window: torch.Tensor, key_window: torch.Tensor | None = None) -> Rows:
+        """Lane b's chunk of ``lengths[b]`` rows (0: an idle lane), concatenated in lane order: its row j is packed row
+        ``offsets[b] + j``, position ``starts[b] + j`` of ``slots[b]``. Rows past the last segment are padding."""
+        lanes = lengths.shape[0]
+        ends = lengths.cumsum(0)  # [B]
+        offsets = ends - lengths
+        row = torch.arange(packed_rows, device=lengths.device)
+        lane = (row.unsqueeze(1) >= ends.unsqueeze(0)).sum(1)  # [R]: segments ending at or before the row
+        valid = lane < lanes
+        lane = lane.clamp(max=lanes - 1)
+        local = row - offsets.index_select(0, lane)  # [R]: the row's index inside its segment
+        extent = segment_window.shape[0]
+        source = (lane * extent + local).clamp(0, lanes * extent - 1)
+        segments = Segments(offsets=offsets, starts=starts, row_lanes=lane, row_source=source, extent=segment_window)
+        return cls(positions=starts.index_select(0, lane) + local, write_slots=slots.index_select(0, lane),
+                   valid=valid, read_slots=slots, key_window=key_window, segments=segments)
 
     @classmethod
     def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor,

@@ -5,7 +5,8 @@
 Reads ``config.json`` and the (single or sharded) safetensors weights, checks every tensor
 against the layout the config implies, and declares one chunked prefill variant
 ``prefill.t{chunk_limit}`` (capacity 1) plus one ``decode.c{capacity}`` variant per decode
-capacity. Weights are stored once; with tied embeddings the graphs bind the lm_head to ``embed``.
+capacity, the optional families, and the packed prefill ``packed.t{chunk_limit}.c{capacity}``
+(``packed_capacity``). Weights are stored once; with tied embeddings the graphs bind the lm_head to ``embed``.
 The vocabulary is the checkpoint's own (``vocab_padded == vocab_size``): HF checkpoints already
 pad their embedding rows, and a second padding would store a new copy of a tied head.
 """
@@ -19,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import CHUNK_TOKENS, LANE_INPUTS, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS
+from ignition.catalog.buffers import (CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_TOKENS, SEGMENT_WINDOW,
+                                     SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
@@ -30,8 +32,8 @@ from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, Re
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
                                          read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
-from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PrefillGraph, ScoredPrefillGraph, VerifyGraph,
-                                     state_declarations)
+from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PackedPrefillGraph, PrefillGraph,
+                                     ScoredPrefillGraph, VerifyGraph, state_declarations)
 from ignition.recipes.tokenizer import tokenizer_dir
 from ignition.recipes.transformer import gqa_decoder
 from ignition.recipes.weights import WeightSpec, load_weights
@@ -47,10 +49,12 @@ class DecoderFamily:
     decoder: Decoder  # (weights, cfg, input_ids, rows, caches) -> hidden
     windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
     dynamic_chunks: bool = False  # prefill rows are a window too (not for MoE: its capacity ladder fixes the rows)
+    packed: bool = False  # packed.t{C}.c{capacity}: several prompts' chunks per submission (GQA, dynamic chunks)
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
-FAMILIES: dict[str, DecoderFamily] = {name: DecoderFamily(name, **_GQA, dynamic_chunks=name != "qwen3_moe")
+FAMILIES: dict[str, DecoderFamily] = {name: DecoderFamily(name, **_GQA, dynamic_chunks=name != "qwen3_moe",
+                                                    packed=name != "qwen3_moe")
                                       for name in ("qwen3", "llama", "qwen3_moe")}
 """Recipe name -> its family; the recipe name is also the family (HF architecture) it accepts."""
 
@@ -80,7 +84,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
     k = options.outputs.k if options.outputs else 0
     vocab_padded = cfg.vocab_size
-    parallel, graph_cfg, modules = None, cfg, _graph_modules(options, cfg, k, family.decoder, None)
+    packed = packed_capacity(options, family)
+    parallel, graph_cfg, modules = None, cfg, _graph_modules(options, cfg, k, family.decoder, None, packed)
     if options.tensor_parallel > 1:  # rank 0's shards become the build's own weights and graphs
         parallel, graph_cfg, weights = _shard(options, cfg, k, family.decoder, weights)
         vocab_padded, modules = parallel.vocab_shard * parallel.ranks, parallel.rank_modules[0]
@@ -95,6 +100,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
                  for draft_tokens in options.speculative_tokens for capacity in options.capacities]
     variants += [mixed_variant(fixed, options.chunk_limit, capacity, token_capacity, options.outputs)
                  for capacity in mixed_capacities(options)]
+    if packed:
+        variants.append(packed_variant(fixed, options.chunk_limit, packed, token_capacity, options.outputs))
     if family.windowed:
         # NOTE: AOTInductor cannot compile these dynamic extents yet (a CPU kernel meets a symbolic size), so a
         # core with compiled packages declares no windows and its graphs always read the full extents
@@ -122,9 +129,11 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     )
 
 
-def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parallel) -> list[torch.nn.Module]:
+def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parallel,
+                   packed: int | None = None) -> list[torch.nn.Module]:
     """One module per variant, in catalog order: prefill, each decode capacity, the scored prefills, then the
-    verify families and the mixed variants (single-rank only: ``_shard`` refuses them with tensor parallelism)."""
+    verify families, the mixed variants (single-rank only: ``_shard`` refuses them with tensor parallelism) and
+    the packed prefill (``packed``: its lanes; single-rank only, see ``packed_capacity``)."""
     modules = [PrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)]
     modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel) for _ in options.capacities]
     if options.prompt_logprobs:
@@ -133,7 +142,20 @@ def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parall
     modules += [VerifyGraph(cfg, cfg.vocab_size, k, decoder) for _ in options.speculative_tokens
                 for _ in options.capacities]
     modules += [MixedGraph(cfg, cfg.vocab_size, k, decoder) for _ in mixed_capacities(options)]
+    modules += [PackedPrefillGraph(cfg, cfg.vocab_size, k, decoder)] if packed else []
     return modules
+
+
+def packed_capacity(options: ExportOptions, family: DecoderFamily) -> int | None:
+    """Lanes of the ``packed.t{C}.c{capacity}`` variant: the widest decode capacity, or None for no variant.
+
+    A default-catalog variant wherever it pays: the family packs (GQA attention, dynamic chunk rows), the widest
+    capacity holds two lanes, and the graphs keep their dynamic extents (no ``--compile``, whose graphs declare
+    no windows, no ``--onnx``, whose graphs run at the full extents: a packed graph would always run every
+    lane's C rows) on a single rank (``--tensor-parallel`` cores schedule prompt chunks one at a time)."""
+    widest = options.capacities[-1]
+    eligible = options.compile is None and not options.onnx and options.tensor_parallel == 1
+    return widest if options.packed_prefill and family.packed and widest >= 2 and eligible else None
 
 
 def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[str, torch.Tensor]):
@@ -157,8 +179,9 @@ def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[
 
 def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True, chunks: bool = True) -> Variant:
     """``variant`` with the key window input appended (its attention reads keys ``[0, W)`` only) and, in the
-    prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has): both
-    named in ``layout["windows"]`` (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
+    prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has; the packed
+    prefill's packed rows and segment window likewise): all named in ``layout["windows"]``
+    (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
     window, bindings = spec_arguments(WINDOW_INPUTS, max_seq_len=max_seq_len)
     variant.arguments = variant.arguments + window
     variant.bindings = variant.bindings | bindings
@@ -199,6 +222,20 @@ def mixed_variant(fixed: list[BufferDecl], chunk_limit: int, capacity: int, toke
     sampling, sampling_bindings = sampling_arguments(capacity)
     return Variant(**identity, arguments=fixed + inputs + sampling + outputs, returns=next_tokens_return(capacity),
                    bindings=bindings | sampling_bindings | output_bindings, layout=layout)
+
+
+def packed_variant(fixed: list[BufferDecl], chunk_limit: int, capacity: int, token_capacity: int,
+                   logprob_outputs: LogprobOutputs | None) -> Variant:
+    """``packed.t{C}.c{capacity}`` (PACKED_PREFILL): weights, state, lane inputs without ``input_ids``/``positions``,
+    the packed inputs (``capacity * C`` rows, each lane's segment at most C), sampling inputs, the bundle."""
+    lanes, lane_bindings = spec_arguments(PREFILL_LANE_INPUTS, capacity=capacity)
+    packed, packed_bindings = spec_arguments(PACKED_INPUTS, capacity=capacity, C=chunk_limit)
+    sampling, sampling_bindings = sampling_arguments(capacity)
+    outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
+    layout["packed"] = {"tokens": PACKED_TOKENS, "segment_rows": chunk_limit, "segment_window": SEGMENT_WINDOW}
+    return Variant(name=f"packed.t{chunk_limit}.c{capacity}", operation=Operation.PACKED_PREFILL, capacity=capacity,
+                   arguments=fixed + lanes + packed + sampling + outputs, returns=next_tokens_return(capacity),
+                   bindings=lane_bindings | packed_bindings | sampling_bindings | output_bindings, layout=layout)
 
 
 def prefill_variant(fixed: list[BufferDecl], chunk_limit: int, token_capacity: int,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.recipes.config import ModelConfig, kv_cache_shape
-from ignition.recipes.attention import AttentionPlan, cached_attention, plan_attention
+from ignition.recipes.attention import AttentionPlan, cached_attention, packed_attention, plan_attention
 from ignition.recipes.layers import Rows, rms_norm, rotate_half, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
 from ignition.recipes.rope import rope_cos_sin
@@ -27,7 +27,7 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int, normed: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, rows: Rows, plan: AttentionPlan,
+               cos: torch.Tensor, sin: torch.Tensor, rows: Rows, plan: AttentionPlan | None,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     prefix = f"layers.{layer}."
     bias = (lambda name: weights[prefix + name]) if cfg.attention_bias else (lambda name: None)
@@ -43,7 +43,10 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     write_rows(k_cache, layer, rows, key)
     write_rows(v_cache, layer, rows, value)
 
-    attended = cached_attention(query, k_cache[layer], v_cache[layer], plan)  # [R, q_width]
+    if plan is None:  # packed prompt chunks (rows.segments)
+        attended = packed_attention(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
+    else:
+        attended = cached_attention(query, k_cache[layer], v_cache[layer], plan)  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks)  # [R, d_model]
 
 
@@ -86,7 +89,8 @@ def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids
     """Qwen3 / Llama / Qwen3-MoE: GQA attention over ``caches["k_cache"]``, ``caches["v_cache"]``."""
     k_cache, v_cache = caches[K_CACHE], caches[V_CACHE]
     _check_caches(cfg, weights, k_cache, v_cache)
-    plan = plan_attention(rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads, k_cache.dtype)
+    plan = None if rows.segments is not None else plan_attention(
+        rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads, k_cache.dtype)
     return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
         weights, cfg, layer, normed, cos, sin, rows, plan, k_cache, v_cache), parallel)
 

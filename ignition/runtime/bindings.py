@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ignition.catalog.buffers import CHUNK_TOKENS, MIN_WINDOW, REQUESTED, TOKEN_ID_COUNTS, TOKEN_IDS, WINDOWS
+from ignition.catalog.buffers import (CHUNK_TOKENS, MIN_WINDOW, PACKED_TOKENS, REQUESTED, SEGMENT_WINDOW, TOKEN_ID_COUNTS,
+                                     TOKEN_IDS, WINDOWS)
 from ignition.catalog.enums import ValueSource as S
 from ignition.runtime.constraints import fill_mask_rows
 
@@ -94,7 +95,9 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                     raise RuntimeError(f"lane {index} proposes {len(lane.draft)} tokens; {variant.name} takes "
                                        f"{target.shape[1]}")
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
-        elif source is S.KEY_WINDOW:  # only its extent is read: Windowed passes the prefix a replay needs
+        elif source in _SEGMENT_SOURCES:  # a packed prefill: every lane's chunk
+            fill_segments(variant, target, source, lanes)
+        elif source in (S.KEY_WINDOW, S.SEGMENT_WINDOW):  # only the extent is read: Windowed passes the prefix needed
             continue
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
@@ -124,6 +127,54 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
     inputs.upload()
     pairs = max([core.k] + [int(c) for c in counts]) if flags.any() else 0
     return flags.astype(bool), pairs
+
+
+_SEGMENT_SOURCES = (S.PACKED_TOKEN_IDS, S.SEGMENT_STARTS, S.SEGMENT_LENGTHS, S.SEGMENT_EMITS)
+
+
+def fill_segments(variant, target: torch.Tensor, source: S, lanes: list[Lane]) -> None:
+    """One packed-prefill input: lane b's chunk is segment b (its rows follow lanes < b's in ``packed_input_ids``);
+    lanes past the submission get zeros (no rows). RuntimeError when a lane has no chunk or the chunks do not fit."""
+    plans = [lane.chunk for lane in lanes]
+    if any(plan is None for plan in plans) or len(plans) > variant.lanes:
+        raise RuntimeError(f"{variant.name}: a packed prefill takes 1 to {variant.lanes} lanes, each with a prompt "
+                           f"chunk; got {len(plans)} lanes, {sum(plan is None for plan in plans)} without a chunk")
+    target.zero_()
+    if source is S.PACKED_TOKEN_IDS:
+        tokens = [token for plan in plans for token in plan.tokens]
+        if len(tokens) > target.shape[0]:
+            raise RuntimeError(f"{variant.name}: the lanes' chunks hold {len(tokens)} rows; it takes {target.shape[0]}")
+        target[:len(tokens)] = torch.tensor(tokens, dtype=target.dtype)
+        return
+    if source is S.SEGMENT_LENGTHS:
+        rows = variant.layout["packed"]["segment_rows"]
+        longest = max((len(plan.tokens) for plan in plans), default=0)
+        if longest > rows:
+            raise RuntimeError(f"{variant.name}: a chunk of {longest} rows; a lane takes at most {rows}")
+    value = {S.SEGMENT_STARTS: lambda plan: plan.start, S.SEGMENT_LENGTHS: lambda plan: len(plan.tokens),
+             S.SEGMENT_EMITS: lambda plan: int(plan.emits)}[source]
+    target[:len(plans)] = torch.tensor([value(plan) for plan in plans], dtype=target.dtype)
+
+
+def replayed_extent(variant, name: str, needed: int) -> int:
+    """The extent of input ``name`` a replay of ``variant`` passes when it must cover ``needed`` positions or rows:
+    the declared extent, unless the variant replays through a ``Windowed`` layer that narrows ``name`` (then the
+    smallest multiple of its granule covering ``needed``, as ``Windowed.sizes`` rounds)."""
+    window = WINDOWS[name]
+    extent = next(a.shape[window.dim] for a in variant.arguments if a.name == name)
+    if name not in (variant.layout.get("windows") or ()) or "windowed" not in variant.layers:
+        return extent
+    return min(extent, -(-max(needed, MIN_WINDOW) // window.granule) * window.granule)
+
+
+def packed_needed(name: str, starts: torch.Tensor, lengths: torch.Tensor) -> int:
+    """A packed prefill's window extents before rounding: all lanes' rows (the packed tokens), the longest lane's
+    rows (the segment window), and past every lane's last position (the key window)."""
+    if name == PACKED_TOKENS:
+        return int(lengths.sum())
+    if name == SEGMENT_WINDOW:
+        return int(lengths.max())
+    return int((starts + lengths).max())
 
 
 CONSTRAINT_SOURCES = (S.TOKEN_BITMASK, S.LOGIT_BIAS_IDS, S.LOGIT_BIAS_VALUES)
@@ -189,9 +240,13 @@ class Windowed:
         by_source = {source: name for name, source in bindings.items()}
         self.positions, self.drafts = by_source.get(S.POSITIONS), by_source.get(S.DRAFT_TOKEN_IDS)
         self.chunk = (by_source[S.CHUNK_START], by_source[S.CHUNK_LENGTH]) if S.CHUNK_START in by_source else None
+        self.segments = (by_source[S.SEGMENT_STARTS], by_source[S.SEGMENT_LENGTHS]) if S.SEGMENT_STARTS in by_source \
+            else None
 
     def needed(self, name: str, buffers: dict[str, torch.Tensor]) -> int:
         """The extent of window ``name`` this submission needs, before rounding."""
+        if self.segments is not None:
+            return packed_needed(name, *(buffers[input_name] for input_name in self.segments))
         if name == CHUNK_TOKENS:
             return int(buffers[self.chunk[1]].max())
         needed = 1

@@ -1,8 +1,8 @@
 """The scheduler: the engine's policy over a loaded core. Slots with epochs, admission order, the variant choice.
 
-Each step is one submission: the prefill chunk of one request, a mixed round, or one decode round
-for up to the largest capacity of running requests, run in the smallest variant that fits (the
-core's padding rule). The mechanics of a submission (frames, inputs, replay, readback, the
+Each step is one submission: the prefill chunk of one request (or the chunks of several, packed), a mixed
+round, or one decode round for up to the largest capacity of running requests, run in the smallest variant
+that fits (the core's padding rule). The mechanics of a submission (frames, inputs, replay, readback, the
 record-ownership check) are the runner's (ignition.runtime.runner); the scheduler decides what to
 submit and what each lane's record means for its request. A request for ``n`` samples is a group
 (ignition/runtime/samples.py): admitted together, its prompt prefilled once by its first sample and
@@ -19,8 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ignition.catalog.abi import TokenEntry, has_payload
+from ignition.catalog.buffers import KEY_WINDOW
 from ignition.catalog.enums import FinishReason, Operation
-from ignition.runtime.bindings import ChunkPlan, Lane
+from ignition.runtime.bindings import ChunkPlan, Lane, replayed_extent
 from ignition.runtime.constraints import ConstraintError
 from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.grammar import GrammarViolation
@@ -73,12 +74,14 @@ class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
     def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
-                 mixed: bool = True):
+                 mixed: bool = True, packed: bool = True):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
         tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
         ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
         core's ``verify.s{S}`` variants (the smallest S >= draft_tokens); see ``_drafts``. ``mixed``: use the
-        core's ``mixed`` variants when the rule of ``_mixed_round`` allows (False: always serial rounds)."""
+        core's ``mixed`` variants when the rule of ``_mixed_round`` allows (False: always serial rounds).
+        ``packed``: use the core's ``packed`` variant when the rule of ``_packed_prefill`` allows (False: one
+        prompt chunk per round)."""
         self.core = core
         self.batch_invariant = batch_invariant
         self.drafter, self.draft_tokens = drafter, draft_tokens
@@ -90,6 +93,7 @@ class Engine:
         self.prefill = prefill[-1]
         self.scored = core.by_operation(Operation.SCORED_PREFILL)
         self.mixed_variants = core.by_operation(Operation.MIXED) if mixed else []
+        self.packed_variants = core.by_operation(Operation.PACKED_PREFILL) if packed else []
         self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
         model = core.manifest["model"]
         self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
@@ -104,7 +108,7 @@ class Engine:
         self.runner = Runner(core)
         self._ids = itertools.count()
         self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0,
-                      "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0}
+                      "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0, "packed_rounds": 0}
         self.groups: dict[str, SampleGroup] = {}  # n > 1 requests by id, until every sample finished
         self.copier = PromptCopier(core)
 
@@ -174,6 +178,8 @@ class Engine:
         prefilling = [s for s in ready if s.prefilled < len(s.context())]
         decoding = [s for s in ready if not s.done and not self._backlogged(s) and s not in prefilling]
         if prefilling and self._mixed_round(prefilling[0], decoding):
+            return True
+        if prefilling and self._packed_prefill(prefilling):
             return True
         if prefilling:
             self._prefill_chunk(prefilling[0])
@@ -310,6 +316,39 @@ class Engine:
         self._share_prompt(prompting)
         self.stats["mixed_rounds"] += 1
         return True
+
+    def _packed_prefill(self, prefilling: list[RequestState]) -> bool:
+        """The rule: when the core has a packed variant and the first request with prompt left (the lead) does not
+        score it, the next chunks of the lead and of the following requests with prompt left that do not score it
+        and whose chunk's key window is the lead's (``_window_of``), up to the variant's capacity, run in one
+        ``packed`` submission, each cut as the serial round cuts it (at most C rows, the chunk limit), if there
+        are at least two of them (one in batch-invariant mode, so that a request's rounds never depend on
+        whether others waited with it). Otherwise the lead's chunk runs alone (``_prefill_chunk``; scored
+        requests always do). Each lane's record, tokens and logprobs are the ones its serial round writes."""
+        if not self.packed_variants or prefilling[0].scoring():
+            return False
+        variant = self.packed_variants[-1]
+        chunk = variant.layout["packed"]["segment_rows"]
+        window = self._window_of(variant, prefilling[0], chunk)
+        states = [state for state in prefilling
+                  if not state.scoring() and self._window_of(variant, state, chunk) == window][:variant.capacity]
+        if len(states) < (1 if self.batch_invariant else 2):
+            return False
+        lanes, finishes = zip(*(self._chunk_lane(state, chunk) for state in states))
+        self._submit(variant, list(lanes))
+        for state, finish in zip(states, finishes):
+            finish()
+            self._share_prompt(state)
+        self.stats["packed_rounds"] += 1
+        return True
+
+    @staticmethod
+    def _window_of(variant: LoadedVariant, state: RequestState, chunk: int) -> int:
+        """The key window a replay passes for ``state``'s next chunk alone. Lanes share one window and the keys'
+        extent sets the order in which attention sums a row's values, so only lanes whose serial rounds pass the
+        same window are packed together: their rows then sum exactly as the serial rounds do."""
+        end = min(state.prefilled + chunk, len(state.context()))
+        return replayed_extent(variant, KEY_WINDOW, end) if KEY_WINDOW in variant.buffers else 0
 
     def _prefill_chunk(self, state: RequestState) -> None:
         variant, chunk = self.prefill, self.chunk

@@ -12,6 +12,7 @@ from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_t
 from ignition.catalog.enums import Operation, ValueSource, reserved_status
 from ignition.catalog.model import lane_count
 from ignition.validate.constraint_rules import check_catalog_constraints, check_variant_constraints
+from ignition.validate.packed import check_packed, prefill_rows
 from ignition.validate.report import Violation
 
 _DIM_RULES = {"FRAMES": "BUF-FRAMES", "capacity": "BUF-CAPACITY", "C": "BUF-CAPACITY", "T": "BUF-T",
@@ -266,8 +267,9 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
     names = [v["name"] for v in variants]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         found.append(Violation("CATALOG-DUP", f"variant {dup}", "variant name used more than once"))
+    chunk_rows = prefill_rows(variants)
     for variant in variants:
-        found += check_variant(variant, manifest)
+        found += check_variant(variant, manifest) + check_packed(variant, manifest, chunk_rows)
     declares = lambda name: any(a["name"] == name for v in variants for a in v["arguments"])  # noqa: E731
     has_lp, has_ids = declares(B.LOGPROBS), declares(B.TOKEN_IDS)
     if not has_lp and manifest["k"] != 0:

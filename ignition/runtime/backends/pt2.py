@@ -17,6 +17,15 @@ from ignition.validate.graphs import check_graph
 from ignition.validate.parallel import check_program
 
 
+def unchecked_module(program) -> torch.nn.Module:
+    """The program's module without torch.export's per-call input checks (about 1 ms a step at Qwen3-0.6B's
+    width): the runner builds every argument from the catalog's declarations, and the validator has checked
+    that the program's signature matches them, so the shape and guard checks can only re-prove that."""
+    module = program.module(check_guards=False)
+    module.validate_inputs = False
+    return module
+
+
 class Pt2Backend:
     name = "pt2"
     capturable = True
@@ -56,4 +65,4 @@ class Pt2Backend:
             program = move_program(program, self.device)
         except ValueError as exc:
             raise CoreLoadError(f"variant {entry['name']}: {exc}") from None
-        return program.module()
+        return unchecked_module(program)
