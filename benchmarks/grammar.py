@@ -12,6 +12,9 @@ Measured, per JSON schema of ``tests/_grammar_cases.SCHEMAS`` (and a regex, a ch
   tests: the shortest document) plus the steps of a seeded random walk; every step is a real ``fill`` then
   ``accept``;
 - batched: ``GrammarMatcher.fill_many`` over 8 and 32 lanes (one per schema, cycled), per call;
+- overlapped: the same walks with each row prefetched right after the accept (``GrammarMatcher.prefetch``, what the
+  engine does) and ``--between-ms`` of GIL-holding Python work before the next ``fill``: what a fill still costs on
+  the engine's critical path;
 - graph: ``components.constraints.sampling_logits`` (unpack the bitmask, mask, bias) against
   ``components.sampling.sample`` on ``[rows, 151936]`` float32 logits, on this machine's CPU.
 
@@ -79,6 +82,38 @@ def walk(compiler, compiled, rank, steps: int, seed: int) -> tuple[list[float], 
     return times, first
 
 
+def overlapped(compiler, compiled, rank, steps: int, seed: int, between: float) -> list[float]:
+    """The walks of ``walk``, each step's row prefetched (``GrammarMatcher.prefetch``) right after the accept, then
+    ``between`` seconds of Python work holding the GIL (the engine's bookkeeping before its next submission), then
+    ``fill``: the seconds each ``fill`` still takes on the critical path (waiting for the prefetch, copying it)."""
+    waits = []
+    row = np.zeros(compiler.words, dtype=np.int32)
+    rng = random.Random(seed)
+    for mode in ("closing", "random"):
+        matcher = compiler.matcher(compiled)
+        matcher.prefetch()
+        for step in range(steps if mode == "random" else 4 * steps):
+            if matcher.stopped:
+                break
+            _busy(between)
+            started = time.perf_counter()
+            matcher.fill(row)
+            waits.append(time.perf_counter() - started)
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+            token = int(min(allowed, key=rank) if mode == "closing" else rng.choice(allowed.tolist()))
+            if token == compiler.eos_token_id:
+                break
+            matcher.accept(token)
+            matcher.prefetch()
+    return waits
+
+
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def batched(compiler, compiled: list, lanes: int, repeats: int) -> float:
     from ignition.runtime.grammar import GrammarMatcher
     matchers = [(compiler.matcher(compiled[i % len(compiled)]), i) for i in range(lanes)]
@@ -119,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads and llguidance mask threads")
     parser.add_argument("--steps", type=int, default=64, help="random-walk steps per grammar")
     parser.add_argument("--quick", action="store_true", help="six schemas, fewer repeats")
+    parser.add_argument("--between-ms", type=float, default=2.0,
+                        help="engine work between a step's accept and the next fill, for the overlapped walk")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from _grammar_cases import byte_level_bpe, preference, token_pieces
@@ -147,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{_ms(float(np.percentile(times, 99)))} | {_ms(max(times))} | {len(times)} |")
     print(f"\nall fills: {len(all_times)} steps, median {_ms(statistics.median(all_times))} ms, "
           f"p99 {_ms(float(np.percentile(all_times, 99)))} ms, max {_ms(max(all_times))} ms")
+    print(f"\noverlapped (prefetch after each accept, then {args.between_ms} ms of engine work holding the GIL):")
+    print("| fill on the critical path | median ms | p99 ms | max ms | steps |\n|---|---|---|---|---|")
+    waits = [w for index, done in enumerate(compiled)
+             for w in overlapped(compiler, done, rank, args.steps, index + 1, args.between_ms / 1e3)]
+    for label, times in (("synchronous `fill`", all_times), ("prefetched `fill` (wait + copy)", waits)):
+        print(f"| {label} | {_ms(statistics.median(times))} | {_ms(float(np.percentile(times, 99)))} | "
+              f"{_ms(max(times))} | {len(times)} |")
     repeats = 5 if args.quick else 20
     for lanes in (8, 32):
         print(f"fill_many, {lanes} lanes: {_ms(batched(compiler, compiled, lanes, repeats))} ms per step (best of "

@@ -17,6 +17,7 @@ import json
 import random
 import re
 import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -265,6 +266,65 @@ def test_fill_many_equals_one_by_one(compiler, vocabulary):
         single = np.zeros(compiler.words, dtype=np.int32)
         matcher.fill(single)
         np.testing.assert_array_equal(batch[index], single)
+
+
+@pytest.mark.parametrize("name", ["nested_objects", "string_pattern", "int_array_bounds"])
+def test_prefetched_rows_equal_synchronous_fills(compiler, vocabulary, name):
+    """Two matchers walk one document: one prefetches after every accepted token (the engine's overlap), the other
+    fills synchronously; every row is equal, through ``fill`` and ``fill_many``, and a prefetch in flight is
+    waited for by ``accept``, ``fork``, ``stopped`` and ``rollback`` (a second prefetch is a no-op)."""
+    _, eos, pieces = vocabulary
+    compiled = compiler.compile(schema_spec(SCHEMAS[name]))
+    ahead, plain = compiler.matcher(compiled), compiler.matcher(compiled)
+    rank = preference(pieces, eos)
+    row, expected = np.zeros(compiler.words, dtype=np.int32), np.zeros(compiler.words, dtype=np.int32)
+    batch = np.zeros((3, compiler.words), dtype=np.int32)
+    ahead.prefetch()
+    for step in range(200):
+        if plain.stopped:
+            break
+        plain.fill(expected)
+        if step % 2:
+            GrammarMatcher.fill_many([(ahead, 2)], batch)
+            row[:] = batch[2]
+        else:
+            ahead.prefetch()  # already in flight or done: nothing new
+            ahead.fill(row)
+        np.testing.assert_array_equal(row, expected)
+        token = int(min(allowed_ids(expected), key=rank))
+        if step == 3:  # a prefetch in flight, then a fork and a rollback wait for it
+            ahead.prefetch()
+            fork = ahead.fork()
+            ahead.accept(token)
+            ahead.prefetch()
+            ahead.rollback(1)
+            fork.fill(row)
+            np.testing.assert_array_equal(row, expected)
+        plain.accept(token)
+        ahead.accept(token)
+        assert ahead.stopped == plain.stopped
+        ahead.prefetch()
+    else:
+        pytest.fail("the document did not end")
+    assert ahead.stopped
+
+
+def test_a_matcher_dropped_with_a_prefetch_in_flight(compiler, vocabulary):
+    """A request finished or cancelled while its next row fills: the worker keeps the row alive until it ends
+    (freeing it under llguidance's write corrupted the heap in an early version)."""
+    compiled = compiler.compile(schema_spec(SCHEMAS["nested_objects"]))
+    pattern = 0x5A5A5A5A
+    for _ in range(100):
+        matcher = compiler.matcher(compiled)
+        matcher.prefetch()
+        del matcher
+        probe = np.full(compiler.words, pattern, dtype=np.int32)  # the allocator hands out a freed row's block first
+        grammar_module._prefetcher().submit(lambda: None).result()
+        time.sleep(0.001)  # both workers idle: any fill of a dropped matcher has ended
+        assert (probe == pattern).all(), "a prefetch wrote into memory it no longer owned"
+    row = np.zeros(compiler.words, dtype=np.int32)
+    compiler.matcher(compiled).fill(row)
+    assert row.any()
 
 
 def test_compile_runs_on_worker_threads_and_is_cached(compiler, monkeypatch):

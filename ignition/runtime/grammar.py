@@ -10,6 +10,10 @@
    ``accept(token)`` advances it on every emitted token, ``fill(row)`` writes the next step's allowed tokens into
    an int32 ``token_bitmask`` row (bit ``i`` of word ``w`` allows token ``32*w+i``), and
    ``GrammarMatcher.fill_many`` fills many lanes at once on llguidance's own thread pool.
+4. ``prefetch()`` starts the next row's fill on a worker thread as soon as a step's tokens are accepted, so it
+   overlaps whatever the engine does before the next submission (the other lanes' records, a prefill round);
+   the next ``fill``/``fill_many`` copies the ready row and waits only for what is left of it. Every other use of
+   the matcher waits for a fill in flight first (llguidance holds the matcher while it fills, without the GIL).
 
 A spec the engine cannot compile raises ``GrammarError`` naming the request field and, for JSON Schema, the
 unsupported keywords (``constructs``). Nothing here imports the HTTP layer.
@@ -87,6 +91,16 @@ def _executor() -> llguidance.LLExecutor:
         return _EXECUTOR[0]
 
 
+_PREFETCH: list[ThreadPoolExecutor] = []  # the workers of GrammarMatcher.prefetch, made on first use
+
+
+def _prefetcher() -> ThreadPoolExecutor:
+    with _EXECUTOR_LOCK:
+        if not _PREFETCH:
+            _PREFETCH.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask"))
+        return _PREFETCH[0]
+
+
 class CompiledGrammar:
     """A spec compiled for one tokenizer: a template matcher that every request copies."""
 
@@ -100,51 +114,84 @@ class CompiledGrammar:
             return self._template.deep_copy()
 
 
-class GrammarMatcher:
-    """One request's position in its grammar."""
+def _fill_row(matcher: llguidance.LLMatcher, row: np.ndarray) -> None:
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
-    __slots__ = ("spec", "words", "_matcher")
+
+class GrammarMatcher:
+    """One request's position in its grammar; used from one thread (the engine's) plus its own prefetch."""
+
+    __slots__ = ("spec", "words", "_matcher", "_ahead", "_ahead_row")
 
     def __init__(self, spec: GrammarSpec, matcher: llguidance.LLMatcher, words: int):
         self.spec, self.words, self._matcher = spec, words, matcher
+        self._ahead: Future | None = None  # the prefetched fill of the current position, in flight or done
+        self._ahead_row: np.ndarray | None = None
+
+    def _settle(self) -> np.ndarray | None:
+        """Wait for a prefetched fill; its row (for the current position), or None when none was started."""
+        ahead, row = self._ahead, self._ahead_row
+        if ahead is None:
+            return None
+        self._ahead = self._ahead_row = None
+        ahead.result()
+        return row
 
     @property
     def stopped(self) -> bool:
         """The grammar is complete and can take no further token: finish the request (finish reason ``stop``)."""
+        self._settle()
         return self._matcher.is_stopped()
 
     @property
     def accepting(self) -> bool:
         """The text so far is a complete match (EOS is allowed next)."""
+        self._settle()
         return self._matcher.is_accepting()
 
     def fork(self) -> "GrammarMatcher":
         """An independent matcher at this one's position (another sample of the same request)."""
+        self._settle()
         return GrammarMatcher(self.spec, self._matcher.deep_copy(), self.words)
 
     def accept(self, token: int) -> None:
         """Advance over an emitted token; GrammarViolation when the grammar does not allow it."""
+        self._settle()  # a prefetched row is for the position before this token: dropped
         if not self._matcher.consume_token(int(token)):
             raise GrammarViolation(f"token {token} is not allowed by the {self.spec.kind} constraint "
                                    f"({self.spec.param}): {self._matcher.get_error()}")
 
     def rollback(self, tokens: int) -> None:
         """Undo the last ``tokens`` accepted tokens (speculative rounds that reject a draft)."""
+        self._settle()
         if not self._matcher.rollback(tokens):
             raise GrammarViolation(f"cannot roll back {tokens} tokens: {self._matcher.get_error()}")
+
+    def prefetch(self) -> None:
+        """Start filling the current position's row on a worker thread (no GIL while llguidance fills); the next
+        ``fill``/``fill_many`` takes it. Nothing to do when a fill is already in flight or the grammar stopped."""
+        if self._ahead is not None or self._matcher.is_stopped() or self._matcher.is_error():
+            return
+        row = np.empty(self.words, dtype=np.int32)
+        # the work item holds the row (and the matcher) until the fill ends, even when this matcher is dropped first
+        self._ahead_row, self._ahead = row, _prefetcher().submit(_fill_row, self._matcher, row)
 
     def fill(self, row: np.ndarray) -> None:
         """Write the next step's allowed tokens into ``row``: int32 [VOCAB_WORDS], contiguous."""
         if row.dtype != np.int32 or row.shape != (self.words,) or not row.flags["C_CONTIGUOUS"]:
             raise ValueError(f"a bitmask row is a contiguous int32 [{self.words}], got {row.dtype} {list(row.shape)}")
-        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        ahead = self._settle()
+        if ahead is not None:
+            row[:] = ahead
+        else:
+            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if self._matcher.is_error():
             raise GrammarViolation(f"{self.spec.param}: {self._matcher.get_error()}")
 
     @staticmethod
     def fill_many(lanes: Sequence[tuple["GrammarMatcher", int]], bitmask: np.ndarray) -> None:
-        """Fill ``bitmask[index]`` (contiguous int32 [rows, VOCAB_WORDS]) for every (matcher, index), in parallel
-        on llguidance's thread pool (without the GIL)."""
+        """Fill ``bitmask[index]`` (contiguous int32 [rows, VOCAB_WORDS]) for every (matcher, index): prefetched
+        rows are copied, the others filled in parallel on llguidance's thread pool (without the GIL)."""
         if not lanes:
             return
         words = lanes[0][0].words
@@ -152,8 +199,15 @@ class GrammarMatcher:
                 or not bitmask.flags["C_CONTIGUOUS"]:
             raise ValueError(f"a bitmask is a contiguous int32 [rows, {words}], got {bitmask.dtype} "
                              f"{list(bitmask.shape)}")
-        _executor().unsafe_compute_mask_ptr([(lane._matcher, index) for lane, index in lanes], bitmask.ctypes.data,
-                                            words * 4, bitmask.shape[0])
+        rest = []
+        for lane, index in lanes:
+            ahead = lane._settle()
+            if ahead is None:
+                rest.append((lane._matcher, index))
+            else:
+                bitmask[index] = ahead
+        if rest:
+            _executor().unsafe_compute_mask_ptr(rest, bitmask.ctypes.data, words * 4, bitmask.shape[0])
         for lane, index in lanes:
             if lane._matcher.is_error():
                 raise GrammarViolation(f"{lane.spec.param}: {lane._matcher.get_error()}", index)

@@ -151,6 +151,7 @@ class Engine:
         self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
         state.epoch = self.epochs[state.slot]
         self.running.append(state)
+        self._prefetch_mask(state)  # its first row fills while its prompt is prefilled
 
     def _finish(self, state: RequestState, reason: str, error: str | None = None, param: str | None = None) -> None:
         state.finish_reason, state.error, state.error_param = reason, error, param
@@ -528,6 +529,8 @@ class Engine:
         state.prefilled = record.sequence_length  # the KV now holds everything before the newest token
         if record.finish_reason is FinishReason.LENGTH or len(state.generated) >= request.max_tokens:
             self._finish(state, "length")
+        else:
+            self._prefetch_mask(state)  # the next row fills while the other lanes and the next round are prepared
 
 
     # -- constraints (structured output and sampling controls; ignition/runtime/constraints.py) --------
@@ -535,6 +538,13 @@ class Engine:
     def _constrained(state: RequestState) -> bool:
         constraints = state.request.constraints
         return constraints is not None and bool(constraints.fields)
+
+    @staticmethod
+    def _prefetch_mask(state: RequestState) -> None:
+        """Start filling the grammar's next bitmask row in the background (``GrammarMatcher.prefetch``)."""
+        constraints = state.request.constraints
+        if constraints is not None and constraints.grammar is not None:
+            constraints.grammar.prefetch()
 
     def _advance_grammar(self, state: RequestState, token: int) -> bool:
         """Advance ``state``'s grammar over an emitted token (forced ones too); False once that finished it: "error"
