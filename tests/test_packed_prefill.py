@@ -20,7 +20,7 @@ from test_decode_copies import CacheCopies
 from test_validate_rules import rules_of
 
 from ignition.catalog.abi import RecordField
-from ignition.catalog.buffers import KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW, TOKEN_BITMASK
+from ignition.catalog.buffers import KEY_WINDOW, PACKED_TOKENS, SAMPLE_WINDOW, SEGMENT_WINDOW, TOKEN_BITMASK
 from ignition.catalog.enums import Operation, RoundKind
 from ignition.exporter.export import export_core
 from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
@@ -225,7 +225,13 @@ def test_windows_cover_every_lane(core):
              Lane(RequestState(Request(prompt(1, 5)), "b", slot=2, epoch=1), ChunkPlan(0, prompt(1, 5), True))]
     fill_inputs(variant, lanes, 0, core)
     windowed = Windowed(lambda buffers: None, variant.bindings, variant.layout["windows"])
-    assert windowed.sizes(variant.buffers) == {KEY_WINDOW: 64, PACKED_TOKENS: 32, SEGMENT_WINDOW: 16}
+    assert windowed.sizes(variant.buffers) == {KEY_WINDOW: 64, PACKED_TOKENS: 32, SEGMENT_WINDOW: 16,
+                                               SAMPLE_WINDOW: 64}  # greedy lanes: a short sorted row
+    sampling = Lane(RequestState(Request(prompt(1, 5), sampling=SamplingParams(temperature=0.7)), "c", slot=2,
+                                 epoch=1), ChunkPlan(0, prompt(1, 5), True))
+    fill_inputs(variant, [lanes[0], sampling], 0, core)
+    assert windowed.sizes(variant.buffers)[SAMPLE_WINDOW] == core.manifest["vocab_padded"]  # a lane samples: all of it
+    fill_inputs(variant, lanes, 0, core)
     assert variant.buffers[PACKED_TOKENS][:20].tolist() == prompt(0, 30)[16:] + prompt(1, 5) + [0]
     assert replayed_extent(variant, KEY_WINDOW, 30) == 64 and replayed_extent(variant, KEY_WINDOW, 65) == 128
     with pytest.raises(RuntimeError, match="a lane takes at most 16"):
@@ -285,7 +291,7 @@ def test_exported_packed_core_is_valid_and_lane_count_is_its_capacity(exported, 
     assert rules_of(exported[0], check_graphs=False) == set()
     variant = core.variants[PACKED]
     assert variant.operation is Operation.PACKED_PREFILL and variant.lanes == SLOTS
-    assert set(variant.layout["windows"]) == {KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW}
+    assert set(variant.layout["windows"]) == {KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW, SAMPLE_WINDOW}
 
 
 def test_packed_capacity_must_fit_the_slots():

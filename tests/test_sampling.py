@@ -403,3 +403,37 @@ def test_export_update_output_counts():
     counts = torch.zeros(3, 8, dtype=torch.int32)
     assert int(exported.module()(counts, *inputs[1:])) == 2
     assert counts[0, 4] == 1 and counts[2, 4] == 1 and int(counts.sum()) == 2
+
+
+class WindowedSampleModule(torch.nn.Module):
+    def forward(self, logits, output_counts, prompt_mask, window, *sampling_inputs):
+        params = SamplingTensors.from_tuple(sampling_inputs)
+        return sample(logits, output_counts, prompt_mask, params, vocab_size=30, window=window)
+
+
+def test_sample_window_full_extent_is_bit_identical_and_short_window_keeps_greedy_tokens():
+    """``window`` at the whole row gives exactly the unwindowed tokens (sampled and greedy rows); a short window
+    (what a round of greedy lanes only passes) gives the same greedy tokens, also through an exported graph
+    whose window extent is dynamic, with penalties, top-k past the window and ties."""
+    logits, requests = _mixed_requests()
+    counts, prompt_mask = no_history(6, 32)
+    counts[5, :4] = 1
+    prompt_mask[3, 4:9] = True
+    params = make_params(requests)
+    unwindowed = sample(logits, counts, prompt_mask, params, vocab_size=30)
+    full = torch.zeros(32, dtype=torch.int64)
+    assert torch.equal(sample(logits, counts, prompt_mask, params, vocab_size=30, window=full), unwindowed)
+    greedy = make_params([{"temperature": 0.0, "top_k": 20, "repetition_penalty": 1.3}] * 6)
+    logits[2, 7] = logits[2, 12] = logits[2].max() + 1  # a tie: the smallest id wins either way
+    expected = sample(logits, counts, prompt_mask, greedy, vocab_size=30)
+    assert expected[2] == 7
+    width = torch.export.Dim("window", min=2, max=32)
+    flat = greedy.as_tuple()
+    exported = torch.export.export(WindowedSampleModule(), (logits, counts, prompt_mask, full[:16], *flat),
+                                   dynamic_shapes=(None, None, None, {0: width}, (None,) * len(flat))).module()
+    for extent in (2, 5, 16, 32):
+        window = torch.zeros(extent, dtype=torch.int64)
+        assert torch.equal(sample(logits, counts, prompt_mask, greedy, vocab_size=30, window=window), expected)
+        assert torch.equal(exported(logits, counts, prompt_mask, window, *flat), expected)
+    assert torch.equal(exported(logits, counts, prompt_mask, full, *params.as_tuple()),
+                       sample(logits, counts, prompt_mask, params, vocab_size=30))

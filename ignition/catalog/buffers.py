@@ -132,8 +132,13 @@ positions per lane, so SPECULATIVE_VERIFY variants take none (constrained reques
 WINDOW_INPUTS = (
     BufferSpec("key_window", "int64", ("max_seq_len",), Role.INPUT, ValueSource.KEY_WINDOW,
                "Its extent W bounds the keys attention reads, [0, W); pass a prefix covering every row's position (contents unread)"),
+    BufferSpec("sample_window", "int64", ("vocab_padded",), Role.INPUT, ValueSource.SAMPLE_WINDOW,
+               "Its extent W bounds the row the sampler sorts, [0, W): pass the whole extent when any lane samples "
+               "(temperature >= the greedy threshold); a round of greedy lanes only may pass less, as its tokens are "
+               "the argmax of the whole row (contents unread)"),
 )
-"""The key window of the decoder recipes' attention: the one argument whose extent is dynamic in the graph."""
+"""The windows of the decoder recipes: the key window attention reads, and the sampler's sorted width (a greedy
+round skips the full-vocabulary sort and filtering: the tokens are the same, the sort is not needed)."""
 
 PACKED_INPUTS = (
     BufferSpec("packed_input_ids", "int64", ("capacity*C",), Role.INPUT, ValueSource.PACKED_TOKEN_IDS,
@@ -161,7 +166,7 @@ PROMPT_LANE, PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS, DECODE_ROLE_RECORDS, DEC
 ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": (DECODE_ROLE_RECORDS, DECODE_ROLE_LOGPROBS)}
 """Role -> (its private records buffer, its private packed buffer)."""
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
-(KEY_WINDOW,) = (spec.name for spec in WINDOW_INPUTS)
+KEY_WINDOW, SAMPLE_WINDOW = (spec.name for spec in WINDOW_INPUTS)
 TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
 PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
@@ -177,7 +182,8 @@ class Window:
     granule: int
 
 
-WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), CHUNK_TOKENS: Window(dim=0, granule=16),
+WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), SAMPLE_WINDOW: Window(dim=0, granule=64),
+           CHUNK_TOKENS: Window(dim=0, granule=16),
            PACKED_TOKENS: Window(dim=0, granule=16), SEGMENT_WINDOW: Window(dim=0, granule=16)}
 """Buffer -> its window. A variant's ``layout["windows"]`` names the ones whose extent is dynamic in its graph."""
 MIN_WINDOW = 2  # torch.export specializes extents 0 and 1

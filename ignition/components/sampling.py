@@ -218,12 +218,17 @@ def filtered_distribution(
     prompt_mask: torch.Tensor,
     params: SamplingTensors,
     vocab_size: int,
+    window: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-8 of ``sample``: ``(greedy_tokens int64[B], sorted_ids int64[B, V], probs float32[B, V])``.
+    """Steps 1-8 of ``sample``: ``(greedy_tokens int64[B], sorted_ids int64[B, W], probs float32[B, W])``.
 
     ``probs`` is the filtered, unnormalized distribution in ``sorted_ids`` order (descending); its
     kept tokens form a prefix. Speculative acceptance (components/speculative.py) reads the same
     distribution, so the target distribution has one definition.
+
+    ``window`` (the ``sample_window`` input; only its extent W is read): steps 4-8 run over lanes ``[0, W)``. The
+    runtime passes the whole row (W = V: the same result as no window) whenever a row samples; a round of greedy
+    rows only passes a short prefix, whose distribution is computed and discarded (step 10 takes the step-3 token).
     """
     width = logits.shape[-1]
     lane_ids = torch.arange(width, device=logits.device)  # [V]
@@ -236,19 +241,25 @@ def filtered_distribution(
     greedy_tokens = torch.where(work == row_max, lane_ids, width).amin(dim=-1)  # [B]
     greedy_tokens = greedy_tokens.clamp(max=vocab_size - 1)  # NaN rows match nothing
 
+    if window is not None:  # [B, W]: the sorted width (the whole row unless every row is greedy)
+        lane_ids = torch.ones_like(window).cumsum(0) - 1  # [W]: 0..W-1, from the window's extent alone
+        torch._check(lane_ids.shape[0] <= width)
+        work = work.index_select(1, lane_ids)  # a fresh row (a narrowed view would make its stride a guard)
     greedy_rows = params.temperature < GREEDY_TEMPERATURE  # [B]
     temperature = torch.where(greedy_rows, 1.0, params.temperature).reshape(-1, 1)  # [B, 1]
-    scaled = work / temperature  # [B, V]
-    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V] x2
+    scaled = work / temperature  # [B, W]
+    sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, W] x2
 
     top_k = params.top_k.to(torch.int64)
     top_k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k)  # [B]
+    if window is not None:  # a short window holds fewer than top_k lanes (its result is discarded)
+        top_k = top_k.clamp(max=lane_ids.shape[0])
     kth_logit = sorted_logits.gather(-1, (top_k - 1).reshape(-1, 1))  # [B, 1]
     sorted_logits = torch.where(sorted_logits >= kth_logit, sorted_logits, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)  # [B, V], descending
 
     top_p = params.top_p.reshape(-1, 1)  # [B, 1]
-    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [B, V]
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1), (1, 0)).narrow(1, 0, probs.shape[1])  # [B, V]
     in_nucleus = (mass_before < top_p) | (lane_ids == 0)  # position 0 always kept
     cutoff_prob = torch.where(in_nucleus, probs, float("inf")).amin(dim=-1, keepdim=True)  # [B, 1]
     # NOTE: top_p >= 1 bypasses the cutoff: fp32 cumsum can reach 1 before the tail ends.
@@ -278,8 +289,10 @@ def sample(
     prompt_mask: torch.Tensor,
     params: SamplingTensors,
     vocab_size: int,
+    window: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size).
+    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size); ``window``: see
+    ``filtered_distribution`` (a short one only when every row is greedy).
 
     ``logits`` is never modified (raw logits also feed the logprob reduction).
     Lanes ``>= vocab_size`` (vocabulary padding) are never selected.
@@ -302,7 +315,8 @@ def sample(
        first position whose cumulative mass exceeds ``u * total``.
     10. Greedy rows (temperature < GREEDY_TEMPERATURE) take the step-3 token.
     """
-    greedy_tokens, sorted_ids, probs = filtered_distribution(logits, output_counts, prompt_mask, params, vocab_size)
+    greedy_tokens, sorted_ids, probs = filtered_distribution(logits, output_counts, prompt_mask, params, vocab_size,
+                                                             window)
     uniform = philox_uniform(params.seed, params.offset, 1)  # [B, 1]
     sampled_tokens = draw_sorted(sorted_ids, probs, uniform)
     greedy_rows = params.temperature < GREEDY_TEMPERATURE  # [B]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ignition.catalog.buffers import (DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS,
-                                     SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW)
+                                     SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW)
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
@@ -90,7 +90,8 @@ class _DecoderGraph(torch.nn.Module):
         # sharded graph gathers those rows; the logprob reduction below keeps the shard (two compact exchanges).
         full_logits = raw_logits if self.parallel is None else self.parallel.gather_vocab(raw_logits)
         sampled = sample(sampling_logits(buffers, full_logits), history[:, OUTPUT_PLANE],
-                         history[:, PROMPT_PLANE] > 0, SamplingTensors.from_buffers(buffers), self.vocab_size)
+                         history[:, PROMPT_PLANE] > 0, SamplingTensors.from_buffers(buffers), self.vocab_size,
+                         buffers.get(SAMPLE_WINDOW))
         tokens = commit_sampling_round(buffers, raw_logits, sampled, operation=operation, vocab_size=self.vocab_size,
                                        k=self.k, sequence_lengths=sequence_lengths, emits=emits,
                                        idle_round_kind=idle_round_kind,
@@ -250,7 +251,8 @@ class VerifyGraph(_DecoderGraph):
         params = row_sampling(SamplingTensors.from_buffers(buffers), width)
         greedy, sorted_ids, probs = filtered_distribution(
             raw_logits, draft_output_counts(history[:, OUTPUT_PLANE], tokens),
-            (history[:, PROMPT_PLANE] > 0).repeat_interleave(width, dim=0), params, self.vocab_size)
+            (history[:, PROMPT_PLANE] > 0).repeat_interleave(width, dim=0), params, self.vocab_size,
+            buffers.get(SAMPLE_WINDOW))
         accepted, counts = accept_draft(greedy, buffers[DRAFT_TOKENS], draft_lengths, params, sorted_ids, probs)
         emitted = commit_speculative_round(buffers, raw_logits, accepted, counts, vocab_size=self.vocab_size, k=self.k)
         flat = emitted.reshape(-1)  # forced tokens are output tokens and count, like a decode round's

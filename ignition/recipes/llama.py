@@ -105,7 +105,7 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if family.windowed:
         # NOTE: AOTInductor cannot compile these dynamic extents yet (a CPU kernel meets a symbolic size), so a
         # core with compiled packages declares no windows and its graphs always read the full extents
-        variants = [with_windows(variant, options.max_seq_len, dynamic=options.compile is None,
+        variants = [with_windows(variant, options.max_seq_len, vocab_padded, dynamic=options.compile is None,
                                  chunks=family.dynamic_chunks) for variant in variants]
     if options.structured_output:  # appended last: every other argument keeps its position
         variants = [with_constraints(variant, vocab_padded) for variant in variants]
@@ -177,12 +177,14 @@ def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[
             rank_cfg, rank_weights[0])
 
 
-def with_windows(variant: Variant, max_seq_len: int, dynamic: bool = True, chunks: bool = True) -> Variant:
-    """``variant`` with the key window input appended (its attention reads keys ``[0, W)`` only) and, in the
+def with_windows(variant: Variant, max_seq_len: int, vocab_padded: int, dynamic: bool = True,
+                 chunks: bool = True) -> Variant:
+    """``variant`` with the window inputs appended: the key window (its attention reads keys ``[0, W)`` only) and
+    the sample window (a round of greedy lanes sorts a short prefix of the row instead of the vocabulary) and, in the
     prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has; the packed
     prefill's packed rows and segment window likewise): all named in ``layout["windows"]``
     (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
-    window, bindings = spec_arguments(WINDOW_INPUTS, max_seq_len=max_seq_len)
+    window, bindings = spec_arguments(WINDOW_INPUTS, max_seq_len=max_seq_len, vocab_padded=vocab_padded)
     variant.arguments = variant.arguments + window
     variant.bindings = variant.bindings | bindings
     extents = {a.name: a.shape[WINDOWS[a.name].dim] for a in variant.arguments if a.name in WINDOWS}

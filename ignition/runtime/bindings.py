@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ignition.catalog.buffers import (CHUNK_TOKENS, MIN_WINDOW, PACKED_TOKENS, REQUESTED, SEGMENT_WINDOW, TOKEN_ID_COUNTS,
-                                     TOKEN_IDS, WINDOWS)
+from ignition.catalog.buffers import (CHUNK_TOKENS, MIN_WINDOW, PACKED_TOKENS, REQUESTED, SAMPLE_WINDOW, SEGMENT_WINDOW,
+                                     TOKEN_ID_COUNTS, TOKEN_IDS, WINDOWS)
 from ignition.catalog.enums import ValueSource as S
+from ignition.components.sampling import GREEDY_TEMPERATURE
 from ignition.runtime.constraints import fill_mask_rows
 
 
@@ -97,7 +98,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
         elif source in _SEGMENT_SOURCES:  # a packed prefill: every lane's chunk
             fill_segments(variant, target, source, lanes)
-        elif source in (S.KEY_WINDOW, S.SEGMENT_WINDOW):  # only the extent is read: Windowed passes the prefix needed
+        elif source in (S.KEY_WINDOW, S.SEGMENT_WINDOW, S.SAMPLE_WINDOW):  # only the extent is read (Windowed)
             continue
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
@@ -239,12 +240,16 @@ class Windowed:
         self.run, self.windows = run, list(windows)
         by_source = {source: name for name, source in bindings.items()}
         self.positions, self.drafts = by_source.get(S.POSITIONS), by_source.get(S.DRAFT_TOKEN_IDS)
+        self.temperature = by_source.get(S.TEMPERATURE)
         self.chunk = (by_source[S.CHUNK_START], by_source[S.CHUNK_LENGTH]) if S.CHUNK_START in by_source else None
         self.segments = (by_source[S.SEGMENT_STARTS], by_source[S.SEGMENT_LENGTHS]) if S.SEGMENT_STARTS in by_source \
             else None
 
     def needed(self, name: str, buffers: dict[str, torch.Tensor]) -> int:
         """The extent of window ``name`` this submission needs, before rounding."""
+        if name == SAMPLE_WINDOW:  # the whole row when any lane samples (idle lanes are greedy)
+            samples = bool((buffers[self.temperature] >= GREEDY_TEMPERATURE).any())
+            return buffers[name].shape[WINDOWS[name].dim] if samples else 1
         if self.segments is not None:
             return packed_needed(name, *(buffers[input_name] for input_name in self.segments))
         if name == CHUNK_TOKENS:

@@ -104,7 +104,21 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
     found += _check_speculative(variant, args, operation, manifest)
     found += _check_mixed(variant, args, operation)
     found += check_variant_constraints(variant, args, manifest)
+    found += _check_sample_window(variant, args, manifest)
     return found
+
+
+def _check_sample_window(variant, args, manifest) -> list[Violation]:
+    """The sample window spans the whole padded row: a runtime passes its full extent whenever a lane samples, so a
+    shorter declaration would sample from a prefix of the vocabulary."""
+    decl = args.get(B.SAMPLE_WINDOW)
+    if decl is None:
+        return []
+    expected = resolve_shape(BUFFERS[B.SAMPLE_WINDOW], vocab_padded=manifest["vocab_padded"])
+    if decl["dtype"] != "int64" or decl["shape"] != expected:
+        return [Violation("BUF-SHAPE", f"variant {variant['name']}: buffer {B.SAMPLE_WINDOW}",
+                          f"expected int64 {expected} (vocab_padded), found {decl['dtype']} {decl['shape']}")]
+    return []
 
 
 def _check_mixed(variant, args, operation) -> list[Violation]:
