@@ -301,3 +301,16 @@ def test_packed_capacity_must_fit_the_slots():
     variant["operation"] = int(Operation.PACKED_PREFILL)
     found = check_packed(variant, {"chunk_limit": 16, "model": {"num_slots": 4}}, 16)
     assert any(v.rule == "PACKED-LAYOUT" and "num_slots = 4" in v.message for v in found)
+
+
+def test_packing_pays_only_when_the_padded_attention_is_small():
+    """Short chunks always pack (per-round overhead dominates); long ones only when the lanes fill the variant:
+    8 chunks of 256 rows in a 32-lane variant attend over 4x their rows and run serially."""
+    from types import SimpleNamespace
+
+    from ignition.runtime.scheduler import _packing_pays
+    wide, narrow = SimpleNamespace(capacity=32), SimpleNamespace(capacity=8)
+    assert _packing_pays(wide, [4] * 8) and _packing_pays(wide, [64] * 8) and _packing_pays(wide, [50, 3])
+    assert not _packing_pays(wide, [256] * 8) and not _packing_pays(wide, [100, 7])
+    assert _packing_pays(narrow, [256] * 8) and _packing_pays(narrow, [256] * 4) and not _packing_pays(narrow, [256] * 3)
+    assert _packing_pays(wide, [256] * 16)  # half the lanes: padded rows 2x the chunks'
