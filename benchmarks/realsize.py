@@ -176,7 +176,7 @@ def main() -> None:
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
         load_rss = peak_rss_gib()
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
-                  f"{export_s:.1f} s", "", ""),
+                  "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", ""),
                  ("load_core", f"{load_s:.1f} s", "", ""),
                  ("peak RSS after load (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
                   f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
