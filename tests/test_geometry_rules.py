@@ -62,9 +62,10 @@ def test_exported_cores_pass_every_geometry_rule(decoder_core, toy_with_tokenize
     (lambda m: m["model"].pop("num_slots"), "GEOM-SLOTS"),  # the loader would guess the slot count
     (lambda m: m["model"].update(max_seq_len=4096), "GEOM-SEQ"),  # admits prompts that overflow the cache
     (lambda m: m["model"].pop("max_seq_len"), "GEOM-SEQ"),  # no context bound at all
-    # MemoryError in serve; the bitmask's ceil(vocab_padded / 32) words witness the true width too
-    (lambda m: m.update(vocab_size=10**18, vocab_padded=10**18), ("GEOM-VOCAB-TENSOR", "CONSTRAINT-WORDS")),
-    (lambda m: m.update(vocab_size=100, vocab_padded=100), ("GEOM-VOCAB-TENSOR", "CONSTRAINT-WORDS")),
+    # MemoryError in serve; the bitmask's ceil(vocab_padded / 32) words and the sample window's extent (BUF-SHAPE)
+    # witness the true width too
+    (lambda m: m.update(vocab_size=10**18, vocab_padded=10**18), ("GEOM-VOCAB-TENSOR", "CONSTRAINT-WORDS", "BUF-SHAPE")),
+    (lambda m: m.update(vocab_size=100, vocab_padded=100), ("GEOM-VOCAB-TENSOR", "CONSTRAINT-WORDS", "BUF-SHAPE")),
     (lambda m: m["model"].update(num_layers=3), "GEOM-MODEL"),
     (lambda m: m["model"].update(head_dim=8), "GEOM-MODEL"),
     (lambda m: m["model"].update(hidden_size=64), "GEOM-MODEL"),
@@ -168,3 +169,17 @@ def test_run_and_serve_refuse_a_geometry_edit_cleanly(core_copy, command):
     assert result.exit_code == 1, result.output
     assert "cannot load core" in result.output and "GEOM-VOCAB-TENSOR" in result.output
     assert isinstance(result.exception, SystemExit), result.exception  # typer.Exit, not an escaped error
+
+
+def test_a_sample_window_shorter_than_the_vocabulary_is_refused(decoder_core, tmp_path):
+    """A runtime passes the sample window's whole extent when a lane samples: declared shorter than vocab_padded,
+    sampled tokens would come from a prefix of the vocabulary."""
+    core = copy_of(decoder_core, tmp_path)
+
+    def shorten(catalog):
+        for variant in catalog["variants"]:
+            for argument in variant["arguments"]:
+                if argument["name"] == "sample_window":
+                    argument["shape"] = [64]
+    core.edit("catalog.json", shorten)
+    assert rules_of(core.root) == {"BUF-SHAPE"}

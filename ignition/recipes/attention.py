@@ -16,7 +16,7 @@ and ``scaled_dot_product_attention`` reads it in place.
   Two or more lanes place their queries at their slots' batch index instead and attend over every
   slot's window at once; slots outside the submission get zero queries and their rows are dropped.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
-  input, the graph's one dynamic dimension) bounds the keys read to ``[0, W)``; the runtime passes a
+  input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
 - **Planned once per forward.** What depends only on the rows (the window, the mask, where each
   group's queries go) is an ``AttentionPlan`` built once and shared by every layer: a layer adds only
