@@ -40,7 +40,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = ROOT / "build" / "wheelhouse"
 PYTHONS = ("3.10", "3.11", "3.12", "3.13")
 PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
-             "manylinux_2_28_x86_64")
+             "manylinux_2_28_x86_64", "manylinux_2_31_x86_64")
+"""Up to glibc 2.31: llguidance 1.9's only Linux x86_64 wheel is manylinux_2_31. The image's Python is 3.12.3, Ubuntu
+24.04's (glibc 2.39: the device tool's KINDS.md), so every tag here installs there."""
 MAX_BYTES = 64 * 2**20
 MANIFEST, REQUIREMENTS = "manifest.json", "requirements.txt"
 GPU_TEST_TOOLS = ("pytest",)
