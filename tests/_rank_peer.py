@@ -30,7 +30,8 @@ TIMEOUT_S = 60.0  # generous: these processes start on a busy machine; a refusal
 
 
 def say(**event) -> None:
-    print(json.dumps(event), flush=True)
+    sys.stdout.write(json.dumps(event) + "\n")  # one write: ranks sharing a stdout never split a line
+    sys.stdout.flush()
 
 
 def listening_addresses(pid: int | str = "self") -> list[str]:

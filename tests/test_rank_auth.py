@@ -46,7 +46,19 @@ def _start(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 def _events(process: subprocess.Popen, timeout: float = 90) -> tuple[int, list[dict], str]:
     out, err = process.communicate(timeout=timeout)
-    return process.returncode, [json.loads(line) for line in out.splitlines() if line.startswith("{")], err
+    return process.returncode, _json_objects(out), err
+
+
+def _json_objects(text: str) -> list[dict]:
+    """Every JSON object printed at the start of a line, several on one line included: torchrun's two ranks share
+    one stdout, and one rank's line can land before the other's newline (``{...}{...}``)."""
+    decoder, events = json.JSONDecoder(), []
+    for line in text.splitlines():
+        index = 0
+        while line.startswith("{", index):
+            event, index = decoder.raw_decode(line, index)
+            events.append(event)
+    return events
 
 
 def _rogue_pair() -> tuple[subprocess.Popen, subprocess.Popen]:
