@@ -181,6 +181,12 @@ class Window:
     dim: int
     granule: int
 
+    def covering(self, needed: int, extent: int | None = None) -> int:
+        """The extent a replay passes to cover ``needed``: the smallest multiple of the granule at least
+        ``max(needed, MIN_WINDOW)``, capped at the declared ``extent``."""
+        rounded = -(-max(needed, MIN_WINDOW) // self.granule) * self.granule
+        return rounded if extent is None else min(extent, rounded)
+
 
 WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), SAMPLE_WINDOW: Window(dim=0, granule=64),
            CHUNK_TOKENS: Window(dim=0, granule=16),

@@ -69,11 +69,7 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     if groups > 1:  # lanes: every slot's window read in place, each lane's query at its slot
         placement = _placement(rows, slots, num_slots)
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [num_slots, R/G]; 0 at empty slots
-    # hidden: [batch, 1, share * R/G, W], True where a key lies past the row's position
-    hidden = window.view(1, 1, 1, -1) > positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)
-    mask = hidden
-    if dtype == torch.float32:
-        mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill(hidden, torch.finfo(dtype).min)
+    mask = causal_mask(window, positions, share, dtype)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
                          placement=placement, mask=mask)
 
@@ -99,14 +95,28 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         keys, values = keys.index_select(0, plan.slots), values.index_select(0, plan.slots)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
-    if query.dtype == torch.float32:
-        attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=plan.mask)
-    else:
-        attended = _eager_low_precision(grouped, keys, values, plan.mask)
+    attended = _attend(grouped, keys, values, plan.mask)
     if plan.placement is not None:
         attended = attended.index_select(0, plan.slots)  # [G, kv_heads, share * R/G, D]: the lanes' rows
     attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
+
+
+def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[batch, 1, share * rows, W]`` for keys ``window [W]`` and rows at ``positions [batch, rows]`` (each repeated
+    for the ``share`` query heads of a KV head): FP32 additive (0, or the FP32 minimum past the row's position) for
+    the fused kernel; True where hidden for BF16/FP16 (``_eager_low_precision``)."""
+    hidden = window.view(1, 1, 1, -1) > positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)
+    if dtype != torch.float32:
+        return hidden
+    return torch.zeros(hidden.shape, dtype=dtype, device=window.device).masked_fill(hidden, torch.finfo(dtype).min)
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The fused kernel for FP32, transformers' eager path for BF16/FP16; ``mask`` from ``causal_mask``."""
+    if query.dtype == torch.float32:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    return _eager_low_precision(query, keys, values, mask)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -168,13 +178,7 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, head_dim)
     grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
     positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    hidden = window.view(1, 1, 1, -1) > positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)  # [B, 1, share*E, W]
-    if query.dtype == torch.float32:
-        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill(
-            hidden, torch.finfo(query.dtype).min)
-        attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-    else:
-        attended = _eager_low_precision(grouped, keys, values, hidden)
+    attended = _attend(grouped, keys, values, causal_mask(window, positions, share, query.dtype))  # [B, kv, share*E, D]
     attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
     attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j
     return attended.index_select(0, segments.row_source)  # [R, heads * head_dim]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ignition.catalog.buffers import (CHUNK_TOKENS, MIN_WINDOW, PACKED_TOKENS, REQUESTED, SAMPLE_WINDOW, SEGMENT_WINDOW,
+from ignition.catalog.buffers import (CHUNK_TOKENS, PACKED_TOKENS, REQUESTED, SAMPLE_WINDOW, SEGMENT_WINDOW,
                                      TOKEN_ID_COUNTS, TOKEN_IDS, WINDOWS)
 from ignition.catalog.enums import ValueSource as S
 from ignition.components.sampling import GREEDY_TEMPERATURE
@@ -165,7 +165,7 @@ def replayed_extent(variant, name: str, needed: int) -> int:
     extent = next(a.shape[window.dim] for a in variant.arguments if a.name == name)
     if name not in (variant.layout.get("windows") or ()) or "windowed" not in variant.layers:
         return extent
-    return min(extent, -(-max(needed, MIN_WINDOW) // window.granule) * window.granule)
+    return window.covering(needed, extent)
 
 
 def packed_needed(name: str, starts: torch.Tensor, lengths: torch.Tensor) -> int:
@@ -267,9 +267,7 @@ class Windowed:
         sizes = {}
         for name in self.windows:
             window = WINDOWS[name]
-            extent = buffers[name].shape[window.dim]
-            rounded = -(-max(self.needed(name, buffers), MIN_WINDOW) // window.granule) * window.granule
-            sizes[name] = min(extent, rounded)
+            sizes[name] = window.covering(self.needed(name, buffers), buffers[name].shape[window.dim])
         return sizes
 
     def __call__(self, buffers: dict[str, torch.Tensor]):

@@ -21,6 +21,7 @@ unsupported keywords (``constructs``). Nothing here imports the HTTP layer.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -91,14 +92,10 @@ def _executor() -> llguidance.LLExecutor:
         return _EXECUTOR[0]
 
 
-_PREFETCH: list[ThreadPoolExecutor] = []  # the workers of GrammarMatcher.prefetch, made on first use
-
-
+@functools.cache
 def _prefetcher() -> ThreadPoolExecutor:
-    with _EXECUTOR_LOCK:
-        if not _PREFETCH:
-            _PREFETCH.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask"))
-        return _PREFETCH[0]
+    """The workers of ``GrammarMatcher.prefetch``, made on first use."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-mask")
 
 
 class CompiledGrammar:
@@ -184,7 +181,7 @@ class GrammarMatcher:
         if ahead is not None:
             row[:] = ahead
         else:
-            self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            _fill_row(self._matcher, row)
         if self._matcher.is_error():
             raise GrammarViolation(f"{self.spec.param}: {self._matcher.get_error()}")
 

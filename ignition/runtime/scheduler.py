@@ -335,7 +335,7 @@ class Engine:
                   if not state.scoring() and self._window_of(variant, state, chunk) == window][:variant.capacity]
         if len(states) < (1 if self.batch_invariant else 2):
             return False
-        if not self.batch_invariant and not _packing_pays(variant, [min(chunk, len(s.context()) - s.prefilled)
+        if not self.batch_invariant and not _packing_pays(variant, [_chunk_end(s, chunk) - s.prefilled
                                                                     for s in states]):
             return False
         lanes, finishes = zip(*(self._chunk_lane(state, chunk) for state in states))
@@ -351,8 +351,7 @@ class Engine:
         """The key window a replay passes for ``state``'s next chunk alone. Lanes share one window and the keys'
         extent sets the order in which attention sums a row's values, so only lanes whose serial rounds pass the
         same window are packed together: their rows then sum exactly as the serial rounds do."""
-        end = min(state.prefilled + chunk, len(state.context()))
-        return replayed_extent(variant, KEY_WINDOW, end) if KEY_WINDOW in variant.buffers else 0
+        return replayed_extent(variant, KEY_WINDOW, _chunk_end(state, chunk)) if KEY_WINDOW in variant.buffers else 0
 
     def _prefill_chunk(self, state: RequestState) -> None:
         variant, chunk = self.prefill, self.chunk
@@ -594,6 +593,11 @@ class Engine:
         self._submit(variant, rest)
 
 
+def _chunk_end(state: RequestState, chunk: int) -> int:
+    """The position after ``state``'s next prompt chunk of at most ``chunk`` rows."""
+    return min(state.prefilled + chunk, len(state.context()))
+
+
 PACKED_SHORT_ROWS = 64
 """A packed round whose longest chunk has at most this many rows always pays: per-round overhead dominates."""
 PACKED_MAX_PADDING = 2
@@ -606,8 +610,7 @@ def _packing_pays(variant: LoadedVariant, rows: list[int]) -> bool:
     every lane of its capacity over the longest chunk's extent (rounded to its window's granule), so 8 chunks of
     256 rows in a 32-lane variant attend over 4x the rows and copy 4x the key windows; at Qwen3-0.6B's shape that
     round ran 60 s against 42 s serially (8 x 512 prompts), while 8 x 64 ran 7.3 s against 8.4 s."""
-    granule = WINDOWS[SEGMENT_WINDOW].granule
-    extent = -(-max(rows) // granule) * granule
+    extent = WINDOWS[SEGMENT_WINDOW].covering(max(rows))
     return extent <= PACKED_SHORT_ROWS or variant.capacity * extent <= PACKED_MAX_PADDING * sum(rows)
 
 

@@ -114,10 +114,11 @@ def _check_sample_window(variant, args, manifest) -> list[Violation]:
     decl = args.get(B.SAMPLE_WINDOW)
     if decl is None:
         return []
-    expected = resolve_shape(BUFFERS[B.SAMPLE_WINDOW], vocab_padded=manifest["vocab_padded"])
-    if decl["dtype"] != "int64" or decl["shape"] != expected:
+    spec = BUFFERS[B.SAMPLE_WINDOW]
+    expected = resolve_shape(spec, vocab_padded=manifest["vocab_padded"])
+    if decl["dtype"] != spec.dtype or decl["shape"] != expected:
         return [Violation("BUF-SHAPE", f"variant {variant['name']}: buffer {B.SAMPLE_WINDOW}",
-                          f"expected int64 {expected} (vocab_padded), found {decl['dtype']} {decl['shape']}")]
+                          f"expected {spec.dtype} {expected} (vocab_padded), found {decl['dtype']} {decl['shape']}")]
     return []
 
 
