@@ -19,7 +19,7 @@ from ignition.recipes.layers import pairwise_sum, reduction_blocks, row_linear
 def rank_sum(x: torch.Tensor, weight: torch.Tensor, bias, ranks: int) -> torch.Tensor:
     """What an N-way core computes: each rank's blocks over its K columns (bias on rank 0), then the rank tree."""
     blocks = max(1, ROW_REDUCTION_BLOCKS // ranks)
-    parts = [row_linear(xs.contiguous(), ws.contiguous(), bias if rank == 0 else None, blocks)
+    parts = [row_linear(xs.contiguous(), ws.contiguous(), bias if rank == 0 else None, blocks, shard=True)
              for rank, (xs, ws) in enumerate(zip(x.chunk(ranks, dim=-1), weight.chunk(ranks, dim=1), strict=True))]
     return pairwise_sum(parts)
 

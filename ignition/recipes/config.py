@@ -55,6 +55,7 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     moe: MoeConfig | None = None  # qwen3_moe: routed experts on moe.sparse_layers
     row_blocks: int = ROW_REDUCTION_BLOCKS  # o/down reduction blocks this graph holds (a rank: its share)
+    row_shard: bool = False  # this graph is one rank's share of the o/down sums (layers.row_linear)
     cache_names: ClassVar[tuple[str, ...]] = (K_CACHE, V_CACHE)
 
     def __post_init__(self) -> None:

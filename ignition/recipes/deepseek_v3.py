@@ -65,6 +65,7 @@ class DeepseekV3Config:
     tie_word_embeddings: bool = False
     dtype: torch.dtype = torch.float32
     row_blocks: int = ROW_REDUCTION_BLOCKS  # o/down reduction blocks this graph holds (layers.row_linear)
+    row_shard: bool = False  # this graph is one rank's share of the o/down sums (layers.row_linear)
     cache_names: ClassVar[tuple[str, ...]] = (LATENT_CACHE, ROPE_KEY_CACHE)
     mlp_bias: ClassVar[bool] = False
 

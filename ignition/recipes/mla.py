@@ -77,7 +77,7 @@ def mla_attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: 
     scores = torch.matmul(query, keys.transpose(2, 3)) * cfg.attention_scale  # [G, heads, R/G, S]
     probs = causal_softmax(scores, rows, normed.dtype)
     attended = torch.matmul(probs, values).transpose(1, 2).reshape(num_rows, heads * v_dim)  # [R, heads * v]
-    return row_linear(attended, weights[prefix + "o_proj"], None, cfg.row_blocks)  # [R, d_model]
+    return row_linear(attended, weights[prefix + "o_proj"], None, cfg.row_blocks, cfg.row_shard)  # [R, d_model]
 
 
 def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:

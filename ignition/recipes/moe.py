@@ -229,4 +229,4 @@ def feed_forward(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: t
         return moe_block(weights, prefix, cfg.moe, normed)
     bias = (lambda name: weights[prefix + name]) if cfg.mlp_bias else (lambda name: None)
     return gated_mlp(normed, weights[prefix + "gate_proj"], weights[prefix + "up_proj"], weights[prefix + "down_proj"],
-                     bias("gate_bias"), bias("up_bias"), bias("down_bias"), cfg.row_blocks)
+                     bias("gate_bias"), bias("up_bias"), bias("down_bias"), cfg.row_blocks, cfg.row_shard)

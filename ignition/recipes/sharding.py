@@ -133,7 +133,8 @@ def shard_config(cfg, ranks: int):
     for split in split_fields(cfg):
         owner, _, name = split.field.rpartition(".")
         nested.setdefault(owner, {})[name] = _field(cfg, split.field) // ranks
-    top = nested.pop("", {}) | {"row_blocks": max(1, cfg.row_blocks // ranks)}
+    top = nested.pop("", {}) | {"row_blocks": max(1, cfg.row_blocks // ranks),
+                                "row_shard": ranks > 1}
     top |= {owner: dataclasses.replace(getattr(cfg, owner), **fields) for owner, fields in nested.items()}
     return dataclasses.replace(cfg, **top)
 

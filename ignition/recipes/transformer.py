@@ -47,7 +47,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
         attended = packed_attention(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
     else:
         attended = cached_attention(query, k_cache[layer], v_cache[layer], plan)  # [R, q_width]
-    return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks)  # [R, d_model]
+    return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks, cfg.row_shard)  # [R, d_model]
 
 
 def _check_caches(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
