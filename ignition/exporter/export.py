@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ignition.catalog.buffers import TOKEN_BITMASK
 from ignition.catalog.contract import FORMAT_VERSION
@@ -22,6 +21,7 @@ from ignition.catalog.model import CATALOG_FILE, KERNELS_FILE, MANIFEST_FILE, WE
 from ignition.exporter.publish import check_output, discard, publish, recover, staging_dir
 from ignition.exporter.signing import sign_core
 from ignition.exporter.tracing import capture, dynamic_shapes, example_buffers  # noqa: F401 (re-exported)
+from ignition.exporter.weights_file import save_aligned
 from ignition.catalog.hashing import dump_json, hash_tree
 from ignition.recipes.base import ExportOptions, GraphBuild, RecipeBuild
 from ignition.recipes.registry import build_recipe
@@ -147,7 +147,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
 
         started = time.perf_counter()
         progress("write", str(out))
-        save_file({name: t.contiguous() for name, t in build.weights.items()}, str(staging / WEIGHTS_FILE))
+        save_aligned(build.weights, staging / WEIGHTS_FILE)
         if options.onnx:  # after the weights: each graph's external data points into weights.safetensors
             from ignition.exporter.onnx_export import export_variants
             timings |= export_variants(build, programs, staging, WEIGHTS_FILE, progress)

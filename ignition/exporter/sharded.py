@@ -16,10 +16,10 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from safetensors.torch import save_file
 
 from ignition.catalog.model import GRAPHS_DIR, WEIGHTS_FILE
 from ignition.catalog.parallel import EXCHANGES, RANK_METADATA, RANKS_DIR, RANKS_METADATA
+from ignition.exporter.weights_file import save_aligned
 from ignition.recipes.base import GraphBuild, RecipeBuild
 
 
@@ -61,8 +61,7 @@ def capture_ranks(build: RecipeBuild, staging: Path, capture: Callable, save_pro
         weights = sharded.rank_weights[rank]
         if rank > 0:
             (staging / RANKS_DIR / str(rank) / GRAPHS_DIR).mkdir(parents=True)
-            save_file({name: t.contiguous() for name, t in weights.items()}, str(staging / rank_weights_file(rank)),
-                      metadata=rank_metadata(rank, sharded.ranks))
+            save_aligned(weights, staging / rank_weights_file(rank), metadata=rank_metadata(rank, sharded.ranks))
         with fake_process_group(rank, sharded.ranks) as group_name:
             for graph, module in zip(build.graphs, sharded.rank_modules[rank], strict=True):
                 started = time.perf_counter()

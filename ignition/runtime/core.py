@@ -345,7 +345,7 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     device = options.device
     weights_file = _rank_weights(root, spec, options)
     stages.start("weights", weights_file)
-    weights_data = read_verified(root, weights_file, manifest)
+    weights_data = read_verified(root, weights_file, manifest, aligned=True)
     try:  # views of the verified bytes: on CPU the weights are read once and never copied
         weights = view_tensors(weights_data)
     except WeightsFormatError as exc:

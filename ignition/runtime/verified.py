@@ -27,16 +27,19 @@ class LoadOptionError(CoreLoadError):
     error, whatever the core holds."""
 
 
-def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
+def read_verified(root: Path, rel: str, manifest: dict, aligned: bool = False) -> bytearray | memoryview:
     """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
     what the caller loads from them is what was verified (no second read a swapped file could answer).
-    Writable memory, so tensors can be views of it (``runtime/weights.py``) instead of a second copy."""
+    Writable memory, so tensors can be views of it (``runtime/weights.py``) instead of a second copy.
+    ``aligned``: a memoryview whose first byte is 64-byte aligned (torch's CPU allocator), so a tensor the
+    exporter placed at an aligned offset (``exporter/weights_file.py``) is an aligned tensor."""
     path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
     if path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
     try:
         with open(path, "rb") as file:
-            data = bytearray(os.fstat(file.fileno()).st_size)
+            size = os.fstat(file.fileno()).st_size
+            data = memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if aligned else bytearray(size)
             if file.readinto(data) != len(data) or file.read(1):
                 raise OSError(f"{rel} changed size while it was read")
     except OSError as exc:
@@ -94,7 +97,7 @@ def weights_offsets(data: bytes) -> dict[str, tuple[int, int]]:
     from ignition.catalog.onnx_layout import offsets_of_header
 
     (header_bytes,) = struct.unpack("<Q", data[:8])
-    return offsets_of_header(data[8:8 + header_bytes])
+    return offsets_of_header(bytes(data[8:8 + header_bytes]))
 
 
 @contextmanager

@@ -24,7 +24,7 @@ class WeightsFormatError(ValueError):
     """The weights buffer is not a safetensors file this loader can view; the message says where."""
 
 
-def view_tensors(data: bytearray) -> dict[str, torch.Tensor]:
+def view_tensors(data: bytearray | memoryview) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file in ``data``, as a view of ``data`` (which must stay alive and unchanged)."""
     if len(data) < 8:
         raise WeightsFormatError(f"expected a safetensors file, found {len(data)} bytes")

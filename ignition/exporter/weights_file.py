@@ -1,0 +1,54 @@
+"""The core's weights file: safetensors, with every tensor's data at a 64-byte aligned offset where it can be.
+
+``safetensors.torch.save_file`` places the data section 8-byte aligned and orders tensors by dtype and
+name, so most tensors start at an offset that is a multiple of 8 but not of 64. The loader's tensors
+are views of the file's bytes (``runtime/weights.py``), and an FP32 GEMM on a weight that is not
+64-byte aligned runs about 20% slower at 8 rows on this CPU (Qwen3-0.6B's 28 layers: 424-433 ms against
+340-378 ms a step of their products). Here the header is padded with spaces (the format allows it) so
+the data section starts at a multiple of ``ALIGNMENT``, and the tensors whose size is a multiple of
+``ALIGNMENT`` come first, by name, so each of them starts aligned; the others follow, by name (the
+format allows no gaps between tensors). The file is an ordinary safetensors file for every reader.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+from ignition.recipes.checkpoint import SAFETENSORS_DTYPES
+
+ALIGNMENT = 64
+"""Bytes: a cache line and AVX-512 vector; the CPU allocator's own alignment."""
+
+_TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def save_aligned(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (CPU) as a safetensors file whose tensors start ``ALIGNMENT``-aligned where their sizes allow."""
+    order = sorted(tensors, key=lambda name: (_nbytes(tensors[name]) % ALIGNMENT != 0, name))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        if tensor.dtype not in _TAGS:
+            raise ValueError(f"weight {name!r}: dtype {tensor.dtype} has no safetensors tag; expected one of "
+                             f"{', '.join(str(d) for d in _TAGS)}")
+        size = _nbytes(tensor)
+        header[name] = {"dtype": _TAGS[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    with open(path, "wb") as file:
+        file.write(struct.pack("<Q", len(text)))
+        file.write(text)
+        for name in order:
+            tensor = tensors[name].detach().contiguous()
+            if tensor.numel():
+                file.write(tensor.view(-1).view(torch.uint8).numpy().data)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
