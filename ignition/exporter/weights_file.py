@@ -2,9 +2,9 @@
 
 ``safetensors.torch.save_file`` places the data section 8-byte aligned and orders tensors by dtype and
 name, so most tensors start at an offset that is a multiple of 8 but not of 64. The loader's tensors
-are views of the file's bytes (``runtime/weights.py``), and an FP32 GEMM on a weight that is not
-64-byte aligned runs about 20% slower at 8 rows on this CPU (Qwen3-0.6B's 28 layers: 424-433 ms against
-340-378 ms a step of their products). Here the header is padded with spaces (the format allows it) so
+are views of the file's bytes (``runtime/weights.py``), so they would be the only weights the GEMMs
+read misaligned: torch's own allocations, and a ``from_pretrained`` model's, are 64-byte aligned.
+Here the header is padded with spaces (the format allows it) so
 the data section starts at a multiple of ``ALIGNMENT``, and the tensors whose size is a multiple of
 ``ALIGNMENT`` come first, by name, so each of them starts aligned; the others follow, by name (the
 format allows no gaps between tensors). The file is an ordinary safetensors file for every reader.
