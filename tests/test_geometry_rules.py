@@ -183,3 +183,22 @@ def test_a_sample_window_shorter_than_the_vocabulary_is_refused(decoder_core, tm
                     argument["shape"] = [64]
     core.edit("catalog.json", shorten)
     assert rules_of(core.root) == {"BUF-SHAPE"}
+
+
+def test_the_schema_reader_builds_torchs_dataclasses_for_a_decoders_graphs(decoder_core):
+    """validate/schema_reader.py on a GQA decoder's graphs (windows, symbolic extents); the toy core's are in
+    tests/test_schema_reader.py."""
+    from torch._export.serde import schema, serialize
+    from torch._export.serde.union import _Union
+
+    from ignition.validate.schema_reader import SchemaReader
+    from tests.test_schema_reader import _program_json
+
+    original = serialize._dict_to_dataclass
+    original = original.replaced if isinstance(original, SchemaReader) else original
+    reader = SchemaReader(schema, _Union)
+    graphs = sorted((decoder_core / "graphs").glob("*.pt2"))
+    assert len(graphs) >= 4
+    for path in graphs:
+        data = _program_json(path)
+        assert reader(schema.ExportedProgram, data) == original(schema.ExportedProgram, data), path.name

@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
+from ignition.validate import schema_reader
 from ignition.validate.archive import check_archive
 from ignition.validate.report import Violation
 
@@ -110,6 +111,7 @@ def _cache_schema_hints() -> None:
 def _load_accepted_program(data: bytes):
     """``torch.export.load`` of archive bytes that ``check_archive`` accepted (the caller's duty)."""
     _cache_schema_hints()
+    schema_reader.install()
     export_log = logging.getLogger("torch.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # torch logs every deserialization failure at WARNING with a traceback
