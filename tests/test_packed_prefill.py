@@ -26,6 +26,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.layers import Rows
+from ignition.catalog.buffers import PACKED_LANES
 from ignition.recipes.llama import FAMILIES, packed_capacity
 from ignition.runtime.bindings import ChunkPlan, Lane, Windowed, fill_inputs, replayed_extent
 from ignition.runtime.constraints import LaneConstraints
@@ -242,7 +243,8 @@ def test_windows_cover_every_lane(core):
 
 @pytest.mark.parametrize("change,expected", [
     ({}, SLOTS), ({"capacities": (1,)}, None), ({"compile": "inductor"}, None), ({"onnx": True}, None),
-    ({"tensor_parallel": 2}, None), ({"packed_prefill": False}, None), ({"recipe": "qwen3_moe"}, None)])
+    ({"tensor_parallel": 2}, None), ({"packed_prefill": False}, None), ({"recipe": "qwen3_moe"}, None),
+    ({"capacities": (1, 8, 32)}, PACKED_LANES)])
 def test_the_default_catalog_packs_where_it_pays(change, expected):
     options = ExportOptions(**{"recipe": "qwen3", "capacities": (1, SLOTS), **change})
     assert packed_capacity(options, FAMILIES[options.recipe]) == expected

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import (CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_TOKENS, SEGMENT_WINDOW,
-                                     SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
+from ignition.catalog.buffers import (CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_LANES, PACKED_TOKENS,
+                                     SEGMENT_WINDOW, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl, Variant
@@ -147,7 +147,8 @@ def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parall
 
 
 def packed_capacity(options: ExportOptions, family: DecoderFamily) -> int | None:
-    """Lanes of the ``packed.t{C}.c{capacity}`` variant: the widest decode capacity, or None for no variant.
+    """Lanes of the ``packed.t{C}.c{capacity}`` variant: the widest decode capacity up to ``PACKED_LANES``, or
+    None for no variant.
 
     A default-catalog variant wherever it pays: the family packs (GQA attention, dynamic chunk rows), the widest
     capacity holds two lanes, and the graphs keep their dynamic extents (no ``--compile``, whose graphs declare
@@ -155,7 +156,7 @@ def packed_capacity(options: ExportOptions, family: DecoderFamily) -> int | None
     lane's C rows) on a single rank (``--tensor-parallel`` cores schedule prompt chunks one at a time)."""
     widest = options.capacities[-1]
     eligible = options.compile is None and not options.onnx and options.tensor_parallel == 1
-    return widest if options.packed_prefill and family.packed and widest >= 2 and eligible else None
+    return min(widest, PACKED_LANES) if options.packed_prefill and family.packed and widest >= 2 and eligible else None
 
 
 def _shard(options: ExportOptions, cfg, k: int, decoder: Decoder, weights: dict[str, torch.Tensor]):
