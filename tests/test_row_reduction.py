@@ -40,6 +40,17 @@ def test_sharded_sum_is_the_single_rank_sum_bit_for_bit(rows, k, n, with_bias):
         assert torch.equal(rank_sum(x, weight, bias, ranks), single), (ranks, k)
 
 
+@pytest.mark.parametrize("rows,k", [(1, 2048), (8, 3072), (5, 128)])
+def test_the_batched_leaves_are_added_as_the_pairwise_tree(rows, k):
+    """row_linear's leaves (one batched product) added in pairwise_sum's order, bit for bit."""
+    g = torch.Generator().manual_seed(k)
+    x, weight = torch.randn(rows, k, generator=g), torch.randn(96, k, generator=g) * torch.logspace(0, 6, k)
+    step = k // ROW_REDUCTION_BLOCKS
+    leaves = torch.bmm(x.reshape(-1, ROW_REDUCTION_BLOCKS, step).transpose(0, 1),
+                       weight.view(96, ROW_REDUCTION_BLOCKS, step).permute(1, 2, 0))
+    assert torch.equal(row_linear(x, weight, None, ROW_REDUCTION_BLOCKS), pairwise_sum(list(leaves.unbind(0))))
+
+
 def test_single_block_is_plain_linear_and_the_tree_is_pairwise():
     x, weight = torch.randn(4, 6), torch.randn(3, 6)
     assert torch.equal(row_linear(x, weight, None, 1), F.linear(x, weight))
@@ -52,3 +63,20 @@ def test_low_precision_keeps_one_gemm():
     """BF16 leaves would each round to BF16: the single GEMM (FP32 accumulator) is kept."""
     x, weight = torch.randn(3, 256, dtype=torch.bfloat16), torch.randn(8, 256, dtype=torch.bfloat16)
     assert torch.equal(row_linear(x, weight, None, ROW_REDUCTION_BLOCKS), F.linear(x, weight))
+
+
+@pytest.mark.parametrize("width", [8, 48, 96, 128, 1000, 1024, 7168])
+def test_fp32_rms_norm_is_hfs(width):
+    """recipes.layers.rms_norm runs torch's fused rms_norm for FP32: HF's ops' values bit for bit (the oracle
+    below is transformers' Qwen3RMSNorm.forward, written out), at every row count a variant uses."""
+    from ignition.recipes.layers import rms_norm
+
+    g = torch.Generator().manual_seed(width)
+    weight = torch.randn(width, generator=g)
+    for shape in ((1,), (3,), (8,), (5, 16), (64,), (2, 8, 4)):
+        x = torch.randn(*shape, width, generator=g) * 3
+        variance = x.pow(2).mean(-1, keepdim=True)
+        assert torch.equal(rms_norm(x, weight, 1e-6), weight * (x * torch.rsqrt(variance + 1e-6))), (width, shape)
+    x = torch.randn(4, width, generator=g).to(torch.bfloat16)
+    hf = weight.to(torch.bfloat16) * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    assert torch.equal(rms_norm(x, weight.to(torch.bfloat16), 1e-6), hf)

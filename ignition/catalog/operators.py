@@ -34,7 +34,7 @@ EMITTED_OPERATORS = frozenset({
     "aten.gather", "aten.ge", "aten.gt", "aten.index", "aten.index_add", "aten.index_put_", "aten.index_select",
     "aten.le", "aten.lift_fresh_copy", "aten.linear", "aten.lt", "aten.masked_fill", "aten.matmul", "aten.mean",
     "aten.minimum", "aten.mul", "aten.ne", "aten.neg", "aten.pad", "aten.permute", "aten.pow", "aten.reciprocal",
-    "aten.repeat", "aten.repeat_interleave", "aten.reshape", "aten.rsqrt", "aten.rsub", "aten.scatter",
+    "aten.repeat", "aten.repeat_interleave", "aten.reshape", "aten.rms_norm", "aten.rsqrt", "aten.rsub", "aten.scatter",
     "aten.scatter_", "aten.select", "aten.sigmoid", "aten.silu", "aten.sin", "aten.slice", "aten.softmax",
     "aten.sort", "aten.split_with_sizes", "aten.squeeze", "aten.stack", "aten.sub", "aten.sum", "aten.to",
     "aten.topk", "aten.transpose", "aten.unbind", "aten.unsqueeze", "aten.view", "aten.where", "aten.zeros",

@@ -6,7 +6,7 @@ and are static-shape: slots and positions are tensors, nothing branches on tenso
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,13 @@ from ignition.catalog.parallel import ROW_BLOCK_ALIGN
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale."""
+    """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale.
+
+    FP32 through torch's ``rms_norm``: one graph node instead of seven, the same values bit for bit
+    (tests/test_row_reduction.py ``test_fp32_rms_norm_is_hfs``); a decode step replays four norms a layer,
+    so the nodes it saves are a fifth of a layer's. BF16/FP16 keep HF's own ops (the cast before the scale)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.to(torch.float32)
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -72,9 +78,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     parts = torch.bmm(leaves, slices)[:blocks]  # [blocks, rows, out]
     if bias is not None:
         parts = torch.cat((parts[:1] + bias, parts[1:]))
-    while parts.shape[0] > 1:  # one level of the tree: leaf 2i + leaf 2i+1
-        pairs = parts.view(parts.shape[0] // 2, 2, *parts.shape[1:])
-        parts = pairs[:, 0] + pairs[:, 1]
+    while parts.shape[0] > 1:  # one level of the tree: leaf 2i + leaf 2i+1 (a sum of two is their one addition)
+        parts = parts.view(parts.shape[0] // 2, 2, *parts.shape[1:]).sum(1)
     return parts.view(*x.shape[:-1], out)
 
 
@@ -112,6 +117,7 @@ class Rows:
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
     segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
+    writes: dict = field(default_factory=dict, compare=False, repr=False)  # write_rows' cell plans, built once
 
     @classmethod
     def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor,
@@ -154,16 +160,27 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     same value); if no row is valid, every row rewrites row 0's cell with its old value. Duplicate
     targets thus always carry identical values and the result never depends on write order.
     Slots and positions are clamped into range. Valid rows must target distinct cells.
+    Which cell each row writes depends on the rows alone: it is planned once per forward (``_write_plan``),
+    and each layer's write adds only its gather, select and ``index_put_``.
     """
-    num_rows = values.shape[0]
-    first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
-    source = torch.where(rows.valid, torch.arange(num_rows, device=values.device), first_valid)  # [R]
-    slot_index = rows.write_slots[source].clamp(0, cache.shape[1] - 1)
-    position_index = rows.positions[source].clamp(0, cache.shape[2] - 1)
+    source, slot_index, position_index, keep_new = _write_plan(rows, cache.shape[1], cache.shape[2])
     layer_index = torch.full_like(slot_index, layer)
     old = cache[layer_index, slot_index, position_index]  # [R, ...]: one cache cell per row
-    keep_new = rows.valid[source].view(-1, *([1] * (values.dim() - 1)))
+    keep_new = keep_new.view(-1, *([1] * (values.dim() - 1)))
     cache.index_put_((layer_index, slot_index, position_index), torch.where(keep_new, values[source], old))
+
+
+def _write_plan(rows: Rows, num_slots: int, max_seq_len: int) -> tuple[torch.Tensor, ...]:
+    """(source row, slot, position, keep-new) of each row's write, built on the first call for these rows and cache
+    extents and reused by every later layer (``rows.writes``)."""
+    key = (num_slots, max_seq_len)
+    if key not in rows.writes:
+        num_rows = rows.valid.shape[0]
+        first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
+        source = torch.where(rows.valid, torch.arange(num_rows, device=rows.valid.device), first_valid)  # [R]
+        rows.writes[key] = (source, rows.write_slots[source].clamp(0, num_slots - 1),
+                            rows.positions[source].clamp(0, max_seq_len - 1), rows.valid[source])
+    return rows.writes[key]
 
 
 def read_slots(cache: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
