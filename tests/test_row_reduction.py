@@ -80,3 +80,19 @@ def test_fp32_rms_norm_is_hfs(width):
     x = torch.randn(4, width, generator=g).to(torch.bfloat16)
     hf = weight.to(torch.bfloat16) * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     assert torch.equal(rms_norm(x, weight.to(torch.bfloat16), 1e-6), hf)
+
+
+def test_a_copied_rows_plans_its_own_writes():
+    """Rows.writes (write_rows' plan) is per object: dataclasses.replace does not carry a stale plan."""
+    import dataclasses
+
+    from ignition.recipes.layers import Rows, write_rows
+
+    rows = Rows.decode(torch.tensor([1, 2]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    cache = torch.zeros(1, 2, 4, 3)
+    write_rows(cache, 0, rows, torch.ones(2, 3))
+    idle = dataclasses.replace(rows, valid=torch.tensor([False, False]))
+    assert idle.writes == {} and rows.writes
+    before = cache.clone()
+    write_rows(cache, 0, idle, torch.full((2, 3), 7.0))
+    assert torch.equal(cache, before)  # no valid row: the cache is unchanged

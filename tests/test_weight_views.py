@@ -56,7 +56,9 @@ def test_the_exporter_writes_weights_the_loader_views_64_byte_aligned(tmp_path):
     g = torch.Generator().manual_seed(0)
     tensors = {"z.big": torch.randn(48, 64, generator=g), "a.odd": torch.ones(3, dtype=torch.int8),
                "m.bf16": torch.randn(32, generator=g).to(torch.bfloat16), "b.norm": torch.randn(16, generator=g),
-               "c.ids": torch.arange(5, dtype=torch.int64), "y.empty": torch.zeros(0, 4)}
+               "c.ids": torch.arange(5, dtype=torch.int64), "y.empty": torch.zeros(0, 4),
+               "d.bf16_odd": torch.randn(3, generator=g).to(torch.bfloat16), "e.f32_odd": torch.randn(5, generator=g),
+               "f.flag": torch.tensor([True, False, True])}
     save_aligned(tensors, tmp_path / "w.safetensors", metadata={"rank": "0"})
     with safe_open(tmp_path / "w.safetensors", "pt") as file:
         assert file.metadata() == {"rank": "0"}
@@ -66,8 +68,12 @@ def test_the_exporter_writes_weights_the_loader_views_64_byte_aligned(tmp_path):
     data = read_verified(tmp_path, "w.safetensors", {"files": {"w.safetensors": _sha256(tmp_path / "w.safetensors")}},
                          aligned=True)
     views = view_tensors(data)
+    base = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
     for name, tensor in tensors.items():
         assert torch.equal(views[name], tensor), name
+        if tensor.numel():  # every tensor a view of the buffer (none copied for misalignment), aligned to its size
+            assert base <= views[name].data_ptr() < base + len(data), name
+            assert views[name].data_ptr() % tensor.element_size() == 0, name
         if tensor.numel() * tensor.element_size() % ALIGNMENT == 0 and tensor.numel():
             assert views[name].data_ptr() % ALIGNMENT == 0, name
     # The same tensors through safetensors' own writer: most start 8-byte but not 64-byte aligned.

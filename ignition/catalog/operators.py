@@ -29,7 +29,7 @@ EMITTED_OPERATORS = frozenset({
     "_c10d_functional.all_gather_into_tensor", "_c10d_functional.all_reduce", "_c10d_functional.wait_tensor",
     "aten.__and__", "aten.__lshift__", "aten.__or__", "aten.__rshift__", "aten.__xor__",
     "aten._assert_tensor_metadata", "aten.add", "aten.add_", "aten.amax", "aten.amin", "aten.arange", "aten.argmax",
-    "aten.bitwise_not", "aten.cat", "aten.clamp", "aten.contiguous", "aten.copy_", "aten.cos", "aten.cumprod",
+    "aten.bitwise_not", "aten.bmm", "aten.cat", "aten.clamp", "aten.contiguous", "aten.copy_", "aten.cos", "aten.cumprod",
     "aten.cumsum", "aten.div", "aten.embedding", "aten.eq", "aten.expand", "aten.fill_", "aten.full_like",
     "aten.gather", "aten.ge", "aten.gt", "aten.index", "aten.index_add", "aten.index_put_", "aten.index_select",
     "aten.le", "aten.lift_fresh_copy", "aten.linear", "aten.lt", "aten.masked_fill", "aten.matmul", "aten.mean",

@@ -59,11 +59,12 @@ def _discarded_canonical_check_skipped():
     a deep copy of the whole serialized program, is thrown away. It is 15% of a tiny export's time
     (7.8 s of 53 s under cProfile). The skip is installed only where the serializer's source shows
     that call as a bare statement, so a torch that uses the result keeps it; the archive is the same
-    byte for byte either way (tests/test_export_determinism.py).
+    byte for byte either way (tests/test_save_program.py). The check reads the whole serializer module,
+    so a torch that uses ``canonicalize``'s result anywhere keeps it everywhere.
     """
     from torch._export.serde import serialize
 
-    if not _canonical_check_is_discarded(serialize.ExportedProgramSerializer.serialize):
+    if not _canonical_check_is_discarded(serialize):
         yield
         return
     original = serialize.canonicalize
@@ -75,16 +76,17 @@ def _discarded_canonical_check_skipped():
 
 
 @functools.cache
-def _canonical_check_is_discarded(method) -> bool:
-    """Whether ``method`` (the serializer's ``serialize``) calls ``canonicalize`` only as a bare statement."""
+def _canonical_check_is_discarded(source_of) -> bool:
+    """Whether ``source_of`` (the serializer module) calls ``canonicalize`` only as bare statements."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        tree = ast.parse(textwrap.dedent(inspect.getsource(source_of)))
     except (OSError, TypeError, SyntaxError):
         return False
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
              and node.func.id == "canonicalize"]
     bare = [node for node in ast.walk(tree) if isinstance(node, ast.Expr) and node.value in calls]
-    return bool(calls) and len(bare) == len(calls)
+    names = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "canonicalize"]
+    return bool(calls) and len(bare) == len(calls) == len(names)  # no other use of the function either
 
 
 def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, str], kernels: bool) -> dict:

@@ -6,8 +6,9 @@ are views of the file's bytes (``runtime/weights.py``), so they would be the onl
 read misaligned: torch's own allocations, and a ``from_pretrained`` model's, are 64-byte aligned.
 Here the header is padded with spaces (the format allows it) so
 the data section starts at a multiple of ``ALIGNMENT``, and the tensors whose size is a multiple of
-``ALIGNMENT`` come first, by name, so each of them starts aligned; the others follow, by name (the
-format allows no gaps between tensors). The file is an ordinary safetensors file for every reader.
+``ALIGNMENT`` come first, by name, so each of them starts aligned; the others follow, widest element
+first, then by name, so each still starts at a multiple of its element size (the format allows no gaps
+between tensors, and a misaligned tensor would be copied out of the buffer instead of viewed). The file is an ordinary safetensors file for every reader.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ _TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}
 
 def save_aligned(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` (CPU) as a safetensors file whose tensors start ``ALIGNMENT``-aligned where their sizes allow."""
-    order = sorted(tensors, key=lambda name: (_nbytes(tensors[name]) % ALIGNMENT != 0, name))
+    order = sorted(tensors, key=lambda name: (_nbytes(tensors[name]) % ALIGNMENT != 0,
+                                              -tensors[name].element_size(), name))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name in order:

@@ -17,9 +17,10 @@ from ignition.catalog.parallel import ROW_BLOCK_ALIGN
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale.
 
-    FP32 through torch's ``rms_norm``: one graph node instead of seven, the same values bit for bit
-    (tests/test_row_reduction.py ``test_fp32_rms_norm_is_hfs``); a decode step replays four norms a layer,
-    so the nodes it saves are a fifth of a layer's. BF16/FP16 keep HF's own ops (the cast before the scale)."""
+    FP32 through torch's ``rms_norm``: one graph node instead of seven, and on CPU the same values bit for
+    bit (tests/test_row_reduction.py ``test_fp32_rms_norm_is_hfs``; a GPU's fused kernel may sum in another
+    order, within the HF tolerances, and the same op on every path keeps our paths bit-identical to each
+    other); a decode step replays four norms a layer. BF16/FP16 keep HF's own ops (the cast before the scale)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.to(torch.float32)
@@ -117,7 +118,7 @@ class Rows:
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
     segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
-    writes: dict = field(default_factory=dict, compare=False, repr=False)  # write_rows' cell plans, built once
+    writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
 
     @classmethod
     def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor,

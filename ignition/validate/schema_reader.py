@@ -37,13 +37,14 @@ class SchemaReader:
         return self.converter(cls)(data)
 
     def converter(self, cls):
+        key = (cls, typing.get_args(cls))  # Union[X, None] == Union[None, X], but torch reads its first argument
         try:
-            return self._converters[cls]
+            return self._converters[key]
         except KeyError:
             pass
-        except TypeError:  # an unhashable annotation: no plan, the general path
-            return lambda data: self._generic(cls, data)
-        converter = self._converters[cls] = self._build(cls)
+        except TypeError:  # an unhashable annotation: planned on every use, as torch does
+            return lambda data: self._build(cls)(data)
+        converter = self._converters[key] = self._build(cls)
         return converter
 
     def _resolve(self, cls):
@@ -64,10 +65,15 @@ class SchemaReader:
             return self._deferred(cls.__origin__)
         if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
             arguments = typing.get_args(cls)
-            if len(arguments) != 2:
-                raise AssertionError(f"expected 2 type args, got {len(arguments)}")
             inner = self._deferred(arguments[0])
-            return lambda data: None if data is None else inner(data)
+
+            def optional(data):
+                if data is None:
+                    return None
+                if len(arguments) != 2:
+                    raise AssertionError(f"expected 2 type args, got {len(arguments)}")
+                return inner(data)
+            return optional
         if isinstance(cls, type) and issubclass(cls, self._union_base):
             return self._union(cls)
         if dataclasses.is_dataclass(cls):
