@@ -13,8 +13,10 @@ and ``scaled_dot_product_attention`` reads it in place.
   lane) copies its slot's window once for all its rows: one slot's cells, the only copy a step makes,
   and far less than reading every slot (one lane of Qwen3-0.6B's width on 32 slots, per layer: 0.13 ms
   against 2.8 ms at a 64-position window, 2.0 ms against 26 ms at 640; ``tests/test_decode_copies``).
-  Two or more lanes place their queries at their slots' batch index instead and attend over every
-  slot's window at once; slots outside the submission get zero queries and their rows are dropped.
+  Two or more lanes, when the cache has at least ``LANE_WINDOWS`` times as many slots, do the same one
+  lane at a time (one slot's cells per copy). Otherwise they place their queries at their slots' batch
+  index and attend over every slot's window at once; slots outside the submission get zero queries and
+  their rows are dropped.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
@@ -42,6 +44,8 @@ class AttentionPlan:
     window: int  # W keys read, [0, W) (a symbolic size in a windowed graph)
     slots: torch.Tensor  # int64 [G]: each group's read slot, clamped into range
     placement: torch.Tensor | None  # int64 [num_slots]: the group queried at each slot (G: none); None: one group
+    # or per lane
+    per_lane: bool  # each group's own slot window copied and attended alone (LANE_WINDOWS), not every slot's
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
 
 
@@ -56,6 +60,14 @@ def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.T
     return torch.arange(max_seq_len, device=device)
 
 
+LANE_WINDOWS = 2
+"""Lanes attend each over its own slot's window, copied (one slot's cells per copy), when the slots number at least
+this many times the lanes; otherwise over every slot's window in place. Reading every slot costs the slots' windows
+whatever the lanes; a lane's copy costs its window twice (the copy, then the read) and a few graph nodes. At
+Qwen3-0.6B's width a decode step of 8 lanes on a 32-slot cache spent 57-93 ms of 550-700 in attention over all 32
+slots' windows."""
+
+
 def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dtype: torch.dtype) -> AttentionPlan:
     """Build the plan ``cached_attention`` reads for ``rows`` over a cache of ``num_slots x max_seq_len``
     positions, with ``share`` query heads per KV head and the model ``dtype``."""
@@ -66,12 +78,13 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     positions = rows.positions.view(groups, per_group)
     slots = rows.read_slots.clamp(0, num_slots - 1)
     placement = None
-    if groups > 1:  # lanes: every slot's window read in place, each lane's query at its slot
+    per_lane = groups > 1 and LANE_WINDOWS * groups <= num_slots
+    if groups > 1 and not per_lane:  # lanes: every slot's window read in place, each lane's query at its slot
         placement = _placement(rows, slots, num_slots)
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [num_slots, R/G]; 0 at empty slots
     mask = causal_mask(window, positions, share, dtype)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
-                         placement=placement, mask=mask)
+                         placement=placement, per_lane=per_lane, mask=mask)
 
 
 def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -91,6 +104,12 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     # query: [G, R/G, kv_heads, share, D] -> [G, kv_heads, share * R/G, D]; row s * R/G + j is head (kv, s), row j
     grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
     grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
+    if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
+        attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
+                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
+                              for g in range(groups)])
+        attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
+        return attended.reshape(num_rows, heads * head_dim)
     if plan.placement is None:  # one group: its slot's window, [1, kv_heads, W, D], copied once for its rows
         keys, values = keys.index_select(0, plan.slots), values.index_select(0, plan.slots)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
