@@ -3,10 +3,10 @@
 A 4-layer checkpoint at Qwen3-0.6B's width (hidden 1024, 16 query and 8 KV heads, head_dim 128, MLP
 3072; a 4,096-word vocabulary keeps the export short: the vocabulary never touches the cache) is
 exported, loaded and driven through the engine. A dispatch mode watches every operator of one
-decode step at batch 4 and at batch 1: no operator may read the cache and produce a new tensor larger
+decode step at batch 4, 2 and 1: no operator may read the cache and produce a new tensor larger
 than one slot's cache of one layer (what a clone, an expansion of the grouped heads or a gather of the
 lanes' slots would do), and attention must read the live window, not all ``max_seq_len`` positions:
-four lanes every slot's window in place, a single lane its own slot's window.
+four lanes every slot's window in place, two lanes and a single lane each its own slot's window.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def real_width_core(tmp_path_factory):
                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).eval().save_pretrained(root / "checkpoint")
-    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, SLOTS), chunk_limit=16,
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2, SLOTS), chunk_limit=16,
                               max_seq_len=MAX_SEQ_LEN), root / "core")
     return root / "core"
 
@@ -66,7 +66,7 @@ def loaded(real_width_core):
     return load_core(real_width_core)
 
 
-@pytest.mark.parametrize("lanes", [SLOTS, 1])
+@pytest.mark.parametrize("lanes", [SLOTS, 2, 1])
 def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: int):
     from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
@@ -84,6 +84,8 @@ def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: 
     assert watch.attention_keys, "the decode step ran no attention"
     assert watch.copies == [], f"operators copied more than one slot's cache: {watch.copies[:5]}"
     # [batch, kv_heads, window, head_dim]: the 64-position window, not the 256 cached positions; four lanes
-    # read all four slots in place, one lane (decode.c1) its own slot's window
-    batch = SLOTS if lanes > 1 else 1
+    # (decode.c4) read all four slots in place; two lanes (decode.c2: 4 slots >= LANE_WINDOWS x 2 lanes) and
+    # one lane (decode.c1) each its own slot's window, one attention call a lane
+    batch = SLOTS if lanes == SLOTS else 1
     assert set(watch.attention_keys) == {(batch, KV_HEADS, 64, HEAD_DIM)}, watch.attention_keys
+    assert len(watch.attention_keys) == 4 * (1 if lanes == SLOTS else lanes)  # 4 layers
