@@ -150,6 +150,10 @@ def main() -> None:
     parser.add_argument("--compare-serial", action="store_true",
                         help="prefill rows: also time the serial schedule (one prompt chunk per submission)")
     parser.add_argument("--core", type=Path, default=None, help="use this exported core (no export)")
+    parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default=None,
+                        help="transformers' attention implementation (default: sdpa for float32, its own default; "
+                             "eager for bfloat16, the one whose rounding the cores' BF16 attention reproduces, so "
+                             "greedy tokens can be compared)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
@@ -180,7 +184,9 @@ def main() -> None:
                  ("load_core", f"{load_s:.1f} s", "", ""),
                  ("peak RSS after load (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
                   f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
-        hf_load, model = timed(lambda: Qwen3ForCausalLM.from_pretrained(checkpoint, torch_dtype=getattr(torch, args.dtype)).eval())
+        attention = args.hf_attention or ("sdpa" if args.dtype == "float32" else "eager")
+        hf_load, model = timed(lambda: Qwen3ForCausalLM.from_pretrained(
+            checkpoint, torch_dtype=getattr(torch, args.dtype), attn_implementation=attention).eval())
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
         rows.append(("HF from_pretrained", f"{hf_load:.1f} s", "", ""))
@@ -213,6 +219,7 @@ def main() -> None:
             t_hf, _ = hf(model, batch, 1, None)
             rows.append((f"prefill 1 x 2048 tokens (one-slot core, export {long_export:.0f} s)",
                          f"{2048 / t_ours:.1f} tok/s", f"{2048 / t_hf:.1f} tok/s", f"{t_hf / t_ours:.2f}x"))
+    print(f"HF attention: {attention}")
     print(f"Qwen3-0.6B shape, {args.layers} layers, {args.dtype}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, decode {DECODE_TOKENS} tokens from {PROMPT}-token prompts")
     print("| measure | Ignition | HF eager | ratio |\n|---|---|---|---|")
