@@ -16,7 +16,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-
 from ignition.catalog.model import GRAPHS_DIR, WEIGHTS_FILE
 from ignition.catalog.parallel import EXCHANGES, RANK_METADATA, RANKS_DIR, RANKS_METADATA
 from ignition.exporter.weights_file import save_aligned

@@ -4,11 +4,11 @@
 name, so most tensors start at an offset that is a multiple of 8 but not of 64. The loader's tensors
 are views of the file's bytes (``runtime/weights.py``), so they would be the only weights the GEMMs
 read misaligned: torch's own allocations, and a ``from_pretrained`` model's, are 64-byte aligned.
-Here the header is padded with spaces (the format allows it) so
-the data section starts at a multiple of ``ALIGNMENT``, and the tensors whose size is a multiple of
-``ALIGNMENT`` come first, by name, so each of them starts aligned; the others follow, widest element
-first, then by name, so each still starts at a multiple of its element size (the format allows no gaps
-between tensors, and a misaligned tensor would be copied out of the buffer instead of viewed). The file is an ordinary safetensors file for every reader.
+Here the header is padded with spaces (the format allows it) so the data section starts at a multiple
+of ``ALIGNMENT``, and the tensors whose size is a multiple of ``ALIGNMENT`` come first, by name, so each
+of them starts aligned; the others follow, widest element first, then by name, so each still starts at
+a multiple of its element size (the format allows no gaps between tensors, and a misaligned tensor
+would be copied out of the buffer instead of viewed). The file is an ordinary safetensors file.
 """
 
 from __future__ import annotations

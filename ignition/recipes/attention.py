@@ -43,8 +43,7 @@ class AttentionPlan:
     per_group: int  # R // G rows per group
     window: int  # W keys read, [0, W) (a symbolic size in a windowed graph)
     slots: torch.Tensor  # int64 [G]: each group's read slot, clamped into range
-    placement: torch.Tensor | None  # int64 [num_slots]: the group queried at each slot (G: none); None: one group
-    # or per lane
+    placement: torch.Tensor | None  # int64 [num_slots]: the group queried at each slot (G: none); None: one group, or
     per_lane: bool  # each group's own slot window copied and attended alone (LANE_WINDOWS), not every slot's
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
 
@@ -108,15 +107,11 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
                               for g in range(groups)])
-        attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
-        return attended.reshape(num_rows, heads * head_dim)
-    if plan.placement is None:  # one group: its slot's window, [1, kv_heads, W, D], copied once for its rows
-        keys, values = keys.index_select(0, plan.slots), values.index_select(0, plan.slots)
+    elif plan.placement is None:  # one group: its slot's window, [1, kv_heads, W, D], copied once for its rows
+        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
-    attended = _attend(grouped, keys, values, plan.mask)
-    if plan.placement is not None:
-        attended = attended.index_select(0, plan.slots)  # [G, kv_heads, share * R/G, D]: the lanes' rows
+        attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
     attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
 

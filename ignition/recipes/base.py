@@ -49,7 +49,7 @@ class ExportOptions:
     speculative_tokens: tuple[int, ...] = ()  # S of each verify.s{S}.c{capacity} family (empty: none)
     mixed: bool = False  # mixed.t{chunk_limit}.c{capacity} variants for every decode capacity >= 2
     structured_output: bool = True  # token bitmask + logit bias inputs in every sampling variant but verify
-    packed_prefill: bool = True  # packed.t{chunk_limit}.c{widest capacity up to PACKED_LANES} where it pays (llama.packed_capacity)
+    packed_prefill: bool = True  # packed.t{C}.c{widest capacity, at most PACKED_LANES} (llama.packed_capacity)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):

@@ -608,7 +608,8 @@ chunk's extent, idle lanes included) are at most this many times the chunks' row
 def _packing_pays(variant: LoadedVariant, rows: list[int]) -> bool:
     """Whether one packed round of chunks of ``rows`` rows beats their serial rounds. The packed graph attends for
     every lane of its capacity over the longest chunk's extent (rounded to its window's granule), so 8 chunks of
-    256 rows in a 32-lane variant (before PACKED_LANES capped the default variant at 8) attend over 4x the rows and copy 4x the key windows; at Qwen3-0.6B's shape that
+    256 rows in a 32-lane variant (before PACKED_LANES capped the default variant at 8) attend over 4x the rows
+    and copy 4x the key windows; at Qwen3-0.6B's shape that
     round ran 60 s against 42 s serially (8 x 512 prompts), while 8 x 64 ran 7.3 s against 8.4 s."""
     extent = WINDOWS[SEGMENT_WINDOW].covering(max(rows))
     return extent <= PACKED_SHORT_ROWS or variant.capacity * extent <= PACKED_MAX_PADDING * sum(rows)

@@ -110,8 +110,8 @@ def _cache_schema_hints() -> None:
 
 def _load_accepted_program(data: bytes):
     """``torch.export.load`` of archive bytes that ``check_archive`` accepted (the caller's duty)."""
-    _cache_schema_hints()
-    schema_reader.install()
+    if not schema_reader.install():  # the reader plans each class once itself; else cache torch's hint lookups
+        _cache_schema_hints()
     export_log = logging.getLogger("torch.export")
     level = export_log.level
     export_log.setLevel(logging.ERROR)  # torch logs every deserialization failure at WARNING with a traceback

@@ -3,7 +3,7 @@
 NOTE: ``torch.export.load`` turns the archive's JSON into the export schema's dataclasses with
 ``torch._export.serde.serialize._dict_to_dataclass``, which re-inspects the target class on every JSON
 object (``typing.get_origin``, ``dataclasses.fields``, type hints): about half of a core's load time
-(7.0 s of 14.3 s for the tiny example's five graphs under cProfile). ``read`` below is the same
+(7.0 s of 14.3 s for the tiny example's five graphs under cProfile). ``SchemaReader`` is the same
 function with each class's plan (its fields and their converters) built once and reused: the same
 dataclasses from the same JSON (tests/test_schema_reader.py compares them on every graph of a core).
 It is installed only on a torch whose ``_dict_to_dataclass`` source is the one it was written against
@@ -13,6 +13,7 @@ It is installed only on a torch whose ``_dict_to_dataclass`` source is the one i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import types
@@ -134,9 +135,10 @@ class SchemaReader:
         return data
 
 
+@functools.cache
 def install() -> bool:
     """Replace torch's ``_dict_to_dataclass`` with a ``SchemaReader`` where its source is a known one; returns
-    whether the reader is installed (idempotent)."""
+    whether the reader is installed. Decided once a process: every graph load calls it."""
     try:
         from torch._export.serde import schema, serialize
         from torch._export.serde.union import _Union
