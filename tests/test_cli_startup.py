@@ -120,9 +120,10 @@ def test_version():
 def test_load_reports_each_stage_and_loads_each_graph_once(toy_core, monkeypatch):
     import ignition.validate.graphs as graphs
 
-    loads = []
-    real = graphs._load_accepted_program
-    monkeypatch.setattr(graphs, "_load_accepted_program", lambda data: loads.append(len(data)) or real(data))
+    loads, torch_loads = [], []
+    real, real_torch = graphs.read_program, graphs._load_accepted_program
+    monkeypatch.setattr(graphs, "read_program", lambda *args: loads.append(args) or real(*args))
+    monkeypatch.setattr(graphs, "_load_accepted_program", lambda data: torch_loads.append(data) or real_torch(data))
     seen = []
     loaded = load_core(toy_core, progress=lambda stage, item: seen.append((stage, item)))
     names = [v["name"] for v in json.loads((toy_core / "catalog.json").read_text())["variants"]]
@@ -130,6 +131,7 @@ def test_load_reports_each_stage_and_loads_each_graph_once(toy_core, monkeypatch
                     *[("graphs", f"graph {i} of {len(names)}: {n}") for i, n in enumerate(names, 1)],
                     ("tokenizer", "none")]
     assert len(loads) == len(names)  # validation on load does not load a graph that loading loads again
+    assert torch_loads == []  # the runtime reads programs with validate/program_reader.py
     assert list(loaded.timings) == ["check", "weights", "graphs", "tokenizer"]
     assert all(s >= 0 for s in loaded.timings.values()) and loaded.load_seconds == sum(loaded.timings.values())
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
@@ -252,3 +253,21 @@ def test_deepseek_rope_and_attention_scale_match_transformers(checkpoints) -> No
     assert cfg.attention_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
     assert cfg.attention_scale != cfg.qk_head_dim ** -0.5
     assert cfg.moe_layers == (1, 2) and cfg.dense_mlp_layers == (0,)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_program_reader_reads_routed_experts_cond_branches(cores, recipe: str) -> None:
+    """validate/program_reader.py on graphs with torch.cond branches (one graph module per branch): the same
+    modules, nodes and runs as torch.export.load (tests/_program_oracle.py)."""
+    from _program_oracle import assert_same_program, assert_same_run, read_both
+
+    core, _ = cores(recipe)
+    catalog = json.loads((core / "catalog.json").read_text())
+    weights = load_file(core / "weights.safetensors")
+    branches = 0
+    for variant in catalog["variants"]:
+        ours, theirs = read_both(core / variant["graph"])
+        assert_same_program(ours, theirs, variant["name"])
+        assert_same_run(ours, theirs, weights, variant["name"])
+        branches += sum(1 for name, _ in ours.graph_module.named_children())
+    assert branches >= 2

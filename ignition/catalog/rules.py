@@ -112,7 +112,8 @@ RULES = {
     "GRAPH-OPERATOR": "A graph calls only the operators the recipes emit (ignition/catalog/operators.py, checked "
                       "before torch reads the program); file, storage, process and printing operators "
                       "(aten.from_file, save, load, ...) are refused by name.",
-    "GRAPH-LOAD": "Every variant's .pt2 loads with torch.export.load (after the safe reader accepted it).",
+    "GRAPH-LOAD": ("Every variant's .pt2 loads with torch.export.load (validate-core) and with Ignition's program "
+                   "reader (load_core), after the safe reader accepted it."),
     "GRAPH-SIGNATURE": "The .pt2's inputs and outputs have the declared names, dtypes and shapes, in order.",
     "GRAPH-MUTATION": "The graph writes its outputs and state, and never writes inputs or weights.",
     "ONNX-PAIRING": "ONNX graphs and .pt2 variants match one-to-one: none, or every variant names graphs/<name>.onnx "

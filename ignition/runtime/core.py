@@ -3,8 +3,9 @@
 Loading checks what a start needs, no more: the manifest, catalog and kernel table against their
 schemas and every catalog rule, the sha256 of every file, the signature and trust settings
 (``validate_core(check_graphs=False)``), and then each graph through the safe ``.pt2`` reader on
-the very bytes whose sha256 was just compared before ``torch.export.load`` reads them. The program
-loaded there is the one that runs. The weights are likewise read once, hashed and deserialized from
+the very bytes whose sha256 was just compared before Ignition's program reader builds the graph from
+them (``validate/program_reader.py``; validate-core loads the same bytes with ``torch.export.load``). The
+program read there is the one that runs. The weights are likewise read once, hashed and deserialized from
 those bytes (the validator leaves the sha256 of the files loaded here to the loader), and a compiled
 package is hashed and then loaded from a private copy of the verified bytes; the ONNX graphs (through
 every ONNX rule) and ``tokenizer.json`` likewise (``ignition/runtime/verified.py``). So no file is read

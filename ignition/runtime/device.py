@@ -95,7 +95,7 @@ def foreign_devices(program, device: torch.device) -> list[str]:
     """Where ``program`` (an ExportedProgram or a module) still names a device other than ``device``: any graph
     module's node arguments and tensor metadata, its generated code, its parameters, buffers and constants."""
     found = []
-    root = program.graph_module if isinstance(program, torch.export.ExportedProgram) else program
+    root = program if isinstance(program, torch.nn.Module) else program.graph_module
     for name, module in graph_modules(root):
         where = "" if name == "<root>" else f"{name}: "
         for node in module.graph.nodes:
@@ -124,13 +124,17 @@ def foreign_devices(program, device: torch.device) -> list[str]:
 
 
 def move_program(program, device: torch.device):
-    """The exported program re-materialized on ``device`` (moved in place), or ValueError naming what stayed
-    behind. A program for the capture device is returned as it is."""
+    """The program (an ``ExportedProgram``, or the runtime reader's ``StaticProgram``, whose weights are all
+    arguments) re-materialized on ``device`` (moved in place), or ValueError naming what stayed behind. A program
+    for the capture device is returned as it is."""
     if device == CAPTURE_DEVICE:
         return program
-    from torch.export.passes import move_to_device_pass
+    if isinstance(program, torch.export.ExportedProgram):
+        from torch.export.passes import move_to_device_pass
 
-    program = move_to_device_pass(program, str(device))
+        program = move_to_device_pass(program, str(device))
+    else:
+        program.graph_module.to(device)  # its lifted tensor constants (the weights are arguments)
     retarget_graphs(program.graph_module, device)
     leftovers = foreign_devices(program, device)
     if leftovers:

@@ -9,6 +9,7 @@ import os
 import shutil
 import struct
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,6 +17,10 @@ import torch
 
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
+
+
+READ_CHUNK = 64 << 20
+"""Bytes read between two hash updates of a large core file (``_read_hashing``)."""
 
 
 class CoreLoadError(Exception):
@@ -40,15 +45,39 @@ def read_verified(root: Path, rel: str, manifest: dict, aligned: bool = False) -
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             data = memoryview(torch.empty(size, dtype=torch.uint8).numpy()) if aligned else bytearray(size)
-            if file.readinto(data) != len(data) or file.read(1):
+            found = _read_hashing(file, memoryview(data))
+            if found is None or file.read(1):
                 raise OSError(f"{rel} changed size while it was read")
     except OSError as exc:
         raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
-    expected, found = manifest["files"].get(rel), hashlib.sha256(data).hexdigest()
+    expected = manifest["files"].get(rel)
     if found != expected:
         raise CoreLoadError(f"{root} is not a valid core:\n  "
                             f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
     return data
+
+
+def _read_hashing(file, data: memoryview, chunk: int = READ_CHUNK) -> str | None:
+    """Fill ``data`` from ``file`` and return its sha256 (None when the file ends early). Chunk by chunk, each
+    chunk hashed on a worker thread while the next is read (both release the GIL), in order."""
+    digest = hashlib.sha256()
+    if len(data) <= chunk:
+        if file.readinto(data) != len(data):
+            return None
+        digest.update(data)
+        return digest.hexdigest()
+    with ThreadPoolExecutor(1, thread_name_prefix="ignition-hash") as pool:
+        pending, offset = None, 0
+        while offset < len(data):
+            count = file.readinto(data[offset:offset + chunk])
+            if pending is not None:
+                pending.result()
+            if not count:
+                return None
+            pending = pool.submit(digest.update, data[offset:offset + count])
+            offset += count
+        pending.result()
+    return digest.hexdigest()
 
 
 def tokenizer_file(manifest: dict) -> str | None:

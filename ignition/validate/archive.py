@@ -21,6 +21,7 @@ import io
 import json
 import re
 import zipfile
+from dataclasses import dataclass
 
 from ignition.validate.program_json import program_violations
 from ignition.validate.report import Violation
@@ -50,21 +51,39 @@ def looks_pickled(data: bytes) -> bool:
 
 def check_archive(data: bytes, where: str) -> list[Violation]:
     """Violations of the ``.pt2`` allow-list; an empty list means torch.export.load may read ``data``."""
+    return accept_archive(data, where)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptedArchive:
+    """What ``accept_archive`` read of an archive it accepted: the program JSON and every member's bytes by its
+    name under the root folder (``data/constants/tensor_0``): what ``program_reader.read_program`` reads."""
+
+    document: dict
+    members: dict[str, bytes]
+
+
+def accept_archive(data: bytes, where: str) -> tuple[list[Violation], AcceptedArchive | None]:
+    """``check_archive``'s violations, and what it read of the archive (None when it refused it)."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         infos = archive.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as exc:
-        return [Violation("GRAPH-LOAD", where, f"not a readable zip archive: {exc}")]
+        return [Violation("GRAPH-LOAD", where, f"not a readable zip archive: {exc}")], None
     found, root = _layout(archive, infos, data, where)
     if found:
-        return found
+        return found, None
     members: dict[str, bytes] = {}
     for info in infos:
         try:
             members[info.filename[len(root) + 1:]] = archive.read(info)
         except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError) as exc:
             found.append(Violation("PT2-ARCHIVE", f"{where}: {info.filename}", f"member cannot be read: {exc}"))
-    return found or _members(members, where)
+    if found:
+        return found, None
+    read: dict = {}
+    found = _members(members, where, read)
+    return found, (AcceptedArchive(read[_MODEL], members) if not found else None)
 
 
 def _layout(archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], data: bytes, where: str):
@@ -94,7 +113,7 @@ def _layout(archive: zipfile.ZipFile, infos: list[zipfile.ZipInfo], data: bytes,
     return [], roots.pop()
 
 
-def _members(members: dict[str, bytes], where: str) -> list[Violation]:
+def _members(members: dict[str, bytes], where: str, read: dict) -> list[Violation]:
     found: list[Violation] = []
     raw_allowed: dict[str, str] = {}  # raw tensor member -> the config that declares it
     for name in _REQUIRED:
@@ -121,6 +140,7 @@ def _members(members: dict[str, bytes], where: str) -> list[Violation]:
             document = _json(content, at, found)
             if document is not None:
                 found += program_violations(document, at)
+                read[name] = document
         elif name not in _CONFIGS:
             found.append(Violation("PT2-MEMBER", at, "not a member torch.export.save writes for an Ignition graph "
                                                      f"(allowed: {', '.join(sorted({*_TEXT, _MODEL, *_CONFIGS}))}, "

@@ -184,6 +184,8 @@ def check_graph_vocabulary(program, manifest: dict, where: str) -> list[Violatio
     (a sharded core), and logits whose last extent is vocab_padded (a shard's: vocab_shard)."""
     import torch
 
+    from ignition.validate.program_facts import tensor_facts
+
     section = manifest.get("tensor_parallel") or {}
     expected = {"vocab_size": manifest["vocab_size"], "vocab_shard": section.get("vocab_shard")}
     found = []
@@ -197,7 +199,7 @@ def check_graph_vocabulary(program, manifest: dict, where: str) -> list[Violatio
                 found.append(Violation("GEOM-VOCAB-GRAPH", f"{where}: {op}", f"the graph computes with {name} "
                                        f"{values[name]}; manifest.json says {wanted}"))
         logits = values.get("logits")
-        value = logits.meta.get("val") if isinstance(logits, torch.fx.Node) else None
+        value = tensor_facts(logits)
         field = "vocab_shard" if "vocab_start" in values else "vocab_padded"
         columns = expected["vocab_shard"] if field == "vocab_shard" else manifest["vocab_padded"]
         if value is not None and value.dim() >= 1 and value.shape[-1] != columns:

@@ -10,43 +10,34 @@ import typing
 from pathlib import Path
 
 import torch
-from torch.utils import _pytree as pytree
 
 from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
 from ignition.validate import schema_reader
-from ignition.validate.archive import check_archive
+from ignition.validate.archive import accept_archive
+from ignition.validate.program_facts import ProgramFacts, program_facts
+from ignition.validate.program_reader import ProgramReadError, read_program
 from ignition.validate.report import Violation
 
 _WRITES_EXPECTED = {"output", "state"}
 
 
-def _argument_names(program) -> list[str] | None:
-    """Declared call order, read from the program's input tree (one dict argument)."""
-    spec = program.call_spec.in_spec
-    tree = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
-    args, kwargs = tree
-    if kwargs or len(args) != 1 or not isinstance(args[0], dict):
-        return None
-    return list(args[0].keys())
-
-
-def _extents(program, val, name: str, windows) -> list:
+def _extents(facts: ProgramFacts, shape, name: str, windows) -> list:
     """The argument's extents as declared: an int per static dim; the upper bound of the dim of a window the
     variant names (``layout["windows"]``, ``catalog.buffers.WINDOWS``) whose range is ``[MIN_WINDOW, bound]``;
     anything else symbolic as its text, which no declaration matches."""
     extents = []
-    for dim, extent in enumerate(val.shape):
+    for dim, extent in enumerate(shape):
         if isinstance(extent, int):
             extents.append(extent)
             continue
-        bounds = program.range_constraints.get(extent.node.expr)
+        bounds = facts.bounds.get(extent)
         windowed = name in windows and name in WINDOWS and WINDOWS[name].dim == dim and bounds is not None \
-            and int(bounds.lower) == MIN_WINDOW
-        extents.append(int(bounds.upper) if windowed and bounds.upper.is_integer else f"dynamic {extent}")
+            and bounds[0] == MIN_WINDOW
+        extents.append(bounds[1] if windowed and bounds[1] is not None else f"dynamic {extent}")
     return extents
 
 
-def _mutated_placeholders(program) -> set[str]:
+def _mutated_placeholders(graph: torch.fx.Graph) -> set[str]:
     """Placeholders written by any node, following view chains back to their base."""
     def base(node):
         while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
@@ -58,7 +49,7 @@ def _mutated_placeholders(program) -> set[str]:
         return node
 
     written = set()
-    for node in program.graph.nodes:
+    for node in graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         for i, arg in enumerate(node.target._schema.arguments):
@@ -121,36 +112,58 @@ def _load_accepted_program(data: bytes):
         export_log.setLevel(level)
 
 
-def check_graph(path: Path, variant: dict, sha256: str | None = None):
-    """Check the archive with our own reader, then load the variant's program and check it; returns
-    (violations, program or None when it cannot or may not load). ``sha256``: the digest the manifest
-    records for the file, checked on the very bytes that are then read and loaded (FILE-HASH)."""
+def _accepted_bytes(path: Path, variant: dict, sha256: str | None):
+    """(where, violations, the archive's program JSON): the file read once, its digest compared (FILE-HASH) and
+    the archive checked by our own reader, all on the very bytes that are then loaded."""
     where = f"variant {variant['name']}: {variant['graph']}"
-    data = path.read_bytes()  # read once: torch loads exactly the bytes the safe reader accepted
+    data = path.read_bytes()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        return [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, "
-                                                         f"found {hashlib.sha256(data).hexdigest()}")], None
-    refused = check_archive(data, where)
+        return where, [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, "
+                                                                f"found {hashlib.sha256(data).hexdigest()}")], None, None
+    refused, accepted = accept_archive(data, where)
+    return where, refused, data, accepted
+
+
+def check_graph(path: Path, variant: dict, sha256: str | None = None):
+    """Check the archive with our own reader, then load the variant's program with ``torch.export.load`` and
+    check it; returns (violations, program or None when it cannot or may not load). ``sha256``: the digest the
+    manifest records for the file, checked on the very bytes that are then read and loaded (FILE-HASH)."""
+    where, refused, data, _ = _accepted_bytes(path, variant, sha256)
     if refused:
         return refused, None
     try:
         program = _load_accepted_program(data)
     except Exception as exc:  # a corrupt archive can fail in many ways
         return [Violation("GRAPH-LOAD", where, f"torch.export.load failed: {type(exc).__name__}: {str(exc)[:200]}")], None
-    return _check_program(program, variant, where), program
+    return check_program(program, variant, where), program
 
 
-def _check_program(program, variant: dict, where: str) -> list[Violation]:
+def read_graph(path: Path, variant: dict, sha256: str | None = None):
+    """``check_graph`` as the runtime loads: the same archive checks and graph rules, with the program read by
+    ``program_reader.read_program`` instead of ``torch.export.load`` (a ``StaticProgram``; GRAPH-LOAD names
+    what it could not read)."""
+    where, refused, _, accepted = _accepted_bytes(path, variant, sha256)
+    if refused:
+        return refused, None
+    try:
+        program = read_program(accepted.document, accepted.members)
+    except ProgramReadError as exc:
+        return [Violation("GRAPH-LOAD", where, f"the program cannot be read: {exc}")], None
+    return check_program(program, variant, where), program
+
+
+def check_program(program, variant: dict, where: str) -> list[Violation]:
+    """GRAPH-SIGNATURE and GRAPH-MUTATION of a loaded program (an ``ExportedProgram`` or the runtime reader's
+    ``StaticProgram``) against its catalog entry."""
+    facts = program_facts(program)
     declared = variant["arguments"]
-    names = _argument_names(program)
+    names = facts.argument_names
     if names is None:
         return [Violation("GRAPH-SIGNATURE", where, "expected one dict argument of named buffers")]
     found = []
     if names != [d["name"] for d in declared]:
         found.append(Violation("GRAPH-SIGNATURE", where, f"expected arguments {[d['name'] for d in declared]}, found {names}"))
         return found
-    user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     windows = variant["contract"]["layout"].get("windows") or ()
     inputs = {d["name"] for d in declared if d["role"] == "input"}
     for name in windows:
@@ -159,28 +172,23 @@ def _check_program(program, variant: dict, where: str) -> list[Violation]:
                                    f"{name!r} is not a declared input with a window (expected one of "
                                    f"{sorted(set(WINDOWS) & inputs)})"))
         else:
-            node = placeholders[user_inputs[[d["name"] for d in declared].index(name)]]
-            extent = node.meta["val"].shape[WINDOWS[name].dim] if node.meta.get("val") is not None else None
+            tensor = facts.inputs[[d["name"] for d in declared].index(name)][1]
+            extent = tensor.shape[WINDOWS[name].dim] if tensor is not None else None
             if isinstance(extent, int):
                 found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {name}",
                                        f"layout.windows names it, but the graph fixes its extent at {extent}"))
-    for decl, node_name in zip(declared, user_inputs):
-        val = placeholders[node_name].meta.get("val")
-        found_sig = (str(val.dtype).removeprefix("torch."), _extents(program, val, decl["name"], windows)) \
-            if val is not None else None
+    for decl, (_, tensor) in zip(declared, facts.inputs):
+        found_sig = (str(tensor.dtype).removeprefix("torch."), _extents(facts, tensor.shape, decl["name"], windows)) \
+            if tensor is not None else None
         if found_sig != (decl["dtype"], decl["shape"]):
             found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {decl['name']}",
                                    f"expected {decl['dtype']} {decl['shape']}, found {found_sig}"))
-    output_node = next(n for n in program.graph.nodes if n.op == "output")
-    outputs = [o for o in pytree.tree_leaves(output_node.args[0]) if isinstance(o, torch.fx.Node)]
-    user_outputs = [s.arg.name for s in program.graph_signature.output_specs if s.kind.name == "USER_OUTPUT"]
-    out_vals = {o.name: o.meta.get("val") for o in outputs}
-    found_returns = [(str(out_vals[n].dtype).removeprefix("torch."), list(out_vals[n].shape)) for n in user_outputs if n in out_vals]
+    found_returns = [(str(t.dtype).removeprefix("torch."), list(t.shape)) for t in facts.outputs if t is not None]
     expected_returns = [(r["dtype"], r["shape"]) for r in variant["returns"]]
     if found_returns != expected_returns:
         found.append(Violation("GRAPH-SIGNATURE", f"{where}: returns", f"expected {expected_returns}, found {found_returns}"))
-    written = _mutated_placeholders(program)
-    for decl, node_name in zip(declared, user_inputs):
+    written = _mutated_placeholders(facts.graph)
+    for decl, (node_name, _) in zip(declared, facts.inputs):
         writes = node_name in written
         if decl["role"] in _WRITES_EXPECTED and not writes:
             found.append(Violation("GRAPH-MUTATION", f"{where}: argument {decl['name']}",

@@ -172,6 +172,8 @@ def _check_shards(section: dict, variants: list[dict]) -> list[Violation]:
 
 def check_program(program, manifest: dict, where: str) -> list[Violation]:
     """Every collective of one rank's program uses the core's rank count; every exchange has its table size."""
+    from ignition.validate.program_facts import tensor_facts
+
     section = manifest.get("tensor_parallel")
     found = []
     ranks = section["ranks"] if section else 1
@@ -191,9 +193,10 @@ def check_program(program, manifest: dict, where: str) -> list[Violation]:
         source = node.args[0]
         exchange = _EXCHANGE_OPS.get(str(getattr(source, "target", "")))
         if exchange is not None:
-            shape = list(source.meta["val"].shape)
-            if shape[-1] != exchange.words or str(source.meta["val"].dtype) != f"torch.{exchange.dtype}":
+            tensor = tensor_facts(source)
+            shape = list(tensor.shape) if tensor is not None else []
+            if not shape or shape[-1] != exchange.words or str(tensor.dtype) != f"torch.{exchange.dtype}":
                 found.append(Violation("TP-EXCHANGE", where, f"exchange {exchange.name} must carry {exchange.words} "
                                        f"{exchange.dtype} words per row per rank; the graph hands it "
-                                       f"{source.meta['val'].dtype} {shape}"))
+                                       f"{tensor.dtype if tensor is not None else 'no tensor'} {shape}"))
     return found

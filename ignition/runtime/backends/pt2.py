@@ -1,4 +1,6 @@
-"""The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and moved to the device."""
+"""The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and Ignition's own
+program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
+metadata), checked and moved to the device."""
 
 from __future__ import annotations
 
@@ -13,14 +15,18 @@ from ignition.runtime.device import move_program
 from ignition.runtime.verified import CoreLoadError
 from ignition.validate.files import safe_path
 from ignition.validate.geometry import check_graph_vocabulary
-from ignition.validate.graphs import check_graph
+from ignition.validate.graphs import read_graph
+from ignition.validate.program_reader import StaticProgram
 from ignition.validate.parallel import check_program
 
 
 def unchecked_module(program) -> torch.nn.Module:
-    """The program's module without torch.export's per-call input checks (about 1 ms a step at Qwen3-0.6B's
-    width): the runner builds every argument from the catalog's declarations, and the validator has checked
-    that the program's signature matches them, so the shape and guard checks can only re-prove that."""
+    """The program called with the variant's buffers, without per-call input checks: the runner builds every
+    argument from the catalog's declarations, and the loader has checked that the program's signature matches
+    them. A ``StaticProgram``'s module has none; an ``ExportedProgram``'s shape and guard checks (about 1 ms a
+    step at Qwen3-0.6B's width) are turned off."""
+    if isinstance(program, StaticProgram):
+        return program.module()
     module = program.module(check_guards=False)
     module.validate_inputs = False
     return module
@@ -36,20 +42,20 @@ class Pt2Backend:
         self.root, self.manifest, self.device = root, manifest, device
         self.graphs = graph_files(catalog, manifest, rank)
         self.sharded = Manifest.from_json(manifest).sharded
-        self.programs: dict[str, object] = {}  # variant name -> its ExportedProgram (what CUDA capture traces)
+        self.programs: dict[str, StaticProgram] = {}  # variant name -> its program (what CUDA capture traces)
 
     @staticmethod
     def files(catalog: dict, manifest: dict, rank: int) -> set[str]:
         return set(graph_files(catalog, manifest, rank).values())
 
     def program(self, entry: dict):
-        """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes
-        that torch.export.load then reads; a sharded core's graph also has its collectives checked."""
+        """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes that
+        the program reader then reads, and the graph rules; a sharded core's graph also has its collectives checked."""
         rel = self.graphs[entry["name"]]
         graph_path, problems = safe_path(self.root, rel, f"variant {entry['name']}")
         if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
             raise CoreLoadError(f"{self.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
-        found, program = check_graph(graph_path, entry, sha256=self.manifest["files"].get(rel))
+        found, program = read_graph(graph_path, entry, sha256=self.manifest["files"].get(rel))
         if not found and program is not None:
             found = check_graph_vocabulary(program, self.manifest, rel)
             if self.sharded:
