@@ -73,6 +73,8 @@ LIMITS: dict[str, Range] = {
     "max_seq_len": Range(1, INT32_MAX, True, "KV positions per slot; int32 token positions"),
     "num_slots": Range(1, 1 << 16, True, "KV slots of the core"),
     "export_seed": Range(0, 2**64 - 1, True, "torch.Generator seed of generated weights"),
+    "capture_jobs": Range(0, 256, True, "processes capturing variants at once; 0 means one per core for large "
+                                        "checkpoints"),
     "speculative_tokens": Range(1, MAX_RECORD_POSITIONS - 1, True,
                                 "draft tokens S a verify variant scores; its S+1 positions must fit T"),
     # other commands

@@ -134,7 +134,8 @@ def _checked(capture: Callable, build: RecipeBuild, kernels: dict | None) -> Cal
 
 def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
                 progress: Progress = lambda stage, item: None, signing_key=None) -> dict[str, float]:
-    """Export a core to ``out``; returns wall seconds per stage. ``signing_key`` (an Ed25519 private
+    """Export a core to ``out``; returns wall seconds per stage (``capture:<variant>`` each variant's; in capture
+    workers those overlap, and ``capture (N workers)`` is their wall time). ``signing_key`` (an Ed25519 private
     key, see ``ignition.exporter.signing``) adds signature.json over the validated core's digest."""
     from ignition.validate.core import validate_core  # validation is the last export stage
 
@@ -168,7 +169,17 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             from ignition.exporter.sharded import capture_ranks
             group_name = capture_ranks(build, staging, _checked(capture, build, kernels), save_program, progress,
                                        timings)
-        for index, graph in enumerate(build.graphs if build.parallel is None else (), 1):
+        from ignition.exporter.workers import CaptureWorkerError, capture_in_workers, capture_jobs
+        jobs = capture_jobs(options, build)
+        if jobs > 1:  # each worker builds the recipe and saves its variants' .pt2 files (exporter/workers.py)
+            started = time.perf_counter()
+            try:
+                timings |= capture_in_workers(options, [g.variant.name for g in build.graphs], staging,
+                                              kernels is not None, jobs, progress)
+            except CaptureWorkerError as exc:
+                raise ExportError(str(exc)) from None
+            timings[f"capture ({jobs} workers)"] = time.perf_counter() - started
+        for index, graph in enumerate(build.graphs if build.parallel is None and jobs == 1 else (), 1):
             started = time.perf_counter()
             progress("capture", f"variant {index} of {len(build.graphs)}: {graph.variant.name}")
             program = capture(graph, build.weights)
@@ -211,7 +222,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
 
         started = time.perf_counter()
         progress("validate", str(out))
-        report = validate_core(staging)
+        report = validate_core(staging, torch_load=False)  # every rule, on the programs load_core reads
         timings["validate"] = time.perf_counter() - started
         if not report.ok:
             raise ExportError("the exported core failed validation and was not published:\n"

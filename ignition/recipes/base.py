@@ -50,6 +50,7 @@ class ExportOptions:
     mixed: bool = False  # mixed.t{chunk_limit}.c{capacity} variants for every decode capacity >= 2
     structured_output: bool = True  # token bitmask + logit bias inputs in every sampling variant but verify
     packed_prefill: bool = True  # packed.t{C}.c{widest capacity, at most PACKED_LANES} (llama.packed_capacity)
+    capture_jobs: int | None = None  # worker processes capturing variants (None or 0: exporter/workers.capture_jobs)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
@@ -61,12 +62,14 @@ class ExportOptions:
             ("chunk_limit", self.chunk_limit, "--chunk-limit"),
             ("completion_token_capacity", self.completion_token_capacity, "--completion-token-capacity"),
             ("max_seq_len", self.max_seq_len, "--max-seq-len"), ("num_slots", self.num_slots, "--num-slots"),
-            ("export_seed", self.seed, "--seed")] + [
+            ("export_seed", self.seed, "--seed"), ("capture_jobs", self.capture_jobs, "--jobs")] + [
             ("speculative_tokens", s, "--speculative-tokens") for s in self.speculative_tokens]
         for name, value, option in ranged:
             problem = None if value is None else check_limit(name, value, option)
             if problem:
                 raise RecipeError(problem)
+        if self.capture_jobs == 0:
+            self.capture_jobs = None  # the CLI's 0: decided by the export's size
         if len(set(self.speculative_tokens)) != len(self.speculative_tokens):
             raise RecipeError(f"--speculative-tokens must be distinct, got {list(self.speculative_tokens)}")
         self.speculative_tokens = tuple(sorted(self.speculative_tokens))

@@ -62,7 +62,8 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport, data:
 
 
 def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
-                  trusted_key=None, rank: int | None = None, hashed_by_caller: Collection[str] = ()) -> ValidationReport:
+                  trusted_key=None, rank: int | None = None, hashed_by_caller: Collection[str] = (),
+                  torch_load: bool = True) -> ValidationReport:
     """All findings for the core at ``path``; never raises for a bad core.
 
     ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
@@ -72,6 +73,9 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     (a runtime rank); by default every rank's graphs are checked and rank 0's are kept.
     ``hashed_by_caller``: core-relative files whose sha256 the caller checks on the bytes it reads once and
     loads (``load_core``: its weights and graphs); here they are only checked to exist.
+    ``torch_load``: load each graph with ``torch.export.load`` (GRAPH-LOAD); False reads each with the program
+    reader ``load_core`` runs (``validate/program_reader.py``) and checks every graph rule on that program
+    instead: export-core's own last stage, on graphs ``torch.export.save`` has just written.
     """
     root = Path(path)
     report = ValidationReport(root)
@@ -81,14 +85,15 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     if expect_digest is not None:
         expect_digest = expect_digest.lower().removeprefix("sha256:")
     try:
-        _validate(root, report, check_graphs, expect_digest, trusted_key, rank, frozenset(hashed_by_caller))
+        _validate(root, report, check_graphs, expect_digest, trusted_key, rank, frozenset(hashed_by_caller),
+                  torch_load)
     except Exception as exc:  # a validator bug must still produce a clean rejection
         report.violations.append(Violation("VALIDATOR-ERROR", str(root), f"{type(exc).__name__}: {exc}"))
     return report
 
 
 def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key, rank,
-              hashed_by_caller: frozenset[str] = frozenset()) -> None:
+              hashed_by_caller: frozenset[str] = frozenset(), torch_load: bool = True) -> None:
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
@@ -147,7 +152,8 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     if weights_path is not None and weights_path.is_file():
         report.violations += check_weights(weights_path, variants)
     if check_graphs:
-        from ignition.validate.graphs import check_graph
+        from ignition.validate.graphs import check_graph, read_graph
+        load = check_graph if torch_load else read_graph
         ranks = manifest.get("tensor_parallel", {}).get("ranks", 1)
         for graph_rank in range(ranks) if rank is None else (rank,):
             files = {v["name"]: v["graph"] for v in variants} | rank_graph_files(manifest, graph_rank)
@@ -156,7 +162,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 graph_path, _ = safe_path(root, rel, variant["name"])
                 if graph_path is None or not graph_path.is_file() or rel in broken:
                     continue  # already reported as a file finding
-                found, program = check_graph(graph_path, variant)
+                found, program = load(graph_path, variant)
                 report.violations += found
                 if program is not None:
                     report.violations += check_program(program, manifest, rel)
