@@ -1,4 +1,4 @@
-"""exporter/export.save_program and tracing.capture: faster than torch's defaults, with the same archive.
+"""exporter/saving.save_program and tracing.capture: faster than torch's defaults, with the same archive.
 
 ``torch.export.save`` runs a canonical-form self-test whose deep copy it throws away; ``save_program``
 skips it only where torch's source shows the result discarded, and the archive stays byte for byte the
@@ -12,7 +12,7 @@ import zipfile
 
 import torch
 
-from ignition.exporter.export import _canonical_check_is_discarded, save_program
+from ignition.exporter.saving import _canonical_check_is_discarded, save_program
 
 
 class Windowed(torch.nn.Module):

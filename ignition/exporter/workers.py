@@ -84,7 +84,7 @@ def _capture_variant(options, name: str, staging: str, check_launches: bool) -> 
     problem)."""
     import torch
 
-    from ignition.exporter.export import save_program
+    from ignition.exporter.saving import save_program
     from ignition.exporter.tracing import capture
     from ignition.recipes.registry import build_recipe
 
