@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 from ignition.catalog.buffers import TOKEN_BITMASK
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.enums import Operation
