@@ -34,6 +34,7 @@ from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Back
 from ignition.runtime.backends.aoti import has_packages
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
+from ignition.runtime.host_memory import retain_freed_memory
 from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
@@ -333,6 +334,8 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
         raise LoadOptionError(f"load_core: pass either LoadOptions or keyword choices, not both ({', '.join(choices)})")
     stages = _Stages(progress)
     identify_core(root)
+    if options.retain_host_memory and not options.cuda:  # before the first replay allocates anything
+        retain_freed_memory()
     stages.start("check", "hashes, schemas, catalog rules, signature")
     try:
         report = validate_core(root, check_graphs=False, trusted_key=options.trusted_key,

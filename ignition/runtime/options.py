@@ -34,11 +34,13 @@ class LoadOptions:
     trusted_key: object | None = None  # an Ed25519 public key: the core must be signed by it
     tp_host: str = LOOPBACK  # where the tensor-parallel store and transports listen
     timeout_s: float = PROCESS_GROUP_TIMEOUT_S  # the process group's timeout
+    retain_host_memory: bool = True  # CPU: glibc keeps freed blocks for the next replay (runtime/host_memory.py)
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
                prefer_compiled: bool = True, trust_compiled: bool = False, trusted_key=None,
-               tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S) -> "LoadOptions":
+               tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
+               retain_host_memory: bool = True) -> "LoadOptions":
         """Validate and resolve; LoadOptionError naming the option that cannot work here."""
         if runtime not in RUNTIMES:
             raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -62,7 +64,7 @@ class LoadOptions:
         except ValueError as exc:
             raise LoadOptionError(str(exc)) from None
         options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
-                      trusted_key, tp_host, float(timeout_s))
+                      trusted_key, tp_host, float(timeout_s), bool(retain_host_memory))
         options.rank_device(ranks - 1)  # every rank must get a device before anything starts
         return options
 
