@@ -5,7 +5,8 @@
 embeddings), exports it with ``ignition export-core`` and prints, in one run against HF eager on
 the same checkpoint, prompts and threads:
 
-- export seconds (``export-core`` in its own process) and ``load_core`` seconds and peak RSS;
+- export seconds (``export-core`` in its own process), ``load_core`` seconds, and the peak RSS of a fresh process
+  that only loads the core;
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
   minus the time of 1, so prefill is not counted; HF does ``generate`` + ``log_softmax`` + ``topk``);
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -129,8 +129,16 @@ def decode_rate(side, prompts, logprobs, repeats: int = 1) -> tuple[float, list[
     return len(prompts) * DECODE_TOKENS / max(whole - first, 1e-9), tokens
 
 
-def peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+def load_peak_rss_gib(core: Path, threads: int) -> float:
+    """Peak RSS of a fresh process that imports Ignition and loads ``core``, nothing else (this process's own peak
+    also holds the checkpoint it built and transformers' model)."""
+    script = ("import resource, sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+              "from ignition.runtime.core import load_core; core = load_core(sys.argv[1]); "
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"loading {core} in a fresh process failed:\n{done.stderr[-2000:]}")
+    return int(done.stdout.strip().splitlines()[-1]) / 2**20
 
 
 def main() -> None:
@@ -178,11 +186,11 @@ def main() -> None:
         load_s, core = timed(lambda: load_core(args.core))
         weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
-        load_rss = peak_rss_gib()
+        load_rss = load_peak_rss_gib(args.core, args.threads)
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
                   "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", ""),
                  ("load_core", f"{load_s:.1f} s", "", ""),
-                 ("peak RSS after load (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
+                 ("peak RSS of a process that only loads (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
                   f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
         attention = args.hf_attention or ("sdpa" if args.dtype == "float32" else "eager")
         hf_load, model = timed(lambda: Qwen3ForCausalLM.from_pretrained(

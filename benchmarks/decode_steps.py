@@ -1,0 +1,80 @@
+"""Engine decode steps on an exported core, in interleaved fresh processes: an A/B of load options or logprobs.
+
+``python -m benchmarks.decode_steps --core DIR --threads 2 --batch 8 --logprobs 5 --pairs 3`` loads the core in a
+fresh process per run, admits ``--batch`` requests (4-token prompts, greedy), prefills them, runs 3 warm-up steps
+and times ``--steps`` engine steps; the two sides of ``--compare`` alternate ``--pairs`` times, and each run prints
+its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retain_host_memory`` on against off
+(``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bool, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from ignition.runtime.core import load_core
+    from ignition.runtime.requests import Request, SamplingParams
+    from ignition.runtime.scheduler import Engine
+
+    engine = Engine(load_core(core, retain_host_memory=retain))
+    for lane in range(batch):
+        engine.submit(Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.0)))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--core", type=Path, required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--logprobs", type=int, default=5, help="0 means off")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--compare", choices=("retain", "logprobs"), default="retain")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
+    args = parser.parse_args()
+    if args.one is not None:
+        settings = json.loads(args.one)
+        print(json.dumps(measure(args.core, args.batch, settings["logprobs"], args.steps, settings["retain"],
+                                 args.threads)))
+        return
+    logprobs = args.logprobs or None
+    sides = {"retain": [("retained", {"retain": True, "logprobs": logprobs}),
+                        ("not retained", {"retain": False, "logprobs": logprobs})],
+             "logprobs": [(f"logprobs {args.logprobs}", {"retain": True, "logprobs": logprobs}),
+                          ("logprobs off", {"retain": True, "logprobs": None})]}[args.compare]
+    print(f"{args.core}: batch {args.batch}, {args.steps} steps a run, threads {args.threads}")
+    for pair in range(1, args.pairs + 1):
+        for name, settings in sides:
+            command = [sys.executable, "-m", "benchmarks.decode_steps", "--core", str(args.core), "--threads",
+                       str(args.threads), "--batch", str(args.batch), "--steps", str(args.steps), "--one",
+                       json.dumps(settings)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"{name}: failed:\n{done.stderr[-2000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"pair {pair}  {name:14s} median {result['median_ms']:7.1f} ms  min {result['min_ms']:7.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
