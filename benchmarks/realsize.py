@@ -132,9 +132,11 @@ def decode_rate(side, prompts, logprobs, repeats: int = 1) -> tuple[float, list[
 def load_peak_rss_gib(core: Path, threads: int) -> float:
     """Peak RSS of a fresh process that imports Ignition and loads ``core``, nothing else (this process's own peak
     also holds the checkpoint it built and transformers' model)."""
-    script = ("import resource, sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+    # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
+    # the child would report this process's peak; VmHWM is the peak of the child's own address space.
+    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
               "from ignition.runtime.core import load_core; core = load_core(sys.argv[1]); "
-              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+              "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')))")
     done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"loading {core} in a fresh process failed:\n{done.stderr[-2000:]}")
