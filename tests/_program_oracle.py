@@ -83,3 +83,20 @@ def assert_same_run(ours: StaticProgram, theirs: torch.export.ExportedProgram, w
     torch.testing.assert_close(result, expected, rtol=0, atol=0, equal_nan=True, msg=where)
     for name in mine:
         torch.testing.assert_close(mine[name], other[name], rtol=0, atol=0, equal_nan=True, msg=f"{where}: {name}")
+
+
+def assert_core_read_alike(core: Path) -> dict[str, StaticProgram]:
+    """Every graph of ``core``: the same program and run from both readers; the reader's programs by variant."""
+    import json
+
+    from safetensors.torch import load_file
+
+    catalog = json.loads((core / "catalog.json").read_text())
+    weights = load_file(core / "weights.safetensors")
+    programs = {}
+    for variant in catalog["variants"]:
+        ours, theirs = read_both(core / variant["graph"])
+        assert_same_program(ours, theirs, variant["name"])
+        assert_same_run(ours, theirs, weights, variant["name"])
+        programs[variant["name"]] = ours
+    return programs
