@@ -78,6 +78,23 @@ def test_programs_follow_their_inputs_device(toy_core):
         assert tokens.device == META, name
 
 
+def test_the_runtime_readers_programs_follow_their_inputs_device(toy_core):
+    """The programs load_core runs (validate/program_reader.py) move the same way: every device argument retargeted,
+    lifted constants moved, nothing left on the capture device, and each replays on another device (meta)."""
+    from ignition.validate.graphs import read_graph
+    from ignition.validate.program_reader import StaticProgram
+
+    for name, (_, entry) in _programs(toy_core).items():
+        found, program = read_graph(toy_core / entry["graph"], entry)
+        assert found == [] and isinstance(program, StaticProgram), name
+        assert foreign_devices(program, META), f"{name}: the check must see the capture device"
+        moved = move_program(program, META)
+        assert foreign_devices(moved, META) == []
+        buffers = {a["name"]: BufferDecl.from_json(a).empty(META) for a in entry["arguments"]}
+        (tokens,) = moved.module()(buffers)
+        assert tokens.device == META, name
+
+
 def test_kernel_target_selection():
     assert select_target((9, 0), ["cuda:120", "cuda:90"]) == "cuda:90"
     assert select_target((12, 0), ["cuda:120", "cuda:90"]) == "cuda:120"

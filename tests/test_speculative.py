@@ -130,5 +130,10 @@ def test_the_program_reader_reads_the_verify_graphs_lifted_constant(cores):
     torch's unlifted module reads, with the same bytes; the same nodes and runs as torch.export.load."""
     from _program_oracle import assert_core_read_alike
 
+    from ignition.runtime.device import foreign_devices, move_program
+
     programs = assert_core_read_alike(cores[1].path)
     assert sum(len(list(p.graph_module.named_buffers())) for p in programs.values()) >= 1
+    meta = torch.device("meta")
+    for name, program in programs.items():  # the constants move with the program (runtime/device.py)
+        assert foreign_devices(move_program(program, meta), meta) == [], name
