@@ -26,6 +26,7 @@ from ignition.catalog.parallel import SHARDABLE_RECIPES
 from ignition.cli_support import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, StageLog, _bind,
                                   _check_export_names, _check_limits, _fail, _identify_core, _int_list,
                                   _not_a_core_message, _read_manifest, _runtime, _trusted_key, console)
+from ignition.exporter.workers import PARALLEL_CAPTURE_BYTES
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.rendezvous import LOOPBACK
 from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
@@ -93,7 +94,7 @@ def export_core_cmd(
                                            help="Draft tokens S of verify.s{S}.c{capacity} variants, comma-separated"),
     mixed: bool = typer.Option(False, "--mixed", help="Also export mixed prompt/decode variants mixed.t{C}.c{capacity}"),
     jobs: int = typer.Option(0, "--jobs", help="Processes capturing variants at once (0: one per core when the "
-                                                  "weights reach 256 MiB, else 1)"),
+                                                  f"weights reach {PARALLEL_CAPTURE_BYTES >> 20} MiB, else 1)"),
     packed_prefill: bool = typer.Option(True, "--packed-prefill/--no-packed-prefill",
                                         help="Export packed.t{C}.c{capacity}: several prompts' chunks per submission "
                                              "(qwen3, llama; not with --compile, --onnx, --tensor-parallel)"),

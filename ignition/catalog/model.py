@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import mmap
 from dataclasses import dataclass, field
 
@@ -38,11 +39,9 @@ LAZY_ZERO_BYTES = 1 << 20
 
 def zeroed_pages(shape, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor in a private anonymous mapping (page aligned; the tensor keeps the mapping alive)."""
-    count = 1
-    for extent in shape:
-        count *= extent
-    mapping = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-    return torch.frombuffer(mapping, dtype=torch.uint8)[:count * dtype.itemsize].view(dtype).view(list(shape))
+    nbytes = math.prod(shape) * dtype.itemsize
+    mapping = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes].view(dtype).view(list(shape))
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,7 @@ def capture_in_workers(options, names: list[str], staging: Path, check_launches:
                        progress) -> dict[str, float]:
     """Capture and save the variants ``names`` with ``jobs`` workers; returns ``capture:<name>`` seconds.
     ``CaptureWorkerError`` names the first variant that failed (the others are cancelled)."""
-    timings: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     progress("capture", f"{len(names)} variants in {jobs} worker processes")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
         futures = {pool.submit(_capture_variant, options, name, str(staging), check_launches): name
@@ -61,19 +61,19 @@ def capture_in_workers(options, names: list[str], staging: Path, check_launches:
             for count, future in enumerate(as_completed(futures), 1):
                 name = futures[future]
                 try:
-                    seconds, problem = future.result()
+                    taken, problem = future.result()
                 except BrokenProcessPool:
                     raise CaptureWorkerError(f"variant {name}: a capture worker process died (out of memory?); "
                                              "export with --jobs 1 to capture in this process") from None
                 if problem is not None:
                     raise CaptureWorkerError(f"variant {name}: {problem}")
-                timings[f"capture:{name}"] = seconds
-                progress("capture", f"variant {count} of {len(names)} captured: {name} ({seconds:.1f} s)")
+                seconds[name] = taken
+                progress("capture", f"variant {count} of {len(names)} captured: {name} ({taken:.1f} s)")
         except BaseException:
             for future in futures:
                 future.cancel()
             raise
-    return {f"capture:{name}": timings[f"capture:{name}"] for name in names}
+    return {f"capture:{name}": seconds[name] for name in names}
 
 
 _BUILDS: dict = {}  # in a worker: the recipe built once from the parent's options

@@ -37,9 +37,11 @@ _TEXT = {  # member -> the exact content it may hold
 _REQUIRED = ("archive_format", "archive_version", "models/model.json")
 _MODEL = "models/model.json"
 _SAMPLE_INPUTS = "data/sample_inputs/model.pt"  # written empty: the exporter strips example inputs
+CONSTANTS_DIR = "data/constants/"
+CONSTANTS_CONFIG = CONSTANTS_DIR + "model_constants_config.json"
 _CONFIGS = {  # payload config -> (raw data folder, file-name prefix torch reads as raw tensor bytes)
     "data/weights/model_weights_config.json": ("data/weights/", "weight_"),
-    "data/constants/model_constants_config.json": ("data/constants/", "tensor_"),
+    CONSTANTS_CONFIG: (CONSTANTS_DIR, "tensor_"),
 }
 _MAX_JSON_BYTES = 256 << 20
 

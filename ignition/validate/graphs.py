@@ -113,8 +113,8 @@ def _load_accepted_program(data: bytes):
 
 
 def _accepted_bytes(path: Path, variant: dict, sha256: str | None):
-    """(where, violations, the archive's program JSON): the file read once, its digest compared (FILE-HASH) and
-    the archive checked by our own reader, all on the very bytes that are then loaded."""
+    """(where, violations, the file's bytes, what ``accept_archive`` read of them): the file read once, its digest
+    compared (FILE-HASH) and the archive checked by our own reader, all on the very bytes that are then loaded."""
     where = f"variant {variant['name']}: {variant['graph']}"
     data = path.read_bytes()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:

@@ -19,14 +19,17 @@ document (a signature entry other than a user input or output, an argument kind 
 
 from __future__ import annotations
 
+import functools
+import json
 import keyword
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ignition.validate.archive import CONSTANTS_CONFIG, CONSTANTS_DIR
 from ignition.validate.program_json import SYMBOLIC_OPERATORS
 
 _OPERATOR = re.compile(r"torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
@@ -64,7 +67,6 @@ class StaticProgram:
     user_outputs: list[str]
     bounds: dict[str, tuple[int, int]]  # shape symbol -> its [min, max]
     out_spec: pytree.TreeSpec
-    values: dict[str, TensorFacts] = field(repr=False)  # the root graph's tensor names -> their metadata
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -104,14 +106,32 @@ def read_program(document: dict, members: dict[str, bytes] | None = None) -> Sta
         raise ProgramReadError(f"malformed program JSON: {type(exc).__name__}: {str(exc)[:160]}") from None
 
 
-def _read(document: dict, members: dict[str, bytes]) -> StaticProgram:
-    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+@dataclass(frozen=True, slots=True)
+class _SerdeTables:
+    dtypes: dict
+    layouts: dict
+    memory_formats: dict
+    device: object  # JSON Device -> torch.device
 
+
+@functools.cache
+def _serde_tables():
+    """torch's own decoding tables of the program JSON (dtype, layout and memory-format codes) and its device
+    decoder, imported once."""
+    from torch._export.serde import schema, serialize
+
+    return _SerdeTables(serialize._SERIALIZE_TO_TORCH_DTYPE, serialize._SERIALIZE_TO_TORCH_LAYOUT,
+                        serialize._SERIALIZE_TO_TORCH_MEMORY_FORMAT,
+                        lambda d: serialize.deserialize_device(schema.Device(type=d.get("type"), index=d.get("index"))))
+
+
+def _read(document: dict, members: dict[str, bytes]) -> StaticProgram:
+    tables = _serde_tables()
     module_json = document["graph_module"]
     signature = module_json["signature"]
     user_inputs, user_outputs, constants = [], [], {}
     for spec in signature["input_specs"]:
-        kinds = [k for k, v in spec.items() if v is not None]
+        kinds = _kinds(spec)
         if kinds == ["tensor_constant"]:  # a tensor the trace made (torch.tensor([...])): an attribute, as unlifted
             constants[spec["tensor_constant"]["arg"]["name"]] = spec["tensor_constant"]["tensor_constant_name"]
             continue
@@ -120,8 +140,7 @@ def _read(document: dict, members: dict[str, bytes]) -> StaticProgram:
                                    f"{str(spec)[:120]}")
         user_inputs.append(spec["user_input"]["arg"]["as_tensor"]["name"])
     for spec in signature["output_specs"]:
-        kinds = [k for k, v in spec.items() if v is not None]
-        if kinds != ["user_output"]:
+        if _kinds(spec) != ["user_output"]:
             raise ProgramReadError(f"expected every output to be a user output (the graph writes its inputs in "
                                    f"place), found {str(spec)[:120]}")
         arg = spec["user_output"]["arg"]
@@ -134,20 +153,16 @@ def _read(document: dict, members: dict[str, bytes]) -> StaticProgram:
     bounds = {name: (int(b["min_val"]), int(b["max_val"])) for name, b in (document.get("range_constraints") or
                                                                                {}).items()}
     root = torch.nn.Module()
-    for fqn, tensor in _constants(members, set(constants.values()), _SERIALIZE_TO_TORCH_DTYPE).items():
+    for fqn, tensor in _constants(members, set(constants.values()), tables.dtypes).items():
         root.register_buffer(fqn, tensor)
-    reader = _GraphReader(root, _SERIALIZE_TO_TORCH_DTYPE, constants)
+    reader = _GraphReader(root, tables, constants)
     graph = reader.graph_of(module_json["graph"])
     graph_module = torch.fx.GraphModule(reader.root, graph)
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     if placeholders != user_inputs:
         raise ProgramReadError(f"the graph's inputs {placeholders[:4]}... are not the signature's user inputs")
     return StaticProgram(graph_module=graph_module, argument_names=argument_names(in_spec),
-                         user_inputs=user_inputs, user_outputs=user_outputs, bounds=bounds, out_spec=out_spec,
-                         values=reader.values)
-
-
-_CONSTANTS_CONFIG = "data/constants/model_constants_config.json"
+                         user_inputs=user_inputs, user_outputs=user_outputs, bounds=bounds, out_spec=out_spec)
 
 
 def _constants(members: dict[str, bytes], wanted: set[str], dtypes: dict) -> dict[str, torch.Tensor]:
@@ -155,24 +170,22 @@ def _constants(members: dict[str, bytes], wanted: set[str], dtypes: dict) -> dic
     them: a flat tensor of the file's bytes, viewed with the entry's sizes, strides and offset."""
     if not wanted:
         return {}
-    if _CONSTANTS_CONFIG not in members:
-        raise ProgramReadError(f"the program lifts constants {sorted(wanted)} but the archive has no {_CONSTANTS_CONFIG}")
-    import json
-
-    config = json.loads(members[_CONSTANTS_CONFIG])["config"]
+    if CONSTANTS_CONFIG not in members:
+        raise ProgramReadError(f"the program lifts constants {sorted(wanted)} but the archive has no {CONSTANTS_CONFIG}")
+    config = json.loads(members[CONSTANTS_CONFIG])["config"]
     tensors = {}
     for fqn in sorted(wanted):
         if not fqn.isidentifier():
             raise ProgramReadError(f"constant name {fqn[:80]!r} is not an attribute name")
         entry = config.get(fqn)
         if entry is None:
-            raise ProgramReadError(f"constant {fqn!r} is not in {_CONSTANTS_CONFIG}")
+            raise ProgramReadError(f"constant {fqn!r} is not in {CONSTANTS_CONFIG}")
         meta = entry["tensor_meta"]
         dtype = dtypes[meta["dtype"]]
         sizes, strides = [int(s["as_int"]) for s in meta["sizes"]], [int(s["as_int"]) for s in meta["strides"]]
-        data = members.get(f"data/constants/{entry['path_name']}")
+        data = members.get(CONSTANTS_DIR + entry["path_name"])
         if data is None:
-            raise ProgramReadError(f"constant {fqn!r}: the archive has no data/constants/{entry['path_name']}")
+            raise ProgramReadError(f"constant {fqn!r}: the archive has no {CONSTANTS_DIR}{entry['path_name']}")
         if not data:
             tensors[fqn] = torch.zeros(sizes, dtype=dtype)
             continue
@@ -213,11 +226,10 @@ def _resolve(target: str):
 class _GraphReader:
     """One graph (and, for ``cond`` branches, its subgraphs) as torch's deserializer builds it."""
 
-    def __init__(self, root: torch.nn.Module, dtypes: dict, constants: dict[str, str] | None = None):
-        self.root, self.dtypes = root, dtypes
+    def __init__(self, root: torch.nn.Module, tables: _SerdeTables, constants: dict[str, str] | None = None):
+        self.root, self.tables = root, tables
         self.constants = constants or {}  # placeholder name -> the root attribute holding that constant
-        self.values: dict[str, TensorFacts] = {}
-        self._subgraphs = 0
+        self.values: dict[str, TensorFacts] = {}  # this graph's tensor names -> their metadata
 
     def graph_of(self, graph_json: dict) -> torch.fx.Graph:
         graph = torch.fx.Graph()
@@ -246,7 +258,7 @@ class _GraphReader:
                 text = size["as_expr"]["expr_str"]
                 symbol = _SYMBOL.fullmatch(text)
                 shape.append(symbol.group(1) if symbol else text)
-        return TensorFacts(self.dtypes[meta["dtype"]], tuple(shape))
+        return TensorFacts(self.tables.dtypes[meta["dtype"]], tuple(shape))
 
     def _sync(self, nodes: dict, name: str, node: torch.fx.Node) -> None:
         if name in nodes:
@@ -313,10 +325,7 @@ class _GraphReader:
         return tuple(args), kwargs
 
     def _argument(self, arg: dict, nodes: dict, graph: torch.fx.Graph):
-        from torch._export.serde.serialize import (_SERIALIZE_TO_TORCH_LAYOUT, _SERIALIZE_TO_TORCH_MEMORY_FORMAT,
-                                                   deserialize_device)
-
-        kinds = [k for k, v in arg.items() if v is not None]
+        kinds = _kinds(arg)
         if not kinds:
             kinds = list(arg)[:1]  # as_none's value is serialized as None or True
         if len(kinds) != 1:
@@ -344,13 +353,13 @@ class _GraphReader:
         if kind == "as_sym_ints":
             return [self._sym(nodes, item) for item in value]
         if kind == "as_scalar_type":
-            return self.dtypes[value]
+            return self.tables.dtypes[value]
         if kind == "as_layout":
-            return _SERIALIZE_TO_TORCH_LAYOUT[value]
+            return self.tables.layouts[value]
         if kind == "as_memory_format":
-            return _SERIALIZE_TO_TORCH_MEMORY_FORMAT[value]
+            return self.tables.memory_formats[value]
         if kind == "as_device":
-            return deserialize_device(_Device(value.get("type"), value.get("index")))
+            return self.tables.device(value)
         if kind == "as_graph":
             return self._subgraph(value, graph)
         raise ProgramReadError(f"argument kind {kind!r} is not one an Ignition graph holds")
@@ -370,7 +379,7 @@ class _GraphReader:
     def _subgraph(self, value: dict, graph: torch.fx.Graph) -> torch.fx.Node:
         """A ``cond`` branch: its own graph module under this graph's module, named as torch names it, read by
         get_attr."""
-        sub = _GraphReader(torch.nn.Module(), self.dtypes)  # a branch's own branches live under it, as in torch
+        sub = _GraphReader(torch.nn.Module(), self.tables)  # a branch's own branches live under it, as in torch
         branch = torch.fx.GraphModule(sub.root, sub.graph_of(value["graph"]))
         self.root.register_module(value["name"], branch)
         return graph.create_node("get_attr", value["name"], name=value["name"])
@@ -434,9 +443,3 @@ class _GraphReader:
 
 def _kinds(arg: dict) -> list[str]:
     return [k for k, v in arg.items() if v is not None]
-
-
-@dataclass(frozen=True, slots=True)
-class _Device:
-    type: str
-    index: int | None

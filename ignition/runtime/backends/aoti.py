@@ -8,7 +8,7 @@ import warnings
 
 from ignition.catalog.model import BufferDecl
 from ignition.runtime.backends.protocol import Runner
-from ignition.runtime.backends.pt2 import Pt2Backend, unchecked_module
+from ignition.runtime.backends.pt2 import Pt2Backend
 from ignition.runtime.verified import private_copy, read_verified
 
 
@@ -44,4 +44,4 @@ class AotiBackend(Pt2Backend):
             except Exception as exc:  # a package built for another machine: the portable program still runs
                 warnings.warn(f"variant {entry['name']}: cannot load {package} ({type(exc).__name__}: {exc}); "
                               f"using {self.graphs[entry['name']]}", stacklevel=4)
-        return unchecked_module(program)
+        return program.module()

@@ -20,18 +20,6 @@ from ignition.validate.program_reader import StaticProgram
 from ignition.validate.parallel import check_program
 
 
-def unchecked_module(program) -> torch.nn.Module:
-    """The program called with the variant's buffers, without per-call input checks: the runner builds every
-    argument from the catalog's declarations, and the loader has checked that the program's signature matches
-    them. A ``StaticProgram``'s module has none; an ``ExportedProgram``'s shape and guard checks (about 1 ms a
-    step at Qwen3-0.6B's width) are turned off."""
-    if isinstance(program, StaticProgram):
-        return program.module()
-    module = program.module(check_guards=False)
-    module.validate_inputs = False
-    return module
-
-
 class Pt2Backend:
     name = "pt2"
     capturable = True
@@ -71,4 +59,4 @@ class Pt2Backend:
             program = move_program(program, self.device)
         except ValueError as exc:
             raise CoreLoadError(f"variant {entry['name']}: {exc}") from None
-        return unchecked_module(program)
+        return program.module()  # no per-call input checks: the loader checked the signature against the catalog
