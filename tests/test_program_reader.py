@@ -21,7 +21,8 @@ from ignition.runtime.core import load_core
 from ignition.runtime.verified import CoreLoadError
 from ignition.validate.archive import accept_archive
 from ignition.validate.graphs import read_graph
-from ignition.validate.program_reader import ProgramReadError, StaticProgram, TensorFacts, read_program
+from ignition.validate.graph_json import TensorFacts
+from ignition.validate.program_reader import ProgramReadError, StaticProgram, read_program
 
 
 def _document(path) -> dict:

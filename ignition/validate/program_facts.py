@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from ignition.validate.program_reader import FACTS, StaticProgram, TensorFacts, argument_names
+from ignition.validate.graph_json import FACTS, TensorFacts
+from ignition.validate.program_reader import StaticProgram, argument_names
 
 
 @dataclass(frozen=True, slots=True)
