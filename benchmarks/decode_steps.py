@@ -4,7 +4,8 @@
 fresh process per run, admits ``--batch`` requests (4-token prompts, greedy), prefills them, runs 3 warm-up steps
 and times ``--steps`` engine steps; the two sides of ``--compare`` alternate ``--pairs`` times, and each run prints
 its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retain_host_memory`` on against off
-(``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off.
+(``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off; ``--compare pack``:
+``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 from pathlib import Path
 
 
-def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bool, threads: int) -> dict:
+def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bool, threads: int,
+            pack: bool = True) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -26,7 +28,7 @@ def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bo
     from ignition.runtime.requests import Request, SamplingParams
     from ignition.runtime.scheduler import Engine
 
-    engine = Engine(load_core(core, retain_host_memory=retain))
+    engine = Engine(load_core(core, retain_host_memory=retain, pack_linears=pack))
     for lane in range(batch):
         engine.submit(Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True,
                               sampling=SamplingParams(temperature=0.0)))
@@ -50,19 +52,21 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=5, help="0 means off")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--compare", choices=("retain", "logprobs"), default="retain")
+    parser.add_argument("--compare", choices=("retain", "logprobs", "pack"), default="retain")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
     args = parser.parse_args()
     if args.one is not None:
         settings = json.loads(args.one)
         print(json.dumps(measure(args.core, args.batch, settings["logprobs"], args.steps, settings["retain"],
-                                 args.threads)))
+                                 args.threads, settings.get("pack", True))))
         return
     logprobs = args.logprobs or None
     sides = {"retain": [("retained", {"retain": True, "logprobs": logprobs}),
                         ("not retained", {"retain": False, "logprobs": logprobs})],
              "logprobs": [(f"logprobs {args.logprobs}", {"retain": True, "logprobs": logprobs}),
-                          ("logprobs off", {"retain": True, "logprobs": None})]}[args.compare]
+                          ("logprobs off", {"retain": True, "logprobs": None})],
+             "pack": [("packed", {"retain": True, "logprobs": logprobs, "pack": True}),
+                      ("aten.linear", {"retain": True, "logprobs": logprobs, "pack": False})]}[args.compare]
     print(f"{args.core}: batch {args.batch}, {args.steps} steps a run, threads {args.threads}")
     for pair in range(1, args.pairs + 1):
         for name, settings in sides:

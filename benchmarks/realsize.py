@@ -10,6 +10,7 @@ the same checkpoint, prompts and threads:
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
   minus the time of 1, so prefill is not counted; HF does ``generate`` + ``log_softmax`` + ``topk``);
+- the matrix products' share of one decode step's operator time (torch.profiler) at each batch, logprobs 5;
 - that greedy tokens equal HF's, and the ratios against the issue's targets.
 
 ``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
@@ -129,6 +130,36 @@ def decode_rate(side, prompts, logprobs, repeats: int = 1) -> tuple[float, list[
     return len(prompts) * DECODE_TOKENS / max(whole - first, 1e-9), tokens
 
 
+MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
+                   "aten::_scaled_dot_product_flash_attention_for_cpu")
+"""The profiler names of the matrix products: torch's GEMMs, oneDNN's packed linear and the attention kernel."""
+
+
+def step_profile(core, prompts: list[list[int]], logprobs: int | None) -> tuple[float, float]:
+    """One engine decode step of ``prompts`` (prefilled and warmed by 3 steps first) under torch.profiler:
+    (the matrix products' share of the step's operator self time, the step's wall ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ignition.runtime.requests import Request
+    from ignition.runtime.scheduler import Engine
+
+    engine = Engine(core)
+    for prompt in prompts:
+        engine.submit(Request(prompt, max_tokens=8, logprobs=logprobs, ignore_eos=True))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        wall, _ = timed(engine.step)
+    events = trace.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
+    while engine.running:
+        engine.step()
+    return products / total, wall * 1e3
+
+
 def load_peak_rss_gib(core: Path, threads: int) -> float:
     """Peak RSS of a fresh process that imports Ignition and loads ``core``, nothing else (this process's own peak
     also holds the checkpoint it built and transformers' model)."""
@@ -219,6 +250,9 @@ def main() -> None:
                 mismatches += sum(a != b for a, b in zip(tokens_ours, tokens_hf))
                 rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}", f"{rate_ours:.2f} tok/s",
                              f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
+            share, wall_ms = step_profile(core, batch, 5)
+            rows.append((f"decode batch {size}, logprobs 5: one step under torch.profiler", f"{wall_ms:.0f} ms", "",
+                         f"matrix products {100 * share:.1f}% of operator time"))
         del core
         if not args.skip_prefill and not args.skip_long:
             long_export = export(checkpoint, work / "core-long", args.dtype,

@@ -30,7 +30,8 @@ class CacheCopies(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in pytree.tree_leaves((args, kwargs))  # not oneDNN's packed weights: opaque, not the cache
+                  if isinstance(t, torch.Tensor) and not t.is_mkldnn]
         read = {t.untyped_storage().data_ptr() for t in inputs}
         if "scaled_dot_product" in str(func):
             self.attention_keys.append(tuple(args[1].shape))

@@ -32,6 +32,7 @@ from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
 from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Backend, backend_family
 from ignition.runtime.backends.aoti import has_packages
+from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
 from ignition.runtime.host_memory import retain_freed_memory
@@ -211,15 +212,16 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
 
 
 def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: dict, trusted: bool,
-                   weights: dict[str, torch.Tensor], weights_data) -> Backend:
+                   weights: dict[str, torch.Tensor], weights_data, packs: LinearPacks | None = None) -> Backend:
     """The one backend choice: ONNX when ``--runtime onnxruntime``; else AOTInductor when the core has packages,
-    they are trusted and wanted and the device is the CPU (packages are built for it); else the ``.pt2`` programs."""
+    they are trusted and wanted and the device is the CPU (packages are built for it); else the ``.pt2`` programs,
+    their linears on ``packs`` (``LoadOptions.pack_linears``)."""
     if backend_family(options.runtime) is OnnxBackend:
         return OnnxBackend(root, manifest, catalog, weights, weights_offsets(weights_data), options.device)
     if options.prefer_compiled and _compiled_allowed(catalog, options.trust_compiled or trusted) \
             and has_packages(catalog) and not options.cuda:
         return AotiBackend(root, manifest, catalog, options.rank, options.device)
-    return Pt2Backend(root, manifest, catalog, options.rank, options.device)
+    return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs)
 
 
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
@@ -356,7 +358,8 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
         raise CoreLoadError(f"{root}: {weights_file}: {exc}") from None
     check_loaded_weights(root, manifest, catalog, weights, weights_file)
     weights = {name: t.to(device) for name, t in weights.items()}
-    backend = select_backend(options, root, manifest, catalog, report.trusted, weights, weights_data)
+    packs = LinearPacks() if options.pack_linears else None
+    backend = select_backend(options, root, manifest, catalog, report.trusted, weights, weights_data, packs)
     del weights_data  # the CPU views keep the buffer; a device copy lets it go
     reduction = _device_reduction(root, report, device) if options.cuda and backend.needs_reduction else None
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
@@ -380,6 +383,8 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
         if reduction is not None:  # the core's own launcher, while its graphs run (and are captured)
             variant.wrap("launcher", reduction.bound)
         variants[entry["name"]] = variant
+    if packs is not None:  # the raw copies no graph reads any more
+        packs.release(weights, variants.values())
     capture = None
     if options.cuda and not options.eager and backend.capturable:
         stages.start("capture", f"{len(variants)} CUDA graphs")

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
+
+import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 RETAINED_BLOCK_BYTES = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
@@ -32,3 +35,25 @@ def retain_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, RETAINED_BLOCK_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
                                                                                    TRIM_THRESHOLD_BYTES))
+
+
+MADV_DONTNEED = 4  # Linux's mman.h
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def release_pages(tensor: torch.Tensor) -> int:
+    """Return to the OS the whole pages inside a host tensor's bytes (Linux ``madvise(MADV_DONTNEED)``: they read
+    as zeros afterwards), for a tensor that is a view of a larger buffer nothing will read there again (a weight
+    replaced by its packed copy, ``backends/packed_linear.py``). Pages it shares with its neighbours are kept.
+    Returns the bytes released (0 where the call is unavailable)."""
+    start = tensor.data_ptr()
+    first = -(-start // PAGE_BYTES) * PAGE_BYTES
+    end = (start + tensor.numel() * tensor.element_size()) // PAGE_BYTES * PAGE_BYTES
+    if end <= first:
+        return 0
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return end - first if madvise(first, end - first, MADV_DONTNEED) == 0 else 0

@@ -16,6 +16,7 @@ import torch
 
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT_S
 from ignition.runtime.backends import RUNTIMES, backend_family
+from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
 from ignition.runtime.rendezvous import LOOPBACK
 from ignition.runtime.verified import LoadOptionError
@@ -35,12 +36,13 @@ class LoadOptions:
     tp_host: str = LOOPBACK  # where the tensor-parallel store and transports listen
     timeout_s: float = PROCESS_GROUP_TIMEOUT_S  # the process group's timeout
     retain_host_memory: bool = True  # CPU: glibc keeps freed blocks for the next replay (runtime/host_memory.py)
+    pack_linears: bool = True  # CPU: linear weights packed once for oneDNN (runtime/backends/packed_linear.py)
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
                prefer_compiled: bool = True, trust_compiled: bool = False, trusted_key=None,
                tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-               retain_host_memory: bool = True) -> "LoadOptions":
+               retain_host_memory: bool = True, pack_linears: bool = True) -> "LoadOptions":
         """Validate and resolve; LoadOptionError naming the option that cannot work here."""
         if runtime not in RUNTIMES:
             raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -63,8 +65,9 @@ class LoadOptions:
             resolved = resolve_device(device)
         except ValueError as exc:
             raise LoadOptionError(str(exc)) from None
+        pack_linears = bool(pack_linears) and not is_cuda(resolved) and packing_available()  # a CPU choice only
         options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
-                      trusted_key, tp_host, float(timeout_s), bool(retain_host_memory))
+                      trusted_key, tp_host, float(timeout_s), bool(retain_host_memory), pack_linears)
         options.rank_device(ranks - 1)  # every rank must get a device before anything starts
         return options
 

@@ -32,19 +32,29 @@ from ignition.validate.graph_json import GraphReader, ProgramReadError, serde_ta
 
 @dataclass(slots=True)
 class StaticProgram:
-    """What ``read_program`` builds: the graph module (its placeholders the user inputs in call order) and what
-    the validator's rules read of the signature."""
+    """What ``read_program`` builds: the graph (its placeholders the user inputs in call order) over the module
+    that holds its constants and branches, and what the validator's rules read of the signature. The graph
+    module (Python code generated from the graph) is built on first use, so a runtime pass that rewrites the
+    graph first (``runtime/backends/packed_linear.py``) costs no second code generation."""
 
-    graph_module: torch.fx.GraphModule
+    root: torch.nn.Module  # lifted constants and ``cond`` branch modules, as the graph's get_attr nodes name them
+    graph: torch.fx.Graph
     argument_names: list[str] | None  # the keys of the one dict argument; None when the input tree is another
     user_inputs: list[str]  # placeholder names, in call order
     user_outputs: list[str]
     bounds: dict[str, tuple[int, int]]  # shape symbol -> its [min, max]
     out_spec: pytree.TreeSpec
+    _graph_module: torch.fx.GraphModule | None = None
 
     @property
-    def graph(self) -> torch.fx.Graph:
-        return self.graph_module.graph
+    def graph_module(self) -> torch.fx.GraphModule:
+        if self._graph_module is None:
+            self._graph_module = torch.fx.GraphModule(self.root, self.graph)
+        return self._graph_module
+
+    @property
+    def module_built(self) -> bool:
+        return self._graph_module is not None
 
     def module(self) -> torch.nn.Module:
         """The program called as ``torch.export``'s module is: ``module(buffers)`` with the dict of named tensors,
@@ -112,11 +122,10 @@ def _read(document: dict, members: dict[str, bytes]) -> StaticProgram:
         root.register_buffer(fqn, tensor)
     reader = GraphReader(root, tables, constants)
     graph = reader.graph_of(module_json["graph"])
-    graph_module = torch.fx.GraphModule(reader.root, graph)
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     if placeholders != user_inputs:
         raise ProgramReadError(f"the graph's inputs {placeholders[:4]}... are not the signature's user inputs")
-    return StaticProgram(graph_module=graph_module, argument_names=argument_names(in_spec),
+    return StaticProgram(root=reader.root, graph=graph, argument_names=argument_names(in_spec),
                          user_inputs=user_inputs, user_outputs=user_outputs, bounds=bounds, out_spec=out_spec)
 
 

@@ -1,6 +1,6 @@
 """The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and Ignition's own
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
-metadata), checked and moved to the device."""
+metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
+from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.backends.protocol import Runner, graph_files
 from ignition.runtime.device import move_program
 from ignition.runtime.verified import CoreLoadError
@@ -26,8 +27,10 @@ class Pt2Backend:
     needs_reduction = True
     supports_ranks = True
 
-    def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device):
+    def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device,
+                 packs: LinearPacks | None = None):
         self.root, self.manifest, self.device = root, manifest, device
+        self.packs = packs  # CPU: linear weights packed for oneDNN (LoadOptions.pack_linears)
         self.graphs = graph_files(catalog, manifest, rank)
         self.sharded = Manifest.from_json(manifest).sharded
         self.programs: dict[str, StaticProgram] = {}  # variant name -> its program (what CUDA capture traces)
@@ -59,4 +62,6 @@ class Pt2Backend:
             program = move_program(program, self.device)
         except ValueError as exc:
             raise CoreLoadError(f"variant {entry['name']}: {exc}") from None
+        if self.packs is not None:
+            self.packs.rewrite(program, arguments, buffers)
         return program.module()  # no per-call input checks: the loader checked the signature against the catalog

@@ -1,0 +1,100 @@
+"""CPU replay: each weight a graph multiplies by (``aten.linear``) packed once into oneDNN's blocked layout.
+
+NOTE: torch's CPU ``aten.linear`` calls MKL's ``sgemm``, which on this project's AMD EPYC (Zen 4) machine runs
+far below the memory bound at decode's few rows: ``[8, 1024] x [1024, 151936]`` (the Qwen3-0.6B LM head) takes
+115 ms, a weight read at 5.4 GB/s. oneDNN's matmul on a weight reordered once into its blocked layout
+(``mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) takes 26 ms for the same product, and
+2-4x less for every layer's projections at 1 to 512 rows (``benchmarks/realsize.py``, ``docs/benchmarks.md``).
+It accumulates in the weight's dtype (FP32 for an FP32 core, as ``aten.linear``), so only summation order
+changes, and a row's result does not depend on the other rows of its call.
+
+``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is a weight argument into
+``mkldnn._linear_pointwise(x, packed(w), b)``, the packed copy a constant of the graph module. Each weight is
+packed once per load and shared by every variant. A weight that, after every variant is rewritten, no graph
+reads in its raw form (every layer projection; not a tied embedding, which the lookup still reads) is
+released: its pages are returned to the OS (``host_memory.release_pages``) and the core's dict holds the packed
+tensor, so the weights stay in memory once. The choice is ``LoadOptions.pack_linears``, made at load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ignition.catalog.model import BufferDecl, Role
+from ignition.runtime.host_memory import release_pages
+from ignition.validate.program_reader import StaticProgram
+
+PACK_ROWS_HINT = 8
+"""The row count oneDNN's packed layout is chosen for; measured as fast at 1 and 512 rows as a per-count pack."""
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+PACKED_TARGET = "mkldnn._linear_pointwise.default"
+"""What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
+_LINEAR = torch.ops.aten.linear.default
+
+
+def packing_available() -> bool:
+    """Whether this torch build has oneDNN's packed linear (x86 and aarch64 wheels do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class LinearPacks:
+    """The packed copy of every weight the load's graphs use as a linear weight, shared across variants."""
+
+    def __init__(self, rows_hint: int = PACK_ROWS_HINT):
+        self.rows_hint = rows_hint
+        self.packed: dict[str, torch.Tensor] = {}
+        self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
+
+    def pack(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        if name not in self.packed:
+            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+        return self.packed[name]
+
+    def rewrite(self, program: StaticProgram, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> int:
+        """Rewrite the linears of ``program``'s graph whose weight is a 2-D float weight argument, before its graph
+        module is built (one code generation); returns how many. Records which weights it still reads unpacked."""
+        if program.module_built:
+            raise ValueError("packed linears rewrite a program's graph before its graph module is built")
+        roles = {a.name: a.role for a in arguments}
+        graph, root, names = program.graph, program.root, program.argument_names
+        weight_of = {node: name for node, name in zip((n for n in graph.nodes if n.op == "placeholder"), names)
+                     if roles.get(name) is Role.WEIGHT}
+        rewritten = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
+                continue
+            name = weight_of[node.args[1]]
+            weight = buffers[name]
+            if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+                continue
+            packed_weight = self.pack(name, weight)
+            attribute = f"_packed_{list(self.packed).index(name)}"
+            root.register_buffer(attribute, packed_weight, persistent=False)
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            with graph.inserting_before(node):
+                packed = graph.get_attr(attribute)
+                call = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                           (node.args[0], packed, bias, "none", [], ""))
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
+            rewritten += 1
+        self.raw_readers |= {name for node, name in weight_of.items() if node.users}
+        return rewritten
+
+    def release(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
+        """After every variant is rewritten: each packed weight no graph reads raw is replaced, in ``weights`` and
+        in every variant's buffers, by its packed tensor (an unused placeholder's argument), and its raw pages are
+        released. Returns the released names."""
+        released = [name for name in self.packed if name not in self.raw_readers]
+        for name in released:
+            raw = weights[name]
+            weights[name] = self.packed[name]
+            for variant in variants:
+                if name in variant.buffers:
+                    variant.buffers[name] = self.packed[name]
+            release_pages(raw)
+        return released
+
+
+__all__ = ["LinearPacks", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET", "packing_available"]

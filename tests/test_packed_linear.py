@@ -1,0 +1,100 @@
+"""runtime/backends/packed_linear.py: on the CPU, every linear on a weight runs on that weight packed once for
+oneDNN; the packs are shared across variants, the raw copies no graph reads are released, and the numbers are
+the unpacked core's up to FP32 summation order."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from ignition.catalog.enums import Role
+from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
+from ignition.runtime.core import load_core
+from ignition.runtime.host_memory import release_pages
+from ignition.runtime.options import LoadOptions
+from ignition.runtime.requests import Request
+from ignition.runtime.scheduler import Engine
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def decoder_core(request, tmp_path_factory):
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+    from tests._decoder_cores import TinyCase, save_checkpoint
+
+    root = tmp_path_factory.mktemp("packed")
+    save_checkpoint(TinyCase("qwen3", request.param, True, 300), root / "ckpt")  # tied: the LM head is the embedding
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 4), chunk_limit=16,
+                              max_seq_len=64), root / "core")
+    return root / "core"
+
+
+def _linears(core) -> dict[str, list]:
+    """Variant -> the targets of its linear calls (aten's or oneDNN's)."""
+    return {name: [str(n.target) for n in v.runner.graph_module.graph.nodes
+                   if n.op == "call_function" and "linear" in str(n.target)] for name, v in core.variants.items()}
+
+
+def _words(results) -> list[tuple[list[int], torch.Tensor]]:
+    return [([e.id for e in r.entries], torch.tensor([e.logprob for e in r.entries])) for r in results]
+
+
+def _requests() -> list[Request]:
+    return [Request([i + 1, 7, 9, 11 + i], max_tokens=6, logprobs=5, ignore_eos=True) for i in range(5)]
+
+
+def test_every_weight_linear_runs_packed_and_each_weight_is_packed_once(decoder_core):
+    packed, plain = load_core(decoder_core), load_core(decoder_core, pack_linears=False)
+    for name, targets in _linears(plain).items():
+        assert targets and set(targets) == {"aten.linear.default"}, name
+        assert _linears(packed)[name] == [PACKED_TARGET] * len(targets), name
+    constants = {}
+    for variant in packed.variants.values():
+        for attribute, tensor in variant.runner.graph_module.named_buffers():
+            if attribute.startswith("_packed_"):
+                assert tensor.is_mkldnn
+                assert constants.setdefault(attribute, tensor) is tensor  # one pack, every variant's graph
+    released = {name for name, tensor in packed.weights.items() if tensor.is_mkldnn}
+    assert len(released) == len(constants) - 1  # the tied embedding is packed for the LM head, kept raw
+    embedding = next(name for name in packed.weights if "embed" in name)
+    assert not packed.weights[embedding].is_mkldnn
+    torch.testing.assert_close(packed.weights[embedding], plain.weights[embedding], rtol=0, atol=0)
+    for variant in packed.variants.values():  # the graphs get the packed tensor for a released weight's argument
+        for arg in variant.arguments:
+            if arg.role is Role.WEIGHT:
+                assert variant.buffers[arg.name] is packed.weights[arg.name]
+
+
+def test_packed_and_plain_cores_agree(decoder_core):
+    packed = _words(Engine(load_core(decoder_core)).generate(_requests()))
+    plain = _words(Engine(load_core(decoder_core, pack_linears=False)).generate(_requests()))
+    dtype = load_core(decoder_core).manifest["model"]["dtype"]
+    for (ids, logprobs), (plain_ids, plain_logprobs) in zip(packed, plain):
+        if dtype == "float32":  # FP32 logits differ in summation order only: the greedy tokens are the same
+            assert ids == plain_ids
+            torch.testing.assert_close(logprobs, plain_logprobs, rtol=0, atol=2e-5)
+        else:  # bf16 products round differently; the first step's words are scored on the same context
+            assert ids[0] == plain_ids[0]
+            torch.testing.assert_close(logprobs[:1], plain_logprobs[:1], rtol=0, atol=0.1)
+
+
+def test_the_choice_is_made_once_and_travels_to_worker_ranks():
+    assert LoadOptions.create("cpu").pack_linears is True
+    options = LoadOptions.create("cpu", pack_linears=False)
+    assert LoadOptions.from_json(options.to_json()).pack_linears is False
+
+
+def test_release_pages_returns_whole_inner_pages_and_keeps_the_neighbours():
+    page = mmap.PAGESIZE
+    buffer = torch.ones(64 * page, dtype=torch.uint8)
+    start = (-buffer.data_ptr()) % page + page // 2  # half a page in: the edges share pages with neighbours
+    view = buffer[start:start + 8 * page]
+    assert release_pages(view) == 7 * page
+    inner = (-view.data_ptr()) % page
+    assert int(view[inner:inner + 7 * page].sum()) == 0  # released pages read as zeros
+    assert bool((view[:inner] == 1).all()) and bool((view[inner + 7 * page:] == 1).all())
+    assert bool((buffer[:start] == 1).all()) and bool((buffer[start + 8 * page:] == 1).all())
