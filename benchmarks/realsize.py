@@ -13,7 +13,8 @@ the same checkpoint, prompts and threads:
 - the matrix products' share of one decode step's operator time (torch.profiler) at each batch, logprobs 5;
 - that greedy tokens equal HF's, and the ratios against the issue's targets.
 
-``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
+``--onnx`` and ``--compile`` export the core with ONNX graphs or AOTInductor packages too, and time every decode
+row on ``--runtime onnxruntime`` or the packages as well. ``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
 skips the decode rows; ``--compare-serial`` also times every prefill row with one prompt chunk per submission
 (``Engine(core, packed=False)``, the path of cores without a packed variant), the two interleaved ``--repeats``
 times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting.
@@ -191,6 +192,10 @@ def main() -> None:
     parser.add_argument("--compare-serial", action="store_true",
                         help="prefill rows: also time the serial schedule (one prompt chunk per submission)")
     parser.add_argument("--core", type=Path, default=None, help="use this exported core (no export)")
+    parser.add_argument("--onnx", action="store_true", help="export with --onnx and also time every decode row on "
+                        "--runtime onnxruntime")
+    parser.add_argument("--compile", action="store_true", help="export with --compile inductor and also time every "
+                        "decode row on the AOTInductor packages (loaded trusted)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default=None,
                         help="transformers' attention implementation (default: sdpa for float32, its own default; "
                              "eager for bfloat16, the one whose rounding the cores' BF16 attention reproduces, so "
@@ -213,7 +218,8 @@ def main() -> None:
         if args.core is None:
             args.core = work / "core"
             export_s = export(checkpoint, args.core, args.dtype,
-                              ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640"])
+                              ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640",
+                               *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])])
         else:
             export_s = float("nan")
         load_s, core = timed(lambda: load_core(args.core))
@@ -242,17 +248,26 @@ def main() -> None:
         if not args.skip_prefill:
             prefill, mismatches = prefill_rows(core, model, prompts, short_generator, args)
             rows += prefill
+        runtimes = [("", core)]
+        if args.onnx:
+            runtimes.append((", onnxruntime", load_core(args.core, runtime="onnxruntime")))
+        if args.compile:
+            compiled = load_core(args.core, trust_compiled=True)
+            runtimes.append((f", AOTInductor ({compiled.backend})", compiled))
         for size in batches if not args.prefill_only else ():
             batch = prompts(size, PROMPT)
             for logprobs in settings:
-                rate_ours, tokens_ours = decode_rate(lambda p, n, k: ours(core, p, n, k), batch, logprobs, args.repeats)
                 rate_hf, tokens_hf = decode_rate(lambda p, n, k: hf(model, p, n, k), batch, logprobs, args.repeats)
-                mismatches += sum(a != b for a, b in zip(tokens_ours, tokens_hf))
-                rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}", f"{rate_ours:.2f} tok/s",
-                             f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
+                for label, loaded in runtimes:
+                    rate_ours, tokens_ours = decode_rate(lambda p, n, k: ours(loaded, p, n, k), batch, logprobs,
+                                                         args.repeats)
+                    mismatches += sum(a != b for a, b in zip(tokens_ours, tokens_hf))
+                    rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}", f"{rate_ours:.2f} tok/s",
+                                 f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
             share, wall_ms = step_profile(core, batch, 5)
             rows.append((f"decode batch {size}, logprobs 5: one step under torch.profiler", f"{wall_ms:.0f} ms", "",
                          f"matrix products {100 * share:.1f}% of operator time"))
+        del runtimes
         del core
         if not args.skip_prefill and not args.skip_long:
             long_export = export(checkpoint, work / "core-long", args.dtype,

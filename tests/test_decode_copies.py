@@ -90,3 +90,15 @@ def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: 
     batch = SLOTS if lanes == SLOTS else 1
     assert set(watch.attention_keys) == {(batch, KV_HEADS, 64, HEAD_DIM)}, watch.attention_keys
     assert len(watch.attention_keys) == 4 * (1 if lanes == SLOTS else lanes)  # 4 layers
+
+
+def test_real_width_projections_run_on_packed_weights(loaded):
+    from ignition.catalog.enums import Operation
+    from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
+
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    decode = loaded.by_operation(Operation.DECODE)[0]
+    targets = [str(n.target) for n in decode.runner.graph_module.graph.nodes if "linear" in str(n.target)]
+    assert targets and set(targets) == {PACKED_TARGET}  # 4 layers' projections and the LM head, all FP32 >= 256 Ki
+    assert sum(t.is_mkldnn for t in loaded.weights.values()) >= 4 * 4  # released raw copies: the packed ones held

@@ -1,19 +1,20 @@
-"""CPU replay: each weight a graph multiplies by (``aten.linear``) packed once into oneDNN's blocked layout.
+"""CPU replay: each large FP32 weight a graph multiplies by (``aten.linear``) packed once for oneDNN.
 
 NOTE: torch's CPU ``aten.linear`` calls MKL's ``sgemm``, which on this project's AMD EPYC (Zen 4) machine runs
 far below the memory bound at decode's few rows: ``[8, 1024] x [1024, 151936]`` (the Qwen3-0.6B LM head) takes
 115 ms, a weight read at 5.4 GB/s. oneDNN's matmul on a weight reordered once into its blocked layout
 (``mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) takes 26 ms for the same product, and
-2-4x less for every layer's projections at 1 to 512 rows (``benchmarks/realsize.py``, ``docs/benchmarks.md``).
-It accumulates in the weight's dtype (FP32 for an FP32 core, as ``aten.linear``), so only summation order
-changes, and a row's result does not depend on the other rows of its call.
+2-4x less for the layers' projections at 1 to 512 rows; a decode step at batch 8 of that checkpoint went from
+385-498 ms to 210-242 ms (``benchmarks.decode_steps --compare pack``). It accumulates in FP32, as ``aten.linear``
+does, so only the summation order changes (logprobs within 3e-6 of the unpacked core's on that checkpoint).
 
-``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is a weight argument into
-``mkldnn._linear_pointwise(x, packed(w), b)``, the packed copy a constant of the graph module. Each weight is
-packed once per load and shared by every variant. A weight that, after every variant is rewritten, no graph
-reads in its raw form (every layer projection; not a tied embedding, which the lookup still reads) is
-released: its pages are returned to the OS (``host_memory.release_pages``) and the core's dict holds the packed
-tensor, so the weights stay in memory once. The choice is ``LoadOptions.pack_linears``, made at load.
+``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is an FP32 weight argument
+of at least ``PACK_MIN_ELEMENTS`` into ``mkldnn._linear_pointwise(x, packed(w), b)``, the packed copy a constant
+of the graph module. Each weight is packed once per load and shared by every variant. A weight that, after
+every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied embedding, which
+the lookup still reads) is released: its pages go back to the OS (``host_memory.release_pages``) and the core's
+dict holds the packed tensor, so the weights stay in memory once. ``LoadOptions.pack_linears`` makes the choice,
+at load.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from ignition.validate.program_reader import StaticProgram
 
 PACK_ROWS_HINT = 8
 """The row count oneDNN's packed layout is chosen for; measured as fast at 1 and 512 rows as a per-count pack."""
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+PACK_MIN_ELEMENTS = 1 << 18
+"""Smaller weights keep ``aten.linear``: oneDNN's call costs 15-20 us more, which a weight under about 256 Ki
+elements does not win back (measured on this machine: 512 x 256 at 8 rows 26 us packed against 30 us; 256 x 256
+21 against 15; the tiny example's 300 x 32, 27 against 10)."""
+PACKED_DTYPES = (torch.float32,)
+"""FP32 only. BF16 ``aten.linear`` already runs oneDNN's matmul on a CPU with AVX512-BF16, and packing gained 0-5%
+at Qwen3-0.6B's width (``benchmarks.decode_steps --compare pack``) while it changed the BF16 rounding of every
+product from transformers' own, which flips greedy tokens of a random-weight checkpoint."""
 PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
 _LINEAR = torch.ops.aten.linear.default
@@ -40,8 +48,9 @@ def packing_available() -> bool:
 class LinearPacks:
     """The packed copy of every weight the load's graphs use as a linear weight, shared across variants."""
 
-    def __init__(self, rows_hint: int = PACK_ROWS_HINT):
+    def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
         self.rows_hint = rows_hint
+        self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
         self.packed: dict[str, torch.Tensor] = {}
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
 
@@ -65,7 +74,8 @@ class LinearPacks:
                 continue
             name = weight_of[node.args[1]]
             weight = buffers[name]
-            if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+            if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" \
+                    or weight.numel() < self.min_elements:
                 continue
             packed_weight = self.pack(name, weight)
             attribute = f"_packed_{list(self.packed).index(name)}"
@@ -97,4 +107,4 @@ class LinearPacks:
         return released
 
 
-__all__ = ["LinearPacks", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET", "packing_available"]
+__all__ = ["LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET", "packing_available"]
