@@ -91,21 +91,3 @@ def test_a_layer_reuses_the_plan_and_builds_no_mask(case: str) -> None:
     planning = {"masked_fill", "index_put_", "cumsum", "any", "argmax", "gt", "le", "repeat", "ones_like", "zeros"}
     assert not planning & set(layer.names), layer.names
     assert any("scaled_dot_product" in name for name in layer.names), layer.names
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 8, 2, 64, 128), (1, 8, 2, 37, 128), (4, 2, 6, 17, 16), (3, 2, 24, 5, 8)])
-def test_copied_windows_take_one_product_with_the_per_head_values(shape, dtype) -> None:
-    """BF16/FP16 eager attention on contiguous window copies runs one product over batch and KV heads; each
-    (batch, head) product is the same GEMM as the per-head loop's on strided views, so the values are equal bit
-    for bit (what keeps greedy tokens equal to transformers')."""
-    from ignition.recipes.attention import _eager_low_precision
-
-    batch, kv_heads, rows, window, head_dim = shape
-    generator = torch.Generator().manual_seed(sum(shape))
-    query, keys, values = (torch.randn(batch, kv_heads, n, head_dim, generator=generator).to(dtype)
-                           for n in (rows, window, window))
-    hidden = torch.rand(batch, 1, rows, window, generator=generator) > 0.7
-    hidden[..., 0] = False  # every row sees a key
-    merged = _eager_low_precision(query, keys, values, hidden, copied=True)
-    torch.testing.assert_close(merged, _eager_low_precision(query, keys, values, hidden), rtol=0, atol=0)

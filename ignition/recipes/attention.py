@@ -5,8 +5,7 @@ A step never clones, expands or gathers the cache (issue 23): every read is a st
 and ``scaled_dot_product_attention`` reads it in place.
 
 - **FP32 through the fused kernel, BF16/FP16 as transformers' eager path** (scores rounded to the
-  model dtype, softmax in FP32): one batched product over a copied window's batch and KV heads, or one
-  per KV head on a strided view of the cache.
+  model dtype, softmax in FP32), one batched product per KV head on its strided view.
 - **Grouped heads without repetition.** Query head ``h`` belongs to KV head ``h // groups`` (HF
   ``repeat_kv``), so the ``groups`` query heads of one KV head become extra query rows of that KV
   head: ``[batch, kv_heads, groups * rows, head_dim]`` against ``[batch, kv_heads, window, head_dim]``.
@@ -106,11 +105,10 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
-                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1], copied=True)
+                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
                               for g in range(groups)])
     elif plan.placement is None:  # one group: its slot's window, [1, kv_heads, W, D], copied once for its rows
-        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
-                           copied=True)
+        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
@@ -128,38 +126,23 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
     return torch.zeros(hidden.shape, dtype=dtype, device=window.device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            copied: bool = False) -> torch.Tensor:
-    """The fused kernel for FP32, transformers' eager path for BF16/FP16; ``mask`` from ``causal_mask``.
-    ``copied``: ``keys`` and ``values`` are the slot windows' contiguous copies, not strided views of the cache."""
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The fused kernel for FP32, transformers' eager path for BF16/FP16; ``mask`` from ``causal_mask``."""
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return _eager_low_precision(query, keys, values, mask, copied)
+    return _eager_low_precision(query, keys, values, mask)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         hidden: torch.Tensor, copied: bool = False) -> torch.Tensor:
+                         hidden: torch.Tensor) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
-    (a MoE router flips experts). On ``copied`` windows (contiguous) one batched product runs over the merged
-    batch and KV-head dims; on strided views of the cache, one per KV head reads its view in place (a merged
-    product would copy it). Each (batch, head) product is the same GEMM either way, so the same values.
-    ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]`` (True: masked) ->
-    ``[B, kv, M, D]``.
+    (a MoE router flips experts). One batched product per KV head reads its strided cache view in
+    place (a product over the merged batch and head dims would copy it). ``query [B, kv, M, D]``,
+    ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]`` (True: masked) -> ``[B, kv, M, D]``.
     """
     scale = query.shape[-1] ** -0.5
-    if copied:
-        batch, kv_heads, rows, head_dim = query.shape
-        window = keys.shape[2]
-        scores = torch.bmm(query.reshape(batch * kv_heads, rows, head_dim),
-                           keys.reshape(batch * kv_heads, window, head_dim).transpose(1, 2)) * scale  # [B * kv, M, W]
-        scores = scores.view(batch, kv_heads, rows, window).to(torch.float32)
-        scores = scores.masked_fill(hidden, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, kv, M, W]
-        attended = torch.bmm(probs.view(batch * kv_heads, rows, window), values.reshape(batch * kv_heads, window,
-                                                                                       head_dim))
-        return attended.view(batch, kv_heads, rows, head_dim)
     heads = []
     for head in range(query.shape[1]):
         scores = torch.bmm(query[:, head], keys[:, head].transpose(1, 2)) * scale  # [B, M, W] in the model dtype
@@ -209,8 +192,7 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, head_dim)
     grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
     positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    attended = _attend(grouped, keys, values, causal_mask(window, positions, share, query.dtype),
-                       copied=True)  # [B, kv, share * E, D]
+    attended = _attend(grouped, keys, values, causal_mask(window, positions, share, query.dtype))  # [B, kv, share*E, D]
     attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
     attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j
     return attended.index_select(0, segments.row_source)  # [R, heads * head_dim]
