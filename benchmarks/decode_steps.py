@@ -5,7 +5,8 @@ fresh process per run, admits ``--batch`` requests (4-token prompts, greedy), pr
 and times ``--steps`` engine steps; the two sides of ``--compare`` alternate ``--pairs`` times, and each run prints
 its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retain_host_memory`` on against off
 (``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off; ``--compare pack``:
-``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``).
+``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``). ``--profile TOP`` profiles one
+step instead and prints its TOP operators by self time and input shape, and the matrix products' share.
 """
 
 from __future__ import annotations
@@ -44,6 +45,40 @@ def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bo
     return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
 
 
+def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, top: int) -> None:
+    """One warmed decode step under torch.profiler with input shapes: the ``top`` operators by self time, by shape,
+    and the matrix products' share of the step's operator time (``benchmarks.realsize.MATRIX_PRODUCTS``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.realsize import MATRIX_PRODUCTS
+
+    torch.set_num_threads(threads)
+    from ignition.runtime.core import load_core
+    from ignition.runtime.requests import Request
+    from ignition.runtime.scheduler import Engine
+
+    engine = Engine(load_core(core))
+    for lane in range(batch):
+        engine.submit(Request([lane + 1, 7, 9, 11], max_tokens=16, logprobs=logprobs, ignore_eos=True))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as trace:
+        started = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - started
+    events = trace.key_averages(group_by_input_shape=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"{event.key:48s} {event.self_cpu_time_total / 1e3:8.2f} ms  n={event.count:<5d} "
+              f"{str(event.input_shapes)[:90]}")
+    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
+    print(f"step {wall * 1e3:.1f} ms wall under the profiler; operator self time {total / 1e3:.1f} ms, matrix "
+          f"products {products / 1e3:.1f} ms ({100 * products / total:.1f}%)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--core", type=Path, required=True)
@@ -53,8 +88,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--compare", choices=("retain", "logprobs", "pack"), default="retain")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="instead: profile one step and print the TOP operators by self time and input shape")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
     args = parser.parse_args()
+    if args.profile:
+        profile_shapes(args.core, args.batch, args.logprobs or None, args.threads, args.profile)
+        return
     if args.one is not None:
         settings = json.loads(args.one)
         print(json.dumps(measure(args.core, args.batch, settings["logprobs"], args.steps, settings["retain"],

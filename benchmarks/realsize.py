@@ -95,10 +95,11 @@ def prefill_rows(core, model, prompts, short_generator, args) -> tuple[list[tupl
             for name, side in sides.items():
                 seconds, tokens[name] = side()
                 times[name].append(seconds)
-        mismatches += sum(sum(a != b for a, b in zip(tokens[name], tokens["hf"])) for name in sides if name != "hf")
+        differ = sum(sum(a != b for a, b in zip(tokens[name], tokens["hf"])) for name in sides if name != "hf")
+        mismatches += differ
         median = {name: statistics.median(values) for name, values in times.items()}
         total = count * length
-        rows.append((f"prefill {count} x {length} tokens", f"{total / median['ours']:.1f} tok/s",
+        rows.append((f"prefill {count} x {length} tokens{_differ(differ)}", f"{total / median['ours']:.1f} tok/s",
                      f"{total / median['hf']:.1f} tok/s", f"{median['hf'] / median['ours']:.2f}x"))
         if args.compare_serial:
             rows.append((f"prefill {count} x {length} tokens, one chunk per submission",
@@ -107,6 +108,11 @@ def prefill_rows(core, model, prompts, short_generator, args) -> tuple[list[tupl
         print(f"prefill {count} x {length}: seconds per run: " + "; ".join(
             f"{name} {', '.join(f'{v:.2f}' for v in values)}" for name, values in times.items()), file=sys.stderr)
     return rows, mismatches
+
+
+def _differ(count: int) -> str:
+    """A row label's note of the sequences whose greedy tokens differ from HF's (none: nothing)."""
+    return f" ({count} sequence{'s' if count > 1 else ''} differ from HF)" if count else ""
 
 
 def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
@@ -261,8 +267,10 @@ def main() -> None:
                 for label, loaded in runtimes:
                     rate_ours, tokens_ours = decode_rate(lambda p, n, k: ours(loaded, p, n, k), batch, logprobs,
                                                          args.repeats)
-                    mismatches += sum(a != b for a, b in zip(tokens_ours, tokens_hf))
-                    rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}", f"{rate_ours:.2f} tok/s",
+                    differ = sum(a != b for a, b in zip(tokens_ours, tokens_hf))
+                    mismatches += differ
+                    rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}{_differ(differ)}",
+                                 f"{rate_ours:.2f} tok/s",
                                  f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
             share, wall_ms = step_profile(core, batch, 5)
             rows.append((f"decode batch {size}, logprobs 5: one step under torch.profiler", f"{wall_ms:.0f} ms", "",
