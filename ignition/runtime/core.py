@@ -384,7 +384,7 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
             variant.wrap("launcher", reduction.bound)
         variants[entry["name"]] = variant
     if packs is not None:  # the raw copies no graph reads any more
-        packs.release(weights, variants.values())
+        packs.finish(weights, variants.values())
     capture = None
     if options.cuda and not options.eager and backend.capturable:
         stages.start("capture", f"{len(variants)} CUDA graphs")

@@ -12,12 +12,14 @@ does, so only the summation order changes (logprobs within 3e-6 of the unpacked 
 of at least ``PACK_MIN_ELEMENTS`` into ``mkldnn._linear_pointwise(x, packed(w), b)``, the packed copy a constant
 of the graph module. Each weight is packed once per load and shared by every variant. A weight that, after
 every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied embedding, which
-the lookup still reads) is released: its pages go back to the OS (``host_memory.release_pages``) and the core's
-dict holds the packed tensor, so the weights stay in memory once. ``LoadOptions.pack_linears`` makes the choice,
-at load.
+the lookup still reads) is released (``finish``): its pages go back to the OS (``host_memory.release_pages``) and the
+core's dict holds the packed tensor, so the weights stay in memory once. ``LoadOptions.pack_linears`` makes the
+choice, at load.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -46,21 +48,28 @@ def packing_available() -> bool:
 
 
 class LinearPacks:
-    """The packed copy of every weight the load's graphs use as a linear weight, shared across variants."""
+    """The packed copy of every weight the load's graphs use as a linear weight, shared across variants.
+
+    NOTE: packing the 28-layer Qwen3-0.6B-shaped core's weights takes about a second; it runs on a worker thread
+    (the reorder releases the GIL) while the loader reads the next graphs. ``rewrite`` gives each graph an empty
+    stand-in for each packed weight, and ``finish``, after the last graph, puts the packed tensors in their place."""
 
     def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
         self.rows_hint = rows_hint
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
-        self.packed: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, Future] = {}  # weight name -> its reorder, in the order first met
+        self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
+        self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignition-pack")
 
-    def pack(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        if name not in self.packed:
-            self.packed[name] = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
-        return self.packed[name]
+    def _attribute(self, name: str, weight: torch.Tensor) -> str:
+        if name not in self.pending:
+            self.pending[name] = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, weight, self.rows_hint)
+        return f"_packed_{list(self.pending).index(name)}"
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> int:
-        """Rewrite the linears of ``program``'s graph whose weight is a 2-D float weight argument, before its graph
+        """Rewrite the linears of ``program``'s graph whose weight is a large FP32 weight argument, before its graph
         module is built (one code generation); returns how many. Records which weights it still reads unpacked."""
         if program.module_built:
             raise ValueError("packed linears rewrite a program's graph before its graph module is built")
@@ -68,7 +77,7 @@ class LinearPacks:
         graph, root, names = program.graph, program.root, program.argument_names
         weight_of = {node: name for node, name in zip((n for n in graph.nodes if n.op == "placeholder"), names)
                      if roles.get(name) is Role.WEIGHT}
-        rewritten = 0
+        attributes: dict[str, str] = {}
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
@@ -77,9 +86,10 @@ class LinearPacks:
             if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" \
                     or weight.numel() < self.min_elements:
                 continue
-            packed_weight = self.pack(name, weight)
-            attribute = f"_packed_{list(self.packed).index(name)}"
-            root.register_buffer(attribute, packed_weight, persistent=False)
+            attribute = self._attribute(name, weight)
+            if attribute not in attributes:
+                root.register_buffer(attribute, torch.empty(0), persistent=False)  # ``finish`` sets the packed one
+                attributes[attribute] = name
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with graph.inserting_before(node):
                 packed = graph.get_attr(attribute)
@@ -88,14 +98,21 @@ class LinearPacks:
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
-            rewritten += 1
         self.raw_readers |= {name for node, name in weight_of.items() if node.users}
-        return rewritten
+        if attributes:
+            self.programs.append((program, attributes))
+        return sum(1 for n in graph.nodes if n.target is torch.ops.mkldnn._linear_pointwise.default)
 
-    def release(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
-        """After every variant is rewritten: each packed weight no graph reads raw is replaced, in ``weights`` and
-        in every variant's buffers, by its packed tensor (an unused placeholder's argument), and its raw pages are
-        released. Returns the released names."""
+    def finish(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
+        """After every variant is rewritten: wait for the packs and give each graph module its packed weights; then
+        each packed weight no graph reads raw is replaced, in ``weights`` and in every variant's buffers, by its
+        packed tensor (an unused placeholder's argument), and its raw pages are released. Returns the released
+        names."""
+        self.packed = {name: future.result() for name, future in self.pending.items()}
+        self._worker.shutdown()
+        for program, attributes in self.programs:
+            for attribute, name in attributes.items():
+                setattr(program.graph_module, attribute, self.packed[name])
         released = [name for name in self.packed if name not in self.raw_readers]
         for name in released:
             raw = weights[name]
