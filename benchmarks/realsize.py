@@ -5,7 +5,8 @@
 embeddings), exports it with ``ignition export-core`` and prints, in one run against HF eager on
 the same checkpoint, prompts and threads:
 
-- export seconds (``export-core`` in its own process), ``load_core`` seconds, and the peak RSS of a fresh process
+- export seconds (``export-core`` in its own process), ``load_core`` seconds (here, the first load after the
+  export, and in a fresh process), and the peak RSS of a fresh process
   that only loads the core;
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
@@ -167,18 +168,21 @@ def step_profile(core, prompts: list[list[int]], logprobs: int | None) -> tuple[
     return products / total, wall * 1e3
 
 
-def load_peak_rss_gib(core: Path, threads: int) -> float:
-    """Peak RSS of a fresh process that imports Ignition and loads ``core``, nothing else (this process's own peak
-    also holds the checkpoint it built and transformers' model)."""
+def fresh_load(core: Path, threads: int) -> tuple[float, float]:
+    """(peak RSS GiB, ``load_core`` seconds) of a fresh process that imports Ignition and loads ``core``, nothing
+    else (this process's own peak also holds the checkpoint it built and transformers' model)."""
     # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
     # the child would report this process's peak; VmHWM is the peak of the child's own address space.
     script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
-              "from ignition.runtime.core import load_core; core = load_core(sys.argv[1]); "
-              "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')))")
+              "import time; from ignition.runtime.core import load_core; started = time.perf_counter(); "
+              "core = load_core(sys.argv[1]); seconds = time.perf_counter() - started; "
+              "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')), "
+              "seconds)")
     done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"loading {core} in a fresh process failed:\n{done.stderr[-2000:]}")
-    return int(done.stdout.strip().splitlines()[-1]) / 2**20
+    peak_kib, seconds = done.stdout.strip().splitlines()[-1].split()
+    return int(peak_kib) / 2**20, float(seconds)
 
 
 def main() -> None:
@@ -231,10 +235,11 @@ def main() -> None:
         load_s, core = timed(lambda: load_core(args.core))
         weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
-        load_rss = load_peak_rss_gib(args.core, args.threads)
+        load_rss, fresh_s = fresh_load(args.core, args.threads)
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
                   "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", ""),
-                 ("load_core", f"{load_s:.1f} s", "", ""),
+                 ("load_core (this process, the first load after the export)", f"{load_s:.1f} s", "", ""),
+                 ("load_core in a fresh process", f"{fresh_s:.1f} s", "", ""),
                  ("peak RSS of a process that only loads (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
                   f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
         attention = args.hf_attention or ("sdpa" if args.dtype == "float32" else "eager")
