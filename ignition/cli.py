@@ -212,6 +212,9 @@ def inspect_core_cmd(
 
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
 EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
+PACK_LINEARS_OPTION = typer.Option(True, "--pack-linears/--no-pack-linears",
+                                   help="CPU: run FP32 projections on weights packed once for oneDNN (--no-pack-linears: "
+                                        "torch's own aten.linear)")
 BATCH_INVARIANT_OPTION = typer.Option(False, "--batch-invariant",
                                       help="Decode in the largest variant: results independent of co-batching")
 TRUST_COMPILED_OPTION = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP)
@@ -226,7 +229,7 @@ TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-pa
 
 
 def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK):
+                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True):
     """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
     (--device, --runtime, --tensor-parallel, --trusted-key) exits 2 naming it."""
     from ignition.runtime.options import LoadOptions
@@ -234,7 +237,7 @@ def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: O
 
     try:
         return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
-                                  trusted_key=_trusted_key(trusted_key), tp_host=tp_host)
+                                  trusted_key=_trusted_key(trusted_key), tp_host=tp_host, pack_linears=pack_linears)
     except LoadOptionError as exc:
         raise _fail(str(exc))
 
@@ -347,6 +350,7 @@ def run_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
+    pack_linears: bool = PACK_LINEARS_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
@@ -377,7 +381,8 @@ def run_cmd(
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     _check_run_options(core, request, text_prompt=prompt is not None)
     _check_speculative(speculative)
-    loaded = _load(core, _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host))
+    loaded = _load(core, _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,
+                                       pack_linears))
     options = _speculative(speculative, loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
@@ -446,6 +451,7 @@ def serve_cmd(
                                                       "default with tools); needs --tool-call-parser"),
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
+    pack_linears: bool = PACK_LINEARS_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
@@ -492,7 +498,8 @@ def serve_cmd(
                          tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
     _check_speculative(speculative)
     _identify_core(core)
-    load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host)
+    load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,
+                                 pack_linears)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         _load(core, load_options)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")

@@ -118,3 +118,19 @@ def test_release_pages_returns_whole_inner_pages_and_keeps_the_neighbours():
     assert int(view[inner:inner + 7 * page].sum()) == 0  # released pages read as zeros
     assert bool((view[:inner] == 1).all()) and bool((view[inner + 7 * page:] == 1).all())
     assert bool((buffer[:start] == 1).all()) and bool((buffer[start + 8 * page:] == 1).all())
+
+
+def test_run_and_serve_take_the_choice_from_the_command_line(toy_core, monkeypatch):
+    from typer.testing import CliRunner
+
+    import ignition.cli as cli
+
+    assert cli._load_options("cpu", False, False, None, pack_linears=False).pack_linears is False
+    assert cli._load_options("cpu", False, False, None).pack_linears is True
+    seen = []
+    real_load = cli._load
+    monkeypatch.setattr(cli, "_load", lambda core, options: seen.append(options) or real_load(core, options))
+    result = CliRunner().invoke(cli.app, ["run", str(toy_core), "--prompt-ids", "1,2", "--max-tokens", "1",
+                                          "--device", "cpu", "--no-pack-linears"])
+    assert result.exit_code == 0, result.output
+    assert [options.pack_linears for options in seen] == [False]
