@@ -25,18 +25,13 @@ def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bo
     import torch
 
     torch.set_num_threads(threads)
+    from benchmarks.realsize import warmed_engine
     from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request, SamplingParams
-    from ignition.runtime.scheduler import Engine
 
-    engine = Engine(load_core(core, retain_host_memory=retain, pack_linears=pack))
-    for lane in range(batch):
-        engine.submit(Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True,
-                              sampling=SamplingParams(temperature=0.0)))
-    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    engine = warmed_engine(load_core(core, retain_host_memory=retain, pack_linears=pack),
+                           [Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0.0)) for lane in range(batch)])
     times = []
     for _ in range(steps):
         started = time.perf_counter()
@@ -49,34 +44,22 @@ def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, t
     """One warmed decode step under torch.profiler with input shapes: the ``top`` operators by self time, by shape,
     and the matrix products' share of the step's operator time (``benchmarks.realsize.MATRIX_PRODUCTS``)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.realsize import MATRIX_PRODUCTS
+    from benchmarks.realsize import profiled_step, warmed_engine
 
     torch.set_num_threads(threads)
     from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request
-    from ignition.runtime.scheduler import Engine
 
-    engine = Engine(load_core(core))
-    for lane in range(batch):
-        engine.submit(Request([lane + 1, 7, 9, 11], max_tokens=16, logprobs=logprobs, ignore_eos=True))
-    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as trace:
-        started = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - started
-    events = trace.key_averages(group_by_input_shape=True)
+    engine = warmed_engine(load_core(core), [Request([lane + 1, 7, 9, 11], max_tokens=16, logprobs=logprobs,
+                                                     ignore_eos=True) for lane in range(batch)])
+    events, wall, share = profiled_step(engine, record_shapes=True)
     total = sum(e.self_cpu_time_total for e in events)
     for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"{event.key:48s} {event.self_cpu_time_total / 1e3:8.2f} ms  n={event.count:<5d} "
               f"{str(event.input_shapes)[:90]}")
-    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
     print(f"step {wall * 1e3:.1f} ms wall under the profiler; operator self time {total / 1e3:.1f} ms, matrix "
-          f"products {products / 1e3:.1f} ms ({100 * products / total:.1f}%)")
+          f"products {share * total / 1e3:.1f} ms ({100 * share:.1f}%)")
 
 
 def main() -> None:

@@ -143,29 +143,45 @@ MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkl
 """The profiler names of the matrix products: torch's GEMMs, oneDNN's packed linear and the attention kernel."""
 
 
-def step_profile(core, prompts: list[list[int]], logprobs: int | None) -> tuple[float, float]:
-    """One engine decode step of ``prompts`` (prefilled and warmed by 3 steps first) under torch.profiler:
-    (the matrix products' share of the step's operator self time, the step's wall ms)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from ignition.runtime.requests import Request
+def warmed_engine(core, requests):
+    """An ``Engine`` over ``core`` with ``requests`` admitted, every prompt prefilled and 3 decode rounds run: the
+    next ``step`` is a steady decode round of every lane."""
     from ignition.runtime.scheduler import Engine
 
     engine = Engine(core)
-    for prompt in prompts:
-        engine.submit(Request(prompt, max_tokens=8, logprobs=logprobs, ignore_eos=True))
+    for request in requests:
+        engine.submit(request)
     while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
         engine.step()
     for _ in range(3):
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as trace:
+    return engine
+
+
+def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, float]:
+    """One ``engine.step`` under torch.profiler: (its operator events, by input shape with ``record_shapes``; the
+    step's wall seconds; the matrix products' share of its operator self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
         wall, _ = timed(engine.step)
-    events = trace.key_averages()
+    events = trace.key_averages(group_by_input_shape=record_shapes)
     total = sum(e.self_cpu_time_total for e in events)
     products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
+    return events, wall, products / total
+
+
+def step_profile(core, prompts: list[list[int]], logprobs: int | None) -> tuple[float, float]:
+    """One engine decode step of ``prompts`` (``warmed_engine``) under torch.profiler: (the matrix products' share
+    of the step's operator self time, the step's wall ms)."""
+    from ignition.runtime.requests import Request
+
+    engine = warmed_engine(core, [Request(prompt, max_tokens=8, logprobs=logprobs, ignore_eos=True)
+                                  for prompt in prompts])
+    _, wall, share = profiled_step(engine)
     while engine.running:
         engine.step()
-    return products / total, wall * 1e3
+    return share, wall * 1e3
 
 
 def fresh_load(core: Path, threads: int) -> tuple[float, float]:

@@ -25,14 +25,23 @@ TRIM_THRESHOLD_BYTES = 1 << 30  # free memory at the heap's top kept before glib
 
 
 @functools.cache
+def _libc_function(name: str, argtypes: tuple, restype):
+    """The C library's ``name`` with its signature set, or None where this libc has none (looked up once)."""
+    try:
+        function = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
+@functools.cache
 def retain_freed_memory() -> bool:
     """Tell glibc's malloc to serve blocks up to ``RETAINED_BLOCK_BYTES`` from the heap and to keep freed memory;
     True when it took both settings (once a process)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc
+    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None:  # not glibc
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, RETAINED_BLOCK_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD,
                                                                                    TRIM_THRESHOLD_BYTES))
 
@@ -49,11 +58,7 @@ def release_pages(tensor: torch.Tensor) -> int:
     start = tensor.data_ptr()
     first = -(-start // PAGE_BYTES) * PAGE_BYTES
     end = (start + tensor.numel() * tensor.element_size()) // PAGE_BYTES * PAGE_BYTES
-    if end <= first:
+    madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
+    if end <= first or madvise is None:
         return 0
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return end - first if madvise(first, end - first, MADV_DONTNEED) == 0 else 0

@@ -57,7 +57,7 @@ class LinearPacks:
     def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
         self.rows_hint = rows_hint
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
-        self.pending: dict[str, Future] = {}  # weight name -> its reorder, in the order first met
+        self.pending: dict[str, tuple[str, Future]] = {}  # weight name -> (its graph attribute, its reorder)
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
         self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
@@ -65,8 +65,9 @@ class LinearPacks:
 
     def _attribute(self, name: str, weight: torch.Tensor) -> str:
         if name not in self.pending:
-            self.pending[name] = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, weight, self.rows_hint)
-        return f"_packed_{list(self.pending).index(name)}"
+            reorder = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, weight, self.rows_hint)
+            self.pending[name] = (f"_packed_{len(self.pending)}", reorder)
+        return self.pending[name][0]
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> int:
         """Rewrite the linears of ``program``'s graph whose weight is a large FP32 weight argument, before its graph
@@ -78,13 +79,13 @@ class LinearPacks:
         weight_of = {node: name for node, name in zip((n for n in graph.nodes if n.op == "placeholder"), names)
                      if roles.get(name) is Role.WEIGHT}
         attributes: dict[str, str] = {}
+        rewritten = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
             name = weight_of[node.args[1]]
             weight = buffers[name]
-            if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu" \
-                    or weight.numel() < self.min_elements:
+            if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.numel() < self.min_elements:
                 continue
             attribute = self._attribute(name, weight)
             if attribute not in attributes:
@@ -98,17 +99,18 @@ class LinearPacks:
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
+            rewritten += 1
         self.raw_readers |= {name for node, name in weight_of.items() if node.users}
         if attributes:
             self.programs.append((program, attributes))
-        return sum(1 for n in graph.nodes if n.target is torch.ops.mkldnn._linear_pointwise.default)
+        return rewritten
 
     def finish(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
         """After every variant is rewritten: wait for the packs and give each graph module its packed weights; then
         each packed weight no graph reads raw is replaced, in ``weights`` and in every variant's buffers, by its
         packed tensor (an unused placeholder's argument), and its raw pages are released. Returns the released
         names."""
-        self.packed = {name: future.result() for name, future in self.pending.items()}
+        self.packed = {name: reorder.result() for name, (_, reorder) in self.pending.items()}
         self._worker.shutdown()
         for program, attributes in self.programs:
             for attribute, name in attributes.items():
