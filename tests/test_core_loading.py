@@ -61,6 +61,48 @@ def test_weights_swapped_after_their_check_are_not_the_ones_loaded(core_copy, mo
     assert all(torch.equal(loaded.weights[name], tensor) for name, tensor in original.items())
 
 
+def test_weights_are_read_on_a_worker_thread_while_the_graphs_are_read(toy_core, monkeypatch):
+    """The weights' read and hash overlap the graph reads: the worker is still reading when the first graph is read."""
+    import threading
+
+    import ignition.validate.graphs as graphs
+
+    started, release, events = threading.Event(), threading.Event(), []
+    read_weights, read_program = core_module._read_weights, graphs.read_program
+
+    def slow_weights(*args):
+        events.append(("weights", threading.current_thread() is threading.main_thread()))
+        started.set()
+        assert release.wait(30), "no graph was read while the weights were being read"
+        return read_weights(*args)
+
+    def graph_then_release(*args):
+        assert started.wait(30)
+        events.append(("graph", threading.current_thread() is threading.main_thread()))
+        release.set()
+        return read_program(*args)
+
+    monkeypatch.setattr(core_module, "_read_weights", slow_weights)
+    monkeypatch.setattr(graphs, "read_program", graph_then_release)
+    loaded = load_core(toy_core)
+    assert events[:2] == [("weights", False), ("graph", True)]
+    assert loaded.variants and loaded.weights
+
+
+def test_a_graph_refused_while_the_weights_are_read_is_reported_after_the_read_ends(toy_core, monkeypatch):
+    import threading
+
+    import ignition.validate.graphs as graphs
+
+    finished = threading.Event()
+    read_weights = core_module._read_weights
+    monkeypatch.setattr(core_module, "_read_weights", lambda *args: (read_weights(*args), finished.set())[0])
+    monkeypatch.setattr(graphs, "read_program", lambda *args: (_ for _ in ()).throw(CoreLoadError("graph refused")))
+    with pytest.raises(CoreLoadError, match="graph refused"):
+        load_core(toy_core)
+    assert finished.is_set()  # no worker left reading the weights behind the error
+
+
 def test_tampered_weights_are_refused_by_the_loader_hash(core_copy):
     path = core_copy.root / "weights.safetensors"
     save_file({name: t + 1 for name, t in load_file(str(path)).items()}, str(path))

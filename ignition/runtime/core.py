@@ -19,6 +19,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,12 +213,15 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
 
 
 def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: dict, trusted: bool,
-                   weights: dict[str, torch.Tensor], weights_data, packs: LinearPacks | None = None) -> Backend:
+                   weights: Callable[[], tuple[dict[str, torch.Tensor], object]],
+                   packs: LinearPacks | None = None) -> Backend:
     """The one backend choice: ONNX when ``--runtime onnxruntime``; else AOTInductor when the core has packages,
     they are trusted and wanted and the device is the CPU (packages are built for it); else the ``.pt2`` programs,
-    their linears on ``packs`` (``LoadOptions.pack_linears``)."""
+    their linears on ``packs`` (``LoadOptions.pack_linears``). ``weights()`` waits for the loaded weights and the
+    bytes they view (``_read_weights``); only the ONNX backend needs them to be built."""
     if backend_family(options.runtime) is OnnxBackend:
-        return OnnxBackend(root, manifest, catalog, weights, weights_offsets(weights_data), options.device)
+        tensors, data = weights()
+        return OnnxBackend(root, manifest, catalog, tensors, weights_offsets(data), options.device)
     if options.prefer_compiled and _compiled_allowed(catalog, options.trust_compiled or trusted) \
             and has_packages(catalog) and not options.cuda:
         return AotiBackend(root, manifest, catalog, options.rank, options.device)
@@ -234,6 +238,19 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
         return load_launcher(root, report.manifest, report.catalog, report.kernels, device)
     except LauncherError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
+
+
+def _read_weights(root: Path, manifest: dict, catalog: dict, weights_file: str,
+                  device: torch.device) -> tuple[dict[str, torch.Tensor], object]:
+    """(the weights on ``device``, the verified bytes their CPU views read): ``weights_file`` read once and hashed
+    (``read_verified``), viewed without a copy and checked against the catalog's declarations again."""
+    weights_data = read_verified(root, weights_file, manifest, aligned=True)
+    try:  # views of the verified bytes: on CPU the weights are read once and never copied
+        weights = view_tensors(weights_data)
+    except WeightsFormatError as exc:
+        raise CoreLoadError(f"{root}: {weights_file}: {exc}") from None
+    check_loaded_weights(root, manifest, catalog, weights, weights_file)
+    return {name: t.to(device) for name, t in weights.items()}, weights_data
 
 
 def read_manifest(path: str | Path) -> dict | None:
@@ -319,8 +336,10 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     Compiled packages hold native code, so they are loaded only when ``trust_compiled`` is set or the
     core's signature verifies against ``trusted_key`` (with a key, an unsigned or wrongly signed core is
     refused). Otherwise the portable ``.pt2`` runs, with a warning. The backend is chosen once
-    (``select_backend``). ``progress(stage, item)`` is called as each stage starts (check, weights,
-    graphs, capture, tokenizer); ``LoadedCore.timings`` holds the seconds of each. A sharded core loads
+    (``select_backend``). ``progress(stage, item)`` is called as each stage starts (check; graphs, read and
+    checked while a worker thread reads and hashes the weights; weights, the wait for them that is left; runners,
+    each variant bound to its buffers, linears packed; capture; tokenizer); ``LoadedCore.timings`` holds the seconds
+    of each. A sharded core loads
     one rank at a time; ignition/runtime/parallel.py starts the ranks and their process group.
     """
     root = Path(path)
@@ -350,23 +369,24 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     spec = Manifest.from_json(manifest)
     device = options.device
     weights_file = _rank_weights(root, spec, options)
-    stages.start("weights", weights_file)
-    weights_data = read_verified(root, weights_file, manifest, aligned=True)
-    try:  # views of the verified bytes: on CPU the weights are read once and never copied
-        weights = view_tensors(weights_data)
-    except WeightsFormatError as exc:
-        raise CoreLoadError(f"{root}: {weights_file}: {exc}") from None
-    check_loaded_weights(root, manifest, catalog, weights, weights_file)
-    weights = {name: t.to(device) for name, t in weights.items()}
+    entries = catalog["variants"]
     packs = LinearPacks() if options.pack_linears else None
-    backend = select_backend(options, root, manifest, catalog, report.trusted, weights, weights_data, packs)
+    # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
+    # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
+    with ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
+        reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device)
+        backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
+        for index, entry in enumerate(entries, 1):
+            stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
+            backend.prepare(entry)
+        stages.start("weights", weights_file)
+        weights, weights_data = reading.result()
     del weights_data  # the CPU views keep the buffer; a device copy lets it go
     reduction = _device_reduction(root, report, device) if options.cuda and backend.needs_reduction else None
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants = {}
-    entries = catalog["variants"]
     for index, entry in enumerate(entries, 1):
-        stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
+        stages.start("runners", f"variant {index} of {len(entries)}: {entry['name']}")
         arguments = [BufferDecl.from_json(a) for a in entry["arguments"]]
         buffers = {}
         for arg in arguments:

@@ -39,9 +39,15 @@ class Pt2Backend:
     def files(catalog: dict, manifest: dict, rank: int) -> set[str]:
         return set(graph_files(catalog, manifest, rank).values())
 
+    def prepare(self, entry: dict) -> None:
+        self.program(entry)
+
     def program(self, entry: dict):
         """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes that
-        the program reader then reads, and the graph rules; a sharded core's graph also has its collectives checked."""
+        the program reader then reads, and the graph rules; a sharded core's graph also has its collectives checked.
+        Read once: a prepared variant's program is the one kept."""
+        if (known := self.programs.get(entry["name"])) is not None:
+            return known
         rel = self.graphs[entry["name"]]
         graph_path, problems = safe_path(self.root, rel, f"variant {entry['name']}")
         if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
