@@ -91,3 +91,35 @@ def test_a_layer_reuses_the_plan_and_builds_no_mask(case: str) -> None:
     planning = {"masked_fill", "index_put_", "cumsum", "any", "argmax", "gt", "le", "repeat", "ones_like", "zeros"}
     assert not planning & set(layer.names), layer.names
     assert any("scaled_dot_product" in name for name in layer.names), layer.names
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bf16_cached_attention_runs_two_products_a_window_copy_not_two_a_kv_head(case: str) -> None:
+    """BF16 attention over cached windows: one product of queries and keys and one of probabilities and values
+    over the batch and KV heads of the copied windows (per lane when lanes attend alone), not two per KV head
+    on strided views, whose every product copied its operand first."""
+    rows = _rows(case)
+    plan = plan_attention(rows, SLOTS, MAX_SEQ_LEN, SHARE, torch.bfloat16)
+    assert plan.placement is None  # BF16 lanes never attend in place: their products would copy the views
+    key_cache = value_cache = torch.zeros(SLOTS, MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    query = torch.zeros(rows.positions.shape[0], KV_HEADS * SHARE, HEAD_DIM, dtype=torch.bfloat16)
+    with _Operators() as layer:
+        cached_attention(query, key_cache, value_cache, plan)
+    assert layer.names.count("bmm") == 2 * (plan.groups if plan.per_lane else 1), layer.names
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 8, 2, 64, 128), (8, 8, 2, 37, 128), (4, 2, 6, 17, 16), (3, 2, 24, 5, 8)])
+def test_the_merged_product_gives_the_per_head_values_at_decode_shapes(shape, dtype) -> None:
+    """Each (batch, KV head) product of the merged BF16/FP16 attention is the per-head loop's GEMM, so decode
+    shapes give the same values bit for bit (the per-head loop stays for packed prefill, where they did not)."""
+    from ignition.recipes.attention import _eager_low_precision
+
+    batch, kv_heads, rows, window, head_dim = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    query, keys, values = (torch.randn(batch, kv_heads, n, head_dim, generator=generator).to(dtype)
+                           for n in (rows, window, window))
+    hidden = torch.rand(batch, 1, rows, window, generator=generator) > 0.7
+    hidden[..., 0] = False  # every row sees a key
+    merged = _eager_low_precision(query, keys, values, hidden, merged=True)
+    torch.testing.assert_close(merged, _eager_low_precision(query, keys, values, hidden), rtol=0, atol=0)

@@ -5,18 +5,22 @@ A step never clones, expands or gathers the cache (issue 23): every read is a st
 and ``scaled_dot_product_attention`` reads it in place.
 
 - **FP32 through the fused kernel, BF16/FP16 as transformers' eager path** (scores rounded to the
-  model dtype, softmax in FP32), one batched product per KV head on its strided view.
+  model dtype, softmax in FP32): one batched product over the batch and KV heads of the copied windows (a
+  BF16 product on a strided view copies its operand anyway, one head at a time), one per KV head in packed
+  prefill.
 - **Grouped heads without repetition.** Query head ``h`` belongs to KV head ``h // groups`` (HF
   ``repeat_kv``), so the ``groups`` query heads of one KV head become extra query rows of that KV
   head: ``[batch, kv_heads, groups * rows, head_dim]`` against ``[batch, kv_heads, window, head_dim]``.
-- **Slots without a gather.** A single group (a prefill chunk, or a variant of one decode or verify
+- **Slots without a gather of the cache.** A single group (a prefill chunk, or a variant of one decode or verify
   lane) copies its slot's window once for all its rows: one slot's cells, the only copy a step makes,
   and far less than reading every slot (one lane of Qwen3-0.6B's width on 32 slots, per layer: 0.13 ms
   against 2.8 ms at a 64-position window, 2.0 ms against 26 ms at 640; ``tests/test_decode_copies``).
   Two or more lanes, when the cache has at least ``LANE_WINDOWS`` times as many slots, do the same one
   lane at a time (one slot's cells per copy). Otherwise they place their queries at their slots' batch
   index and attend over every slot's window at once; slots outside the submission get zero queries and
-  their rows are dropped.
+  their rows are dropped. BF16/FP16 lanes copy their slots' windows once, together, instead (``[lanes,
+  kv_heads, W, head_dim]``, fewer cells than every slot's): their products would copy a strided view anyway,
+  one head at a time.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
@@ -45,6 +49,7 @@ class AttentionPlan:
     slots: torch.Tensor  # int64 [G]: each group's read slot, clamped into range
     placement: torch.Tensor | None  # int64 [num_slots]: the group queried at each slot (G: none); None: one group, or
     per_lane: bool  # each group's own slot window copied and attended alone (LANE_WINDOWS), not every slot's
+    # (placement None and per_lane False: the groups' slot windows copied together, one group or BF16/FP16 lanes)
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
 
 
@@ -78,7 +83,10 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     slots = rows.read_slots.clamp(0, num_slots - 1)
     placement = None
     per_lane = groups > 1 and LANE_WINDOWS * groups <= num_slots
-    if groups > 1 and not per_lane:  # lanes: every slot's window read in place, each lane's query at its slot
+    # BF16/FP16 products copy a strided operand anyway (one head at a time): lanes that would attend in place copy
+    # their own slots' windows once, together, instead (fewer cells than every slot's window)
+    gathered = dtype != torch.float32 and not per_lane
+    if groups > 1 and not per_lane and not gathered:  # lanes: every slot's window in place, each query at its slot
         placement = _placement(rows, slots, num_slots)
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [num_slots, R/G]; 0 at empty slots
     mask = causal_mask(window, positions, share, dtype)
@@ -105,10 +113,11 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
-                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
+                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1], merged=True)
                               for g in range(groups)])
-    elif plan.placement is None:  # one group: its slot's window, [1, kv_heads, W, D], copied once for its rows
-        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask)
+    elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
+        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
+                           merged=True)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
@@ -126,23 +135,40 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
     return torch.zeros(hidden.shape, dtype=dtype, device=window.device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The fused kernel for FP32, transformers' eager path for BF16/FP16; ``mask`` from ``causal_mask``."""
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            merged: bool = False) -> torch.Tensor:
+    """The fused kernel for FP32, transformers' eager path for BF16/FP16; ``mask`` from ``causal_mask``.
+    ``merged``: ``keys`` and ``values`` are contiguous (window copies), so BF16/FP16 run one product over batch and
+    KV heads (``_eager_low_precision``)."""
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return _eager_low_precision(query, keys, values, mask)
+    return _eager_low_precision(query, keys, values, mask, merged)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         hidden: torch.Tensor) -> torch.Tensor:
+                         hidden: torch.Tensor, merged: bool = False) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
-    (a MoE router flips experts). One batched product per KV head reads its strided cache view in
-    place (a product over the merged batch and head dims would copy it). ``query [B, kv, M, D]``,
-    ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]`` (True: masked) -> ``[B, kv, M, D]``.
+    (a MoE router flips experts). ``merged`` (contiguous ``keys`` and ``values``: the cached windows of
+    ``cached_attention``): one batched product over the batch and KV-head dims, a dozen graph nodes a layer. Otherwise
+    (packed prefill) one batched product per KV head, the shape transformers' own products take there (a merged
+    product of 64 against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
+    ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]`` (True: masked) ->
+    ``[B, kv, M, D]``.
     """
     scale = query.shape[-1] ** -0.5
+    if merged:
+        batch, kv_heads, rows, head_dim = query.shape
+        window = keys.shape[2]
+        scores = torch.bmm(query.reshape(batch * kv_heads, rows, head_dim),
+                           keys.reshape(batch * kv_heads, window, head_dim).transpose(1, 2)) * scale  # [B * kv, M, W]
+        scores = scores.view(batch, kv_heads, rows, window).to(torch.float32)
+        scores = scores.masked_fill(hidden, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, kv, M, W]
+        attended = torch.bmm(probs.view(batch * kv_heads, rows, window),
+                             values.reshape(batch * kv_heads, window, head_dim))  # [B * kv, M, D]
+        return attended.view(batch, kv_heads, rows, head_dim)
     heads = []
     for head in range(query.shape[1]):
         scores = torch.bmm(query[:, head], keys[:, head].transpose(1, 2)) * scale  # [B, M, W] in the model dtype
