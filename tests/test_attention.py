@@ -96,16 +96,16 @@ def test_a_layer_reuses_the_plan_and_builds_no_mask(case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bf16_cached_attention_runs_two_products_a_window_copy_not_two_a_kv_head(case: str) -> None:
     """BF16 attention over cached windows: one product of queries and keys and one of probabilities and values
-    over the batch and KV heads of the copied windows (per lane when lanes attend alone), not two per KV head
-    on strided views, whose every product copied its operand first."""
+    over the batch and KV heads of the lanes' copied windows, not two per KV head on strided views, whose every
+    product copied its operand first."""
     rows = _rows(case)
     plan = plan_attention(rows, SLOTS, MAX_SEQ_LEN, SHARE, torch.bfloat16)
-    assert plan.placement is None  # BF16 lanes never attend in place: their products would copy the views
+    assert plan.placement is None and not plan.per_lane  # one copy of the lanes' windows, never the cache's
     key_cache = value_cache = torch.zeros(SLOTS, MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     query = torch.zeros(rows.positions.shape[0], KV_HEADS * SHARE, HEAD_DIM, dtype=torch.bfloat16)
     with _Operators() as layer:
         cached_attention(query, key_cache, value_cache, plan)
-    assert layer.names.count("bmm") == 2 * (plan.groups if plan.per_lane else 1), layer.names
+    assert layer.names.count("bmm") == 2 and layer.names.count("index_select") == 2, layer.names
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -18,9 +18,9 @@ and ``scaled_dot_product_attention`` reads it in place.
   Two or more lanes, when the cache has at least ``LANE_WINDOWS`` times as many slots, do the same one
   lane at a time (one slot's cells per copy). Otherwise they place their queries at their slots' batch
   index and attend over every slot's window at once; slots outside the submission get zero queries and
-  their rows are dropped. BF16/FP16 lanes copy their slots' windows once, together, instead (``[lanes,
-  kv_heads, W, head_dim]``, fewer cells than every slot's): their products would copy a strided view anyway,
-  one head at a time.
+  their rows are dropped. BF16/FP16 lanes always copy their own slots' windows once, together (``[lanes,
+  kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would copy a
+  strided view anyway, one head at a time.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
@@ -82,10 +82,10 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     positions = rows.positions.view(groups, per_group)
     slots = rows.read_slots.clamp(0, num_slots - 1)
     placement = None
-    per_lane = groups > 1 and LANE_WINDOWS * groups <= num_slots
-    # BF16/FP16 products copy a strided operand anyway (one head at a time): lanes that would attend in place copy
-    # their own slots' windows once, together, instead (fewer cells than every slot's window)
-    gathered = dtype != torch.float32 and not per_lane
+    # BF16/FP16 products copy a strided operand anyway (one head at a time), so lanes copy their own slots' windows
+    # once, together: the cells one copy a lane would move, in two graph nodes a layer instead of two a lane
+    gathered = dtype != torch.float32
+    per_lane = not gathered and groups > 1 and LANE_WINDOWS * groups <= num_slots
     if groups > 1 and not per_lane and not gathered:  # lanes: every slot's window in place, each query at its slot
         placement = _placement(rows, slots, num_slots)
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [num_slots, R/G]; 0 at empty slots
