@@ -99,3 +99,30 @@ def test_a_graph_the_reader_refuses_stops_the_load_naming_it(core_copy):
 def test_tensor_facts_are_plain_data():
     facts = TensorFacts(torch.float32, (2, "s3"))
     assert facts.dim() == 2 and facts.shape[-1] == "s3"
+
+
+def test_the_decoding_tables_are_torchs_own():
+    """The reader decodes dtype, layout and memory-format codes with the tables torch's serializer holds, built
+    from the schema enums so that loading never imports the serializer (dynamo, sympy and mpmath with it)."""
+    from torch._export.serde import schema, serialize
+
+    from ignition.validate.graph_json import serde_tables
+
+    tables = serde_tables()
+    assert tables.dtypes == serialize._SERIALIZE_TO_TORCH_DTYPE
+    assert tables.layouts == serialize._SERIALIZE_TO_TORCH_LAYOUT
+    assert tables.memory_formats == serialize._SERIALIZE_TO_TORCH_MEMORY_FORMAT
+    for device in ({"type": "cpu"}, {"type": "cuda", "index": 1}, {"type": "cuda", "index": None}):
+        expected = serialize.deserialize_device(schema.Device(type=device["type"], index=device.get("index")))
+        assert tables.device(device) == expected
+
+
+def test_loading_a_core_imports_neither_dynamo_nor_sympy(toy_core):
+    import subprocess
+    import sys
+
+    script = ("import sys; from ignition.runtime.core import load_core; load_core(sys.argv[1]); "
+              "print(sorted(m for m in ('torch._dynamo', 'sympy', 'torch._export.serde.serialize') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script, str(toy_core)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

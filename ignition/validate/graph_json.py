@@ -4,7 +4,7 @@
 each ``cond`` branch) to ``GraphReader``: placeholders, call nodes with their operator resolved only among the
 allowed namespaces and shape arithmetic, arguments positional or keyword by the operator's schema as torch orders
 them, ``getitem`` nodes for several outputs, and every value's serialized metadata as ``TensorFacts`` under
-``node.meta[FACTS]``. Decoding tables (dtype, layout, memory-format codes, devices) are torch's own.
+``node.meta[FACTS]``. Decoding tables (dtype, layout, memory-format codes) decode torch's own schema enums.
 """
 
 from __future__ import annotations
@@ -51,15 +51,41 @@ class SerdeTables:
     device: object  # JSON Device -> torch.device
 
 
+# The program JSON's enum members (torch._export.serde.schema, whose codes they name) -> the torch attribute each
+# decodes to: what torch's serializer module holds as _SERIALIZE_TO_TORCH_DTYPE/_LAYOUT/_MEMORY_FORMAT
+# (tests/test_program_reader.py pins them equal). Not imported from there: that module imports dynamo, sympy and
+# mpmath, 1.2-2.3 s of a warm load_core in a fresh process and several seconds more on a cold disk.
+_SCALAR_TYPES = {"BYTE": "uint8", "CHAR": "int8", "SHORT": "int16", "INT": "int32", "LONG": "int64",
+                 "HALF": "float16", "FLOAT": "float32", "DOUBLE": "float64", "COMPLEXHALF": "complex32",
+                 "COMPLEXFLOAT": "complex64", "COMPLEXDOUBLE": "complex128", "BOOL": "bool", "BFLOAT16": "bfloat16",
+                 "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64", "FLOAT8E4M3FN": "float8_e4m3fn",
+                 "FLOAT8E5M2": "float8_e5m2", "FLOAT8E4M3FNUZ": "float8_e4m3fnuz",
+                 "FLOAT8E5M2FNUZ": "float8_e5m2fnuz", "FLOAT8E8M0FNU": "float8_e8m0fnu"}
+_LAYOUTS = {"SparseCoo": "sparse_coo", "SparseCsr": "sparse_csr", "SparseCsc": "sparse_csc", "SparseBsr": "sparse_bsr",
+            "SparseBsc": "sparse_bsc", "_mkldnn": "_mkldnn", "Strided": "strided"}
+_MEMORY_FORMATS = {"ContiguousFormat": "contiguous_format", "ChannelsLast": "channels_last",
+                   "ChannelsLast3d": "channels_last_3d", "PreserveFormat": "preserve_format"}
+
+
+def _decoding(enum, attributes: dict[str, str]) -> dict:
+    """Code -> torch value for each member of the schema's ``enum`` that this torch has."""
+    return {enum[member].value: getattr(torch, attribute) for member, attribute in attributes.items()
+            if member in enum.__members__ and hasattr(torch, attribute)}
+
+
+def _device(value: dict) -> torch.device:
+    index = value.get("index")
+    return torch.device(type=value.get("type")) if index is None else torch.device(type=value.get("type"), index=index)
+
+
 @functools.cache
 def serde_tables():
-    """torch's own decoding tables of the program JSON (dtype, layout and memory-format codes) and its device
-    decoder, imported once."""
-    from torch._export.serde import schema, serialize
+    """The decoding tables of the program JSON (dtype, layout and memory-format codes, from torch's own schema
+    enums) and its device decoder, built once."""
+    from torch._export.serde import schema
 
-    return SerdeTables(serialize._SERIALIZE_TO_TORCH_DTYPE, serialize._SERIALIZE_TO_TORCH_LAYOUT,
-                        serialize._SERIALIZE_TO_TORCH_MEMORY_FORMAT,
-                        lambda d: serialize.deserialize_device(schema.Device(type=d.get("type"), index=d.get("index"))))
+    return SerdeTables(_decoding(schema.ScalarType, _SCALAR_TYPES), _decoding(schema.Layout, _LAYOUTS),
+                       _decoding(schema.MemoryFormat, _MEMORY_FORMATS), _device)
 
 
 def _resolve(target: str):
