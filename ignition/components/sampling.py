@@ -232,8 +232,10 @@ def filtered_distribution(
     """
     width = logits.shape[-1]
     lane_ids = torch.arange(width, device=logits.device)  # [V]
-    padded_lane = (lane_ids >= vocab_size).reshape(1, -1)  # [1, V]
-    work = torch.where(padded_lane, float("-inf"), logits.to(torch.float32))  # new [B, V]
+    if width > vocab_size:  # padded lanes (a sharded vocabulary's padding) -> -inf: a new [B, V]
+        work = torch.where((lane_ids >= vocab_size).reshape(1, -1), float("-inf"), logits.to(torch.float32))
+    else:  # no padding: no pass over the row (apply_penalties is out of place, so logits stays unmodified)
+        work = logits.to(torch.float32)
     work = apply_penalties(work, output_counts, prompt_mask, params)
 
     # NOTE: explicit smallest-id tie rule rather than relying on argmax's backend behaviour.

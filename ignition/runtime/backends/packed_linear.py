@@ -110,6 +110,8 @@ class LinearPacks:
         each packed weight no graph reads raw is replaced, in ``weights`` and in every variant's buffers, by its
         packed tensor (an unused placeholder's argument), and its raw pages are released. Returns the released
         names."""
+        for program, _ in self.programs:  # each graph's code generated while the reorders still run
+            program.graph_module
         self.packed = {name: reorder.result() for name, (_, reorder) in self.pending.items()}
         self._worker.shutdown()
         for program, attributes in self.programs:
