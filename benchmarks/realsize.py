@@ -184,21 +184,26 @@ def step_profile(core, prompts: list[list[int]], logprobs: int | None) -> tuple[
     return share, wall * 1e3
 
 
-def fresh_load(core: Path, threads: int) -> tuple[float, float]:
-    """(peak RSS GiB, ``load_core`` seconds) of a fresh process that imports Ignition and loads ``core``, nothing
-    else (this process's own peak also holds the checkpoint it built and transformers' model)."""
+def stages(timings: dict[str, float]) -> str:
+    """``LoadedCore.timings`` as one cell: the seconds of each load stage."""
+    return ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in timings.items())
+
+
+def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]]:
+    """(peak RSS GiB, ``load_core`` seconds, its stages' seconds) of a fresh process that imports Ignition and loads
+    ``core``, nothing else (this process's own peak also holds the checkpoint it built and transformers' model)."""
     # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
     # the child would report this process's peak; VmHWM is the peak of the child's own address space.
     script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
               "import time; from ignition.runtime.core import load_core; started = time.perf_counter(); "
               "core = load_core(sys.argv[1]); seconds = time.perf_counter() - started; "
-              "print(next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')), "
-              "seconds)")
+              "import json; print(next(int(line.split()[1]) for line in open('/proc/self/status') "
+              "if line.startswith('VmHWM:')), seconds, json.dumps(core.timings))")
     done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"loading {core} in a fresh process failed:\n{done.stderr[-2000:]}")
-    peak_kib, seconds = done.stdout.strip().splitlines()[-1].split()
-    return int(peak_kib) / 2**20, float(seconds)
+    peak_kib, seconds, timings = done.stdout.strip().splitlines()[-1].split(maxsplit=2)
+    return int(peak_kib) / 2**20, float(seconds), json.loads(timings)
 
 
 def main() -> None:
@@ -251,11 +256,12 @@ def main() -> None:
         load_s, core = timed(lambda: load_core(args.core))
         weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
-        load_rss, fresh_s = fresh_load(args.core, args.threads)
+        load_rss, fresh_s, fresh_stages = fresh_load(args.core, args.threads)
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
                   "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", ""),
-                 ("load_core (this process, the first load after the export)", f"{load_s:.1f} s", "", ""),
-                 ("load_core in a fresh process", f"{fresh_s:.1f} s", "", ""),
+                 ("load_core (this process, the first load after the export)", f"{load_s:.1f} s", "",
+                  stages(core.timings)),
+                 ("load_core in a fresh process", f"{fresh_s:.1f} s", "", stages(fresh_stages)),
                  ("peak RSS of a process that only loads (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
                   f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
         attention = args.hf_attention or ("sdpa" if args.dtype == "float32" else "eager")

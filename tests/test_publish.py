@@ -222,3 +222,22 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_export(tmp_path):
     tokenizer = word_tokenizer(tmp_path / "tok", 300)
     with pytest.raises(RecipeError, match="token ids reach 299, beyond the model's vocabulary of 250"):
         export_core(ExportOptions(**TOY, tokenizer=tokenizer), tmp_path / "core")
+
+
+def test_a_published_core_is_on_disk_before_its_name_is(tmp_path, monkeypatch):
+    """Every file and directory of the core is flushed (fsync) before the rename publishes it, and the parent
+    directory after: a crash leaves the old name or a whole core, never a name over empty files."""
+    synced, renamed = [], []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(publish_module.os, "fsync",
+                        lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(publish_module.os, "rename",
+                        lambda src, dst: renamed.append((str(src), len(synced))) or real_rename(src, dst))
+    out = tmp_path / "core"
+    export_core(ExportOptions(**TOY), out)
+    staging, flushed_before = renamed[-1]
+    files = [str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()]
+    assert files and {str(Path(p).relative_to(staging)) for p in synced[:flushed_before]
+                      if Path(p).is_relative_to(staging) and p != staging} >= set(files)
+    assert staging in synced[:flushed_before]  # the directory entries too
+    assert synced[flushed_before:] == [str(tmp_path)]  # then the rename itself

@@ -233,11 +233,34 @@ def discard(staging: Path, out: Path) -> None:
     _release(out, staging)
 
 
+def _fsync(path: str | Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(root: Path) -> None:
+    """Flush every file and directory under ``root`` to disk, so the renames that publish it publish data on disk:
+    after a crash or power loss ``out`` is a whole core, never a name over empty files (delayed allocation). The
+    export also leaves no writeback of its gigabytes behind for the next load to compete with."""
+    for directory, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                _fsync(path)
+        _fsync(directory)
+
+
 def publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Rename the finished staging directory to ``out``; the old core stays reachable until then."""
+    """Rename the finished staging directory, flushed to disk (``sync_tree``), to ``out``; the old core stays
+    reachable until then."""
     refuse_replacing(out, overwrite)  # again: ``out`` may have changed while the export ran
+    sync_tree(staging)
     if not out.exists():
         os.rename(staging, out)
+        _fsync(out.parent)
         _release(out, staging)
         return
     retired = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -246,6 +269,7 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
     claim(retired, source=out)
     os.rename(out, retired)
     os.rename(staging, out)  # a crash here leaves ``out`` missing; recover() restores ``retired``
+    _fsync(out.parent)
     _release(out, staging)
     shutil.rmtree(retired)
     _release(out, retired)

@@ -381,6 +381,8 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
             backend.prepare(entry)
         stages.start("weights", weights_file)
         weights, weights_data = reading.result()
+    if packs is not None:  # on a worker thread, while the variants are bound and their code generated
+        packs.start(weights)
     del weights_data  # the CPU views keep the buffer; a device copy lets it go
     reduction = _device_reduction(root, report, device) if options.cuda and backend.needs_reduction else None
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}

@@ -50,44 +50,50 @@ def packing_available() -> bool:
 class LinearPacks:
     """The packed copy of every weight the load's graphs use as a linear weight, shared across variants.
 
-    NOTE: packing the 28-layer Qwen3-0.6B-shaped core's weights takes about a second; it runs on a worker thread
-    (the reorder releases the GIL) while the loader reads the next graphs. ``rewrite`` gives each graph an empty
-    stand-in for each packed weight, and ``finish``, after the last graph, puts the packed tensors in their place."""
+    NOTE: packing the 28-layer Qwen3-0.6B-shaped core's weights takes 1-2 s of CPU. ``rewrite`` runs on each graph
+    as it is read, before the weights are in memory (the catalog declares each argument's dtype and shape), so that
+    by the time they are, every packed weight is known and whether some graph still reads it raw. ``start`` then
+    packs them on a worker thread (the reorder releases the GIL) while the loader binds the variants and generates
+    their code, releasing each raw copy no graph reads as soon as its pack exists (the weights are never held twice
+    at once), and ``finish`` puts the packed tensors in the graphs' empty stand-ins."""
 
     def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
         self.rows_hint = rows_hint
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
-        self.pending: dict[str, tuple[str, Future]] = {}  # weight name -> (its graph attribute, its reorder)
+        self.attributes: dict[str, str] = {}  # weight name -> the graph attribute of its packed copy
+        self.pending: dict[str, Future] = {}  # weight name -> its reorder (``start``)
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
         self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignition-pack")
 
-    def _attribute(self, name: str, weight: torch.Tensor) -> str:
-        if name not in self.pending:
-            reorder = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, weight, self.rows_hint)
-            self.pending[name] = (f"_packed_{len(self.pending)}", reorder)
-        return self.pending[name][0]
+    def _packs(self, decl: BufferDecl) -> bool:
+        count = 1
+        for extent in decl.shape:
+            count *= extent
+        return len(decl.shape) == 2 and decl.torch_dtype in PACKED_DTYPES and count >= self.min_elements
 
-    def rewrite(self, program: StaticProgram, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> int:
-        """Rewrite the linears of ``program``'s graph whose weight is a large FP32 weight argument, before its graph
-        module is built (one code generation); returns how many. Records which weights it still reads unpacked."""
+    def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
+        """Rewrite the linears of ``program``'s graph whose weight is a large FP32 weight argument (by its
+        declaration), before its graph module is built (one code generation) and before ``start``; returns how
+        many. Records which weights it still reads unpacked."""
         if program.module_built:
             raise ValueError("packed linears rewrite a program's graph before its graph module is built")
-        roles = {a.name: a.role for a in arguments}
+        if self.pending:
+            raise ValueError("packed linears rewrite every graph before the packing starts")
+        decls = {a.name: a for a in arguments if a.role is Role.WEIGHT}
         graph, root, names = program.graph, program.root, program.argument_names
         weight_of = {node: name for node, name in zip((n for n in graph.nodes if n.op == "placeholder"), names)
-                     if roles.get(name) is Role.WEIGHT}
+                     if name in decls}
         attributes: dict[str, str] = {}
         rewritten = 0
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
             name = weight_of[node.args[1]]
-            weight = buffers[name]
-            if weight.dim() != 2 or weight.dtype not in PACKED_DTYPES or weight.numel() < self.min_elements:
+            if not self._packs(decls[name]):
                 continue
-            attribute = self._attribute(name, weight)
+            attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
             if attribute not in attributes:
                 root.register_buffer(attribute, torch.empty(0), persistent=False)  # ``finish`` sets the packed one
                 attributes[attribute] = name
@@ -105,26 +111,36 @@ class LinearPacks:
             self.programs.append((program, attributes))
         return rewritten
 
+    def start(self, weights: dict[str, torch.Tensor]) -> None:
+        """Pack every rewritten graph's weights on the worker thread, each raw copy that no graph reads released
+        as soon as its pack exists."""
+        for name in self.attributes:
+            self.pending[name] = self._worker.submit(self._pack, weights[name], name not in self.raw_readers)
+
+    def _pack(self, weight: torch.Tensor, release: bool) -> torch.Tensor:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+        if release:  # nothing reads it until ``finish`` swaps the packed tensor in
+            release_pages(weight)
+        return packed
+
     def finish(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
-        """After every variant is rewritten: wait for the packs and give each graph module its packed weights; then
-        each packed weight no graph reads raw is replaced, in ``weights`` and in every variant's buffers, by its
-        packed tensor (an unused placeholder's argument), and its raw pages are released. Returns the released
-        names."""
+        """After ``start`` and every variant bound: generate each rewritten graph's code while the packs run, wait
+        for them and give each graph module its packed weights; then each packed weight no graph reads raw (its raw
+        pages already released) is replaced, in ``weights`` and in every variant's buffers, by its packed tensor
+        (an unused placeholder's argument). Returns the released names."""
         for program, _ in self.programs:  # each graph's code generated while the reorders still run
             program.graph_module
-        self.packed = {name: reorder.result() for name, (_, reorder) in self.pending.items()}
+        self.packed = {name: reorder.result() for name, reorder in self.pending.items()}
         self._worker.shutdown()
         for program, attributes in self.programs:
             for attribute, name in attributes.items():
                 setattr(program.graph_module, attribute, self.packed[name])
         released = [name for name in self.packed if name not in self.raw_readers]
         for name in released:
-            raw = weights[name]
             weights[name] = self.packed[name]
             for variant in variants:
                 if name in variant.buffers:
                     variant.buffers[name] = self.packed[name]
-            release_pages(raw)
         return released
 
 

@@ -40,7 +40,9 @@ class Pt2Backend:
         return set(graph_files(catalog, manifest, rank).values())
 
     def prepare(self, entry: dict) -> None:
-        self.program(entry)
+        program = self.program(entry)
+        if self.packs is not None:  # by the declarations: every packed weight is known before the weights arrive
+            self.packs.rewrite(program, [BufferDecl.from_json(a) for a in entry["arguments"]])
 
     def program(self, entry: dict):
         """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes that
@@ -68,6 +70,4 @@ class Pt2Backend:
             program = move_program(program, self.device)
         except ValueError as exc:
             raise CoreLoadError(f"variant {entry['name']}: {exc}") from None
-        if self.packs is not None:
-            self.packs.rewrite(program, arguments, buffers)
         return program.module()  # no per-call input checks: the loader checked the signature against the catalog
