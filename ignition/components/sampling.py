@@ -207,8 +207,10 @@ def apply_penalties(
     repetition = params.repetition_penalty.reshape(-1, 1)  # [B, 1]
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
-    logits = logits - params.frequency_penalty.reshape(-1, 1) * output_counts.to(torch.float32)
-    logits = logits - params.presence_penalty.reshape(-1, 1) * output_seen.to(torch.float32)
+    # NOTE: the counts and flags are promoted to float32 inside each product (the same values as a converted copy,
+    # without one more pass over the row)
+    logits = logits - params.frequency_penalty.reshape(-1, 1) * output_counts
+    logits = logits - params.presence_penalty.reshape(-1, 1) * output_seen
     return logits
 
 
