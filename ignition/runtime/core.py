@@ -277,9 +277,10 @@ class _Stages:
         self.timings: dict[str, float] = {}
         self._current: tuple[str, float] | None = None
 
-    def start(self, stage: str, item: str = "") -> None:
+    def start(self, stage: str, item: str = "", announce: bool = True) -> None:
+        """``announce=False``: time a stage already announced (the wait for the weights), calling no one."""
         self.stop()
-        if self.progress is not None:
+        if self.progress is not None and announce:
             self.progress(stage, item)
         self._current = (stage, time.perf_counter())
 
@@ -336,10 +337,10 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     Compiled packages hold native code, so they are loaded only when ``trust_compiled`` is set or the
     core's signature verifies against ``trusted_key`` (with a key, an unsigned or wrongly signed core is
     refused). Otherwise the portable ``.pt2`` runs, with a warning. The backend is chosen once
-    (``select_backend``). ``progress(stage, item)`` is called as each stage starts (check; graphs, read and
-    checked while a worker thread reads and hashes the weights; weights, the wait for them that is left; runners,
-    each variant bound to its buffers, linears packed; capture; tokenizer); ``LoadedCore.timings`` holds the seconds
-    of each. A sharded core loads
+    (``select_backend``). ``progress(stage, item)`` is called as each stage starts (check; weights, as a worker
+    thread starts reading and hashing them; graphs, read and checked meanwhile; runners, each variant bound to its
+    buffers, linears packed; capture; tokenizer); ``LoadedCore.timings`` holds the seconds of each (weights: its start
+    and the wait for the read that is left after the graphs). A sharded core loads
     one rank at a time; ignition/runtime/parallel.py starts the ranks and their process group.
     """
     root = Path(path)
@@ -374,12 +375,13 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
     with ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
+        stages.start("weights", weights_file)  # the read starts: after the check, as before any overlap
         reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device)
         backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
         for index, entry in enumerate(entries, 1):
             stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
             backend.prepare(entry)
-        stages.start("weights", weights_file)
+        stages.start("weights", weights_file, announce=False)  # the wait for the read that is left
         weights, weights_data = reading.result()
     if packs is not None:  # on a worker thread, while the variants are bound and their code generated
         packs.start(weights)
