@@ -121,5 +121,5 @@ def test_the_merged_product_gives_the_per_head_values_at_decode_shapes(shape, dt
                            for n in (rows, window, window))
     hidden = torch.rand(batch, 1, rows, window, generator=generator) > 0.7
     hidden[..., 0] = False  # every row sees a key
-    merged = _eager_low_precision(query, keys, values, hidden, merged=True)
-    torch.testing.assert_close(merged, _eager_low_precision(query, keys, values, hidden), rtol=0, atol=0)
+    merged = _eager_low_precision(query, keys, values, hidden)
+    torch.testing.assert_close(merged, _eager_low_precision(query, keys, values, hidden, per_head=True), rtol=0, atol=0)

@@ -62,11 +62,12 @@ class BufferDecl:
         return getattr(torch, self.dtype)
 
     @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
-        count = 1
-        for extent in self.shape:
-            count *= extent
-        return count * self.torch_dtype.itemsize
+        return self.numel * self.torch_dtype.itemsize
 
     def empty(self, device=None) -> torch.Tensor:
         """The buffer, zeroed, on ``device``. On the CPU a large one is anonymous memory the kernel zeroes page

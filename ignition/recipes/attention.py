@@ -113,11 +113,10 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
-                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1], merged=True)
+                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
                               for g in range(groups)])
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
-        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
-                           merged=True)
+        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
@@ -136,29 +135,28 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            merged: bool = False) -> torch.Tensor:
-    """The fused kernel for FP32, transformers' eager path for BF16/FP16; ``mask`` from ``causal_mask``.
-    ``merged``: ``keys`` and ``values`` are contiguous (window copies), so BF16/FP16 run one product over batch and
-    KV heads (``_eager_low_precision``)."""
+            per_head: bool = False) -> torch.Tensor:
+    """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``: see
+    ``_eager_low_precision``); ``mask`` from ``causal_mask``."""
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return _eager_low_precision(query, keys, values, mask, merged)
+    return _eager_low_precision(query, keys, values, mask, per_head)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         hidden: torch.Tensor, merged: bool = False) -> torch.Tensor:
+                         hidden: torch.Tensor, per_head: bool = False) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
-    (a MoE router flips experts). ``merged`` (contiguous ``keys`` and ``values``: the cached windows of
-    ``cached_attention``): one batched product over the batch and KV-head dims, a dozen graph nodes a layer. Otherwise
-    (packed prefill) one batched product per KV head, the shape transformers' own products take there (a merged
-    product of 64 against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
+    (a MoE router flips experts). One batched product over the batch and KV-head dims of contiguous ``keys`` and
+    ``values`` (``cached_attention``'s window copies), a dozen graph nodes a layer; ``per_head`` (packed prefill):
+    one batched product per KV head, the shape transformers' own products take there (a merged product of 64
+    against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
     ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]`` (True: masked) ->
     ``[B, kv, M, D]``.
     """
     scale = query.shape[-1] ** -0.5
-    if merged:
+    if not per_head:
         batch, kv_heads, rows, head_dim = query.shape
         window = keys.shape[2]
         scores = torch.bmm(query.reshape(batch * kv_heads, rows, head_dim),
@@ -218,7 +216,8 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, head_dim)
     grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
     positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    attended = _attend(grouped, keys, values, causal_mask(window, positions, share, query.dtype))  # [B, kv, share*E, D]
+    mask = causal_mask(window, positions, share, query.dtype)
+    attended = _attend(grouped, keys, values, mask, per_head=True)  # [B, kv, share * E, D]
     attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
     attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j
     return attended.index_select(0, segments.row_source)  # [R, heads * head_dim]

@@ -371,6 +371,7 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     device = options.device
     weights_file = _rank_weights(root, spec, options)
     entries = catalog["variants"]
+    declared = {entry["name"]: [BufferDecl.from_json(a) for a in entry["arguments"]] for entry in entries}
     packs = LinearPacks() if options.pack_linears else None
     # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
@@ -380,7 +381,7 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
         backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
         for index, entry in enumerate(entries, 1):
             stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
-            backend.prepare(entry)
+            backend.prepare(entry, declared[entry["name"]])
         stages.start("weights", weights_file, announce=False)  # the wait for the read that is left
         weights, weights_data = reading.result()
     if packs is not None:  # on a worker thread, while the variants are bound and their code generated
@@ -391,7 +392,7 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     variants = {}
     for index, entry in enumerate(entries, 1):
         stages.start("runners", f"variant {index} of {len(entries)}: {entry['name']}")
-        arguments = [BufferDecl.from_json(a) for a in entry["arguments"]]
+        arguments = declared[entry["name"]]
         buffers = {}
         for arg in arguments:
             if arg.role is Role.WEIGHT:

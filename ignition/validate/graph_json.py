@@ -74,8 +74,7 @@ def _decoding(enum, attributes: dict[str, str]) -> dict:
 
 
 def _device(value: dict) -> torch.device:
-    index = value.get("index")
-    return torch.device(type=value.get("type")) if index is None else torch.device(type=value.get("type"), index=index)
+    return torch.device(value.get("type"), value.get("index"))
 
 
 @functools.cache

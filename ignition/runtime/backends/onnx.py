@@ -35,7 +35,7 @@ class OnnxBackend:
     def files(catalog: dict, manifest: dict, rank: int) -> set[str]:
         return {v["packages"]["onnx"] for v in catalog["variants"] if "onnx" in v.get("packages", {})}
 
-    def prepare(self, entry: dict) -> None:
+    def prepare(self, entry: dict, arguments: list[BufferDecl]) -> None:
         """Nothing ahead of the weights: each graph is checked against the weights' offsets as its runner is built."""
 
     def runner(self, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> Runner:

@@ -68,10 +68,7 @@ class LinearPacks:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignition-pack")
 
     def _packs(self, decl: BufferDecl) -> bool:
-        count = 1
-        for extent in decl.shape:
-            count *= extent
-        return len(decl.shape) == 2 and decl.torch_dtype in PACKED_DTYPES and count >= self.min_elements
+        return len(decl.shape) == 2 and decl.torch_dtype in PACKED_DTYPES and decl.numel >= self.min_elements
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
         """Rewrite the linears of ``program``'s graph whose weight is a large FP32 weight argument (by its

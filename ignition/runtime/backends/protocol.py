@@ -35,9 +35,10 @@ class Backend(Protocol):
     def files(catalog: dict, manifest: dict, rank: int) -> set[str]:
         """The graph files this backend reads at load (their sha256 is checked as they are read)."""
 
-    def prepare(self, entry: dict) -> None:
-        """Read and check catalog entry ``entry``'s graph before the weights are in memory (``load_core`` runs this
-        while a worker thread reads the weights); CoreLoadError when it is not valid. May do nothing."""
+    def prepare(self, entry: dict, arguments: list[BufferDecl]) -> None:
+        """Read and check catalog entry ``entry``'s graph (``arguments``: its declared arguments) before the weights
+        are in memory (``load_core`` runs this while a worker thread reads the weights); CoreLoadError when it is
+        not valid. May do nothing."""
 
     def runner(self, entry: dict, arguments: list[BufferDecl], buffers: dict[str, torch.Tensor]) -> Runner:
         """The replay of catalog entry ``entry`` over ``buffers``; CoreLoadError when it cannot be made."""

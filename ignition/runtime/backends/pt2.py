@@ -39,10 +39,10 @@ class Pt2Backend:
     def files(catalog: dict, manifest: dict, rank: int) -> set[str]:
         return set(graph_files(catalog, manifest, rank).values())
 
-    def prepare(self, entry: dict) -> None:
+    def prepare(self, entry: dict, arguments: list[BufferDecl]) -> None:
         program = self.program(entry)
         if self.packs is not None:  # by the declarations: every packed weight is known before the weights arrive
-            self.packs.rewrite(program, [BufferDecl.from_json(a) for a in entry["arguments"]])
+            self.packs.rewrite(program, arguments)
 
     def program(self, entry: dict):
         """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes that
