@@ -171,15 +171,17 @@ def test_run_and_serve_refuse_a_geometry_edit_cleanly(core_copy, command):
     assert isinstance(result.exception, SystemExit), result.exception  # typer.Exit, not an escaped error
 
 
-def test_a_sample_window_shorter_than_the_vocabulary_is_refused(decoder_core, tmp_path):
-    """A runtime passes the sample window's whole extent when a lane samples: declared shorter than vocab_padded,
-    sampled tokens would come from a prefix of the vocabulary."""
+@pytest.mark.parametrize("window", ["sample_window", "transform_window"])
+def test_a_vocabulary_window_shorter_than_the_vocabulary_is_refused(decoder_core, tmp_path, window):
+    """A runtime passes the sample window's whole extent when a lane samples, and the transform window's when a lane
+    has a constraint or penalty: declared shorter than vocab_padded, sampled tokens would come from a prefix of the
+    vocabulary, or the columns past it would escape the constraints and penalties."""
     core = copy_of(decoder_core, tmp_path)
 
     def shorten(catalog):
         for variant in catalog["variants"]:
             for argument in variant["arguments"]:
-                if argument["name"] == "sample_window":
+                if argument["name"] == window:
                     argument["shape"] = [64]
     core.edit("catalog.json", shorten)
     assert rules_of(core.root) == {"BUF-SHAPE"}

@@ -20,7 +20,8 @@ from test_decode_copies import CacheCopies
 from test_validate_rules import rules_of
 
 from ignition.catalog.abi import RecordField
-from ignition.catalog.buffers import KEY_WINDOW, PACKED_TOKENS, SAMPLE_WINDOW, SEGMENT_WINDOW, TOKEN_BITMASK
+from ignition.catalog.buffers import (KEY_WINDOW, PACKED_TOKENS, SAMPLE_WINDOW, SEGMENT_WINDOW, TOKEN_BITMASK,
+                                     TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, RoundKind
 from ignition.exporter.export import export_core
 from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
@@ -227,11 +228,25 @@ def test_windows_cover_every_lane(core):
     fill_inputs(variant, lanes, 0, core)
     windowed = Windowed(lambda buffers: None, variant.bindings, variant.layout["windows"])
     assert windowed.sizes(variant.buffers) == {KEY_WINDOW: 64, PACKED_TOKENS: 32, SEGMENT_WINDOW: 16,
-                                               SAMPLE_WINDOW: 64}  # greedy lanes: a short sorted row
+                                               SAMPLE_WINDOW: 64,  # greedy lanes: a short sorted row
+                                               TRANSFORM_WINDOW: 64}  # no penalty: no transformed column
     sampling = Lane(RequestState(Request(prompt(1, 5), sampling=SamplingParams(temperature=0.7)), "c", slot=2,
                                  epoch=1), ChunkPlan(0, prompt(1, 5), True))
     fill_inputs(variant, [lanes[0], sampling], 0, core)
-    assert windowed.sizes(variant.buffers)[SAMPLE_WINDOW] == core.manifest["vocab_padded"]  # a lane samples: all of it
+    sizes = windowed.sizes(variant.buffers)
+    assert sizes[SAMPLE_WINDOW] == core.manifest["vocab_padded"] and sizes[TRANSFORM_WINDOW] == 64  # samples, neutral
+    for penalty in ({"repetition_penalty": 1.2}, {"presence_penalty": -0.5}, {"frequency_penalty": 0.1}):
+        penalized = Lane(RequestState(Request(prompt(1, 5), sampling=SamplingParams(**penalty)), "d", slot=2,
+                                      epoch=1), ChunkPlan(0, prompt(1, 5), True))
+        fill_inputs(variant, [lanes[0], penalized], 0, core)
+        sizes = windowed.sizes(variant.buffers)  # a penalty transforms the row: all of it, even for greedy lanes
+        assert (sizes[SAMPLE_WINDOW], sizes[TRANSFORM_WINDOW]) == (64, core.manifest["vocab_padded"]), penalty
+    for constraints in (LaneConstraints.build(VOCAB, allowed_token_ids=[5, 250]),
+                        LaneConstraints.build(VOCAB, logit_bias={"299": 1.0})):  # a bitmask, a bias: likewise
+        constrained = Lane(RequestState(Request(prompt(1, 5), constraints=constraints), "e", slot=2, epoch=1),
+                           ChunkPlan(0, prompt(1, 5), True))
+        fill_inputs(variant, [lanes[0], constrained], 0, core)
+        assert windowed.sizes(variant.buffers)[TRANSFORM_WINDOW] == core.manifest["vocab_padded"]
     fill_inputs(variant, lanes, 0, core)
     assert variant.buffers[PACKED_TOKENS][:20].tolist() == prompt(0, 30)[16:] + prompt(1, 5) + [0]
     assert replayed_extent(variant, KEY_WINDOW, 30) == 64 and replayed_extent(variant, KEY_WINDOW, 65) == 128
@@ -293,7 +308,8 @@ def test_exported_packed_core_is_valid_and_lane_count_is_its_capacity(exported, 
     assert rules_of(exported[0], check_graphs=False) == set()
     variant = core.variants[PACKED]
     assert variant.operation is Operation.PACKED_PREFILL and variant.lanes == SLOTS
-    assert set(variant.layout["windows"]) == {KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW, SAMPLE_WINDOW}
+    assert set(variant.layout["windows"]) == {KEY_WINDOW, PACKED_TOKENS, SEGMENT_WINDOW, SAMPLE_WINDOW,
+                                              TRANSFORM_WINDOW}
 
 
 def test_packed_capacity_must_fit_the_slots():

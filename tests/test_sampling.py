@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from ignition.catalog.buffers import SAMPLING_INPUTS
+from ignition.catalog.buffers import BIAS_IDS, BIAS_VALUES, SAMPLING_INPUTS, TOKEN_BITMASK
+from ignition.components.constraints import allowed_tokens, sampling_logits
 from ignition.components.sampling import (
     SAMPLING_DEFAULTS,
     SAMPLING_FIELDS,
@@ -437,3 +438,87 @@ def test_sample_window_full_extent_is_bit_identical_and_short_window_keeps_greed
         assert torch.equal(exported(logits, counts, prompt_mask, window, *flat), expected)
     assert torch.equal(exported(logits, counts, prompt_mask, full, *params.as_tuple()),
                        sample(logits, counts, prompt_mask, params, vocab_size=30))
+
+
+class TransformedSampleModule(torch.nn.Module):
+    def forward(self, logits, output_counts, prompt_mask, window, transform, bitmask, bias_ids, bias_values,
+                *sampling_inputs):
+        params = SamplingTensors.from_tuple(sampling_inputs)
+        buffers = {TOKEN_BITMASK: bitmask, BIAS_IDS: bias_ids, BIAS_VALUES: bias_values}
+        return sample(logits, output_counts, prompt_mask, params, vocab_size=30, window=window, transform=transform,
+                      constrain=lambda part, columns: sampling_logits(buffers, part, columns))
+
+
+def _constraint_buffers(rows: int, width: int, allowed: dict[int, list[int]], bias: dict[int, dict[int, float]]):
+    bitmask = torch.zeros(rows, (width + 31) // 32, dtype=torch.int64)
+    for row, ids in allowed.items():
+        for token in ids:
+            bitmask[row, token // 32] |= 1 << (token % 32)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)  # the words' 32 bits
+    bias_ids, bias_values = torch.full((rows, 4), -1, dtype=torch.int64), torch.zeros(rows, 4)
+    for row, entries in bias.items():
+        for index, (token, value) in enumerate(entries.items()):
+            bias_ids[row, index], bias_values[row, index] = token, value
+    return {TOKEN_BITMASK: bitmask, BIAS_IDS: bias_ids, BIAS_VALUES: bias_values}
+
+
+def test_transform_window_full_extent_is_bit_identical_and_short_window_keeps_untransformed_rows():
+    """``transform`` (the transform window) at the whole row gives exactly the unwindowed tokens with penalties, a
+    bitmask and a bias, eagerly and through an exported graph whose extent is dynamic; rows without any transform
+    give the same tokens (sampled, greedy, tied) at every shorter extent; and a short window does bound the transformed
+    columns, which is why the runtime passes the whole row whenever a lane has a transform."""
+    logits, requests = _mixed_requests()
+    counts, prompt_mask = no_history(6, 32)
+    counts[5, :4] = 1
+    counts[0, 3] = 2
+    prompt_mask[3, 4:9] = True
+    requests[0] = requests[0] | {"frequency_penalty": 0.4, "presence_penalty": -0.3}
+    params = make_params(requests)
+    buffers = _constraint_buffers(6, 32, {1: [2, 9, 20, 31], 4: [7]}, {2: {25: 3.0, 1: -2.0}})
+    constrain = lambda part, columns: sampling_logits(buffers, part, columns)  # noqa: E731
+    full = torch.zeros(32, dtype=torch.int64)
+    expected = sample(sampling_logits(buffers, logits), counts, prompt_mask, params, vocab_size=30, window=full)
+    assert expected[4] == 7  # the bitmask decides the greedy row
+    assert torch.equal(sample(logits, counts, prompt_mask, params, 30, full, full, constrain), expected)
+    extent = torch.export.Dim("transform", min=2, max=32)
+    flat = params.as_tuple()
+    exported = torch.export.export(
+        TransformedSampleModule(), (logits, counts[:, :16].contiguous(), prompt_mask[:, :16].contiguous(), full, full[:16],
+                                    *buffers.values(),
+                                    *flat),
+        dynamic_shapes=(None, {1: extent}, {1: extent}, None, {0: extent}, None, None, None, (None,) * len(flat)))
+    exported = exported.module()
+    assert torch.equal(exported(logits, counts, prompt_mask, full, full, *buffers.values(), *flat), expected)
+
+    neutral = make_params([{k: v for k, v in r.items() if "penalty" not in k} for r in requests])
+    none = _constraint_buffers(6, 32, {}, {})
+    logits[4, 3] = logits[4, 21] = logits[4].max() + 1  # a greedy tie across the window's edge: the smallest id
+    untransformed = sample(logits, counts, prompt_mask, neutral, vocab_size=30, window=full)
+    assert untransformed[4] == 3
+    for width in (2, 5, 16, 32):
+        transform = torch.zeros(width, dtype=torch.int64)
+        assert torch.equal(sample(logits, counts[:, :width], prompt_mask[:, :width], neutral, 30, full, transform),
+                           untransformed), width
+        assert torch.equal(exported(logits, counts[:, :width].contiguous(), prompt_mask[:, :width].contiguous(), full,
+                                    transform,
+                                    *none.values(), *neutral.as_tuple()), untransformed), width
+
+    greedy = make_params([{"temperature": 0.0, "repetition_penalty": 4.0}] * 6)
+    seen = torch.ones(6, 32, dtype=torch.bool)
+    penalized = sample(logits, counts, seen, greedy, 30, full, full)
+    short = sample(logits, counts[:, :16], seen[:, :16], greedy, 30, full, full[:16])
+    assert not torch.equal(penalized, short)  # columns past a short window keep their raw logits
+
+
+def test_windowed_constraints_equal_the_whole_rows_columns():
+    """``allowed_tokens`` and ``sampling_logits`` on a prefix of the columns (``columns``) give that prefix of the
+    whole row's result; a bias id past the prefix is left out, not clamped onto its last column."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 100, generator=generator)
+    buffers = _constraint_buffers(3, 100, {0: [0, 31, 32, 63, 64, 99], 2: [40]}, {1: {5: 1.5, 70: 9.0}, 2: {40: -1.0}})
+    whole = sampling_logits(buffers, logits)
+    for width in (1, 31, 32, 33, 64, 100):
+        columns = torch.arange(width)
+        assert torch.equal(allowed_tokens(buffers[TOKEN_BITMASK], width, columns),
+                           allowed_tokens(buffers[TOKEN_BITMASK], 100)[:, :width]), width
+        assert torch.equal(sampling_logits(buffers, logits[:, :width], columns), whole[:, :width]), width

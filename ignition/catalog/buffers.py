@@ -92,6 +92,9 @@ SAMPLING_DEFAULTS: dict[str, float | int] = dict(
 """The value of each sampling input when a request leaves it out: greedy, every filter and penalty off. The
 runtime's ``SamplingParams``, the CLI's options and ``SamplingTensors.from_requests`` all read it from here."""
 assert set(SAMPLING_DEFAULTS) == {spec.name for spec in SAMPLING_INPUTS}
+PENALTY_INPUTS = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+"""The sampling inputs of the penalties: a lane whose three hold their ``SAMPLING_DEFAULTS`` value applies none (the
+``transform_window`` rule reads them from here)."""
 
 SPECULATIVE_INPUTS = (
     BufferSpec("draft_token_ids", "int64", ("capacity", "S"), Role.INPUT, ValueSource.DRAFT_TOKEN_IDS,
@@ -136,9 +139,16 @@ WINDOW_INPUTS = (
                "Its extent W bounds the row the sampler sorts, [0, W): pass the whole extent when any lane samples "
                "(temperature >= the greedy threshold); a round of greedy lanes only may pass less, as its tokens are "
                "the argmax of the whole row (contents unread)"),
+    BufferSpec("transform_window", "int64", ("vocab_padded",), Role.INPUT, ValueSource.TRANSFORM_WINDOW,
+               "Its extent T bounds the columns of the row the sampling transforms (token bitmask, logit bias, "
+               "repetition, frequency and presence penalties) are applied to, [0, T): pass the whole extent when any "
+               "lane has a bitmask, a bias or a penalty other than the neutral one; a round without any may pass "
+               "less, as the transforms are then the identity (contents unread)"),
 )
-"""The windows of the decoder recipes: the key window attention reads, and the sampler's sorted width (a greedy
-round skips the full-vocabulary sort and filtering: the tokens are the same, the sort is not needed)."""
+"""The windows of the decoder recipes: the key window attention reads, the sampler's sorted width (a greedy
+round skips the full-vocabulary sort and filtering: the tokens are the same, the sort is not needed), and the
+columns the sampling transforms touch (a round without constraints or penalties skips a dozen passes over every
+row: the sampled row is the raw one, the transforms are not needed)."""
 
 PACKED_INPUTS = (
     BufferSpec("packed_input_ids", "int64", ("capacity*C",), Role.INPUT, ValueSource.PACKED_TOKEN_IDS,
@@ -175,7 +185,7 @@ PROMPT_LANE, PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS, DECODE_ROLE_RECORDS, DEC
 ROLE_FRAMES = {"prompt": (PROMPT_ROLE_RECORDS, PROMPT_ROLE_LOGPROBS), "decode": (DECODE_ROLE_RECORDS, DECODE_ROLE_LOGPROBS)}
 """Role -> (its private records buffer, its private packed buffer)."""
 ID_INPUTS = (TOKEN_IDS, TOKEN_ID_COUNTS)
-KEY_WINDOW, SAMPLE_WINDOW = (spec.name for spec in WINDOW_INPUTS)
+KEY_WINDOW, SAMPLE_WINDOW, TRANSFORM_WINDOW = (spec.name for spec in WINDOW_INPUTS)
 TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
 PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
@@ -198,6 +208,7 @@ class Window:
 
 
 WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), SAMPLE_WINDOW: Window(dim=0, granule=64),
+           TRANSFORM_WINDOW: Window(dim=0, granule=64),
            CHUNK_TOKENS: Window(dim=0, granule=16),
            PACKED_TOKENS: Window(dim=0, granule=16), SEGMENT_WINDOW: Window(dim=0, granule=16)}
 """Buffer -> its window. A variant's ``layout["windows"]`` names the ones whose extent is dynamic in its graph."""

@@ -46,6 +46,7 @@ class ValueSource(IntEnum):
     SEGMENT_EMITS = 23  # int32[capacity]: nonzero when the lane's chunk ends its prompt and samples the next token
     SEGMENT_WINDOW = 24  # int64[E] (declared [C]): its extent E bounds the rows of each lane's chunk; contents unread
     SAMPLE_WINDOW = 25  # int64[W] (declared [vocab_padded]): its extent W bounds the sampler's sorted row; contents unread
+    TRANSFORM_WINDOW = 26  # int64[T] (declared [vocab_padded]): its extent T bounds the columns constraints and penalties touch
     LOGPROB_REQUESTED = 20  # int32[capacity]: the flag vector
     LOGPROB_TOKEN_IDS = 21  # int32[capacity, 128]: caller-selected ids
     LOGPROB_TOKEN_ID_COUNTS = 22  # int32[capacity]: selected-id count (0: natural alternatives)

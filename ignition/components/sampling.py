@@ -10,7 +10,7 @@ on hidden RNG state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -29,7 +29,9 @@ __all__ = [
     "philox4x32_10",
     "philox_uniform",
     "sample",
+    "transformed_row",
     "update_output_counts",
+    "window_columns",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -214,6 +216,31 @@ def apply_penalties(
     return logits
 
 
+def window_columns(window: torch.Tensor, width: int) -> torch.Tensor:
+    """``[0, T)`` for a window input of extent ``T <= width`` (its contents are never read): built from the extent
+    alone, as a cumulative sum of ones on its device."""
+    columns = torch.ones_like(window).cumsum(0) - 1  # [T]: 0..T-1
+    torch._check(columns.shape[0] <= width)
+    return columns
+
+
+def transformed_row(logits: torch.Tensor, transform: torch.Tensor | None,
+                    head: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """``logits [B, V]`` as float32 with ``head`` applied to the columns the ``transform_window`` bounds.
+
+    ``head(part, columns)`` maps ``part`` (float32 ``[B, T]``: columns ``[0, T)``) to its transformed values
+    (``columns``: the int64 ``[T]`` column ids, None for the whole row). Without a window (or a static one of the
+    row's width) the whole row is ``part``. A shorter window copies its columns out, transforms them and writes them
+    into a float32 copy of the row: the columns past ``T`` keep their raw values, which is the whole transform's result
+    whenever the runtime passes a short window (no lane has a constraint or penalty). ``logits`` is never modified."""
+    width = logits.shape[-1]
+    row = logits.to(torch.float32)  # may alias a float32 input: every step below is out of place
+    if transform is None or (isinstance(transform.shape[0], int) and transform.shape[0] >= width):
+        return head(row, None)
+    columns = window_columns(transform, width)  # [T]
+    return row.index_copy(1, columns, head(row.index_select(1, columns), columns))
+
+
 def filtered_distribution(
     logits: torch.Tensor,
     output_counts: torch.Tensor,
@@ -221,6 +248,8 @@ def filtered_distribution(
     params: SamplingTensors,
     vocab_size: int,
     window: torch.Tensor | None = None,
+    transform: torch.Tensor | None = None,
+    constrain: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1-8 of ``sample``: ``(greedy_tokens int64[B], sorted_ids int64[B, W], probs float32[B, W])``.
 
@@ -231,23 +260,31 @@ def filtered_distribution(
     ``window`` (the ``sample_window`` input; only its extent W is read): steps 4-8 run over lanes ``[0, W)``. The
     runtime passes the whole row (W = V: the same result as no window) whenever a row samples; a round of greedy
     rows only passes a short prefix, whose distribution is computed and discarded (step 10 takes the step-3 token).
+
+    ``transform`` (the ``transform_window`` input; only its extent T is read): step 2 runs over columns ``[0, T)``
+    (``transformed_row``), and ``output_counts`` and ``prompt_mask`` hold those columns only (``[B, T]``).
+    ``constrain(part, columns)``: the structured-output constraints (``components.constraints.sampling_logits``),
+    applied to the same columns before the penalties.
     """
     width = logits.shape[-1]
     lane_ids = torch.arange(width, device=logits.device)  # [V]
     if width > vocab_size:  # padded lanes (a sharded vocabulary's padding) -> -inf: a new [B, V]
-        work = torch.where((lane_ids >= vocab_size).reshape(1, -1), float("-inf"), logits.to(torch.float32))
-    else:  # no padding: no pass over the row (apply_penalties is out of place, so logits stays unmodified)
-        work = logits.to(torch.float32)
-    work = apply_penalties(work, output_counts, prompt_mask, params)
+        logits = torch.where((lane_ids >= vocab_size).reshape(1, -1), float("-inf"), logits.to(torch.float32))
 
-    # NOTE: explicit smallest-id tie rule rather than relying on argmax's backend behaviour.
-    row_max = work.amax(dim=-1, keepdim=True)  # [B, 1]
-    greedy_tokens = torch.where(work == row_max, lane_ids, width).amin(dim=-1)  # [B]
-    greedy_tokens = greedy_tokens.clamp(max=vocab_size - 1)  # NaN rows match nothing
+    def head(part: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+        part = part if constrain is None else constrain(part, columns)
+        return apply_penalties(part, output_counts, prompt_mask, params)
+
+    work = transformed_row(logits, transform, head)
+
+    # NOTE: argmax returns the first (smallest) id of the row's maximum on every backend torch documents; a row
+    # holding a NaN (whose maximum amax propagates) takes the last id, as no lane equals its maximum
+    row_max = work.amax(dim=-1)  # [B]
+    greedy_tokens = torch.where(row_max != row_max, vocab_size - 1, work.argmax(dim=-1))  # [B]: NaN differs from itself
+    greedy_tokens = greedy_tokens.clamp(max=vocab_size - 1)
 
     if window is not None:  # [B, W]: the sorted width (the whole row unless every row is greedy)
-        lane_ids = torch.ones_like(window).cumsum(0) - 1  # [W]: 0..W-1, from the window's extent alone
-        torch._check(lane_ids.shape[0] <= width)
+        lane_ids = window_columns(window, width)  # [W]: 0..W-1
         work = work.index_select(1, lane_ids)  # a fresh row (a narrowed view would make its stride a guard)
     greedy_rows = params.temperature < GREEDY_TEMPERATURE  # [B]
     temperature = torch.where(greedy_rows, 1.0, params.temperature).reshape(-1, 1)  # [B, 1]
@@ -294,16 +331,20 @@ def sample(
     params: SamplingTensors,
     vocab_size: int,
     window: torch.Tensor | None = None,
+    transform: torch.Tensor | None = None,
+    constrain: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size); ``window``: see
-    ``filtered_distribution`` (a short one only when every row is greedy).
+    """Pick one token per row: ``logits [B, V] -> int64[B]`` (V >= vocab_size); ``window``, ``transform``: see
+    ``filtered_distribution`` (a short sample window only when every row is greedy, a short transform window only
+    when no row has a constraint or a penalty; ``constrain``, the constraints, see there).
 
     ``logits`` is never modified (raw logits also feed the logprob reduction).
     Lanes ``>= vocab_size`` (vocabulary padding) are never selected.
 
     Steps, in order:
     1. Upcast to a float32 copy; padded lanes -> -inf.
-    2. Penalties (``apply_penalties``).
+    2. The constraints (``constrain``), then the penalties (``apply_penalties``), over the transform window's
+       columns (``transformed_row``).
     3. Greedy candidate: argmax of the penalized logits, ties -> smallest id.
     4. Temperature: divide by it (greedy rows divide by 1; result discarded).
     5. Sort descending (stable, so equal logits keep ascending id order).
@@ -320,7 +361,7 @@ def sample(
     10. Greedy rows (temperature < GREEDY_TEMPERATURE) take the step-3 token.
     """
     greedy_tokens, sorted_ids, probs = filtered_distribution(logits, output_counts, prompt_mask, params, vocab_size,
-                                                             window)
+                                                             window, transform, constrain)
     uniform = philox_uniform(params.seed, params.offset, 1)  # [B, 1]
     sampled_tokens = draw_sorted(sorted_ids, probs, uniform)
     greedy_rows = params.temperature < GREEDY_TEMPERATURE  # [B]

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from ignition.catalog.buffers import (DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS,
-                                     SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW)
+                                     SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW,
+                                     TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
@@ -33,7 +34,8 @@ from ignition.components.constraints import sampling_logits
 from ignition.components.merge import merge_role_frames, prompt_lanes, role_buffers
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.vocabulary_logprobs import score_hidden_rows_sharded
-from ignition.components.sampling import SamplingTensors, filtered_distribution, sample, update_output_counts
+from ignition.components.sampling import (SamplingTensors, filtered_distribution, sample, update_output_counts,
+                                          window_columns)
 from ignition.components.speculative import (accept_draft, commit_speculative_round, draft_output_counts, row_sampling,
                                              verify_rows)
 from ignition.recipes.layers import Rows
@@ -43,6 +45,16 @@ PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 
 Decoder = Callable[[Mapping[str, torch.Tensor], Any, torch.Tensor, Rows, Mapping[str, torch.Tensor]], torch.Tensor]
 """``(weights, cfg, input_ids [R], rows, caches by name) -> final-normed hidden [R, d_model]``."""
+
+
+def penalty_history(penalty: torch.Tensor, slots: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
+    """The penalty counts of the lanes' ``slots`` (clamped): ``int32 [capacity, 2, T]``, the columns the
+    ``transform_window`` bounds (every column without one): only the penalties' columns are copied."""
+    if transform is None or (isinstance(transform.shape[0], int) and transform.shape[0] >= penalty.shape[2]):
+        return penalty.index_select(0, slots)
+    columns = window_columns(transform, penalty.shape[2])  # [T]
+    planes = torch.arange(penalty.shape[1], device=penalty.device)
+    return penalty[slots.view(-1, 1, 1), planes.view(1, -1, 1), columns.view(1, 1, -1)]  # one gather of the cells
 
 
 def state_declarations(cfg, dtype: torch.dtype, num_slots: int, max_seq_len: int,
@@ -85,13 +97,13 @@ class _DecoderGraph(torch.nn.Module):
         """Steps 3-5 for ``raw_logits [capacity, vocab_padded]`` of lanes in ``slots int64[capacity]``."""
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
         safe_slots = slots.clamp(0, penalty.shape[0] - 1)
-        history = penalty.index_select(0, safe_slots)  # [capacity, 2, V]
+        history = penalty_history(penalty, safe_slots, buffers.get(TRANSFORM_WINDOW))  # [capacity, 2, T]
         # NOTE: sampling's penalties, top-k/top-p and Philox draw need each sampled row's whole vocabulary, so a
         # sharded graph gathers those rows; the logprob reduction below keeps the shard (two compact exchanges).
         full_logits = raw_logits if self.parallel is None else self.parallel.gather_vocab(raw_logits)
-        sampled = sample(sampling_logits(buffers, full_logits), history[:, OUTPUT_PLANE],
-                         history[:, PROMPT_PLANE] > 0, SamplingTensors.from_buffers(buffers), self.vocab_size,
-                         buffers.get(SAMPLE_WINDOW))
+        sampled = sample(full_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
+                         SamplingTensors.from_buffers(buffers), self.vocab_size, buffers.get(SAMPLE_WINDOW),
+                         buffers.get(TRANSFORM_WINDOW), lambda part, columns: sampling_logits(buffers, part, columns))
         tokens = commit_sampling_round(buffers, raw_logits, sampled, operation=operation, vocab_size=self.vocab_size,
                                        k=self.k, sequence_lengths=sequence_lengths, emits=emits,
                                        idle_round_kind=idle_round_kind,
@@ -247,12 +259,12 @@ class VerifyGraph(_DecoderGraph):
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity * P, vocab_padded]
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
         safe_slots = slots.clamp(0, penalty.shape[0] - 1)
-        history = penalty.index_select(0, safe_slots)  # [capacity, 2, V]
+        history = penalty_history(penalty, safe_slots, buffers.get(TRANSFORM_WINDOW))  # [capacity, 2, T]
         params = row_sampling(SamplingTensors.from_buffers(buffers), width)
         greedy, sorted_ids, probs = filtered_distribution(
             raw_logits, draft_output_counts(history[:, OUTPUT_PLANE], tokens),
             (history[:, PROMPT_PLANE] > 0).repeat_interleave(width, dim=0), params, self.vocab_size,
-            buffers.get(SAMPLE_WINDOW))
+            buffers.get(SAMPLE_WINDOW), buffers.get(TRANSFORM_WINDOW))
         accepted, counts = accept_draft(greedy, buffers[DRAFT_TOKENS], draft_lengths, params, sorted_ids, probs)
         emitted = commit_speculative_round(buffers, raw_logits, accepted, counts, vocab_size=self.vocab_size, k=self.k)
         flat = emitted.reshape(-1)  # forced tokens are output tokens and count, like a decode round's

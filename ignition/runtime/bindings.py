@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ignition.catalog.buffers import (CHUNK_TOKENS, PACKED_TOKENS, REQUESTED, SAMPLE_WINDOW, SEGMENT_WINDOW,
-                                     TOKEN_ID_COUNTS, TOKEN_IDS, WINDOWS)
+from ignition.catalog.buffers import (BUFFERS, CHUNK_TOKENS, PACKED_TOKENS, PENALTY_INPUTS, REQUESTED, SAMPLE_WINDOW,
+                                     SAMPLING_DEFAULTS, SEGMENT_WINDOW, TOKEN_ID_COUNTS, TOKEN_IDS, TRANSFORM_WINDOW,
+                                     WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.enums import ValueSource as S
 from ignition.components.sampling import GREEDY_TEMPERATURE
 from ignition.runtime.constraints import fill_mask_rows
@@ -62,6 +63,8 @@ def _lane_values(lane: Lane, eos: int | None) -> dict[S, object]:
     }
 
 
+_WINDOW_SOURCES = frozenset([spec.source for spec in WINDOW_INPUTS] + [BUFFERS[SEGMENT_WINDOW].source])
+"""The inputs whose extent alone is read (``Windowed`` narrows them; nothing is uploaded)."""
 _IDLE = {S.SLOT_IDS: -1, S.EOS_TOKEN_ID: -1, S.FORCED_TOKEN_ID: -1, S.TOP_P: 1.0, S.REPETITION_PENALTY: 1.0}
 
 
@@ -98,7 +101,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
         elif source in _SEGMENT_SOURCES:  # a packed prefill: every lane's chunk
             fill_segments(variant, target, source, lanes)
-        elif source in (S.KEY_WINDOW, S.SEGMENT_WINDOW, S.SAMPLE_WINDOW):  # only the extent is read (Windowed)
+        elif source in _WINDOW_SOURCES:  # only the extent is read (Windowed)
             continue
         elif source in (S.LOGPROB_REQUESTED, S.LOGPROB_TOKEN_IDS, S.LOGPROB_TOKEN_ID_COUNTS):
             continue  # below: the logprob inputs follow their own upload rules
@@ -230,7 +233,10 @@ class Windowed:
       verify lane's drafts after its input token, a chunk's rows): keys past it are past every row's
       position, so the result is the full window's;
     - the chunk tokens cover the chunk's valid rows: the rows past them are padding, whose cache writes the
-      graph drops and whose outputs nothing reads.
+      graph drops and whose outputs nothing reads;
+    - the sample window is the whole row when any lane samples (a greedy round's tokens are the row's argmax);
+    - the transform window is the whole row when any lane has a token bitmask, a logit bias or a penalty other than
+      its ``SAMPLING_DEFAULTS`` value: otherwise the transforms are the identity on every column.
 
     It reads only uploaded inputs, so every tensor-parallel rank derives the same windows from the same
     broadcast inputs.
@@ -241,6 +247,9 @@ class Windowed:
         by_source = {source: name for name, source in bindings.items()}
         self.positions, self.drafts = by_source.get(S.POSITIONS), by_source.get(S.DRAFT_TOKEN_IDS)
         self.temperature = by_source.get(S.TEMPERATURE)
+        self.penalties = {by_source[BUFFERS[name].source]: SAMPLING_DEFAULTS[name] for name in PENALTY_INPUTS
+                          if BUFFERS[name].source in by_source}  # buffer -> its neutral value
+        self.bitmask, self.bias = by_source.get(S.TOKEN_BITMASK), by_source.get(S.LOGIT_BIAS_IDS)
         self.chunk = (by_source[S.CHUNK_START], by_source[S.CHUNK_LENGTH]) if S.CHUNK_START in by_source else None
         self.segments = (by_source[S.SEGMENT_STARTS], by_source[S.SEGMENT_LENGTHS]) if S.SEGMENT_STARTS in by_source \
             else None
@@ -250,6 +259,8 @@ class Windowed:
         if name == SAMPLE_WINDOW:  # the whole row when any lane samples (idle lanes are greedy)
             samples = bool((buffers[self.temperature] >= GREEDY_TEMPERATURE).any())
             return buffers[name].shape[WINDOWS[name].dim] if samples else 1
+        if name == TRANSFORM_WINDOW:  # the whole row when any lane transforms it (idle lanes upload neutral values)
+            return buffers[name].shape[WINDOWS[name].dim] if self.transforms(buffers) else 1
         if self.segments is not None:
             return packed_needed(name, *(buffers[input_name] for input_name in self.segments))
         if name == CHUNK_TOKENS:
@@ -261,6 +272,14 @@ class Windowed:
         if self.chunk is not None:
             needed = max(needed, int(buffers[self.chunk[0]].max() + buffers[self.chunk[1]].max()))
         return needed
+
+    def transforms(self, buffers: dict[str, torch.Tensor]) -> bool:
+        """Whether any lane's sampling row is transformed: a bitmask or bias entry, or a non-neutral penalty."""
+        if any(bool((buffers[name] != neutral).any()) for name, neutral in self.penalties.items()):
+            return True
+        if self.bitmask is not None and bool((buffers[self.bitmask] != 0).any()):
+            return True
+        return self.bias is not None and bool((buffers[self.bias] >= 0).any())
 
     def sizes(self, buffers: dict[str, torch.Tensor]) -> dict[str, int]:
         """Window -> the extent this submission passes."""

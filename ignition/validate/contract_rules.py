@@ -104,22 +104,26 @@ def check_variant(variant: dict, manifest: dict) -> list[Violation]:
     found += _check_speculative(variant, args, operation, manifest)
     found += _check_mixed(variant, args, operation)
     found += check_variant_constraints(variant, args, manifest)
-    found += _check_sample_window(variant, args, manifest)
+    found += _check_vocabulary_windows(variant, args, manifest)
     return found
 
 
-def _check_sample_window(variant, args, manifest) -> list[Violation]:
-    """The sample window spans the whole padded row: a runtime passes its full extent whenever a lane samples, so a
-    shorter declaration would sample from a prefix of the vocabulary."""
-    decl = args.get(B.SAMPLE_WINDOW)
-    if decl is None:
-        return []
-    spec = BUFFERS[B.SAMPLE_WINDOW]
-    expected = resolve_shape(spec, vocab_padded=manifest["vocab_padded"])
-    if decl["dtype"] != spec.dtype or decl["shape"] != expected:
-        return [Violation("BUF-SHAPE", f"variant {variant['name']}: buffer {B.SAMPLE_WINDOW}",
-                          f"expected {spec.dtype} {expected} (vocab_padded), found {decl['dtype']} {decl['shape']}")]
-    return []
+def _check_vocabulary_windows(variant, args, manifest) -> list[Violation]:
+    """The sample and transform windows span the whole padded row: a runtime passes their full extent whenever a lane
+    samples or has a constraint or penalty, so a shorter declaration would sample from a prefix of the vocabulary or
+    leave the columns past it untransformed."""
+    found = []
+    for name in (B.SAMPLE_WINDOW, B.TRANSFORM_WINDOW):
+        decl = args.get(name)
+        if decl is None:
+            continue
+        spec = BUFFERS[name]
+        expected = resolve_shape(spec, vocab_padded=manifest["vocab_padded"])
+        if decl["dtype"] != spec.dtype or decl["shape"] != expected:
+            found.append(Violation("BUF-SHAPE", f"variant {variant['name']}: buffer {name}",
+                                   f"expected {spec.dtype} {expected} (vocab_padded), found {decl['dtype']} "
+                                   f"{decl['shape']}"))
+    return found
 
 
 def _check_mixed(variant, args, operation) -> list[Violation]:
