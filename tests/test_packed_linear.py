@@ -134,3 +134,21 @@ def test_run_and_serve_take_the_choice_from_the_command_line(toy_core, monkeypat
                                           "--device", "cpu", "--no-pack-linears"])
     assert result.exit_code == 0, result.output
     assert [options.pack_linears for options in seen] == [False]
+
+
+def test_a_one_row_lm_head_reads_the_raw_tied_embedding(decoder_core, pack_tiny):
+    """``PLAIN_ROWS``: a one-row linear on a weight its graph also reads raw (the tied embedding: the lookup) calls
+    oneDNN on the raw weight, which the lookup keeps in memory anyway; wider products read the packed copy."""
+    core = load_core(decoder_core)
+    if _dtype(core) != "float32":
+        pytest.skip("BF16 weights are not packed")
+    embedding = next(name for name in core.weights if "embed" in name)
+    plain = {}  # variant -> the row counts of its linears on the raw embedding
+    for name, variant in core.variants.items():
+        graph = variant.runner.graph_module.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        weight = placeholders[variant.runner.names.index(embedding)]
+        plain[name] = [node.args[0].meta[packed_linear.FACTS].shape[0] for node in graph.nodes
+                       if node.op == "call_function" and str(node.target) == PACKED_TARGET and node.args[1] is weight]
+    assert plain["decode.c1"] == [1] and plain["prefill.t16"] == [1] and plain["decode.c4"] == []  # 4 rows: packed
+    assert packed_linear.PLAIN_ROWS == 1

@@ -77,9 +77,11 @@ def test_fp32_rms_norm_is_hfs(width):
         x = torch.randn(*shape, width, generator=g) * 3
         variance = x.pow(2).mean(-1, keepdim=True)
         assert torch.equal(rms_norm(x, weight, 1e-6), weight * (x * torch.rsqrt(variance + 1e-6))), (width, shape)
-    x = torch.randn(4, width, generator=g).to(torch.bfloat16)
-    hf = weight.to(torch.bfloat16) * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
-    assert torch.equal(rms_norm(x, weight.to(torch.bfloat16), 1e-6), hf)
+    for dtype in (torch.bfloat16, torch.float16):  # the FP32 normalisation, cast before the scale
+        for shape in ((1,), (4,), (8,), (5, 16), (64,)):
+            x = (torch.randn(*shape, width, generator=g) * 3).to(dtype)
+            hf = weight.to(dtype) * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+            assert torch.equal(rms_norm(x, weight.to(dtype), 1e-6), hf), (width, dtype, shape)
 
 
 def test_a_copied_rows_plans_its_own_writes():

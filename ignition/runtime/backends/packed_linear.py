@@ -13,8 +13,10 @@ of at least ``PACK_MIN_ELEMENTS`` into ``mkldnn._linear_pointwise(x, packed(w), 
 of the graph module. Each weight is packed once per load and shared by every variant. A weight that, after
 every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied embedding, which
 the lookup still reads) is released (``finish``): its pages go back to the OS (``host_memory.release_pages``) and the
-core's dict holds the packed tensor, so the weights stay in memory once. ``LoadOptions.pack_linears`` makes the
-choice, at load.
+core's dict holds the packed tensor, so the weights stay in memory once. A one-row linear on a weight its graph
+also reads raw (``PLAIN_ROWS``: a tied LM head's one sampled row) calls oneDNN on the raw weight instead, which one
+row reads faster than the packed layout; a weight only such linears read is not packed at all.
+``LoadOptions.pack_linears`` makes the choice, at load.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from ignition.catalog.model import BufferDecl, Role
 from ignition.runtime.host_memory import release_pages
+from ignition.validate.graph_json import FACTS
 from ignition.validate.program_reader import StaticProgram
 
 PACK_ROWS_HINT = 8
@@ -39,6 +42,12 @@ at Qwen3-0.6B's width (``benchmarks.decode_steps --compare pack``) while it chan
 product from transformers' own, which flips greedy tokens of a random-weight checkpoint."""
 PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
+PLAIN_ROWS = 1
+"""A linear of this many rows whose weight its graph also reads raw (a tied embedding's lookup: the raw copy stays in
+memory anyway) calls oneDNN on the raw weight instead of the packed copy: its plain layout is read near the memory's
+bandwidth by one row and the blocked one is not. Measured on this project's 2-core machine (``[rows, 1024] x [1024,
+151936]``, the Qwen3-0.6B LM head; ``benchmarks.row_layouts``): one row 33 ms plain against 56 ms packed, eight
+rows 86 against 76. A decode step of one lane and every prefill chunk's sampled row project one row."""
 _LINEAR = torch.ops.aten.linear.default
 
 
@@ -90,11 +99,20 @@ class LinearPacks:
             name = weight_of[node.args[1]]
             if not self._packs(decls[name]):
                 continue
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if _rows(node.args[0]) == PLAIN_ROWS and _read_raw(node.args[1]):  # the raw copy is kept anyway
+                with graph.inserting_before(node):
+                    call = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                               (node.args[0], node.args[1], bias, "none", [], ""))
+                call.meta = dict(node.meta)
+                node.replace_all_uses_with(call)
+                graph.erase_node(node)
+                rewritten += 1
+                continue
             attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
             if attribute not in attributes:
                 root.register_buffer(attribute, torch.empty(0), persistent=False)  # ``finish`` sets the packed one
                 attributes[attribute] = name
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with graph.inserting_before(node):
                 packed = graph.get_attr(attribute)
                 call = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
@@ -141,4 +159,19 @@ class LinearPacks:
         return released
 
 
-__all__ = ["LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET", "packing_available"]
+def _rows(x: torch.fx.Node) -> int | None:
+    """A linear input's static row count from the program's facts (None: unknown or symbolic)."""
+    facts = x.meta.get(FACTS)
+    if facts is None or facts.dim() != 2 or not isinstance(facts.shape[0], int):
+        return None
+    return facts.shape[0]
+
+
+def _read_raw(weight: torch.fx.Node) -> bool:
+    """Whether the graph reads ``weight`` other than as a linear's weight (an embedding lookup)."""
+    return any(not (user.op == "call_function" and user.target in (_LINEAR, torch.ops.mkldnn._linear_pointwise.default)
+                    and user.args[1] is weight) for user in weight.users)
+
+
+__all__ = ["LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET", "PLAIN_ROWS",
+           "packing_available"]

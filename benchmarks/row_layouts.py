@@ -1,0 +1,55 @@
+"""oneDNN's linear at decode's row counts on the packed (blocked) weight layout and on the plain (raw) one.
+
+``python -m benchmarks.row_layouts --threads 2`` times ``mkldnn._linear_pointwise`` at 1, 8 and 32 rows over the
+weights of a 28-layer Qwen3-0.6B-shaped model, by shape (each shape's weights together, so no product runs from
+cache): once on each weight reordered for ``PACK_ROWS_HINT`` rows (what ``runtime/backends/packed_linear.py``
+packs) and once on the raw row-major weight. The best of ``--repeats`` passes, in milliseconds per pass. It is the
+measurement behind ``packed_linear.PLAIN_ROWS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+SHAPES = {"q_proj": ((2048, 1024), 28), "k_proj, v_proj": ((1024, 1024), 56), "gate_proj, up_proj": ((3072, 1024), 56),
+          "lm_head (tied embedding)": ((151936, 1024), 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,8,32")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+
+    from ignition.runtime.backends.packed_linear import PACK_ROWS_HINT
+
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+
+    def best(weights, count: int) -> float:
+        x = torch.randn(count, weights[0].shape[1])
+        times = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            for weight in weights:
+                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            times.append(time.perf_counter() - started)
+        return min(times) * 1e3
+
+    print(f"torch {torch.__version__}, threads {args.threads}, ms per pass over the shape's weights")
+    print("| weights | " + " | ".join(f"{r} rows packed | {r} rows plain" for r in rows) + " |")
+    print("|---|" + "---|---|" * len(rows))
+    for label, (shape, count) in SHAPES.items():
+        raw = [torch.randn(*shape) for _ in range(count)]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) for weight in raw]
+        cells = [f"{best(packed, r):.1f} | {best(raw, r):.1f}" for r in rows]
+        print(f"| {label} x{count} | " + " | ".join(cells) + " |")
+        del raw, packed
+
+
+if __name__ == "__main__":
+    main()
