@@ -46,8 +46,9 @@ PLAIN_ROWS = 1
 """A linear of this many rows whose weight its graph also reads raw (a tied embedding's lookup: the raw copy stays in
 memory anyway) calls oneDNN on the raw weight instead of the packed copy: its plain layout is read near the memory's
 bandwidth by one row and the blocked one is not. Measured on this project's 2-core machine (``[rows, 1024] x [1024,
-151936]``, the Qwen3-0.6B LM head; ``benchmarks.row_layouts``): one row 33 ms plain against 56 ms packed, eight
-rows 86 against 76. A decode step of one lane and every prefill chunk's sampled row project one row."""
+151936]``, the Qwen3-0.6B LM head; ``benchmarks.row_layouts``): one row 37-33 ms plain against 46-56 ms packed, eight
+rows 73-86 against 65-76 (two passes). A decode step of one lane and every prefill chunk's sampled row project one
+row."""
 _LINEAR = torch.ops.aten.linear.default
 
 
