@@ -26,6 +26,7 @@ __all__ = [
     "apply_penalties",
     "draw_sorted",
     "filtered_distribution",
+    "narrows",
     "philox4x32_10",
     "philox_uniform",
     "sample",
@@ -216,6 +217,12 @@ def apply_penalties(
     return logits
 
 
+def narrows(window: torch.Tensor | None, width: int) -> bool:
+    """Whether a window input may pass fewer than ``width`` columns: it is present and its extent is not statically
+    the whole row (a graph traced at the full extents, as ONNX's are, takes the whole-row path)."""
+    return window is not None and not (isinstance(window.shape[0], int) and window.shape[0] >= width)
+
+
 def window_columns(window: torch.Tensor, width: int) -> torch.Tensor:
     """``[0, T)`` for a window input of extent ``T <= width`` (its contents are never read): built from the extent
     alone, as a cumulative sum of ones on its device."""
@@ -235,7 +242,7 @@ def transformed_row(logits: torch.Tensor, transform: torch.Tensor | None,
     whenever the runtime passes a short window (no lane has a constraint or penalty). ``logits`` is never modified."""
     width = logits.shape[-1]
     row = logits.to(torch.float32)  # may alias a float32 input: every step below is out of place
-    if transform is None or (isinstance(transform.shape[0], int) and transform.shape[0] >= width):
+    if not narrows(transform, width):
         return head(row, None)
     columns = window_columns(transform, width)  # [T]
     return row.index_copy(1, columns, head(row.index_select(1, columns), columns))

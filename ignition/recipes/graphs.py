@@ -34,8 +34,8 @@ from ignition.components.constraints import sampling_logits
 from ignition.components.merge import merge_role_frames, prompt_lanes, role_buffers
 from ignition.components.prompt_scoring import score_hidden_rows
 from ignition.components.vocabulary_logprobs import score_hidden_rows_sharded
-from ignition.components.sampling import (SamplingTensors, filtered_distribution, sample, update_output_counts,
-                                          window_columns)
+from ignition.components.sampling import (SamplingTensors, filtered_distribution, narrows, sample,
+                                          update_output_counts, window_columns)
 from ignition.components.speculative import (accept_draft, commit_speculative_round, draft_output_counts, row_sampling,
                                              verify_rows)
 from ignition.recipes.layers import Rows
@@ -50,7 +50,7 @@ Decoder = Callable[[Mapping[str, torch.Tensor], Any, torch.Tensor, Rows, Mapping
 def penalty_history(penalty: torch.Tensor, slots: torch.Tensor, transform: torch.Tensor | None) -> torch.Tensor:
     """The penalty counts of the lanes' ``slots`` (clamped): ``int32 [capacity, 2, T]``, the columns the
     ``transform_window`` bounds (every column without one): only the penalties' columns are copied."""
-    if transform is None or (isinstance(transform.shape[0], int) and transform.shape[0] >= penalty.shape[2]):
+    if not narrows(transform, penalty.shape[2]):
         return penalty.index_select(0, slots)
     columns = window_columns(transform, penalty.shape[2])  # [T]
     planes = torch.arange(penalty.shape[1], device=penalty.device)

@@ -50,6 +50,7 @@ bandwidth by one row and the blocked one is not. Measured on this project's 2-co
 rows 73-86 against 65-76 (two passes). A decode step of one lane and every prefill chunk's sampled row project one
 row."""
 _LINEAR = torch.ops.aten.linear.default
+_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 
 
 def packing_available() -> bool:
@@ -101,23 +102,16 @@ class LinearPacks:
             if not self._packs(decls[name]):
                 continue
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            if _rows(node.args[0]) == PLAIN_ROWS and _read_raw(node.args[1]):  # the raw copy is kept anyway
-                with graph.inserting_before(node):
-                    call = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
-                                               (node.args[0], node.args[1], bias, "none", [], ""))
-                call.meta = dict(node.meta)
-                node.replace_all_uses_with(call)
-                graph.erase_node(node)
-                rewritten += 1
-                continue
-            attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
-            if attribute not in attributes:
-                root.register_buffer(attribute, torch.empty(0), persistent=False)  # ``finish`` sets the packed one
-                attributes[attribute] = name
             with graph.inserting_before(node):
-                packed = graph.get_attr(attribute)
-                call = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
-                                           (node.args[0], packed, bias, "none", [], ""))
+                if _rows(node.args[0]) == PLAIN_ROWS and _read_raw(node.args[1]):  # the raw copy is kept anyway
+                    weight = node.args[1]
+                else:
+                    attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
+                    if attribute not in attributes:  # ``finish`` sets the packed one
+                        root.register_buffer(attribute, torch.empty(0), persistent=False)
+                        attributes[attribute] = name
+                    weight = graph.get_attr(attribute)
+                call = graph.call_function(_POINTWISE, (node.args[0], weight, bias, "none", [], ""))
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
@@ -170,7 +164,7 @@ def _rows(x: torch.fx.Node) -> int | None:
 
 def _read_raw(weight: torch.fx.Node) -> bool:
     """Whether the graph reads ``weight`` other than as a linear's weight (an embedding lookup)."""
-    return any(not (user.op == "call_function" and user.target in (_LINEAR, torch.ops.mkldnn._linear_pointwise.default)
+    return any(not (user.op == "call_function" and user.target in (_LINEAR, _POINTWISE)
                     and user.args[1] is weight) for user in weight.users)
 
 
