@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -36,19 +37,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def shared_core(tmp_path_factory, name: str, export) -> Path:
+    """The directory ``name`` that ``export(directory)`` fills, made once per run: under pytest-xdist the workers
+    share it (the first to take its lock builds it; an export publishes its core whole, by one rename), so a
+    session core is exported once, not once per worker. The tests only read it: one that edits a core copies it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's directory, the parent of every worker's own
+    out = root / "shared-cores" / name
+    out.parent.mkdir(exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            export(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def toy_core(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cores") / "toy"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 4)), out)
-    return out
+    return shared_core(tmp_path_factory, "toy", lambda out: export_core(
+        ExportOptions(recipe="toy", capacities=(1, 4)), out))
 
 
 @pytest.fixture(scope="session")
 def toy_core_no_logprobs(tmp_path_factory) -> Path:
     """A core without the logprob buffers (K=0): the benchmark-only records-only build, not on the CLI."""
-    out = tmp_path_factory.mktemp("cores") / "toy-nolp"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False), out)
-    return out
+    return shared_core(tmp_path_factory, "toy-nolp", lambda out: export_core(
+        ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False), out))
 
 
 class CoreCopy:
@@ -91,9 +107,8 @@ def toy_onnx_core(tmp_path_factory) -> Path:
     """A toy core with ONNX graphs and prompt scoring: decode.c4, prefill.t64, scored.t64."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    out = tmp_path_factory.mktemp("cores") / "toy-onnx"
-    export_core(ExportOptions(recipe="toy", capacities=(4,), chunk_limit=64, prompt_logprobs=True, onnx=True), out)
-    return out
+    return shared_core(tmp_path_factory, "toy-onnx", lambda out: export_core(
+        ExportOptions(recipe="toy", capacities=(4,), chunk_limit=64, prompt_logprobs=True, onnx=True), out))
 
 
 # -- live servers of the HTTP tests (one of each per session) --------------------------------------
@@ -103,14 +118,19 @@ def serving_cores(tmp_path_factory):
     fallback without a template (test_server.py, test_serve_*.py)."""
     from _serving_tokenizers import byte_fallback_tokenizer, byte_level_tokenizer, write_tokenizer_dir
 
-    root = tmp_path_factory.mktemp("serving")
-    a = root / "a"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True,
-                              tokenizer=write_tokenizer_dir(byte_level_tokenizer(), root / "tok-a")), a)
-    b = root / "b"
-    export_core(ExportOptions(recipe="toy", capacities=(1, 4),
-                              tokenizer=write_tokenizer_dir(byte_fallback_tokenizer(), root / "tok-b", None)), b)
-    return a, b
+    def export(root: Path) -> None:
+        staging = root.with_name(root.name + ".partial")  # the pair appears whole, by one rename
+        shutil.rmtree(staging, ignore_errors=True)
+        export_core(ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True,
+                                  tokenizer=write_tokenizer_dir(byte_level_tokenizer(), staging / "tok-a")),
+                    staging / "a")
+        export_core(ExportOptions(recipe="toy", capacities=(1, 4),
+                                  tokenizer=write_tokenizer_dir(byte_fallback_tokenizer(), staging / "tok-b", None)),
+                    staging / "b")
+        staging.rename(root)
+
+    root = shared_core(tmp_path_factory, "serving", export)
+    return root / "a", root / "b"
 
 
 @pytest.fixture(scope="session")

@@ -67,3 +67,17 @@ def test_a_failed_worker_export_publishes_nothing(tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="variant decode.c1: RuntimeError: boom"):
         export_core(ExportOptions(recipe="toy", capacities=(1,), capture_jobs=2), tmp_path / "core")
     assert not (tmp_path / "core").exists()
+
+
+def test_workers_take_the_longest_captures_first():
+    """CAPTURE_ORDER names every operation a recipe builds; packed and prompt graphs go out before decode graphs."""
+    from types import SimpleNamespace
+
+    from ignition.catalog.enums import Operation
+    from ignition.exporter.workers import CAPTURE_ORDER, capture_order
+
+    assert set(CAPTURE_ORDER) == set(Operation.__members__) - {"DRAFT_PROPOSE"}  # reserved: no recipe builds it
+    graphs = [SimpleNamespace(variant=SimpleNamespace(name=name, operation=operation)) for name, operation in (
+        ("decode.c1", Operation.DECODE), ("prefill.t256", Operation.PREFILL), ("decode.c8", Operation.DECODE),
+        ("packed.t256.c8", Operation.PACKED_PREFILL), ("scored.t256", Operation.SCORED_PREFILL))]
+    assert capture_order(graphs) == ["packed.t256.c8", "scored.t256", "prefill.t256", "decode.c1", "decode.c8"]

@@ -127,3 +127,24 @@ def test_async_engine_holds_at_most_entry_limit_for_a_slow_reader(core):
     received, finish = asyncio.run(run())
     (expected,) = Engine(core).generate([Request([9], max_tokens=40)])
     assert (finish, [e.id for e in received]) == ("length", expected.token_ids)
+
+
+def test_a_submission_whose_handler_left_before_admission_is_dropped(core):
+    """The handler is cancelled while its submit command waits in the queue (a client that hung up): the engine
+    thread must skip the request, not admit it and then fail to report it to a future that is already cancelled
+    (which killed the engine thread)."""
+    engine = AsyncEngine(Engine(core))  # not started: this thread plays the engine thread, so the order is fixed
+
+    async def leave_while_queued():
+        task = asyncio.ensure_future(engine.submit(Request([9], max_tokens=4, request_id="gone")))
+        await asyncio.sleep(0)  # the submit command is queued and the handler awaits its admission
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(leave_while_queued())
+    engine._apply_commands()  # the submit, then the handler's cancel
+    assert engine._tracked == {} and not engine.engine.waiting and not engine.engine.running
+    assert engine.engine.free_slots and len(engine.engine.free_slots) == engine.engine.num_slots
+    (result,) = engine.engine.generate([Request([9], max_tokens=2)])  # the engine still serves
+    assert len(result.token_ids) == 2

@@ -59,7 +59,8 @@ def test_the_exporter_writes_weights_the_loader_views_64_byte_aligned(tmp_path):
                "c.ids": torch.arange(5, dtype=torch.int64), "y.empty": torch.zeros(0, 4),
                "d.bf16_odd": torch.randn(3, generator=g).to(torch.bfloat16), "e.f32_odd": torch.randn(5, generator=g),
                "f.flag": torch.tensor([True, False, True])}
-    save_aligned(tensors, tmp_path / "w.safetensors", metadata={"rank": "0"})
+    digest = save_aligned(tensors, tmp_path / "w.safetensors", metadata={"rank": "0"})
+    assert digest == _sha256(tmp_path / "w.safetensors")  # hashed as written: the export does not read it back
     with safe_open(tmp_path / "w.safetensors", "pt") as file:
         assert file.metadata() == {"rank": "0"}
         assert set(file.keys()) == set(tensors)

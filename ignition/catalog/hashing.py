@@ -26,13 +26,15 @@ def dump_json(data) -> bytes:
     return (json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
 
 
-def hash_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
-    """sha256 of every file below root, keyed by its POSIX path relative to root."""
+def hash_tree(root: Path, exclude: tuple[str, ...], known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file below root, keyed by its POSIX path relative to root; ``known`` gives the digests of
+    files whose writer hashed them as it wrote them (``save_aligned``), which are not read again."""
+    known = known or {}
     files = {}
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
         if path.is_file() and rel not in exclude:
-            files[rel] = sha256_file(path)
+            files[rel] = known[rel] if rel in known else sha256_file(path)
     return files
 
 

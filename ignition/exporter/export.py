@@ -108,13 +108,20 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             from ignition.exporter.sharded import capture_ranks
             group_name = capture_ranks(build, staging, _checked(capture, build, kernels), save_program, progress,
                                        timings)
-        from ignition.exporter.workers import CaptureWorkerError, capture_in_workers, capture_jobs
+        from ignition.exporter.workers import CaptureWorkerError, capture_in_workers, capture_jobs, capture_order
         jobs = capture_jobs(options, build)
+        written: dict[str, str] = {}  # file -> the sha256 its writer took as it wrote it
+
+        def write_weights() -> None:
+            started = time.perf_counter()
+            written[WEIGHTS_FILE] = save_aligned(build.weights, staging / WEIGHTS_FILE)
+            timings["write:weights"] = time.perf_counter() - started
+
         if jobs > 1:  # each worker builds the recipe and saves its variants' .pt2 files (exporter/workers.py)
             started = time.perf_counter()
-            try:
-                timings |= capture_in_workers(options, [g.variant.name for g in build.graphs], staging,
-                                              kernels is not None, jobs, progress)
+            try:  # this process writes the weights meanwhile: it has nothing else to do until they finish
+                timings |= capture_in_workers(options, capture_order(build.graphs), staging,
+                                              kernels is not None, jobs, progress, meanwhile=write_weights)
             except CaptureWorkerError as exc:
                 raise ExportError(str(exc)) from None
             timings[f"capture ({jobs} workers)"] = time.perf_counter() - started
@@ -142,7 +149,8 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
 
         started = time.perf_counter()
         progress("write", str(out))
-        save_aligned(build.weights, staging / WEIGHTS_FILE)
+        if WEIGHTS_FILE not in written:
+            write_weights()
         if options.onnx:  # after the weights: each graph's external data points into weights.safetensors
             from ignition.exporter.onnx_export import export_variants
             timings |= export_variants(build, programs, staging, WEIGHTS_FILE, progress)
@@ -151,7 +159,7 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
         for name, data in build.extra_files.items():
             (staging / name).write_bytes(data)
         (staging / CATALOG_FILE).write_bytes(dump_json({"variants": [g.variant.to_json() for g in build.graphs]}))
-        files = hash_tree(staging, exclude=(MANIFEST_FILE,))
+        files = hash_tree(staging, exclude=(MANIFEST_FILE,), known=written)
         manifest = manifest_for(build, options, files, kernels is not None)
         if build.parallel is not None:
             from ignition.exporter.sharded import tensor_parallel_manifest

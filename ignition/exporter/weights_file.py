@@ -13,6 +13,7 @@ would be copied out of the buffer instead of viewed). The file is an ordinary sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from pathlib import Path
@@ -27,8 +28,9 @@ ALIGNMENT = 64
 _TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}
 
 
-def save_aligned(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (CPU) as a safetensors file whose tensors start ``ALIGNMENT``-aligned where their sizes allow."""
+def save_aligned(tensors: dict[str, torch.Tensor], path: Path | str, metadata: dict[str, str] | None = None) -> str:
+    """Write ``tensors`` (CPU) as a safetensors file whose tensors start ``ALIGNMENT``-aligned where their sizes allow;
+    returns the file's sha256 (hex), taken from the bytes as they are written."""
     order = sorted(tensors, key=lambda name: (_nbytes(tensors[name]) % ALIGNMENT != 0,
                                               -tensors[name].element_size(), name))
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -43,13 +45,18 @@ def save_aligned(tensors: dict[str, torch.Tensor], path: Path | str, metadata: d
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % ALIGNMENT)
+    digest = hashlib.sha256()
     with open(path, "wb") as file:
-        file.write(struct.pack("<Q", len(text)))
-        file.write(text)
+        for chunk in (struct.pack("<Q", len(text)), text):
+            file.write(chunk)
+            digest.update(chunk)
         for name in order:
             tensor = tensors[name].detach().contiguous()
             if tensor.numel():
-                file.write(tensor.view(-1).view(torch.uint8).numpy().data)
+                data = tensor.view(-1).view(torch.uint8).numpy().data
+                file.write(data)
+                digest.update(data)
+    return digest.hexdigest()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -204,10 +204,16 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._wakeup.clear()
-            self._apply_commands()
-            worked = self.dead is None and self._healthy() and self._step()
-            self.stop_tokens.settle()
-            self._deliver()
+            try:
+                self._apply_commands()
+                worked = self.dead is None and self._healthy() and self._step()
+                self.stop_tokens.settle()
+                self._deliver()
+            except Exception as exc:  # a bug in the thread's own bookkeeping fails the requests, not hangs them
+                log.exception("engine thread failed")
+                if self.dead is None:
+                    self._die(exc)
+                worked = False
             if not worked:
                 self._wakeup.wait(timeout=1.0)
         for tracked in self._tracked.values():
@@ -217,7 +223,7 @@ class AsyncEngine:
                 kind, _, _, admitted = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "submit":
+            if kind == "submit" and admitted.set_running_or_notify_cancel():
                 admitted.set_exception(EngineStopped("the server is stopping"))
 
     def _healthy(self) -> bool:
@@ -256,6 +262,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "submit":
+                # The handler may have left while this command waited (its cancelled future is then final): such a
+                # request is not admitted. Once claimed here, the future can no longer be cancelled under us.
+                if not admitted.set_running_or_notify_cancel():
+                    continue
                 if self.dead is not None:
                     admitted.set_exception(EngineStopped(f"the engine stopped: {self.dead}"))
                     continue
