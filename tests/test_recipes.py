@@ -269,3 +269,44 @@ def test_minimal_loader_serves_the_core_like_transformers(exported) -> None:
         with torch.no_grad():
             expected = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4)[0, len(prompt):]
         assert result.token_ids == expected.tolist() and result.error is None
+
+
+def test_a_slot_limited_decode_variant_matches_transformers(tmp_path) -> None:
+    """``decode.c2`` of a 4-slot core declares slot limit 2 and attends over slots 0-1 in place; lanes it cannot
+    serve (a slot of 2 or more) run in ``decode.c4``. Both give transformers' greedy tokens and logprobs."""
+    from ignition.runtime.core import load_core
+    from ignition.runtime.requests import Request
+    from ignition.runtime.scheduler import Engine
+
+    case = CASES["qwen3_fp32_sharded"]
+    hf = save_checkpoint(case, tmp_path / "checkpoint")
+    export_core(ExportOptions(recipe="qwen3", checkpoint=tmp_path / "checkpoint", capacities=(1, 2, 4),
+                              chunk_limit=CHUNK_LIMIT, max_seq_len=MAX_SEQ_LEN), tmp_path / "core")
+    core = load_core(tmp_path / "core")
+    assert {name: v.layout.get("slot_limit") for name, v in core.variants.items() if name.startswith("decode")} == \
+        {"decode.c1": None, "decode.c2": 2, "decode.c4": None}
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, case.vocab_size, (length,), generator=generator).tolist() for length in (4, 7, 5, 9)]
+    budgets = [2, 2, 6, 6]  # slots 0 and 1 finish first: slots 2 and 3 then decode alone, two lanes
+
+    def run(requests: list[Request]) -> tuple[list, list[tuple[str, tuple[int, ...]]]]:
+        engine, rounds = Engine(core), []
+        engine.runner.hook = lambda variant, reader, pending: rounds.append(
+            (variant.name, tuple(sorted(owner[0] for owner in pending.lane_owner if owner is not None))))
+        return engine.generate(requests), [r for r in rounds if r[0].startswith("decode")]
+
+    pair, low = run([Request(prompt_ids=p, max_tokens=4, logprobs=5, ignore_eos=True) for p in prompts[:2]])
+    assert low and set(low) == {("decode.c2", (0, 1))}, low  # two lanes in slots 0 and 1: the limited variant
+    results, rounds = run([Request(prompt_ids=p, max_tokens=b, logprobs=5, ignore_eos=True)
+                           for p, b in zip(prompts, budgets)])
+    assert ("decode.c4", (2, 3)) in rounds and all(name != "decode.c2" for name, _ in rounds), rounds
+    for prompt, budget, result in [*zip(prompts, budgets, results), *zip(prompts[:2], (4, 4), pair)]:
+        with torch.no_grad():  # the whole prompt attended: generate masks token 0 as padding otherwise
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=budget,
+                              output_logits=True, return_dict_in_generate=True)
+        assert result.token_ids == out.sequences[0, len(prompt):].tolist() and result.error is None
+        for entry, logits in zip(result.entries, out.logits):
+            expected = oracle_logprobs(logits[0])
+            assert abs(entry.logprob - expected[entry.id]) < TOLERANCE[torch.float32]
+            assert all(abs(value - expected[token]) < TOLERANCE[torch.float32] for token, value in entry.top)

@@ -33,6 +33,25 @@ def reduction_rows(operation: int, capacity: int, layout: dict) -> int:
     return lane_count(operation, capacity) * speculative.get("positions", 1)
 
 
+def decode_slot_limit(capacity: int, decode_capacities, num_slots: int) -> int | None:
+    """The ``layout["slot_limit"]`` a decode variant of ``capacity`` may declare (None: it may not): its capacity,
+    when it has two lanes or more, fewer than the cache's ``num_slots`` and fewer than the widest decode variant's.
+
+    A variant with a slot limit serves only lanes whose slots are all below it (its graph attends over those slots in
+    place); the widest decode variant never has one, so every slot can decode. The recipe declares a limit where its
+    graph reads it (``recipes/attention.py``), the validator refuses any other (CONTRACT-SLOT-LIMIT), and the
+    scheduler submits a round to the smallest variant that fits both its lane count and its highest slot."""
+    if 1 < capacity < num_slots and capacity < max(decode_capacities):
+        return capacity
+    return None
+
+
+def admits_slots(layout: dict, slots) -> bool:
+    """Whether a variant of ``layout`` may run lanes in ``slots`` (its ``slot_limit``, ``decode_slot_limit``)."""
+    limit = layout.get("slot_limit")
+    return limit is None or all(slot < limit for slot in slots)
+
+
 LAZY_ZERO_BYTES = 1 << 20
 """CPU buffers from this size up are zero pages mapped on demand (``zeroed_pages``) rather than written zeros."""
 

@@ -51,6 +51,8 @@ RULES = {
     "BIND-IDS": "When the ID inputs are declared, sampling graphs bind both of them.",
     "BIND-NONE": "Graphs without logprob outputs declare and bind neither flags nor explicit IDs.",
     "LAYOUT": "The semantic contract's layout agrees with the declared buffers.",
+    "SLOT-LIMIT": "Only a DECODE variant declares layout.slot_limit, equal to its capacity, which is at least 2 and "
+                  "below both num_slots and the widest decode capacity (that variant serves every slot).",
     "PROMPT-PARTIAL": "Prompt scoring is all or nothing: both buffers, only and always in SCORED_PREFILL variants.",
     "PROMPT-BIND": "prompt_target_tokens is bound to PROMPT_TARGET_TOKEN (39).",
     "PROMPT-K": "Prompt scoring requires K = 20 generation logprob outputs.",

@@ -15,9 +15,13 @@ and ``scaled_dot_product_attention`` reads it in place.
   lane) copies its slot's window once for all its rows: one slot's cells, the only copy a step makes,
   and far less than reading every slot (one lane of Qwen3-0.6B's width on 32 slots, per layer: 0.13 ms
   against 2.8 ms at a 64-position window, 2.0 ms against 26 ms at 640; ``tests/test_decode_copies``).
-  Two or more lanes, when the cache has at least ``LANE_WINDOWS`` times as many slots, do the same one
+  Two or more lanes read at most the first ``read`` slots: every slot, or the slot limit of a decode variant
+  whose lanes all sit below it (``Rows.slot_limit``, ``layout["slot_limit"]``: a ``decode.c8`` of a 32-slot cache
+  reads slots 0-7). When ``read`` is at least ``LANE_WINDOWS`` times the lanes they do as one lane does, one
   lane at a time (one slot's cells per copy). Otherwise they place their queries at their slots' batch
-  index and attend over every slot's window at once; slots outside the submission get zero queries and
+  index and attend over the read slots' windows at once, in place: no copy at all, and one attention call a
+  layer instead of one a lane (at Qwen3-0.6B's width, 8 lanes over 8 slots' 64-position windows: 12 ms a
+  28-layer step against 25 ms lane by lane); slots outside the submission get zero queries and
   their rows are dropped. BF16/FP16 lanes always copy their own slots' windows once, together (``[lanes,
   kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would copy a
   strided view anyway, one head at a time.
@@ -47,10 +51,11 @@ class AttentionPlan:
     per_group: int  # R // G rows per group
     window: int  # W keys read, [0, W) (a symbolic size in a windowed graph)
     slots: torch.Tensor  # int64 [G]: each group's read slot, clamped into range
-    placement: torch.Tensor | None  # int64 [num_slots]: the group queried at each slot (G: none); None: one group, or
+    placement: torch.Tensor | None  # int64 [read]: the group queried at each of the first ``read`` slots (G: none); or
     per_lane: bool  # each group's own slot window copied and attended alone (LANE_WINDOWS), not every slot's
     # (placement None and per_lane False: the groups' slot windows copied together, one group or BF16/FP16 lanes)
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
+    read: int = 0  # with a placement: the slots attended in place, ``[0, read)`` (the rows' slot limit, or every slot)
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -80,18 +85,20 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     device = rows.positions.device
     window = key_positions(rows, max_seq_len, device)  # [W]: 0..W-1
     positions = rows.positions.view(groups, per_group)
-    slots = rows.read_slots.clamp(0, num_slots - 1)
+    # a slot limit: the lanes' slots are all below it, so only the first ``read`` slots can hold their windows
+    read = num_slots if rows.slot_limit is None else min(rows.slot_limit, num_slots)
+    slots = rows.read_slots.clamp(0, read - 1)
     placement = None
     # BF16/FP16 products copy a strided operand anyway (one head at a time), so lanes copy their own slots' windows
     # once, together: the cells one copy a lane would move, in two graph nodes a layer instead of two a lane
     gathered = dtype != torch.float32
-    per_lane = not gathered and groups > 1 and LANE_WINDOWS * groups <= num_slots
-    if groups > 1 and not per_lane and not gathered:  # lanes: every slot's window in place, each query at its slot
-        placement = _placement(rows, slots, num_slots)
-        positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [num_slots, R/G]; 0 at empty slots
+    per_lane = not gathered and groups > 1 and LANE_WINDOWS * groups <= read
+    if groups > 1 and not per_lane and not gathered:  # lanes: the read slots' windows in place, each query at its slot
+        placement = _placement(rows, slots, read)
+        positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [read, R/G]; 0 at empty slots
     mask = causal_mask(window, positions, share, dtype)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
-                         placement=placement, per_lane=per_lane, mask=mask)
+                         placement=placement, per_lane=per_lane, mask=mask, read=read)
 
 
 def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -117,8 +124,9 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                               for g in range(groups)])
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask)
-    else:  # each group's queries at its slot's batch index, zeros elsewhere: [num_slots, kv_heads, share * R/G, D]
+    else:  # each group's queries at its slot's batch index, zeros elsewhere: [read, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
+        keys, values = keys.narrow(0, 0, plan.read), values.narrow(0, 0, plan.read)  # views: the first read slots
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
     attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]

@@ -114,14 +114,19 @@ class _DecoderGraph(torch.nn.Module):
 
 
 class DecodeGraph(_DecoderGraph):
-    """One token per active lane: ``decode.c{capacity}``."""
+    """One token per active lane: ``decode.c{capacity}``; ``slot_limit``: its variant's ``layout["slot_limit"]``."""
+
+    def __init__(self, cfg, vocab_size: int, k: int, decoder: Decoder = gqa_decoder, parallel=None,
+                 slot_limit: int | None = None):
+        super().__init__(cfg, vocab_size, k, decoder, parallel)
+        self.slot_limit = slot_limit
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         weights = self.weights(buffers)
         positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
-        hidden = self.hidden(weights, buffers, buffers["input_ids"],
-                             Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW)))  # [capacity, d_model]
+        rows = Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW), self.slot_limit)
+        hidden = self.hidden(weights, buffers, buffers["input_ids"], rows)  # [capacity, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
         return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)
 

@@ -117,6 +117,7 @@ class Rows:
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
     segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
+    slot_limit: int | None = None  # every group's slot is below this (a decode variant's ``layout["slot_limit"]``)
     writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
 
     @classmethod
@@ -148,9 +149,11 @@ class Rows:
 
     @classmethod
     def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor,
-               key_window: torch.Tensor | None = None) -> Rows:
-        """One row per lane, each its own group; active lanes must use distinct slots."""
-        return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots, key_window=key_window)
+               key_window: torch.Tensor | None = None, slot_limit: int | None = None) -> Rows:
+        """One row per lane, each its own group; active lanes must use distinct slots (below ``slot_limit``, when
+        the variant has one)."""
+        return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots, key_window=key_window,
+                   slot_limit=slot_limit)
 
 
 def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor) -> None:

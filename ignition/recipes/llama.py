@@ -24,7 +24,7 @@ from ignition.catalog.buffers import (CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, 
                                      SEGMENT_WINDOW, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
-from ignition.catalog.model import BufferDecl, Variant
+from ignition.catalog.model import BufferDecl, Variant, decode_slot_limit
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, ShardedBuild,
                                    chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
                                    next_tokens_return, prefill_family, sampling_arguments, spec_arguments,
@@ -92,7 +92,9 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     state = state_declarations(graph_cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
     fixed = weight_arguments(weights) + state
     variants = [prefill_variant(fixed, options.chunk_limit, token_capacity, options.outputs)]
-    variants += [decode_variant(fixed, capacity, token_capacity, options.outputs) for capacity in options.capacities]
+    variants += [decode_variant(fixed, capacity, token_capacity, options.outputs,
+                                slot_limit(options, capacity, family.decoder, dtype))
+                 for capacity in options.capacities]
     if options.prompt_logprobs:  # appended: the ordinary catalog keeps its shapes and order
         variants += [prefill_variant(fixed, capacity, token_capacity, options.outputs, scored=True)
                      for capacity in scored_capacities(options.chunk_limit)]
@@ -135,7 +137,9 @@ def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parall
     verify families, the mixed variants (single-rank only: ``_shard`` refuses them with tensor parallelism) and
     the packed prefill (``packed``: its lanes; single-rank only, see ``packed_capacity``)."""
     modules = [PrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)]
-    modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel) for _ in options.capacities]
+    dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
+    modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel, slot_limit(options, capacity, decoder, dtype))
+                for capacity in options.capacities]
     if options.prompt_logprobs:
         modules += [ScoredPrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)
                     for _ in scored_capacities(options.chunk_limit)]
@@ -195,12 +199,24 @@ def with_windows(variant: Variant, max_seq_len: int, vocab_padded: int, dynamic:
     return variant
 
 
+def slot_limit(options: ExportOptions, capacity: int, decoder: Decoder, dtype: torch.dtype) -> int | None:
+    """A decode variant's slot limit (``catalog.model.decode_slot_limit``) where its graph reads it: grouped-query
+    attention in FP32, whose lanes then attend over the slots below the limit in place (``recipes/attention.py``).
+    BF16/FP16 lanes copy their windows whatever their slots, and MLA gathers its latents: no limit."""
+    if decoder is not gqa_decoder or dtype != torch.float32:
+        return None
+    return decode_slot_limit(capacity, options.capacities, options.slots)
+
+
 def decode_variant(fixed: list[BufferDecl], capacity: int, token_capacity: int,
-                   logprob_outputs: LogprobOutputs | None) -> Variant:
-    """``decode.c{capacity}``: weights, state, lane inputs, sampling inputs, completion bundle."""
+                   logprob_outputs: LogprobOutputs | None, slot_limit: int | None = None) -> Variant:
+    """``decode.c{capacity}``: weights, state, lane inputs, sampling inputs, completion bundle; ``slot_limit``: its
+    lanes' slots are all below it (``layout["slot_limit"]``)."""
     lanes, lane_bindings = spec_arguments(LANE_INPUTS, capacity=capacity)
     sampling, sampling_bindings = sampling_arguments(capacity)
     outputs, output_bindings, layout = completion_arguments(capacity, token_capacity, logprob_outputs)
+    if slot_limit is not None:
+        layout["slot_limit"] = slot_limit
     return Variant(name=f"decode.c{capacity}", operation=Operation.DECODE, capacity=capacity,
                    arguments=fixed + lanes + sampling + outputs, returns=next_tokens_return(capacity),
                    bindings=lane_bindings | sampling_bindings | output_bindings, layout=layout)

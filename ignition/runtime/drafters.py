@@ -22,7 +22,7 @@ import numpy as np
 from ignition.catalog.enums import Operation
 from ignition.runtime.bindings import ChunkPlan, Lane
 from ignition.runtime.requests import Request, SamplingParams
-from ignition.runtime.runner import OwnershipError, Runner
+from ignition.runtime.runner import FreeSlots, OwnershipError, Runner, smallest_fitting
 
 
 class SpeculativeError(ValueError):
@@ -124,7 +124,7 @@ class DraftCoreDrafter:
         model = draft_core.manifest["model"]
         self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
         self.max_context = model.get("max_seq_len")
-        self.free_slots = list(range(self.num_slots))
+        self.free_slots = FreeSlots(self.num_slots)
         self.epochs = [0] * self.num_slots
         self.states: dict[str, _DraftState] = {}
         self.runner = Runner(draft_core)
@@ -132,12 +132,12 @@ class DraftCoreDrafter:
     def release(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
         if state is not None:
-            self.free_slots.append(state.slot)
+            self.free_slots.give(state.slot)
 
     def _state(self, request_id: str) -> _DraftState | None:
         state = self.states.get(request_id)
         if state is None and self.free_slots:  # no free draft slot: this request is not drafted this round
-            slot = self.free_slots.pop(0)
+            slot = self.free_slots.take()
             self.epochs[slot] += 1
             state = _DraftState(Request([0]), request_id, slot, self.epochs[slot])
             self.states[request_id] = state
@@ -169,7 +169,7 @@ class DraftCoreDrafter:
             largest = self.decode_variants[-1].capacity
             for start in range(0, len(lanes), largest):
                 batch = lanes[start:start + largest]
-                variant = next(v for v in self.decode_variants if v.capacity >= len(batch))
+                variant = smallest_fitting(self.decode_variants, batch)
                 for lane in batch:  # the decode consumes the last known token at its position
                     lane.state.cached.append(_last_token(lane.state))
                 self._run(variant, batch)

@@ -10,11 +10,13 @@ core's drafter (ignition.runtime.drafters) drives its own core through a runner 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ignition.catalog.abi import PromptEntry, Record, TokenEntry
 from ignition.catalog.enums import Operation, RoundKind
+from ignition.catalog.model import admits_slots
 from ignition.runtime.bindings import Lane, fill_inputs
 from ignition.runtime.frames import FrameReader, PendingFrame
 
@@ -64,6 +66,36 @@ class Submission:
         return [self.reader.prompt_entry(row, alternatives) for row in range(len(self.lanes[0].chunk.tokens))]
 
 
+class FreeSlots:
+    """A cache's free slots, the lowest taken first: the running lanes stay in the lowest slots, where a decode variant
+    with a slot limit (``layout["slot_limit"]``: its lanes' slots all below it) can serve them."""
+
+    def __init__(self, count: int):
+        self._free = list(range(count))  # a heap
+
+    def take(self) -> int:
+        return heapq.heappop(self._free)
+
+    def give(self, slot: int) -> None:
+        heapq.heappush(self._free, slot)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def __iter__(self):
+        return iter(sorted(self._free))
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._free
+
+
+def smallest_fitting(variants: list, lanes: list[Lane]):
+    """The first of ``variants`` (ascending capacity) with room for ``lanes`` whose slot limit admits their slots; the
+    widest decode variant has no limit, so a round of at most its capacity always fits."""
+    slots = [lane.state.slot for lane in lanes]
+    return next(v for v in variants if v.capacity >= len(lanes) and admits_slots(v.layout, slots))
+
+
 class Runner:
     """Submits lanes to a loaded core's variants and reads the results back. One submission at a time."""
 
@@ -74,6 +106,10 @@ class Runner:
         self.hook: Callable | None = None  # tests and the server: called with (variant, reader, pending) after readback
 
     def submit(self, variant, lanes: list[Lane]) -> Submission:
+        if not admits_slots(variant.layout, [lane.state.slot for lane in lanes]):
+            raise ValueError(f"{variant.name} serves slots below {variant.layout['slot_limit']} only, and the lanes hold "
+                             f"slots {[lane.state.slot for lane in lanes]}: submit them to a variant that fits "
+                             "(runner.smallest_fitting)")
         frame = variant.next_frame
         request_mask, pairs = fill_inputs(variant, lanes, frame, self.core)  # may fail one lane: nothing ran yet
         variant.next_frame ^= 1
@@ -88,4 +124,4 @@ class Runner:
         return Submission(variant, lanes, reader, pending)
 
 
-__all__ = ["Runner", "Submission", "OwnershipError", "expected_kinds", "RECORDS_ONLY"]
+__all__ = ["FreeSlots", "Runner", "Submission", "OwnershipError", "expected_kinds", "smallest_fitting", "RECORDS_ONLY"]

@@ -25,7 +25,7 @@ from ignition.runtime.bindings import ChunkPlan, Lane, replayed_extent
 from ignition.runtime.constraints import ConstraintError
 from ignition.runtime.core import LoadedCore, LoadedVariant
 from ignition.runtime.grammar import GrammarViolation
-from ignition.runtime.runner import OwnershipError, Runner, Submission
+from ignition.runtime.runner import FreeSlots, OwnershipError, Runner, Submission, smallest_fitting
 from ignition.runtime.requests import AdmissionError, Request, check_admission
 from ignition.runtime.samples import PromptCopier, SampleGroup, sample_requests
 
@@ -99,7 +99,7 @@ class Engine:
         self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
         self.max_context = model.get("max_seq_len")
         self.epochs = [0] * self.num_slots
-        self.free_slots = deque(range(self.num_slots))
+        self.free_slots = FreeSlots(self.num_slots)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.retiring: list[RequestState] = []  # cancelled while running: slot held until a MAINTENANCE record
@@ -147,7 +147,7 @@ class Engine:
             self._take_slot(self.waiting.popleft())
 
     def _take_slot(self, state: RequestState) -> None:
-        state.slot = self.free_slots.popleft()
+        state.slot = self.free_slots.take()
         self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
         state.epoch = self.epochs[state.slot]
         self.running.append(state)
@@ -158,7 +158,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.release(state.request_id)
         self.running.remove(state)
-        self.free_slots.append(state.slot)
+        self.free_slots.give(state.slot)
         self.finished[state.request_id] = state
 
     def _backlogged(self, state: RequestState) -> bool:
@@ -168,7 +168,7 @@ class Engine:
     def _release_retiring(self, states: list[RequestState]) -> None:
         for state in states:
             self.retiring.remove(state)
-            self.free_slots.append(state.slot)
+            self.free_slots.give(state.slot)
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> bool:
@@ -210,7 +210,7 @@ class Engine:
             lanes = [Lane(state=s, draft=d) for s, d in planned[start:start + largest]]
             riders, retiring = retiring[:largest - len(lanes)], retiring[largest - len(lanes):]
             lanes += [Lane(state=s, retire=True) for s in riders]  # exhausted budget: a MAINTENANCE record
-            variant = variants[-1] if self.batch_invariant else next(v for v in variants if v.capacity >= len(lanes))
+            variant = variants[-1] if self.batch_invariant else smallest_fitting(variants, lanes)
             self._submit(variant, lanes)
         return retiring
 
@@ -262,7 +262,7 @@ class Engine:
         state = next(s for s in self.running if s.request_id == request_id)
         self._hand_over_prompt(state)
         self.running.remove(state)
-        self.free_slots.append(state.slot)
+        self.free_slots.give(state.slot)
         state.slot, state.prefilled, state.prompt_source = -1, 0, None
         self.waiting.appendleft(state)
 
@@ -589,7 +589,7 @@ class Engine:
             return
         if variant.operation is Operation.MIXED and all(lane.chunk is None for lane in rest):
             variant = self.decode_variants[-1] if self.batch_invariant else \
-                next(v for v in self.decode_variants if v.capacity >= len(rest))
+                smallest_fitting(self.decode_variants, rest)
         self._submit(variant, rest)
 
 

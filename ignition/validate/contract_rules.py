@@ -10,7 +10,8 @@ from ignition.catalog.abi import MAX_RECORD_POSITIONS
 from ignition.catalog.buffers import BUFFERS, resolve_shape, shape_expression
 from ignition.catalog.contract import NATURAL_K, PACKED_CHOSEN_WORDS, manifest_token_capacity, packed_width, scored_capacities
 from ignition.catalog.enums import Operation, ValueSource, reserved_status
-from ignition.catalog.model import lane_count
+from ignition.catalog.geometry import field_name, manifest_value
+from ignition.catalog.model import decode_slot_limit, lane_count
 from ignition.validate.constraint_rules import check_catalog_constraints, check_variant_constraints
 from ignition.validate.packed import check_packed, prefill_rows
 from ignition.validate.report import Violation
@@ -279,6 +280,29 @@ def _check_prompt_buffers(variant, args, operation) -> list[Violation]:
     return found
 
 
+def _check_slot_limits(manifest: dict, variants: list[dict], decode: list[int]) -> list[Violation]:
+    """SLOT-LIMIT: only a decode variant declares ``layout.slot_limit``, and only the one ``decode_slot_limit``
+    allows it (its capacity, below the slot count and the widest decode capacity), so every slot can decode."""
+    found = []
+    slots = manifest_value(manifest, "num_slots")
+    for variant in variants:
+        limit = variant["contract"]["layout"].get("slot_limit")
+        if limit is None:
+            continue
+        where = f"variant {variant['name']}: layout.slot_limit"
+        if variant["operation"] != Operation.DECODE:
+            found.append(Violation("SLOT-LIMIT", where, f"expected none (only DECODE variants declare a slot limit), "
+                                   f"found {limit} on operation {variant['operation']}"))
+            continue
+        allowed = decode_slot_limit(variant["capacity"], decode, slots) if isinstance(slots, int) and decode else None
+        if limit != allowed:
+            expected = "none" if allowed is None else str(allowed)
+            found.append(Violation("SLOT-LIMIT", where, f"expected {expected} (its capacity {variant['capacity']}, when "
+                                   f"that is 2 or more and below both {field_name('num_slots')} = {slots} and the widest "
+                                   f"decode capacity {max(decode, default=None)}), found {limit}"))
+    return found
+
+
 def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
     """Core-level rules across variants: names, K, capacities, prompt scoring, features, state."""
     variants = catalog["variants"]
@@ -318,6 +342,7 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
             found.append(Violation("FEAT-MISMATCH", f"manifest.json:features.{key}", f"catalog implies {value!r}, "
                                    f"found {manifest['features'].get(key)!r}"))
     found += check_catalog_constraints(manifest, variants)
+    found += _check_slot_limits(manifest, variants, decode)
     state = {s["name"]: s for s in manifest["state"]}
     for variant in variants:
         for decl in variant["arguments"]:
