@@ -102,3 +102,43 @@ def test_real_width_projections_run_on_packed_weights(loaded):
     targets = [str(n.target) for n in decode.runner.graph_module.graph.nodes if "linear" in str(n.target)]
     assert targets and set(targets) == {PACKED_TARGET}  # 4 layers' projections and the LM head, all FP32 >= 256 Ki
     assert sum(t.is_mkldnn for t in loaded.weights.values()) >= 4 * 4  # released raw copies: the packed ones held
+
+
+class VocabularyRows(TorchDispatchMode):
+    """Operators that return a fresh float32 tensor holding at least ``rows`` whole vocabulary rows."""
+
+    def __init__(self, vocabulary: int, rows: int):
+        super().__init__()
+        self.vocabulary, self.rows = vocabulary, rows
+        self.made: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        read = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and not t.is_mkldnn}
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2 \
+                    and tensor.shape[-1] >= self.vocabulary and tensor.numel() >= self.rows * self.vocabulary \
+                    and tensor.untyped_storage().data_ptr() not in read:
+                self.made.append((str(func), tuple(tensor.shape)))
+        return out
+
+
+@pytest.mark.parametrize("lanes", [SLOTS, 1])
+def test_a_greedy_decode_step_makes_one_vocabulary_wide_row_per_lane(loaded, lanes: int):
+    """The LM head's logits are the step's only ``[lanes, vocabulary]`` float32 tensor: the sampling transforms write
+    their window of columns in place and put it back (``components.sampling.transformed_row``), the greedy pick and
+    the logprob reduction read the logits where they are."""
+    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.requests import Request
+
+    core = loaded
+    engine = Engine(core)
+    for lane in range(lanes):
+        engine.submit(Request([lane + 1, 7, 9, 11, 13], max_tokens=8, logprobs=5, ignore_eos=True))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()
+    watch = VocabularyRows(core.manifest["vocab_size"], lanes)
+    with watch:
+        engine.step()
+    assert [shape for _, shape in watch.made] == [(lanes, core.manifest["vocab_size"])], watch.made

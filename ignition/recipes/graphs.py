@@ -39,7 +39,7 @@ from ignition.components.sampling import (SamplingTensors, filtered_distribution
 from ignition.components.speculative import (accept_draft, commit_speculative_round, draft_output_counts, row_sampling,
                                              verify_rows)
 from ignition.recipes.layers import Rows
-from ignition.recipes.transformer import gqa_decoder, lm_head_logits
+from ignition.recipes.transformer import gqa_decoder, lm_head_logits, sampled_row_logits
 
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 
@@ -161,7 +161,7 @@ class PrefillGraph(_DecoderGraph):
             score_hidden_rows(hidden, buffers[PROMPT_TARGETS], buffers[PROMPT_LOGPROBS], buffers["frame_index"],
                               lambda rows: lm_head_logits(weights, self.cfg, rows), self.vocab_size)
         last_row = (chunk_length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
-        raw_logits = lm_head_logits(weights, self.cfg, hidden.index_select(0, last_row))  # [1, vocab_padded]
+        raw_logits = sampled_row_logits(weights, self.cfg, hidden, last_row)  # [1, vocab_padded]
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
                                  reset=active & (chunk_start == 0))
         tokens = self.sample_and_commit(buffers, raw_logits, slot, Operation.PREFILL, chunk_start + chunk_length,
@@ -201,7 +201,7 @@ class PackedPrefillGraph(PrefillGraph):
     chunks of lanes ``< b``, at positions ``segment_starts[b]..`` of its slot. Each lane's round is the one
     ``prefill.t{C}`` runs for that chunk, with the same FP32 ops per row: every row writes its cache cell,
     attends over its own slot's window only (``recipes/attention.py`` ``packed_attention``), the lm_head
-    projects each lane's last valid row alone (``[1, d_model]``, as prefill does), the slot's penalty state
+    projects each lane's last valid row as prefill projects its one (``sampled_row_logits``), the slot's penalty state
     is reset at ``segment_starts == 0`` and counts the chunk's tokens, and the lane samples (SAMPLING) when
     ``segment_emits != 0`` or writes its ADMISSION or PROMPT record. Records carry operation PREFILL.
     """
@@ -215,10 +215,9 @@ class PackedPrefillGraph(PrefillGraph):
         rows = Rows.packed(packed.shape[0], starts, lengths, slots, buffers[SEGMENT_WINDOW], buffers.get(KEY_WINDOW))
         hidden = self.hidden(weights, buffers, packed, rows)  # [R, d_model]
         last_rows = (rows.segments.offsets + lengths - 1).clamp(0, packed.shape[0] - 1)  # [capacity]
-        # NOTE: one [1, d_model] projection per lane, as prefill's: a GEMM over the lanes' rows would sum each
-        # logit in another order than the serial path does, and the lanes' logprobs would differ from it.
-        raw_logits = torch.cat([lm_head_logits(weights, self.cfg, hidden.index_select(0, last_rows[lane:lane + 1]))
-                                for lane in range(slots.shape[0])])  # [capacity, vocab_padded]
+        # NOTE: the lanes' rows projected as prefill projects its one row (``sampled_row_logits``: the same product
+        # shape), so each lane's logits and logprobs are the serial path's bits
+        raw_logits = sampled_row_logits(weights, self.cfg, hidden, last_rows)  # [capacity, vocab_padded]
         self.count_segment_tokens(buffers[PENALTY_COUNTS], slots, packed, rows, active, reset=active & (starts == 0))
         tokens = self.sample_and_commit(buffers, raw_logits, slots, Operation.PREFILL, starts + buffers[SEGMENT_LENGTHS],
                                         emits=buffers[SEGMENT_EMITS] != 0, idle_round_kind=prompt_round_kind(starts))
@@ -300,7 +299,7 @@ class MixedGraph(PrefillGraph):
         hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(chunk_ids.shape[0], start, valid_length, slot,
                                                                       buffers.get(KEY_WINDOW)))
         last_row = (length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
-        prompt_logits = lm_head_logits(weights, self.cfg, hidden.index_select(0, last_row))  # [1, vocab_padded]
+        prompt_logits = sampled_row_logits(weights, self.cfg, hidden, last_row)  # [1, vocab_padded], as prefill's
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
                                  reset=prompt_active & (start == 0))
         decode_lanes = active & ~in_prompt

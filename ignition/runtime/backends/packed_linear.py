@@ -40,6 +40,9 @@ PACKED_DTYPES = (torch.float32,)
 """FP32 only. BF16 ``aten.linear`` already runs oneDNN's matmul on a CPU with AVX512-BF16, and packing gained 0-5%
 at Qwen3-0.6B's width (``benchmarks.decode_steps --compare pack``) while it changed the BF16 rounding of every
 product from transformers' own, which flips greedy tokens of a random-weight checkpoint."""
+PACK_WORKERS = 2
+"""Threads that pack at once (the reorders release the GIL; most of their time is faulting in the packed copies' fresh
+pages, which two threads do side by side)."""
 PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
 PLAIN_ROWS = 1
@@ -47,8 +50,8 @@ PLAIN_ROWS = 1
 memory anyway) calls oneDNN on the raw weight instead of the packed copy: its plain layout is read near the memory's
 bandwidth by one row and the blocked one is not. Measured on this project's 2-core machine (``[rows, 1024] x [1024,
 151936]``, the Qwen3-0.6B LM head; ``benchmarks.row_layouts``): one row 37-33 ms plain against 46-56 ms packed, eight
-rows 73-86 against 65-76 (two passes). A decode step of one lane and every prefill chunk's sampled row project one
-row."""
+rows 73-86 against 65-76 (two passes). A decode step of one lane projects one row (a prefill chunk's sampled row is
+one row of an 8-row product: ``recipes.transformer.sampled_row_logits``)."""
 _LINEAR = torch.ops.aten.linear.default
 _POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 
@@ -76,7 +79,7 @@ class LinearPacks:
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
         self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ignition-pack")
+        self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
     def _packs(self, decl: BufferDecl) -> bool:
         return len(decl.shape) == 2 and decl.torch_dtype in PACKED_DTYPES and decl.numel >= self.min_elements

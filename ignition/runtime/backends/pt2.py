@@ -12,7 +12,7 @@ from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.backends.protocol import Runner, graph_files
-from ignition.runtime.device import move_program
+from ignition.runtime.device import CAPTURE_DEVICE, move_program
 from ignition.runtime.verified import CoreLoadError
 from ignition.validate.files import safe_path
 from ignition.validate.geometry import check_graph_vocabulary
@@ -43,6 +43,8 @@ class Pt2Backend:
         program = self.program(entry)
         if self.packs is not None:  # by the declarations: every packed weight is known before the weights arrive
             self.packs.rewrite(program, arguments)
+        if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
+            program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
 
     def program(self, entry: dict):
         """The variant's graph file (this rank's, for a sharded core): sha256 and the safe reader on the bytes that
