@@ -17,6 +17,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+
 MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, SLOTS = 256, 8, 128, 4
 
 
@@ -85,10 +87,11 @@ def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: 
         engine.step()
     assert watch.attention_keys, "the decode step ran no attention"
     assert watch.copies == [], f"operators copied more than one slot's cache: {watch.copies[:5]}"
-    # [batch, kv_heads, window, head_dim]: the 64-position window, not the 256 cached positions; four lanes
+    # [batch, kv_heads, window, head_dim]: one key-window granule (32 positions), not the 256 cached; four lanes
     # (decode.c4) read all four slots in place; two lanes (decode.c2, slot limit 2: the lanes hold slots 0 and 1)
     # the two slots below its limit in place; one lane (decode.c1) a copy of its own slot's window
-    assert set(watch.attention_keys) == {(lanes, KV_HEADS, 64, HEAD_DIM)}, watch.attention_keys
+    window = WINDOWS[KEY_WINDOW].granule  # the prompts and their 8 tokens fit in one
+    assert set(watch.attention_keys) == {(lanes, KV_HEADS, window, HEAD_DIM)}, watch.attention_keys
     assert len(watch.attention_keys) == 4  # one attention call a layer, 4 layers
 
 

@@ -27,7 +27,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.layers import Rows
-from ignition.catalog.buffers import PACKED_LANES
+from ignition.catalog.buffers import PACKED_LANES, WINDOWS
 from ignition.recipes.llama import FAMILIES, packed_capacity
 from ignition.runtime.bindings import ChunkPlan, Lane, Windowed, fill_inputs, replayed_extent
 from ignition.runtime.constraints import LaneConstraints
@@ -118,6 +118,26 @@ def test_packed_rounds_equal_serial_rounds_bit_for_bit(core):
         assert int(packed_state["penalty_counts"][slot, 0].sum()) == written  # every prompt token counted once
 
 
+def test_a_packed_round_projects_its_lanes_in_one_lm_head_product(core):
+    """``sampled_row_logits``: the lanes' sampled rows are one ``[8, d_model]`` product, not one product a lane, and a
+    serial chunk's one row is a row of a product of the same shape (the bits the packed-equals-serial test compares)."""
+    from ignition.recipes.transformer import SAMPLED_ROW_BLOCK
+    from ignition.validate.graph_json import FACTS
+
+    def lm_head_rows(variant) -> list[int]:  # the LM head's weight: its own, or the tied embedding
+        graph = variant.runner.graph_module.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        names = variant.runner.names
+        weight = placeholders[names.index(next((n for n in names if "lm_head" in n), None)
+                                          or next(n for n in names if "embed" in n))]
+        return [node.args[0].meta[FACTS].shape[0] for node in graph.nodes
+                if node.op == "call_function" and "linear" in str(node.target) and node.args[1] is weight]
+
+    assert SLOTS < SAMPLED_ROW_BLOCK  # the packed round's 4 lanes fill one block
+    assert lm_head_rows(core.variants[PACKED]) == [SAMPLED_ROW_BLOCK]
+    assert lm_head_rows(core.variants[f"prefill.t{CHUNK}"]) == [SAMPLED_ROW_BLOCK]
+
+
 def test_packed_requests_match_transformers(exported, core):
     """Greedy generation after a packed prefill: tokens equal transformers', logprobs within the FP32 tolerance
     (the decode rounds read the KV cells the packed rounds wrote)."""
@@ -194,27 +214,31 @@ def test_packed_attention_equals_each_chunk_alone(dtype, heads, kv_heads, head_d
 
 
 def test_a_packed_round_copies_each_lanes_window_once_and_no_cache(core):
-    """Attention reads each lane's 64-position window (of 128 cached) once; no op copies more than those windows."""
+    """Attention reads each lane's window (one key-window granule of the 128 cached positions) once; no op copies
+    more than those windows."""
+    granule = WINDOWS[KEY_WINDOW].granule  # every prompt below fits in one
     engine = Engine(core)
     for index, length in enumerate((5, 12, 3, 9)):
         engine.submit(Request(prompt(index, length), max_tokens=1))
     k_cache = core.state["k_cache"]  # [layers, slots, positions, kv_heads, head_dim]
-    windows = SLOTS * 64 * k_cache.shape[3] * k_cache.shape[4] * k_cache.element_size()
+    windows = SLOTS * granule * k_cache.shape[3] * k_cache.shape[4] * k_cache.element_size()
     watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, windows)
     with watch:
         assert engine.step() and engine.stats["packed_rounds"] == 1
     assert watch.copies == [], watch.copies[:5]
-    assert {keys for keys in watch.attention_keys} == {(SLOTS, k_cache.shape[3], 64, k_cache.shape[4])}
+    assert {keys for keys in watch.attention_keys} == {(SLOTS, k_cache.shape[3], granule, k_cache.shape[4])}
     engine.run()
 
 
 def test_only_lanes_of_one_key_window_are_packed(core):
-    """The lead's window decides: a request whose next chunk ends past the lead's 64 positions waits."""
+    """The lead's window decides: a request whose next chunk ends past the lead's key window waits."""
     engine = Engine(core)
     variant = core.variants[PACKED]
     states = [RequestState(Request(prompt(0, 70)), "long"), RequestState(Request(prompt(1, 6)), "short")]
-    states[0].prefilled = 64  # its next chunk ends at 70: window 128
-    assert [engine._window_of(variant, state, CHUNK) for state in states] == [128, 64]
+    states[0].prefilled = 64  # its next chunk ends at 70
+    covering = WINDOWS[KEY_WINDOW].covering
+    assert [engine._window_of(variant, state, CHUNK) for state in states] == [covering(70, 128), covering(6, 128)]
+    assert covering(70, 128) > covering(6, 128)
     assert not engine._packed_prefill(states) and engine.stats["packed_rounds"] == 0
     scored = RequestState(Request(prompt(2, 6), prompt_logprobs=0), "scored")
     assert not engine._packed_prefill([scored, states[1]])  # a scoring lead runs alone (scored prefill)
@@ -227,7 +251,7 @@ def test_windows_cover_every_lane(core):
              Lane(RequestState(Request(prompt(1, 5)), "b", slot=2, epoch=1), ChunkPlan(0, prompt(1, 5), True))]
     fill_inputs(variant, lanes, 0, core)
     windowed = Windowed(lambda buffers: None, variant.bindings, variant.layout["windows"])
-    assert windowed.sizes(variant.buffers) == {KEY_WINDOW: 64, PACKED_TOKENS: 32, SEGMENT_WINDOW: 16,
+    assert windowed.sizes(variant.buffers) == {KEY_WINDOW: WINDOWS[KEY_WINDOW].covering(30), PACKED_TOKENS: 32, SEGMENT_WINDOW: 16,
                                                SAMPLE_WINDOW: 64,  # greedy lanes: a short sorted row
                                                TRANSFORM_WINDOW: 64}  # no penalty: no transformed column
     sampling = Lane(RequestState(Request(prompt(1, 5), sampling=SamplingParams(temperature=0.7)), "c", slot=2,
@@ -249,7 +273,9 @@ def test_windows_cover_every_lane(core):
         assert windowed.sizes(variant.buffers)[TRANSFORM_WINDOW] == core.manifest["vocab_padded"]
     fill_inputs(variant, lanes, 0, core)
     assert variant.buffers[PACKED_TOKENS][:20].tolist() == prompt(0, 30)[16:] + prompt(1, 5) + [0]
-    assert replayed_extent(variant, KEY_WINDOW, 30) == 64 and replayed_extent(variant, KEY_WINDOW, 65) == 128
+    granule = WINDOWS[KEY_WINDOW].granule  # the smallest multiple covering the positions, capped at 128
+    assert replayed_extent(variant, KEY_WINDOW, 30) == granule and replayed_extent(variant, KEY_WINDOW, 127) == 128
+    assert replayed_extent(variant, KEY_WINDOW, granule + 1) == 2 * granule
     with pytest.raises(RuntimeError, match="a lane takes at most 16"):
         fill_inputs(variant, [Lane(lanes[0].state, ChunkPlan(0, prompt(0, 17), True))], 0, core)
     with pytest.raises(RuntimeError, match="1 without a chunk"):

@@ -207,7 +207,7 @@ class Window:
         return rounded if extent is None else min(extent, rounded)
 
 
-WINDOWS = {KEY_WINDOW: Window(dim=0, granule=64), SAMPLE_WINDOW: Window(dim=0, granule=64),
+WINDOWS = {KEY_WINDOW: Window(dim=0, granule=32), SAMPLE_WINDOW: Window(dim=0, granule=64),
            TRANSFORM_WINDOW: Window(dim=0, granule=64),
            CHUNK_TOKENS: Window(dim=0, granule=16),
            PACKED_TOKENS: Window(dim=0, granule=16), SEGMENT_WINDOW: Window(dim=0, granule=16)}
