@@ -1,0 +1,55 @@
+"""Two exported cores' decode steps, interleaved in one process: an A/B of two commits' graphs on the same host.
+
+``python -m benchmarks.core_ab OLD NEW --threads 2 --batch 8 --steps 40`` loads both cores, admits ``--batch``
+requests (4-token prompts, greedy) on an engine over each, prefills them and runs 3 warm-up rounds, then times
+``--steps`` decode rounds, alternating a round of one core with a round of the other, and prints each core's median
+and minimum round and the ratio of the medians. Alternating rounds in one process is what makes a small difference
+measurable here: this machine's speed moves by up to 2x within an hour, so rows measured minutes apart compare
+nothing. Export both cores with the same command at the two commits (``git worktree add``), and keep the host
+otherwise idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old", type=Path)
+    parser.add_argument("new", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--logprobs", type=int, default=5, help="0 means off")
+    args = parser.parse_args()
+    if args.batch < 1 or args.steps < 1:
+        parser.error("--batch and --steps must be at least 1")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from benchmarks.realsize import warmed_engine
+    from ignition.runtime.core import load_core
+    from ignition.runtime.requests import Request
+
+    engines = [warmed_engine(load_core(path), [Request([lane + 1, 7, 9, 11], max_tokens=args.steps + 8,
+                                                       logprobs=args.logprobs or None, ignore_eos=True)
+                                               for lane in range(args.batch)])
+               for path in (args.old, args.new)]
+    rounds: list[list[float]] = [[], []]
+    for _ in range(args.steps):
+        for side, engine in enumerate(engines):
+            started = time.perf_counter()
+            engine.step()
+            rounds[side].append(time.perf_counter() - started)
+    for path, times in zip((args.old, args.new), rounds):
+        print(f"{path}: median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms a round")
+    print(f"new / old (medians): {statistics.median(rounds[1]) / statistics.median(rounds[0]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
