@@ -22,6 +22,16 @@ from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
 MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, SLOTS = 256, 8, 128, 4
 
 
+def storages_read_and_fresh_outputs(args, kwargs, out) -> tuple[set[int], list[torch.Tensor]]:
+    """An operator call's input storages (not oneDNN's packed weights: opaque, never the cache or the logits) and
+    the output tensors in a storage none of its inputs had."""
+    read = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and not t.is_mkldnn}
+    fresh = [t for t in pytree.tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in read]
+    return read, fresh
+
+
 class CacheCopies(TorchDispatchMode):
     """Operators that read the cache's storage and return a fresh tensor larger than ``limit`` bytes."""
 
@@ -33,16 +43,11 @@ class CacheCopies(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [t for t in pytree.tree_leaves((args, kwargs))  # not oneDNN's packed weights: opaque, not the cache
-                  if isinstance(t, torch.Tensor) and not t.is_mkldnn]
-        read = {t.untyped_storage().data_ptr() for t in inputs}
+        read, fresh = storages_read_and_fresh_outputs(args, kwargs, out)
         if "scaled_dot_product" in str(func):
             self.attention_keys.append(tuple(args[1].shape))
         if read & self.cache_storages:
-            for tensor in pytree.tree_leaves(out):
-                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in read \
-                        and tensor.untyped_storage().nbytes() > self.limit:
-                    self.copies.append((str(func), tuple(tensor.shape)))
+            self.copies += [(str(func), tuple(t.shape)) for t in fresh if t.untyped_storage().nbytes() > self.limit]
         return out
 
 
@@ -117,13 +122,10 @@ class VocabularyRows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        read = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor) and not t.is_mkldnn}
-        for tensor in pytree.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2 \
-                    and tensor.shape[-1] >= self.vocabulary and tensor.numel() >= self.rows * self.vocabulary \
-                    and tensor.untyped_storage().data_ptr() not in read:
-                self.made.append((str(func), tuple(tensor.shape)))
+        _, fresh = storages_read_and_fresh_outputs(args, kwargs, out)
+        self.made += [(str(func), tuple(t.shape)) for t in fresh
+                      if t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] >= self.vocabulary
+                      and t.numel() >= self.rows * self.vocabulary]
         return out
 
 

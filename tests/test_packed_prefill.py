@@ -251,8 +251,8 @@ def test_windows_cover_every_lane(core):
              Lane(RequestState(Request(prompt(1, 5)), "b", slot=2, epoch=1), ChunkPlan(0, prompt(1, 5), True))]
     fill_inputs(variant, lanes, 0, core)
     windowed = Windowed(lambda buffers: None, variant.bindings, variant.layout["windows"])
-    assert windowed.sizes(variant.buffers) == {KEY_WINDOW: WINDOWS[KEY_WINDOW].covering(30), PACKED_TOKENS: 32, SEGMENT_WINDOW: 16,
-                                               SAMPLE_WINDOW: 64,  # greedy lanes: a short sorted row
+    assert windowed.sizes(variant.buffers) == {KEY_WINDOW: WINDOWS[KEY_WINDOW].covering(30), PACKED_TOKENS: 32,
+                                               SEGMENT_WINDOW: 16, SAMPLE_WINDOW: 64,  # greedy lanes: a short sorted row
                                                TRANSFORM_WINDOW: 64}  # no penalty: no transformed column
     sampling = Lane(RequestState(Request(prompt(1, 5), sampling=SamplingParams(temperature=0.7)), "c", slot=2,
                                  epoch=1), ChunkPlan(0, prompt(1, 5), True))

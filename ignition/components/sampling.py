@@ -245,9 +245,9 @@ def transformed_row(logits: torch.Tensor, transform: torch.Tensor | None,
     expanded prompt row is); the columns past ``T`` keep their raw values, which is the
     whole transform's result whenever the runtime passes a short window (no lane has a constraint or penalty).
     ``restore()`` writes the T raw columns back: the caller calls it once nothing reads ``row`` any more, before
-    anything reads ``logits`` again (the logprob reduction reads the raw row). A copy of the whole
-    ``[B, vocabulary]`` row each round (an out-of-place ``index_copy``: 7 ms of a 150 ms decode step at batch 8 of a
-    Qwen3-0.6B-shaped core) is what this saves; the export keeps the in-place writes in program order."""
+    anything reads ``logits`` again (the logprob reduction reads the raw row). What this saves is a copy of the whole
+    ``[B, vocabulary]`` float32 row each round (an out-of-place ``index_copy``); the export keeps the in-place writes
+    in program order."""
     width = logits.shape[-1]
     row = logits.to(torch.float32)  # may alias a float32 input
     if not narrows(transform, width):

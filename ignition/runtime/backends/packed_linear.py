@@ -137,12 +137,10 @@ class LinearPacks:
         return packed
 
     def finish(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
-        """After ``start`` and every variant bound: generate each rewritten graph's code while the packs run, wait
-        for them and give each graph module its packed weights; then each packed weight no graph reads raw (its raw
-        pages already released) is replaced, in ``weights`` and in every variant's buffers, by its packed tensor
-        (an unused placeholder's argument). Returns the released names."""
-        for program, _ in self.programs:  # each graph's code generated while the reorders still run
-            program.graph_module
+        """After ``start`` and every variant bound: wait for the packs and give each graph module its packed weights
+        (the CPU backend generated each graph's code as it prepared it, while the weights were read); then each
+        packed weight no graph reads raw (its raw pages already released) is replaced, in ``weights`` and in every
+        variant's buffers, by its packed tensor (an unused placeholder's argument). Returns the released names."""
         self.packed = {name: reorder.result() for name, reorder in self.pending.items()}
         self._worker.shutdown()
         for program, attributes in self.programs:
