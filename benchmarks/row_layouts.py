@@ -3,8 +3,9 @@
 ``python -m benchmarks.row_layouts --threads 2`` times ``mkldnn._linear_pointwise`` at 1, 8 and 32 rows over the
 weights of a 28-layer Qwen3-0.6B-shaped model, by shape (each shape's weights together, so no product runs from
 cache): once on each weight reordered for ``PACK_ROWS_HINT`` rows (what ``runtime/backends/packed_linear.py``
-packs) and once on the raw row-major weight. The best of ``--repeats`` passes, in milliseconds per pass. It is the
-measurement behind ``packed_linear.PLAIN_ROWS``.
+packs), once on the raw row-major weight, and through ``aten.linear`` (what transformers calls: MKL's ``sgemm``
+for FP32, oneDNN for BF16). The best of ``--repeats`` passes, in milliseconds per pass. ``--dtype bfloat16`` times
+the BF16 weights. It is the measurement behind ``packed_linear.PLAIN_ROWS`` and ``PACKED_DTYPES``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
 
     import torch
@@ -29,24 +31,27 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
+    dtype = getattr(torch, args.dtype)
 
-    def best(weights, count: int) -> float:
-        x = torch.randn(count, weights[0].shape[1])
+    def best(weights, count: int, call=None) -> float:
+        x = torch.randn(count, weights[0].shape[1]).to(dtype)
+        call = call or (lambda x, weight: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()
             for weight in weights:
-                torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+                call(x, weight)
             times.append(time.perf_counter() - started)
         return min(times) * 1e3
 
-    print(f"torch {torch.__version__}, threads {args.threads}, ms per pass over the shape's weights")
-    print("| weights | " + " | ".join(f"{r} rows packed | {r} rows plain" for r in rows) + " |")
-    print("|---|" + "---|---|" * len(rows))
+    print(f"torch {torch.__version__}, {args.dtype}, threads {args.threads}, ms per pass over the shape's weights")
+    print("| weights | " + " | ".join(f"{r} rows packed | {r} rows plain | {r} rows aten.linear" for r in rows) + " |")
+    print("|---|" + "---|---|---|" * len(rows))
     for label, (shape, count) in SHAPES.items():
-        raw = [torch.randn(*shape) for _ in range(count)]
+        raw = [torch.randn(*shape).to(dtype) for _ in range(count)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) for weight in raw]
-        cells = [f"{best(packed, r):.1f} | {best(raw, r):.1f}" for r in rows]
+        cells = [f"{best(packed, r):.1f} | {best(raw, r):.1f} | {best(raw, r, torch.nn.functional.linear):.1f}"
+                 for r in rows]
         print(f"| {label} x{count} | " + " | ".join(cells) + " |")
         del raw, packed
 

@@ -123,3 +123,36 @@ def test_the_merged_product_gives_the_per_head_values_at_decode_shapes(shape, dt
     hidden[..., 0] = False  # every row sees a key
     merged = _eager_low_precision(query, keys, values, hidden)
     torch.testing.assert_close(merged, _eager_low_precision(query, keys, values, hidden, per_head=True), rtol=0, atol=0)
+
+
+def test_a_bf16_decode_lane_attends_as_transformers_eager_attention_from_16_keys_on() -> None:
+    """One lane at contexts of 16 to 80 keys, through the key window the loader passes (``WINDOWS[KEY_WINDOW]``,
+    32-position granules): transformers' own eager attention over exactly the live keys gives the same BF16 bits
+    (the padded keys' probabilities are exact zeros). Below 16 keys they may not: ATen's CPU softmax sums a row
+    shorter than its 16-float vector one element after another, and the padded row lane by lane, so about 1 in
+    20,000 BF16 probabilities rounds differently (left as it is: an exact short window would make a lane's bits
+    depend on the other lanes' contexts, which batch-invariant engines and packed prefill must not)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
+
+    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+
+    kv_heads, share, head_dim, slots, max_seq_len = 8, 2, 128, 2, 96
+    module = SimpleNamespace(num_key_value_groups=share, training=False)
+    generator = torch.Generator().manual_seed(0)
+    for context in range(16, 81):
+        for _ in range(6):
+            key_cache, value_cache = (torch.randn(slots, max_seq_len, kv_heads, head_dim, generator=generator)
+                                      .to(torch.bfloat16) for _ in range(2))
+            query = torch.randn(1, kv_heads * share, head_dim, generator=generator).to(torch.bfloat16)
+            window = WINDOWS[KEY_WINDOW].covering(context, max_seq_len)
+            rows = Rows(positions=torch.tensor([context - 1]), write_slots=torch.tensor([1]),
+                        valid=torch.tensor([True]), read_slots=torch.tensor([1]),
+                        key_window=torch.zeros(window, dtype=torch.int64))
+            ours = cached_attention(query, key_cache, value_cache, plan_attention(rows, slots, max_seq_len, share,
+                                                                                   torch.bfloat16))
+            theirs, _ = eager_attention_forward(module, query.unsqueeze(2),  # [1, heads, 1, D]
+                                                key_cache[1:, :context].transpose(1, 2),  # [1, kv, context, D]
+                                                value_cache[1:, :context].transpose(1, 2), None, head_dim ** -0.5)
+            assert torch.equal(ours, theirs.reshape(1, -1)), f"context {context}, window {window}"

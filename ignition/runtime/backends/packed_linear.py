@@ -1,33 +1,33 @@
-"""CPU replay: each large FP32 weight a graph multiplies by (``aten.linear``) packed once for oneDNN.
+"""CPU replay: each large weight a graph multiplies by (``aten.linear``) packed once for oneDNN.
 
-NOTE: torch's CPU ``aten.linear`` calls MKL's ``sgemm``, which on this project's AMD EPYC (Zen 4) machine runs
-far below the memory bound at decode's few rows: ``[8, 1024] x [1024, 151936]`` (the Qwen3-0.6B LM head) takes
-115 ms, a weight read at 5.4 GB/s. oneDNN's matmul on a weight reordered once into its blocked layout
-(``mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) takes 26 ms for the same product, and
-2-4x less for the layers' projections at 1 to 512 rows; a decode step at batch 8 of that checkpoint went from
-385-498 ms to 210-242 ms (``benchmarks.decode_steps --compare pack``). It accumulates in FP32, as ``aten.linear``
-does, so only the summation order changes (logprobs within 3e-6 of the unpacked core's on that checkpoint).
+NOTE: torch's CPU ``aten.linear`` calls MKL's ``sgemm`` for FP32, which runs far below the memory bound at decode's
+few rows: ``[8, 1024] x [1024, 151936]`` (the Qwen3-0.6B LM head) read its weight at 5-6 GB/s on both AMD EPYC
+machines this project has run on. oneDNN's matmul on a weight reordered once into its blocked layout
+(``mkldnn._reorder_linear_weight``, what inductor's CPU freezing does) is 1.3-6x faster at 1 to 32 rows
+(``benchmarks.row_layouts``). It accumulates in FP32, as ``aten.linear`` does, so only the summation order changes
+(logprobs within 3e-6 of the unpacked core's on that checkpoint). BF16's ``aten.linear`` already calls oneDNN, on the
+plain layout; on the Zen 5 machine the blocked one is 1.1-2.4x faster (the LM head at one row: 8.7 ms against 21)
+and returns the same bits, so BF16 weights are packed where a probe finds those bits (``keeps_bits``): a BF16 core
+keeps transformers' rounding either way.
 
-``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is an FP32 weight argument
-of at least ``PACK_MIN_ELEMENTS`` into ``mkldnn._linear_pointwise(x, packed(w), b)``, the packed copy a constant
-of the graph module. Each weight is packed once per load and shared by every variant. A weight that, after
-every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied embedding, which
-the lookup still reads) is released (``finish``): its pages go back to the OS (``host_memory.release_pages``) and the
-core's dict holds the packed tensor, so the weights stay in memory once. A one-row linear on a weight its graph
-also reads raw (``PLAIN_ROWS``: a tied LM head's one sampled row) calls oneDNN on the raw weight instead, which one
-row reads faster than the packed layout; a weight only such linears read is not packed at all.
+``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is a weight argument of a
+packed dtype with at least ``PACK_MIN_ELEMENTS`` elements into ``mkldnn._linear_pointwise(x, packed(w), b)``, the
+packed copy a constant of the graph module. Each weight is packed once per load and shared by every variant. A
+weight that, after every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied
+embedding, which the lookup still reads) is released (``finish``): its pages go back to the OS
+(``host_memory.release_pages``) and the core's dict holds the packed tensor, so the weights stay in memory once.
 ``LoadOptions.pack_linears`` makes the choice, at load.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cache
 
 import torch
 
 from ignition.catalog.model import BufferDecl, Role
 from ignition.runtime.host_memory import release_pages
-from ignition.validate.graph_json import FACTS
 from ignition.validate.program_reader import StaticProgram
 
 PACK_ROWS_HINT = 8
@@ -37,21 +37,15 @@ PACK_MIN_ELEMENTS = 1 << 18
 elements does not win back (measured on this machine: 512 x 256 at 8 rows 26 us packed against 30 us; 256 x 256
 21 against 15; the tiny example's 300 x 32, 27 against 10)."""
 PACKED_DTYPES = (torch.float32,)
-"""FP32 only. BF16 ``aten.linear`` already runs oneDNN's matmul on a CPU with AVX512-BF16, and packing gained 0-5%
-at Qwen3-0.6B's width (``benchmarks.decode_steps --compare pack``) while it changed the BF16 rounding of every
-product from transformers' own, which flips greedy tokens of a random-weight checkpoint."""
+"""Packed wherever oneDNN is: the summation order is the only change (FP32 tolerances)."""
+BIT_EXACT_DTYPES = (torch.bfloat16,)
+"""Packed only where the packed product returns ``aten.linear``'s bits (``keeps_bits``): a BF16 core reproduces
+transformers' BF16 rounding, and a product rounded differently flips greedy tokens of a random-weight checkpoint."""
 PACK_WORKERS = 2
 """Threads that pack at once (the reorders release the GIL; most of their time is faulting in the packed copies' fresh
 pages, which two threads do side by side)."""
 PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
-PLAIN_ROWS = 1
-"""A linear of this many rows whose weight its graph also reads raw (a tied embedding's lookup: the raw copy stays in
-memory anyway) calls oneDNN on the raw weight instead of the packed copy: its plain layout is read near the memory's
-bandwidth by one row and the blocked one is not. Measured on this project's 2-core machine (``[rows, 1024] x [1024,
-151936]``, the Qwen3-0.6B LM head; ``benchmarks.row_layouts``): one row 37-33 ms plain against 46-56 ms packed, eight
-rows 73-86 against 65-76 (two passes). A decode step of one lane projects one row (a prefill chunk's sampled row is
-one row of an 8-row product: ``recipes.transformer.sampled_row_logits``)."""
 _LINEAR = torch.ops.aten.linear.default
 _POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 
@@ -59,6 +53,39 @@ _POINTWISE = torch.ops.mkldnn._linear_pointwise.default
 def packing_available() -> bool:
     """Whether this torch build has oneDNN's packed linear (x86 and aarch64 wheels do)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+PROBE_SHAPES = ((1, 1024), (8, 3072), (32, 2048))
+"""(rows, in_features) of ``keeps_bits``'s products, each against 512 outputs: decode's and prefill's row counts and
+the projections' reduction lengths of a Qwen3-0.6B-sized layer."""
+
+
+@cache
+def keeps_bits(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's product on a packed ``dtype`` weight returns ``aten.linear``'s bits on this machine.
+
+    Probed once a process on seeded normal values (``PROBE_SHAPES``): a kernel that sums in another order rounds
+    some of the 20,992 outputs differently (FP32 products in three other orders, rounded to BF16, differed from
+    ``aten.linear``'s BF16 in 10-15 of them), so a pass means the same summation order, and a fail keeps
+    ``aten.linear``. A CPU whose oneDNN cannot pack ``dtype`` (no BF16 instructions) fails too."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for rows, width in PROBE_SHAPES:
+            weight = torch.randn(512, width, generator=generator).to(dtype)
+            x = torch.randn(rows, width, generator=generator).to(dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                               torch.nn.functional.linear(x, weight)):
+                return False
+    except RuntimeError:  # "... path needs the cpu support ..."
+        return False
+    return True
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are packed on this machine (``PACKED_DTYPES``, or ``BIT_EXACT_DTYPES`` that
+    ``keeps_bits``)."""
+    return dtype in PACKED_DTYPES or (dtype in BIT_EXACT_DTYPES and keeps_bits(dtype))
 
 
 class LinearPacks:
@@ -82,10 +109,10 @@ class LinearPacks:
         self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
     def _packs(self, decl: BufferDecl) -> bool:
-        return len(decl.shape) == 2 and decl.torch_dtype in PACKED_DTYPES and decl.numel >= self.min_elements
+        return len(decl.shape) == 2 and decl.numel >= self.min_elements and packs_dtype(decl.torch_dtype)
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
-        """Rewrite the linears of ``program``'s graph whose weight is a large FP32 weight argument (by its
+        """Rewrite the linears of ``program``'s graph whose weight is a large weight argument of a packed dtype (by its
         declaration), before its graph module is built (one code generation) and before ``start``; returns how
         many. Records which weights it still reads unpacked."""
         if program.module_built:
@@ -106,14 +133,11 @@ class LinearPacks:
                 continue
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with graph.inserting_before(node):
-                if _rows(node.args[0]) == PLAIN_ROWS and _read_raw(node.args[1]):  # the raw copy is kept anyway
-                    weight = node.args[1]
-                else:
-                    attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
-                    if attribute not in attributes:  # ``finish`` sets the packed one
-                        root.register_buffer(attribute, torch.empty(0), persistent=False)
-                        attributes[attribute] = name
-                    weight = graph.get_attr(attribute)
+                attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
+                if attribute not in attributes:  # ``finish`` sets the packed one
+                    root.register_buffer(attribute, torch.empty(0), persistent=False)
+                    attributes[attribute] = name
+                weight = graph.get_attr(attribute)
                 call = graph.call_function(_POINTWISE, (node.args[0], weight, bias, "none", [], ""))
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
@@ -155,19 +179,5 @@ class LinearPacks:
         return released
 
 
-def _rows(x: torch.fx.Node) -> int | None:
-    """A linear input's static row count from the program's facts (None: unknown or symbolic)."""
-    facts = x.meta.get(FACTS)
-    if facts is None or facts.dim() != 2 or not isinstance(facts.shape[0], int):
-        return None
-    return facts.shape[0]
-
-
-def _read_raw(weight: torch.fx.Node) -> bool:
-    """Whether the graph reads ``weight`` other than as a linear's weight (an embedding lookup)."""
-    return any(not (user.op == "call_function" and user.target in (_LINEAR, _POINTWISE)
-                    and user.args[1] is weight) for user in weight.users)
-
-
-__all__ = ["LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET", "PLAIN_ROWS",
-           "packing_available"]
+__all__ = ["BIT_EXACT_DTYPES", "LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET",
+           "keeps_bits", "packing_available", "packs_dtype"]
