@@ -125,34 +125,77 @@ def test_the_merged_product_gives_the_per_head_values_at_decode_shapes(shape, dt
     torch.testing.assert_close(merged, _eager_low_precision(query, keys, values, hidden, per_head=True), rtol=0, atol=0)
 
 
-def test_a_bf16_decode_lane_attends_as_transformers_eager_attention_from_16_keys_on() -> None:
-    """One lane at contexts of 16 to 80 keys, through the key window the loader passes (``WINDOWS[KEY_WINDOW]``,
-    32-position granules): transformers' own eager attention over exactly the live keys gives the same BF16 bits
-    (the padded keys' probabilities are exact zeros). Below 16 keys they may not: ATen's CPU softmax sums a row
-    shorter than its 16-float vector one element after another, and the padded row lane by lane, so about 1 in
-    20,000 BF16 probabilities rounds differently (left as it is: an exact short window would make a lane's bits
-    depend on the other lanes' contexts, which batch-invariant engines and packed prefill must not)."""
+def _transformers_eager(query, key_cache, value_cache, context: int, mask=None) -> torch.Tensor:
+    """transformers' own eager attention (Qwen3's) of ``query [rows, heads, D]`` over slot 1's first ``context``
+    keys: ``[rows, heads * D]``."""
     from types import SimpleNamespace
 
     from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
+    module = SimpleNamespace(num_key_value_groups=query.shape[1] // key_cache.shape[2], training=False)
+    out, _ = eager_attention_forward(module, query.transpose(0, 1).unsqueeze(0),  # [1, heads, rows, D]
+                                     key_cache[1:, :context].transpose(1, 2),  # [1, kv, context, D]
+                                     value_cache[1:, :context].transpose(1, 2), mask, query.shape[-1] ** -0.5)
+    return out.reshape(query.shape[0], -1)  # [1, rows, heads, D] -> [rows, heads * D]
+
+
+BF16_WIDTH = dict(kv_heads=8, share=2, head_dim=128, slots=2, max_seq_len=96)  # Qwen3-0.6B's attention
+
+
+def _bf16_caches(generator):
+    w = BF16_WIDTH
+    return [torch.randn(w["slots"], w["max_seq_len"], w["kv_heads"], w["head_dim"], generator=generator)
+            .to(torch.bfloat16) for _ in range(2)]
+
+
+def test_a_bf16_decode_lane_attends_as_transformers_eager_attention_bit_for_bit() -> None:
+    """One lane at contexts of 2 to 80 keys, through the key window the loader passes (``WINDOWS[KEY_WINDOW]``, 32
+    positions at least): transformers' own eager attention over exactly the live keys gives the same BF16 bits.
+    Below ``SHORT_ROW`` keys that takes the short softmax (``AttentionPlan.short``): with the window's softmax,
+    about 1 in 20,000 BF16 probabilities rounds differently, and these 5,600 short cases caught one at context 7."""
     from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
 
-    kv_heads, share, head_dim, slots, max_seq_len = 8, 2, 128, 2, 96
-    module = SimpleNamespace(num_key_value_groups=share, training=False)
+    w = BF16_WIDTH
     generator = torch.Generator().manual_seed(0)
-    for context in range(16, 81):
-        for _ in range(6):
-            key_cache, value_cache = (torch.randn(slots, max_seq_len, kv_heads, head_dim, generator=generator)
-                                      .to(torch.bfloat16) for _ in range(2))
-            query = torch.randn(1, kv_heads * share, head_dim, generator=generator).to(torch.bfloat16)
-            window = WINDOWS[KEY_WINDOW].covering(context, max_seq_len)
+    for context in range(2, 81):
+        for _ in range(400 if context < 16 else 3):
+            key_cache, value_cache = _bf16_caches(generator)
+            query = torch.randn(1, w["kv_heads"] * w["share"], w["head_dim"], generator=generator).to(torch.bfloat16)
+            window = WINDOWS[KEY_WINDOW].covering(context, w["max_seq_len"])
             rows = Rows(positions=torch.tensor([context - 1]), write_slots=torch.tensor([1]),
                         valid=torch.tensor([True]), read_slots=torch.tensor([1]),
                         key_window=torch.zeros(window, dtype=torch.int64))
-            ours = cached_attention(query, key_cache, value_cache, plan_attention(rows, slots, max_seq_len, share,
-                                                                                   torch.bfloat16))
-            theirs, _ = eager_attention_forward(module, query.unsqueeze(2),  # [1, heads, 1, D]
-                                                key_cache[1:, :context].transpose(1, 2),  # [1, kv, context, D]
-                                                value_cache[1:, :context].transpose(1, 2), None, head_dim ** -0.5)
-            assert torch.equal(ours, theirs.reshape(1, -1)), f"context {context}, window {window}"
+            plan = plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16)
+            ours = cached_attention(query, key_cache, value_cache, plan)
+            assert torch.equal(ours, _transformers_eager(query, key_cache, value_cache, context)), \
+                f"context {context}, window {window}"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["chunk", "packed"])
+def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed: bool) -> None:
+    """A prompt of 2 to 40 tokens in one chunk of 48 rows (a prefill chunk's rows, or one lane of packed prompt
+    chunks), through the key window the loader passes: transformers' eager prefill of the whole prompt (its causal
+    mask, rows as long as the prompt) gives the same BF16 bits for every prompt row."""
+    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+    from ignition.recipes.attention import packed_attention
+
+    w = BF16_WIDTH
+    chunk_rows = 48
+    generator = torch.Generator().manual_seed(1)
+    for length in range(2, 41):
+        for _ in range(40 if length < 16 else 2):
+            key_cache, value_cache = _bf16_caches(generator)
+            query = torch.randn(chunk_rows, w["kv_heads"] * w["share"], w["head_dim"], generator=generator)
+            query = query.to(torch.bfloat16)
+            key_window = torch.zeros(WINDOWS[KEY_WINDOW].covering(length, w["max_seq_len"]), dtype=torch.int64)
+            if packed:
+                rows = Rows.packed(chunk_rows, torch.tensor([0, 0]), torch.tensor([length, 0]), torch.tensor([1, 0]),
+                                   torch.zeros(chunk_rows, dtype=torch.int64), key_window)
+                ours = packed_attention(query, key_cache, value_cache, rows)[:length]
+            else:
+                rows = Rows.prefill(chunk_rows, torch.tensor(0), torch.tensor(length), torch.tensor([1]), key_window)
+                plan = plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16)
+                ours = cached_attention(query, key_cache, value_cache, plan)[:length]
+            causal = torch.full((length, length), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
+            theirs = _transformers_eager(query[:length], key_cache, value_cache, length, causal.view(1, 1, length, length))
+            assert torch.equal(ours, theirs), f"prompt of {length}"

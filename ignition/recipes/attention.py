@@ -25,6 +25,14 @@ and ``scaled_dot_product_attention`` reads it in place.
   their rows are dropped. BF16/FP16 lanes always copy their own slots' windows once, together (``[lanes,
   kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would copy a
   strided view anyway, one head at a time.
+- **Transformers' softmax order for short forwards (BF16/FP16).** ATen's CPU softmax sums a row shorter than its
+  vector (``SHORT_ROW`` FP32 lanes) one element after another, and a longer row lane by lane. Transformers' eager
+  attention softmaxes rows as long as its forward's keys (a decode step's context, a prompt's length), while ours
+  are as long as the key window (32-position granules), so a forward over fewer than ``SHORT_ROW`` keys would sum
+  its probabilities in another order: 1 in 20,000 BF16 probabilities rounded differently, which flipped a greedy
+  token of the Qwen3-0.6B-shaped BF16 checkpoint at its 14th step. Such a group's rows take the softmax of their
+  first ``SHORT_ROW - 1`` keys (``AttentionPlan.short``), the order transformers' rows take; the choice is each
+  group's own (its valid rows' last position), so a lane's bits never depend on the other lanes' contexts.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
@@ -56,6 +64,7 @@ class AttentionPlan:
     # (placement None and per_lane False: the groups' slot windows copied together, one group or BF16/FP16 lanes)
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
     read: int = 0  # with a placement: the slots attended in place, ``[0, read)`` (the rows' slot limit, or every slot)
+    short: torch.Tensor | None = None  # BF16/FP16: [G, 1, 1, 1] True where the group's forward covers < SHORT_ROW keys
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -67,6 +76,17 @@ def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.T
         torch._check(rows.key_window.shape[0] <= max_seq_len)
         return torch.ones_like(rows.key_window).cumsum(0) - 1
     return torch.arange(max_seq_len, device=device)
+
+
+SHORT_ROW = 16
+"""ATen's CPU softmax sums rows shorter than this (its AVX-512 vector of FP32) one element after another; see the
+module's note on transformers' softmax order."""
+
+
+def short_forwards(extent: torch.Tensor) -> torch.Tensor:
+    """``[G, 1, 1, 1]``: True where a group's forward covers fewer than ``SHORT_ROW`` keys (``extent [G]``: its valid
+    rows' last position + 1), whose rows transformers' eager attention softmaxes one element after another."""
+    return (extent < SHORT_ROW).view(-1, 1, 1, 1)
 
 
 LANE_WINDOWS = 2
@@ -97,8 +117,11 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
         placement = _placement(rows, slots, read)
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [read, R/G]; 0 at empty slots
     mask = causal_mask(window, positions, share, dtype)
+    short = None
+    if gathered:  # each group's forward: its valid rows' last position + 1 (a decode lane's context, a chunk's end)
+        short = short_forwards(rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1) + 1)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
-                         placement=placement, per_lane=per_lane, mask=mask, read=read)
+                         placement=placement, per_lane=per_lane, mask=mask, read=read, short=short)
 
 
 def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -123,7 +146,8 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
                               for g in range(groups)])
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
-        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask)
+        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
+                           short=plan.short)
     else:  # each group's queries at its slot's batch index, zeros elsewhere: [read, kv_heads, share * R/G, D]
         grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
         keys, values = keys.narrow(0, 0, plan.read), values.narrow(0, 0, plan.read)  # views: the first read slots
@@ -143,16 +167,16 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            per_head: bool = False) -> torch.Tensor:
-    """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``: see
+            per_head: bool = False, short: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``short``: see
     ``_eager_low_precision``); ``mask`` from ``causal_mask``."""
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return _eager_low_precision(query, keys, values, mask, per_head)
+    return _eager_low_precision(query, keys, values, mask, per_head, short)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         hidden: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+                         hidden: torch.Tensor, per_head: bool = False, short: torch.Tensor | None = None) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
@@ -160,8 +184,9 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
     ``values`` (``cached_attention``'s window copies), a dozen graph nodes a layer; ``per_head`` (packed prefill):
     one batched product per KV head, the shape transformers' own products take there (a merged product of 64
     against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
-    ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]`` (True: masked) ->
-    ``[B, kv, M, D]``.
+    ``short [B, 1, 1, 1]``: the batch entries whose rows softmax as transformers' short forwards do
+    (``_softmax_in_order``). ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]``
+    (True: masked) -> ``[B, kv, M, D]``.
     """
     scale = query.shape[-1] ** -0.5
     if not per_head:
@@ -171,7 +196,7 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
                            keys.reshape(batch * kv_heads, window, head_dim).transpose(1, 2)) * scale  # [B * kv, M, W]
         scores = scores.view(batch, kv_heads, rows, window).to(torch.float32)
         scores = scores.masked_fill(hidden, torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, kv, M, W]
+        probs = _softmax_in_order(scores, short).to(query.dtype)  # [B, kv, M, W]
         attended = torch.bmm(probs.view(batch * kv_heads, rows, window),
                              values.reshape(batch * kv_heads, window, head_dim))  # [B * kv, M, D]
         return attended.view(batch, kv_heads, rows, head_dim)
@@ -179,9 +204,24 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
     for head in range(query.shape[1]):
         scores = torch.bmm(query[:, head], keys[:, head].transpose(1, 2)) * scale  # [B, M, W] in the model dtype
         scores = scores.to(torch.float32).masked_fill(hidden[:, 0], torch.finfo(torch.float32).min)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        probs = _softmax_in_order(scores, None if short is None else short[:, 0]).to(query.dtype)
         heads.append(torch.bmm(probs, values[:, head]))  # [B, M, D]
     return torch.stack(heads, dim=1)
+
+
+def _softmax_in_order(scores: torch.Tensor, short: torch.Tensor | None) -> torch.Tensor:
+    """FP32 softmax over the last dim of ``scores [..., W]`` (masked keys at the FP32 minimum); where ``short``
+    (broadcast against the leading dims), the softmax of the first ``SHORT_ROW - 1`` keys, zeros after them: a
+    row that short sums one element after another, as transformers' row over its short forward's keys does (the
+    keys past the forward are masked, so nothing is dropped). Padded to ``W + SHORT_ROW`` keys first, so any
+    window of at least one key has them."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if short is None:
+        return probs
+    window = scores.shape[-1]
+    brief = F.pad(scores, (0, SHORT_ROW), value=torch.finfo(torch.float32).min).narrow(-1, 0, SHORT_ROW - 1)
+    brief = F.pad(torch.softmax(brief, dim=-1), (0, window + 1)).narrow(-1, 0, window)  # [..., W]
+    return torch.where(short, brief, probs)
 
 
 def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -225,7 +265,8 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
     positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
     mask = causal_mask(window, positions, share, query.dtype)
-    attended = _attend(grouped, keys, values, mask, per_head=True)  # [B, kv, share * E, D]
+    short = short_forwards(segments.starts + segments.lengths) if query.dtype != torch.float32 else None
+    attended = _attend(grouped, keys, values, mask, per_head=True, short=short)  # [B, kv, share * E, D]
     attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
     attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j
     return attended.index_select(0, segments.row_source)  # [R, heads * head_dim]

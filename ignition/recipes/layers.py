@@ -102,6 +102,7 @@ class Segments:
 
     offsets: torch.Tensor  # int64 [B]: first packed row of each lane's segment (exclusive prefix sums of the lengths)
     starts: torch.Tensor  # int64 [B]: absolute position of each segment's first row
+    lengths: torch.Tensor  # int64 [B]: each segment's rows (0: an idle lane)
     row_lanes: torch.Tensor  # int64 [R]: the lane each packed row belongs to (the last lane for rows past every segment)
     row_source: torch.Tensor  # int64 [R]: each packed row's index in the [lanes * E] regrouped rows
     extent: torch.Tensor  # [E]: the segment window; only its extent is read
@@ -144,7 +145,8 @@ class Rows:
         local = row - offsets.index_select(0, lane)  # [R]: the row's index inside its segment
         extent = segment_window.shape[0]
         source = (lane * extent + local).clamp(0, lanes * extent - 1)
-        segments = Segments(offsets=offsets, starts=starts, row_lanes=lane, row_source=source, extent=segment_window)
+        segments = Segments(offsets=offsets, starts=starts, lengths=lengths, row_lanes=lane, row_source=source,
+                            extent=segment_window)
         return cls(positions=starts.index_select(0, lane) + local, write_slots=slots.index_select(0, lane),
                    valid=valid, read_slots=slots, key_window=key_window, segments=segments)
 
