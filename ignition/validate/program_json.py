@@ -86,31 +86,41 @@ def _walk(document, bad, at: str) -> list[Violation]:
     stack = [document]
     while stack and len(found) < _REPORT_AT_MOST:
         node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
+        if type(node) is list:  # json.loads builds exact lists and dicts; only containers are pushed
+            stack.extend([item for item in node if type(item) in _CONTAINERS])
             continue
         if "expr_str" in node and not symbolic_expression_allowed(node["expr_str"]):
             found.append(bad(f"expected static shapes or sums and products of integers and shape symbols, found the "
                              f"symbolic expression {str(node['expr_str'])[:80]!r} (torch parses it with sympify, "
                              "which evaluates Python)"))
-        if node.get("as_custom_obj") is not None or node.get("custom_obj_values"):
-            found.append(bad("expected no custom objects (torch unpickles them)"))
-        target = node.get("target") if "inputs" in node and "outputs" in node else None
-        for operator in (target, node.get("as_operator")):  # a node's target, or an operator passed as an argument
-            if operator is None or (operator is target and isinstance(target, str)
-                                    and _SYMBOLIC_TARGET.fullmatch(target)):
-                continue  # shape-symbol arithmetic: torch maps these names to fixed functions
-            if not (isinstance(operator, str) and _TARGET.fullmatch(operator)):
-                found.append(bad(f"operator {str(operator)[:80]!r} is not an operator in the allowed namespaces "
-                                 f"{', '.join(OP_NAMESPACES)}"))
-            elif (refusal := operator_refusal(operator)) is not None:
-                found.append(Violation("GRAPH-OPERATOR", at, refusal))
-        for key in ("in_spec", "out_spec"):
-            if isinstance(node.get(key), str):
-                found += _spec_violations(node[key], key, bad)
-        stack.extend(node.values())
+        if not node.keys().isdisjoint(_CHECKED_KEYS):  # most nodes are tensor metadata with none of these keys
+            found += _node_violations(node, bad, at)
+        stack.extend([value for value in node.values() if type(value) in _CONTAINERS])
+    return found
+
+
+_CONTAINERS = (dict, list)
+_CHECKED_KEYS = frozenset({"as_custom_obj", "custom_obj_values", "inputs", "as_operator", "in_spec", "out_spec"})
+
+
+def _node_violations(node: dict, bad, at: str) -> list[Violation]:
+    """A node's custom objects, operators and pytree specs (``_walk``)."""
+    found = []
+    if node.get("as_custom_obj") is not None or node.get("custom_obj_values"):
+        found.append(bad("expected no custom objects (torch unpickles them)"))
+    target = node.get("target") if "inputs" in node and "outputs" in node else None
+    for operator in (target, node.get("as_operator")):  # a node's target, or an operator passed as an argument
+        if operator is None or (operator is target and isinstance(target, str)
+                                and _SYMBOLIC_TARGET.fullmatch(target)):
+            continue  # shape-symbol arithmetic: torch maps these names to fixed functions
+        if not (isinstance(operator, str) and _TARGET.fullmatch(operator)):
+            found.append(bad(f"operator {str(operator)[:80]!r} is not an operator in the allowed namespaces "
+                             f"{', '.join(OP_NAMESPACES)}"))
+        elif (refusal := operator_refusal(operator)) is not None:
+            found.append(Violation("GRAPH-OPERATOR", at, refusal))
+    for key in ("in_spec", "out_spec"):
+        if isinstance(node.get(key), str):
+            found += _spec_violations(node[key], key, bad)
     return found
 
 
