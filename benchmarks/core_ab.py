@@ -6,7 +6,8 @@ requests (4-token prompts, greedy) on an engine over each, prefills them and run
 and minimum round and the ratio of the medians. Alternating rounds in one process is what makes a small difference
 measurable here: this machine's speed moves by up to 2x within an hour, so rows measured minutes apart compare
 nothing. Export both cores with the same command at the two commits (``git worktree add``), and keep the host
-otherwise idle.
+otherwise idle. ``--new-logprobs K`` gives the NEW side's requests K logprobs instead of ``--logprobs``: with the same
+core twice it measures what logprobs cost (``OLD`` = ``NEW``, ``--logprobs 0 --new-logprobs 20``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--logprobs", type=int, default=5, help="0 means off")
+    parser.add_argument("--new-logprobs", type=int, default=None, help="the NEW side's logprobs (default: --logprobs)")
     args = parser.parse_args()
     if args.batch < 1 or args.steps < 1:
         parser.error("--batch and --steps must be at least 1")
@@ -36,18 +38,19 @@ def main() -> None:
     from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request
 
+    settings = (args.logprobs, args.logprobs if args.new_logprobs is None else args.new_logprobs)
     engines = [warmed_engine(load_core(path), [Request([lane + 1, 7, 9, 11], max_tokens=args.steps + 8,
-                                                       logprobs=args.logprobs or None, ignore_eos=True)
+                                                       logprobs=logprobs or None, ignore_eos=True)
                                                for lane in range(args.batch)])
-               for path in (args.old, args.new)]
+               for path, logprobs in zip((args.old, args.new), settings)]
     rounds: list[list[float]] = [[], []]
     for _ in range(args.steps):
         for side, engine in enumerate(engines):
             started = time.perf_counter()
             engine.step()
             rounds[side].append(time.perf_counter() - started)
-    for path, times in zip((args.old, args.new), rounds):
-        print(f"{path}: median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms a round")
+    for path, logprobs, times in zip((args.old, args.new), settings, rounds):
+        print(f"{path} (logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms a round")
     print(f"new / old (medians): {statistics.median(rounds[1]) / statistics.median(rounds[0]):.3f}")
 
 
