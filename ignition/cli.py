@@ -213,7 +213,8 @@ def inspect_core_cmd(
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
 EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
 PACK_LINEARS_OPTION = typer.Option(True, "--pack-linears/--no-pack-linears",
-                                   help="CPU: run FP32 projections on weights packed once for oneDNN (--no-pack-linears: "
+                                   help="CPU: run FP32 projections, and BF16 ones where the packed product keeps "
+                                        "aten.linear's bits, on weights packed once for oneDNN (--no-pack-linears: "
                                         "torch's own aten.linear)")
 BATCH_INVARIANT_OPTION = typer.Option(False, "--batch-invariant",
                                       help="Decode in the largest variant: results independent of co-batching")
