@@ -5,7 +5,7 @@ weights of a 28-layer Qwen3-0.6B-shaped model, by shape (each shape's weights to
 cache): once on each weight reordered for ``PACK_ROWS_HINT`` rows (what ``runtime/backends/packed_linear.py``
 packs), once on the raw row-major weight, and through ``aten.linear`` (what transformers calls: MKL's ``sgemm``
 for FP32, oneDNN for BF16). The best of ``--repeats`` passes, in milliseconds per pass. ``--dtype bfloat16`` times
-the BF16 weights. It is the measurement behind ``packed_linear.PLAIN_ROWS`` and ``PACKED_DTYPES``.
+the BF16 weights. It is the measurement behind ``packed_linear.PACKED_DTYPES`` and ``BIT_EXACT_DTYPES``.
 """
 
 from __future__ import annotations

@@ -199,3 +199,35 @@ def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed:
             causal = torch.full((length, length), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
             theirs = _transformers_eager(query[:length], key_cache, value_cache, length, causal.view(1, 1, length, length))
             assert torch.equal(ours, theirs), f"prompt of {length}"
+
+
+def test_a_bf16_verify_row_attends_as_the_decode_step_at_its_position_bit_for_bit() -> None:
+    """A verify group's rows (``Rows.row_forwards``) at positions that straddle ``SHORT_ROW``: each row gives the bits
+    of a one-lane decode step at its position (each through the key window the loader passes for it), so greedy
+    speculation keeps the tokens of plain decode (with one choice for the whole group, this test fails)."""
+    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+
+    w = BF16_WIDTH
+    heads = w["kv_heads"] * w["share"]
+    generator = torch.Generator().manual_seed(2)
+
+    def window(needed: int) -> torch.Tensor:
+        return torch.zeros(WINDOWS[KEY_WINDOW].covering(needed, w["max_seq_len"]), dtype=torch.int64)
+
+    for first in range(8, 16):  # groups that end past 16 keys with rows below it (11-14) take the most cases
+        for _ in range(300 if 11 <= first <= 14 else 20):
+            key_cache, value_cache = _bf16_caches(generator)
+            query = torch.randn(5, heads, w["head_dim"], generator=generator).to(torch.bfloat16)
+            positions = torch.arange(first, first + 5)
+            rows = Rows(positions=positions, write_slots=torch.ones(5, dtype=torch.int64),
+                        valid=torch.ones(5, dtype=torch.bool), read_slots=torch.tensor([1]),
+                        key_window=window(first + 5), row_forwards=True)
+            verified = cached_attention(query, key_cache, value_cache,
+                                        plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16))
+            for row, position in enumerate(positions.tolist()):
+                alone = Rows.decode(torch.tensor([position]), torch.tensor([1]), torch.tensor([True]),
+                                    window(position + 1))
+                decoded = cached_attention(query[row:row + 1], key_cache, value_cache,
+                                           plan_attention(alone, w["slots"], w["max_seq_len"], w["share"],
+                                                          torch.bfloat16))
+                assert torch.equal(verified[row:row + 1], decoded), f"rows from {first}, row at {position}"

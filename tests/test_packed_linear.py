@@ -83,17 +83,18 @@ def test_the_bit_probe_fails_a_product_summed_in_another_order(monkeypatch, orde
     other = {"fp32 matmul": lambda x, w: x.float() @ w.float().t(),
              "reversed": lambda x, w: x.float().flip(1) @ w.float().flip(1).t(),
              "strided": lambda x, w: sum(x.float()[:, i::4] @ w.float()[:, i::4].t() for i in range(4))}[order]
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: other(x, w).to(x.dtype))
+    monkeypatch.setattr(torch.nn.functional, "linear",
+                        lambda x, w, b=None: (other(x, w) + (0 if b is None else b.float())).to(x.dtype))
     assert packed_linear.keeps_bits.__wrapped__(torch.bfloat16) is False
     monkeypatch.setattr(torch.nn.functional, "linear", plain)
     assert packed_linear.keeps_bits.__wrapped__(torch.bfloat16) is packed_linear.keeps_bits(torch.bfloat16)
 
 
 def test_the_bit_probe_says_no_where_onednn_cannot_pack_the_dtype(monkeypatch):
-    def unsupported(x, w):
+    def unsupported(weight, rows_hint):  # what oneDNN raises on a CPU without BF16 instructions
         raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
 
-    monkeypatch.setattr(torch.nn.functional, "linear", unsupported)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", unsupported)
     assert packed_linear.keeps_bits.__wrapped__(torch.bfloat16) is False
 
 

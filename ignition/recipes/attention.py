@@ -32,7 +32,10 @@ and ``scaled_dot_product_attention`` reads it in place.
   its probabilities in another order: 1 in 20,000 BF16 probabilities rounded differently, which flipped a greedy
   token of the Qwen3-0.6B-shaped BF16 checkpoint at its 14th step. Such a group's rows take the softmax of their
   first ``SHORT_ROW - 1`` keys (``AttentionPlan.short``), the order transformers' rows take; the choice is each
-  group's own (its valid rows' last position), so a lane's bits never depend on the other lanes' contexts.
+  group's own (its valid rows' last position), so a lane's bits never depend on the other lanes' contexts, and a
+  verify row's its own (``Rows.row_forwards``: the decode step at its position, whose bits speculation must keep).
+  A prompt cut into chunks shorter than ``SHORT_ROW`` rows (``--chunk-limit`` below 16) is the exception: its first
+  chunk ends before 16 keys and sums the short way, while transformers' rows span the whole prompt.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
@@ -64,7 +67,8 @@ class AttentionPlan:
     # (placement None and per_lane False: the groups' slot windows copied together, one group or BF16/FP16 lanes)
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
     read: int = 0  # with a placement: the slots attended in place, ``[0, read)`` (the rows' slot limit, or every slot)
-    short: torch.Tensor | None = None  # BF16/FP16: [G, 1, 1, 1] True where the group's forward covers < SHORT_ROW keys
+    short: torch.Tensor | None = None  # BF16/FP16: True where the forward covers < SHORT_ROW keys: [G, 1, 1, 1] a
+    # group's, or [G, 1, share * R/G, 1] a row's (``Rows.row_forwards``)
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -84,9 +88,9 @@ module's note on transformers' softmax order."""
 
 
 def short_forwards(extent: torch.Tensor) -> torch.Tensor:
-    """``[G, 1, 1, 1]``: True where a group's forward covers fewer than ``SHORT_ROW`` keys (``extent [G]``: its valid
-    rows' last position + 1), whose rows transformers' eager attention softmaxes one element after another."""
-    return (extent < SHORT_ROW).view(-1, 1, 1, 1)
+    """True where a forward covers fewer than ``SHORT_ROW`` keys (``extent``: its valid rows' last position + 1),
+    whose rows transformers' eager attention softmaxes one element after another."""
+    return extent < SHORT_ROW
 
 
 LANE_WINDOWS = 2
@@ -118,8 +122,11 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [read, R/G]; 0 at empty slots
     mask = causal_mask(window, positions, share, dtype)
     short = None
-    if gathered:  # each group's forward: its valid rows' last position + 1 (a decode lane's context, a chunk's end)
-        short = short_forwards(rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1) + 1)
+    if gathered and rows.row_forwards:  # each row its own forward, in the mask's row order (head share, then row)
+        short = short_forwards(positions + 1).repeat(1, share).view(groups, 1, share * per_group, 1)
+    elif gathered:  # each group's forward: its valid rows' last position + 1 (a decode lane's context, a chunk's end)
+        extent = rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1) + 1
+        short = short_forwards(extent).view(groups, 1, 1, 1)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
                          placement=placement, per_lane=per_lane, mask=mask, read=read, short=short)
 
@@ -265,7 +272,7 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
     positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
     mask = causal_mask(window, positions, share, query.dtype)
-    short = short_forwards(segments.starts + segments.lengths) if query.dtype != torch.float32 else None
+    short = None if query.dtype == torch.float32 else short_forwards(segments.starts + segments.lengths).view(-1, 1, 1, 1)
     attended = _attend(grouped, keys, values, mask, per_head=True, short=short)  # [B, kv, share * E, D]
     attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
     attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j

@@ -257,8 +257,8 @@ class VerifyGraph(_DecoderGraph):
         capacity, width = tokens.shape
         slots = buffers["slot_ids"]  # int64 [capacity]
         rows = Rows(positions=positions.reshape(-1), write_slots=slots.repeat_interleave(width),
-                    valid=valid.reshape(-1), read_slots=slots,
-                    key_window=buffers.get(KEY_WINDOW))  # one attention group of P rows per lane
+                    valid=valid.reshape(-1), read_slots=slots, key_window=buffers.get(KEY_WINDOW),
+                    row_forwards=True)  # one attention group of P rows per lane, each row a decode step's
         hidden = self.hidden(weights, buffers, tokens.reshape(-1), rows)  # [capacity * P, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity * P, vocab_padded]
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]

@@ -120,6 +120,7 @@ class Rows:
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
     segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
     slot_limit: int | None = None  # every group's slot is below this (a decode variant's ``layout["slot_limit"]``)
+    row_forwards: bool = False  # each row stands for its own forward (a verify row: the decode step at its position)
     writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
 
     @classmethod

@@ -55,9 +55,9 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-PROBE_SHAPES = ((1, 1024), (8, 3072), (32, 2048))
-"""(rows, in_features) of ``keeps_bits``'s products, each against 512 outputs: decode's and prefill's row counts and
-the projections' reduction lengths of a Qwen3-0.6B-sized layer."""
+PROBE_SHAPES = ((1, 1024, False), (8, 3072, False), (32, 2048, True))
+"""(rows, in_features, with a bias) of ``keeps_bits``'s products, each against 512 outputs: decode's and prefill's
+row counts, the projections' reduction lengths of a Qwen3-0.6B-sized layer, and a biased projection (Qwen2's q/k/v)."""
 
 
 @cache
@@ -70,12 +70,13 @@ def keeps_bits(dtype: torch.dtype) -> bool:
     ``aten.linear``. A CPU whose oneDNN cannot pack ``dtype`` (no BF16 instructions) fails too."""
     generator = torch.Generator().manual_seed(0)
     try:
-        for rows, width in PROBE_SHAPES:
+        for rows, width, biased in PROBE_SHAPES:
             weight = torch.randn(512, width, generator=generator).to(dtype)
             x = torch.randn(rows, width, generator=generator).to(dtype)
+            bias = torch.randn(512, generator=generator).to(dtype) if biased else None
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                               torch.nn.functional.linear(x, weight)):
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
+                               torch.nn.functional.linear(x, weight, bias)):
                 return False
     except RuntimeError:  # "... path needs the cpu support ..."
         return False
