@@ -50,7 +50,8 @@ def main() -> None:
             engine.step()
             rounds[side].append(time.perf_counter() - started)
     for path, logprobs, times in zip((args.old, args.new), settings, rounds):
-        print(f"{path} (logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, min {min(times) * 1e3:.1f} ms a round")
+        print(f"{path} (logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, "
+              f"min {min(times) * 1e3:.1f} ms a round")
     print(f"new / old (medians): {statistics.median(rounds[1]) / statistics.median(rounds[0]):.3f}")
 
 

@@ -148,27 +148,34 @@ def _bf16_caches(generator):
             .to(torch.bfloat16) for _ in range(2)]
 
 
+def _key_window(needed: int) -> torch.Tensor:
+    """The key window the loader passes to cover ``needed`` positions of a ``BF16_WIDTH`` cache."""
+    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+
+    return torch.zeros(WINDOWS[KEY_WINDOW].covering(needed, BF16_WIDTH["max_seq_len"]), dtype=torch.int64)
+
+
+def _bf16_plan(rows: Rows):
+    w = BF16_WIDTH
+    return plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16)
+
+
 def test_a_bf16_decode_lane_attends_as_transformers_eager_attention_bit_for_bit() -> None:
     """One lane at contexts of 2 to 80 keys, through the key window the loader passes (``WINDOWS[KEY_WINDOW]``, 32
     positions at least): transformers' own eager attention over exactly the live keys gives the same BF16 bits.
     Below ``SHORT_ROW`` keys that takes the short softmax (``AttentionPlan.short``): with the window's softmax,
     about 1 in 20,000 BF16 probabilities rounds differently, and these 5,600 short cases caught one at context 7."""
-    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
-
     w = BF16_WIDTH
     generator = torch.Generator().manual_seed(0)
     for context in range(2, 81):
         for _ in range(400 if context < 16 else 3):
             key_cache, value_cache = _bf16_caches(generator)
             query = torch.randn(1, w["kv_heads"] * w["share"], w["head_dim"], generator=generator).to(torch.bfloat16)
-            window = WINDOWS[KEY_WINDOW].covering(context, w["max_seq_len"])
-            rows = Rows(positions=torch.tensor([context - 1]), write_slots=torch.tensor([1]),
-                        valid=torch.tensor([True]), read_slots=torch.tensor([1]),
-                        key_window=torch.zeros(window, dtype=torch.int64))
-            plan = plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16)
-            ours = cached_attention(query, key_cache, value_cache, plan)
+            window = _key_window(context)
+            rows = Rows.decode(torch.tensor([context - 1]), torch.tensor([1]), torch.tensor([True]), window)
+            ours = cached_attention(query, key_cache, value_cache, _bf16_plan(rows))
             assert torch.equal(ours, _transformers_eager(query, key_cache, value_cache, context)), \
-                f"context {context}, window {window}"
+                f"context {context}, window {window.shape[0]}"
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["chunk", "packed"])
@@ -176,7 +183,6 @@ def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed:
     """A prompt of 2 to 40 tokens in one chunk of 48 rows (a prefill chunk's rows, or one lane of packed prompt
     chunks), through the key window the loader passes: transformers' eager prefill of the whole prompt (its causal
     mask, rows as long as the prompt) gives the same BF16 bits for every prompt row."""
-    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
     from ignition.recipes.attention import packed_attention
 
     w = BF16_WIDTH
@@ -187,17 +193,17 @@ def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed:
             key_cache, value_cache = _bf16_caches(generator)
             query = torch.randn(chunk_rows, w["kv_heads"] * w["share"], w["head_dim"], generator=generator)
             query = query.to(torch.bfloat16)
-            key_window = torch.zeros(WINDOWS[KEY_WINDOW].covering(length, w["max_seq_len"]), dtype=torch.int64)
+            key_window = _key_window(length)
             if packed:
                 rows = Rows.packed(chunk_rows, torch.tensor([0, 0]), torch.tensor([length, 0]), torch.tensor([1, 0]),
                                    torch.zeros(chunk_rows, dtype=torch.int64), key_window)
                 ours = packed_attention(query, key_cache, value_cache, rows)[:length]
             else:
                 rows = Rows.prefill(chunk_rows, torch.tensor(0), torch.tensor(length), torch.tensor([1]), key_window)
-                plan = plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16)
-                ours = cached_attention(query, key_cache, value_cache, plan)[:length]
+                ours = cached_attention(query, key_cache, value_cache, _bf16_plan(rows))[:length]
             causal = torch.full((length, length), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
-            theirs = _transformers_eager(query[:length], key_cache, value_cache, length, causal.view(1, 1, length, length))
+            theirs = _transformers_eager(query[:length], key_cache, value_cache, length,
+                                         causal.view(1, 1, length, length))
             assert torch.equal(ours, theirs), f"prompt of {length}"
 
 
@@ -205,15 +211,9 @@ def test_a_bf16_verify_row_attends_as_the_decode_step_at_its_position_bit_for_bi
     """A verify group's rows (``Rows.row_forwards``) at positions that straddle ``SHORT_ROW``: each row gives the bits
     of a one-lane decode step at its position (each through the key window the loader passes for it), so greedy
     speculation keeps the tokens of plain decode (with one choice for the whole group, this test fails)."""
-    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
-
     w = BF16_WIDTH
     heads = w["kv_heads"] * w["share"]
     generator = torch.Generator().manual_seed(2)
-
-    def window(needed: int) -> torch.Tensor:
-        return torch.zeros(WINDOWS[KEY_WINDOW].covering(needed, w["max_seq_len"]), dtype=torch.int64)
-
     for first in range(8, 16):  # groups that end past 16 keys with rows below it (11-14) take the most cases
         for _ in range(300 if 11 <= first <= 14 else 20):
             key_cache, value_cache = _bf16_caches(generator)
@@ -221,13 +221,10 @@ def test_a_bf16_verify_row_attends_as_the_decode_step_at_its_position_bit_for_bi
             positions = torch.arange(first, first + 5)
             rows = Rows(positions=positions, write_slots=torch.ones(5, dtype=torch.int64),
                         valid=torch.ones(5, dtype=torch.bool), read_slots=torch.tensor([1]),
-                        key_window=window(first + 5), row_forwards=True)
-            verified = cached_attention(query, key_cache, value_cache,
-                                        plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16))
+                        key_window=_key_window(first + 5), row_forwards=True)
+            verified = cached_attention(query, key_cache, value_cache, _bf16_plan(rows))
             for row, position in enumerate(positions.tolist()):
                 alone = Rows.decode(torch.tensor([position]), torch.tensor([1]), torch.tensor([True]),
-                                    window(position + 1))
-                decoded = cached_attention(query[row:row + 1], key_cache, value_cache,
-                                           plan_attention(alone, w["slots"], w["max_seq_len"], w["share"],
-                                                          torch.bfloat16))
+                                    _key_window(position + 1))
+                decoded = cached_attention(query[row:row + 1], key_cache, value_cache, _bf16_plan(alone))
                 assert torch.equal(verified[row:row + 1], decoded), f"rows from {first}, row at {position}"

@@ -69,7 +69,8 @@ def test_small_weights_keep_atens_linear(decoder_core):
 def test_bf16_weights_are_packed_only_where_the_packed_product_keeps_atens_bits(decoder_core, pack_tiny, monkeypatch):
     if _dtype(load_core(decoder_core, pack_linears=False)) != "bfloat16":
         pytest.skip("FP32 weights are packed wherever oneDNN is")
-    packed = any(target == PACKED_TARGET for targets in _linears(load_core(decoder_core)).values() for target in targets)
+    packed = any(target == PACKED_TARGET for targets in _linears(load_core(decoder_core)).values()
+                 for target in targets)
     assert packed is packed_linear.keeps_bits(torch.bfloat16)
     monkeypatch.setattr(packed_linear, "keeps_bits", lambda dtype: False)  # a machine whose kernels round otherwise
     assert all(set(targets) == {"aten.linear.default"} for targets in _linears(load_core(decoder_core)).values())
@@ -92,7 +93,8 @@ def test_the_bit_probe_fails_a_product_summed_in_another_order(monkeypatch, orde
 
 def test_the_bit_probe_says_no_where_onednn_cannot_pack_the_dtype(monkeypatch):
     def unsupported(weight, rows_hint):  # what oneDNN raises on a CPU without BF16 instructions
-        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw, avx512vl and avx512dq")
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw, avx512vl and "
+                           "avx512dq")
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", unsupported)
     assert packed_linear.keeps_bits.__wrapped__(torch.bfloat16) is False

@@ -67,8 +67,9 @@ class AttentionPlan:
     # (placement None and per_lane False: the groups' slot windows copied together, one group or BF16/FP16 lanes)
     mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
     read: int = 0  # with a placement: the slots attended in place, ``[0, read)`` (the rows' slot limit, or every slot)
-    short: torch.Tensor | None = None  # BF16/FP16: True where the forward covers < SHORT_ROW keys: [G, 1, 1, 1] a
-    # group's, or [G, 1, share * R/G, 1] a row's (``Rows.row_forwards``)
+    # BF16/FP16 [G, 1, share * R/G, 1]: True where the row's forward (its group's, or with ``Rows.row_forwards`` its
+    # own) covers fewer than SHORT_ROW keys
+    short: torch.Tensor | None = None
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -122,11 +123,11 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
         positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [read, R/G]; 0 at empty slots
     mask = causal_mask(window, positions, share, dtype)
     short = None
-    if gathered and rows.row_forwards:  # each row its own forward, in the mask's row order (head share, then row)
-        short = short_forwards(positions + 1).repeat(1, share).view(groups, 1, share * per_group, 1)
-    elif gathered:  # each group's forward: its valid rows' last position + 1 (a decode lane's context, a chunk's end)
-        extent = rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1) + 1
-        short = short_forwards(extent).view(groups, 1, 1, 1)
+    if gathered:  # each row's forward: its own (a verify row), or its group's valid rows' last position + 1
+        extent = positions + 1 if rows.row_forwards else \
+            rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1, keepdim=True) + 1
+        # [G, R/G] in the mask's row order (head share, then row)
+        short = short_forwards(extent.expand(groups, per_group)).repeat(1, share).view(groups, 1, share * per_group, 1)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
                          placement=placement, per_lane=per_lane, mask=mask, read=read, short=short)
 
@@ -183,7 +184,8 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         hidden: torch.Tensor, per_head: bool = False, short: torch.Tensor | None = None) -> torch.Tensor:
+                         hidden: torch.Tensor, per_head: bool = False,
+                         short: torch.Tensor | None = None) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
@@ -191,7 +193,7 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
     ``values`` (``cached_attention``'s window copies), a dozen graph nodes a layer; ``per_head`` (packed prefill):
     one batched product per KV head, the shape transformers' own products take there (a merged product of 64
     against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
-    ``short [B, 1, 1, 1]``: the batch entries whose rows softmax as transformers' short forwards do
+    ``short`` (broadcast against ``[B, 1, M, 1]``): the rows that softmax as transformers' short forwards do
     (``_softmax_in_order``). ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]``
     (True: masked) -> ``[B, kv, M, D]``.
     """
@@ -272,7 +274,9 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
     positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
     mask = causal_mask(window, positions, share, query.dtype)
-    short = None if query.dtype == torch.float32 else short_forwards(segments.starts + segments.lengths).view(-1, 1, 1, 1)
+    short = None  # BF16/FP16: a lane's forward ends at its segment's end
+    if query.dtype != torch.float32:
+        short = short_forwards(segments.starts + segments.lengths).view(-1, 1, 1, 1)
     attended = _attend(grouped, keys, values, mask, per_head=True, short=short)  # [B, kv, share * E, D]
     attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
     attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j

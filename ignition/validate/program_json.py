@@ -80,6 +80,11 @@ def program_violations(document, at: str) -> list[Violation]:
     return found
 
 
+_CONTAINERS = (dict, list)
+_CHECKED_KEYS = frozenset({"as_custom_obj", "custom_obj_values", "inputs", "as_operator", "in_spec", "out_spec"})
+"""The keys ``_node_violations`` reads: a node with none of them (most are tensor metadata) has nothing to check."""
+
+
 def _walk(document, bad, at: str) -> list[Violation]:
     """One iterative pass over the whole tree (nested subgraphs included), without recursion."""
     found: list[Violation] = []
@@ -93,14 +98,10 @@ def _walk(document, bad, at: str) -> list[Violation]:
             found.append(bad(f"expected static shapes or sums and products of integers and shape symbols, found the "
                              f"symbolic expression {str(node['expr_str'])[:80]!r} (torch parses it with sympify, "
                              "which evaluates Python)"))
-        if not node.keys().isdisjoint(_CHECKED_KEYS):  # most nodes are tensor metadata with none of these keys
+        if not node.keys().isdisjoint(_CHECKED_KEYS):
             found += _node_violations(node, bad, at)
         stack.extend([value for value in node.values() if type(value) in _CONTAINERS])
     return found
-
-
-_CONTAINERS = (dict, list)
-_CHECKED_KEYS = frozenset({"as_custom_obj", "custom_obj_values", "inputs", "as_operator", "in_spec", "out_spec"})
 
 
 def _node_violations(node: dict, bad, at: str) -> list[Violation]:
