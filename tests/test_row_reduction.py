@@ -66,22 +66,49 @@ def test_low_precision_keeps_one_gemm():
 
 
 @pytest.mark.parametrize("width", [8, 48, 96, 128, 1000, 1024, 7168])
-def test_fp32_rms_norm_is_hfs(width):
-    """recipes.layers.rms_norm runs torch's fused rms_norm for FP32: HF's ops' values bit for bit (the oracle
-    below is transformers' Qwen3RMSNorm.forward, written out), at every row count a variant uses."""
-    from ignition.recipes.layers import rms_norm
+def test_rms_norm_is_hfs(width):
+    """recipes.layers.rms_norm is HF's ops' values bit for bit (the oracle below is transformers'
+    Qwen3RMSNorm.forward, written out), at every row count a variant uses, with the forward's scalars as
+    0-dim tensors (``Rows.scalar``) or as Python numbers; widths that are no power of two divide inexactly."""
+    from ignition.recipes.layers import Rows, rms_norm
 
     g = torch.Generator().manual_seed(width)
     weight = torch.randn(width, generator=g)
+    rows = Rows.decode(torch.tensor([3]), torch.tensor([0]), torch.tensor([True]))
     for shape in ((1,), (3,), (8,), (5, 16), (64,), (2, 8, 4)):
         x = torch.randn(*shape, width, generator=g) * 3
         variance = x.pow(2).mean(-1, keepdim=True)
-        assert torch.equal(rms_norm(x, weight, 1e-6), weight * (x * torch.rsqrt(variance + 1e-6))), (width, shape)
+        hf = weight * (x * torch.rsqrt(variance + 1e-6))
+        assert torch.equal(rms_norm(x, weight, 1e-6), hf), (width, shape)
+        assert torch.equal(rms_norm(x, weight, 1e-6, rows), hf), (width, shape)
     for dtype in (torch.bfloat16, torch.float16):  # the FP32 normalisation, cast before the scale
         for shape in ((1,), (4,), (8,), (5, 16), (64,)):
             x = (torch.randn(*shape, width, generator=g) * 3).to(dtype)
             hf = weight.to(dtype) * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
             assert torch.equal(rms_norm(x, weight.to(dtype), 1e-6), hf), (width, dtype, shape)
+            assert torch.equal(rms_norm(x, weight.to(dtype), 1e-6, rows), hf), (width, dtype, shape)
+
+
+def test_rms_norm_on_the_forwards_scalars_converts_no_scalar():
+    """With the forward's scalars (0-dim FP32 tensors made once per Rows), an FP32 norm dispatches its seven
+    kernels and no cast of a wrapped Python number (``aten::_to_copy``, four operator calls each on the CPU),
+    and a second norm of the same width and epsilon makes no new scalar."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ignition.recipes.layers import Rows, rms_norm
+
+    rows = Rows.decode(torch.tensor([3, 4]), torch.tensor([0, 1]), torch.tensor([True, True]))
+    x, weight = torch.randn(2, 64), torch.randn(64)
+    rms_norm(x, weight, 1e-6, rows)
+    made = dict(rows.scalars)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        rms_norm(x, weight, 1e-6, rows)
+    calls = {event.key: event.count for event in trace.key_averages()}
+    assert "aten::_to_copy" not in calls and "aten::full" not in calls, calls
+    assert rows.scalars == made and set(made) == {64, 1e-6}
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        rms_norm(x, weight, 1e-6)
+    assert "aten::_to_copy" in {event.key for event in trace.key_averages()}  # Python numbers: the cast this avoids
 
 
 def test_a_copied_rows_plans_its_own_writes():
@@ -98,3 +125,20 @@ def test_a_copied_rows_plans_its_own_writes():
     before = cache.clone()
     write_rows(cache, 0, idle, torch.full((2, 3), 7.0))
     assert torch.equal(cache, before)  # no valid row: the cache is unchanged
+
+
+def test_write_rows_writes_each_valid_rows_cell_of_its_layer_only():
+    """One index_copy_ into the flattened cells: a valid row's (layer, slot, position) gets its values, an
+    invalid row (here sharing a valid row's slot) and every other layer are left bit-identical."""
+    from ignition.recipes.layers import Rows, write_rows
+
+    cache = torch.randn(3, 4, 6, 2, 5)
+    rows = Rows.decode(torch.tensor([2, 5, 4]), torch.tensor([3, 0, 3]), torch.tensor([True, True, False]))
+    values = torch.randn(3, 2, 5)
+    expected = cache.clone()
+    expected[1, 3, 2], expected[1, 0, 5] = values[0], values[1]
+    write_rows(cache, 1, rows, values)
+    assert torch.equal(cache, expected)
+    write_rows(cache, 2, rows, values)  # the plan is shared by the layers: only the layer's cells move
+    expected[2, 3, 2], expected[2, 0, 5] = values[0], values[1]
+    assert torch.equal(cache, expected)

@@ -29,16 +29,16 @@ EMITTED_OPERATORS = frozenset({
     "_c10d_functional.all_gather_into_tensor", "_c10d_functional.all_reduce", "_c10d_functional.wait_tensor",
     "aten.__and__", "aten.__lshift__", "aten.__or__", "aten.__rshift__", "aten.__xor__",
     "aten._assert_tensor_metadata", "aten.add", "aten.add_", "aten.amax", "aten.amin", "aten.arange", "aten.argmax",
-    "aten.bitwise_not", "aten.bmm", "aten.cat", "aten.clamp", "aten.contiguous", "aten.copy_", "aten.cos", "aten.cumprod",
-    "aten.cumsum", "aten.div", "aten.embedding", "aten.eq", "aten.expand", "aten.fill_", "aten.full_like",
-    "aten.gather", "aten.ge", "aten.gt", "aten.index", "aten.index_add", "aten.index_put_", "aten.index_select",
-    "aten.le", "aten.lift_fresh_copy", "aten.linear", "aten.lt", "aten.masked_fill", "aten.matmul", "aten.mean",
-    "aten.minimum", "aten.mul", "aten.ne", "aten.neg", "aten.pad", "aten.permute", "aten.pow", "aten.reciprocal",
-    "aten.repeat", "aten.repeat_interleave", "aten.reshape", "aten.rms_norm", "aten.rsqrt", "aten.rsub", "aten.scatter",
-    "aten.scatter_", "aten.select", "aten.sigmoid", "aten.silu", "aten.sin", "aten.slice", "aten.softmax",
-    "aten.sort", "aten.split_with_sizes", "aten.squeeze", "aten.stack", "aten.sub", "aten.sum", "aten.to",
-    "aten.topk", "aten.transpose", "aten.unbind", "aten.unsqueeze", "aten.view", "aten.where", "aten.zeros",
-    "aten.zeros_like", "ignition.merge_prompt_scores", "ignition.merge_vocabulary_logprobs",
+    "aten.bitwise_not", "aten.bmm", "aten.cat", "aten.clamp", "aten.contiguous", "aten.copy_", "aten.cos",
+    "aten.cumprod", "aten.cumsum", "aten.div", "aten.embedding", "aten.eq", "aten.expand", "aten.fill_",
+    "aten.full_like", "aten.gather", "aten.ge", "aten.gt", "aten.index", "aten.index_add", "aten.index_copy_",
+    "aten.index_put_", "aten.index_select", "aten.le", "aten.lift_fresh_copy", "aten.linear", "aten.lt",
+    "aten.masked_fill", "aten.matmul", "aten.minimum", "aten.mul", "aten.ne", "aten.neg", "aten.new_full", "aten.pad",
+    "aten.permute", "aten.pow", "aten.reciprocal", "aten.repeat", "aten.repeat_interleave", "aten.reshape",
+    "aten.rsqrt", "aten.rsub", "aten.scatter", "aten.scatter_", "aten.select", "aten.sigmoid", "aten.silu", "aten.sin",
+    "aten.slice", "aten.softmax", "aten.sort", "aten.split_with_sizes", "aten.squeeze", "aten.stack", "aten.sub",
+    "aten.sum", "aten.to", "aten.topk", "aten.transpose", "aten.unbind", "aten.unsqueeze", "aten.view", "aten.where",
+    "aten.zeros", "aten.zeros_like", "ignition.merge_prompt_scores", "ignition.merge_vocabulary_logprobs",
     "ignition.reduce_logprobs", "ignition.score_prompt_rows", "ignition.score_shard_candidates",
     "ignition.score_shard_statistics", "ignition.vocab_shard_candidates", "ignition.vocab_shard_statistics",
 })
@@ -61,6 +61,8 @@ TENSOR_OPERATORS = frozenset({
     # windowed inputs (catalog.buffers.WINDOWS): a dynamic extent read back as a shape symbol, and the
     # tensors built from it on the input's device (recipes/attention.py)
     "aten.sym_size", "aten.ones_like", "aten.new_zeros", "aten.new_ones", "aten.empty_like", "aten.any",
+    # RMSNorm as cores before Ignition wrote it out (recipes/layers.py ``rms_norm``) called it
+    "aten.rms_norm", "aten.mean",
     # routed experts (recipes/moe.py): sorted dispatch and a torch.cond capacity ladder
     "aten.argsort", "aten.floor_divide", "higher_order.cond",
 })

@@ -21,7 +21,7 @@ and ``scaled_dot_product_attention`` reads it in place.
   lane at a time (one slot's cells per copy). Otherwise they place their queries at their slots' batch
   index and attend over the read slots' windows at once, in place: no copy at all, and one attention call a
   layer instead of one a lane (at Qwen3-0.6B's width, 8 lanes over 8 slots' 64-position windows: 12 ms a
-  28-layer step against 25 ms lane by lane); slots outside the submission get zero queries and
+  28-layer step against 25 ms lane by lane); slots outside the submission get a stand-in lane's queries and
   their rows are dropped. BF16/FP16 lanes always copy their own slots' windows once, together (``[lanes,
   kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would copy a
   strided view anyway, one head at a time.
@@ -120,7 +120,7 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     per_lane = not gathered and groups > 1 and LANE_WINDOWS * groups <= read
     if groups > 1 and not per_lane and not gathered:  # lanes: the read slots' windows in place, each query at its slot
         placement = _placement(rows, slots, read)
-        positions = F.pad(positions, (0, 0, 0, 1)).index_select(0, placement)  # [read, R/G]; 0 at empty slots
+        positions = positions.index_select(0, placement)  # [read, R/G]; the first live group's at empty slots
     mask = causal_mask(window, positions, share, dtype)
     short = None
     if gathered:  # each row's forward: its own (a verify row), or its group's valid rows' last position + 1
@@ -156,8 +156,8 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
                            short=plan.short)
-    else:  # each group's queries at its slot's batch index, zeros elsewhere: [read, kv_heads, share * R/G, D]
-        grouped = F.pad(grouped, (0, 0, 0, 0, 0, 0, 0, 1)).index_select(0, plan.placement)
+    else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
+        grouped = grouped.index_select(0, plan.placement)
         keys, values = keys.narrow(0, 0, plan.read), values.narrow(0, 0, plan.read)  # views: the first read slots
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
     attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
@@ -234,16 +234,19 @@ def _softmax_in_order(scores: torch.Tensor, short: torch.Tensor | None) -> torch
 
 
 def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """``[num_slots]``: the group whose queries sit at each slot's batch index, ``G`` (a zero row) at the others.
+    """``[num_slots]``: the group whose queries sit at each slot's batch index.
 
     Groups with a valid row own distinct slots. A group without one repeats the first valid group's
-    entry (same slot, same group), so duplicate writes always carry identical values.
+    entry (same slot, same group), so duplicate writes always carry identical values. A slot no group
+    owns gets the first valid group's queries as a stand-in: its rows attend over that slot's (finite) cells
+    on their own batch index and are dropped, so nothing else reads them (a zero row there cost a padded copy
+    of the queries every layer).
     """
     groups = slots.shape[0]
     live = rows.valid.view(groups, -1).any(1)  # [G]
     first_live = torch.argmax(live.to(torch.int32))
     source = torch.where(live, torch.arange(groups, device=slots.device), first_live)  # [G]
-    empty = slots.new_zeros((num_slots,)) + groups  # [num_slots]: G, the zero row
+    empty = slots.new_zeros((num_slots,)) + first_live  # [num_slots]: the stand-in group
     return empty.index_put_((slots.index_select(0, source),), source)
 
 

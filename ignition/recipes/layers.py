@@ -14,17 +14,21 @@ import torch.nn.functional as F
 from ignition.catalog.parallel import ROW_BLOCK_ALIGN
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: Rows | None = None) -> torch.Tensor:
     """HF RMSNorm: normalise in fp32, cast back to the input dtype, then scale.
 
-    FP32 through torch's ``rms_norm``: one graph node instead of seven, and on CPU the same values bit for
-    bit (tests/test_row_reduction.py ``test_fp32_rms_norm_is_hfs``; a GPU's fused kernel may sum in another
-    order, within the HF tolerances, and the same op on every path keeps our paths bit-identical to each
-    other); a decode step replays four norms a layer. BF16/FP16 normalise the FP32 copy the same way, then cast
-    before the scale as HF does: four nodes instead of eight, HF's values bit for bit (the same test)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps).to(x.dtype)
+    Transformers' own ops, written out: the mean of squares as a sum divided by the width, ``rsqrt`` of it plus
+    ``eps``, then the scale (HF's values bit for bit at every dtype; tests/test_row_reduction.py
+    ``test_rms_norm_is_hfs``). ``rows``: the forward's scalars (``Rows.scalar``), 0-dim FP32 tensors made once, so
+    the division and the addition dispatch no scalar conversion: on the CPU a Python number costs four more
+    operator calls each (a cast of the wrapped scalar), and torch's own ``rms_norm`` makes 24 operator calls
+    against these 8. A decode step of Qwen3-0.6B's width replays 85 norms (113 with the q/k norms unfused), and
+    between the step's GEMMs each call costs a few microseconds; without ``rows`` the scalars are Python numbers
+    (the same values)."""
+    h = x if x.dtype == torch.float32 else x.to(torch.float32)
+    width, epsilon = (h.shape[-1], eps) if rows is None else (rows.scalar(h.shape[-1]), rows.scalar(eps))
+    normed = h * torch.rsqrt((h * h).sum(-1, keepdim=True) / width + epsilon)
+    return weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +126,13 @@ class Rows:
     slot_limit: int | None = None  # every group's slot is below this (a decode variant's ``layout["slot_limit"]``)
     row_forwards: bool = False  # each row stands for its own forward (a verify row: the decode step at its position)
     writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
+    scalars: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # ``scalar``'s tensors
+
+    def scalar(self, value: float) -> torch.Tensor:
+        """``value`` as a 0-dim FP32 tensor on the rows' device, made once per forward (``rms_norm``)."""
+        if value not in self.scalars:
+            self.scalars[value] = self.positions.new_full((), value, dtype=torch.float32)
+        return self.scalars[value]
 
     @classmethod
     def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor,
@@ -163,30 +174,34 @@ class Rows:
 def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor) -> None:
     """``cache[layer, slot_i, position_i] = values[i]`` for valid rows; invalid rows leave it bit-identical.
 
-    One index_put_ writes every row. An invalid row repeats the first valid row's write (same cell,
-    same value); if no row is valid, every row rewrites row 0's cell with its old value. Duplicate
-    targets thus always carry identical values and the result never depends on write order.
-    Slots and positions are clamped into range. Valid rows must target distinct cells.
-    Which cell each row writes depends on the rows alone: it is planned once per forward (``_write_plan``),
-    and each layer's write adds only its gather, select and ``index_put_``.
+    One ``index_copy_`` into the cache's cells (its first three dims flattened, a view) writes every row. An
+    invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
+    rewrites row 0's cell with its old value. Duplicate targets thus always carry identical values and the
+    result never depends on write order. Slots and positions are clamped into range. Valid rows must target
+    distinct cells. Which cell each row writes depends on the rows alone: it is planned once per forward for
+    every layer (``_write_plan``), and each layer's write adds only its two gathers, a select and the copy.
     """
-    source, slot_index, position_index, keep_new = _write_plan(rows, cache.shape[1], cache.shape[2])
-    layer_index = torch.full_like(slot_index, layer)
-    old = cache[layer_index, slot_index, position_index]  # [R, ...]: one cache cell per row
+    source, cells, keep_new = _write_plan(rows, cache.shape[:3])
+    flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
+    cells = cells.select(0, layer)  # [R]
     keep_new = keep_new.view(-1, *([1] * (values.dim() - 1)))
-    cache.index_put_((layer_index, slot_index, position_index), torch.where(keep_new, values[source], old))
+    flat.index_copy_(0, cells, torch.where(keep_new, values.index_select(0, source), flat.index_select(0, cells)))
 
 
-def _write_plan(rows: Rows, num_slots: int, max_seq_len: int) -> tuple[torch.Tensor, ...]:
-    """(source row, slot, position, keep-new) of each row's write, built on the first call for these rows and cache
-    extents and reused by every later layer (``rows.writes``)."""
-    key = (num_slots, max_seq_len)
+def _write_plan(rows: Rows, extents: torch.Size) -> tuple[torch.Tensor, ...]:
+    """(source row, cell of every layer ``[layers, R]``, keep-new) of each row's write into a cache of ``extents``
+    (layers, slots, positions), built on the first call for these rows and extents and reused by every later
+    layer and cache (``rows.writes``)."""
+    key = tuple(extents)
     if key not in rows.writes:
+        layers, num_slots, max_seq_len = key
         num_rows = rows.valid.shape[0]
         first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
         source = torch.where(rows.valid, torch.arange(num_rows, device=rows.valid.device), first_valid)  # [R]
-        rows.writes[key] = (source, rows.write_slots[source].clamp(0, num_slots - 1),
-                            rows.positions[source].clamp(0, max_seq_len - 1), rows.valid[source])
+        cell = rows.write_slots[source].clamp(0, num_slots - 1) * max_seq_len + \
+            rows.positions[source].clamp(0, max_seq_len - 1)  # [R]: the cell in one layer
+        layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]
+        rows.writes[key] = (source, layer_start.unsqueeze(1) + cell.unsqueeze(0), rows.valid[source])
     return rows.writes[key]
 
 

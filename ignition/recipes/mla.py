@@ -41,11 +41,11 @@ def mla_cache_shapes(cfg, num_slots: int, max_seq_len: int) -> dict[str, tuple[i
     return {name: tuple(state_shape(name, **geometry)) for name in (LATENT_CACHE, ROPE_KEY_CACHE)}
 
 
-def _query(weights: Mapping[str, torch.Tensor], cfg, prefix: str, normed: torch.Tensor) -> torch.Tensor:
+def _query(weights: Mapping[str, torch.Tensor], cfg, prefix: str, normed: torch.Tensor, rows: Rows) -> torch.Tensor:
     """``[R, heads, qk_head_dim]``: low-rank (q_a -> norm -> q_b) when ``q_lora_rank`` is set, else ``q_proj``."""
     if cfg.has_q_lora:
         compressed = rms_norm(F.linear(normed, weights[prefix + "q_a_proj"]), weights[prefix + "q_a_norm"],
-                              cfg.rms_norm_eps)
+                              cfg.rms_norm_eps, rows)
         query = F.linear(compressed, weights[prefix + "q_b_proj"])
     else:
         query = F.linear(normed, weights[prefix + "q_proj"])
@@ -57,9 +57,9 @@ def mla_attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: 
     prefix = f"layers.{layer}."
     num_rows, heads, nope, rope_dim = normed.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     rank, v_dim = cfg.kv_lora_rank, cfg.v_head_dim
-    q_nope, q_rope = _query(weights, cfg, prefix, normed).split([nope, rope_dim], dim=-1)
+    q_nope, q_rope = _query(weights, cfg, prefix, normed, rows).split([nope, rope_dim], dim=-1)
     latent, k_rope = F.linear(normed, weights[prefix + "kv_a_proj"]).split([rank, rope_dim], dim=-1)
-    latent = rms_norm(latent, weights[prefix + "kv_a_norm"], cfg.rms_norm_eps)  # [R, rank]
+    latent = rms_norm(latent, weights[prefix + "kv_a_norm"], cfg.rms_norm_eps, rows)  # [R, rank]
     q_rope = apply_rotary(q_rope, cos, sin, cfg.rope_interleave)  # [R, heads, rope_dim]
     k_rope = apply_rotary(k_rope.unsqueeze(1), cos, sin, cfg.rope_interleave).squeeze(1)  # [R, rope_dim]
     write_rows(latent_cache, layer, rows, latent)

@@ -35,11 +35,14 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     query = F.linear(normed, weights[prefix + "q_proj"], bias("q_bias")).view(num_rows, heads, head_dim)
     key = F.linear(normed, weights[prefix + "k_proj"], bias("k_bias")).view(num_rows, kv_heads, head_dim)
     value = F.linear(normed, weights[prefix + "v_proj"], bias("v_bias")).view(num_rows, kv_heads, head_dim)
+    # the query and key heads side by side, so their norms and RoPE are one set of ops (the same values per head)
+    heads_qk = torch.cat((query, key), dim=1)  # [R, heads + kv_heads, head_dim]
     if cfg.qk_norm:
-        query = rms_norm(query, weights[prefix + "q_norm"], cfg.rms_norm_eps)
-        key = rms_norm(key, weights[prefix + "k_norm"], cfg.rms_norm_eps)
-    query = query * cos + rotate_half(query) * sin  # cos/sin: [R, 1, head_dim]
-    key = key * cos + rotate_half(key) * sin
+        scale = torch.cat((weights[prefix + "q_norm"].expand(heads, head_dim),
+                           weights[prefix + "k_norm"].expand(kv_heads, head_dim)))  # [heads + kv_heads, head_dim]
+        heads_qk = rms_norm(heads_qk, scale, cfg.rms_norm_eps, rows)
+    heads_qk = heads_qk * cos + rotate_half(heads_qk) * sin  # cos/sin: [R, 1, head_dim]
+    query, key = heads_qk[:, :heads], heads_qk[:, heads:]
     write_rows(k_cache, layer, rows, key)
     write_rows(v_cache, layer, rows, value)
 
@@ -77,11 +80,11 @@ def decoder_stack(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Ten
     reduce = (lambda partial: partial) if parallel is None else parallel.reduce
     cos, sin = rope_cos_sin(cfg, rows.positions, hidden.dtype)  # [R, 1, rope_dim] each
     for layer in range(cfg.num_layers):
-        normed = rms_norm(hidden, weights[f"layers.{layer}.attn_norm"], cfg.rms_norm_eps)
+        normed = rms_norm(hidden, weights[f"layers.{layer}.attn_norm"], cfg.rms_norm_eps, rows)
         hidden = hidden + reduce(attention(layer, normed, cos, sin))
-        normed = rms_norm(hidden, weights[f"layers.{layer}.mlp_norm"], cfg.rms_norm_eps)
+        normed = rms_norm(hidden, weights[f"layers.{layer}.mlp_norm"], cfg.rms_norm_eps, rows)
         hidden = hidden + reduce(feed_forward(weights, cfg, layer, normed))
-    return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)  # [R, d_model]
+    return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps, rows)  # [R, d_model]
 
 
 def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids: torch.Tensor, rows: Rows,
