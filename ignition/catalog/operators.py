@@ -35,12 +35,13 @@ EMITTED_OPERATORS = frozenset({
     "aten.index_put_", "aten.index_select", "aten.le", "aten.lift_fresh_copy", "aten.linear", "aten.lt",
     "aten.masked_fill", "aten.matmul", "aten.minimum", "aten.mul", "aten.ne", "aten.neg", "aten.new_full", "aten.pad",
     "aten.permute", "aten.pow", "aten.reciprocal", "aten.repeat", "aten.repeat_interleave", "aten.reshape",
-    "aten.rsqrt", "aten.rsub", "aten.scatter", "aten.scatter_", "aten.select", "aten.sigmoid", "aten.silu", "aten.sin",
-    "aten.slice", "aten.softmax", "aten.sort", "aten.split_with_sizes", "aten.squeeze", "aten.stack", "aten.sub",
-    "aten.sum", "aten.to", "aten.topk", "aten.transpose", "aten.unbind", "aten.unsqueeze", "aten.view", "aten.where",
-    "aten.zeros", "aten.zeros_like", "ignition.merge_prompt_scores", "ignition.merge_vocabulary_logprobs",
-    "ignition.reduce_logprobs", "ignition.score_prompt_rows", "ignition.score_shard_candidates",
-    "ignition.score_shard_statistics", "ignition.vocab_shard_candidates", "ignition.vocab_shard_statistics",
+    "aten.roll", "aten.rsqrt", "aten.rsub", "aten.scatter", "aten.scatter_", "aten.select", "aten.sigmoid",
+    "aten.silu", "aten.sin", "aten.slice", "aten.softmax", "aten.sort", "aten.split_with_sizes", "aten.squeeze",
+    "aten.stack", "aten.sub", "aten.sum", "aten.to", "aten.topk", "aten.transpose", "aten.unbind", "aten.unsqueeze",
+    "aten.view", "aten.where", "aten.zeros", "aten.zeros_like", "ignition.merge_prompt_scores",
+    "ignition.merge_vocabulary_logprobs", "ignition.reduce_logprobs", "ignition.score_prompt_rows",
+    "ignition.score_shard_candidates", "ignition.score_shard_statistics", "ignition.vocab_shard_candidates",
+    "ignition.vocab_shard_statistics",
 })
 
 TENSOR_OPERATORS = frozenset({

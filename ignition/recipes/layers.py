@@ -31,11 +31,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: Rows | Non
     return weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """``parts`` added as a balanced pairwise tree (neighbours first): one fixed order, independent of who adds."""
     while len(parts) > 1:
@@ -77,14 +72,14 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     step = width // blocks
     leaves = x.reshape(-1, blocks, step).transpose(0, 1)  # [blocks, rows, step], a view
     slices = weight.view(out, blocks, step).permute(1, 2, 0)  # [blocks, step, out], a view
-    if blocks == 1:
-        leaves, slices = leaves.expand(2, -1, -1), slices.expand(2, -1, -1)
-    parts = torch.bmm(leaves, slices)[:blocks]  # [blocks, rows, out]
+    if blocks == 1:  # a batch of two, itself twice; the first product kept
+        parts = torch.bmm(leaves.expand(2, -1, -1), slices.expand(2, -1, -1))[:1]
+    else:
+        parts = torch.bmm(leaves, slices)  # [blocks, rows, out]
     if bias is not None:
         parts = torch.cat((parts[:1] + bias, parts[1:]))
     while parts.shape[0] > 1:  # one level of the tree: leaf 2i + leaf 2i+1, one addition of two strided views
-        pairs = parts.view(parts.shape[0] // 2, 2, *parts.shape[1:])  # (a size-2 ``sum`` took twice as long)
-        parts = pairs.select(1, 0) + pairs.select(1, 1)
+        parts = parts[0::2] + parts[1::2]  # (a size-2 ``sum`` took twice as long)
     return parts.view(*x.shape[:-1], out)
 
 
@@ -178,20 +173,20 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
     rewrites row 0's cell with its old value. Duplicate targets thus always carry identical values and the
     result never depends on write order. Slots and positions are clamped into range. Valid rows must target
-    distinct cells. Which cell each row writes depends on the rows alone: it is planned once per forward for
-    every layer (``_write_plan``), and each layer's write adds only its two gathers, a select and the copy.
+    distinct cells. Which cell each row writes depends on the rows alone: it is planned once per forward
+    (``_write_plan``), each layer's cells once for its caches, and each write adds only its two gathers, a
+    ``where`` and the copy.
     """
-    source, cells, keep_new = _write_plan(rows, cache.shape[:3])
+    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim())
     flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
-    cells = cells.select(0, layer)  # [R]
-    keep_new = keep_new.view(-1, *([1] * (values.dim() - 1)))
     flat.index_copy_(0, cells, torch.where(keep_new, values.index_select(0, source), flat.index_select(0, cells)))
 
 
-def _write_plan(rows: Rows, extents: torch.Size) -> tuple[torch.Tensor, ...]:
-    """(source row, cell of every layer ``[layers, R]``, keep-new) of each row's write into a cache of ``extents``
-    (layers, slots, positions), built on the first call for these rows and extents and reused by every later
-    layer and cache (``rows.writes``)."""
+def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple[torch.Tensor, ...]:
+    """(source row ``[R]``, the layer's cell of each row ``[R]``, keep-new shaped for ``dims``-D values) of each
+    row's write into a cache of ``extents`` (layers, slots, positions). The rows' part is built on the first call
+    for these extents, a layer's cells on its first write; every later layer and cache reuses them
+    (``rows.writes``)."""
     key = tuple(extents)
     if key not in rows.writes:
         layers, num_slots, max_seq_len = key
@@ -202,7 +197,12 @@ def _write_plan(rows: Rows, extents: torch.Size) -> tuple[torch.Tensor, ...]:
             rows.positions[source].clamp(0, max_seq_len - 1)  # [R]: the cell in one layer
         layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]
         rows.writes[key] = (source, layer_start.unsqueeze(1) + cell.unsqueeze(0), rows.valid[source])
-    return rows.writes[key]
+    source, cells, keep_new = rows.writes[key]
+    if (key, "layer", layer) not in rows.writes:
+        rows.writes[key, "layer", layer] = cells.select(0, layer)
+    if (key, "dims", dims) not in rows.writes:
+        rows.writes[key, "dims", dims] = keep_new.view(-1, *([1] * (dims - 1)))
+    return source, rows.writes[key, "layer", layer], rows.writes[key, "dims", dims]
 
 
 def read_slots(cache: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:

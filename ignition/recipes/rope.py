@@ -170,6 +170,19 @@ def rope_cos_sin(cfg: RopeConfig, positions: torch.Tensor, dtype: torch.dtype) -
     return (angles.cos() * multiplier).to(dtype), (angles.sin() * multiplier).to(dtype)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin [..., dim]`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed_sin(sin)``
+    bit for bit (a product's rounding is symmetric in sign), made once per forward instead of a negation and a
+    concatenation per rotated tensor."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., dim]`` with its two halves swapped: ``rotate_half`` without its negation (``signed_sin``)."""
+    return x.roll(x.shape[-1] // 2, -1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """RoPE on ``x [R, heads, dim]`` with ``cos``/``sin`` ``[R, 1, dim]`` (``cat(freqs, freqs)`` layout).
 

@@ -10,6 +10,7 @@ finite values (``torch.zeros``). Slots and positions are tensors; nothing branch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -17,9 +18,9 @@ import torch.nn.functional as F
 
 from ignition.recipes.config import ModelConfig, kv_cache_shape
 from ignition.recipes.attention import AttentionPlan, cached_attention, packed_attention, plan_attention
-from ignition.recipes.layers import Rows, rms_norm, rotate_half, row_linear, write_rows
+from ignition.recipes.layers import Rows, rms_norm, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
-from ignition.recipes.rope import rope_cos_sin
+from ignition.recipes.rope import rope_cos_sin, signed_sin, swap_halves
 
 K_CACHE, V_CACHE = ModelConfig.cache_names
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -27,7 +28,7 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int, normed: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, rows: Rows, plan: AttentionPlan | None,
+               cos: torch.Tensor, sin_signed: torch.Tensor, rows: Rows, plan: AttentionPlan | None,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     prefix = f"layers.{layer}."
     bias = (lambda name: weights[prefix + name]) if cfg.attention_bias else (lambda name: None)
@@ -41,7 +42,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
         scale = torch.cat((weights[prefix + "q_norm"].expand(heads, head_dim),
                            weights[prefix + "k_norm"].expand(kv_heads, head_dim)))  # [heads + kv_heads, head_dim]
         heads_qk = rms_norm(heads_qk, scale, cfg.rms_norm_eps, rows)
-    heads_qk = heads_qk * cos + rotate_half(heads_qk) * sin  # cos/sin: [R, 1, head_dim]
+    heads_qk = heads_qk * cos + swap_halves(heads_qk) * sin_signed  # HF's rotate_half RoPE; [R, 1, head_dim] tables
     query, key = heads_qk[:, :heads], heads_qk[:, heads:]
     write_rows(k_cache, layer, rows, key)
     write_rows(v_cache, layer, rows, value)
@@ -94,8 +95,9 @@ def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids
     _check_caches(cfg, weights, k_cache, v_cache)
     plan = None if rows.segments is not None else plan_attention(
         rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads, k_cache.dtype)
+    signed = functools.cache(signed_sin)  # once per forward: every layer passes the same table
     return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
-        weights, cfg, layer, normed, cos, sin, rows, plan, k_cache, v_cache), parallel)
+        weights, cfg, layer, normed, cos, signed(sin), rows, plan, k_cache, v_cache), parallel)
 
 
 def prefill_hidden(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids: torch.Tensor,
