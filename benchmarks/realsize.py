@@ -11,7 +11,8 @@ the same checkpoint, prompts and threads:
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
   minus the time of 1, so prefill is not counted; HF does ``generate`` + ``log_softmax`` + ``topk``);
-- the matrix products' share of one decode step's operator time (torch.profiler) at each batch, logprobs 5;
+- the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
+  steps) at each batch, logprobs 5;
 - that greedy tokens equal HF's, and the ratios against the issue's targets.
 
 ``--onnx`` and ``--compile`` export the core with ONNX graphs or AOTInductor packages too, and time every decode
@@ -171,17 +172,27 @@ def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, f
     return events, wall, products / total
 
 
-def step_profile(core, prompts: list[list[int]], logprobs: int | None) -> tuple[float, float]:
-    """One engine decode step of ``prompts`` (``warmed_engine``) under torch.profiler: (the matrix products' share
-    of the step's operator self time, the step's wall ms)."""
+PROFILED_STEPS = 5
+"""Decode steps profiled one after another for each batch's row: the row reports their medians (one step can catch
+the host's drift: single steps of one engine measured from 71% to 86%)."""
+
+
+def step_profile(core, prompts: list[list[int]], logprobs: int | None,
+                 steps: int = PROFILED_STEPS) -> tuple[list[float], list[float]]:
+    """``steps`` engine decode steps of ``prompts`` (``warmed_engine``), each under its own torch.profiler: (the
+    matrix products' share of each step's operator self time, each step's wall ms)."""
     from ignition.runtime.requests import Request
 
-    engine = warmed_engine(core, [Request(prompt, max_tokens=8, logprobs=logprobs, ignore_eos=True)
+    engine = warmed_engine(core, [Request(prompt, max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True)
                                   for prompt in prompts])
-    _, wall, share = profiled_step(engine)
+    shares, walls = [], []
+    for _ in range(steps):
+        _, wall, share = profiled_step(engine)
+        shares.append(share)
+        walls.append(wall * 1e3)
     while engine.running:
         engine.step()
-    return share, wall * 1e3
+    return shares, walls
 
 
 def stages(timings: dict[str, float]) -> str:
@@ -299,9 +310,11 @@ def main() -> None:
                     rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}{_differ(differ)}",
                                  f"{rate_ours:.2f} tok/s", f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
                 if not label:
-                    share, wall_ms = step_profile(loaded, batch, 5)
-                    rows.append((f"decode batch {size}, logprobs 5: one step under torch.profiler", f"{wall_ms:.0f} ms",
-                                 "", f"matrix products {100 * share:.1f}% of operator time"))
+                    shares, walls = step_profile(loaded, batch, 5)
+                    rows.append((f"decode batch {size}, logprobs 5: {len(shares)} steps under torch.profiler, median",
+                                 f"{statistics.median(walls):.0f} ms", "",
+                                 f"matrix products {100 * statistics.median(shares):.1f}% of operator time "
+                                 f"({100 * min(shares):.1f}-{100 * max(shares):.1f}%)"))
             return differing
 
         prompts_for = {size: prompts(size, PROMPT) for size in batches}
