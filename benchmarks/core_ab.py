@@ -7,7 +7,9 @@ and minimum round and the ratio of the medians. Alternating rounds in one proces
 measurable here: this machine's speed moves by up to 2x within an hour, so rows measured minutes apart compare
 nothing. Export both cores with the same command at the two commits (``git worktree add``), and keep the host
 otherwise idle. ``--new-logprobs K`` gives the NEW side's requests K logprobs instead of ``--logprobs``: with the same
-core twice it measures what logprobs cost (``OLD`` = ``NEW``, ``--logprobs 0 --new-logprobs 20``).
+core twice it measures what logprobs cost (``OLD`` = ``NEW``, ``--logprobs 0 --new-logprobs 20``). ``--profiled N``
+then runs N more rounds of each, alternating, each under its own torch.profiler, and prints each core's median
+matrix-product share of a round's operator time (``benchmarks.realsize.profiled_step``) and its range.
 """
 
 from __future__ import annotations
@@ -27,19 +29,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--logprobs", type=int, default=5, help="0 means off")
     parser.add_argument("--new-logprobs", type=int, default=None, help="the NEW side's logprobs (default: --logprobs)")
+    parser.add_argument("--profiled", type=int, default=0, help="rounds of each core under torch.profiler, after the "
+                        "timed ones: the matrix products' share of each")
     args = parser.parse_args()
-    if args.batch < 1 or args.steps < 1:
-        parser.error("--batch and --steps must be at least 1")
+    if args.batch < 1 or args.steps < 1 or args.profiled < 0:
+        parser.error("--batch and --steps must be at least 1, --profiled at least 0")
 
     import torch
 
     torch.set_num_threads(args.threads)
-    from benchmarks.realsize import warmed_engine
+    from benchmarks.realsize import profiled_step, warmed_engine
     from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request
 
     settings = (args.logprobs, args.logprobs if args.new_logprobs is None else args.new_logprobs)
-    engines = [warmed_engine(load_core(path), [Request([lane + 1, 7, 9, 11], max_tokens=args.steps + 8,
+    engines = [warmed_engine(load_core(path), [Request([lane + 1, 7, 9, 11], max_tokens=args.steps + args.profiled + 8,
                                                        logprobs=logprobs or None, ignore_eos=True)
                                                for lane in range(args.batch)])
                for path, logprobs in zip((args.old, args.new), settings)]
@@ -53,6 +57,14 @@ def main() -> None:
         print(f"{path} (logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, "
               f"min {min(times) * 1e3:.1f} ms a round")
     print(f"new / old (medians): {statistics.median(rounds[1]) / statistics.median(rounds[0]):.3f}")
+    if args.profiled:
+        shares: list[list[float]] = [[], []]
+        for _ in range(args.profiled):
+            for side, engine in enumerate(engines):
+                shares[side].append(profiled_step(engine)[2])
+        for path, side in zip((args.old, args.new), shares):
+            print(f"{path}: matrix products {100 * statistics.median(side):.1f}% of a profiled round's operator time "
+                  f"(median of {len(side)}; {100 * min(side):.1f}-{100 * max(side):.1f}%)")
 
 
 if __name__ == "__main__":
