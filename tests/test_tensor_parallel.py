@@ -177,6 +177,24 @@ def test_tp4_matches_tp1(tmp_path_factory):
     assert [i for i, _ in results[1]["entries"][0]["top"]] == [0, 150, 7, 75, 76, 3]  # shards of 38 ids
 
 
+def test_ranks_of_one_kv_head_export_and_run_with_several_slots(tmp_path_factory):
+    """Two KV heads at --tensor-parallel 2 on two slots: each rank reads one KV head of a narrowed cache window,
+    which torch's contiguity query once guarded to the full cache length (an export error); every variant exports,
+    and the ranks give TP=1's tokens and ids."""
+    root = tmp_path_factory.mktemp("one-kv-head")
+    checkpoint = root / "ckpt"
+    save_checkpoint(TinyCase("qwen3", torch.float32, True, VOCAB, kv_heads=2), checkpoint, reload=False)
+    options = {ranks: ExportOptions(recipe="qwen3", checkpoint=checkpoint, capacities=(1, 2), chunk_limit=8,
+                                    max_seq_len=32, tensor_parallel=ranks) for ranks in (1, 2)}
+    with torch.no_grad():
+        reference_results = reference_results_of(options[1])
+    export_core(options[2], root / "tp2")
+    results = run([root / "tp2"], 2)["results"][0]
+    for reference, result in zip(reference_results, results, strict=True):
+        assert result["error"] is None and result["tokens"] == reference["tokens"]
+        assert [e["id"] for e in result["entries"]] == [e["id"] for e in reference["entries"]]
+
+
 def test_a_dead_rank_fails_cleanly(sharded):
     report = sharded[1]
     assert "rank 1 exited with code -9" in report["failure"], report["failure"]

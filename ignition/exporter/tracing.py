@@ -43,7 +43,13 @@ def capture(graph, weights) -> torch.export.ExportedProgram:
         if windowed is None:
             program = torch.export.export(graph.module, (example,), strict=False)
         else:
-            program = torch.export.export(graph.module, (windowed[0],), strict=False, dynamic_shapes=(windowed[1],))
+            # NOTE: size-oblivious guards for the windows' backed extents (all at least MIN_WINDOW = 2). Without,
+            # the contiguity query torch makes of every traced result guards a narrowed cache view of one KV head
+            # a rank ([slots, 1, W, head_dim]) to W != max_seq_len, which the window's range refutes: a sharded
+            # core whose ranks hold one KV head each and two or more slots failed to export.
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                program = torch.export.export(graph.module, (windowed[0],), strict=False,
+                                              dynamic_shapes=(windowed[1],))
     program._example_inputs = None  # sample inputs would embed a copy of the weights in every .pt2
     _drop_metadata_asserts(program)
     return program
