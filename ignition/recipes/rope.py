@@ -171,16 +171,17 @@ def rope_cos_sin(cfg: RopeConfig, positions: torch.Tensor, dtype: torch.dtype) -
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin [..., dim]`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed_sin(sin)``
-    bit for bit (a product's rounding is symmetric in sign), made once per forward instead of a negation and a
-    concatenation per rotated tensor."""
+    """``sin [..., dim]`` with its first half negated: ``rotate_half(x) * sin`` equals ``x``'s halves swapped times
+    ``signed_sin(sin)`` bit for bit (a product's rounding is symmetric in sign); a caller that rotates several
+    tensors at the same positions makes it once (``rotate_half_rope``)."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def swap_halves(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., dim]`` with its two halves swapped: ``rotate_half`` without its negation (``signed_sin``)."""
-    return x.roll(x.shape[-1] // 2, -1)
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with ``sin_signed = signed_sin(sin)``: the halves of ``x`` swapped
+    (a ``roll``) instead of ``rotate_half``'s negation and concatenation, the same values bit for bit."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -191,8 +192,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     leaves every query-key dot product unchanged as long as both sides use it.
     """
     if not interleaved:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return rotate_half_rope(x, cos, signed_sin(sin))
     cos, sin = cos[..., :cos.shape[-1] // 2], sin[..., :sin.shape[-1] // 2]
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)

@@ -20,7 +20,7 @@ from ignition.recipes.config import ModelConfig, kv_cache_shape
 from ignition.recipes.attention import AttentionPlan, cached_attention, packed_attention, plan_attention
 from ignition.recipes.layers import Rows, rms_norm, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
-from ignition.recipes.rope import rope_cos_sin, signed_sin, swap_halves
+from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin
 
 K_CACHE, V_CACHE = ModelConfig.cache_names
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,7 +42,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
         scale = torch.cat((weights[prefix + "q_norm"].expand(heads, head_dim),
                            weights[prefix + "k_norm"].expand(kv_heads, head_dim)))  # [heads + kv_heads, head_dim]
         heads_qk = rms_norm(heads_qk, scale, cfg.rms_norm_eps, rows)
-    heads_qk = heads_qk * cos + swap_halves(heads_qk) * sin_signed  # HF's rotate_half RoPE; [R, 1, head_dim] tables
+    heads_qk = rotate_half_rope(heads_qk, cos, sin_signed)  # cos, sin_signed: [R, 1, head_dim]
     query, key = heads_qk[:, :heads], heads_qk[:, heads:]
     write_rows(k_cache, layer, rows, key)
     write_rows(v_cache, layer, rows, value)
