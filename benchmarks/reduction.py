@@ -17,7 +17,7 @@ allocator's peak during one eager call minus what was allocated before it.
 Floor: one read of the logits (rows x vocab x element size). On CUDA it is also shown as a time
 at 4.8 TB/s (H200 HBM3e) with ours as a multiple of it.
 
-Run ``python -m benchmarks.reduction [--device cpu|cuda] [--threads N] [--quick]``. Numbers are
+Run ``python -m benchmarks.reduction [--device cpu|cuda] [--threads N] [--quick] [--rows 8] [--spread 30]``. Numbers are
 from whatever machine runs it; on a shared machine expect noise of tens of percent.
 """
 
@@ -41,9 +41,9 @@ MODES = ("k0", "k1", "k20", "ids128")
 HBM_BYTES_PER_S = 4.8e12  # H200
 
 
-def make_inputs(rows, vocab, mode, dtype, device="cpu"):
+def make_inputs(rows, vocab, mode, dtype, device="cpu", spread=4.0):
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(rows, vocab, generator=g) * 4).to(dtype)
+    logits = (torch.randn(rows, vocab, generator=g) * spread).to(dtype)
     chosen = torch.randint(0, vocab, (rows,), generator=g)
     explicit = mode == "ids128"
     k = NATURAL_K if explicit else int(mode[1:])
@@ -174,14 +174,19 @@ def main():
                         choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=0, help="timed calls per path (default: by size)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op CPU threads (default: torch's)")
+    parser.add_argument("--spread", type=float, default=4.0,
+                        help="the logits' standard deviation: at 30 most lanes sit more than 87 below the row's "
+                             "maximum, where the reference adds no mass (FLUSH_BELOW) and CPU exp would be slow")
+    parser.add_argument("--rows", default="", help="comma-separated row counts (default: by device)")
     options = parser.parse_args()
     if options.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False on this machine")
     if options.threads:
         torch.set_num_threads(options.threads)
     on_cuda = options.device == "cuda"
+    rows_list = tuple(map(int, options.rows.split(","))) if options.rows else ROWS[options.device]
     shapes = [(64, 151936, m) for m in ("k20", "ids128")] if options.quick else [
-        (r, v, m) for r in ROWS[options.device] for v in VOCABS for m in MODES]
+        (r, v, m) for r in rows_list for v in VOCABS for m in MODES]
     device = torch.cuda.get_device_name() if on_cuda else f"CPU, torch threads {torch.get_num_threads()}"
     timing = "CUDA-graph replays" if on_cuda else "wall time"
     print(f"{device}; {timing}: median (best) of interleaved calls; memory: peak extra")
@@ -198,7 +203,7 @@ def main():
     for dtype_name, (rows, vocab, mode) in [(d, s) for d in options.dtype for s in shapes]:
         dtype = getattr(torch, dtype_name)
         element = torch.tensor([], dtype=dtype).element_size()
-        args = make_inputs(rows, vocab, mode, dtype, options.device)
+        args = make_inputs(rows, vocab, mode, dtype, options.device, options.spread)
         repeats = options.repeats or (100 if on_cuda else max(11, min(30, int(4e7 // (rows * vocab)))))
         ours_times, base_times = times_ms((ours, baseline), args, repeats)
         ours_ms, base_ms = statistics.median(ours_times), statistics.median(base_times)

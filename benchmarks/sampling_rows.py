@@ -7,6 +7,10 @@ greedy, at batch 1, 8 and 32: once with the transform window at the whole row (w
 constraint passes, and every round before the window existed) and once at 64 columns (a round without any). Each
 cell is the median of ``--repeats`` calls, alternated between the two sides; the tokens of both sides must match.
 It also reports one call of each under ``torch.profiler``: the operator time the profile of a decode step sees.
+
+``--argmax`` instead times the greedy token alone: torch's ``amax`` + ``argmax`` over the row against
+``components.sampling.first_argmax`` (group maxima, then one group), alternated, after checking they agree on the
+same random rows with planted ties.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--argmax", action="store_true", help="time the greedy token's argmax alone")
     args = parser.parse_args()
+    if args.argmax:
+        return argmax_table(args)
 
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -71,6 +78,33 @@ def main() -> None:
                 step(window)
             profiled = sum(event.self_cpu_time_total for event in trace.key_averages()) / 1e3
             print(f"| {batch} | {name} | {statistics.median(times[name]) * 1e3:.2f} | {profiled:.2f} |")
+
+
+def argmax_table(args) -> None:
+    import torch
+
+    from ignition.components.sampling import first_argmax
+
+    torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, threads {args.threads}, vocabulary {VOCAB}")
+    print("| batch | amax + argmax ms | first_argmax ms | ratio |")
+    print("|---|---|---|---|")
+    for batch in map(int, args.batches.split(",")):
+        logits = torch.randn(batch, VOCAB, generator=generator) * 3
+        logits[:, [VOCAB - 1, 77_000, 5]] = logits.amax(dim=1, keepdim=True)  # ties: the first index wins
+        sides = {"torch": lambda: (logits.amax(dim=-1), logits.argmax(dim=-1)), "ours": lambda: first_argmax(logits)}
+        (row_max, index), (our_max, our_index) = (side() for side in sides.values())
+        if not (torch.equal(row_max, our_max) and torch.equal(index, our_index)):
+            raise SystemExit(f"batch {batch}: first_argmax disagrees with torch's amax/argmax")
+        times = {name: [] for name in sides}
+        for _ in range(args.repeats):
+            for name, side in sides.items():
+                started = time.perf_counter()
+                side()
+                times[name].append(time.perf_counter() - started)
+        ours, theirs = statistics.median(times["ours"]) * 1e3, statistics.median(times["torch"]) * 1e3
+        print(f"| {batch} | {theirs:.3f} | {ours:.3f} | {theirs / ours:.1f}x |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The reference reduction against independent oracles.
 
-Normalization: ``chunked_lse`` below is the reference's FP32 summation order written as the
-plain loop it was first implemented as (chunks of VOCAB_CHUNK lanes, each summing
-exp(x - running max), the running sum rescaled chunk by chunk). The reference must match it
-bit for bit, so its packed words do not change when its implementation is made faster. Both
+Normalization: ``chunked_lse`` below is the reference's FP32 summation order written as a
+plain loop (the row maximum M, then chunks of VOCAB_CHUNK lanes, each summing exp(x - M) over
+the lanes at least FLUSH_BELOW above M, the sums added in chunk order). The reference must
+match it bit for bit, so its packed words do not change when its implementation is made faster. Both
 are checked against an fp64 logsumexp: lse32 accumulates V exponentials in FP32 chunk by
 chunk, so its error is bounded by about log2(V) * 2**-24 relative on the sum, i.e. < 2e-6
 absolute on the log for V <= 2**20; the final subtraction adds half an ulp of the result
@@ -45,19 +45,16 @@ def oracle_order(x32: np.ndarray, lse32: float, k: int) -> list[int]:
 
 
 def chunked_lse(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The reference's FP32 normalization as a plain loop over VOCAB_CHUNK-lane chunks."""
-    rows = logits.shape[0]
-    running_max = torch.full((rows,), float("-inf"))
-    running_sum = torch.zeros(rows)
+    """The reference's FP32 normalization as a plain loop: the row maximum M, then each VOCAB_CHUNK-lane chunk's
+    sum of exp(x - M) over its lanes at least FLUSH_BELOW above M, added in chunk order; M + log(mass)."""
+    x = logits[:, :vocab_size].float()
+    row_max = x.amax(dim=1)
+    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    mass = torch.zeros(logits.shape[0])
     for start in range(0, vocab_size, L.VOCAB_CHUNK):
-        chunk = logits[:, start:min(start + L.VOCAB_CHUNK, vocab_size)].float()
-        new_max = torch.maximum(running_max, chunk.amax(dim=1))
-        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-        chunk_sum = (chunk - safe_max[:, None]).exp_().sum(dim=1)
-        running_sum = running_sum * torch.exp(running_max - safe_max) + chunk_sum
-        running_max = new_max
-    safe_max = torch.where(torch.isinf(running_max), torch.zeros_like(running_max), running_max)
-    return torch.where(torch.isinf(running_max), running_max, safe_max + torch.log(running_sum))
+        shifted = x[:, start:start + L.VOCAB_CHUNK] - safe_max[:, None]
+        mass = mass + torch.where(shifted < L.FLUSH_BELOW, 0.0, shifted.exp()).sum(dim=1)
+    return torch.where(torch.isinf(row_max), row_max, safe_max + torch.log(mass))
 
 
 def value_bits(values: np.ndarray) -> list[int]:
@@ -369,6 +366,31 @@ def test_normalization_bits_match_the_chunked_loop(chunk):
             finite = torch.isfinite(expected)
             torch.testing.assert_close(lse[finite].double(), torch.logsumexp(logits[finite, :vocab].double(), 1),
                                        atol=ATOL, rtol=0)
+
+
+def test_lanes_far_below_the_maximum_add_no_mass(chunk):
+    """Logits spread over hundreds of nats, as a random-weight real-size model's are: most lanes sit more than
+    -FLUSH_BELOW under the row's maximum and add nothing. lse keeps the loop's bits and fp64's value, and every
+    reported word still matches the oracle."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 4097
+    logits = torch.randn(6, vocab, generator=g) * 60
+    logits[1] = -200.0
+    logits[1, 7], logits[1, 9] = 0.0, L.FLUSH_BELOW  # exactly at the edge: kept, lse = log(1 + exp(-87))
+    logits[2, ::2] = float("nan")
+    logits[3] = float("-inf")
+    logits[3, 11] = -1e4  # alone: lse = -1e4
+    lse, expected = L._normalization(logits, vocab), chunked_lse(logits, vocab)
+    assert torch.equal(lse.view(torch.int32), expected.view(torch.int32))
+    finite = torch.isfinite(lse)
+    assert finite.tolist() == [True, True, False, True, True, True]
+    torch.testing.assert_close(lse[finite].double(), torch.logsumexp(logits[finite].double(), 1), atol=ATOL, rtol=0)
+    assert lse[3].item() == -1e4
+    chosen = torch.randint(0, vocab, (6,), generator=g)
+    out = run(logits, chosen, vocab_size=vocab)
+    expected_out = oracle_out(logits, chosen, torch.ones(6, dtype=torch.int32), None, None, vocab, 20,
+                              torch.full_like(out, SENTINEL))
+    assert torch.equal(out, expected_out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,6 +17,7 @@ from ignition.components.sampling import (
     SAMPLING_FIELDS,
     SamplingTensors,
     apply_penalties,
+    first_argmax,
     philox4x32_10,
     philox_uniform,
     sample,
@@ -522,3 +523,24 @@ def test_windowed_constraints_equal_the_whole_rows_columns():
         assert torch.equal(allowed_tokens(buffers[TOKEN_BITMASK], width, columns),
                            allowed_tokens(buffers[TOKEN_BITMASK], 100)[:, :width]), width
         assert torch.equal(sampling_logits(buffers, logits[:, :width], columns), whole[:, :width]), width
+
+
+@pytest.mark.parametrize("width", [1, 127, 128, 129, 1000, 4096, 151_936])
+def test_first_argmax_is_amax_and_argmax(width):
+    """Group maxima then one group: the same maximum and the same first index as torch's amax/argmax, for ties
+    across groups, signed zeros, -inf rows, NaN lanes and a partial last group."""
+    g = torch.Generator().manual_seed(width)
+    rows = torch.randn(9, width, generator=g) * 3
+    rows[1, :] = float("-inf")
+    rows[2, torch.randint(0, width, (3,), generator=g)] = rows[2].max() + 1  # a tie, possibly across groups
+    rows[3, :] = -1.0
+    rows[3, width // 2] = -0.0
+    rows[3, width - 1] = 0.0  # -0.0 == +0.0: the first one wins
+    rows[4, torch.randint(0, width, (2,), generator=g)] = float("nan")
+    rows[5, width - 1] = 100.0  # the last lane, in the partial group when there is one
+    rows[6, 0] = 100.0
+    rows[7] = torch.round(rows[7])  # many exact ties
+    row_max, index = first_argmax(rows)
+    assert torch.equal(index, rows.argmax(dim=-1))
+    assert torch.equal(row_max.isnan(), rows.amax(dim=-1).isnan())
+    assert torch.equal(row_max.nan_to_num(), rows.amax(dim=-1).nan_to_num())

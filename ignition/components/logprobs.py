@@ -39,6 +39,13 @@ ROWS_PER_PASS = 64  # rows sharing one pass: group maxima [64, vocab / GROUP]
 READ_LANES = 16384  # lanes per candidate read: [64 rows, 2 groups of 128]
 MERGE_EVERY = 4  # candidate reads kept ([rows, k] each) before they are merged
 SPARE_GROUPS = 8  # groups ranked beyond the k-th, so ties at the floor rarely need a second ranking
+FLUSH_BELOW = -87.0
+"""Lanes whose shifted logit ``x - shift`` is below this add no exponential mass. Their exponentials (under
+exp(-87) = 1.6e-38) sit at FP32's subnormal edge, where torch's vectorized CPU exp takes a slow path about 30x slower
+a lane; nothing bounds how far a model spreads its logits. A vocabulary of 2**20 such lanes
+sums to under 2e-32, against a mass that holds exp(0) = 1 from the row's maximum. With the flush, 8 rows of 151,936
+lanes at a spread of 30 reduce in about 3 ms instead of 11 (``python -m benchmarks.reduction --threads 2 --rows 8
+--spread 30 --dtype float32``)."""
 
 _LOW32 = 0xFFFFFFFF
 _NO_KEY = torch.iinfo(torch.int64).min  # below every real key (NaN maps to -inf's key)
@@ -106,48 +113,58 @@ def _group_maxima(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def _normalization(logits: torch.Tensor, vocab_size: int, group_maxima: torch.Tensor | None = None) -> torch.Tensor:
-    """FP32 logsumexp over the first vocab_size lanes, combined one VOCAB_CHUNK at a time.
+    """FP32 logsumexp over the first vocab_size lanes: ``M + log(mass)``, M the row's maximum (from the group
+    maxima) and ``mass = exp_masses(logits, vocab_size, M)``.
 
-    Each chunk sums exp(x - m) with m the running maximum through that chunk, and the running
-    sum is rescaled chunk by chunk: this fixed order defines lse's bits (the previous
-    chunk-at-a-time loop, tested against a copy of it). Chunk maxima come from the group maxima,
-    so each chunk costs one subtraction, one exp and one sum, ROW_BLOCK rows at a time.
+    That order (the maximum first, then each VOCAB_CHUNK's ``sum(exp(x - M))`` added in chunk order) defines lse's
+    bits; ``tests/test_logprobs_reference.py`` pins them against a plain loop. An infinite M is the result itself
+    and NaN propagates. It is also a one-rank vocabulary shard's (maximum, mass) combined (``vocabulary_logprobs``).
     """
-    rows = logits.shape[0]
     if group_maxima is None:
         group_maxima = _group_maxima(logits, vocab_size)
-    groups_per_chunk = VOCAB_CHUNK // _group_width()
-    chunks = -(-vocab_size // VOCAB_CHUNK)
-    device = logits.device
-    padded = torch.full((rows, chunks * groups_per_chunk), float("-inf"), device=device)
-    padded[:, :group_maxima.shape[1]] = group_maxima
-    chunk_max = padded.view(rows, chunks, groups_per_chunk).amax(dim=2)  # [rows, chunks]
-    del padded
-    running_max = [torch.full((rows,), float("-inf"), device=device)]  # [c + 1]: maximum through chunk c
-    for c in range(chunks):
-        running_max.append(torch.maximum(running_max[-1], chunk_max[:, c]))
-    shift = torch.stack([torch.where(torch.isinf(m), torch.zeros_like(m), m) for m in running_max[1:]], dim=1)
+    row_max = group_maxima.amax(dim=1).float()
+    shift = torch.where(torch.isinf(row_max), 0.0, row_max)
+    return torch.where(torch.isinf(row_max), row_max, shift + torch.log(exp_masses(logits, vocab_size, shift)))
 
-    chunk_sum = torch.empty(rows, chunks, device=device)  # sum(exp(x - shift)) of each chunk
+
+def exp_masses(logits: torch.Tensor, vocab_size: int, shift: torch.Tensor) -> torch.Tensor:
+    """Each row's FP32 ``sum(exp(x - shift))`` over its first vocab_size lanes: one sum per VOCAB_CHUNK lanes, the
+    sums added in chunk order; lanes with ``x - shift < FLUSH_BELOW`` add nothing.
+
+    ROW_BLOCK rows at a time through one reused FP32 scratch of ``[ROW_BLOCK, VOCAB_CHUNK]``: each chunk costs a
+    subtraction, an exp and a sum, and no ``[rows, vocabulary]`` FP32 copy is made. The flush costs as much as the
+    exp, so only row blocks with a lane below it pay for it: ``fl(min - shift)`` bounds every lane's ``fl(x - shift)``
+    from below.
+    """
+    rows, device = logits.shape[0], logits.device
+    lowest = logits[:, :vocab_size].amin(dim=1).float()
+    may_flush = (lowest - shift < FLUSH_BELOW).tolist()
+    total = torch.zeros(rows, device=device)
     scratch = torch.empty(min(ROW_BLOCK, rows), min(VOCAB_CHUNK, vocab_size), device=device)  # FP32, reused
+    flushed = torch.empty(scratch.shape, dtype=torch.bool, device=device) if any(may_flush) else None
     for first in range(0, rows, ROW_BLOCK):
-        block = slice(first, min(first + ROW_BLOCK, rows))
-        for c in range(chunks):
-            start, stop = c * VOCAB_CHUNK, min((c + 1) * VOCAB_CHUNK, vocab_size)
-            shifted = scratch[:block.stop - first, :stop - start]
-            chunk = logits[block, start:stop]
+        last = min(first + ROW_BLOCK, rows)
+        block_shift, block_total = shift[first:last, None], total[first:last]
+        flush = any(may_flush[first:last])
+        block_scratch = scratch[:last - first]
+        for chunk in logits[first:last, :vocab_size].split(VOCAB_CHUNK, dim=1):
+            shifted = block_scratch if chunk.shape[1] == scratch.shape[1] else block_scratch[:, :chunk.shape[1]]
             if chunk.dtype == torch.float32:
-                torch.sub(chunk, shift[block, c, None], out=shifted)
+                torch.sub(chunk, block_shift, out=shifted)
             else:  # convert in place: a promoting sub would allocate its own FP32 copy
-                shifted.copy_(chunk).sub_(shift[block, c, None])
-            chunk_sum[block, c] = shifted.exp_().sum(dim=1)
+                shifted.copy_(chunk).sub_(block_shift)
+            block_total.add_(exp_mass(shifted, flushed[:last - first, :chunk.shape[1]] if flush else None))
+    return total
 
-    running_sum = torch.zeros(rows, device=device)
-    for c in range(chunks):
-        running_sum = running_sum * torch.exp(running_max[c] - shift[:, c]) + chunk_sum[:, c]
-    row_max = running_max[-1]
-    safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    return torch.where(torch.isinf(row_max), row_max, safe_max + torch.log(running_sum))
+
+def exp_mass(shifted: torch.Tensor, flushed: torch.Tensor | None) -> torch.Tensor:
+    """Each row's ``sum(exp(shifted))`` with lanes below FLUSH_BELOW counted as 0; ``shifted`` (FP32) is overwritten
+    and ``flushed`` (bool, the same shape) is scratch, or None when the caller knows no lane is below FLUSH_BELOW.
+    NaN lanes stay NaN, so NaN propagates to the sum."""
+    if flushed is None:
+        return shifted.exp_().sum(dim=1)
+    torch.lt(shifted, FLUSH_BELOW, out=flushed)
+    return shifted.clamp_min_(FLUSH_BELOW).exp_().masked_fill_(flushed, 0.0).sum(dim=1)
 
 
 def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=None):
@@ -255,9 +272,14 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
         block_logits = logits[first:first + count]  # a view: rows are never copied
         maxima = _group_maxima(block_logits, vocab_size)  # [block, groups]
         lse = _normalization(block_logits, vocab_size, maxima)  # [block]
-        chosen_ids = chosen[block].to(torch.int64)
+        chosen_ids = chosen[first:first + count].to(torch.int64)
         chosen_pair = _pack(chosen_ids[:, None], _gather_values(block_logits, lse, chosen_ids[:, None], vocab_size))
-        counts = token_id_counts[block] if token_id_counts is not None else torch.zeros_like(block, dtype=torch.int32)
+        if token_ids is None:  # every row natural: its whole packed row (chosen pair, K pairs) in one write
+            words = chosen_pair if k == 0 else \
+                torch.cat([chosen_pair, _pack(*_natural_alternatives(block_logits, lse, vocab_size, k, maxima))], 1)
+            flat_out.index_copy_(0, out_rows[first:first + count], words)
+            continue
+        counts = token_id_counts[block]
         counts = counts.clamp(0, MAX_SELECTED_IDS)
         natural = counts == 0
         target = out_rows[block]

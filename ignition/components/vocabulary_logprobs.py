@@ -54,16 +54,13 @@ def _valid_lanes(vocab_start: int, vocab_shard: int, vocab_size: int) -> int:
 
 
 def _max_and_mass(logits: torch.Tensor, valid: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 maximum and ``sum(exp(x - max))`` over the first ``valid`` lanes, VOCAB_CHUNK lanes at a time."""
+    """FP32 maximum and ``sum(exp(x - max))`` over the first ``valid`` lanes (``L.exp_masses``)."""
     rows = logits.shape[0]
     if valid == 0:
         return torch.full((rows,), float("-inf"), device=logits.device), torch.zeros(rows, device=logits.device)
     row_max = L._group_maxima(logits, valid).float().amax(dim=1) + 0.0  # NaN propagates; -0.0 becomes +0.0
     shift = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-    mass = torch.zeros(rows, device=logits.device)
-    for start in range(0, valid, L.VOCAB_CHUNK):
-        chunk = logits[:, start:min(start + L.VOCAB_CHUNK, valid)]
-        mass += torch.sub(chunk.float(), shift[:, None]).exp_().sum(dim=1)  # a fresh FP32 chunk: logits stay intact
+    mass = L.exp_masses(logits, valid, shift)  # the single-device normalization's mass, bit for bit
     return _canonical(row_max), _canonical(mass)
 
 
