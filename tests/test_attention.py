@@ -60,7 +60,7 @@ def test_cached_attention_matches_a_float64_loop_over_each_rows_slot(case: str, 
                               for _ in range(2))
     query = torch.randn(rows.positions.shape[0], KV_HEADS * SHARE, HEAD_DIM, generator=generator).to(dtype)
     plan = plan_attention(rows, SLOTS, MAX_SEQ_LEN, SHARE, dtype)
-    got = cached_attention(query, key_cache, value_cache, plan)
+    got = cached_attention(query, key_cache[None], value_cache[None], 0, plan)
     assert got.shape == (query.shape[0], KV_HEADS * SHARE * HEAD_DIM) and got.dtype == dtype
     assert torch.isfinite(got).all()  # rows of inactive groups too: finite garbage
     valid = rows.valid
@@ -87,7 +87,7 @@ def test_a_layer_reuses_the_plan_and_builds_no_mask(case: str) -> None:
     key_cache = value_cache = torch.zeros(SLOTS, MAX_SEQ_LEN, KV_HEADS, HEAD_DIM)
     query = torch.zeros(rows.positions.shape[0], KV_HEADS * SHARE, HEAD_DIM)
     with _Operators() as layer:
-        cached_attention(query, key_cache, value_cache, plan)
+        cached_attention(query, key_cache[None], value_cache[None], 0, plan)
     planning = {"masked_fill", "index_put_", "cumsum", "any", "argmax", "gt", "le", "repeat", "ones_like", "zeros"}
     assert not planning & set(layer.names), layer.names
     assert any("scaled_dot_product" in name for name in layer.names), layer.names
@@ -104,7 +104,7 @@ def test_bf16_cached_attention_runs_two_products_a_window_copy_not_two_a_kv_head
     key_cache = value_cache = torch.zeros(SLOTS, MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     query = torch.zeros(rows.positions.shape[0], KV_HEADS * SHARE, HEAD_DIM, dtype=torch.bfloat16)
     with _Operators() as layer:
-        cached_attention(query, key_cache, value_cache, plan)
+        cached_attention(query, key_cache[None], value_cache[None], 0, plan)
     assert layer.names.count("bmm") == 2 and layer.names.count("index_select") == 2, layer.names
 
 
@@ -173,7 +173,7 @@ def test_a_bf16_decode_lane_attends_as_transformers_eager_attention_bit_for_bit(
             query = torch.randn(1, w["kv_heads"] * w["share"], w["head_dim"], generator=generator).to(torch.bfloat16)
             window = _key_window(context)
             rows = Rows.decode(torch.tensor([context - 1]), torch.tensor([1]), torch.tensor([True]), window)
-            ours = cached_attention(query, key_cache, value_cache, _bf16_plan(rows))
+            ours = cached_attention(query, key_cache[None], value_cache[None], 0, _bf16_plan(rows))
             assert torch.equal(ours, _transformers_eager(query, key_cache, value_cache, context)), \
                 f"context {context}, window {window.shape[0]}"
 
@@ -200,7 +200,7 @@ def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed:
                 ours = packed_attention(query, key_cache, value_cache, rows)[:length]
             else:
                 rows = Rows.prefill(chunk_rows, torch.tensor(0), torch.tensor(length), torch.tensor([1]), key_window)
-                ours = cached_attention(query, key_cache, value_cache, _bf16_plan(rows))[:length]
+                ours = cached_attention(query, key_cache[None], value_cache[None], 0, _bf16_plan(rows))[:length]
             causal = torch.full((length, length), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
             theirs = _transformers_eager(query[:length], key_cache, value_cache, length,
                                          causal.view(1, 1, length, length))
@@ -222,9 +222,9 @@ def test_a_bf16_verify_row_attends_as_the_decode_step_at_its_position_bit_for_bi
             rows = Rows(positions=positions, write_slots=torch.ones(5, dtype=torch.int64),
                         valid=torch.ones(5, dtype=torch.bool), read_slots=torch.tensor([1]),
                         key_window=_key_window(first + 5), row_forwards=True)
-            verified = cached_attention(query, key_cache, value_cache, _bf16_plan(rows))
+            verified = cached_attention(query, key_cache[None], value_cache[None], 0, _bf16_plan(rows))
             for row, position in enumerate(positions.tolist()):
                 alone = Rows.decode(torch.tensor([position]), torch.tensor([1]), torch.tensor([True]),
                                     _key_window(position + 1))
-                decoded = cached_attention(query[row:row + 1], key_cache, value_cache, _bf16_plan(alone))
+                decoded = cached_attention(query[row:row + 1], key_cache[None], value_cache[None], 0, _bf16_plan(alone))
                 assert torch.equal(verified[row:row + 1], decoded), f"rows from {first}, row at {position}"

@@ -207,7 +207,7 @@ def test_packed_attention_equals_each_chunk_alone(dtype, heads, kv_heads, head_d
             alone = Rows.prefill(48, torch.tensor([start]), torch.tensor([length]), torch.tensor([slot]),
                                  torch.zeros(window, dtype=torch.int64))
             plan = plan_attention(alone, keys.shape[0], keys.shape[1], heads // kv_heads, dtype)
-            assert torch.equal(out[offset:offset + length], cached_attention(chunk, keys, values, plan)[:length])
+            assert torch.equal(out[offset:offset + length], cached_attention(chunk, keys[None], values[None], 0, plan)[:length])
         offset += length
     assert packed.valid.tolist() == [True] * 62 + [False] * 18
     assert packed.positions[:6].tolist() == [0, 1, 2, 3, 4, 16] and packed.write_slots[44:47].tolist() == [0, 5, 5]

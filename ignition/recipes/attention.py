@@ -46,7 +46,7 @@ and ``scaled_dot_product_attention`` reads it in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,7 @@ class AttentionPlan:
     # BF16/FP16 [G, 1, share * R/G, 1]: True where the row's forward (its group's, or with ``Rows.row_forwards`` its
     # own) covers fewer than SHORT_ROW keys
     short: torch.Tensor | None = None
+    views: dict = field(default_factory=dict, compare=False, repr=False)  # ``_windows``: each cache's, once a forward
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -132,23 +133,36 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
                          placement=placement, per_lane=per_lane, mask=mask, read=read, short=short)
 
 
-def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """``cache [layers, num_slots, T, kv_heads, head_dim]`` as ``[layers, slots, kv_heads, W, head_dim]``: a view over
+    the window's positions (and, with a placement, the first ``read`` slots), made once a forward for each cache;
+    every layer selects its own. Narrowing the position dim of the transposed cache keeps it strided, and as a view
+    it reads what each layer's ``write_rows`` wrote before it."""
+    if id(cache) not in plan.views:
+        view = cache.transpose(2, 3).narrow(3, 0, plan.window)
+        plan.views[id(cache)] = view if plan.placement is None else view.narrow(1, 0, plan.read)
+    return plan.views[id(cache)]
+
+
+def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
                      plan: AttentionPlan) -> torch.Tensor:
-    """Causal attention of ``query [R, heads, head_dim]`` over one layer's cache ``[num_slots, T, kv_heads, head_dim]``.
+    """Causal attention of ``query [R, heads, head_dim]`` over layer ``layer`` of the caches
+    ``[layers, num_slots, T, kv_heads, head_dim]``.
 
     Row ``i`` of group ``g`` (``R // G`` rows per group, ``G = len(rows.read_slots)``) attends over the
     positions ``<= rows.positions[i]`` of slot ``rows.read_slots[g]`` (``plan`` holds the rows' part).
     Returns ``[R, heads * head_dim]``.
     """
     num_rows, heads, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
+    kv_heads = key_cache.shape[3]
     groups, per_group, share = plan.groups, plan.per_group, heads // kv_heads
-    # [S, kv_heads, W, head_dim] views: narrowing the position dim of the transposed cache keeps them strided
-    keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window)
-    values = value_cache.transpose(1, 2).narrow(2, 0, plan.window)
+    keys, values = _windows(key_cache, plan)[layer], _windows(value_cache, plan)[layer]  # [S, kv_heads, W, D] views
     # query: [G, R/G, kv_heads, share, D] -> [G, kv_heads, share * R/G, D]; row s * R/G + j is head (kv, s), row j
-    grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
-    grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
+    if per_group == 1:  # a decode lane a group: the same order, one view
+        grouped = query.view(groups, kv_heads, share, head_dim)
+    else:
+        grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
@@ -157,10 +171,10 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
                            short=plan.short)
     else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
-        grouped = grouped.index_select(0, plan.placement)
-        keys, values = keys.narrow(0, 0, plan.read), values.narrow(0, 0, plan.read)  # views: the first read slots
+        grouped = grouped.index_select(0, plan.placement)  # the keys and values: the first read slots (_windows)
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
-    attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
+    if per_group > 1:
+        attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
 
 

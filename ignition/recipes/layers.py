@@ -174,12 +174,37 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     rewrites row 0's cell with its old value. Duplicate targets thus always carry identical values and the
     result never depends on write order. Slots and positions are clamped into range. Valid rows must target
     distinct cells. Which cell each row writes depends on the rows alone: it is planned once per forward
-    (``_write_plan``), each layer's cells once for its caches, and each write adds only its two gathers, a
-    ``where`` and the copy.
+    (``_write_plan``), each layer's cells once for its caches, and a decode batch reads every layer's old cell
+    values in one gather at the cache's first write (``_cache_cells``); each write then adds its gather of the
+    rows, a ``where`` and the copy.
     """
     source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim())
-    flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
-    flat.index_copy_(0, cells, torch.where(keep_new, values.index_select(0, source), flat.index_select(0, cells)))
+    flat, old = _cache_cells(rows, cache)
+    old_values = old[layer] if old is not None else flat.index_select(0, cells)
+    flat.index_copy_(0, cells, torch.where(keep_new, values.index_select(0, source), old_values))
+
+
+OLD_CELLS_AHEAD = 4096
+"""``write_rows`` reads the old values of every layer's target cells at a cache's first write of a forward (one gather
+instead of one a layer) when they number at most this many (layers x rows: a decode batch); a prompt chunk's rows
+(a symbolic count, or past the limit) read theirs layer by layer, so its forward holds one layer's copy at a time."""
+
+
+def _cache_cells(rows: Rows, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(``cache`` with its first three dims flattened, a view; the values before this forward's writes of every
+    layer's target cells ``[layers, R, ...]``, or None past OLD_CELLS_AHEAD), made at the cache's first write of the
+    forward. Only a forward without a valid row writes those old values back (``write_rows``), so reading them
+    before any layer's write is the same as reading each layer's before its own."""
+    key = ("cells", id(cache))
+    if key not in rows.writes:
+        flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
+        cells = rows.writes[tuple(cache.shape[:3])][1]  # [layers, R]
+        old = None
+        numel = cells.numel()  # a symbolic count (a prompt chunk's rows) never reads ahead: no guard on it
+        if isinstance(numel, int) and numel <= OLD_CELLS_AHEAD:
+            old = flat.index_select(0, cells.flatten()).view(*cells.shape, *cache.shape[3:])
+        rows.writes[key] = (flat, old)
+    return rows.writes[key]
 
 
 def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple[torch.Tensor, ...]:

@@ -27,9 +27,20 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 """``(layer, normed [R, d_model], cos, sin) -> attention output [R, d_model]``, caches already bound."""
 
 
+def qk_norm_scales(weights: Mapping[str, torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """Every layer's q and k norm weights, one row a head: ``[layers, heads + kv_heads, head_dim]``, the scale of
+    ``_attention``'s side-by-side heads. Built once a forward (a handful of graph nodes) instead of an expand of each
+    weight and their concatenation in every layer."""
+    def stacked(name: str, heads: int) -> torch.Tensor:
+        norms = torch.stack([weights[f"layers.{layer}.{name}"] for layer in range(cfg.num_layers)])  # [L, head_dim]
+        return norms.unsqueeze(1).expand(-1, heads, -1)
+    return torch.cat((stacked("q_norm", cfg.num_heads), stacked("k_norm", cfg.num_kv_heads)), dim=1)
+
+
 def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int, normed: torch.Tensor,
                cos: torch.Tensor, sin_signed: torch.Tensor, rows: Rows, plan: AttentionPlan | None,
-               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, qk_scales: torch.Tensor | None) -> torch.Tensor:
+    """One layer's attention: ``qk_scales`` is ``qk_norm_scales`` (when ``cfg.qk_norm``)."""
     prefix = f"layers.{layer}."
     bias = (lambda name: weights[prefix + name]) if cfg.attention_bias else (lambda name: None)
     num_rows, heads, kv_heads, head_dim = normed.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -39,9 +50,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     # the query and key heads side by side, so their norms and RoPE are one set of ops (the same values per head)
     heads_qk = torch.cat((query, key), dim=1)  # [R, heads + kv_heads, head_dim]
     if cfg.qk_norm:
-        scale = torch.cat((weights[prefix + "q_norm"].expand(heads, head_dim),
-                           weights[prefix + "k_norm"].expand(kv_heads, head_dim)))  # [heads + kv_heads, head_dim]
-        heads_qk = rms_norm(heads_qk, scale, cfg.rms_norm_eps, rows)
+        heads_qk = rms_norm(heads_qk, qk_scales[layer], cfg.rms_norm_eps, rows)  # [heads + kv_heads, head_dim] scale
     heads_qk = rotate_half_rope(heads_qk, cos, sin_signed)  # cos, sin_signed: [R, 1, head_dim]
     query, key = heads_qk[:, :heads], heads_qk[:, heads:]
     write_rows(k_cache, layer, rows, key)
@@ -50,7 +59,7 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
     if plan is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
     else:
-        attended = cached_attention(query, k_cache[layer], v_cache[layer], plan)  # [R, q_width]
+        attended = cached_attention(query, k_cache, v_cache, layer, plan)  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], bias("o_bias"), cfg.row_blocks, cfg.row_shard)  # [R, d_model]
 
 
@@ -96,8 +105,9 @@ def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids
     plan = None if rows.segments is not None else plan_attention(
         rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads, k_cache.dtype)
     signed = functools.cache(signed_sin)  # once per forward: every layer passes the same table
+    qk_scales = qk_norm_scales(weights, cfg) if cfg.qk_norm else None
     return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
-        weights, cfg, layer, normed, cos, signed(sin), rows, plan, k_cache, v_cache), parallel)
+        weights, cfg, layer, normed, cos, signed(sin), rows, plan, k_cache, v_cache, qk_scales), parallel)
 
 
 def prefill_hidden(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids: torch.Tensor,
