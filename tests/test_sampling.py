@@ -525,10 +525,15 @@ def test_windowed_constraints_equal_the_whole_rows_columns():
         assert torch.equal(sampling_logits(buffers, logits[:, :width], columns), whole[:, :width]), width
 
 
+@pytest.mark.parametrize("grouped_from", [0, None], ids=["two passes at every width", "default"])
 @pytest.mark.parametrize("width", [1, 127, 128, 129, 1000, 4096, 151_936])
-def test_first_argmax_is_amax_and_argmax(width):
+def test_first_argmax_is_amax_and_argmax(width, grouped_from, monkeypatch):
     """Group maxima then one group: the same maximum and the same first index as torch's amax/argmax, for ties
     across groups, signed zeros, -inf rows, NaN lanes and a partial last group."""
+    import ignition.components.sampling as sampling
+
+    if grouped_from is not None:
+        monkeypatch.setattr(sampling, "ARGMAX_GROUPED_LANES", grouped_from)
     g = torch.Generator().manual_seed(width)
     rows = torch.randn(9, width, generator=g) * 3
     rows[1, :] = float("-inf")
