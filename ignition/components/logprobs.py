@@ -137,17 +137,19 @@ def exp_masses(logits: torch.Tensor, vocab_size: int, shift: torch.Tensor) -> to
     from below.
     """
     rows, device = logits.shape[0], logits.device
-    lowest = logits[:, :vocab_size].amin(dim=1).float()
-    may_flush = (lowest - shift < FLUSH_BELOW).tolist()
     total = torch.zeros(rows, device=device)
     scratch = torch.empty(min(ROW_BLOCK, rows), min(VOCAB_CHUNK, vocab_size), device=device)  # FP32, reused
-    flushed = torch.empty(scratch.shape, dtype=torch.bool, device=device) if any(may_flush) else None
+    flushed = None
     for first in range(0, rows, ROW_BLOCK):
         last = min(first + ROW_BLOCK, rows)
+        block = logits[first:last, :vocab_size]
         block_shift, block_total = shift[first:last, None], total[first:last]
-        flush = any(may_flush[first:last])
+        # the block's minimum, read just before its chunks (which then come from cache, not memory)
+        flush = bool((block.amin(dim=1).float() - shift[first:last] < FLUSH_BELOW).any())
+        if flush and flushed is None:
+            flushed = torch.empty(scratch.shape, dtype=torch.bool, device=device)
         block_scratch = scratch[:last - first]
-        for chunk in logits[first:last, :vocab_size].split(VOCAB_CHUNK, dim=1):
+        for chunk in block.split(VOCAB_CHUNK, dim=1):
             shifted = block_scratch if chunk.shape[1] == scratch.shape[1] else block_scratch[:, :chunk.shape[1]]
             if chunk.dtype == torch.float32:
                 torch.sub(chunk, block_shift, out=shifted)
