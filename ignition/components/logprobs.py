@@ -44,8 +44,8 @@ FLUSH_BELOW = -87.0
 exp(-87) = 1.6e-38) sit at FP32's subnormal edge, where torch's vectorized CPU exp takes a slow path about 30x slower
 a lane; nothing bounds how far a model spreads its logits. A vocabulary of 2**20 such lanes
 sums to under 2e-32, against a mass that holds exp(0) = 1 from the row's maximum. With the flush, 8 rows of 151,936
-lanes at a spread of 30 reduce in about 3 ms instead of 11 (``python -m benchmarks.reduction --threads 2 --rows 8
---spread 30 --dtype float32``)."""
+lanes at a spread of 30 reduce in about 3 ms (``python -m benchmarks.reduction --threads 2 --rows 8 --spread 30
+--dtype float32``)."""
 
 _LOW32 = 0xFFFFFFFF
 _NO_KEY = torch.iinfo(torch.int64).min  # below every real key (NaN maps to -inf's key)
