@@ -123,8 +123,13 @@ def _normalization(logits: torch.Tensor, vocab_size: int, group_maxima: torch.Te
     if group_maxima is None:
         group_maxima = _group_maxima(logits, vocab_size)
     row_max = group_maxima.amax(dim=1).float()
-    shift = torch.where(torch.isinf(row_max), 0.0, row_max)
+    shift = finite_shift(row_max)
     return torch.where(torch.isinf(row_max), row_max, shift + torch.log(exp_masses(logits, vocab_size, shift)))
+
+
+def finite_shift(maximum: torch.Tensor) -> torch.Tensor:
+    """The shift the exponentials are taken against: ``maximum``, with 0 where it is infinite (NaN stays NaN)."""
+    return torch.where(torch.isinf(maximum), 0.0, maximum)
 
 
 def exp_masses(logits: torch.Tensor, vocab_size: int, shift: torch.Tensor) -> torch.Tensor:
@@ -142,19 +147,18 @@ def exp_masses(logits: torch.Tensor, vocab_size: int, shift: torch.Tensor) -> to
     flushed = None
     for first in range(0, rows, ROW_BLOCK):
         last = min(first + ROW_BLOCK, rows)
-        block = logits[first:last, :vocab_size]
-        block_shift, block_total = shift[first:last, None], total[first:last]
+        block, block_shift, block_total = logits[first:last, :vocab_size], shift[first:last], total[first:last]
         # the block's minimum, read just before its chunks (which then come from cache, not memory)
-        flush = bool((block.amin(dim=1).float() - shift[first:last] < FLUSH_BELOW).any())
+        flush = bool((block.amin(dim=1).float() - block_shift < FLUSH_BELOW).any())
         if flush and flushed is None:
             flushed = torch.empty(scratch.shape, dtype=torch.bool, device=device)
         block_scratch = scratch[:last - first]
         for chunk in block.split(VOCAB_CHUNK, dim=1):
             shifted = block_scratch if chunk.shape[1] == scratch.shape[1] else block_scratch[:, :chunk.shape[1]]
             if chunk.dtype == torch.float32:
-                torch.sub(chunk, block_shift, out=shifted)
+                torch.sub(chunk, block_shift[:, None], out=shifted)
             else:  # convert in place: a promoting sub would allocate its own FP32 copy
-                shifted.copy_(chunk).sub_(block_shift)
+                shifted.copy_(chunk).sub_(block_shift[:, None])
             block_total.add_(exp_mass(shifted, flushed[:last - first, :chunk.shape[1]] if flush else None))
     return total
 
@@ -270,7 +274,6 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
     check_reduction_args(logits, chosen, requested, out, out_rows, token_ids, token_id_counts, vocab_size, k)
     flat_out = out.view(-1, out.shape[-1])
     for first, count in _row_runs(requested):
-        block = torch.arange(first, first + count, device=logits.device)
         block_logits = logits[first:first + count]  # a view: rows are never copied
         maxima = _group_maxima(block_logits, vocab_size)  # [block, groups]
         lse = _normalization(block_logits, vocab_size, maxima)  # [block]
@@ -281,6 +284,7 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
                 torch.cat([chosen_pair, _pack(*_natural_alternatives(block_logits, lse, vocab_size, k, maxima))], 1)
             flat_out.index_copy_(0, out_rows[first:first + count], words)
             continue
+        block = torch.arange(first, first + count, device=logits.device)
         counts = token_id_counts[block]
         counts = counts.clamp(0, MAX_SELECTED_IDS)
         natural = counts == 0

@@ -286,8 +286,8 @@ def first_argmax(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     first NaN's index either way."""
     rows, width = values.shape
     whole = width // ARGMAX_GROUP * ARGMAX_GROUP
-    lanes = rows * width  # both static in every graph; a symbolic count is not guarded on
-    if whole == 0 or (isinstance(lanes, int) and lanes < ARGMAX_GROUPED_LANES):
+    count = rows * width  # both static in every graph; a symbolic count is not guarded on
+    if whole == 0 or (isinstance(count, int) and count < ARGMAX_GROUPED_LANES):
         return values.amax(dim=-1), values.argmax(dim=-1)
     maxima = values.narrow(1, 0, whole).unflatten(1, (-1, ARGMAX_GROUP)).amax(dim=2)  # [B, W // G]
     if whole < width:

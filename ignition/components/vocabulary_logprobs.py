@@ -59,7 +59,7 @@ def _max_and_mass(logits: torch.Tensor, valid: int) -> tuple[torch.Tensor, torch
     if valid == 0:
         return torch.full((rows,), float("-inf"), device=logits.device), torch.zeros(rows, device=logits.device)
     row_max = L._group_maxima(logits, valid).float().amax(dim=1) + 0.0  # NaN propagates; -0.0 becomes +0.0
-    shift = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+    shift = L.finite_shift(row_max)
     mass = L.exp_masses(logits, valid, shift)  # the single-device normalization's mass, bit for bit
     return _canonical(row_max), _canonical(mass)
 
@@ -76,7 +76,7 @@ def global_normalization(maxima: torch.Tensor, masses: torch.Tensor) -> torch.Te
     the result itself and NaN propagates, as in the single-rank normalization.
     """
     top = maxima.amax(dim=0)
-    shift = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    shift = L.finite_shift(top)
     total = torch.zeros_like(top)
     for rank in range(maxima.shape[0]):
         total = total + masses[rank] * torch.exp(maxima[rank] - shift)

@@ -7,6 +7,7 @@ and are static-shape: slots and positions are tensors, nothing branches on tenso
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -198,13 +199,21 @@ def _cache_cells(rows: Rows, cache: torch.Tensor) -> tuple[torch.Tensor, torch.T
     key = ("cells", id(cache))
     if key not in rows.writes:
         flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
-        cells = rows.writes[tuple(cache.shape[:3])][1]  # [layers, R]
+        cells = rows.writes[tuple(cache.shape[:3])].cells  # [layers, R]
         old = None
         numel = cells.numel()  # a symbolic count (a prompt chunk's rows) never reads ahead: no guard on it
         if isinstance(numel, int) and numel <= OLD_CELLS_AHEAD:
             old = flat.index_select(0, cells.flatten()).view(*cells.shape, *cache.shape[3:])
         rows.writes[key] = (flat, old)
     return rows.writes[key]
+
+
+class _RowWrites(NamedTuple):
+    """The rows' part of every write into caches of one extent (``_write_plan``)."""
+
+    source: torch.Tensor  # [R]: the row whose value each row writes (the first valid one for an invalid row)
+    cells: torch.Tensor  # [layers, R]: each layer's flattened cell of each row
+    keep_new: torch.Tensor  # [R]: False only when no row is valid (every row then rewrites its cell's old value)
 
 
 def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple[torch.Tensor, ...]:
@@ -221,7 +230,7 @@ def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple
         cell = rows.write_slots[source].clamp(0, num_slots - 1) * max_seq_len + \
             rows.positions[source].clamp(0, max_seq_len - 1)  # [R]: the cell in one layer
         layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]
-        rows.writes[key] = (source, layer_start.unsqueeze(1) + cell.unsqueeze(0), rows.valid[source])
+        rows.writes[key] = _RowWrites(source, layer_start.unsqueeze(1) + cell.unsqueeze(0), rows.valid[source])
     source, cells, keep_new = rows.writes[key]
     if (key, "layer", layer) not in rows.writes:
         rows.writes[key, "layer", layer] = cells.select(0, layer)
