@@ -208,6 +208,41 @@ def test_inactive_decode_rows_leave_cache_bit_identical(loaded, name: str) -> No
         assert torch.equal((after != before).any(dim=(-1, -2)), written)
 
 
+@pytest.mark.parametrize("name", FP32_CASES)
+def test_slot_ordered_decode_is_the_lane_ordered_one(loaded, name: str, monkeypatch) -> None:
+    """Decode lanes that attend in place with as many slots as lanes run the forward in slot order
+    (``AttentionPlan.slot_order``): each lane's hidden row and every cache cell are the bits the lane-ordered forward
+    makes, whatever the lanes' order, with inactive lanes (one colliding with an active lane's cell, one at a slot
+    no active lane holds) leaving their cells as they were."""
+    from ignition.recipes.attention import AttentionPlan
+
+    model = loaded(name)
+    torch.manual_seed(6)
+    caches = new_caches(model, num_slots=4, max_seq_len=16, fill=torch.randn)
+    input_ids, positions = torch.tensor([3, 9, 4, 7]), torch.tensor([5, 11, 5, 2])
+    slots, active = torch.tensor([2, 0, 2, 1]), torch.tensor([True, True, False, False])
+
+    def run(order: list[int], slot_ordered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not slot_ordered:
+            monkeypatch.setattr(AttentionPlan, "slot_order", lambda plan, rows: None)
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        index = torch.tensor(order)
+        hidden = decode_hidden(model.weights, model.cfg, input_ids[index], positions[index], slots[index],
+                               active[index], k_cache, v_cache)
+        monkeypatch.undo()
+        return hidden[torch.argsort(index)], k_cache, v_cache
+
+    lane_order = run([0, 1, 2, 3], slot_ordered=False)
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]):
+        hidden, k_cache, v_cache = run(order, slot_ordered=True)
+        assert torch.equal(hidden[:2], lane_order[0][:2]) and torch.isfinite(hidden).all()
+        assert torch.equal(k_cache, lane_order[1]) and torch.equal(v_cache, lane_order[2])
+    written = torch.zeros(caches[0].shape[:3], dtype=torch.bool)
+    written[:, 2, 5] = written[:, 0, 11] = True
+    for after, before in zip(lane_order[1:], caches):
+        assert torch.equal((after != before).any(dim=(-1, -2)), written)
+
+
 class DecodeStep(torch.nn.Module):
     """Export wrapper: weights and caches are graph inputs; the caches are mutated in place."""
 

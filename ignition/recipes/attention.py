@@ -46,7 +46,7 @@ and ``scaled_dot_product_attention`` reads it in place.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,21 @@ class AttentionPlan:
     # own) covers fewer than SHORT_ROW keys
     short: torch.Tensor | None = None
     views: dict = field(default_factory=dict, compare=False, repr=False)  # ``_windows``: each cache's, once a forward
+    slot_ordered: bool = False  # the rows are in slot order (``in_slot_order``): row r attends at slot r, in place
+
+    def slot_order(self, rows: Rows) -> torch.Tensor | None:
+        """The row at each read slot (``placement``) when ``rows`` may run in slot order instead (``in_slot_order``):
+        one decode lane a group, attended in place, with as many read slots as lanes (so the forward's products keep
+        their row count); None otherwise."""
+        if self.placement is None or self.per_group != 1 or self.read != self.groups or rows.row_forwards:
+            return None
+        return self.placement
+
+    def in_slot_order(self) -> AttentionPlan:
+        """This plan for the rows rearranged by ``slot_order`` (``Rows.in_slot_order``): row r's queries already sit
+        at slot r's batch index, so no layer places or picks rows. The mask was built in that order already."""
+        return replace(self, placement=None, slots=torch.arange(self.read, device=self.slots.device),
+                       views={}, slot_ordered=True)
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -140,7 +155,8 @@ def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     it reads what each layer's ``write_rows`` wrote before it."""
     if id(cache) not in plan.views:
         view = cache.transpose(2, 3).narrow(3, 0, plan.window)
-        plan.views[id(cache)] = view if plan.placement is None else view.narrow(1, 0, plan.read)
+        in_place = plan.placement is not None or plan.slot_ordered
+        plan.views[id(cache)] = view.narrow(1, 0, plan.read) if in_place else view
     return plan.views[id(cache)]
 
 
@@ -167,6 +183,8 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
                               for g in range(groups)])
+    elif plan.slot_ordered:  # group r is slot r's: in place over the first read slots, nothing placed or picked
+        attended = _attend(grouped, keys, values, plan.mask)
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
                            short=plan.short)

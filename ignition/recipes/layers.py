@@ -121,6 +121,7 @@ class Rows:
     segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
     slot_limit: int | None = None  # every group's slot is below this (a decode variant's ``layout["slot_limit"]``)
     row_forwards: bool = False  # each row stands for its own forward (a verify row: the decode step at its position)
+    slot_ordered: bool = False  # row r is slot r's (``in_slot_order``): every row, valid or not, its own cell
     writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
     scalars: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # ``scalar``'s tensors
 
@@ -166,13 +167,24 @@ class Rows:
         return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots, key_window=key_window,
                    slot_limit=slot_limit)
 
+    def in_slot_order(self, order: torch.Tensor) -> Rows:
+        """These decode rows (one a group) rearranged so that row r belongs to slot r: ``order [S]`` holds the row at
+        each of the first S slots (a stand-in row at a slot no valid row owns, which becomes invalid there). Every
+        row then writes a cell of its own, so its write needs no gather of the rows (``write_rows``)."""
+        slot = torch.arange(order.shape[0], device=order.device)
+        owns = self.write_slots.index_select(0, order) == slot
+        return Rows(positions=self.positions.index_select(0, order), write_slots=slot,
+                    valid=self.valid.index_select(0, order) & owns, read_slots=slot, key_window=self.key_window,
+                    slot_limit=self.slot_limit, slot_ordered=True)
+
 
 def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor) -> None:
     """``cache[layer, slot_i, position_i] = values[i]`` for valid rows; invalid rows leave it bit-identical.
 
     One ``index_copy_`` into the cache's cells (its first three dims flattened, a view) writes every row. An
     invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
-    rewrites row 0's cell with its old value. Duplicate targets thus always carry identical values and the
+    rewrites row 0's cell with its old value. Rows in slot order (``Rows.in_slot_order``) each own their cell, so
+    an invalid one rewrites its own cell's old value instead and no row's value is gathered. Duplicate targets thus always carry identical values and the
     result never depends on write order. Slots and positions are clamped into range. Valid rows must target
     distinct cells. Which cell each row writes depends on the rows alone: it is planned once per forward
     (``_write_plan``), each layer's cells once for its caches, and a decode batch reads every layer's old cell
@@ -182,7 +194,8 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim())
     flat, old = _cache_cells(rows, cache)
     old_values = old[layer] if old is not None else flat.index_select(0, cells)
-    flat.index_copy_(0, cells, torch.where(keep_new, values.index_select(0, source), old_values))
+    new_values = values if source is None else values.index_select(0, source)
+    flat.index_copy_(0, cells, torch.where(keep_new, new_values, old_values))
 
 
 OLD_CELLS_AHEAD = 4096
@@ -211,9 +224,10 @@ def _cache_cells(rows: Rows, cache: torch.Tensor) -> tuple[torch.Tensor, torch.T
 class _RowWrites(NamedTuple):
     """The rows' part of every write into caches of one extent (``_write_plan``)."""
 
-    source: torch.Tensor  # [R]: the row whose value each row writes (the first valid one for an invalid row)
+    source: torch.Tensor | None  # [R]: the row whose value each row writes (the first valid one for an invalid row);
+    # None for rows in slot order (each writes its own)
     cells: torch.Tensor  # [layers, R]: each layer's flattened cell of each row
-    keep_new: torch.Tensor  # [R]: False only when no row is valid (every row then rewrites its cell's old value)
+    keep_new: torch.Tensor  # [R]: False where a row rewrites its cell's old value (no row valid; in slot order, invalid)
 
 
 def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple[torch.Tensor, ...]:
@@ -225,12 +239,15 @@ def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple
     if key not in rows.writes:
         layers, num_slots, max_seq_len = key
         num_rows = rows.valid.shape[0]
-        first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
-        source = torch.where(rows.valid, torch.arange(num_rows, device=rows.valid.device), first_valid)  # [R]
-        cell = rows.write_slots[source].clamp(0, num_slots - 1) * max_seq_len + \
-            rows.positions[source].clamp(0, max_seq_len - 1)  # [R]: the cell in one layer
+        if rows.slot_ordered:  # every row its own slot's cell
+            source, slots, positions, keep_new = None, rows.write_slots, rows.positions, rows.valid
+        else:
+            first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
+            source = torch.where(rows.valid, torch.arange(num_rows, device=rows.valid.device), first_valid)  # [R]
+            slots, positions, keep_new = rows.write_slots[source], rows.positions[source], rows.valid[source]
+        cell = slots.clamp(0, num_slots - 1) * max_seq_len + positions.clamp(0, max_seq_len - 1)  # [R]: in one layer
         layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]
-        rows.writes[key] = _RowWrites(source, layer_start.unsqueeze(1) + cell.unsqueeze(0), rows.valid[source])
+        rows.writes[key] = _RowWrites(source, layer_start.unsqueeze(1) + cell.unsqueeze(0), keep_new)
     source, cells, keep_new = rows.writes[key]
     if (key, "layer", layer) not in rows.writes:
         rows.writes[key, "layer", layer] = cells.select(0, layer)
