@@ -80,7 +80,7 @@ def test_export_compile_inductor_packages_are_validated_and_preferred(tmp_path):
                                                              {"inductor": "graphs/prefill.t8.aoti.pt2"}]
     assert validate_core(out).ok
     compiled, portable = load_core(out, trust_compiled=True), load_core(out, prefer_compiled=False)
-    assert not isinstance(compiled.variants["decode.c1"].run, torch.fx.GraphModule)
+    assert not isinstance(compiled.variants["decode.c1"].runner, torch.fx.GraphModule)
     request = Request([3, 4, 5], max_tokens=5, logprobs=4)
     (a,), (b,) = Engine(compiled).generate([request]), Engine(portable).generate([request])
     assert a.token_ids == b.token_ids

@@ -185,3 +185,73 @@ def test_the_tied_lm_head_reads_the_packed_copy_at_every_row_count(decoder_core,
                  and n.args[1].op == "get_attr"
                  and getattr(variant.runner.graph_module, n.args[1].target).shape == core.weights[embedding].shape]
         assert heads, name
+
+def _program(build) -> "StaticProgram":
+    """A one-weight program (``w``, an FP32 [4, 6] weight argument) whose body ``build(graph, w)`` writes."""
+    from torch.utils import _pytree as pytree
+
+    from ignition.validate.program_reader import StaticProgram
+
+    graph = torch.fx.Graph()
+    weight = graph.placeholder("w")
+    graph.output(build(graph, weight))
+    return StaticProgram(root=torch.nn.Module(), graph=graph, argument_names=["w"], user_inputs=["w"],
+                         user_outputs=["out"], bounds={}, out_spec=pytree.tree_flatten(torch.zeros(1))[1])
+
+
+def test_weight_only_nodes_become_constants_computed_once():
+    from ignition.catalog.model import BufferDecl
+    from ignition.runtime.backends.weight_constants import WeightConstants
+
+    aten = torch.ops.aten
+    decl = BufferDecl("w", "float32", [4, 6], Role.WEIGHT)
+    weight = torch.randn(4, 6)
+    constants, programs = WeightConstants(), []
+    for _ in range(2):  # two graphs with the same expression share one constant
+        program = _program(lambda graph, w: graph.call_function(aten.mul.Tensor, (graph.call_function(
+            aten.permute.default, (graph.call_function(aten.view.default, (w, [2, 2, 6])), [2, 0, 1])), 2.0)))
+        assert constants.rewrite(program, {next(iter(program.graph.nodes)): "w"}, {"w": decl}) == 2
+        programs.append(program)
+    constants.finish({"w": weight})
+    for program in programs:
+        targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+        assert targets == ["aten.mul.Tensor"]
+        assert torch.equal(program.module()({"w": weight}), weight.view(2, 2, 6).permute(2, 0, 1) * 2)
+    first, second = (p.graph_module._weight_constant_0 for p in programs)
+    assert first is second and first.data_ptr() == weight.data_ptr()  # a view of the weight, not a copy
+
+
+def test_a_graph_that_writes_a_weight_only_node_is_left_as_it_is():
+    from ignition.catalog.model import BufferDecl
+    from ignition.runtime.backends.weight_constants import WeightConstants
+
+    aten = torch.ops.aten
+    program = _program(lambda graph, w: graph.call_function(
+        aten.add_.Tensor, (graph.call_function(aten.view.default, (w, [24])), 1.0)))
+    constants = WeightConstants()
+    assert constants.rewrite(program, {next(iter(program.graph.nodes)): "w"},
+                             {"w": BufferDecl("w", "float32", [4, 6], Role.WEIGHT)}) == 0
+    assert [str(n.target) for n in program.graph.nodes if n.op == "call_function"] == \
+        ["aten.view.default", "aten.add_.Tensor"]
+
+
+def test_loaded_graphs_compute_nothing_from_weights_alone_and_keep_their_numbers(decoder_core, monkeypatch):
+    from ignition.runtime.backends.weight_constants import FOLDED_TARGETS, WeightConstants
+
+    folded = load_core(decoder_core)
+    weights = {name for v in folded.variants.values() for name, decl in zip(v.buffers, v.arguments)
+               if decl.role is Role.WEIGHT}
+    constants = 0
+    for variant in folded.variants.values():
+        graph = variant.runner.graph_module.graph
+        placeholders = {n for n, name in zip((n for n in graph.nodes if n.op == "placeholder"), variant.buffers)
+                        if name in weights}
+        assert not [n for n in graph.nodes if n.op == "call_function" and n.target in FOLDED_TARGETS
+                    and n.all_input_nodes and set(n.all_input_nodes) <= placeholders], variant.name
+        constants += sum(1 for n in graph.nodes if n.op == "get_attr" and n.target.startswith("_weight_constant_"))
+    assert constants > 0  # qwen3's q/k norm scales, at least
+    monkeypatch.setattr(WeightConstants, "rewrite", lambda *args: 0)
+    plain = load_core(decoder_core)
+    for (ids, logprobs), (plain_ids, plain_logprobs) in zip(_words(Engine(folded).generate(_requests())),
+                                                             _words(Engine(plain).generate(_requests())), strict=True):
+        assert ids == plain_ids and torch.equal(logprobs, plain_logprobs)  # the same operators on the same values

@@ -168,7 +168,7 @@ def test_swapped_so_with_rehash_needs_trust(signed_copy, keys, tmp_path):
     assert validate_core(signed_copy.root).ok
     with pytest.warns(UserWarning, match="not loading the compiled packages of decode.c1"):
         loaded = load_core(signed_copy.root)
-    assert isinstance(loaded.variants["decode.c1"].run, ProgramModule)  # the portable program, not the package
+    assert isinstance(loaded.variants["decode.c1"].runner, ProgramModule)  # the portable program, not the package
     with pytest.warns(UserWarning, match="not loading the compiled packages"):  # the CLI says so too
         result = runner.invoke(app, ["run", str(signed_copy.root), "--prompt-ids", "1,2", "--max-tokens", "2"])
     assert result.exit_code == 0, result.output

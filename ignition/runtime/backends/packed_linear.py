@@ -16,7 +16,8 @@ packed copy a constant of the graph module. Each weight is packed once per load 
 weight that, after every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied
 embedding, which the lookup still reads) is released (``finish``): its pages go back to the OS
 (``host_memory.release_pages``) and the core's dict holds the packed tensor, so the weights stay in memory once.
-``LoadOptions.pack_linears`` makes the choice, at load.
+``LoadOptions.pack_linears`` makes the choice, at load. The same pass folds what a graph computes from weights alone
+(views of them, the q/k norm scales' concatenation) into constants computed once (``weight_constants.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from functools import cache
 import torch
 
 from ignition.catalog.model import BufferDecl, Role
+from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.validate.program_reader import StaticProgram
 
@@ -107,6 +109,7 @@ class LinearPacks:
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
         self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
+        self.constants = WeightConstants()  # the graphs' weight-only nodes, computed once
         self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
     def _packs(self, decl: BufferDecl) -> bool:
@@ -144,9 +147,10 @@ class LinearPacks:
             node.replace_all_uses_with(call)
             graph.erase_node(node)
             rewritten += 1
-        self.raw_readers |= {name for node, name in weight_of.items() if node.users}
+        self.raw_readers |= {name for node, name in weight_of.items() if node.users}  # folded nodes read them raw too
         if attributes:
             self.programs.append((program, attributes))
+        self.constants.rewrite(program, weight_of, decls)
         return rewritten
 
     def start(self, weights: dict[str, torch.Tensor]) -> None:
@@ -171,6 +175,7 @@ class LinearPacks:
         for program, attributes in self.programs:
             for attribute, name in attributes.items():
                 setattr(program.graph_module, attribute, self.packed[name])
+        self.constants.finish(weights)  # from the raw weights they read, before any raw weight is replaced
         released = [name for name in self.packed if name not in self.raw_readers]
         for name in released:
             weights[name] = self.packed[name]
