@@ -90,8 +90,8 @@ def test_rms_norm_is_hfs(width):
 
 
 def test_rms_norm_on_the_forwards_scalars_converts_no_scalar():
-    """With the forward's scalars (0-dim FP32 tensors made once per Rows), an FP32 norm dispatches its seven
-    kernels and no cast of a wrapped Python number (``aten::_to_copy``, four operator calls each on the CPU),
+    """With the forward's scalars (0-dim FP32 tensors made once per Rows), an FP32 norm dispatches its six
+    kernels (the width's division and eps's addition one ``addcdiv``) and no cast of a wrapped Python number (``aten::_to_copy``, four operator calls each on the CPU),
     and a second norm of the same width and epsilon makes no new scalar."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,6 +105,7 @@ def test_rms_norm_on_the_forwards_scalars_converts_no_scalar():
         rms_norm(x, weight, 1e-6, rows)
     calls = {event.key: event.count for event in trace.key_averages()}
     assert "aten::_to_copy" not in calls and "aten::full" not in calls, calls
+    assert calls.get("aten::addcdiv") == 1 and "aten::div" not in calls and "aten::add" not in calls, calls
     assert rows.scalars == made and set(made) == {64, 1e-6}
     with profile(activities=[ProfilerActivity.CPU]) as trace:
         rms_norm(x, weight, 1e-6)
