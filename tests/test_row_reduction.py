@@ -91,7 +91,8 @@ def test_rms_norm_is_hfs(width):
 
 def test_rms_norm_on_the_forwards_scalars_converts_no_scalar():
     """With the forward's scalars (0-dim FP32 tensors made once per Rows), an FP32 norm dispatches its six
-    kernels (the width's division and eps's addition one ``addcdiv``) and no cast of a wrapped Python number (``aten::_to_copy``, four operator calls each on the CPU),
+    kernels (the width's division and eps's addition one ``addcdiv``) and no cast of a wrapped Python number
+    (``aten::_to_copy``, four operator calls each on the CPU),
     and a second norm of the same width and epsilon makes no new scalar."""
     from torch.profiler import ProfilerActivity, profile
 

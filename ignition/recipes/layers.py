@@ -188,12 +188,12 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     One ``index_copy_`` into the cache's cells (its first three dims flattened, a view) writes every row. An
     invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
     rewrites row 0's cell with its old value. Rows in slot order (``Rows.in_slot_order``) each own their cell, so
-    an invalid one rewrites its own cell's old value instead and no row's value is gathered. Duplicate targets thus always carry identical values and the
-    result never depends on write order. Slots and positions are clamped into range. Valid rows must target
-    distinct cells. Which cell each row writes depends on the rows alone: it is planned once per forward
-    (``_write_plan``), each layer's cells once for its caches, and a decode batch reads every layer's old cell
-    values in one gather at the cache's first write (``_cache_cells``); each write then adds its gather of the
-    rows, a ``where`` and the copy.
+    an invalid one rewrites its own cell's old value instead and no row's value is gathered. Duplicate targets thus
+    always carry identical values and the result never depends on write order. Slots and positions are clamped
+    into range. Valid rows must target distinct cells. Which cell each row writes depends on the rows alone: it is
+    planned once per forward (``_write_plan``), each layer's cells once for its caches, and a decode batch reads
+    every layer's old cell values in one gather at the cache's first write (``_cache_cells``); each write then adds
+    its gather of the rows (none in slot order), a ``where`` and the copy.
     """
     source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim())
     flat, old = _cache_cells(rows, cache)
@@ -231,7 +231,7 @@ class _RowWrites(NamedTuple):
     source: torch.Tensor | None  # [R]: the row whose value each row writes (the first valid one for an invalid row);
     # None for rows in slot order (each writes its own)
     cells: torch.Tensor  # [layers, R]: each layer's flattened cell of each row
-    keep_new: torch.Tensor  # [R]: False where a row rewrites its cell's old value (no row valid; in slot order, invalid)
+    keep_new: torch.Tensor  # [R]: False where a row rewrites its cell's old value (none valid; slot order: invalid)
 
 
 def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple[torch.Tensor, ...]:

@@ -111,9 +111,9 @@ class LoadedVariant:
         self.run = self.runner
 
     def wrap(self, name: str, layer: Callable) -> None:
-        """Put ``layer(inner)`` around the current replay (``layers`` records it). The core's launcher binding,
-        CUDA capture, windowing and tensor parallelism compose this way, in that order; nothing else changes
-        ``run``."""
+        """Put ``layer(inner)`` around the current replay (``layers`` records it). Inference mode, the core's
+        launcher binding, CUDA capture, windowing and tensor parallelism compose this way, in that order; nothing else
+        changes ``run``."""
         self.run = layer(self.run)
         self.layers.append(name)
 

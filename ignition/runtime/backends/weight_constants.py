@@ -8,7 +8,7 @@ microseconds between the GEMMs, for the same tensors every time.
 
 ``WeightConstants.rewrite`` finds, before a program's graph module is built, the nodes whose every input is a
 weight argument or such a node and whose operator is a view or a concatenation (``FOLDED_TARGETS``), evaluates them
-on meta tensors of the declared shapes, and replaces each one a later node reads by a constant of the graph module
+on uninitialized stand-ins of the declared shapes, and replaces each one a later node reads by a constant of the graph module
 (``get_attr``). ``finish`` computes those constants from the loaded weights, once per distinct expression across
 every variant: a view stays a view of the weight (no copy), a concatenation is a new tensor of at most
 ``FOLDED_MAX_BYTES``. A program in which any such node feeds an operator that writes its input is left as it is.
@@ -32,6 +32,9 @@ FOLDED_TARGETS = frozenset({
     _aten.flatten.using_ints, _aten.stack.default, _aten.cat.default,
 })
 """Operators folded over weights: views of them, and concatenations (which copy, so they are size-bounded)."""
+COPYING_TARGETS = frozenset({_aten.stack.default, _aten.cat.default})
+"""The folded operators whose result is a new tensor (at most ``FOLDED_MAX_BYTES``); every other one must return a
+view (a ``reshape`` that would copy is left to the replay)."""
 FOLDED_MAX_BYTES = 1 << 22
 """The largest result of a folded operator that copies (a concatenation): the q/k norm scales of a 28-layer Qwen3-0.6B
 are 344 KiB; a folded copy of a whole weight would hold the weights twice."""
@@ -77,6 +80,7 @@ class WeightConstants:
     def __init__(self):
         self.attributes: dict[Apply, str] = {}  # expression -> its graph-module attribute, shared by every graph
         self.programs: list[tuple[StaticProgram, list[tuple[str, Apply]]]] = []  # each rewritten program's constants
+        self.stand_ins: dict[str, torch.Tensor] = {}  # ``_stand_in``, until ``finish``
 
     def rewrite(self, program: StaticProgram, weight_of: dict[Node, str], decls: dict[str, BufferDecl]) -> int:
         """Replace ``program``'s weight-only nodes that other nodes read by constants (``weight_of``: its weight
@@ -84,23 +88,27 @@ class WeightConstants:
         if program.module_built:
             raise ValueError("weight constants rewrite a program's graph before its graph module is built")
         graph = program.graph
-        meta: dict[Node, torch.Tensor] = {node: torch.empty(decls[name].shape, dtype=decls[name].torch_dtype,
-                                                            device="meta") for node, name in weight_of.items()}
+        stand_in: dict[Node, torch.Tensor] = {node: self._stand_in(name, decls[name]) for node, name in weight_of.items()
+                                              if any(user.target in FOLDED_TARGETS for user in node.users)}
         expression: dict[Node, object] = {node: Weight(name) for node, name in weight_of.items()}
         folded: list[Node] = []
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in FOLDED_TARGETS:
                 continue
             inputs = node.all_input_nodes
-            if not inputs or any(source not in meta for source in inputs):
+            if not inputs or any(source not in stand_in for source in inputs):
+                continue
+            if node.target in COPYING_TARGETS and sum(stand_in[source].numel() * stand_in[source].element_size()
+                                                      for source in inputs) > FOLDED_MAX_BYTES:
                 continue
             try:
-                value = node.target(*map_arg(node.args, meta.__getitem__), **map_arg(node.kwargs, meta.__getitem__))
-            except (RuntimeError, TypeError, ValueError):  # not evaluable on meta tensors: left to the replay
+                value = node.target(*map_arg(node.args, stand_in.__getitem__),
+                                    **map_arg(node.kwargs, stand_in.__getitem__))
+            except (RuntimeError, TypeError, ValueError):  # not evaluable here: left to the replay
                 continue
-            if value._base is None and value.numel() * value.element_size() > FOLDED_MAX_BYTES:
+            if value._base is None and node.target not in COPYING_TARGETS:  # a view operator that copied (reshape)
                 continue
-            meta[node] = value
+            stand_in[node] = value
             expression[node] = Apply(node.target, _frozen(map_arg(node.args, expression.__getitem__)),
                                      tuple(sorted(_frozen(map_arg(node.kwargs, expression.__getitem__)).items())))
             folded.append(node)
@@ -124,10 +132,19 @@ class WeightConstants:
         self.programs.append((program, constants))
         return len(folded)
 
+    def _stand_in(self, name: str, decl: BufferDecl) -> torch.Tensor:
+        """An uninitialized tensor of weight ``name``'s declared shape and dtype, shared by every graph's rewrite: the
+        rewrite runs the folded operators on it to learn their results' shapes and whether they are views (CPU
+        operators cost microseconds where meta tensors cost milliseconds; its pages are never touched)."""
+        if name not in self.stand_ins:
+            self.stand_ins[name] = torch.empty(decl.shape, dtype=decl.torch_dtype)
+        return self.stand_ins[name]
+
     def finish(self, weights: dict[str, torch.Tensor]) -> None:
         """Compute every constant from the loaded ``weights`` (each distinct expression once, shared by every graph
         that reads it) and give each rewritten graph module its constants. ``weights`` must still hold the tensors
         the graphs read raw (LinearPacks releases only weights no graph reads raw, and these graphs read them)."""
+        self.stand_ins.clear()
         cache: dict = {}
         for program, constants in self.programs:
             for attribute, value in constants:
@@ -146,4 +163,4 @@ def _may_write(user: Node) -> bool:
                                             for a in schema.arguments)
 
 
-__all__ = ["Apply", "FOLDED_MAX_BYTES", "FOLDED_TARGETS", "Weight", "WeightConstants"]
+__all__ = ["Apply", "COPYING_TARGETS", "FOLDED_MAX_BYTES", "FOLDED_TARGETS", "Weight", "WeightConstants"]
