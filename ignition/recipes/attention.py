@@ -22,9 +22,13 @@ and ``scaled_dot_product_attention`` reads it in place.
   index and attend over the read slots' windows at once, in place: no copy at all, and one attention call a
   layer instead of one a lane (at Qwen3-0.6B's width, 8 lanes over 8 slots' 64-position windows: 12 ms a
   28-layer step against 25 ms lane by lane); slots outside the submission get a stand-in lane's queries and
-  their rows are dropped. BF16/FP16 lanes always copy their own slots' windows once, together (``[lanes,
-  kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would copy a
-  strided view anyway, one head at a time.
+  their rows are dropped. When the read slots number exactly the lanes (``AttentionPlan.slot_order``), the decoder
+  runs the whole forward in slot order instead: its rows rearranged once before the embedding and once after the
+  final norm (``recipes/transformer.py`` ``gqa_decoder``), so no layer places queries, picks outputs or gathers
+  the rows it writes (GEMM rows are independent of their position, so every lane's bits are the lane-ordered
+  forward's; ``tests/test_transformer.py``). BF16/FP16 lanes always copy their own slots' windows once, together
+  (``[lanes, kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would
+  copy a strided view anyway, one head at a time.
 - **Transformers' softmax order for short forwards (BF16/FP16).** ATen's CPU softmax sums a row shorter than its
   vector (``SHORT_ROW`` FP32 lanes) one element after another, and a longer row lane by lane. Transformers' eager
   attention softmaxes rows as long as its forward's keys (a decode step's context, a prompt's length), while ours
