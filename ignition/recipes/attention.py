@@ -85,11 +85,11 @@ class AttentionPlan:
             return None
         return self.placement
 
-    def in_slot_order(self) -> AttentionPlan:
-        """This plan for the rows rearranged by ``slot_order`` (``Rows.in_slot_order``): row r's queries already sit
-        at slot r's batch index, so no layer places or picks rows. The mask was built in that order already."""
-        return replace(self, placement=None, slots=torch.arange(self.read, device=self.slots.device),
-                       views={}, slot_ordered=True)
+    def in_slot_order(self, slots: torch.Tensor) -> AttentionPlan:
+        """This plan for the rows rearranged by ``slot_order`` (``Rows.in_slot_order``, whose ``read_slots`` are
+        ``slots``, 0 to read - 1): row r's queries already sit at slot r's batch index, so no layer places or picks
+        rows. The mask was built in that order already."""
+        return replace(self, placement=None, slots=slots, views={}, slot_ordered=True)
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:

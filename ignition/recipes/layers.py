@@ -242,12 +242,12 @@ def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple
     key = tuple(extents)
     if key not in rows.writes:
         layers, num_slots, max_seq_len = key
-        num_rows = rows.valid.shape[0]
         if rows.slot_ordered:  # every row its own slot's cell
             source, slots, positions, keep_new = None, rows.write_slots, rows.positions, rows.valid
         else:
             first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
-            source = torch.where(rows.valid, torch.arange(num_rows, device=rows.valid.device), first_valid)  # [R]
+            row = torch.arange(rows.valid.shape[0], device=rows.valid.device)
+            source = torch.where(rows.valid, row, first_valid)  # [R]
             slots, positions, keep_new = rows.write_slots[source], rows.positions[source], rows.valid[source]
         cell = slots.clamp(0, num_slots - 1) * max_seq_len + positions.clamp(0, max_seq_len - 1)  # [R]: in one layer
         layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]

@@ -108,7 +108,8 @@ def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids
     lane_slots = None
     if order is not None:  # decode lanes attending in place: the whole forward in slot order, rearranged once
         lane_slots = plan.slots  # [R]: each lane's slot, where its row ends up
-        rows, plan, input_ids = rows.in_slot_order(order), plan.in_slot_order(), input_ids.index_select(0, order)
+        rows, input_ids = rows.in_slot_order(order), input_ids.index_select(0, order)
+        plan = plan.in_slot_order(rows.read_slots)
     signed = functools.cache(signed_sin)  # once per forward: every layer passes the same table
     qk_scales = qk_norm_scales(weights, cfg) if cfg.qk_norm else None
     hidden = decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
