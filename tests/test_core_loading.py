@@ -48,13 +48,13 @@ def test_load_core_opens_weights_and_each_graph_once(toy_core):
 
 def test_weights_swapped_after_their_check_are_not_the_ones_loaded(core_copy, monkeypatch):
     original = load_file(str(core_copy.root / "weights.safetensors"))
-    deserialize = core_module.view_tensors
+    check = core_module.check_loaded_weights
 
-    def swap_then_load(data: bytearray):
+    def swap_then_check(*args):  # after the read and its hash, before anything uses the weights
         save_file({name: torch.zeros_like(t) for name, t in original.items()}, str(core_copy.root / "weights.safetensors"))
-        return deserialize(data)
+        return check(*args)
 
-    monkeypatch.setattr(core_module, "view_tensors", swap_then_load)
+    monkeypatch.setattr(core_module, "check_loaded_weights", swap_then_check)
     loaded = load_core(core_copy.root)
     assert not torch.equal(load_file(str(core_copy.root / "weights.safetensors"))["lm_head.weight"],
                            original["lm_head.weight"])  # the swap happened

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import mmap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -255,3 +256,112 @@ def test_loaded_graphs_compute_nothing_from_weights_alone_and_keep_their_numbers
     for (ids, logprobs), (plain_ids, plain_logprobs) in zip(_words(Engine(folded).generate(_requests())),
                                                              _words(Engine(plain).generate(_requests())), strict=True):
         assert ids == plain_ids and torch.equal(logprobs, plain_logprobs)  # the same operators on the same values
+
+
+def _linear_program(raw_read: bool, packed: bool = True) -> "StaticProgram":
+    """A program over ``x`` [2, 6] and the weight ``w`` [4, 6]: ``linear(x, w)`` when ``packed``, plus ``w``'s sum
+    (the weight read raw) when ``raw_read``."""
+    from torch.utils import _pytree as pytree
+
+    from ignition.validate.program_reader import StaticProgram
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    out = graph.call_function(aten.linear.default, (x, w)) if packed else graph.call_function(aten.mul.Tensor, (x, 1.0))
+    if raw_read:
+        out = graph.call_function(aten.add.Tensor, (out, graph.call_function(aten.sum.default, (w,))))
+    graph.output((out,))
+    return StaticProgram(root=torch.nn.Module(), graph=graph, argument_names=["x", "w"], user_inputs=["x", "w"],
+                         user_outputs=["out"], bounds={}, out_spec=pytree.tree_flatten((torch.zeros(1),))[1])
+
+
+def _decls():
+    from ignition.catalog.model import BufferDecl
+
+    return [BufferDecl("x", "float32", [2, 6], Role.INPUT), BufferDecl("w", "float32", [4, 6], Role.WEIGHT)]
+
+
+def _entry():
+    from ignition.runtime.weights import TensorEntry
+
+    return TensorEntry("w", torch.float32, (4, 6), 0, 96)
+
+
+@pytest.mark.parametrize("later_raw", [False, True], ids=["packed only", "a later graph reads it raw"])
+def test_a_weight_the_first_graph_reads_only_packed_streams_and_a_later_raw_read_gets_its_exact_bytes(later_raw):
+    packs = packed_linear.LinearPacks(min_elements=0)
+    first, second = _linear_program(raw_read=False), _linear_program(raw_read=later_raw)
+    packs.rewrite(first, _decls())
+    weight, x = torch.randn(4, 6), torch.randn(2, 6)
+    assert packs.streams(_entry())
+    scratch = weight.clone()
+    packs.pack(_entry(), scratch).result()
+    scratch.fill_(float("nan"))  # the reader reuses its scratch once the pack is done
+    packs.rewrite(second, _decls())
+    weights = packs.streamed_weights()
+    assert weights["w"].is_mkldnn
+    packs.start(weights)
+    assert weights["w"].is_mkldnn is not later_raw
+    if later_raw:  # the reorder undone, bit for bit
+        assert torch.equal(weights["w"], weight) and weights["w"].is_contiguous()
+    packs.finish(weights, [])
+    for program in (first, second):
+        expected = torch.nn.functional.linear(x, weight) + (weight.sum() if program is second and later_raw else 0)
+        torch.testing.assert_close(program.module()({"x": x, "w": weights["w"]})[0], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_the_first_graph_reads_raw_is_read_raw_and_packed_from_there():
+    packs = packed_linear.LinearPacks(min_elements=0)
+    packs.rewrite(_linear_program(raw_read=True), _decls())  # the tied embedding's case: packed and looked up
+    assert not packs.streams(_entry())
+    weight = torch.randn(4, 6)
+    packs.read(_entry(), weight)
+    assert "w" in packs.reorders and not packs.streamed  # packed from its own memory at once
+    packs.start({"w": weight})
+    packs.finish(weights := {"w": weight}, [])
+    assert weights["w"] is weight  # a graph reads it raw: it stays
+
+
+def test_a_weight_only_a_later_graph_multiplies_by_is_packed_from_its_raw_copy_after_the_graphs():
+    packs = packed_linear.LinearPacks(min_elements=0)
+    packs.rewrite(_linear_program(raw_read=False, packed=False), _decls())  # the first graph does not read w
+    assert not packs.streams(_entry())
+    weight = torch.randn(4, 6)
+    packs.read(_entry(), weight)
+    assert not packs.reorders
+    packs.rewrite(second := _linear_program(raw_read=False), _decls())
+    weights = {"w": weight.clone()}
+    packs.start(weights)
+    assert packs.finish(weights, []) == ["w"] and weights["w"].is_mkldnn
+    x = torch.randn(2, 6)
+    torch.testing.assert_close(second.module()({"x": x, "w": weights["w"]})[0], torch.nn.functional.linear(x, weight),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_the_reader_does_not_wait_when_no_graph_says_what_to_pack():
+    """``decline`` (a backend that packs nothing, or a graph that failed to load) lets a waiting reader go on raw."""
+    packs = packed_linear.LinearPacks(min_elements=0)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(packs.streams, _entry())
+        packs.decline()
+        assert waiting.result(timeout=10) is False
+    packs.rewrite(_linear_program(raw_read=False), _decls())  # a graph after the decline changes nothing read
+    assert not packs.streams(_entry())
+
+
+def test_streamed_loads_keep_no_raw_copy_of_a_projection(decoder_core, pack_tiny, monkeypatch):
+    """A loaded core's projections were packed from scratch as the file was read: no raw copy of them exists, and
+    the tied embedding, which the lookup reads, was read raw."""
+    if not packed_linear.packs_dtype(getattr(torch, _dtype(load_core(decoder_core, pack_linears=False)))):
+        pytest.skip("this machine's packed BF16 product rounds otherwise than aten.linear: BF16 weights not packed")
+    seen = []
+    real_init = packed_linear.LinearPacks.__init__
+    monkeypatch.setattr(packed_linear.LinearPacks, "__init__",
+                        lambda self, *a, **k: (real_init(self, *a, **k), seen.append(self))[0])
+    core = load_core(decoder_core)
+    (packs,) = seen
+    released = {name for name, tensor in core.weights.items() if tensor.is_mkldnn}
+    assert released and packs.streamed == released
+    embedding = next(name for name in core.weights if "embed" in name)
+    assert embedding in packs.reorders and embedding not in packs.streamed

@@ -16,10 +16,12 @@ core at rest, with every finding; loading stops at the first graph that fails.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,12 +43,20 @@ from ignition.runtime.launcher import LauncherError, PreparedReduction, load_lau
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
-                                       read_verified, tokenizer_file, weights_offsets)
-from ignition.runtime.weights import WeightsFormatError, view_tensors
+                                       read_verified_weights, tokenizer_file, weights_offsets)
 from ignition.validate.core import validate_core
 from ignition.validate.files import safe_path
 
 Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
+
+LOAD_SWITCH_INTERVAL = 0.0005
+"""Seconds a thread holds the GIL before one that waits for it takes its turn, while the weights are read beside the
+graphs (``_short_switch_interval``).
+
+NOTE: the graphs are read by Python code that holds the GIL, while the weights' reader, its hash and the packs make
+several hundred calls that release it (a read, a torch op, a sha256 update) and each must take it back. At Python's
+default 5 ms a turn, a reader that reads and packs weight by weight took 9-10.6 s to read the Qwen3-0.6B-shaped core's
+weights beside a thread that only counted, and 2.5-4.8 s alone (an ad-hoc script, three alternated runs each)."""
 
 
 class NotACoreError(CoreLoadError):
@@ -80,6 +90,17 @@ def _model_type(config: Path) -> str | None:
     except (OSError, ValueError, RecursionError, AttributeError):
         return None
     return value if isinstance(value, str) else None
+
+
+@contextmanager
+def _short_switch_interval():
+    """The interpreter's thread switch interval at most ``LOAD_SWITCH_INTERVAL`` inside, as it was after."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, LOAD_SWITCH_INTERVAL))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 def without_autograd(inner: Callable) -> Callable:
@@ -252,17 +273,16 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
         raise CoreLoadError(f"{root}: {exc}") from None
 
 
-def _read_weights(root: Path, manifest: dict, catalog: dict, weights_file: str,
-                  device: torch.device) -> tuple[dict[str, torch.Tensor], object]:
-    """(the weights on ``device``, the verified bytes their CPU views read): ``weights_file`` read once and hashed
-    (``read_verified``), viewed without a copy and checked against the catalog's declarations again."""
-    weights_data = read_verified(root, weights_file, manifest, aligned=True)
-    try:  # views of the verified bytes: on CPU the weights are read once and never copied
-        weights = view_tensors(weights_data)
-    except WeightsFormatError as exc:
-        raise CoreLoadError(f"{root}: {weights_file}: {exc}") from None
+def _read_weights(root: Path, manifest: dict, catalog: dict, weights_file: str, device: torch.device,
+                  packs: LinearPacks | None = None) -> tuple[dict[str, torch.Tensor], bytes]:
+    """(the weights on ``device``, the file's length and header bytes): ``weights_file`` read once and hashed
+    (``read_verified_weights``), each tensor read into its own memory or, one that ``packs`` streams, packed from
+    scratch; then checked against the catalog's declarations again."""
+    weights, header = read_verified_weights(root, weights_file, manifest, packs)
+    if packs is not None:
+        weights |= packs.streamed_weights()
     check_loaded_weights(root, manifest, catalog, weights, weights_file)
-    return {name: t.to(device) for name, t in weights.items()}, weights_data
+    return {name: t.to(device) for name, t in weights.items()}, header
 
 
 def read_manifest(path: str | Path) -> dict | None:
@@ -384,21 +404,27 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     weights_file = _rank_weights(root, spec, options)
     entries = catalog["variants"]
     declared = {entry["name"]: [BufferDecl.from_json(a) for a in entry["arguments"]] for entry in entries}
-    packs = LinearPacks() if options.pack_linears else None
+    packs = LinearPacks() if options.pack_linears and backend_family(options.runtime) is Pt2Backend else None
     # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
-    with ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
+    with _short_switch_interval(), ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
         stages.start("weights", weights_file)  # the read starts: after the check, as before any overlap
-        reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device)
-        backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
-        for index, entry in enumerate(entries, 1):
-            stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
-            backend.prepare(entry, declared[entry["name"]])
+        reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device, packs)
+        try:
+            backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
+            if packs is not None and backend.name != Pt2Backend.name:  # AOTInductor packages run their own kernels
+                packs.decline()
+                packs = None
+            for index, entry in enumerate(entries, 1):
+                stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
+                backend.prepare(entry, declared[entry["name"]])
+        finally:  # the reader may wait for the first graph to say which weights it packs from scratch
+            if packs is not None:
+                packs.decline()
         stages.start("weights", weights_file, announce=False)  # the wait for the read that is left
-        weights, weights_data = reading.result()
-    if packs is not None:  # on a worker thread, while the variants are bound and their code generated
+        weights, _ = reading.result()
+    if packs is not None:  # on the worker threads, while the variants are bound and their code generated
         packs.start(weights)
-    del weights_data  # the CPU views keep the buffer; a device copy lets it go
     reduction = _device_reduction(root, report, device) if options.cuda and backend.needs_reduction else None
     state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
     variants = {}

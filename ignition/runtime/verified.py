@@ -9,18 +9,19 @@ import os
 import shutil
 import struct
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from ignition.runtime.weights import StreamSink, WeightsFormatError, read_tensors
 from ignition.validate.files import safe_path
 from ignition.validate.report import Violation
 
 
 READ_CHUNK = 64 << 20
-"""Bytes read between two hash updates of a large core file (``_read_hashing``)."""
+"""Bytes read between two hash updates of a large core file (``read_verified``)."""
 
 
 class CoreLoadError(Exception):
@@ -32,56 +33,103 @@ class LoadOptionError(CoreLoadError):
     error, whatever the core holds."""
 
 
-def read_verified(root: Path, rel: str, manifest: dict, aligned: bool = False) -> bytearray | memoryview:
+def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
     """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
-    what the caller loads from them is what was verified (no second read a swapped file could answer).
-    Writable memory, so tensors can be views of it (``runtime/weights.py``) instead of a second copy.
-    ``aligned``: a memoryview whose first byte is 64-byte aligned (torch's CPU allocator), so a tensor the
-    exporter placed at an aligned offset (``exporter/weights_file.py``) is an aligned tensor."""
+    what the caller loads from them is what was verified (no second read a swapped file could answer)."""
+    with _opened(root, rel) as (file, size):
+        data = bytearray(size)
+        reader = HashingReader(file, size)
+        try:
+            for offset in range(0, size, READ_CHUNK):
+                reader.read_into(memoryview(data)[offset:offset + READ_CHUNK])
+            found = reader.hexdigest()
+        finally:
+            reader.close()
+    _compare(root, rel, manifest, found)
+    return data
+
+
+def read_verified_weights(root: Path, rel: str, manifest: dict, sink: StreamSink | None = None
+                          ) -> tuple[dict[str, torch.Tensor], bytes]:
+    """``runtime/weights.read_tensors`` of the core's weights file ``rel``, read once: (its tensors, its length and
+    header bytes), returned after the sha256 of every byte read matched the manifest's record (the tensors ``sink``
+    streamed were packed from those bytes). A file whose header cannot be read is hashed to its end, so that a
+    changed file is named as one (FILE-HASH) rather than by what its header lacks."""
+    with _opened(root, rel) as (file, size):
+        reader = HashingReader(file, size)
+        try:
+            try:
+                tensors, header = read_tensors(reader, size, sink)
+            except WeightsFormatError as exc:
+                reader.drain()
+                _compare(root, rel, manifest, reader.hexdigest())
+                raise CoreLoadError(f"{root}: {rel}: {exc}") from None
+            found = reader.hexdigest()
+        finally:
+            reader.close()
+    _compare(root, rel, manifest, found)
+    return tensors, header
+
+
+@contextmanager
+def _opened(root: Path, rel: str):
+    """(the open file, its size); an OSError while it is read becomes a CoreLoadError naming the file."""
     path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
     if path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
     try:
         with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            # the aligned buffer's pages are faulted in by torch's threads first (``zero_``): the read's one thread
-            # faulted them at 0.2-1 GB/s on this project's VM, two threads at 1.1-1.3 GB/s, and then the read of a
-            # cached 2.4 GB file takes 0.5 s (fresh loads of the Qwen3-0.6B-shaped FP32 core: 6.2 s against 6.8 s,
-            # the means of four alternated runs)
-            data = memoryview(torch.empty(size, dtype=torch.uint8).zero_().numpy()) if aligned else bytearray(size)
-            found = _read_hashing(file, memoryview(data))
-            if found is None or file.read(1):
-                raise OSError(f"{rel} changed size while it was read")
+            yield file, os.fstat(file.fileno()).st_size
     except OSError as exc:
         raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
+
+
+def _compare(root: Path, rel: str, manifest: dict, found: str) -> None:
     expected = manifest["files"].get(rel)
     if found != expected:
         raise CoreLoadError(f"{root} is not a valid core:\n  "
                             f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
-    return data
 
 
-def _read_hashing(file, data: memoryview, chunk: int = READ_CHUNK) -> str | None:
-    """Fill ``data`` from ``file`` and return its sha256 (None when the file ends early). Chunk by chunk, each
-    chunk hashed on a worker thread while the next is read (both release the GIL), in order."""
-    digest = hashlib.sha256()
-    if len(data) <= chunk:
-        if file.readinto(data) != len(data):
-            return None
-        digest.update(data)
-        return digest.hexdigest()
-    with ThreadPoolExecutor(1, thread_name_prefix="ignition-hash") as pool:
-        pending, offset = None, 0
-        while offset < len(data):
-            count = file.readinto(data[offset:offset + chunk])
-            if pending is not None:
-                pending.result()
-            if not count:
-                return None
-            pending = pool.submit(digest.update, data[offset:offset + count])
-            offset += count
-        pending.result()
-    return digest.hexdigest()
+class HashingReader:
+    """A file read front to back into the buffers the caller names, every byte hashed (sha256) in order on a worker
+    thread while the next read runs (file reads and sha256 release the GIL)."""
+
+    def __init__(self, file, size: int):
+        self.file, self.size, self.offset = file, size, 0
+        self._digest = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="ignition-hash")
+
+    def read_into(self, view: memoryview) -> Future:
+        """Fill ``view`` with the next bytes (OSError when the file ends first); the future is done once they are
+        hashed, after which the caller may reuse ``view``."""
+        count = 0
+        while count < len(view):
+            read = self.file.readinto(view[count:])
+            if not read:
+                raise OSError(f"the file ends at byte {self.offset + count}, before the {self.size} it had "
+                              "when it was opened")
+            count += read
+        self.offset += count
+        return self._hasher.submit(self._digest.update, view)
+
+    def drain(self) -> None:
+        """Read and hash the rest of the file."""
+        remaining = self.size - self.offset
+        while remaining > 0:
+            self.read_into(memoryview(bytearray(min(remaining, READ_CHUNK)))).result()
+            remaining = self.size - self.offset
+
+    def hexdigest(self) -> str:
+        """The sha256 of the whole file, once every read is hashed; OSError when it was not read to its end or
+        has grown meanwhile."""
+        self._hasher.submit(lambda: None).result()
+        if self.offset != self.size or self.file.read(1):
+            raise OSError("the file changed size while it was read")
+        return self._digest.hexdigest()
+
+    def close(self) -> None:
+        self._hasher.shutdown()
 
 
 def tokenizer_file(manifest: dict) -> str | None:
@@ -126,7 +174,8 @@ def check_loaded_weights(root: Path, manifest: dict, catalog: dict, weights: dic
 
 
 def weights_offsets(data: bytes) -> dict[str, tuple[int, int]]:
-    """Each tensor's (offset, length) in the verified weights bytes: what ONNX-WEIGHTS compares against."""
+    """Each tensor's (offset, length) in the verified weights file, from its first bytes (``data``: the length and
+    the header, ``read_verified_weights``): what ONNX-WEIGHTS compares against."""
     from ignition.catalog.onnx_layout import offsets_of_header
 
     (header_bytes,) = struct.unpack("<Q", data[:8])

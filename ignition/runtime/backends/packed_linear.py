@@ -14,14 +14,17 @@ keeps transformers' rounding either way.
 packed dtype with at least ``PACK_MIN_ELEMENTS`` elements into ``mkldnn._linear_pointwise(x, packed(w), b)``, the
 packed copy a constant of the graph module. Each weight is packed once per load and shared by every variant. A
 weight that, after every variant is rewritten, no graph reads in its raw form (every layer projection; not a tied
-embedding, which the lookup still reads) is released (``finish``): its pages go back to the OS
-(``host_memory.release_pages``) and the core's dict holds the packed tensor, so the weights stay in memory once.
+embedding, which the lookup still reads) has no raw copy after the load: the core's dict holds the packed tensor, so
+the weights stay in memory once. The weights the first graph reads only packed are packed as the weights file is read,
+from a reused scratch buffer (``runtime/weights.py``: their raw bytes never get memory of their own); any other
+packed weight is packed from its raw copy once every graph is read, and that copy released (``finish``).
 ``LoadOptions.pack_linears`` makes the choice, at load. The same pass folds what a graph computes from weights alone
 (views of them, the q/k norm scales' concatenation) into constants computed once (``weight_constants.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 
@@ -30,6 +33,7 @@ import torch
 from ignition.catalog.model import BufferDecl, Role
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
+from ignition.runtime.weights import TensorEntry
 from ignition.validate.program_reader import StaticProgram
 
 PACK_ROWS_HINT = 8
@@ -46,6 +50,9 @@ transformers' BF16 rounding, and a product rounded differently flips greedy toke
 PACK_WORKERS = 2
 """Threads that pack at once (the reorders release the GIL; most of their time is faulting in the packed copies' fresh
 pages, which two threads do side by side)."""
+STREAM_MAX_BYTES = 256 << 20
+"""A weight this large or smaller may be packed from scratch as the file is read (``LinearPacks.streams``); a larger
+one is read into memory of its own, packed from there and released (the scratch buffers are this large at most)."""
 PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
 _LINEAR = torch.ops.aten.linear.default
@@ -95,21 +102,29 @@ class LinearPacks:
     """The packed copy of every weight the load's graphs use as a linear weight, shared across variants.
 
     NOTE: packing the 28-layer Qwen3-0.6B-shaped core's weights takes 1-2 s of CPU. ``rewrite`` runs on each graph
-    as it is read, before the weights are in memory (the catalog declares each argument's dtype and shape), so that
-    by the time they are, every packed weight is known and whether some graph still reads it raw. ``start`` then
-    packs them on a worker thread (the reorder releases the GIL) while the loader binds the variants and generates
-    their code, releasing each raw copy no graph reads as soon as its pack exists (the weights are never held twice
-    at once), and ``finish`` puts the packed tensors in the graphs' empty stand-ins."""
+    as it is read, while the weights file is read on another thread (the catalog declares each argument's dtype and
+    shape). The first rewritten graph says which weights it multiplies by and which it also reads raw; as the file's
+    reader (``runtime/weights.read_tensors``) reaches each weight of a packed dtype and shape, it waits for that first
+    graph if it has to: a weight it reads only packed is read into scratch and packed from there (``streams``, ``pack``:
+    its raw bytes never get memory of their own); one it also reads raw (the tied embedding), or too large for
+    scratch, is read into its own memory and packed from it at once (``read``). Once every graph is read, ``start`` packs from its raw copy any weight that only a later
+    graph multiplies by, and gives back the exact raw tensor (oneDNN's reorder undone: ``to_dense``) of a streamed
+    weight that a later graph also reads raw; ``finish`` puts the packed tensors in the graphs' empty stand-ins and
+    drops the raw copies no graph reads."""
 
     def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
         self.rows_hint = rows_hint
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
         self.attributes: dict[str, str] = {}  # weight name -> the graph attribute of its packed copy
-        self.pending: dict[str, Future] = {}  # weight name -> its reorder (``start``)
+        self.reorders: dict[str, Future] = {}  # weight name -> its reorder (as the file is read, or ``start``)
+        self.streamed: set[str] = set()  # weights packed from scratch: no raw copy was kept
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
         self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
         self.constants = WeightConstants()  # the graphs' weight-only nodes, computed once
+        self._first: tuple[frozenset[str], frozenset[str]] = frozenset(), frozenset()  # the first graph's (packed, raw)
+        self._planned = threading.Event()  # set by the first ``rewrite`` or by ``decline``
+        self._started = False
         self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
     def _packs(self, decl: BufferDecl) -> bool:
@@ -121,7 +136,7 @@ class LinearPacks:
         many. Records which weights it still reads unpacked."""
         if program.module_built:
             raise ValueError("packed linears rewrite a program's graph before its graph module is built")
-        if self.pending:
+        if self._started:
             raise ValueError("packed linears rewrite every graph before the packing starts")
         decls = {a.name: a for a in arguments if a.role is Role.WEIGHT}
         graph, root, names = program.graph, program.root, program.argument_names
@@ -147,17 +162,67 @@ class LinearPacks:
             node.replace_all_uses_with(call)
             graph.erase_node(node)
             rewritten += 1
-        self.raw_readers |= {name for node, name in weight_of.items() if node.users}  # folded nodes read them raw too
+        raw_here = {name for node, name in weight_of.items() if node.users}  # folded nodes read them raw too
+        self.raw_readers |= raw_here
+        if not self._planned.is_set():  # the first graph: what the weights' reader packs as it reads (``streams``, ``read``)
+            self._first = frozenset(attributes.values()), frozenset(raw_here)
+            self._planned.set()
         if attributes:
             self.programs.append((program, attributes))
         self.constants.rewrite(program, weight_of, decls)
         return rewritten
 
+    def decline(self) -> None:
+        """No graph will say which weights to pack (the backend packs nothing, or the graphs stopped): a weight the
+        reader waits for, and every later one, is read raw. Nothing once the first graph has said it."""
+        self._planned.set()
+
+    def _first_packs(self, entry: TensorEntry) -> tuple[bool, bool] | None:
+        """(whether the first graph packs ``entry``, whether it reads it raw) once it is rewritten; None, without
+        waiting, for a weight of a dtype or shape that is never packed."""
+        decl = BufferDecl(entry.name, str(entry.dtype).removeprefix("torch."), list(entry.shape), Role.WEIGHT)
+        if not self._packs(decl):
+            return None
+        self._planned.wait()
+        packed, raw = self._first
+        return entry.name in packed, entry.name in raw
+
+    def streams(self, entry: TensorEntry) -> bool:
+        """Whether the weights' reader packs ``entry`` from scratch: at most ``STREAM_MAX_BYTES``, and the first graph
+        reads it only packed (waits for that graph)."""
+        if entry.nbytes > STREAM_MAX_BYTES:
+            return False
+        return self._first_packs(entry) == (True, False)
+
+    def pack(self, entry: TensorEntry, tensor: torch.Tensor) -> Future:
+        """Pack ``tensor``, scratch read until the future is done, on the worker threads."""
+        self.streamed.add(entry.name)
+        future = self.reorders[entry.name] = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, tensor,
+                                                                 self.rows_hint)
+        return future
+
+    def read(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
+        """A weight read into memory of its own: packed from there at once if the first graph packs it."""
+        first = self._first_packs(entry)
+        if first is not None and first[0]:
+            self.reorders[entry.name] = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, tensor,
+                                                            self.rows_hint)
+
+    def streamed_weights(self) -> dict[str, torch.Tensor]:
+        """The packed tensor of every streamed weight, once each is packed: what the core's weights dict holds."""
+        return {name: self.reorders[name].result() for name in self.streamed}
+
     def start(self, weights: dict[str, torch.Tensor]) -> None:
-        """Pack every rewritten graph's weights on the worker thread, each raw copy that no graph reads released
-        as soon as its pack exists."""
+        """After every graph is rewritten: a streamed weight that a graph read after the first reads raw gets its
+        exact raw tensor back in ``weights`` (the reorder undone); each weight some graph multiplies by and the reader
+        did not pack is packed on the worker threads, its raw copy released as soon as its pack exists if no graph
+        reads it."""
+        self._started = True
+        for name in self.streamed & self.raw_readers:
+            weights[name] = self.reorders[name].result().to_dense()
         for name in self.attributes:
-            self.pending[name] = self._worker.submit(self._pack, weights[name], name not in self.raw_readers)
+            if name not in self.reorders:
+                self.reorders[name] = self._worker.submit(self._pack, weights[name], name not in self.raw_readers)
 
     def _pack(self, weight: torch.Tensor, release: bool) -> torch.Tensor:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
@@ -168,9 +233,9 @@ class LinearPacks:
     def finish(self, weights: dict[str, torch.Tensor], variants) -> list[str]:
         """After ``start`` and every variant bound: wait for the packs and give each graph module its packed weights
         (the CPU backend generated each graph's code as it prepared it, while the weights were read); then each
-        packed weight no graph reads raw (its raw pages already released) is replaced, in ``weights`` and in every
-        variant's buffers, by its packed tensor (an unused placeholder's argument). Returns the released names."""
-        self.packed = {name: reorder.result() for name, reorder in self.pending.items()}
+        packed weight no graph reads raw is replaced, in ``weights`` and in every variant's buffers, by its packed
+        tensor (an unused placeholder's argument), and its raw copy, if it had one, dropped. Returns their names."""
+        self.packed = {name: self.reorders[name].result() for name in self.attributes}
         self._worker.shutdown()
         for program, attributes in self.programs:
             for attribute, name in attributes.items():
@@ -186,4 +251,4 @@ class LinearPacks:
 
 
 __all__ = ["BIT_EXACT_DTYPES", "LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET",
-           "keeps_bits", "packing_available", "packs_dtype"]
+           "STREAM_MAX_BYTES", "keeps_bits", "packing_available", "packs_dtype"]
