@@ -149,3 +149,19 @@ def test_tensor_parallel_with_onnxruntime_is_refused_once_by_every_path(toy_core
                                       "--tensor-parallel", "2"])
     assert result.exit_code == 2, result.output
     assert f"error: {REFUSAL}" in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_load_pauses_the_collector_and_shortens_the_switch_interval_and_restores_both(toy_core, collecting):
+    import gc
+
+    seen = []
+    was_enabled, interval = gc.isenabled(), sys.getswitchinterval()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        load_core(toy_core, progress=lambda stage, item: seen.append((stage, gc.isenabled(), sys.getswitchinterval())))
+        assert gc.isenabled() is collecting and sys.getswitchinterval() == interval
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    assert seen and not any(enabled for _, enabled, _ in seen)
+    assert all(s <= core_module.LOAD_SWITCH_INTERVAL for stage, _, s in seen if stage == "graphs")
