@@ -6,8 +6,9 @@ embeddings), exports it with ``ignition export-core`` and prints, in one run aga
 the same checkpoint, prompts and threads:
 
 - export seconds (``export-core`` in its own process), ``load_core`` seconds (here, the first load after the
-  export, and in a fresh process), and the peak RSS of a fresh process
-  that only loads the core;
+  export, and in ``FRESH_LOADS`` fresh processes one after another), each with the memory it faulted in and the
+  host's rate of faulting in fresh memory right after it (``fault_seconds_per_gib``), and the peak RSS of a fresh
+  process that only loads the core;
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
   minus the time of 1, so prefill is not counted; HF does ``generate`` + ``log_softmax`` + ``topk``);
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -200,21 +202,53 @@ def stages(timings: dict[str, float]) -> str:
     return ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in timings.items())
 
 
-def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]]:
-    """(peak RSS GiB, ``load_core`` seconds, its stages' seconds) of a fresh process that imports Ignition and loads
-    ``core``, nothing else (this process's own peak also holds the checkpoint it built and transformers' model)."""
+FAULT_PROBE_BYTES = 512 << 20
+"""Fresh memory ``fault_seconds_per_gib`` touches to read the host's state."""
+FRESH_LOADS = 3
+"""Fresh-process loads, one after another: the first right after this process's own load, the others after it."""
+
+
+def fault_seconds_per_gib(threads: int) -> float:
+    """Seconds per GiB to fault in fresh memory here and now (``FAULT_PROBE_BYTES``, zeroed by torch's threads).
+
+    NOTE: what a load costs on this project's VM depends most on this: memory the guest handed back to the host faults
+    in at 2-10 s a GiB (right after an export, which frees many GiB), memory it still holds at about 0.25 s, and a load
+    of the Qwen3-0.6B-shaped core touches about 3.1 GiB (the packed weights and the tied embedding). Each load row
+    prints the rate measured right after it, so a slow load can be told from a slow host."""
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    probe = torch.empty(FAULT_PROBE_BYTES, dtype=torch.uint8).zero_()
+    seconds = time.perf_counter() - started
+    del probe
+    return seconds * 2**30 / FAULT_PROBE_BYTES
+
+
+def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float], float, float]:
+    """(peak RSS GiB, ``load_core`` seconds, its stages' seconds, GiB of pages it faulted in, the host's fault rate
+    right after it) of a fresh process that imports Ignition and loads ``core``, nothing else (this process's own peak
+    also holds the checkpoint it built and transformers' model)."""
     # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
     # the child would report this process's peak; VmHWM is the peak of the child's own address space.
-    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
-              "import time; from ignition.runtime.core import load_core; started = time.perf_counter(); "
+    script = ("import sys, torch, resource; torch.set_num_threads(int(sys.argv[2])); "
+              "import time; from ignition.runtime.core import load_core; "
+              "from benchmarks.realsize import fault_seconds_per_gib; "
+              "faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; started = time.perf_counter(); "
               "core = load_core(sys.argv[1]); seconds = time.perf_counter() - started; "
-              "import json; print(next(int(line.split()[1]) for line in open('/proc/self/status') "
-              "if line.startswith('VmHWM:')), seconds, json.dumps(core.timings))")
-    done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True)
+              "faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) * resource.getpagesize(); "
+              "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')); "
+              "import json; print(json.dumps([peak, seconds, core.timings, faulted / 2**30, "
+              "fault_seconds_per_gib(int(sys.argv[2]))]))")
+    done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1])
     if done.returncode != 0:
         sys.exit(f"loading {core} in a fresh process failed:\n{done.stderr[-2000:]}")
-    peak_kib, seconds, timings = done.stdout.strip().splitlines()[-1].split(maxsplit=2)
-    return int(peak_kib) / 2**20, float(seconds), json.loads(timings)
+    peak_kib, seconds, timings, faulted, rate = json.loads(done.stdout.strip().splitlines()[-1])
+    return peak_kib / 2**20, seconds, timings, faulted, rate
+
+
+def load_cell(timings: dict[str, float], faulted: float, rate: float) -> str:
+    """A load row's detail: its stages, the memory it faulted in, and the host's fault rate right after it."""
+    return f"{stages(timings)}; faulted in {faulted:.2f} GiB; the host then faulted fresh pages at {rate:.2f} s/GiB"
 
 
 def main() -> None:
@@ -264,17 +298,24 @@ def main() -> None:
                                *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])])
         else:
             export_s = float("nan")
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         load_s, core = timed(lambda: load_core(args.core))
+        faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) * resource.getpagesize() / 2**30
+        rate = fault_seconds_per_gib(args.threads)
         weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
-        load_rss, fresh_s, fresh_stages = fresh_load(args.core, args.threads)
+        fresh = [fresh_load(args.core, args.threads) for _ in range(FRESH_LOADS)]
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
                   "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", ""),
                  ("load_core (this process, the first load after the export)", f"{load_s:.1f} s", "",
-                  stages(core.timings)),
-                 ("load_core in a fresh process", f"{fresh_s:.1f} s", "", stages(fresh_stages)),
-                 ("peak RSS of a process that only loads (weights %.2f GiB + KV %.2f GiB)" % (weights_gib, state_gib),
-                  f"{load_rss:.2f} GiB", "", f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV")]
+                  load_cell(core.timings, faulted, rate))]
+        rows += [(f"load_core in a fresh process, {ordinal} of {FRESH_LOADS}", f"{seconds:.1f} s", "",
+                  load_cell(timings, faulted, rate))
+                 for ordinal, (_, seconds, timings, faulted, rate) in enumerate(fresh, 1)]
+        load_rss = max(peak for peak, *_ in fresh)
+        rows.append(("peak RSS of a process that only loads (weights %.2f GiB + KV %.2f GiB)"
+                     % (weights_gib, state_gib), f"{load_rss:.2f} GiB", "",
+                     f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV"))
         attention = args.hf_attention or ("sdpa" if args.dtype == "float32" else "eager")
         hf_load, model = timed(lambda: Qwen3ForCausalLM.from_pretrained(
             checkpoint, torch_dtype=getattr(torch, args.dtype), attn_implementation=attention).eval())

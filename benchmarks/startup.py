@@ -7,7 +7,10 @@ shared; the best is the least disturbed), wall seconds and the process's CPU sec
 ``--prompt-logprobs``). ``--checkout DIR`` times another checkout of Ignition (put on
 ``PYTHONPATH``) on the same core, e.g. the commit before a change.
 
-    python -m benchmarks.startup [--core DIR] [--checkout DIR] [--repeat 3] [--threads 2]
+    python -m benchmarks.startup [--core DIR] [--checkout DIR] [--repeat 3] [--threads 2] [--load-only]
+
+``--load-only`` times ``load_core`` alone, the checkouts alternated round by round (so each sees the same machine),
+and prints every run's seconds, their median, and the child's page faults (GiB of fresh pages it touched).
 
 Last, an A/B in one process: CPU seconds of ``torch.export.load`` of every graph without and with
 the schema-hint cache (the main start-up saving; see ``ignition/validate/graphs.py``).
@@ -65,6 +68,29 @@ def measure(core: Path, checkout: Path, repeat: int, threads: int) -> dict:
             "stages": best_load[2]["stages"]}
 
 
+def alternated_loads(core: Path, checkouts: list[Path], repeat: int, threads: int) -> None:
+    """``load_core`` in a fresh process per run, the checkouts alternated each round: each run's seconds and stages,
+    the median per checkout, and the minor page faults of the loading process."""
+    results: dict[Path, list[tuple[float, dict, float]]] = {checkout: [] for checkout in checkouts}
+    load = [sys.executable, "-c", LOAD_ONLY, str(core)]
+    for _ in range(repeat):
+        for checkout in checkouts:
+            env = os.environ | {"PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+            _, _, out = timed(load, env, checkout)
+            faults = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before) * resource.getpagesize()
+            found = json.loads(out)
+            results[checkout].append((found["load_s"], found["stages"] or {}, faults / 2**30))
+    print("| checkout | `load_core` s, each run | median s | page faults, GiB | stages of the median run (s) |")
+    print("|---|---|---|---|---|")
+    for checkout, runs in results.items():
+        ordered = sorted(runs, key=lambda run: run[0])
+        seconds, stages, faults = ordered[len(ordered) // 2]
+        stages = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
+        print(f"| {checkout} | {', '.join(f'{run[0]:.2f}' for run in runs)} | {seconds:.2f} | {faults:.2f} | "
+              f"{stages} |", flush=True)
+
+
 def deserialization(core: Path, repeat: int) -> tuple[float, float]:
     """CPU seconds of ``torch.export.load`` of every graph of ``core`` in this process, without and with
     the schema-hint cache of ``ignition/validate/graphs.py`` (best of ``repeat`` alternated runs, after one warm-up load):
@@ -107,6 +133,8 @@ def main() -> None:
                         help="another checkout to time on the same core (repeatable); this one always")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--load-only", action="store_true",
+                        help="time load_core alone, the checkouts alternated; no `run`, no deserialization A/B")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         core = args.core
@@ -114,6 +142,11 @@ def main() -> None:
             sys.path.insert(0, str(ROOT))
             from benchmarks._common import example_checkpoint, export
             core = export(example_checkpoint(Path(tmp)), Path(tmp) / "core", prompt_logprobs=True)
+        if args.load_only:
+            print(f"core {core}, OMP_NUM_THREADS={args.threads}, {args.repeat} alternated rounds")
+            alternated_loads(core, [checkout.resolve() for checkout in [*args.checkout, ROOT]], args.repeat,
+                             args.threads)
+            return
         print(f"core {core}, OMP_NUM_THREADS={args.threads}, best of {args.repeat}")
         print("| checkout | `run` wall s | `run` CPU s | `load_core` s | load process CPU s | load stages (s) |")
         print("|---|---|---|---|---|---|")

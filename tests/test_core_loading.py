@@ -165,3 +165,13 @@ def test_a_load_pauses_the_collector_and_shortens_the_switch_interval_and_restor
         (gc.enable if was_enabled else gc.disable)()
     assert seen and not any(enabled for _, enabled, _ in seen)
     assert all(s <= core_module.LOAD_SWITCH_INTERVAL for stage, _, s in seen if stage == "graphs")
+
+
+def test_the_load_passes_its_file_cache_choice_to_the_weights_reader(toy_core, monkeypatch):
+    seen = []
+    real = core_module.read_verified_weights
+    monkeypatch.setattr(core_module, "read_verified_weights",
+                        lambda *args: (seen.append(args[-1]), real(*args))[1])
+    load_core(toy_core)
+    load_core(toy_core, drop_file_cache=False)
+    assert seen == [True, False]

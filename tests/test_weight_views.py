@@ -159,3 +159,37 @@ def test_the_exporters_weights_file_reads_back_whole(tmp_path):
     assert read.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(read[name], tensor), name
+
+
+def test_a_reader_that_drops_the_file_cache_drops_every_byte_it_read_once(tmp_path, monkeypatch):
+    import os
+
+    from ignition.runtime import verified
+
+    monkeypatch.setattr(verified, "DROP_CACHE_BYTES", 1 << 16)
+    tensors = _tensors() | {"more": torch.randn(300, 300)}
+    data = save(tensors)
+    manifest = _core(tmp_path, data)
+    dropped = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: (
+        dropped.append((offset, length, advice)), real(fd, offset, length, advice))[1])
+    read, _ = read_verified_weights(tmp_path, "w.safetensors", manifest, drop_cache=True)
+    assert all(torch.equal(read[name], tensor) for name, tensor in tensors.items())
+    assert {advice for *_, advice in dropped} == {os.POSIX_FADV_DONTNEED}
+    covered = 0
+    for offset, length, _ in dropped:  # in order, back to back, to the end
+        assert offset == covered and length > 0
+        covered += length
+    assert covered == len(data) and len(dropped) > 2
+    dropped.clear()
+    read_verified_weights(tmp_path, "w.safetensors", manifest)
+    assert not dropped
+
+
+def test_the_load_drops_the_weights_file_cache_unless_told_not_to():
+    from ignition.runtime.options import LoadOptions
+
+    assert LoadOptions.create("cpu").drop_file_cache is True
+    kept = LoadOptions.create("cpu", drop_file_cache=False)
+    assert LoadOptions.from_json(kept.to_json()).drop_file_cache is False

@@ -293,11 +293,12 @@ def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduc
 
 
 def _read_weights(root: Path, manifest: dict, catalog: dict, weights_file: str, device: torch.device,
-                  packs: LinearPacks | None = None) -> tuple[dict[str, torch.Tensor], bytes]:
+                  packs: LinearPacks | None = None, drop_cache: bool = False) -> tuple[dict[str, torch.Tensor], bytes]:
     """(the weights on ``device``, the file's length and header bytes): ``weights_file`` read once and hashed
     (``read_verified_weights``), each tensor read into its own memory or, one that ``packs`` streams, packed from
-    scratch; then checked against the catalog's declarations again."""
-    weights, header = read_verified_weights(root, weights_file, manifest, packs)
+    scratch (``drop_cache``: the file's page cache dropped as it is read); then checked against the catalog's
+    declarations again."""
+    weights, header = read_verified_weights(root, weights_file, manifest, packs, drop_cache)
     if packs is not None:
         weights |= packs.streamed_weights()
     check_loaded_weights(root, manifest, catalog, weights, weights_file)
@@ -433,7 +434,8 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
     with _short_switch_interval(), ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
         stages.start("weights", weights_file)  # the read starts: after the check, as before any overlap
-        reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device, packs)
+        reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device, packs,
+                              options.drop_file_cache)
         try:
             backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
             if packs is not None and backend.name != Pt2Backend.name:  # AOTInductor packages run their own kernels

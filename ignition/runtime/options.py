@@ -37,12 +37,14 @@ class LoadOptions:
     timeout_s: float = PROCESS_GROUP_TIMEOUT_S  # the process group's timeout
     retain_host_memory: bool = True  # CPU: glibc keeps freed blocks for the next replay (runtime/host_memory.py)
     pack_linears: bool = True  # CPU: linear weights packed once for oneDNN (runtime/backends/packed_linear.py)
+    drop_file_cache: bool = True  # the weights file's page cache dropped as it is read (runtime/verified.py)
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
                prefer_compiled: bool = True, trust_compiled: bool = False, trusted_key=None,
                tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
-               retain_host_memory: bool = True, pack_linears: bool = True) -> "LoadOptions":
+               retain_host_memory: bool = True, pack_linears: bool = True,
+               drop_file_cache: bool = True) -> "LoadOptions":
         """Validate and resolve; LoadOptionError naming the option that cannot work here."""
         if runtime not in RUNTIMES:
             raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -67,7 +69,8 @@ class LoadOptions:
             raise LoadOptionError(str(exc)) from None
         pack_linears = bool(pack_linears) and not is_cuda(resolved) and packing_available()  # a CPU choice only
         options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
-                      trusted_key, tp_host, float(timeout_s), bool(retain_host_memory), pack_linears)
+                      trusted_key, tp_host, float(timeout_s), bool(retain_host_memory), pack_linears,
+                      bool(drop_file_cache))
         options.rank_device(ranks - 1)  # every rank must get a device before anything starts
         return options
 
