@@ -216,6 +216,10 @@ PACK_LINEARS_OPTION = typer.Option(True, "--pack-linears/--no-pack-linears",
                                    help="CPU: run FP32 projections, and BF16 ones where the packed product keeps "
                                         "aten.linear's bits, on weights packed once for oneDNN (--no-pack-linears: "
                                         "torch's own aten.linear)")
+DROP_FILE_CACHE_OPTION = typer.Option(True, "--drop-file-cache/--keep-file-cache",
+                                      help="Drop the weights file's pages from the page cache as the loader reads "
+                                           "them: its own copy is the one used (--keep-file-cache: a later load "
+                                           "reads the file from the cache instead of the disk)")
 BATCH_INVARIANT_OPTION = typer.Option(False, "--batch-invariant",
                                       help="Decode in the largest variant: results independent of co-batching")
 TRUST_COMPILED_OPTION = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP)
@@ -230,7 +234,8 @@ TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-pa
 
 
 def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: Optional[Path],
-                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True):
+                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True,
+                  drop_file_cache: bool = True):
     """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
     (--device, --runtime, --tensor-parallel, --trusted-key) exits 2 naming it."""
     from ignition.runtime.options import LoadOptions
@@ -238,7 +243,8 @@ def _load_options(device: str, eager: bool, trust_compiled: bool, trusted_key: O
 
     try:
         return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
-                                  trusted_key=_trusted_key(trusted_key), tp_host=tp_host, pack_linears=pack_linears)
+                                  trusted_key=_trusted_key(trusted_key), tp_host=tp_host, pack_linears=pack_linears,
+                                  drop_file_cache=drop_file_cache)
     except LoadOptionError as exc:
         raise _fail(str(exc))
 
@@ -352,6 +358,7 @@ def run_cmd(
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
     pack_linears: bool = PACK_LINEARS_OPTION,
+    drop_file_cache: bool = DROP_FILE_CACHE_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
@@ -383,7 +390,7 @@ def run_cmd(
     _check_run_options(core, request, text_prompt=prompt is not None)
     _check_speculative(speculative)
     loaded = _load(core, _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,
-                                       pack_linears))
+                                       pack_linears, drop_file_cache))
     options = _speculative(speculative, loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
@@ -453,6 +460,7 @@ def serve_cmd(
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
     pack_linears: bool = PACK_LINEARS_OPTION,
+    drop_file_cache: bool = DROP_FILE_CACHE_OPTION,
     batch_invariant: bool = BATCH_INVARIANT_OPTION,
     trust_compiled: bool = TRUST_COMPILED_OPTION,
     trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
@@ -500,7 +508,7 @@ def serve_cmd(
     _check_speculative(speculative)
     _identify_core(core)
     load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,
-                                 pack_linears)
+                                 pack_linears, drop_file_cache)
     if _read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         _load(core, load_options)  # exits 1 with them
         raise _fail(f"{core}/manifest.json changed while the server started")

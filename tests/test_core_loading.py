@@ -175,3 +175,18 @@ def test_the_load_passes_its_file_cache_choice_to_the_weights_reader(toy_core, m
     load_core(toy_core)
     load_core(toy_core, drop_file_cache=False)
     assert seen == [True, False]
+
+
+def test_run_takes_the_file_cache_choice_from_the_command_line(toy_core, monkeypatch):
+    from typer.testing import CliRunner
+
+    import ignition.cli as cli
+
+    seen = []
+    real_load = cli._load
+    monkeypatch.setattr(cli, "_load", lambda core, options: seen.append(options) or real_load(core, options))
+    for flag in ("--keep-file-cache", "--drop-file-cache"):
+        result = CliRunner().invoke(cli.app, ["run", str(toy_core), "--prompt-ids", "1,2", "--max-tokens", "1",
+                                              "--device", "cpu", flag])
+        assert result.exit_code == 0, result.output
+    assert [options.drop_file_cache for options in seen] == [False, True]
