@@ -1,5 +1,5 @@
 """The core's weights, read once from its safetensors file: each tensor straight into memory of its own, or, for a
-weight that every graph reads only in its packed form (``backends/packed_linear.py``), through a small scratch
+weight the load's first graph reads only in its packed form (``backends/packed_linear.py``), through a small scratch
 buffer that its pack reads and the next such weight reuses.
 
 NOTE: what a load costs on this project's VM is mostly the fresh memory it touches: memory the guest handed back to
@@ -8,7 +8,8 @@ the host faults in at 2-10 s a GiB (``torch.empty(256 MiB).zero_()`` in a loop, 
 and then packed its projections into 2.2 GB of new memory, 4.6 GB in all; its read, hash and pack took 10-16 s
 right after an export. Through the scratch the projections' raw bytes never get memory of their own, and the load
 touches what it keeps (the packs, the tied embedding and the norms, 2.9 GB): the same read, hash and pack took
-4.9-6.4 s there (``benchmarks/realsize.py`` measures the whole load).
+4.9-6.4 s there (a prototype script, each run right after an export, alternated; ``benchmarks/realsize.py`` measures
+the whole load).
 """
 
 from __future__ import annotations
