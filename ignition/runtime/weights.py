@@ -15,6 +15,7 @@ the whole load).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,13 +53,6 @@ class TensorEntry:
     @property
     def nbytes(self) -> int:
         return self.end - self.begin
-
-    @property
-    def numel(self) -> int:
-        count = 1
-        for extent in self.shape:
-            count *= extent
-        return count
 
 
 class Reader(Protocol):
@@ -117,10 +111,7 @@ def _entry(name: str, entry, start: int, size: int) -> TensorEntry:
     except (KeyError, TypeError, ValueError):
         raise WeightsFormatError(f"tensor {name!r}: expected dtype (one of {', '.join(DTYPES)}), shape and "
                                  f"data_offsets, found {str(entry)[:120]}") from None
-    count = 1
-    for extent in shape:
-        count *= extent
-    needed = count * dtype.itemsize
+    needed = math.prod(shape) * dtype.itemsize
     if min(shape, default=0) < 0 or begin < 0 or end - begin != needed or start + end > size:
         raise WeightsFormatError(f"tensor {name!r}: {list(shape)} {entry['dtype']} needs {needed} bytes; its "
                                  f"data_offsets [{begin}, {end}] do not hold them inside the file")

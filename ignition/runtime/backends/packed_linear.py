@@ -24,6 +24,7 @@ packed weight is packed from its raw copy once every graph is read, and that cop
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
@@ -107,10 +108,10 @@ class LinearPacks:
     reader (``runtime/weights.read_tensors``) reaches each weight of a packed dtype and shape, it waits for that first
     graph if it has to: a weight it reads only packed is read into scratch and packed from there (``streams``, ``pack``:
     its raw bytes never get memory of their own); one it also reads raw (the tied embedding), or too large for
-    scratch, is read into its own memory and packed from it at once (``read``). Once every graph is read, ``start`` packs from its raw copy any weight that only a later
-    graph multiplies by, and gives back the exact raw tensor (oneDNN's reorder undone: ``to_dense``) of a streamed
-    weight that a later graph also reads raw; ``finish`` puts the packed tensors in the graphs' empty stand-ins and
-    drops the raw copies no graph reads."""
+    scratch, is read into its own memory and packed from it at once (``read``). Once every graph is read, ``start``
+    packs from its raw copy any weight that only a later graph multiplies by, and gives back the exact raw tensor
+    (oneDNN's reorder undone: ``to_dense``) of a streamed weight that a later graph also reads raw; ``finish`` puts the
+    packed tensors in the graphs' empty stand-ins and drops the raw copies no graph reads."""
 
     def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
         self.rows_hint = rows_hint
@@ -127,8 +128,9 @@ class LinearPacks:
         self._started = False
         self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
-    def _packs(self, decl: BufferDecl) -> bool:
-        return len(decl.shape) == 2 and decl.numel >= self.min_elements and packs_dtype(decl.torch_dtype)
+    def _packs(self, shape, dtype: torch.dtype) -> bool:
+        """Whether a weight of this shape and dtype is packed where a graph multiplies by it."""
+        return len(shape) == 2 and math.prod(shape) >= self.min_elements and packs_dtype(dtype)
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
         """Rewrite the linears of ``program``'s graph whose weight is a large weight argument of a packed dtype (by its
@@ -148,7 +150,7 @@ class LinearPacks:
             if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
             name = weight_of[node.args[1]]
-            if not self._packs(decls[name]):
+            if not self._packs(decls[name].shape, decls[name].torch_dtype):
                 continue
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with graph.inserting_before(node):
@@ -164,7 +166,7 @@ class LinearPacks:
             rewritten += 1
         raw_here = {name for node, name in weight_of.items() if node.users}  # folded nodes read them raw too
         self.raw_readers |= raw_here
-        if not self._planned.is_set():  # the first graph: what the weights' reader packs as it reads (``streams``, ``read``)
+        if not self._planned.is_set():  # the first graph: what the reader packs as it reads (``streams``, ``read``)
             self._first = frozenset(attributes.values()), frozenset(raw_here)
             self._planned.set()
         if attributes:
@@ -180,8 +182,7 @@ class LinearPacks:
     def _first_packs(self, entry: TensorEntry) -> tuple[bool, bool] | None:
         """(whether the first graph packs ``entry``, whether it reads it raw) once it is rewritten; None, without
         waiting, for a weight of a dtype or shape that is never packed."""
-        decl = BufferDecl(entry.name, str(entry.dtype).removeprefix("torch."), list(entry.shape), Role.WEIGHT)
-        if not self._packs(decl):
+        if not self._packs(entry.shape, entry.dtype):
             return None
         self._planned.wait()
         packed, raw = self._first
@@ -197,16 +198,14 @@ class LinearPacks:
     def pack(self, entry: TensorEntry, tensor: torch.Tensor) -> Future:
         """Pack ``tensor``, scratch read until the future is done, on the worker threads."""
         self.streamed.add(entry.name)
-        future = self.reorders[entry.name] = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, tensor,
-                                                                 self.rows_hint)
+        future = self.reorders[entry.name] = self._worker.submit(self._pack, tensor, False)
         return future
 
     def read(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         """A weight read into memory of its own: packed from there at once if the first graph packs it."""
         first = self._first_packs(entry)
         if first is not None and first[0]:
-            self.reorders[entry.name] = self._worker.submit(torch.ops.mkldnn._reorder_linear_weight, tensor,
-                                                            self.rows_hint)
+            self.reorders[entry.name] = self._worker.submit(self._pack, tensor, False)
 
     def streamed_weights(self) -> dict[str, torch.Tensor]:
         """The packed tensor of every streamed weight, once each is packed: what the core's weights dict holds."""

@@ -9,9 +9,9 @@ microseconds between the GEMMs, for the same tensors every time.
 ``WeightConstants.rewrite`` finds, before a program's graph module is built, the nodes whose every input is a
 weight argument or such a node and whose operator is a view or a concatenation (``FOLDED_TARGETS``), evaluates them
 on uninitialized stand-ins of the declared shapes, and replaces each one a later node reads by a constant of the
-graph module (``get_attr``). ``finish`` computes those constants from the loaded weights, once per distinct expression across
-every variant: a view stays a view of the weight (no copy), a concatenation is a new tensor of at most
-``FOLDED_MAX_BYTES``. A program in which any such node feeds an operator that writes its input is left as it is.
+graph module (``get_attr``). ``finish`` computes those constants from the loaded weights, once per distinct
+expression across every variant: a view stays a view of the weight (no copy), a concatenation is a new tensor of at
+most ``FOLDED_MAX_BYTES``. A program in which any such node feeds an operator that writes its input is left as it is.
 """
 
 from __future__ import annotations
