@@ -5,7 +5,8 @@ fresh process per run, admits ``--batch`` requests (4-token prompts, greedy), pr
 and times ``--steps`` engine steps; the two sides of ``--compare`` alternate ``--pairs`` times, and each run prints
 its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retain_host_memory`` on against off
 (``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off; ``--compare pack``:
-``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``). ``--profile TOP`` profiles one
+``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``: torch's CPU allocator asking for transparent huge
+pages (``THP_MEM_ALLOC_ENABLE=1`` in the child's environment, as the CLI sets it) against not. ``--profile TOP`` profiles one
 step instead and prints its TOP operators by self time and input shape, and the matrix products' share.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -70,7 +72,7 @@ def main() -> None:
     parser.add_argument("--logprobs", type=int, default=5, help="0 means off")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--pairs", type=int, default=3)
-    parser.add_argument("--compare", choices=("retain", "logprobs", "pack"), default="retain")
+    parser.add_argument("--compare", choices=("retain", "logprobs", "pack", "huge-pages"), default="retain")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="instead: profile one step and print the TOP operators by self time and input shape")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
@@ -89,14 +91,17 @@ def main() -> None:
              "logprobs": [(f"logprobs {args.logprobs}", {"retain": True, "logprobs": logprobs}),
                           ("logprobs off", {"retain": True, "logprobs": None})],
              "pack": [("packed", {"retain": True, "logprobs": logprobs, "pack": True}),
-                      ("aten.linear", {"retain": True, "logprobs": logprobs, "pack": False})]}[args.compare]
+                      ("aten.linear", {"retain": True, "logprobs": logprobs, "pack": False})],
+             "huge-pages": [("huge pages", {"retain": True, "logprobs": logprobs, "env": {"THP_MEM_ALLOC_ENABLE": "1"}}),
+                            ("4 KiB pages", {"retain": True, "logprobs": logprobs, "env": {"THP_MEM_ALLOC_ENABLE": "0"}})]
+             }[args.compare]
     print(f"{args.core}: batch {args.batch}, {args.steps} steps a run, threads {args.threads}")
     for pair in range(1, args.pairs + 1):
         for name, settings in sides:
             command = [sys.executable, "-m", "benchmarks.decode_steps", "--core", str(args.core), "--threads",
                        str(args.threads), "--batch", str(args.batch), "--steps", str(args.steps), "--one",
                        json.dumps(settings)]
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True, env=os.environ | settings.get("env", {}))
             if done.returncode != 0:
                 sys.exit(f"{name}: failed:\n{done.stderr[-2000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])

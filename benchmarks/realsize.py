@@ -36,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ignition  # noqa: F401  (first: its allocator setting, ignition.HUGE_PAGES_VARIABLE, precedes torch's first allocation)
 import torch
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
@@ -229,14 +230,13 @@ def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]
     also holds the checkpoint it built and transformers' model)."""
     # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
     # the child would report this process's peak; VmHWM is the peak of the child's own address space.
-    script = ("import sys, torch, resource; torch.set_num_threads(int(sys.argv[2])); "
+    script = ("import sys, ignition, torch; torch.set_num_threads(int(sys.argv[2])); "
               "import time; from ignition.runtime.core import load_core; "
-              "from benchmarks.realsize import fault_seconds_per_gib; "
-              "faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; started = time.perf_counter(); "
-              "core = load_core(sys.argv[1]); seconds = time.perf_counter() - started; "
-              "faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) * resource.getpagesize(); "
+              "from benchmarks.realsize import fault_seconds_per_gib, faulted_gib, memory_counters; "
+              "before = memory_counters(); started = time.perf_counter(); "
+              "core = load_core(sys.argv[1]); seconds = time.perf_counter() - started; faulted = faulted_gib(before); "
               "peak = next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')); "
-              "import json; print(json.dumps([peak, seconds, core.timings, faulted / 2**30, "
+              "import json; print(json.dumps([peak, seconds, core.timings, faulted, "
               "fault_seconds_per_gib(int(sys.argv[2]))]))")
     done = subprocess.run([sys.executable, "-c", script, str(core), str(threads)], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1])
@@ -244,6 +244,20 @@ def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]
         sys.exit(f"loading {core} in a fresh process failed:\n{done.stderr[-2000:]}")
     peak_kib, seconds, timings, faulted, rate = json.loads(done.stdout.strip().splitlines()[-1])
     return peak_kib / 2**20, seconds, timings, faulted, rate
+
+
+def memory_counters() -> tuple[int, int]:
+    """(this process's minor page faults, its anonymous memory on huge pages in KiB): a fault on a 2 MiB huge page
+    counts once in the first, so ``faulted_gib`` adds the second's growth."""
+    huge = next((int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")),
+                0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
+
+
+def faulted_gib(before: tuple[int, int]) -> float:
+    """GiB of memory faulted in since ``before`` (``memory_counters``): 4 KiB faults plus the growth of huge pages."""
+    faults, huge = memory_counters()
+    return ((faults - before[0]) * resource.getpagesize() + max(huge - before[1], 0) * 1024) / 2**30
 
 
 def load_cell(timings: dict[str, float], faulted: float, rate: float) -> str:
@@ -298,9 +312,9 @@ def main() -> None:
                                *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])])
         else:
             export_s = float("nan")
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = memory_counters()
         load_s, core = timed(lambda: load_core(args.core))
-        faulted = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) * resource.getpagesize() / 2**30
+        faulted = faulted_gib(before)
         rate = fault_seconds_per_gib(args.threads)
         weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30

@@ -8,9 +8,12 @@ shared; the best is the least disturbed), wall seconds and the process's CPU sec
 ``PYTHONPATH``) on the same core, e.g. the commit before a change.
 
     python -m benchmarks.startup [--core DIR] [--checkout DIR] [--repeat 3] [--threads 2] [--load-only]
+                                 [--compare checkouts|huge-pages]
 
 ``--load-only`` times ``load_core`` alone, the checkouts alternated round by round (so each sees the same machine),
-and prints every run's seconds, their median, and the child's page faults (GiB of fresh pages it touched).
+and prints every run's seconds, their median, the child's page faults (GiB of fresh 4 KiB pages it touched; a huge
+page counts as one) and its kernel CPU seconds. ``--load-only --compare huge-pages`` alternates this checkout with
+and without transparent huge pages for torch's allocator (``ignition.HUGE_PAGES_VARIABLE``).
 
 Last, an A/B in one process: CPU seconds of ``torch.export.load`` of every graph without and with
 the schema-hint cache (the main start-up saving; see ``ignition/validate/graphs.py``).
@@ -68,27 +71,31 @@ def measure(core: Path, checkout: Path, repeat: int, threads: int) -> dict:
             "stages": best_load[2]["stages"]}
 
 
-def alternated_loads(core: Path, checkouts: list[Path], repeat: int, threads: int) -> None:
-    """``load_core`` in a fresh process per run, the checkouts alternated each round: each run's seconds and stages,
-    the median per checkout, and the minor page faults of the loading process."""
-    results: dict[Path, list[tuple[float, dict, float]]] = {checkout: [] for checkout in checkouts}
+def alternated_loads(core: Path, sides: list[tuple[str, Path, dict]], repeat: int, threads: int) -> None:
+    """``load_core`` in a fresh process per run, the sides (label, checkout, extra environment) alternated each round:
+    each run's seconds, the median per side, the loading process's minor page faults (a fault on a huge page counts
+    once) and its kernel CPU seconds (mostly those faults), and the median run's stages."""
+    results: dict[str, list[tuple[float, dict, float, float]]] = {label: [] for label, _, _ in sides}
     load = [sys.executable, "-c", LOAD_ONLY, str(core)]
     for _ in range(repeat):
-        for checkout in checkouts:
-            env = os.environ | {"PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
-            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
+        for label, checkout, extra in sides:
+            env = os.environ | {"PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)} | extra
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
             _, _, out = timed(load, env, checkout)
-            faults = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - before) * resource.getpagesize()
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            faults = (after.ru_minflt - before.ru_minflt) * resource.getpagesize()
             found = json.loads(out)
-            results[checkout].append((found["load_s"], found["stages"] or {}, faults / 2**30))
-    print("| checkout | `load_core` s, each run | median s | page faults, GiB | stages of the median run (s) |")
-    print("|---|---|---|---|---|")
-    for checkout, runs in results.items():
+            results[label].append((found["load_s"], found["stages"] or {}, faults / 2**30,
+                                   after.ru_stime - before.ru_stime))
+    print("| side | `load_core` s, each run | median s | page faults, GiB of 4 KiB pages | kernel CPU s, each run "
+          "| stages of the median run (s) |")
+    print("|---|---|---|---|---|---|")
+    for label, runs in results.items():
         ordered = sorted(runs, key=lambda run: run[0])
-        seconds, stages, faults = ordered[len(ordered) // 2]
+        seconds, stages, faults, _ = ordered[len(ordered) // 2]
         stages = ", ".join(f"{k} {v:.2f}" for k, v in stages.items())
-        print(f"| {checkout} | {', '.join(f'{run[0]:.2f}' for run in runs)} | {seconds:.2f} | {faults:.2f} | "
-              f"{stages} |", flush=True)
+        print(f"| {label} | {', '.join(f'{run[0]:.2f}' for run in runs)} | {seconds:.2f} | {faults:.2f} | "
+              f"{', '.join(f'{run[3]:.1f}' for run in runs)} | {stages} |", flush=True)
 
 
 def deserialization(core: Path, repeat: int) -> tuple[float, float]:
@@ -135,6 +142,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--load-only", action="store_true",
                         help="time load_core alone, the checkouts alternated; no `run`, no deserialization A/B")
+    parser.add_argument("--compare", choices=("checkouts", "huge-pages"), default="checkouts",
+                        help="with --load-only: huge-pages alternates this checkout with torch's allocator on "
+                             "transparent huge pages (THP_MEM_ALLOC_ENABLE=1, what importing Ignition sets) and not")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         core = args.core
@@ -144,8 +154,12 @@ def main() -> None:
             core = export(example_checkpoint(Path(tmp)), Path(tmp) / "core", prompt_logprobs=True)
         if args.load_only:
             print(f"core {core}, OMP_NUM_THREADS={args.threads}, {args.repeat} alternated rounds")
-            alternated_loads(core, [checkout.resolve() for checkout in [*args.checkout, ROOT]], args.repeat,
-                             args.threads)
+            if args.compare == "huge-pages":
+                sides = [("huge pages", ROOT, {"THP_MEM_ALLOC_ENABLE": "1"}),
+                         ("4 KiB pages", ROOT, {"THP_MEM_ALLOC_ENABLE": "0"})]
+            else:
+                sides = [(str(checkout), checkout.resolve(), {}) for checkout in [*args.checkout, ROOT]]
+            alternated_loads(core, sides, args.repeat, args.threads)
             return
         print(f"core {core}, OMP_NUM_THREADS={args.threads}, best of {args.repeat}")
         print("| checkout | `run` wall s | `run` CPU s | `load_core` s | load process CPU s | load stages (s) |")
