@@ -6,7 +6,7 @@ and times ``--steps`` engine steps; the two sides of ``--compare`` alternate ``-
 its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retain_host_memory`` on against off
 (``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off; ``--compare pack``:
 ``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``: torch's CPU allocator asking for transparent huge
-pages (``THP_MEM_ALLOC_ENABLE=1`` in the child's environment, as the CLI sets it) against not. ``--profile TOP`` profiles one
+pages (``THP_MEM_ALLOC_ENABLE=1`` in the child's environment) against not (``0``). ``--profile TOP`` profiles one
 step instead and prints its TOP operators by self time and input shape, and the matrix products' share.
 """
 

@@ -38,7 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import ignition  # noqa: F401  (first: its allocator setting, ignition.HUGE_PAGES_VARIABLE, precedes torch's first allocation)
 import torch
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
@@ -240,7 +239,7 @@ def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]
     also holds the checkpoint it built and transformers' model)."""
     # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
     # the child would report this process's peak; VmHWM is the peak of the child's own address space.
-    script = ("import sys, ignition, torch; torch.set_num_threads(int(sys.argv[2])); "
+    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
               "import time; from ignition.runtime.core import load_core; "
               "from benchmarks.realsize import fault_seconds_per_gib, faulted_gib, memory_counters; "
               "before = memory_counters(); started = time.perf_counter(); "
@@ -258,7 +257,8 @@ def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]
 
 def memory_counters() -> tuple[int, int]:
     """(this process's minor page faults, its anonymous memory on huge pages in KiB): a fault on a 2 MiB huge page
-    counts once in the first, so ``faulted_gib`` adds the second's growth."""
+    counts once in the first, so ``faulted_gib`` adds the second's growth (``THP_MEM_ALLOC_ENABLE=1`` puts torch's
+    large blocks on huge pages)."""
     huge = next((int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")),
                 0)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
@@ -454,7 +454,7 @@ def main() -> None:
     print(f"greedy tokens equal to HF: {'yes' if mismatches == 0 else f'NO ({mismatches} sequences differ)'}")
     verdicts = targets(export_s, [load_s, *(seconds for _, seconds, *_ in fresh)], load_rss / (weights_gib + state_gib),
                        prefill_ratio, rates, matrix_shares, mismatches)
-    print("\n| target (issue 23, FP32) | measured | met |\n|---|---|---|")
+    print(f"\n| target (issue 23; this run: {args.dtype}) | measured | met |\n|---|---|---|")
     for target, measured, met in verdicts:
         print(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
     print(json.dumps({"rows": rows, "greedy_mismatches": mismatches,
