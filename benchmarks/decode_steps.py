@@ -92,8 +92,8 @@ def main() -> None:
                           ("logprobs off", {"retain": True, "logprobs": None})],
              "pack": [("packed", {"retain": True, "logprobs": logprobs, "pack": True}),
                       ("aten.linear", {"retain": True, "logprobs": logprobs, "pack": False})],
-             "huge-pages": [("huge pages", {"retain": True, "logprobs": logprobs, "env": {"THP_MEM_ALLOC_ENABLE": "1"}}),
-                            ("4 KiB pages", {"retain": True, "logprobs": logprobs, "env": {"THP_MEM_ALLOC_ENABLE": "0"}})]
+             "huge-pages": [(name, {"retain": True, "logprobs": logprobs, "env": {"THP_MEM_ALLOC_ENABLE": flag}})
+                            for name, flag in (("huge pages", "1"), ("4 KiB pages", "0"))]
              }[args.compare]
     print(f"{args.core}: batch {args.batch}, {args.steps} steps a run, threads {args.threads}")
     for pair in range(1, args.pairs + 1):
