@@ -1,0 +1,57 @@
+"""benchmarks/realsize.py: the closing table's verdicts (which of issue 23's targets a run met) and its decode rates."""
+
+from __future__ import annotations
+
+import benchmarks.realsize as realsize
+from benchmarks.realsize import targets
+
+
+def _verdicts(**changes) -> dict[str, tuple[str, bool]]:
+    run = dict(export_s=35.8, loads=[7.3, 9.9, 8.7, 7.4], rss_ratio=0.48, prefill_ratio=1.88,
+               rates={(1, None): (12.0, 6.8), (1, 5): (12.2, 6.9), (1, 20): (11.7, 7.0),
+                      (8, None): (66.5, 32.2), (8, 5): (62.1, 31.6), (8, 20): (66.6, 30.7)},
+               matrix_shares={1: 0.868, 8: 0.894}, mismatches=0)
+    run.update(changes)
+    return {target: (measured, met) for target, measured, met in targets(**run)}
+
+
+def test_a_run_that_meets_every_target_says_so():
+    found = _verdicts()
+    assert all(met for _, met in found.values()), found
+    assert found["decode batch 1 at least 1.3x HF (every logprobs setting)"] == ("1.67x at worst", True)
+    assert found["batch 8: logprobs 20 costs at most 1.05x of logprobs off"] == ("1.00x", True)
+
+
+def test_each_missed_target_is_named():
+    assert _verdicts(loads=[7.3, 14.2, 8.7])["load at most 10 s (every load row)"] == ("7.3, 14.2, 8.7 s", False)
+    assert not _verdicts(export_s=61.0)["export at most 60 s"][1]
+    assert not _verdicts(rss_ratio=1.21)["peak RSS while loading at most 1.2x weights + KV"][1]
+    assert not _verdicts(prefill_ratio=0.99)["prefill 8 x 512 at least 1.0x HF"][1]
+    assert not _verdicts(matrix_shares={8: 0.849})["batch 8 step: matrix products at least 85%"][1]
+    assert not _verdicts(mismatches=1)["greedy tokens equal HF's"][1]
+    slow = _verdicts(rates={(1, None): (12.0, 6.8), (1, 20): (8.8, 7.0), (8, 5): (31.0, 31.6)})
+    assert slow["decode batch 1 at least 1.3x HF (every logprobs setting)"] == ("1.26x at worst", False)
+    assert slow["batch 1: logprobs 20 costs at most 1.05x of logprobs off"] == ("1.36x", False)
+    assert not slow["decode batch 8, logprobs 5, at least 1.0x HF"][1]
+
+
+def test_rows_a_run_skipped_are_not_judged():
+    found = _verdicts(export_s=float("nan"), prefill_ratio=None, rates={}, matrix_shares={})
+    assert set(found) == {"load at most 10 s (every load row)", "peak RSS while loading at most 1.2x weights + KV",
+                          "greedy tokens equal HF's"}
+
+
+def test_decode_rates_alternate_the_settings_and_subtract_the_one_token_baseline(monkeypatch):
+    monkeypatch.setattr(realsize, "DECODE_TOKENS", 4)
+    calls = []
+
+    def side(prompts, tokens, logprobs):  # 0.1 s to the first token, then 0.05 s a token (0.1 s with logprobs 20)
+        calls.append((tokens, logprobs))
+        per_token = 0.1 if logprobs == 20 else 0.05
+        return 0.1 + (tokens - 1) * per_token + 0.01 * len(calls), [[logprobs or 0] * tokens]
+
+    rates = realsize.decode_rates(side, [[1, 2]], [None, 20], repeats=2)
+    assert calls == [(1, None), (5, None), (1, 20), (5, 20)] * 2  # alternated, round by round
+    # best whole run minus best one-token run: (0.3 + 0.02) - 0.11 for off, (0.5 + 0.04) - 0.13 for logprobs 20
+    assert abs(rates[None][0] - 4 / 0.21) < 1e-9 and abs(rates[20][0] - 4 / 0.41) < 1e-9
+    assert rates[20][1] == [[20] * 5]
