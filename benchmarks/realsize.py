@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABLE, precedes torch's allocations)
 import torch
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
@@ -239,7 +240,7 @@ def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]
     also holds the checkpoint it built and transformers' model)."""
     # NOTE: VmHWM, not ru_maxrss: Linux carries a parent's peak into a forked child's ru_maxrss across exec, so
     # the child would report this process's peak; VmHWM is the peak of the child's own address space.
-    script = ("import sys, torch; torch.set_num_threads(int(sys.argv[2])); "
+    script = ("import sys, ignition, torch; torch.set_num_threads(int(sys.argv[2])); "
               "import time; from ignition.runtime.core import load_core; "
               "from benchmarks.realsize import fault_seconds_per_gib, faulted_gib, memory_counters; "
               "before = memory_counters(); started = time.perf_counter(); "
