@@ -5,9 +5,10 @@ fresh process per run, admits ``--batch`` requests (4-token prompts, greedy), pr
 and times ``--steps`` engine steps; the two sides of ``--compare`` alternate ``--pairs`` times, and each run prints
 its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retain_host_memory`` on against off
 (``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off; ``--compare pack``:
-``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``: torch's CPU allocator asking for transparent huge
-pages (``THP_MEM_ALLOC_ENABLE=1`` in the child's environment) against not (``0``). ``--profile TOP`` profiles one
-step instead and prints its TOP operators by self time and input shape, and the matrix products' share.
+``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``:
+torch's CPU allocator on transparent huge pages (``ignition.HUGE_PAGES_VARIABLE`` 1 in the child's environment)
+against not (0). ``--profile TOP`` profiles one step instead and prints its TOP operators by self time and input
+shape, and the matrix products' share.
 """
 
 from __future__ import annotations
@@ -86,13 +87,15 @@ def main() -> None:
                                  args.threads, settings.get("pack", True))))
         return
     logprobs = args.logprobs or None
+    from ignition import HUGE_PAGES_VARIABLE
+
     sides = {"retain": [("retained", {"retain": True, "logprobs": logprobs}),
                         ("not retained", {"retain": False, "logprobs": logprobs})],
              "logprobs": [(f"logprobs {args.logprobs}", {"retain": True, "logprobs": logprobs}),
                           ("logprobs off", {"retain": True, "logprobs": None})],
              "pack": [("packed", {"retain": True, "logprobs": logprobs, "pack": True}),
                       ("aten.linear", {"retain": True, "logprobs": logprobs, "pack": False})],
-             "huge-pages": [(name, {"retain": True, "logprobs": logprobs, "env": {"THP_MEM_ALLOC_ENABLE": flag}})
+             "huge-pages": [(name, {"retain": True, "logprobs": logprobs, "env": {HUGE_PAGES_VARIABLE: flag}})
                             for name, flag in (("huge pages", "1"), ("4 KiB pages", "0"))]
              }[args.compare]
     print(f"{args.core}: batch {args.batch}, {args.steps} steps a run, threads {args.threads}")

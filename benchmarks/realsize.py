@@ -86,11 +86,12 @@ def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None,
     return seconds, [list(r.token_ids) for r in results]
 
 
-def prefill_rows(core, model, prompts, short_generator, args) -> tuple[list[tuple[str, str, str, str]], int]:
+def prefill_rows(core, model, prompts, short_generator,
+                 args) -> tuple[list[tuple[str, str, str, str]], int, dict[tuple[int, int], float]]:
     """Prefill rows (8 x 512, 8 x 4, 8 x 64; one generated token, no logprobs): tokens/s, medians of ``--repeats``
-    interleaved runs, against HF; with ``--compare-serial`` the serial schedule too. Returns (rows, mismatches):
-    the sequences whose greedy token differs from HF's."""
-    rows, mismatches = [], 0
+    interleaved runs, against HF; with ``--compare-serial`` the serial schedule too. Returns (rows, mismatches: the
+    sequences whose greedy token differs from HF's, (count, length) -> our speed over HF's)."""
+    rows, mismatches, ratios = [], 0, {}
     for count, length in ((8, 512), (8, 4), (8, 64)):
         batch = prompts(count, length) if length == 512 else prompts(count, length, short_generator)
         sides = {"ours": lambda: ours(core, batch, 1, None), "hf": lambda: hf(model, batch, 1, None)}
@@ -106,15 +107,16 @@ def prefill_rows(core, model, prompts, short_generator, args) -> tuple[list[tupl
         mismatches += differ
         median = {name: statistics.median(values) for name, values in times.items()}
         total = count * length
+        ratios[count, length] = median["hf"] / median["ours"]
         rows.append((f"prefill {count} x {length} tokens{_differ(differ)}", f"{total / median['ours']:.1f} tok/s",
-                     f"{total / median['hf']:.1f} tok/s", f"{median['hf'] / median['ours']:.2f}x"))
+                     f"{total / median['hf']:.1f} tok/s", f"{ratios[count, length]:.2f}x"))
         if args.compare_serial:
             rows.append((f"prefill {count} x {length} tokens, one chunk per submission",
                          f"{total / median['serial']:.1f} tok/s", "",
                          f"{median['serial'] / median['ours']:.2f}x slower than packed"))
         print(f"prefill {count} x {length}: seconds per run: " + "; ".join(
             f"{name} {', '.join(f'{v:.2f}' for v in values)}" for name, values in times.items()), file=sys.stderr)
-    return rows, mismatches
+    return rows, mismatches, ratios
 
 
 def _differ(count: int) -> str:
@@ -258,8 +260,8 @@ def fresh_load(core: Path, threads: int) -> tuple[float, float, dict[str, float]
 
 def memory_counters() -> tuple[int, int]:
     """(this process's minor page faults, its anonymous memory on huge pages in KiB): a fault on a 2 MiB huge page
-    counts once in the first, so ``faulted_gib`` adds the second's growth (``THP_MEM_ALLOC_ENABLE=1`` puts torch's
-    large blocks on huge pages)."""
+    counts once in the first, so ``faulted_gib`` adds the second's growth (``ignition.HUGE_PAGES_VARIABLE`` puts
+    torch's large blocks on huge pages)."""
     huge = next((int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")),
                 0)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, huge
@@ -387,9 +389,9 @@ def main() -> None:
         mismatches = 0
         prefill_ratio = None
         if not args.skip_prefill:
-            prefill, mismatches = prefill_rows(core, model, prompts, short_generator, args)
+            prefill, mismatches, ratios = prefill_rows(core, model, prompts, short_generator, args)
             rows += prefill
-            prefill_ratio = float(prefill[0][3].rstrip("x"))  # 8 x 512 (the first row; "--compare-serial" rows follow)
+            prefill_ratio = ratios[8, 512]
         hf_runs = {}  # batch -> logprobs -> HF's rate and tokens, measured once for every runtime's rows
 
         def decode_rows(label: str, loaded) -> int:
@@ -419,7 +421,7 @@ def main() -> None:
                     matrix_shares[size] = statistics.median(shares)
                     rows.append((f"decode batch {size}, logprobs 5: {len(shares)} steps under torch.profiler, median",
                                  f"{statistics.median(walls):.0f} ms", "",
-                                 f"matrix products {100 * statistics.median(shares):.1f}% of operator time "
+                                 f"matrix products {100 * matrix_shares[size]:.1f}% of operator time "
                                  f"({100 * min(shares):.1f}-{100 * max(shares):.1f}%)"))
             return differing
 

@@ -13,8 +13,8 @@ shared; the best is the least disturbed), wall seconds and the process's CPU sec
 ``--load-only`` times ``load_core`` alone, the checkouts alternated round by round (so each sees the same machine),
 and prints every run's seconds, their median, the child's page faults (GiB of fresh 4 KiB pages it touched; a huge
 page counts as one) and its kernel CPU seconds. ``--load-only --compare huge-pages`` alternates this checkout with
-and without transparent huge pages for torch's allocator (``THP_MEM_ALLOC_ENABLE``, which torch reads at a process's
-first CPU allocation).
+and without transparent huge pages for torch's allocator (``ignition.HUGE_PAGES_VARIABLE``, which torch reads at a
+process's first CPU allocation).
 
 Last, an A/B in one process: CPU seconds of ``torch.export.load`` of every graph without and with
 the schema-hint cache (the main start-up saving; see ``ignition/validate/graphs.py``).
@@ -145,7 +145,7 @@ def main() -> None:
                         help="time load_core alone, the checkouts alternated; no `run`, no deserialization A/B")
     parser.add_argument("--compare", choices=("checkouts", "huge-pages"), default="checkouts",
                         help="with --load-only: huge-pages alternates this checkout with torch's allocator on "
-                             "transparent huge pages (THP_MEM_ALLOC_ENABLE=1) and not")
+                             "transparent huge pages (ignition.HUGE_PAGES_VARIABLE) and not")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         core = args.core
@@ -156,8 +156,10 @@ def main() -> None:
         if args.load_only:
             print(f"core {core}, OMP_NUM_THREADS={args.threads}, {args.repeat} alternated rounds")
             if args.compare == "huge-pages":
-                sides = [("huge pages", ROOT, {"THP_MEM_ALLOC_ENABLE": "1"}),
-                         ("4 KiB pages", ROOT, {"THP_MEM_ALLOC_ENABLE": "0"})]
+                from ignition import HUGE_PAGES_VARIABLE  # here: importing Ignition sets it for other checkouts' runs
+
+                sides = [("huge pages", ROOT, {HUGE_PAGES_VARIABLE: "1"}),
+                         ("4 KiB pages", ROOT, {HUGE_PAGES_VARIABLE: "0"})]
             else:
                 sides = [(str(checkout), checkout.resolve(), {}) for checkout in [*args.checkout, ROOT]]
             alternated_loads(core, sides, args.repeat, args.threads)

@@ -32,7 +32,7 @@ def test_the_choice_travels_to_worker_ranks():
 
 
 HUGE_PAGE_PROBE = """
-import os, sys
+import os
 import ignition, torch
 print(os.environ.get(ignition.HUGE_PAGES_VARIABLE))
 def huge_kib():

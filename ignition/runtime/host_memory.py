@@ -6,9 +6,9 @@ masks, penalties and temperature) besides the attention windows. glibc serves bl
 ``mmap`` and unmaps them on ``free``, so each replay faults in and zeroes every page of them again: in a
 ``torch.profiler`` trace of one such step those elementwise ops took 6-15 ms each, against 0.1-2.4 ms in a
 loop that reuses its memory. ``retain_freed_memory`` sets glibc's mmap threshold to its maximum
-(``RETAINED_BLOCK_BYTES``, 32 MiB) and its trim threshold high, so such blocks come from the heap and stay
-there for reuse. It is process-wide, which is why ``LoadOptions.retain_host_memory`` says whether a load may
-do it; on a libc without ``mallopt`` it does nothing.
+(``RETAINED_BLOCK_BYTES``, 32 MiB), its trim threshold high and its top pad large (``TOP_PAD_BYTES``), so such
+blocks come from the heap and stay there for reuse. It is process-wide, which is why
+``LoadOptions.retain_host_memory`` says whether a load may do it; on a libc without ``mallopt`` it does nothing.
 """
 
 from __future__ import annotations
