@@ -28,6 +28,25 @@ def test_workers_write_the_serial_exports_core_byte_for_byte(toy_core, tmp_path)
     assert ("capture", "3 variants in 2 worker processes") in stages
 
 
+def test_the_export_reads_each_saved_graph_while_the_others_capture(toy_core, tmp_path, monkeypatch):
+    """The parent reads each variant's file as its worker saves it (validate.graphs.read_ahead) and the last stage
+    checks those programs; a read-ahead that fails leaves that file to the validation, which reads it itself."""
+    from ignition.validate import graphs
+
+    original, calls = graphs.read_ahead, []
+
+    def failing_once(path, variant):
+        calls.append(variant["name"])
+        if len(calls) == 1:
+            raise RuntimeError("a read-ahead bug")
+        return original(path, variant)
+
+    monkeypatch.setattr(graphs, "read_ahead", failing_once)
+    export_core(ExportOptions(recipe="toy", capacities=(1, 4), capture_jobs=2), tmp_path / "core")
+    assert sorted(calls) == ["decode.c1", "decode.c4", "prefill.t256"]
+    assert _digest(tmp_path / "core") == _digest(toy_core)
+
+
 def test_a_variant_a_worker_cannot_capture_is_named(tmp_path):
     options = ExportOptions(recipe="toy", capacities=(1,))
     with pytest.raises(CaptureWorkerError, match="variant no.such.variant: StopIteration"):

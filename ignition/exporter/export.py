@@ -117,11 +117,21 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             written[WEIGHTS_FILE] = save_aligned(build.weights, staging / WEIGHTS_FILE)
             timings["write:weights"] = time.perf_counter() - started
 
+        ahead = {}  # graph file -> ReadAhead: each read as its worker saved it, while the others still capture
+
+        def read_captured(name: str) -> None:
+            from ignition.validate.graphs import read_ahead
+            variant = next(g.variant for g in build.graphs if g.variant.name == name)
+            try:
+                ahead[variant.graph_file] = read_ahead(staging / variant.graph_file, variant.to_json())
+            except Exception:  # noqa: BLE001  the validation then reads the file itself, and reports what fails
+                ahead.pop(variant.graph_file, None)
+
         if jobs > 1:  # each worker builds the recipe and saves its variants' .pt2 files (exporter/workers.py)
             started = time.perf_counter()
-            try:  # this process writes the weights meanwhile: it has nothing else to do until they finish
-                timings |= capture_in_workers(options, capture_order(build.graphs), staging,
-                                              kernels is not None, jobs, progress, meanwhile=write_weights)
+            try:  # this process writes the weights meanwhile, then reads each saved graph ahead of validation
+                timings |= capture_in_workers(options, capture_order(build.graphs), staging, kernels is not None,
+                                              jobs, progress, meanwhile=write_weights, captured=read_captured)
             except CaptureWorkerError as exc:
                 raise ExportError(str(exc)) from None
             timings[f"capture ({jobs} workers)"] = time.perf_counter() - started
@@ -169,7 +179,8 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
 
         started = time.perf_counter()
         progress("validate", str(out))
-        report = validate_core(staging, torch_load=False)  # every rule, on the programs load_core reads
+        # every rule, on the programs load_core reads; the weights' digest as written, the graphs as read ahead
+        report = validate_core(staging, torch_load=False, written=written, read_ahead=ahead)
         timings["validate"] = time.perf_counter() - started
         if not report.ok:
             raise ExportError("the exported core failed validation and was not published:\n"

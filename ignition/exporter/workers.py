@@ -62,11 +62,12 @@ def capture_jobs(options, build) -> int:
 
 
 def capture_in_workers(options, names: list[str], staging: Path, check_launches: bool, jobs: int,
-                       progress, meanwhile=None) -> dict[str, float]:
+                       progress, meanwhile=None, captured=None) -> dict[str, float]:
     """Capture and save the variants ``names`` with ``jobs`` workers; returns ``capture:<name>`` seconds.
     ``meanwhile()``, if given, runs here while the workers capture (the export writes the weights then); what it
-    raises cancels the captures. ``CaptureWorkerError`` names the first variant that failed (the others are
-    cancelled)."""
+    raises cancels the captures. ``captured(name)``, if given, runs here as each variant's file is saved, while
+    the workers go on with the rest (the export reads each file ahead of its validation then). ``CaptureWorkerError``
+    names the first variant that failed (the others are cancelled)."""
     seconds: dict[str, float] = {}
     progress("capture", f"{len(names)} variants in {jobs} worker processes")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
@@ -86,6 +87,8 @@ def capture_in_workers(options, names: list[str], staging: Path, check_launches:
                     raise CaptureWorkerError(f"variant {name}: {problem}")
                 seconds[name] = taken
                 progress("capture", f"variant {count} of {len(names)} captured: {name} ({taken:.1f} s)")
+                if captured is not None:
+                    captured(name)
         except BaseException:
             for future in futures:
                 future.cancel()

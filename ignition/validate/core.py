@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +63,8 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport, data:
 
 def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
                   trusted_key=None, rank: int | None = None, hashed_by_caller: Collection[str] = (),
-                  torch_load: bool = True) -> ValidationReport:
+                  torch_load: bool = True, written: Mapping[str, str] | None = None,
+                  read_ahead: Mapping[str, object] | None = None) -> ValidationReport:
     """All findings for the core at ``path``; never raises for a bad core.
 
     ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
@@ -76,6 +77,11 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     ``torch_load``: load each graph with ``torch.export.load`` (GRAPH-LOAD); False reads each with the program
     reader ``load_core`` runs (``validate/program_reader.py``) and checks every graph rule on that program
     instead: export-core's own last stage, on graphs ``torch.export.save`` has just written.
+    ``written``: core-relative files -> the sha256 the caller took of the bytes as it wrote them (export-core's
+    weights), compared with the manifest's instead of reading the file again. ``read_ahead``: graph files ->
+    ``validate.graphs.ReadAhead``, each file as the caller read it once before (export-core, while other variants
+    were still capturing); with ``torch_load`` False its digest is the one compared with the manifest's and its
+    program the one checked, so what is checked is what the digest covers. Every rule still runs.
     """
     root = Path(path)
     report = ValidationReport(root)
@@ -85,15 +91,17 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
     if expect_digest is not None:
         expect_digest = expect_digest.lower().removeprefix("sha256:")
     try:
+        ahead = dict(read_ahead or {}) if not torch_load else {}
         _validate(root, report, check_graphs, expect_digest, trusted_key, rank, frozenset(hashed_by_caller),
-                  torch_load)
+                  torch_load, dict(written or {}) | {rel: a.sha256 for rel, a in ahead.items()}, ahead)
     except Exception as exc:  # a validator bug must still produce a clean rejection
         report.violations.append(Violation("VALIDATOR-ERROR", str(root), f"{type(exc).__name__}: {exc}"))
     return report
 
 
 def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key, rank,
-              hashed_by_caller: frozenset[str] = frozenset(), torch_load: bool = True) -> None:
+              hashed_by_caller: frozenset[str] = frozenset(), torch_load: bool = True,
+              digested: dict[str, str] | None = None, ahead: dict | None = None) -> None:
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
@@ -145,7 +153,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 report.violations += check_sharded_launches(manifest, variants, kernel_table)
     elif any(v["launches"] for v in variants):
         report.violations.append(Violation("KERNEL-MISSING", MANIFEST_FILE, "variants name launches but the core has no kernel table"))
-    file_found = check_files(root, manifest["files"], named, hashed_by_caller, report.read)
+    file_found = check_files(root, manifest["files"], named, hashed_by_caller, report.read, digested)
     report.violations += file_found
     broken = {v.where for v in file_found}
     weights_path, _ = safe_path(root, manifest["weights"], "weights")
@@ -162,7 +170,8 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 graph_path, _ = safe_path(root, rel, variant["name"])
                 if graph_path is None or not graph_path.is_file() or rel in broken:
                     continue  # already reported as a file finding
-                found, program = load(graph_path, variant)
+                found, program = load(graph_path, variant) if torch_load or rel not in (ahead or {}) else \
+                    read_graph(graph_path, variant, ahead=ahead[rel])
                 report.violations += found
                 if program is not None:
                     report.violations += check_program(program, manifest, rel)

@@ -30,12 +30,15 @@ def safe_path(root: Path, rel: str, where: str) -> tuple[Path | None, list[Viola
 
 
 def check_files(root: Path, listed: dict[str, str], named: dict[str, str],
-                hashed_by_caller: Collection[str] = (), read: Mapping[str, bytes] | None = None) -> list[Violation]:
+                hashed_by_caller: Collection[str] = (), read: Mapping[str, bytes] | None = None,
+                digested: Mapping[str, str] | None = None) -> list[Violation]:
     """``listed``: manifest files (path -> sha256); ``named``: path -> who names it. ``hashed_by_caller``:
     files checked for presence only, because the caller (a loader) hashes the very bytes it then loads.
     ``read``: files the caller already read and parsed (the catalog, the kernel table), hashed from those
-    bytes, so what was checked is what the digest covers."""
-    read = read or {}
+    bytes, so what was checked is what the digest covers. ``digested``: files whose sha256 the caller took of the
+    bytes it wrote or read and checked (export-core: the weights it wrote, the graphs it read ahead), compared
+    with the manifest's instead of reading the file again."""
+    read, digested = read or {}, digested or {}
     found = []
     for rel, digest in sorted(listed.items()):
         path, problems = safe_path(root, rel, f"manifest.json:files/{rel}")
@@ -49,6 +52,8 @@ def check_files(root: Path, listed: dict[str, str], named: dict[str, str],
             continue
         elif rel in hashed_by_caller:
             continue
+        elif rel in digested:
+            actual = digested[rel]
         else:
             actual = sha256_file(path)
         if actual != digest:

@@ -7,6 +7,7 @@ import io
 import logging
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -112,10 +113,42 @@ def _load_accepted_program(data: bytes):
         export_log.setLevel(level)
 
 
+@dataclass(frozen=True)
+class ReadAhead:
+    """A graph file read and parsed before the validation that checks it (export-core reads each variant's
+    archive as its capture worker finishes, on a core the other captures leave idle): the sha256 of the bytes
+    read, what ``accept_archive`` refused of them, and the program ``read_program`` read (None when refused or
+    unreadable; ``unreadable`` then says why). ``validate_core(read_ahead=...)`` uses it only where the
+    manifest's digest of the file is this one, so what it checks is the bytes the digest covers."""
+
+    sha256: str
+    refused: list[Violation]
+    program: object | None
+    unreadable: str | None = None
+
+
+def _where(variant: dict) -> str:
+    return f"variant {variant['name']}: {variant['graph']}"
+
+
+def read_ahead(path: Path, variant: dict) -> ReadAhead:
+    """Read ``variant``'s graph file at ``path`` once: its digest, the archive checks and the program, as
+    ``read_graph`` would."""
+    data = path.read_bytes()
+    refused, accepted = accept_archive(data, _where(variant))
+    program, unreadable = None, None
+    if not refused:
+        try:
+            program = read_program(accepted.document, accepted.members)
+        except ProgramReadError as exc:
+            unreadable = str(exc)
+    return ReadAhead(hashlib.sha256(data).hexdigest(), refused, program, unreadable)
+
+
 def _accepted_bytes(path: Path, variant: dict, sha256: str | None):
     """(where, violations, the file's bytes, what ``accept_archive`` read of them): the file read once, its digest
     compared (FILE-HASH) and the archive checked by our own reader, all on the very bytes that are then loaded."""
-    where = f"variant {variant['name']}: {variant['graph']}"
+    where = _where(variant)
     data = path.read_bytes()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         return where, [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, "
@@ -138,17 +171,28 @@ def check_graph(path: Path, variant: dict, sha256: str | None = None):
     return check_program(program, variant, where), program
 
 
-def read_graph(path: Path, variant: dict, sha256: str | None = None):
+def read_graph(path: Path, variant: dict, sha256: str | None = None, ahead: ReadAhead | None = None):
     """``check_graph`` as the runtime loads: the same archive checks and graph rules, with the program read by
     ``program_reader.read_program`` instead of ``torch.export.load`` (a ``StaticProgram``; GRAPH-LOAD names
-    what it could not read)."""
-    where, refused, _, accepted = _accepted_bytes(path, variant, sha256)
+    what it could not read). ``ahead``: the file as ``read_ahead`` read it, which the caller has matched to the
+    manifest's digest; the file is then not read again."""
+    where = _where(variant)
+    if ahead is not None:
+        if sha256 is not None and ahead.sha256 != sha256:
+            return [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, found {ahead.sha256}")], None
+        refused, program, unreadable = ahead.refused, ahead.program, ahead.unreadable
+    else:
+        where, refused, _, accepted = _accepted_bytes(path, variant, sha256)
+        program, unreadable = None, None
+        if not refused:
+            try:
+                program = read_program(accepted.document, accepted.members)
+            except ProgramReadError as exc:
+                unreadable = str(exc)
     if refused:
         return refused, None
-    try:
-        program = read_program(accepted.document, accepted.members)
-    except ProgramReadError as exc:
-        return [Violation("GRAPH-LOAD", where, f"the program cannot be read: {exc}")], None
+    if program is None:
+        return [Violation("GRAPH-LOAD", where, f"the program cannot be read: {unreadable}")], None
     return check_program(program, variant, where), program
 
 
