@@ -319,7 +319,7 @@ def main() -> None:
                         "1 x 2048)")
     parser.add_argument("--skip-long", action="store_true", help="skip the 1 x 2048 prefill (a second export)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and cores here")
-    parser.add_argument("--repeats", type=int, default=2, help="decode rows: best of this many runs of each side, the "
+    parser.add_argument("--repeats", type=int, default=3, help="decode rows: best of this many runs of each side, the "
                         "logprobs settings alternated; prefill rows: median of this many interleaved runs")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--compare-serial", action="store_true",
