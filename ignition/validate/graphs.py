@@ -136,13 +136,16 @@ def read_ahead(path: Path, variant: dict) -> ReadAhead:
     ``read_graph`` would."""
     data = path.read_bytes()
     refused, accepted = accept_archive(data, _where(variant))
-    program, unreadable = None, None
-    if not refused:
-        try:
-            program = read_program(accepted.document, accepted.members)
-        except ProgramReadError as exc:
-            unreadable = str(exc)
+    program, unreadable = (None, None) if refused else _program_of(accepted)
     return ReadAhead(hashlib.sha256(data).hexdigest(), refused, program, unreadable)
+
+
+def _program_of(accepted) -> tuple[object | None, str | None]:
+    """(the program ``read_program`` reads of an archive ``accept_archive`` accepted, None) or (None, why not)."""
+    try:
+        return read_program(accepted.document, accepted.members), None
+    except ProgramReadError as exc:
+        return None, str(exc)
 
 
 def _accepted_bytes(path: Path, variant: dict, sha256: str | None):
@@ -183,12 +186,7 @@ def read_graph(path: Path, variant: dict, sha256: str | None = None, ahead: Read
         refused, program, unreadable = ahead.refused, ahead.program, ahead.unreadable
     else:
         where, refused, _, accepted = _accepted_bytes(path, variant, sha256)
-        program, unreadable = None, None
-        if not refused:
-            try:
-                program = read_program(accepted.document, accepted.members)
-            except ProgramReadError as exc:
-                unreadable = str(exc)
+        program, unreadable = (None, None) if refused else _program_of(accepted)
     if refused:
         return refused, None
     if program is None:
