@@ -5,7 +5,7 @@
 embeddings), exports it with ``ignition export-core`` and prints, in one run against HF eager on
 the same checkpoint, prompts and threads:
 
-- export seconds (``export-core`` in its own process), ``load_core`` seconds (here, the first load after the
+- export seconds (``export-core`` in its own process; where they went, from the stage table it prints), ``load_core`` seconds (here, the first load after the
   export, and in ``FRESH_LOADS`` fresh processes one after another), each with the memory it faulted in and the
   host's rate of faulting in fresh memory right after it (``fault_seconds_per_gib``), and the peak RSS of a fresh
   process that only loads the core;
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -58,14 +59,41 @@ def make_checkpoint(directory: Path, layers: int, dtype: str) -> Path:
     return directory
 
 
-def export(checkpoint: Path, out: Path, dtype: str, extra: list[str]) -> float:
+def export(checkpoint: Path, out: Path, dtype: str, extra: list[str]) -> tuple[float, dict[str, float]]:
+    """``ignition export-core`` in its own process: (its wall seconds, the stage seconds it printed)."""
     command = [sys.executable, "-m", "ignition.cli", "export-core", str(checkpoint), "--recipe", "qwen3", "--out",
                str(out), "--dtype", dtype, "--overwrite", *extra]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return time.perf_counter() - started
+    return time.perf_counter() - started, export_stages(done.stdout + "\n" + done.stderr)  # the table goes to stderr
+
+
+_STAGE_LINE = re.compile(r"^  (\S.*?)\s+(\d+(?:\.\d+)?) s$")
+
+
+def export_stages(printed: str) -> dict[str, float]:
+    """The stage table ``export-core`` prints after ``exported ... in N s``: stage -> seconds."""
+    return {m.group(1): float(m.group(2)) for m in map(_STAGE_LINE.match, printed.splitlines()) if m}
+
+
+def export_cell(stages: dict[str, float]) -> str:
+    """Where an export's seconds went: the capture (its workers, its longest variant), the weights' write and the
+    validation."""
+    parts = []
+    capture = next(((name, seconds) for name, seconds in stages.items() if name.startswith("capture (")), None)
+    variants = {name.removeprefix("capture:"): seconds for name, seconds in stages.items()
+                if name.startswith("capture:")}
+    if capture is not None:
+        parts.append(f"{capture[0]} {capture[1]:.1f} s")
+    elif variants:
+        parts.append(f"capture {sum(variants.values()):.1f} s")
+    if variants:
+        longest = max(variants, key=variants.get)
+        parts.append(f"longest variant {longest} {variants[longest]:.1f} s")
+    parts += [f"{name} {stages[name]:.1f} s" for name in ("write:weights", "validate") if name in stages]
+    return "; ".join(parts)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -350,11 +378,11 @@ def main() -> None:
         slots = max(batches)
         if args.core is None:
             args.core = work / "core"
-            export_s = export(checkpoint, args.core, args.dtype,
+            export_s, stages = export(checkpoint, args.core, args.dtype,
                               ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640",
                                *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])])
         else:
-            export_s = float("nan")
+            export_s, stages = float("nan"), {}
         before = memory_counters()
         load_s, core = timed(lambda: load_core(args.core))
         faulted = faulted_gib(before)
@@ -363,7 +391,7 @@ def main() -> None:
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
         fresh = [fresh_load(args.core, args.threads) for _ in range(FRESH_LOADS)]
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
-                  "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", ""),
+                  "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", export_cell(stages)),
                  ("load_core (this process, the first load after the export)", f"{load_s:.1f} s", "",
                   load_cell(core.timings, faulted, rate))]
         rows += [(f"load_core in a fresh process, {ordinal} of {FRESH_LOADS}", f"{seconds:.1f} s", "",
@@ -431,7 +459,7 @@ def main() -> None:
         mismatches += decode_rows("", core)
         del core
         if not args.skip_prefill and not args.skip_long:
-            long_export = export(checkpoint, work / "core-long", args.dtype,
+            long_export, _ = export(checkpoint, work / "core-long", args.dtype,
                                  ["--capacities", "1", "--max-seq-len", "2112"])
             long_core = load_core(work / "core-long")
             batch = prompts(1, 2048)

@@ -55,3 +55,26 @@ def test_decode_rates_alternate_the_settings_and_subtract_the_one_token_baseline
     # best whole run minus best one-token run: (0.3 + 0.02) - 0.11 for off, (0.5 + 0.04) - 0.13 for logprobs 20
     assert abs(rates[None][0] - 4 / 0.21) < 1e-9 and abs(rates[20][0] - 4 / 0.41) < 1e-9
     assert rates[20][1] == [[20] * 5]
+
+
+PRINTED = """2026-12-04 00:31:13 export validate: /tmp/core
+exported /tmp/core in 53.6 s
+  digest sha256:dd36c6aba5e2765252c4a2a13880f0adcfe7cae2ad56a554d84ba2743821b765
+  build                            0.19 s
+  write:weights                    7.69 s
+  capture:packed.t256.c8          37.53 s
+  capture:decode.c1               12.04 s
+  capture (2 workers)             52.54 s
+  validate                         0.27 s
+"""
+
+
+def test_the_export_row_says_where_the_seconds_went():
+    stages = realsize.export_stages(PRINTED)
+    assert stages == {"build": 0.19, "write:weights": 7.69, "capture:packed.t256.c8": 37.53, "capture:decode.c1": 12.04,
+                      "capture (2 workers)": 52.54, "validate": 0.27}  # the digest line and the log lines are not stages
+    assert realsize.export_cell(stages) == ("capture (2 workers) 52.5 s; longest variant packed.t256.c8 37.5 s; "
+                                            "write:weights 7.7 s; validate 0.3 s")
+    serial = {"capture:decode.c1": 2.0, "capture:prefill.t256": 3.5, "validate": 1.0}  # no workers: their sum
+    assert realsize.export_cell(serial) == "capture 5.5 s; longest variant prefill.t256 3.5 s; validate 1.0 s"
+    assert realsize.export_cell({}) == ""  # --core: nothing exported
