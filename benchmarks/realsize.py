@@ -5,8 +5,9 @@
 embeddings), exports it with ``ignition export-core`` and prints, in one run against HF eager on
 the same checkpoint, prompts and threads:
 
-- export seconds (``export-core`` in its own process; where they went, from the stage table it prints), ``load_core`` seconds (here, the first load after the
-  export, and in ``FRESH_LOADS`` fresh processes one after another), each with the memory it faulted in and the
+- export seconds (``export-core`` in its own process; where they went, from the stage table it prints),
+  ``load_core`` seconds (here, the first load after the export, and in ``FRESH_LOADS`` fresh processes one after
+  another), each with the memory it faulted in and the
   host's rate of faulting in fresh memory right after it (``fault_seconds_per_gib``), and the peak RSS of a fresh
   process that only loads the core;
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);

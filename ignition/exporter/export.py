@@ -118,14 +118,15 @@ def export_core(options: ExportOptions, out: Path, *, overwrite: bool = False,
             timings["write:weights"] = time.perf_counter() - started
 
         ahead = {}  # graph file -> ReadAhead: each read as its worker saved it, while the others still capture
+        variants = {graph.variant.name: graph.variant for graph in build.graphs}
 
         def read_captured(name: str) -> None:
             from ignition.validate.graphs import read_ahead
-            variant = next(g.variant for g in build.graphs if g.variant.name == name)
+            variant = variants[name]
             try:
                 ahead[variant.graph_file] = read_ahead(staging / variant.graph_file, variant.to_json())
-            except Exception:  # noqa: BLE001  the validation then reads the file itself, and reports what fails
-                ahead.pop(variant.graph_file, None)
+            except Exception:  # noqa: BLE001  none kept: the validation reads the file itself, and reports what fails
+                pass
 
         if jobs > 1:  # each worker builds the recipe and saves its variants' .pt2 files (exporter/workers.py)
             started = time.perf_counter()

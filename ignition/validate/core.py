@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.model import MANIFEST_FILE
@@ -15,6 +16,9 @@ from ignition.validate.parallel import check_program, check_section, named_files
 from ignition.validate.report import Violation
 from ignition.validate.schema import parse_json, schema_violations
 from ignition.validate.signature import check_provenance
+
+if TYPE_CHECKING:  # graphs.py imports torch: loaded only where graphs are read
+    from ignition.validate.graphs import ReadAhead
 
 
 @dataclass(slots=True)
@@ -64,7 +68,7 @@ def _read_json(root: Path, rel: str, where: str, report: ValidationReport, data:
 def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest: str | None = None,
                   trusted_key=None, rank: int | None = None, hashed_by_caller: Collection[str] = (),
                   torch_load: bool = True, written: Mapping[str, str] | None = None,
-                  read_ahead: Mapping[str, object] | None = None) -> ValidationReport:
+                  read_ahead: Mapping[str, ReadAhead] | None = None) -> ValidationReport:
     """All findings for the core at ``path``; never raises for a bad core.
 
     ``expect_digest``: the core digest the caller expects (CORE-DIGEST). ``trusted_key``: an
@@ -101,7 +105,8 @@ def validate_core(path: str | Path, *, check_graphs: bool = True, expect_digest:
 
 def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_digest, trusted_key, rank,
               hashed_by_caller: frozenset[str] = frozenset(), torch_load: bool = True,
-              digested: dict[str, str] | None = None, ahead: dict | None = None) -> None:
+              digested: dict[str, str] | None = None, ahead: dict[str, ReadAhead] | None = None) -> None:
+    ahead = ahead or {}
     if not (root / MANIFEST_FILE).is_file():
         report.violations.append(Violation("CORE-MISSING", str(root), f"expected a core directory holding {MANIFEST_FILE}"))
         return
@@ -170,8 +175,8 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
                 graph_path, _ = safe_path(root, rel, variant["name"])
                 if graph_path is None or not graph_path.is_file() or rel in broken:
                     continue  # already reported as a file finding
-                found, program = load(graph_path, variant) if torch_load or rel not in (ahead or {}) else \
-                    read_graph(graph_path, variant, ahead=ahead[rel])
+                found, program = read_graph(graph_path, variant, ahead=ahead[rel]) if rel in ahead else \
+                    load(graph_path, variant)
                 report.violations += found
                 if program is not None:
                     report.violations += check_program(program, manifest, rel)

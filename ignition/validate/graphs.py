@@ -131,6 +131,10 @@ def _where(variant: dict) -> str:
     return f"variant {variant['name']}: {variant['graph']}"
 
 
+def _file_hash(variant: dict, expected: str, found: str) -> list[Violation]:
+    return [Violation("FILE-HASH", variant["graph"], f"expected sha256 {expected}, found {found}")]
+
+
 def read_ahead(path: Path, variant: dict) -> ReadAhead:
     """Read ``variant``'s graph file at ``path`` once: its digest, the archive checks and the program, as
     ``read_graph`` would."""
@@ -153,9 +157,8 @@ def _accepted_bytes(path: Path, variant: dict, sha256: str | None):
     compared (FILE-HASH) and the archive checked by our own reader, all on the very bytes that are then loaded."""
     where = _where(variant)
     data = path.read_bytes()
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        return where, [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, "
-                                                                f"found {hashlib.sha256(data).hexdigest()}")], None, None
+    if sha256 is not None and (found := hashlib.sha256(data).hexdigest()) != sha256:
+        return where, _file_hash(variant, sha256, found), None, None
     refused, accepted = accept_archive(data, where)
     return where, refused, data, accepted
 
@@ -182,7 +185,7 @@ def read_graph(path: Path, variant: dict, sha256: str | None = None, ahead: Read
     where = _where(variant)
     if ahead is not None:
         if sha256 is not None and ahead.sha256 != sha256:
-            return [Violation("FILE-HASH", variant["graph"], f"expected sha256 {sha256}, found {ahead.sha256}")], None
+            return _file_hash(variant, sha256, ahead.sha256), None
         refused, program, unreadable = ahead.refused, ahead.program, ahead.unreadable
     else:
         where, refused, _, accepted = _accepted_bytes(path, variant, sha256)
