@@ -34,14 +34,14 @@ and ``scaled_dot_product_attention`` reads it in place.
   attention softmaxes rows as long as its forward's keys (a decode step's context, a prompt's length), while ours
   are as long as the key window (32-position granules), so a forward over fewer than ``SHORT_ROW`` keys would sum
   its probabilities in another order: 1 in 20,000 BF16 probabilities rounded differently, which flipped a greedy
-  token of the Qwen3-0.6B-shaped BF16 checkpoint at its 14th step. Such a group's rows attend over their slot's
-  first ``SHORT_ROW - 1`` cached positions instead (``brief_keys``, ``AttentionPlan.short``), a row ATen softmaxes
-  in the order transformers' rows take; the choice is each group's own (its valid rows' last position), so a lane's
-  bits never depend on the other lanes' contexts, and a verify row's its own (``Rows.row_forwards``: the decode step
-  at its position, whose bits speculation must keep). Every row runs both (the brief products are 15 keys wide) and
-  the choice is made on the products' outputs, so no window-wide score row is padded, copied or selected: a BF16
-  prefill of 8 x 512 tokens at Qwen3-0.6B's width spent about 0.7 s of 14 s doing that when the short softmax ran
-  on a padded copy of the window's scores.
+  token of the Qwen3-0.6B-shaped BF16 checkpoint at its 14th step. Such a group's rows take the softmax of their
+  first ``SHORT_ROW - 1`` keys (``AttentionPlan.short``), the order transformers' rows take; the choice is each
+  group's own (its valid rows' last position), so a lane's bits never depend on the other lanes' contexts, and a
+  verify row's its own (``Rows.row_forwards``: the decode step at its position, whose bits speculation must keep).
+  Packed prompt chunks do it by rows instead (``PackedPlan``): a lane whose forward is that short has at most
+  ``brief_keys`` rows, so each lane's first ``brief_keys`` rows also attend over the slot's first ``brief_keys``
+  positions, and its packed rows take those; its other rows never pad, copy or select a window-wide score row
+  (a BF16 prefill of 8 x 512 tokens at Qwen3-0.6B's width spent about 0.5 s of 13.5 s doing that for every row).
   A prompt cut into chunks shorter than ``SHORT_ROW`` rows (``--chunk-limit`` below 16) is the exception: its first
   chunk ends before 16 keys and sums the short way, while transformers' rows span the whole prompt.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
@@ -78,9 +78,6 @@ class AttentionPlan:
     # BF16/FP16 [G, 1, share * R/G, 1]: True where the row's forward (its group's, or with ``Rows.row_forwards`` its
     # own) covers fewer than SHORT_ROW keys
     short: torch.Tensor | None = None
-    # BF16/FP16 [G, 1, share * R/G, brief_keys]: ``mask`` over the cache's first ``brief_keys`` positions, for ``short``
-    brief_mask: torch.Tensor | None = None
-    brief_keys: int = 0  # BF16/FP16: the positions a short forward's softmax covers (``brief_keys``), static
     views: dict = field(default_factory=dict, compare=False, repr=False)  # ``_windows``: each cache's, once a forward
     slot_ordered: bool = False  # the rows are in slot order (``in_slot_order``): row r attends at slot r, in place
 
@@ -122,8 +119,9 @@ def short_forwards(extent: torch.Tensor) -> torch.Tensor:
 
 
 def brief_keys(max_seq_len: int) -> int:
-    """The cached positions a short forward's rows attend over: the first ``SHORT_ROW - 1`` (every key a short
-    forward has, and a softmax row ATen still sums one element after another), or the whole cache when shorter."""
+    """The cached positions a packed lane's short forward attends over (``PackedPlan``): the first ``SHORT_ROW - 1``
+    (every key such a forward has, and a softmax row ATen sums one element after another), or the whole cache when
+    shorter."""
     return min(SHORT_ROW - 1, max_seq_len)
 
 
@@ -155,17 +153,14 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
         placement = _placement(rows, slots, read)
         positions = positions.index_select(0, placement)  # [read, R/G]; the first live group's at empty slots
     mask = causal_mask(window, positions, share, dtype)
-    short = brief_mask = None
-    brief = brief_keys(max_seq_len)
+    short = None
     if gathered:  # each row's forward: its own (a verify row), or its group's valid rows' last position + 1
         extent = positions + 1 if rows.row_forwards else \
             rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1, keepdim=True) + 1
         # [G, R/G] in the mask's row order (head share, then row)
         short = short_forwards(extent.expand(groups, per_group)).repeat(1, share).view(groups, 1, share * per_group, 1)
-        brief_mask = causal_mask(torch.arange(brief, device=device), positions, share, dtype)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
-                         placement=placement, per_lane=per_lane, mask=mask, read=read, short=short,
-                         brief_mask=brief_mask, brief_keys=brief)
+                         placement=placement, per_lane=per_lane, mask=mask, read=read, short=short)
 
 
 def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -178,12 +173,6 @@ def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         in_place = plan.placement is not None or plan.slot_ordered
         plan.views[id(cache)] = view.narrow(1, 0, plan.read) if in_place else view
     return plan.views[id(cache)]
-
-
-def _brief_windows(cache: torch.Tensor, keys: int) -> torch.Tensor:
-    """``cache [layers, num_slots, T, kv_heads, head_dim]`` as ``[layers, num_slots, kv_heads, keys, head_dim]``: a
-    view of the first ``keys`` positions, the keys a short forward's rows attend over (``_eager_low_precision``)."""
-    return cache.transpose(2, 3).narrow(3, 0, keys)
 
 
 def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
@@ -212,12 +201,8 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     elif plan.slot_ordered:  # group r is slot r's: in place over the first read slots, nothing placed or picked
         attended = _attend(grouped, keys, values, plan.mask)
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
-        brief = None
-        if plan.short is not None:  # the same slots' first positions, for rows of short forwards: [G, kv_heads, 15, D]
-            brief = Brief(*(_brief_windows(cache, plan.brief_keys)[layer].index_select(0, plan.slots)
-                            for cache in (key_cache, value_cache)), plan.brief_mask, plan.short)
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
-                           brief=brief)
+                           short=plan.short)
     else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
         grouped = grouped.index_select(0, plan.placement)  # the keys and values: the first read slots (_windows)
         attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
@@ -236,30 +221,18 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
     return torch.zeros(hidden.shape, dtype=dtype, device=window.device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
-@dataclass(frozen=True, slots=True)
-class Brief:
-    """What the rows of short forwards attend over instead (BF16/FP16, ``_eager_low_precision``): the first
-    ``brief_keys`` cached positions of each batch entry's slot (``keys``, ``values`` ``[B, kv_heads, brief, D]``),
-    the causal mask over them (``hidden [B, 1, M, brief]``, True: masked) and the rows that take them (``short``,
-    broadcast against ``[B, kv_heads, M, D]``)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    hidden: torch.Tensor
-    short: torch.Tensor
-
-
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            per_head: bool = False, brief: Brief | None = None) -> torch.Tensor:
-    """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``brief``: see
+            per_head: bool = False, short: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``short``: see
     ``_eager_low_precision``); ``mask`` from ``causal_mask``."""
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return _eager_low_precision(query, keys, values, mask, per_head, brief)
+    return _eager_low_precision(query, keys, values, mask, per_head, short)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         hidden: torch.Tensor, per_head: bool = False, brief: Brief | None = None) -> torch.Tensor:
+                         hidden: torch.Tensor, per_head: bool = False,
+                         short: torch.Tensor | None = None) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
@@ -267,45 +240,47 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
     ``values`` (``cached_attention``'s window copies), a dozen graph nodes a layer; ``per_head`` (packed prefill):
     one batched product per KV head, the shape transformers' own products take there (a merged product of 64
     against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
-    ``brief``: the rows of short forwards attend over their slot's first ``brief_keys`` positions instead, a
-    softmax row ATen sums one element after another as transformers' row over the forward's keys is (the module's
-    note); every row computes both and ``brief.short`` picks, after the products, so the window-wide scores are
-    never copied or selected. ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]``
+    ``short`` (broadcast against ``[B, 1, M, 1]``): the rows that softmax as transformers' short forwards do
+    (``_softmax_in_order``). ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]``
     (True: masked) -> ``[B, kv, M, D]``.
     """
     if not per_head:
-        return _eager_brief(query, keys, values, hidden, brief)
-    heads = [_eager_brief(query[:, head:head + 1], keys[:, head:head + 1], values[:, head:head + 1], hidden,
-                          None if brief is None else Brief(brief.keys[:, head:head + 1], brief.values[:, head:head + 1],
-                                                           brief.hidden, brief.short))
-             for head in range(query.shape[1])]
-    return torch.cat(heads, dim=1)
+        return _eager_product(query, keys, values, hidden, short)
+    return torch.cat([_eager_product(query[:, head:head + 1], keys[:, head:head + 1], values[:, head:head + 1],
+                                     hidden, short) for head in range(query.shape[1])], dim=1)
 
 
-def _eager_brief(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
-                 brief: Brief | None) -> torch.Tensor:
-    """``_eager_product`` over the window, and where ``brief.short``, over ``brief``'s keys instead."""
-    attended = _eager_product(query, keys, values, hidden)
-    if brief is None:
-        return attended
-    return torch.where(brief.short, _eager_product(query, brief.keys, brief.values, brief.hidden), attended)
-
-
-def _eager_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   hidden: torch.Tensor) -> torch.Tensor:
+def _eager_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                   short: torch.Tensor | None) -> torch.Tensor:
     """Transformers' ``eager_attention_forward`` in one batched product each way over the batch and KV-head dims:
     the scores in the model dtype scaled, masked at the dtype's minimum (transformers adds its mask, whose zeros
-    leave every visible score's bits and whose minimum softmaxes to zero as ours does), softmaxed in FP32 and
-    rounded back. ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``, ``hidden [B, 1, M, W]``."""
+    leave every visible score's bits and whose minimum softmaxes to zero as ours does), softmaxed in FP32
+    (``_softmax_in_order``) and rounded back. ``query [B, kv, M, D]``, ``keys``/``values [B, kv, W, D]``,
+    ``hidden [B, 1, M, W]``."""
     batch, kv_heads, rows, head_dim = query.shape
     window = keys.shape[2]
     scores = torch.bmm(query.reshape(batch * kv_heads, rows, head_dim),
                        keys.reshape(batch * kv_heads, window, head_dim).transpose(1, 2)) * head_dim ** -0.5
     scores = scores.view(batch, kv_heads, rows, window).masked_fill(hidden, torch.finfo(query.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, kv, M, W]
+    probs = _softmax_in_order(scores, short).to(query.dtype)  # [B, kv, M, W]
     attended = torch.bmm(probs.view(batch * kv_heads, rows, window),
                          values.reshape(batch * kv_heads, window, head_dim))  # [B * kv, M, D]
     return attended.view(batch, kv_heads, rows, head_dim)
+
+
+def _softmax_in_order(scores: torch.Tensor, short: torch.Tensor | None) -> torch.Tensor:
+    """FP32 softmax over the last dim of ``scores [..., W]`` (masked keys at their dtype's minimum); where ``short``
+    (broadcast against the leading dims), the softmax of the first ``SHORT_ROW - 1`` keys, zeros after them: a
+    row that short sums one element after another, as transformers' row over its short forward's keys does (the
+    keys past the forward are masked, so nothing is dropped). Padded to ``W + SHORT_ROW`` keys first, so any
+    window of at least one key has them."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if short is None:
+        return probs
+    window = scores.shape[-1]
+    brief = F.pad(scores, (0, SHORT_ROW), value=torch.finfo(scores.dtype).min).narrow(-1, 0, SHORT_ROW - 1)
+    brief = F.pad(torch.softmax(brief, dim=-1, dtype=torch.float32), (0, window + 1)).narrow(-1, 0, window)
+    return torch.where(short, brief, probs)
 
 
 def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -325,6 +300,72 @@ def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     return empty.index_put_((slots.index_select(0, source),), source)
 
 
+@dataclass(frozen=True, slots=True)
+class PackedPlan:
+    """The layer-independent part of ``packed_attention`` for one forward's packed rows, made once a forward
+    (``_packed_plan``): lane b's segment regrouped as rows ``b * E + j`` (E: the segment window's extent)."""
+
+    slots: torch.Tensor  # int64 [B]: each lane's read slot, clamped into range
+    window: int  # W keys read, [0, W)
+    source: torch.Tensor  # int64 [B, E]: the packed row of each lane's row j (clamped: rows past a segment are junk)
+    mask: torch.Tensor  # [B, 1, share * E, W]: ``causal_mask`` of each lane's rows
+    gather: torch.Tensor  # int64 [R]: each packed row's row in the regrouped rows (then the brief ones, BF16/FP16)
+    # BF16/FP16: each lane's first ``brief_keys`` rows (``source``'s form) and their mask over the slot's first
+    # ``brief_keys`` positions, which a short forward's rows attend over instead (the module's note)
+    brief_source: torch.Tensor | None = None
+    brief_mask: torch.Tensor | None = None
+    brief_keys: int = 0
+
+
+def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
+                 dtype: torch.dtype) -> PackedPlan:
+    """``packed_attention``'s plan for ``rows``, made by the forward's first layer and kept in ``rows.plans``.
+
+    A packed row's regrouped row is ``b * E + j`` (lane b, its row j). With BF16/FP16 each lane's regrouped rows
+    are followed by its ``brief_keys`` brief rows (``b * (E + F) + E + j``), which a row of a short forward (a lane
+    whose segment ends before ``SHORT_ROW`` keys: its rows are at most its first F) takes instead."""
+    if "packed" in rows.plans:
+        return rows.plans["packed"]
+    segments = rows.segments
+    device = rows.positions.device
+    lanes, extent = segments.starts.shape[0], segments.extent.shape[0]
+    window = key_positions(rows, max_seq_len, device)  # [W]: 0..W-1
+    local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
+    source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
+    mask = causal_mask(window, segments.starts.unsqueeze(1) + local.unsqueeze(0), share, dtype)  # [B, 1, share*E, W]
+    slots = rows.read_slots.clamp(0, num_slots - 1)
+    if dtype == torch.float32:
+        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source)
+    else:
+        first = brief_keys(max_seq_len)
+        head = torch.arange(first, device=device)  # [F]: 0..F-1
+        lane = segments.row_lanes  # [R]
+        row = rows.positions - segments.starts.index_select(0, lane)  # [R]: each packed row's index in its segment
+        take = short_forwards(segments.starts + segments.lengths).index_select(0, lane) & (row < first)
+        regrouped = torch.where(take, row + extent, row.clamp(0, extent - 1))  # past a segment: junk, in range
+        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask,
+                          gather=lane * (extent + first) + regrouped,
+                          brief_source=(segments.offsets.unsqueeze(1) + head.unsqueeze(0)).clamp(0, num_rows - 1),
+                          brief_mask=causal_mask(head, segments.starts.unsqueeze(1) + head.unsqueeze(0), share, dtype),
+                          brief_keys=first)
+    rows.plans["packed"] = plan
+    return plan
+
+
+def _lane_rows(query: torch.Tensor, source: torch.Tensor, kv_heads: int, share: int) -> torch.Tensor:
+    """The packed ``query [R, heads, D]`` rows ``source [B, E]`` as ``[B, kv_heads, share * E, D]``: row
+    ``s * E + j`` is head (kv, s) of lane b's row j."""
+    lanes, extent = source.shape
+    grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, query.shape[-1])
+    return grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, query.shape[-1])
+
+
+def _lane_outputs(attended: torch.Tensor, share: int, extent) -> torch.Tensor:
+    """``attended [B, kv_heads, share * E, D]`` (``_lane_rows``' order) as a ``[B, E, kv_heads, share, D]`` view."""
+    lanes, kv_heads, _, head_dim = attended.shape
+    return attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
+
+
 def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      rows: Rows) -> torch.Tensor:
     """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
@@ -333,33 +374,24 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     ``rows.read_slots[b]``, exactly as a prefill chunk does: its slot's window is copied once for all its rows
     (one slot's cells per lane, never the cache), its rows are regrouped as ``[lanes, kv_heads, groups * E,
     head_dim]`` (E: the segment window's extent) and one batched attention call runs every lane with the same
-    per-row mask and kernel as ``cached_attention``'s chunk path. Rows past a segment's length (the next
-    segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row order.
+    per-row mask and kernel as ``cached_attention``'s chunk path. With BF16/FP16 each lane's first ``brief_keys``
+    rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
+    (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
+    (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
+    order.
     """
-    segments = rows.segments
     num_rows, heads, head_dim = query.shape
     num_slots, max_seq_len, kv_heads, _ = key_cache.shape
-    lanes, share = rows.read_slots.shape[0], heads // kv_heads
-    extent = segments.extent.shape[0]
-    window = key_positions(rows, max_seq_len, query.device)  # [W]: 0..W-1
-    slots = rows.read_slots.clamp(0, num_slots - 1)
-    keys = key_cache.transpose(1, 2).narrow(2, 0, window.shape[0]).index_select(0, slots)  # [B, kv_heads, W, D]
-    values = value_cache.transpose(1, 2).narrow(2, 0, window.shape[0]).index_select(0, slots)
-    local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
-    source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
-    # [B * E, heads, D] -> [B, kv_heads, share * E, D]; row s * E + j is head (kv, s) of the segment's row j
-    grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, head_dim)
-    grouped = grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, head_dim)
-    positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    mask = causal_mask(window, positions, share, query.dtype)
-    brief = None  # BF16/FP16: a lane's forward ends at its segment's end
-    if query.dtype != torch.float32:
-        first = brief_keys(max_seq_len)
-        brief = Brief(*(_brief_windows(cache[None], first)[0].index_select(0, slots) for cache in (key_cache,
-                                                                                                value_cache)),
-                      causal_mask(torch.arange(first, device=query.device), positions, share, query.dtype),
-                      short_forwards(segments.starts + segments.lengths).view(-1, 1, 1, 1))
-    attended = _attend(grouped, keys, values, mask, per_head=True, brief=brief)  # [B, kv, share * E, D]
-    attended = attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
-    attended = attended.reshape(lanes * extent, heads * head_dim)  # [B * E, heads * D]: row b * E + j
-    return attended.index_select(0, segments.row_source)  # [R, heads * head_dim]
+    share = heads // kv_heads
+    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype)
+    keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
+    values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
+    attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True)
+    outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
+    if plan.brief_source is not None:  # each lane's first F rows over the slot's first F positions: [B, F, kv, share, D]
+        brief_keys_, brief_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
+                                     for cache in (key_cache, value_cache))  # [B, kv_heads, F, D]
+        brief = _eager_low_precision(_lane_rows(query, plan.brief_source, kv_heads, share), brief_keys_,
+                                     brief_values, plan.brief_mask, per_head=True)
+        outputs = torch.cat([outputs, _lane_outputs(brief, share, plan.brief_keys)], dim=1)  # [B, E + F, kv, share, D]
+    return outputs.reshape(-1, heads * head_dim).index_select(0, plan.gather)  # [R, heads * head_dim]

@@ -128,6 +128,7 @@ class Rows:
     slot_ordered: bool = False  # row r is slot r's (``in_slot_order``): every row, valid or not, its own cell
     writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
     scalars: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # ``scalar``'s tensors
+    plans: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # attention's, once a forward
 
     def scalar(self, value: float) -> torch.Tensor:
         """``value`` as a 0-dim FP32 tensor on the rows' device, made once per forward (``rms_norm``)."""
