@@ -328,7 +328,7 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
         return rows.plans["packed"]
     segments = rows.segments
     device = rows.positions.device
-    lanes, extent = segments.starts.shape[0], segments.extent.shape[0]
+    extent = segments.extent.shape[0]
     window = key_positions(rows, max_seq_len, device)  # [W]: 0..W-1
     local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
     source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
@@ -360,7 +360,7 @@ def _lane_rows(query: torch.Tensor, source: torch.Tensor, kv_heads: int, share: 
     return grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, query.shape[-1])
 
 
-def _lane_outputs(attended: torch.Tensor, share: int, extent) -> torch.Tensor:
+def _lane_outputs(attended: torch.Tensor, share: int, extent: int) -> torch.Tensor:
     """``attended [B, kv_heads, share * E, D]`` (``_lane_rows``' order) as a ``[B, E, kv_heads, share, D]`` view."""
     lanes, kv_heads, _, head_dim = attended.shape
     return attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
@@ -388,10 +388,10 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
     attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True)
     outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
-    if plan.brief_source is not None:  # each lane's first F rows over the slot's first F positions: [B, F, kv, share, D]
-        brief_keys_, brief_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
+    if plan.brief_source is not None:  # each lane's first F rows over its slot's first F keys: [B, F, kv, share, D]
+        first_keys, first_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
                                      for cache in (key_cache, value_cache))  # [B, kv_heads, F, D]
-        brief = _eager_low_precision(_lane_rows(query, plan.brief_source, kv_heads, share), brief_keys_,
-                                     brief_values, plan.brief_mask, per_head=True)
+        brief = _eager_low_precision(_lane_rows(query, plan.brief_source, kv_heads, share), first_keys,
+                                     first_values, plan.brief_mask, per_head=True)
         outputs = torch.cat([outputs, _lane_outputs(brief, share, plan.brief_keys)], dim=1)  # [B, E + F, kv, share, D]
     return outputs.reshape(-1, heads * head_dim).index_select(0, plan.gather)  # [R, heads * head_dim]
