@@ -213,6 +213,33 @@ def test_packed_attention_equals_each_chunk_alone(dtype, heads, kv_heads, head_d
     assert packed.positions[:6].tolist() == [0, 1, 2, 3, 4, 16] and packed.write_slots[44:47].tolist() == [0, 5, 5]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_eight_short_lanes_equal_each_chunk_alone(dtype):
+    """Eight lanes whose forwards all end before 16 keys, at Qwen3-0.6B's attention width: each lane's rows (which
+    take the brief rows, ``PackedPlan``, from one product over every lane and KV head) equal its chunk's through
+    ``cached_attention`` (the padded in-order softmax), bit for bit."""
+    heads, kv_heads, head_dim, window = 16, 8, 128, 32
+    for trial in range(10):
+        generator = torch.Generator().manual_seed(trial)
+        lengths = torch.randint(1, 16, (8,), generator=generator).tolist()
+        keys, values = (torch.randn(8, 64, kv_heads, head_dim, generator=generator).to(dtype) for _ in range(2))
+        rows = -(-sum(lengths) // 16) * 16
+        query = torch.randn(rows, heads, head_dim, generator=generator).to(dtype)
+        packed = Rows.packed(rows, torch.zeros(8, dtype=torch.int64), torch.tensor(lengths), torch.arange(8),
+                             torch.zeros(16, dtype=torch.int64), torch.zeros(window, dtype=torch.int64))
+        out = packed_attention(query, keys, values, packed)
+        offset = 0
+        for slot, length in enumerate(lengths):
+            chunk = torch.zeros(16, heads, head_dim, dtype=dtype)
+            chunk[:length] = query[offset:offset + length]
+            alone = Rows.prefill(16, torch.tensor([0]), torch.tensor([length]), torch.tensor([slot]),
+                                 torch.zeros(window, dtype=torch.int64))
+            plan = plan_attention(alone, keys.shape[0], keys.shape[1], heads // kv_heads, dtype)
+            expected = cached_attention(chunk, keys[None], values[None], 0, plan)[:length]
+            assert torch.equal(out[offset:offset + length], expected), f"trial {trial}, lane {slot} of {lengths}"
+            offset += length
+
+
 def test_a_packed_round_copies_each_lanes_window_once_and_no_cache(core):
     """Attention reads each lane's window (one key-window granule of the 128 cached positions) once; no op copies
     more than those windows."""

@@ -38,7 +38,7 @@ and ``scaled_dot_product_attention`` reads it in place.
   first ``SHORT_ROW - 1`` keys (``AttentionPlan.short``), the order transformers' rows take; the choice is each
   group's own (its valid rows' last position), so a lane's bits never depend on the other lanes' contexts, and a
   verify row's its own (``Rows.row_forwards``: the decode step at its position, whose bits speculation must keep).
-  Packed prompt chunks do it by rows instead (``PackedPlan``): a lane whose forward is that short has at most
+  Packed BF16 prompt chunks do it by rows instead (``PackedPlan``): a lane whose forward is that short has at most
   ``brief_keys`` rows, so each lane's first ``brief_keys`` rows also attend over the slot's first ``brief_keys``
   positions, and its packed rows take those; its other rows never pad, copy or select a window-wide score row
   (a BF16 prefill of 8 x 512 tokens at Qwen3-0.6B's width spent about 0.5 s of 13.5 s doing that for every row).
@@ -310,20 +310,24 @@ class PackedPlan:
     source: torch.Tensor  # int64 [B, E]: the packed row of each lane's row j (clamped: rows past a segment are junk)
     mask: torch.Tensor  # [B, 1, share * E, W]: ``causal_mask`` of each lane's rows
     gather: torch.Tensor  # int64 [R]: each packed row's row in the regrouped rows (then the brief ones, BF16/FP16)
-    # BF16/FP16: each lane's first ``brief_keys`` rows (``source``'s form) and their mask over the slot's first
+    # BF16: each lane's first ``brief_keys`` rows (``source``'s form) and their mask over the slot's first
     # ``brief_keys`` positions, which a short forward's rows attend over instead (the module's note)
     brief_source: torch.Tensor | None = None
     brief_mask: torch.Tensor | None = None
     brief_keys: int = 0
+    short: torch.Tensor | None = None  # FP16 [B, 1, 1, 1]: the lanes whose forward is short (``_softmax_in_order``)
 
 
 def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
                  dtype: torch.dtype) -> PackedPlan:
     """``packed_attention``'s plan for ``rows``, made by the forward's first layer and kept in ``rows.plans``.
 
-    A packed row's regrouped row is ``b * E + j`` (lane b, its row j). With BF16/FP16 each lane's regrouped rows
-    are followed by its ``brief_keys`` brief rows (``b * (E + F) + E + j``), which a row of a short forward (a lane
-    whose segment ends before ``SHORT_ROW`` keys: its rows are at most its first F) takes instead."""
+    A packed row's regrouped row is ``b * E + j`` (lane b, its row j). With BF16 each lane's regrouped rows are
+    followed by its ``brief_keys`` brief rows (``b * (E + F) + E + j``), which a row of a short forward (a lane whose
+    segment ends before ``SHORT_ROW`` keys: its rows are at most its first F) takes instead. FP16 lanes softmax
+    every row of a short forward in order over the window, as ``cached_attention`` does: FP16 products over 15 keys
+    rounded some rows differently from the chunk's over the window (``tests/test_packed_prefill.py``), so the packed
+    rows would not be the serial ones."""
     if "packed" in rows.plans:
         return rows.plans["packed"]
     segments = rows.segments
@@ -334,14 +338,17 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
     source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
     mask = causal_mask(window, segments.starts.unsqueeze(1) + local.unsqueeze(0), share, dtype)  # [B, 1, share*E, W]
     slots = rows.read_slots.clamp(0, num_slots - 1)
-    if dtype == torch.float32:
-        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source)
+    ends = None if dtype == torch.float32 else segments.starts + segments.lengths  # [B]: each lane's forward's keys
+    if dtype != torch.bfloat16:
+        short = None if ends is None else short_forwards(ends).view(-1, 1, 1, 1)
+        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source,
+                          short=short)
     else:
         first = brief_keys(max_seq_len)
         head = torch.arange(first, device=device)  # [F]: 0..F-1
         lane = segments.row_lanes  # [R]
         row = rows.positions - segments.starts.index_select(0, lane)  # [R]: each packed row's index in its segment
-        take = short_forwards(segments.starts + segments.lengths).index_select(0, lane) & (row < first)
+        take = short_forwards(ends).index_select(0, lane) & (row < first)
         regrouped = torch.where(take, row + extent, row.clamp(0, extent - 1))  # past a segment: junk, in range
         plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask,
                           gather=lane * (extent + first) + regrouped,
@@ -374,7 +381,7 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     ``rows.read_slots[b]``, exactly as a prefill chunk does: its slot's window is copied once for all its rows
     (one slot's cells per lane, never the cache), its rows are regrouped as ``[lanes, kv_heads, groups * E,
     head_dim]`` (E: the segment window's extent) and one batched attention call runs every lane with the same
-    per-row mask and kernel as ``cached_attention``'s chunk path. With BF16/FP16 each lane's first ``brief_keys``
+    per-row mask and kernel as ``cached_attention``'s chunk path. With BF16 each lane's first ``brief_keys``
     rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
     (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
     (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
@@ -386,7 +393,8 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype)
     keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
     values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
-    attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True)
+    attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True,
+                       short=plan.short)
     outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
     if plan.brief_source is not None:  # each lane's first F rows over its slot's first F keys: [B, F, kv, share, D]
         first_keys, first_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
