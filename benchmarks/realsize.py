@@ -15,7 +15,7 @@ the same checkpoint, prompts and threads:
   minus the time of 1, so prefill is not counted, after one untimed run at each batch; the settings alternated
   ``--repeats`` rounds, the best run of each; HF does ``generate`` + ``log_softmax`` + ``topk``);
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
-  steps) at each batch, logprobs 5;
+  steps) at each batch, logprobs 5, ours and HF's own (``hf_step_profile``);
 - that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
   measured and whether it is met.
 
@@ -239,6 +239,46 @@ def step_profile(core, prompts: list[list[int]], logprobs: int | None,
     return shares, walls
 
 
+def hf_step_profile(model, prompts: list[list[int]], logprobs: int,
+                    steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[list[int]]]:
+    """``steps`` of HF's own decode of ``prompts``, each under its own torch.profiler, as ``step_profile`` measures
+    ours: one forward of a token per sequence over its cache (with the attention mask and cache positions
+    ``generate`` passes), then ``log_softmax`` and ``topk``, after the prompt and 3 unprofiled steps. Returns the
+    matrix products' share of each step's operator self time, each step's wall ms, and the greedy tokens (the
+    prompt's, then every step's: ``generate``'s first ``4 + steps``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.tensor(prompts)
+    batch, length = ids.shape
+    shares, walls = [], []
+    with torch.no_grad():
+        out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens = [token]
+        for step in range(3 + steps):
+            position = length + step
+
+            def forward(token=token, position=position):
+                logits = model(token, cache=cache, use_cache=True, logits_to_keep=1,
+                               attention_mask=torch.ones(batch, position + 1, dtype=torch.long),
+                               cache_position=torch.tensor([position])).logits[:, -1]
+                torch.log_softmax(logits.float(), dim=-1).topk(logprobs, dim=-1)
+                return logits.argmax(-1, keepdim=True)
+
+            if step < 3:
+                token = forward()
+                tokens.append(token)
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as trace:
+                wall, token = timed(forward)
+            tokens.append(token)
+            events = trace.key_averages()
+            shares.append(sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
+                          / sum(e.self_cpu_time_total for e in events))
+            walls.append(wall * 1e3)
+    return shares, walls, torch.cat(tokens, dim=1).tolist()
+
+
 def stages(timings: dict[str, float]) -> str:
     """``LoadedCore.timings`` as one cell: the seconds of each load stage."""
     return ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in timings.items())
@@ -447,11 +487,14 @@ def main() -> None:
                                  f"{rate_ours:.2f} tok/s", f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
                 if not label:
                     shares, walls = step_profile(loaded, batch, 5)
+                    hf_shares, hf_walls, _ = hf_step_profile(model, batch, 5)
                     matrix_shares[size] = statistics.median(shares)
                     rows.append((f"decode batch {size}, logprobs 5: {len(shares)} steps under torch.profiler, median",
-                                 f"{statistics.median(walls):.0f} ms", "",
+                                 f"{statistics.median(walls):.0f} ms", f"{statistics.median(hf_walls):.0f} ms",
                                  f"matrix products {100 * matrix_shares[size]:.1f}% of operator time "
-                                 f"({100 * min(shares):.1f}-{100 * max(shares):.1f}%)"))
+                                 f"({100 * min(shares):.1f}-{100 * max(shares):.1f}%); HF's own "
+                                 f"{100 * statistics.median(hf_shares):.1f}% "
+                                 f"({100 * min(hf_shares):.1f}-{100 * max(hf_shares):.1f}%)"))
             return differing
 
         rates: dict[tuple[int, int | None], tuple[float, float]] = {}  # (batch, logprobs) -> (ours, HF) tok/s

@@ -78,3 +78,21 @@ def test_the_export_row_says_where_the_seconds_went():
     serial = {"capture:decode.c1": 2.0, "capture:prefill.t256": 3.5, "validate": 1.0}  # no workers: their sum
     assert realsize.export_cell(serial) == "capture 5.5 s; longest variant prefill.t256 3.5 s; validate 1.0 s"
     assert realsize.export_cell({}) == ""  # --core: nothing exported
+
+
+def test_hf_step_profile_profiles_the_steps_generate_takes():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    model = Qwen3ForCausalLM(config).eval()
+    prompts = [[3, 14, 15, 92], [6, 5, 35, 89]]
+    shares, walls, tokens = realsize.hf_step_profile(model, prompts, logprobs=5, steps=2)
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(prompts), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)[:, 4:].tolist()
+    assert tokens == expected
+    assert len(shares) == len(walls) == 2
+    assert all(0.0 < share < 1.0 for share in shares) and all(wall > 0.0 for wall in walls)
