@@ -15,7 +15,7 @@ the same checkpoint, prompts and threads:
   minus the time of 1, so prefill is not counted, after one untimed run at each batch; the settings alternated
   ``--repeats`` rounds, the best run of each; HF does ``generate`` + ``log_softmax`` + ``topk``);
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
-  steps) at each batch, logprobs 5, ours and HF's own (``hf_step_profile``);
+  steps) at each batch, logprobs 5, and every other operator's self ms, ours and HF's own (``hf_step_profile``);
 - that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
   measured and whether it is met.
 
@@ -203,6 +203,12 @@ def warmed_engine(core, requests):
     return engine
 
 
+def operator_split(events) -> tuple[float, float]:
+    """A profile's operator self time in ms: (the matrix products', every other operator's)."""
+    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
+    return products / 1e3, (sum(e.self_cpu_time_total for e in events) - products) / 1e3
+
+
 def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, float]:
     """One ``engine.step`` under torch.profiler: (its operator events, by input shape with ``record_shapes``; the
     step's wall seconds; the matrix products' share of its operator self time)."""
@@ -211,9 +217,8 @@ def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, f
     with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
         wall, _ = timed(engine.step)
     events = trace.key_averages(group_by_input_shape=record_shapes)
-    total = sum(e.self_cpu_time_total for e in events)
-    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
-    return events, wall, products / total
+    products, other = operator_split(events)
+    return events, wall, products / (products + other)
 
 
 PROFILED_STEPS = 5
@@ -222,35 +227,37 @@ the host's drift: single steps of one engine measured from 71% to 86%)."""
 
 
 def step_profile(core, prompts: list[list[int]], logprobs: int | None,
-                 steps: int = PROFILED_STEPS) -> tuple[list[float], list[float]]:
+                 steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[float]]:
     """``steps`` engine decode steps of ``prompts`` (``warmed_engine``), each under its own torch.profiler: (the
-    matrix products' share of each step's operator self time, each step's wall ms)."""
+    matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
+    other operator)."""
     from ignition.runtime.requests import Request
 
     engine = warmed_engine(core, [Request(prompt, max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True)
                                   for prompt in prompts])
-    shares, walls = [], []
+    shares, walls, others = [], [], []
     for _ in range(steps):
-        _, wall, share = profiled_step(engine)
+        events, wall, share = profiled_step(engine)
         shares.append(share)
         walls.append(wall * 1e3)
+        others.append(operator_split(events)[1])
     while engine.running:
         engine.step()
-    return shares, walls
+    return shares, walls, others
 
 
 def hf_step_profile(model, prompts: list[list[int]], logprobs: int,
-                    steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[list[int]]]:
+                    steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[float], list[list[int]]]:
     """``steps`` of HF's own decode of ``prompts``, each under its own torch.profiler, as ``step_profile`` measures
     ours: one forward of a token per sequence over its cache (with the attention mask and cache positions
     ``generate`` passes), then ``log_softmax`` and ``topk``, after the prompt and 3 unprofiled steps. Returns the
-    matrix products' share of each step's operator self time, each step's wall ms, and the greedy tokens (the
-    prompt's, then every step's: ``generate``'s first ``4 + steps``)."""
+    matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
+    other operator, and the greedy tokens (the prompt's, then every step's: ``generate``'s first ``4 + steps``)."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.tensor(prompts)
     batch, length = ids.shape
-    shares, walls = [], []
+    shares, walls, others = [], [], []
     with torch.no_grad():
         out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
         cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -272,11 +279,11 @@ def hf_step_profile(model, prompts: list[list[int]], logprobs: int,
             with profile(activities=[ProfilerActivity.CPU]) as trace:
                 wall, token = timed(forward)
             tokens.append(token)
-            events = trace.key_averages()
-            shares.append(sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
-                          / sum(e.self_cpu_time_total for e in events))
+            products, other = operator_split(trace.key_averages())
+            shares.append(products / (products + other))
             walls.append(wall * 1e3)
-    return shares, walls, torch.cat(tokens, dim=1).tolist()
+            others.append(other)
+    return shares, walls, others, torch.cat(tokens, dim=1).tolist()
 
 
 def stages(timings: dict[str, float]) -> str:
@@ -486,15 +493,17 @@ def main() -> None:
                     rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}{_differ(differ)}",
                                  f"{rate_ours:.2f} tok/s", f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
                 if not label:
-                    shares, walls = step_profile(loaded, batch, 5)
-                    hf_shares, hf_walls, _ = hf_step_profile(model, batch, 5)
+                    shares, walls, others = step_profile(loaded, batch, 5)
+                    hf_shares, hf_walls, hf_others, _ = hf_step_profile(model, batch, 5)
                     matrix_shares[size] = statistics.median(shares)
                     rows.append((f"decode batch {size}, logprobs 5: {len(shares)} steps under torch.profiler, median",
                                  f"{statistics.median(walls):.0f} ms", f"{statistics.median(hf_walls):.0f} ms",
                                  f"matrix products {100 * matrix_shares[size]:.1f}% of operator time "
-                                 f"({100 * min(shares):.1f}-{100 * max(shares):.1f}%); HF's own "
+                                 f"({100 * min(shares):.1f}-{100 * max(shares):.1f}%), other operators "
+                                 f"{statistics.median(others):.1f} ms; HF's own "
                                  f"{100 * statistics.median(hf_shares):.1f}% "
-                                 f"({100 * min(hf_shares):.1f}-{100 * max(hf_shares):.1f}%)"))
+                                 f"({100 * min(hf_shares):.1f}-{100 * max(hf_shares):.1f}%), other operators "
+                                 f"{statistics.median(hf_others):.1f} ms"))
             return differing
 
         rates: dict[tuple[int, int | None], tuple[float, float]] = {}  # (batch, logprobs) -> (ours, HF) tok/s

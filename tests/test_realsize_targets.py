@@ -89,10 +89,10 @@ def test_hf_step_profile_profiles_the_steps_generate_takes():
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     model = Qwen3ForCausalLM(config).eval()
     prompts = [[3, 14, 15, 92], [6, 5, 35, 89]]
-    shares, walls, tokens = realsize.hf_step_profile(model, prompts, logprobs=5, steps=2)
+    shares, walls, others, tokens = realsize.hf_step_profile(model, prompts, logprobs=5, steps=2)
     with torch.no_grad():
         expected = model.generate(torch.tensor(prompts), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                   pad_token_id=0, eos_token_id=None)[:, 4:].tolist()
     assert tokens == expected
-    assert len(shares) == len(walls) == 2
-    assert all(0.0 < share < 1.0 for share in shares) and all(wall > 0.0 for wall in walls)
+    assert len(shares) == len(walls) == len(others) == 2
+    assert all(0.0 < share < 1.0 for share in shares) and all(0.0 < other < wall for other, wall in zip(others, walls))
