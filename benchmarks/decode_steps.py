@@ -8,7 +8,9 @@ its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retai
 ``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``:
 torch's CPU allocator on transparent huge pages (``ignition.HUGE_PAGES_VARIABLE`` 1 in the child's environment)
 against not (0). ``--profile TOP`` profiles one step instead and prints its TOP operators by self time and input
-shape, and the matrix products' share.
+shape, and the matrix products' share; with ``--hf CHECKPOINT`` (the core's source checkpoint) it then profiles
+transformers' own decode step of the same prompts (``benchmarks.realsize.hf_step_profile``, eager attention) and
+prints the same for it.
 """
 
 from __future__ import annotations
@@ -43,26 +45,49 @@ def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bo
     return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
 
 
-def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, top: int) -> None:
+def _print_profile(events, wall: float, top: int) -> None:
+    """The ``top`` operators of one profiled step by self time and input shape, then its totals."""
+    from benchmarks.realsize import operator_split
+
+    for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"{event.key:48s} {event.self_cpu_time_total / 1e3:8.2f} ms  n={event.count:<5d} "
+              f"{str(event.input_shapes)[:90]}")
+    products, other = operator_split(events)
+    print(f"step {wall * 1e3:.1f} ms wall under the profiler; operator self time {products + other:.1f} ms, matrix "
+          f"products {products:.1f} ms ({100 * products / (products + other):.1f}%), other operators {other:.1f} ms, "
+          f"{sum(e.count for e in events)} operator calls")
+
+
+def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, top: int,
+                   hf_checkpoint: Path | None = None) -> None:
     """One warmed decode step under torch.profiler with input shapes: the ``top`` operators by self time, by shape,
-    and the matrix products' share of the step's operator time (``benchmarks.realsize.MATRIX_PRODUCTS``)."""
+    and the matrix products' share of the step's operator time (``benchmarks.realsize.MATRIX_PRODUCTS``); with
+    ``hf_checkpoint``, the same for transformers' own step (eager attention) of the same prompts."""
     import torch
 
-    from benchmarks.realsize import profiled_step, warmed_engine
+    from benchmarks.realsize import hf_step_profile, profiled_step, warmed_engine
 
     torch.set_num_threads(threads)
     from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request
 
-    engine = warmed_engine(load_core(core), [Request([lane + 1, 7, 9, 11], max_tokens=16, logprobs=logprobs,
-                                                     ignore_eos=True) for lane in range(batch)])
-    events, wall, share = profiled_step(engine, record_shapes=True)
-    total = sum(e.self_cpu_time_total for e in events)
-    for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
-        print(f"{event.key:48s} {event.self_cpu_time_total / 1e3:8.2f} ms  n={event.count:<5d} "
-              f"{str(event.input_shapes)[:90]}")
-    print(f"step {wall * 1e3:.1f} ms wall under the profiler; operator self time {total / 1e3:.1f} ms, matrix "
-          f"products {share * total / 1e3:.1f} ms ({100 * share:.1f}%)")
+    prompts = [[lane + 1, 7, 9, 11] for lane in range(batch)]
+    loaded = load_core(core)
+    engine = warmed_engine(loaded, [Request(prompt, max_tokens=16, logprobs=logprobs, ignore_eos=True)
+                                    for prompt in prompts])
+    events, wall, _ = profiled_step(engine, record_shapes=True)
+    print(f"Ignition, {core}:")
+    _print_profile(events, wall, top)
+    if hf_checkpoint is None:
+        return
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, loaded.manifest["model"]["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(hf_checkpoint, dtype=dtype, attn_implementation="eager").eval()
+    steps: list = []
+    _, walls, _, _ = hf_step_profile(model, prompts, logprobs or 5, steps=1, record_shapes=True, events=steps)
+    print(f"\ntransformers (eager attention), {hf_checkpoint}:")
+    _print_profile(steps[-1], walls[-1] / 1e3, top)
 
 
 def main() -> None:
@@ -76,10 +101,14 @@ def main() -> None:
     parser.add_argument("--compare", choices=("retain", "logprobs", "pack", "huge-pages"), default="retain")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="instead: profile one step and print the TOP operators by self time and input shape")
+    parser.add_argument("--hf", type=Path, default=None, metavar="CHECKPOINT",
+                        help="with --profile: also profile transformers' own step on this checkpoint")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
     args = parser.parse_args()
+    if args.hf is not None and not args.profile:
+        parser.error("--hf needs --profile TOP")
     if args.profile:
-        profile_shapes(args.core, args.batch, args.logprobs or None, args.threads, args.profile)
+        profile_shapes(args.core, args.batch, args.logprobs or None, args.threads, args.profile, args.hf)
         return
     if args.one is not None:
         settings = json.loads(args.one)

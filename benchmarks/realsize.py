@@ -246,13 +246,15 @@ def step_profile(core, prompts: list[list[int]], logprobs: int | None,
     return shares, walls, others
 
 
-def hf_step_profile(model, prompts: list[list[int]], logprobs: int,
-                    steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[float], list[list[int]]]:
+def hf_step_profile(model, prompts: list[list[int]], logprobs: int, steps: int = PROFILED_STEPS,
+                    record_shapes: bool = False,
+                    events: list | None = None) -> tuple[list[float], list[float], list[float], list[list[int]]]:
     """``steps`` of HF's own decode of ``prompts``, each under its own torch.profiler, as ``step_profile`` measures
     ours: one forward of a token per sequence over its cache (with the attention mask and cache positions
     ``generate`` passes), then ``log_softmax`` and ``topk``, after the prompt and 3 unprofiled steps. Returns the
     matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
-    other operator, and the greedy tokens (the prompt's, then every step's: ``generate``'s first ``4 + steps``)."""
+    other operator, and the greedy tokens (the prompt's, then every step's: ``generate``'s first ``4 + steps``).
+    ``events``: each step's operator events are appended (by input shape with ``record_shapes``)."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.tensor(prompts)
@@ -276,10 +278,13 @@ def hf_step_profile(model, prompts: list[list[int]], logprobs: int,
                 token = forward()
                 tokens.append(token)
                 continue
-            with profile(activities=[ProfilerActivity.CPU]) as trace:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
                 wall, token = timed(forward)
             tokens.append(token)
-            products, other = operator_split(trace.key_averages())
+            step_events = trace.key_averages(group_by_input_shape=record_shapes)
+            if events is not None:
+                events.append(step_events)
+            products, other = operator_split(step_events)
             shares.append(products / (products + other))
             walls.append(wall * 1e3)
             others.append(other)
