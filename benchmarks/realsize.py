@@ -29,6 +29,7 @@ times, and reports medians; ``--core DIR`` reuses an exported core instead of ex
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -260,15 +261,17 @@ def hf_step_profile(model, prompts: list[list[int]], logprobs: int, steps: int =
     ids = torch.tensor(prompts)
     batch, length = ids.shape
     shares, walls, others = [], [], []
+    # transformers 5 names the cache argument and output ``cache``; 4.x (which pyproject allows) ``past_key_values``
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
-        cache, token = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
         tokens = [token]
         for step in range(3 + steps):
             position = length + step
 
             def forward(token=token, position=position):
-                logits = model(token, cache=cache, use_cache=True, logits_to_keep=1,
+                logits = model(token, **{name: cache}, use_cache=True, logits_to_keep=1,
                                attention_mask=torch.ones(batch, position + 1, dtype=torch.long),
                                cache_position=torch.tensor([position])).logits[:, -1]
                 torch.log_softmax(logits.float(), dim=-1).topk(logprobs, dim=-1)
