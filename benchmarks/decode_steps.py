@@ -82,7 +82,7 @@ def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, t
         return
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, loaded.manifest["model"]["dtype"])  # torch_dtype: a name every transformers pyproject allows reads
+    dtype = getattr(torch, loaded.manifest["model"]["dtype"])  # torch_dtype: every transformers pyproject allows
     model = AutoModelForCausalLM.from_pretrained(hf_checkpoint, torch_dtype=dtype, attn_implementation="eager").eval()
     steps: list = []
     _, walls, _, _ = hf_step_profile(model, prompts, logprobs or 5, steps=1, record_shapes=True, events=steps)

@@ -210,6 +210,14 @@ def operator_split(events) -> tuple[float, float]:
     return products / 1e3, (sum(e.self_cpu_time_total for e in events) - products) / 1e3
 
 
+def _keep_step(events, wall: float, shares: list[float], walls: list[float], others: list[float]) -> None:
+    """Append one profiled step's matrix share, wall ms and other operators' self ms (``operator_split``)."""
+    products, other = operator_split(events)
+    shares.append(products / (products + other))
+    walls.append(wall * 1e3)
+    others.append(other)
+
+
 def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, float]:
     """One ``engine.step`` under torch.profiler: (its operator events, by input shape with ``record_shapes``; the
     step's wall seconds; the matrix products' share of its operator self time)."""
@@ -238,10 +246,8 @@ def step_profile(core, prompts: list[list[int]], logprobs: int | None,
                                   for prompt in prompts])
     shares, walls, others = [], [], []
     for _ in range(steps):
-        events, wall, share = profiled_step(engine)
-        shares.append(share)
-        walls.append(wall * 1e3)
-        others.append(operator_split(events)[1])
+        events, wall, _ = profiled_step(engine)
+        _keep_step(events, wall, shares, walls, others)
     while engine.running:
         engine.step()
     return shares, walls, others
@@ -287,10 +293,7 @@ def hf_step_profile(model, prompts: list[list[int]], logprobs: int, steps: int =
             step_events = trace.key_averages(group_by_input_shape=record_shapes)
             if events is not None:
                 events.append(step_events)
-            products, other = operator_split(step_events)
-            shares.append(products / (products + other))
-            walls.append(wall * 1e3)
-            others.append(other)
+            _keep_step(step_events, wall, shares, walls, others)
     return shares, walls, others, torch.cat(tokens, dim=1).tolist()
 
 

@@ -309,7 +309,7 @@ class PackedPlan:
     window: int  # W keys read, [0, W)
     source: torch.Tensor  # int64 [B, E]: the packed row of each lane's row j (clamped: rows past a segment are junk)
     mask: torch.Tensor  # [B, 1, share * E, W]: ``causal_mask`` of each lane's rows
-    gather: torch.Tensor  # int64 [R]: each packed row's row in the regrouped rows (then the brief ones, BF16/FP16)
+    gather: torch.Tensor  # int64 [R]: each packed row's row in the regrouped rows (then the brief ones, BF16)
     # BF16: each lane's first ``brief_keys`` rows (``source``'s form) and their mask over the slot's first
     # ``brief_keys`` positions, which a short forward's rows attend over instead (the module's note)
     brief_source: torch.Tensor | None = None
