@@ -11,9 +11,10 @@ the same checkpoint, prompts and threads:
   host's rate of faulting in fresh memory right after it (``fault_seconds_per_gib``), and the peak RSS of a fresh
   process that only loads the core;
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
-- decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20 (the time of N+1 generated tokens
-  minus the time of 1, so prefill is not counted, after one untimed run at each batch; the settings alternated
-  ``--repeats`` rounds, the best run of each; HF does ``generate`` + ``log_softmax`` + ``topk``);
+- decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20: the lanes over the median decode step of
+  ``--repeats`` runs of N+1 tokens each (every step after the first token's, so prefill is not counted; ours: an
+  engine step, HF's: between consecutive tokens of ``generate``, its logits processor doing ``log_softmax`` +
+  ``topk``), after one untimed run at each batch, the settings alternated run by run;
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
   steps) at each batch, logprobs 5, and every other operator's self ms, ours and HF's own (``hf_step_profile``);
 - that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABLE, precedes torch's allocations)
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
@@ -105,14 +107,28 @@ def timed(fn) -> tuple[float, object]:
 
 
 def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None,
-         packed: bool | None = None) -> tuple[float, list[list[int]]]:
-    """``packed``: None leaves the engine's default (the packed prefill when the core has it); False: serial."""
+         packed: bool | None = None, steps: list[float] | None = None) -> tuple[float, list[list[int]]]:
+    """``packed``: None leaves the engine's default (the packed prefill when the core has it); False: serial.
+    ``steps`` gets the seconds of each decode step: an engine step that every running lane enters with a token
+    already generated (the prefill and the first token are not one)."""
     from ignition.runtime.scheduler import Engine
     from ignition.runtime.requests import Request
 
     requests = [Request(p, max_tokens=tokens, logprobs=logprobs, ignore_eos=True) for p in prompts]
     engine = Engine(core) if packed is None else Engine(core, packed=packed)
-    seconds, results = timed(lambda: engine.generate(requests))
+
+    def run():
+        ids = [sample for request in requests for sample in engine.samples(engine.submit(request))]
+        while True:
+            decoding = bool(engine.running) and all(state.generated for state in engine.running)
+            started = time.perf_counter()
+            if not engine.step():
+                break
+            if decoding and steps is not None:
+                steps.append(time.perf_counter() - started)
+        return [engine.result(request_id) for request_id in ids]
+
+    seconds, results = timed(run)
     return seconds, [list(r.token_ids) for r in results]
 
 
@@ -154,34 +170,64 @@ def _differ(count: int) -> str:
     return f" ({count} sequence{'s' if count > 1 else ''} differ from HF)" if count else ""
 
 
-def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None) -> tuple[float, list[list[int]]]:
+class _StepClock(StoppingCriteria):
+    """Never stops ``generate``; notes the time each generated token is appended (after its step's forward, logits
+    processors and selection), so consecutive notes bound one decode step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class _Logprobs(LogitsProcessor):
+    """Each step's logprobs, as a client of ``generate`` computes them: ``log_softmax`` of the FP32 logits, the top
+    ``k`` and the greedy token's value; the scores pass through unchanged."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, input_ids, scores):
+        values = torch.log_softmax(scores.float(), dim=-1)
+        values.topk(self.k, dim=-1)
+        values.gather(1, scores.argmax(-1, keepdim=True))
+        return scores
+
+
+def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None,
+       steps: list[float] | None = None) -> tuple[float, list[list[int]]]:
+    """``generate`` + ``log_softmax`` + ``topk`` in each step; ``steps`` gets the seconds of each decode step (between
+    consecutive tokens, so the prefill and the first token are not one)."""
+    clock = _StepClock()
+
     def run():
         with torch.no_grad():
             out = model.generate(torch.tensor(prompts), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                 output_logits=logprobs is not None, return_dict_in_generate=True)
-            for logits in out.logits or ():  # one [batch, vocab] per step
-                values = torch.log_softmax(logits.float(), dim=-1)
-                values.topk(logprobs, dim=-1)
-                values.gather(1, logits.argmax(-1, keepdim=True))
+                                 logits_processor=LogitsProcessorList([_Logprobs(logprobs)] if logprobs else []),
+                                 stopping_criteria=StoppingCriteriaList([clock]), return_dict_in_generate=True)
         return out.sequences[:, len(prompts[0]):].tolist()
-    return timed(run)
+
+    seconds, sequences = timed(run)
+    if steps is not None:
+        steps.extend(later - earlier for earlier, later in zip(clock.times, clock.times[1:]))
+    return seconds, sequences
 
 
 def decode_rates(side, prompts, settings, repeats: int = 1) -> dict[int | None, tuple[float, list[list[int]]]]:
-    """Decode tokens/s of each logprobs setting: (N+1 tokens) minus (1 token), so the prefill and the first token are
-    not counted; the settings alternated ``repeats`` rounds (so each sees the same drift of the host) and the best of
-    each setting's runs (the least disturbed). Returns setting -> (tokens/s, the tokens of its best run)."""
-    firsts: dict[int | None, list[float]] = {k: [] for k in settings}
-    wholes: dict[int | None, list[tuple[float, list[list[int]]]]] = {k: [] for k in settings}
+    """Decode tokens/s of each logprobs setting from its decode steps' median: ``side(prompts, tokens, logprobs,
+    steps)`` generates DECODE_TOKENS + 1 tokens and appends the seconds of each step after the first token (the
+    prefill's) to ``steps``. The settings alternate ``repeats`` rounds, so each sees the same drift of the host, and
+    the median of every step of a setting's runs is robust to a disturbed run or step (the host's speed moves by
+    10-20% between runs seconds apart). Returns setting -> (lanes / median step seconds, its first run's tokens)."""
+    steps: dict[int | None, list[float]] = {k: [] for k in settings}
+    tokens: dict[int | None, list[list[int]]] = {}
     for _ in range(repeats):
         for logprobs in settings:
-            firsts[logprobs].append(side(prompts, 1, logprobs)[0])
-            wholes[logprobs].append(side(prompts, DECODE_TOKENS + 1, logprobs))
-    rates = {}
-    for logprobs in settings:
-        whole, tokens = min(wholes[logprobs], key=lambda run: run[0])
-        rates[logprobs] = len(prompts) * DECODE_TOKENS / max(whole - min(firsts[logprobs]), 1e-9), tokens
-    return rates
+            _, generated = side(prompts, DECODE_TOKENS + 1, logprobs, steps[logprobs])
+            tokens.setdefault(logprobs, generated)
+    return {k: (len(prompts) / max(statistics.median(steps[k]), 1e-9), tokens[k]) for k in settings}
 
 
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
@@ -406,8 +452,9 @@ def main() -> None:
                         "1 x 2048)")
     parser.add_argument("--skip-long", action="store_true", help="skip the 1 x 2048 prefill (a second export)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and cores here")
-    parser.add_argument("--repeats", type=int, default=3, help="decode rows: best of this many runs of each side, the "
-                        "logprobs settings alternated; prefill rows: median of this many interleaved runs")
+    parser.add_argument("--repeats", type=int, default=3, help="decode rows: the median step of this many runs of "
+                        "each side, the logprobs settings alternated; prefill rows: median of this many interleaved "
+                        "runs")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--compare-serial", action="store_true",
                         help="prefill rows: also time the serial schedule (one prompt chunk per submission)")
@@ -492,8 +539,10 @@ def main() -> None:
                 ours(loaded, batch, DECODE_TOKENS + 1, None)
                 if size not in hf_runs:  # HF's rates once, for every runtime's rows
                     hf(model, batch, DECODE_TOKENS + 1, None)
-                    hf_runs[size] = decode_rates(lambda p, n, k: hf(model, p, n, k), batch, settings, args.repeats)
-                measured = decode_rates(lambda p, n, k: ours(loaded, p, n, k), batch, settings, args.repeats)
+                    hf_runs[size] = decode_rates(lambda p, n, k, t: hf(model, p, n, k, t), batch, settings,
+                                                 args.repeats)
+                measured = decode_rates(lambda p, n, k, t: ours(loaded, p, n, k, steps=t), batch, settings,
+                                       args.repeats)
                 for logprobs in settings:
                     rate_hf, tokens_hf = hf_runs[size][logprobs]
                     rate_ours, tokens_ours = measured[logprobs]

@@ -41,20 +41,56 @@ def test_rows_a_run_skipped_are_not_judged():
                           "greedy tokens equal HF's"}
 
 
-def test_decode_rates_alternate_the_settings_and_subtract_the_one_token_baseline(monkeypatch):
+def test_decode_rates_alternate_the_settings_and_take_the_median_decode_step(monkeypatch):
     monkeypatch.setattr(realsize, "DECODE_TOKENS", 4)
     calls = []
 
-    def side(prompts, tokens, logprobs):  # 0.1 s to the first token, then 0.05 s a token (0.1 s with logprobs 20)
+    def side(prompts, tokens, logprobs, steps):  # 0.05 s a decode step (0.1 s with logprobs 20); one step disturbed
         calls.append((tokens, logprobs))
-        per_token = 0.1 if logprobs == 20 else 0.05
-        return 0.1 + (tokens - 1) * per_token + 0.01 * len(calls), [[logprobs or 0] * tokens]
+        per_step = 0.1 if logprobs == 20 else 0.05
+        steps.extend([per_step] * (tokens - 2) + [per_step * (1 + len(calls))])
+        return 1.0, [[logprobs or 0, len(calls)]]
 
-    rates = realsize.decode_rates(side, [[1, 2]], [None, 20], repeats=2)
-    assert calls == [(1, None), (5, None), (1, 20), (5, 20)] * 2  # alternated, round by round
-    # best whole run minus best one-token run: (0.3 + 0.02) - 0.11 for off, (0.5 + 0.04) - 0.13 for logprobs 20
-    assert abs(rates[None][0] - 4 / 0.21) < 1e-9 and abs(rates[20][0] - 4 / 0.41) < 1e-9
-    assert rates[20][1] == [[20] * 5]
+    rates = realsize.decode_rates(side, [[1, 2], [3, 4]], [None, 20], repeats=2)
+    assert calls == [(5, None), (5, 20)] * 2  # alternated, round by round
+    # two lanes over the median of eight steps, of which two (the disturbed ones) are slower
+    assert abs(rates[None][0] - 2 / 0.05) < 1e-9 and abs(rates[20][0] - 2 / 0.1) < 1e-9
+    assert rates[20][1] == [[20, 2]]  # the first run's tokens
+
+
+def test_ours_times_only_the_decode_steps(toy_core):
+    from ignition.runtime.core import load_core
+    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.requests import Request
+
+    core = load_core(toy_core)
+    prompts = [[3, 14, 15, 9], [2, 6, 5, 3, 5]]
+    steps: list[float] = []
+    _, tokens = realsize.ours(core, prompts, 5, 5, steps=steps)
+    expected = Engine(core).generate([Request(p, max_tokens=5, logprobs=5, ignore_eos=True) for p in prompts])
+    assert tokens == [list(r.token_ids) for r in expected]
+    assert len(steps) == 4 and all(step > 0 for step in steps)  # tokens 2-5: one decode step each
+
+
+def test_hf_times_each_decode_step_with_its_logprobs_work():
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    model = Qwen3ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    prompts = [[3, 14, 15, 92], [6, 5, 35, 89]]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor(prompts), max_new_tokens=6, min_new_tokens=6,
+                                  do_sample=False)[:, 4:].tolist()
+    for logprobs in (None, 5):
+        steps: list[float] = []
+        _, tokens = realsize.hf(model, prompts, 6, logprobs, steps)
+        assert tokens == expected
+        assert len(steps) == 5 and all(step > 0 for step in steps)  # tokens 2-6: one step each
 
 
 PRINTED = """2026-12-04 00:31:13 export validate: /tmp/core
