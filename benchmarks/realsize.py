@@ -12,7 +12,7 @@ the same checkpoint, prompts and threads:
   process that only loads the core;
 - prefill tokens/s: 8 prompts of 512 tokens, 8 of 4 and 8 of 64 tokens, and 1 of 2,048 (a second, one-slot core);
 - decode tokens/s at batch 1, 8 and 32 with logprobs off, 5 and 20: the lanes over the median decode step of
-  ``--repeats`` runs of N+1 tokens each (every step after the first token's, so prefill is not counted; ours: an
+  ``--decode-repeats`` runs of N+1 tokens each (every step after the first token's, so prefill is not counted; ours: an
   engine step, HF's: between consecutive tokens of ``generate``, its logits processor doing ``log_softmax`` +
   ``topk``), after one untimed run at each batch, the settings alternated run by run;
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
@@ -218,13 +218,14 @@ def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None,
 def decode_rates(side, prompts, settings, repeats: int = 1) -> dict[int | None, tuple[float, list[list[int]]]]:
     """Decode tokens/s of each logprobs setting from its decode steps' median: ``side(prompts, tokens, logprobs,
     steps)`` generates DECODE_TOKENS + 1 tokens and appends the seconds of each step after the first token (the
-    prefill's) to ``steps``. The settings alternate ``repeats`` rounds, so each sees the same drift of the host, and
-    the median of every step of a setting's runs is robust to a disturbed run or step (the host's speed moves by
+    prefill's) to ``steps``. The settings alternate ``repeats`` rounds, each round starting one setting later, so each
+    sees the same drift of the host and none always follows the same one; the median of every step of a setting's runs is robust to a disturbed run or step (the host's speed moves by
     10-20% between runs seconds apart). Returns setting -> (lanes / median step seconds, its first run's tokens)."""
     steps: dict[int | None, list[float]] = {k: [] for k in settings}
     tokens: dict[int | None, list[list[int]]] = {}
-    for _ in range(repeats):
-        for logprobs in settings:
+    for round_ in range(repeats):
+        turn = round_ % len(settings)  # each round starts one setting later: none always runs first or last
+        for logprobs in settings[turn:] + settings[:turn]:
             _, generated = side(prompts, DECODE_TOKENS + 1, logprobs, steps[logprobs])
             tokens.setdefault(logprobs, generated)
     return {k: (len(prompts) / max(statistics.median(steps[k]), 1e-9), tokens[k]) for k in settings}
@@ -452,9 +453,9 @@ def main() -> None:
                         "1 x 2048)")
     parser.add_argument("--skip-long", action="store_true", help="skip the 1 x 2048 prefill (a second export)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and cores here")
-    parser.add_argument("--repeats", type=int, default=3, help="decode rows: the median step of this many runs of "
-                        "each side, the logprobs settings alternated; prefill rows: median of this many interleaved "
-                        "runs")
+    parser.add_argument("--repeats", type=int, default=3, help="prefill rows: median of this many interleaved runs")
+    parser.add_argument("--decode-repeats", type=int, default=5, help="decode rows: the median step of this many runs "
+                        "of each setting, the logprobs settings alternated")
     parser.add_argument("--prefill-only", action="store_true", help="skip the decode rows")
     parser.add_argument("--compare-serial", action="store_true",
                         help="prefill rows: also time the serial schedule (one prompt chunk per submission)")
@@ -540,9 +541,9 @@ def main() -> None:
                 if size not in hf_runs:  # HF's rates once, for every runtime's rows
                     hf(model, batch, DECODE_TOKENS + 1, None)
                     hf_runs[size] = decode_rates(lambda p, n, k, t: hf(model, p, n, k, t), batch, settings,
-                                                 args.repeats)
+                                                 args.decode_repeats)
                 measured = decode_rates(lambda p, n, k, t: ours(loaded, p, n, k, steps=t), batch, settings,
-                                       args.repeats)
+                                       args.decode_repeats)
                 for logprobs in settings:
                     rate_hf, tokens_hf = hf_runs[size][logprobs]
                     rate_ours, tokens_ours = measured[logprobs]

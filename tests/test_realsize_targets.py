@@ -51,11 +51,13 @@ def test_decode_rates_alternate_the_settings_and_take_the_median_decode_step(mon
         steps.extend([per_step] * (tokens - 2) + [per_step * (1 + len(calls))])
         return 1.0, [[logprobs or 0, len(calls)]]
 
-    rates = realsize.decode_rates(side, [[1, 2], [3, 4]], [None, 20], repeats=2)
-    assert calls == [(5, None), (5, 20)] * 2  # alternated, round by round
-    # two lanes over the median of eight steps, of which two (the disturbed ones) are slower
+    rates = realsize.decode_rates(side, [[1, 2], [3, 4]], [None, 5, 20], repeats=4)
+    # alternated, each round starting one setting later
+    assert [k for _, k in calls] == [None, 5, 20, 5, 20, None, 20, None, 5, None, 5, 20]
+    assert all(tokens == 5 for tokens, _ in calls)
+    # two lanes over the median of sixteen steps, of which four (the disturbed ones) are slower
     assert abs(rates[None][0] - 2 / 0.05) < 1e-9 and abs(rates[20][0] - 2 / 0.1) < 1e-9
-    assert rates[20][1] == [[20, 2]]  # the first run's tokens
+    assert rates[20][1] == [[20, 3]] and rates[None][1] == [[0, 1]]  # each setting's first run's tokens
 
 
 def test_ours_times_only_the_decode_steps(toy_core):
