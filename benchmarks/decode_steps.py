@@ -7,7 +7,8 @@ its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retai
 (``runtime/host_memory.py``); ``--compare logprobs``: logprobs ``--logprobs`` against off; ``--compare pack``:
 ``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``:
 torch's CPU allocator on transparent huge pages (``ignition.HUGE_PAGES_VARIABLE`` 1 in the child's environment)
-against not (0). ``--profile TOP`` profiles one step instead and prints its TOP operators by self time and input
+against not (0). ``--compare logprobs --rounds R`` runs the two sides in one process instead, R rounds, and times the
+logprob reduction inside the graph (``in_process``). ``--profile TOP`` profiles one step instead and prints its TOP operators by self time and input
 shape, and the matrix products' share; with ``--hf CHECKPOINT`` (the core's source checkpoint) it then profiles
 transformers' own decode step of the same prompts (``benchmarks.realsize.hf_step_profile``, eager attention) and
 prints the same for it.
@@ -43,6 +44,56 @@ def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bo
         engine.step()
         times.append(time.perf_counter() - started)
     return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
+
+
+def in_process(core: Path, batch: int, logprobs: int, steps: int, rounds: int, threads: int) -> None:
+    """Logprobs ``logprobs`` against off in one process: the core loaded once, then ``rounds`` rounds of one run each
+    (``warmed_engine``, then ``steps`` timed engine steps), the side that goes first alternating. Prints each run's
+    median step and the reduction's median time inside the graph (the CPU op's body, ``reduce_logprobs_reference``,
+    timed through a wrapper), then each side's median run and the median of the rounds' ratios (a round's two runs
+    are seconds apart, so the host's slower drift leaves their ratio alone)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    import ignition.components.logprobs as reduction
+    from benchmarks.realsize import warmed_engine
+    from ignition.runtime.core import load_core
+    from ignition.runtime.requests import Request, SamplingParams
+
+    reductions: list[float] = []
+    body = reduction.reduce_logprobs_reference
+
+    def timed_body(*args, **kwargs):
+        started = time.perf_counter()
+        body(*args, **kwargs)
+        reductions.append(time.perf_counter() - started)
+
+    reduction.reduce_logprobs_reference = timed_body  # the op's CPU kernel calls it by this module's name
+    try:
+        loaded = load_core(core)
+        sides = {logprobs: f"logprobs {logprobs}", None: "logprobs off"}
+        runs: dict[int | None, list[float]] = {k: [] for k in sides}
+        print(f"{core}: batch {batch}, {steps} steps a run, {rounds} rounds in one process, threads {threads}")
+        for round_ in range(1, rounds + 1):
+            for setting in (logprobs, None) if round_ % 2 else (None, logprobs):
+                engine = warmed_engine(loaded, [
+                    Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=setting, ignore_eos=True,
+                            sampling=SamplingParams(temperature=0.0)) for lane in range(batch)])
+                reductions.clear()
+                times = []
+                for _ in range(steps):
+                    started = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - started)
+                runs[setting].append(statistics.median(times))
+                print(f"round {round_}  {sides[setting]:14s} median {runs[setting][-1] * 1e3:7.1f} ms  reduction "
+                      f"{statistics.median(reductions) * 1e3:5.2f} ms ({len(reductions)} calls)")
+    finally:
+        reduction.reduce_logprobs_reference = body
+    ratios = [mine / theirs for mine, theirs in zip(runs[logprobs], runs[None])]
+    print(f"median run: {sides[logprobs]} {statistics.median(runs[logprobs]) * 1e3:.1f} ms, logprobs off "
+          f"{statistics.median(runs[None]) * 1e3:.1f} ms; the rounds' ratios {', '.join(f'{r:.3f}' for r in ratios)}, "
+          f"median {statistics.median(ratios):.3f}")
 
 
 def _print_profile(events, wall: float, top: int) -> None:
@@ -103,10 +154,18 @@ def main() -> None:
                         help="instead: profile one step and print the TOP operators by self time and input shape")
     parser.add_argument("--hf", type=Path, default=None, metavar="CHECKPOINT",
                         help="with --profile: also profile transformers' own step on this checkpoint")
+    parser.add_argument("--rounds", type=int, default=0, help="with --compare logprobs: instead of fresh processes, "
+                        "this many rounds of the two sides in one process, and the reduction timed inside the graph")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
     args = parser.parse_args()
     if args.hf is not None and not args.profile:
         parser.error("--hf needs --profile TOP")
+    if args.rounds:
+        if args.compare != "logprobs" or not args.logprobs or args.profile:
+            parser.error("--rounds needs --compare logprobs, --logprobs K above 0 and no --profile (load options need "
+                         "a fresh process each)")
+        in_process(args.core, args.batch, args.logprobs, args.steps, args.rounds, args.threads)
+        return
     if args.profile:
         profile_shapes(args.core, args.batch, args.logprobs or None, args.threads, args.profile, args.hf)
         return

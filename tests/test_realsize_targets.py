@@ -141,3 +141,22 @@ def test_hf_step_profile_profiles_the_steps_generate_takes():
     assert tokens == expected
     assert len(shares) == len(walls) == len(others) == 2
     assert all(0.0 < share < 1.0 for share in shares) and all(0.0 < other < wall for other, wall in zip(others, walls))
+
+
+def test_decode_steps_in_process_times_the_reduction_inside_the_graph(toy_core, capsys):
+    import re
+
+    import ignition.components.logprobs as reduction
+    from benchmarks.decode_steps import in_process
+
+    body = reduction.reduce_logprobs_reference
+    in_process(toy_core, batch=2, logprobs=5, steps=3, rounds=2, threads=1)
+    assert reduction.reduce_logprobs_reference is body  # the timer is taken off again
+    lines = capsys.readouterr().out.splitlines()
+    runs = [line for line in lines if line.startswith("round ")]
+    # rounds alternate which side goes first; every step's graph calls the reduction once, with or without logprobs
+    assert [line.split()[2] for line in runs] == ["logprobs", "logprobs", "logprobs", "logprobs"]
+    assert [line.split()[3] for line in runs] == ["5", "off", "off", "5"]
+    assert all(line.endswith("(3 calls)") for line in runs)
+    assert all(float(re.search(r"reduction +([0-9.]+) ms", line).group(1)) >= 0 for line in runs)
+    assert re.search(r"the rounds' ratios [0-9.]+, [0-9.]+, median [0-9.]+$", lines[-1])
