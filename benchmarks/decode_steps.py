@@ -8,10 +8,10 @@ its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retai
 ``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``:
 torch's CPU allocator on transparent huge pages (``ignition.HUGE_PAGES_VARIABLE`` 1 in the child's environment)
 against not (0). ``--compare logprobs --rounds R`` runs the two sides in one process instead, R rounds, and times the
-logprob reduction inside the graph (``in_process``). ``--profile TOP`` profiles one step instead and prints its TOP operators by self time and input
-shape, and the matrix products' share; with ``--hf CHECKPOINT`` (the core's source checkpoint) it then profiles
-transformers' own decode step of the same prompts (``benchmarks.realsize.hf_step_profile``, eager attention) and
-prints the same for it.
+logprob reduction inside the graph (``in_process``). ``--profile TOP`` profiles one step instead and prints its TOP
+operators by self time and input shape, and the matrix products' share; with ``--hf CHECKPOINT`` (the core's source
+checkpoint) it then profiles transformers' own decode step of the same prompts (``benchmarks.realsize.hf_step_profile``,
+eager attention) and prints the same for it.
 """
 
 from __future__ import annotations
@@ -26,23 +26,36 @@ import time
 from pathlib import Path
 
 
-def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bool, threads: int,
-            pack: bool = True) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
+def decoding_engine(loaded, batch: int, logprobs: int | None, steps: int):
+    """An engine over ``loaded`` with ``batch`` greedy 4-token requests admitted, prefilled and 3 decode rounds in
+    (``benchmarks.realsize.warmed_engine``), each with room for ``steps`` more."""
     from benchmarks.realsize import warmed_engine
-    from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request, SamplingParams
 
-    engine = warmed_engine(load_core(core, retain_host_memory=retain, pack_linears=pack),
-                           [Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True,
-                                    sampling=SamplingParams(temperature=0.0)) for lane in range(batch)])
+    return warmed_engine(loaded, [Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs,
+                                          ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+                                  for lane in range(batch)])
+
+
+def timed_steps(engine, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` engine steps."""
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - started)
+    return times
+
+
+def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bool, threads: int,
+            pack: bool = True) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from ignition.runtime.core import load_core
+
+    loaded = load_core(core, retain_host_memory=retain, pack_linears=pack)
+    times = timed_steps(decoding_engine(loaded, batch, logprobs, steps), steps)
     return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
 
 
@@ -56,9 +69,7 @@ def in_process(core: Path, batch: int, logprobs: int, steps: int, rounds: int, t
 
     torch.set_num_threads(threads)
     import ignition.components.logprobs as reduction
-    from benchmarks.realsize import warmed_engine
     from ignition.runtime.core import load_core
-    from ignition.runtime.requests import Request, SamplingParams
 
     reductions: list[float] = []
     body = reduction.reduce_logprobs_reference
@@ -76,16 +87,9 @@ def in_process(core: Path, batch: int, logprobs: int, steps: int, rounds: int, t
         print(f"{core}: batch {batch}, {steps} steps a run, {rounds} rounds in one process, threads {threads}")
         for round_ in range(1, rounds + 1):
             for setting in (logprobs, None) if round_ % 2 else (None, logprobs):
-                engine = warmed_engine(loaded, [
-                    Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=setting, ignore_eos=True,
-                            sampling=SamplingParams(temperature=0.0)) for lane in range(batch)])
+                engine = decoding_engine(loaded, batch, setting, steps)
                 reductions.clear()
-                times = []
-                for _ in range(steps):
-                    started = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - started)
-                runs[setting].append(statistics.median(times))
+                runs[setting].append(statistics.median(timed_steps(engine, steps)))
                 print(f"round {round_}  {sides[setting]:14s} median {runs[setting][-1] * 1e3:7.1f} ms  reduction "
                       f"{statistics.median(reductions) * 1e3:5.2f} ms ({len(reductions)} calls)")
     finally:
