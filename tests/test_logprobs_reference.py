@@ -234,6 +234,22 @@ def test_selected_ids_in_caller_order(chunk):
     assert out[2, 2::2].tolist() == token_ids[2].tolist()
 
 
+
+def test_selected_id_inputs_with_every_count_zero_report_natural_rows(chunk):
+    """A decode graph passes the selected-id buffers on every step; with every count zero (or negative) each row
+    reports its natural alternatives, the words past the K pairs are left alone, and the frame rows are addressed
+    as without the buffers (the reduction's one-write path)."""
+    g = torch.Generator().manual_seed(4)
+    vocab = 640  # whole groups: no partial last group to read
+    logits = torch.randn(3, vocab + 8, generator=g).to(torch.bfloat16)
+    token_ids = torch.randint(0, vocab, (3, MAX_SELECTED_IDS), generator=g, dtype=torch.int32)
+    counts = torch.tensor([0, -3, 0], dtype=torch.int32)
+    out = run(logits, torch.tensor([5, 6, 7]), token_ids=token_ids, counts=counts, vocab_size=vocab)
+    check_natural(logits.float(), out, vocab, 20)
+    assert (out[:, 42:] == SENTINEL).all()
+    plain = run(logits, torch.tensor([5, 6, 7]), vocab_size=vocab)
+    assert torch.equal(out[:, :42], plain)
+
 def test_unrequested_rows_are_neither_read_nor_written():
     logits = torch.randn(4, 64)
     logits[1] = float("nan")  # would poison results if read

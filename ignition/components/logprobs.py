@@ -213,8 +213,9 @@ def _natural_alternatives(logits, lse, vocab_size, k, group_maxima=None, wanted=
 
     grouped = logits[:, :whole * group].unflatten(1, (whole, group))  # a view: [rows, whole, group]
     every_row = torch.arange(rows, device=device)[:, None]
-    tail_start = torch.tensor([[whole * group]], device=device)
-    kept = [_keep_best(logits[:, whole * group:vocab_size], lse, tail_start, group, k)]
+    tail = logits[:, whole * group:vocab_size]  # the partial last group, read whole (none: skipped, unless alone)
+    kept = [_keep_best(tail, lse, torch.tensor([[whole * group]], device=device), group, k)] \
+        if tail.shape[1] or order.shape[1] == 0 else []
     step = max(1, READ_LANES // (rows * group))
     for column in range(0, order.shape[1], step):  # padding columns read non-candidate groups: harmless
         picked = order[:, column:column + step].sort(dim=1).values  # [rows, step] groups, ascending
@@ -286,14 +287,13 @@ def reduce_logprobs_reference(logits, chosen, requested, out, out_rows, token_id
         lse = _normalization(block_logits, vocab_size, maxima)  # [block]
         chosen_ids = chosen[first:first + count].to(torch.int64)
         chosen_pair = _pack(chosen_ids[:, None], _gather_values(block_logits, lse, chosen_ids[:, None], vocab_size))
-        if token_ids is None:  # every row natural: its whole packed row (chosen pair, K pairs) in one write
+        counts = None if token_ids is None else token_id_counts[first:first + count].clamp(0, MAX_SELECTED_IDS)
+        if counts is None or not bool(counts.any()):  # every row natural: chosen pair and K pairs in one write
             words = chosen_pair if k == 0 else \
                 torch.cat([chosen_pair, _pack(*_natural_alternatives(block_logits, lse, vocab_size, k, maxima))], 1)
-            flat_out.index_copy_(0, out_rows[first:first + count], words)
+            flat_out.narrow(1, 0, words.shape[1]).index_copy_(0, out_rows[first:first + count], words)
             continue
         block = torch.arange(first, first + count, device=logits.device)
-        counts = token_id_counts[block]
-        counts = counts.clamp(0, MAX_SELECTED_IDS)
         natural = counts == 0
         target = out_rows[block]
         if natural.any() and k > 0:
