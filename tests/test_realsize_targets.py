@@ -21,7 +21,7 @@ def test_a_run_that_meets_every_target_says_so():
     assert all(met for _, met in found.values()), found
     assert found["decode batch 1 at least 1.3x HF (every logprobs setting)"] == ("1.67x at worst", True)
     assert found["batch 8: logprobs 20 costs at most 1.05x of logprobs off"] == (
-        "1.000x (median of the rounds' 1.000, 1.040, 0.980)", True)
+        "1.000x (median of 3 step pairs, quartiles 0.980-1.040)", True)
 
 
 def test_each_missed_target_is_named():
@@ -34,9 +34,9 @@ def test_each_missed_target_is_named():
     slow = _verdicts(rates={(1, None): (12.0, 6.8), (1, 20): (8.8, 7.0), (8, 5): (31.0, 31.6)},
                      logprob_costs={1: [1.36, 1.02, 1.07]})
     assert slow["decode batch 1 at least 1.3x HF (every logprobs setting)"] == ("1.26x at worst", False)
-    # the median round, not the worst or the best
+    # the median pair, not the worst or the best
     assert slow["batch 1: logprobs 20 costs at most 1.05x of logprobs off"] == (
-        "1.070x (median of the rounds' 1.360, 1.020, 1.070)", False)
+        "1.070x (median of 3 step pairs, quartiles 1.020-1.360)", False)
     assert not slow["decode batch 8, logprobs 5, at least 1.0x HF"][1]
 
 
@@ -65,6 +65,28 @@ def test_decode_rates_alternate_the_settings_and_take_the_median_decode_step(mon
     assert rates[20].tokens == [[20, 3]] and rates[None].tokens == [[0, 1]]  # each setting's first run's tokens
     assert rates[20].rounds == [0.1] * 4  # each run's median step: its disturbed step is one of four
     assert realsize.paired_costs(rates, 20) == [2.0] * 4  # logprobs 20's run over off's, round by round
+
+
+def test_alternating_costs_step_two_engines_in_turn(toy_core, monkeypatch):
+    from ignition.runtime.core import load_core
+
+    core = load_core(toy_core)
+    stepped = []  # (the engine's core, whether its lanes ask for logprobs) of each timed step, in order
+    timed = realsize.timed
+
+    def recording(fn):
+        engine = fn.__self__
+        stepped.append((engine.core, engine.running[0].request.logprobs))
+        return timed(fn)
+
+    monkeypatch.setattr(realsize, "timed", recording)
+    ratios = realsize.alternating_costs(core, [[3, 14, 15, 9], [2, 6, 5, 3, 5]], 5, rounds=2, steps=3)
+    assert len(ratios) == 6 and all(ratio > 0 for ratio in ratios)
+    # the engine that goes first alternates pair by pair; the core (not its replica) has logprobs in round 1 only
+    assert [k for _, k in stepped] == [5, None, None, 5, 5, None] * 2
+    first, second = stepped[0][0], stepped[1][0]
+    assert first is core and second is not core and second.weights is core.weights
+    assert [owner is core for owner, k in stepped if k == 5] == [True] * 3 + [False] * 3
 
 
 def test_ours_times_only_the_decode_steps(toy_core):
