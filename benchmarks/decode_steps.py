@@ -8,7 +8,9 @@ its median and minimum step. ``--compare retain`` (default): ``LoadOptions.retai
 ``LoadOptions.pack_linears`` on against off (``runtime/backends/packed_linear.py``); ``--compare huge-pages``:
 torch's CPU allocator on transparent huge pages (``ignition.HUGE_PAGES_VARIABLE`` 1 in the child's environment)
 against not (0). ``--compare logprobs --rounds R`` runs the two sides in one process instead, R rounds, and times the
-logprob reduction inside the graph (``in_process``). ``--profile TOP`` profiles one step instead and prints its TOP
+logprob reduction inside the graph (``in_process``); ``--compare logprobs --alternate R`` steps two engines in turn, one
+with logprobs and one without, for R rounds of ``--steps`` step pairs, and prints the median and quartiles of the pairs'
+ratios (``benchmarks.realsize.alternating_costs``, the issue command's logprobs cost). ``--profile TOP`` profiles one step instead and prints its TOP
 operators by self time and input shape, and the matrix products' share; with ``--hf CHECKPOINT`` (the core's source
 checkpoint) it then profiles transformers' own decode step of the same prompts (``benchmarks.realsize.hf_step_profile``,
 eager attention) and prints the same for it.
@@ -100,6 +102,22 @@ def in_process(core: Path, batch: int, logprobs: int, steps: int, rounds: int, t
           f"median {statistics.median(ratios):.3f}")
 
 
+def alternating(core: Path, batch: int, logprobs: int, steps: int, rounds: int, threads: int) -> None:
+    """``benchmarks.realsize.alternating_costs`` on ``core``: ``batch`` 4-token prompts, ``rounds`` rounds of ``steps``
+    step pairs; prints the median and quartiles of the pairs' ratios (logprobs ``logprobs`` over off)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from benchmarks.realsize import alternating_costs
+    from ignition.runtime.core import load_core
+
+    prompts = [[lane + 1, 7, 9, 11] for lane in range(batch)]
+    ratios = alternating_costs(load_core(core), prompts, logprobs, rounds, steps)
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    print(f"{core}: batch {batch}, logprobs {logprobs} over off, {len(ratios)} alternating step pairs: median "
+          f"{statistics.median(ratios):.3f}, quartiles {low:.3f}-{high:.3f}, threads {threads}")
+
+
 def _print_profile(events, wall: float, top: int) -> None:
     """The ``top`` operators of one profiled step by self time and input shape, then its totals."""
     from benchmarks.realsize import operator_split
@@ -160,10 +178,17 @@ def main() -> None:
                         help="with --profile: also profile transformers' own step on this checkpoint")
     parser.add_argument("--rounds", type=int, default=0, help="with --compare logprobs: instead of fresh processes, "
                         "this many rounds of the two sides in one process, and the reduction timed inside the graph")
+    parser.add_argument("--alternate", type=int, default=0, metavar="R", help="with --compare logprobs: instead, R "
+                        "rounds of --steps step pairs of two engines stepping in turn in one process")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
     args = parser.parse_args()
     if args.hf is not None and not args.profile:
         parser.error("--hf needs --profile TOP")
+    if args.alternate:
+        if args.compare != "logprobs" or not args.logprobs or args.profile or args.rounds:
+            parser.error("--alternate needs --compare logprobs, --logprobs K above 0, and neither --profile nor --rounds")
+        alternating(args.core, args.batch, args.logprobs, args.steps, args.alternate, args.threads)
+        return
     if args.rounds:
         if args.compare != "logprobs" or not args.logprobs or args.profile:
             parser.error("--rounds needs --compare logprobs, --logprobs K above 0 and no --profile (load options need "

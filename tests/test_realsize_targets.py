@@ -182,3 +182,14 @@ def test_decode_steps_in_process_times_the_reduction_inside_the_graph(toy_core, 
     assert all(line.endswith("(3 calls)") for line in runs)
     assert all(float(re.search(r"reduction +([0-9.]+) ms", line).group(1)) >= 0 for line in runs)
     assert re.search(r"the rounds' ratios [0-9.]+, [0-9.]+, median [0-9.]+$", lines[-1])
+
+
+def test_decode_steps_alternate_prints_the_pairs_median(toy_core, capsys):
+    import re
+
+    from benchmarks.decode_steps import alternating
+
+    alternating(toy_core, batch=2, logprobs=5, steps=3, rounds=2, threads=1)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.search(r"batch 2, logprobs 5 over off, 6 alternating step pairs: median [0-9.]+, quartiles "
+                     r"[0-9.]+-[0-9.]+, threads 1$", line), line

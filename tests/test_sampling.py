@@ -511,6 +511,33 @@ def test_transform_window_full_extent_is_bit_identical_and_short_window_keeps_un
     assert not torch.equal(penalized, short)  # columns past a short window keep their raw logits
 
 
+def test_a_short_transform_window_puts_the_float32_row_back():
+    """A short transform window rewrites its columns of a float32 row in place (the penalties here move the greedy
+    token) and puts them back before ``sample`` returns, eagerly and through an exported graph: BF16 graphs hand the
+    same float32 row to sampling and then to the logprob reduction (``recipes.graphs``' ``sample_and_commit``), which
+    must read the raw logits."""
+    logits, _ = _mixed_requests()
+    logits[:, 2] = logits.amax(dim=1) + 0.5  # every row's greedy token is 2, inside the window, before the penalties
+    counts, _ = no_history(6, 32)
+    counts[:, :8] = 3
+    seen = torch.ones(6, 32, dtype=torch.bool)
+    penalties = make_params([{"temperature": 0.0, "repetition_penalty": 4.0, "frequency_penalty": 0.5}] * 6)
+    full = torch.zeros(32, dtype=torch.int64)
+    before = logits.clone()
+    penalized = sample(logits, counts[:, :16], seen[:, :16], penalties, 30, full, full[:16])
+    assert (penalized != 2).all()  # the window's columns were transformed
+    assert torch.equal(logits, before)
+    none, flat = _constraint_buffers(6, 32, {}, {}), penalties.as_tuple()
+    extent = torch.export.Dim("transform", min=2, max=32)
+    exported = torch.export.export(
+        TransformedSampleModule(), (logits, counts[:, :16].contiguous(), seen[:, :16].contiguous(), full, full[:16],
+                                    *none.values(), *flat),
+        dynamic_shapes=(None, {1: extent}, {1: extent}, None, {0: extent}, None, None, None, (None,) * len(flat)))
+    assert torch.equal(exported.module()(logits, counts[:, :16].contiguous(), seen[:, :16].contiguous(), full,
+                                         full[:16], *none.values(), *flat), penalized)
+    assert torch.equal(logits, before)
+
+
 def test_windowed_constraints_equal_the_whole_rows_columns():
     """``allowed_tokens`` and ``sampling_logits`` on a prefix of the columns (``columns``) give that prefix of the
     whole row's result; a bias id past the prefix is left out, not clamped onto its last column."""

@@ -32,7 +32,7 @@ from ignition.components.vocabulary_logprobs import VocabularyShard, reduce_voca
 
 def commit_sampling_round(
     buffers: dict[str, torch.Tensor],
-    raw_logits: torch.Tensor,  # [capacity, vocab_padded], untouched by sampling
+    raw_logits: torch.Tensor,  # [capacity, vocab_padded]: the raw values (sampling puts its window's columns back)
     sampled: torch.Tensor,  # int64 [capacity]
     *,
     operation: Operation,
