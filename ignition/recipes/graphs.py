@@ -100,11 +100,11 @@ class _DecoderGraph(torch.nn.Module):
         history = penalty_history(penalty, safe_slots, buffers.get(TRANSFORM_WINDOW))  # [capacity, 2, T]
         # NOTE: sampling's penalties, top-k/top-p and Philox draw need each sampled row's whole vocabulary, so a
         # sharded graph gathers those rows; the logprob reduction below keeps the shard (two compact exchanges).
-        if self.parallel is None:
+        if self.parallel is None and raw_logits.dtype != torch.float32:
             # one float32 row for sampling and the logprob reduction: sampling converts BF16/FP16 rows anyway
             # (``transformed_row``) and puts the raw values back before ``sample`` returns, so the reduction reads the
             # same numbers (the conversion is exact) without converting them chunk by chunk, and its maxima and
-            # minimum run over float32 (torch's CPU reductions over BF16 convert lane by lane); a float32 row aliases
+            # minimum run over float32 (torch's CPU reductions over BF16 convert lane by lane); FP32 graphs unchanged
             raw_logits = raw_logits.to(torch.float32)
         full_logits = raw_logits if self.parallel is None else self.parallel.gather_vocab(raw_logits)
         sampled = sample(full_logits, history[:, OUTPUT_PLANE], history[:, PROMPT_PLANE] > 0,
