@@ -28,15 +28,17 @@ import time
 from pathlib import Path
 
 
-def decoding_engine(loaded, batch: int, logprobs: int | None, steps: int):
-    """An engine over ``loaded`` with ``batch`` greedy 4-token requests admitted, prefilled and 3 decode rounds in
-    (``benchmarks.realsize.warmed_engine``), each with room for ``steps`` more."""
-    from benchmarks.realsize import warmed_engine
-    from ignition.runtime.requests import Request, SamplingParams
+def lane_prompts(batch: int) -> list[list[int]]:
+    """The 4-token prompt of each of ``batch`` lanes, one per lane."""
+    return [[lane + 1, 7, 9, 11] for lane in range(batch)]
 
-    return warmed_engine(loaded, [Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=logprobs,
-                                          ignore_eos=True, sampling=SamplingParams(temperature=0.0))
-                                  for lane in range(batch)])
+
+def decoding_engine(loaded, batch: int, logprobs: int | None, steps: int):
+    """An engine over ``loaded`` with ``batch`` greedy requests (``lane_prompts``) admitted, prefilled and 3 decode
+    rounds in (``benchmarks.realsize.warmed_engine``), each with room for ``steps`` more."""
+    from benchmarks.realsize import decode_requests, warmed_engine
+
+    return warmed_engine(loaded, decode_requests(lane_prompts(batch), logprobs, steps))
 
 
 def timed_steps(engine, steps: int) -> list[float]:
@@ -108,14 +110,13 @@ def alternating(core: Path, batch: int, logprobs: int, steps: int, rounds: int, 
     import torch
 
     torch.set_num_threads(threads)
-    from benchmarks.realsize import alternating_costs
+    from benchmarks.realsize import alternating_costs, spread
     from ignition.runtime.core import load_core
 
-    prompts = [[lane + 1, 7, 9, 11] for lane in range(batch)]
-    ratios = alternating_costs(load_core(core), prompts, logprobs, rounds, steps)
-    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    ratios = alternating_costs(load_core(core), lane_prompts(batch), logprobs, rounds, steps)
+    median, low, high = spread(ratios)
     print(f"{core}: batch {batch}, logprobs {logprobs} over off, {len(ratios)} alternating step pairs: median "
-          f"{statistics.median(ratios):.3f}, quartiles {low:.3f}-{high:.3f}, threads {threads}")
+          f"{median:.3f}, quartiles {low:.3f}-{high:.3f}, threads {threads}")
 
 
 def _print_profile(events, wall: float, top: int) -> None:
@@ -138,16 +139,14 @@ def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, t
     ``hf_checkpoint``, the same for transformers' own step (eager attention) of the same prompts."""
     import torch
 
-    from benchmarks.realsize import hf_step_profile, profiled_step, warmed_engine
+    from benchmarks.realsize import decode_requests, hf_step_profile, profiled_step, warmed_engine
 
     torch.set_num_threads(threads)
     from ignition.runtime.core import load_core
-    from ignition.runtime.requests import Request
 
-    prompts = [[lane + 1, 7, 9, 11] for lane in range(batch)]
+    prompts = lane_prompts(batch)
     loaded = load_core(core)
-    engine = warmed_engine(loaded, [Request(prompt, max_tokens=16, logprobs=logprobs, ignore_eos=True)
-                                    for prompt in prompts])
+    engine = warmed_engine(loaded, decode_requests(prompts, logprobs, 8))
     events, wall, _ = profiled_step(engine, record_shapes=True)
     print(f"Ignition, {core}:")
     _print_profile(events, wall, top)

@@ -262,14 +262,11 @@ def alternating_costs(core, prompts: list[list[int]], logprobs: int, rounds: int
     alternates round by round), and steps them in turn ``steps`` times, the engine that goes first alternating pair
     by pair. Returns every pair's ratio, the logprobs step's seconds over the other's. A pair's two steps run a
     fraction of a second apart, so the host's drift, 10-20% between runs seconds apart, leaves the ratio alone."""
-    from ignition.runtime.requests import Request
-
     twin = core.replica()
     ratios = []
     for round_ in range(rounds):
         owners = (core, twin) if round_ % 2 == 0 else (twin, core)
-        engines = {setting: warmed_engine(owner, [Request(prompt, max_tokens=steps + 8, logprobs=setting,
-                                                          ignore_eos=True) for prompt in prompts])
+        engines = {setting: warmed_engine(owner, decode_requests(prompts, setting, steps))
                    for setting, owner in zip((logprobs, None), owners)}
         for pair in range(steps):
             seconds = {}
@@ -282,6 +279,22 @@ def alternating_costs(core, prompts: list[list[int]], logprobs: int, rounds: int
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
                    "aten::_scaled_dot_product_flash_attention_for_cpu")
 """The profiler names of the matrix products: torch's GEMMs, oneDNN's packed linear and the attention kernel."""
+
+
+def decode_requests(prompts: list[list[int]], logprobs: int | None, steps: int) -> list:
+    """Greedy requests for ``prompts`` asking ``logprobs``, each with room for ``steps`` decode steps after
+    ``warmed_engine``'s prefill and warm-up rounds."""
+    from ignition.runtime.requests import Request
+
+    return [Request(prompt, max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True) for prompt in prompts]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of ``values``; a single value is all three."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    low, _, high = statistics.quantiles(values, n=4)
+    return statistics.median(values), low, high
 
 
 def warmed_engine(core, requests):
@@ -335,10 +348,7 @@ def step_profile(core, prompts: list[list[int]], logprobs: int | None,
     """``steps`` engine decode steps of ``prompts`` (``warmed_engine``), each under its own torch.profiler: (the
     matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
     other operator)."""
-    from ignition.runtime.requests import Request
-
-    engine = warmed_engine(core, [Request(prompt, max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True)
-                                  for prompt in prompts])
+    engine = warmed_engine(core, decode_requests(prompts, logprobs, steps))
     shares, walls, others = [], [], []
     for _ in range(steps):
         events, wall, _ = profiled_step(engine)
@@ -484,8 +494,7 @@ def targets(export_s: float, loads: list[float], rss_ratio: float, prefill_ratio
         found.append(("decode batch 1 at least 1.3x HF (every logprobs setting)", f"{worst:.2f}x at worst",
                       worst >= 1.3))
     for size, costs in sorted(logprob_costs.items()):
-        cost = statistics.median(costs)
-        low, _, high = statistics.quantiles(costs, n=4) if len(costs) > 1 else (cost, cost, cost)
+        cost, low, high = spread(costs)
         found.append((f"batch {size}: logprobs 20 costs at most 1.05x of logprobs off",
                       f"{cost:.3f}x (median of {len(costs)} step pairs, quartiles {low:.3f}-{high:.3f})",
                       cost <= 1.05))
@@ -628,7 +637,7 @@ def main() -> None:
 
         rates: dict[tuple[int, int | None], tuple[float, float]] = {}  # (batch, logprobs) -> (ours, HF) tok/s
         matrix_shares: dict[int, float] = {}
-        logprob_costs: dict[int, list[float]] = {}  # batch -> logprobs 20's cost over off, round by round
+        logprob_costs: dict[int, list[float]] = {}  # batch -> logprobs 20's cost over off, step pair by step pair
         prompts_for = {size: prompts(size, PROMPT) for size in batches}
         mismatches += decode_rows("", core)
         del core
