@@ -216,8 +216,9 @@ def test_metrics_parse_and_count_requests(served, caplog):
 def test_a_large_prompt_does_not_stall_health(served, monkeypatch):
     """A ~1 MB prompt takes about a second or more to tokenize (with the GIL held, were it tokenized with
     ``encode``); /health answers within a second, and within half the tokenizing time, all along. The prompt is then refused for the context bound, never generated."""
-    monkeypatch.setattr(served.ctx.engine.engine, "max_context", 64)
     text = " ".join(CORPUS) * 400
+    context = len(text) // served.ctx.max_prompt_chars(1) + 1  # the text fits the character bound, not the tokens
+    monkeypatch.setattr(served.ctx.engine.engine, "max_context", context)
     tokenizing = threading.Event()
     encode_batch = served.ctx.tokenizer.encode_batch
     monkeypatch.setattr(served.ctx, "tokenizer", type("Observed", (), {
@@ -234,7 +235,7 @@ def test_a_large_prompt_does_not_stall_health(served, monkeypatch):
         latencies.append(time.monotonic() - probe)
         time.sleep(0.05)
     thread.join()
-    assert_envelope(result["response"], 400, "BadRequestError", "prompt", "more than the context of 64 tokens")
+    assert_envelope(result["response"], 400, "BadRequestError", "prompt", f"more than the context of {context} tokens")
     elapsed = time.monotonic() - began
     assert len(latencies) >= 3, (elapsed, latencies)  # the probes overlapped the work
     # a tokenizer holding the GIL would stall one probe for about the whole tokenization

@@ -85,6 +85,7 @@ class ServerContext:
         max_workers=PREPROCESS_THREADS, thread_name_prefix="ignition-preprocess"))
     grammars: GrammarCompiler | str | None = None  # made on first use: the compiler, or why there is none
     grammars_lock: threading.Lock = field(default_factory=threading.Lock)
+    longest_token: int | None = None  # characters of the tokenizer's longest vocabulary entry, read on first use
 
     @property
     def max_context(self) -> int | None:
@@ -153,16 +154,37 @@ class ServerContext:
         kept = self.truncation(keep)
         return ids if kept is None else ids[-kept:]
 
+    def max_prompt_chars(self, tokens: int) -> int | None:
+        """The most characters ``tokens`` tokens can cover: ``tokens`` times the longest vocabulary entry (None
+        without a tokenizer). vLLM's bound (``TokenizeParams._text_len_check`` in vllm/renderers/params.py, with
+        ``max_chars_per_token`` the longest token of vllm/tokenizers/hf.py): a longer text cannot fit, so it is
+        refused before it is tokenized and tokenizing costs time and memory in proportion to the context."""
+        if self.tokenizer is None:
+            return None
+        if self.longest_token is None:
+            vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+            self.longest_token = max(1, max((len(token) for token in vocab), default=1))
+        return tokens * self.longest_token
+
     def encode(self, text: str, add_special_tokens: bool, param: str, truncate: int | None = None) -> list[int]:
         """Token ids of a prompt text, the last ``truncate`` (``truncate_prompt_tokens``) when given (call it
-        through ``run``: a long text takes a while)."""
+        through ``run``: a long text takes a while). A text longer than the context can hold is refused before
+        it is tokenized (``max_prompt_chars``); with truncation only its last characters are tokenized."""
         if self.tokenizer is None:
             raise ApiError(f"this core has no tokenizer ({self.core.path}/tokenizer/tokenizer.json): send the "
                            "prompt as token ids", param)
         self.check_text(text, param)
+        kept = self.truncation(truncate)
+        if kept is not None:
+            # the last ``kept`` tokens lie within the last kept * longest characters: one token more of text
+            # (tokenized and dropped) keeps the cut away from the tokens kept
+            text = text[-self.max_prompt_chars(kept + 1):]
+        elif self.max_context is not None and len(text) > (bound := self.max_prompt_chars(self.max_context)):
+            raise ApiError(f"{param} has {len(text)} characters, more than the context of {self.max_context} tokens "
+                           f"can hold: this tokenizer's longest token has {self.longest_token} characters, so at "
+                           f"most {bound} characters fit; shorten the prompt", param)
         # NOTE: encode_batch, not encode: only the batch call releases the GIL while Rust tokenizes, and a
         # multi-megabyte prompt holding it would stall the event loop as surely as tokenizing on it
-        kept = self.truncation(truncate)
         encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if kept is not None:
             return encoding.ids[-kept:]
