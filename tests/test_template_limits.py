@@ -32,6 +32,11 @@ EXPENSIVE = {  # each ran seconds or allocated gigabytes before the 400 (or neve
     "repeat-list": "{{ [0] * 3000000000 }}",
     "concatenation": '{{ "x" * 4000000 + "y" * 4000000 }}',
     "indent": '{{ ("x\n" * 1000000)|indent(4000) }}',
+    # issue 50, finding 7: 2*10^9 characters built before the output check (3.4 s against a 1 s limit)
+    "str-replace": '{% set s = "x" * 40000 %}{{ s.replace("x", "y" * 50000) }}',
+    "str-join": '{{ ("y" * 4000000).join(["a", "b", "c"]) }}',
+    "str-join-iterator": '{{ ("y" * 4000000).join(range(2000)|map("string")) }}',
+    "str-expandtabs": '{{ ("\t" * 1000000).expandtabs(4000) }}',
 }
 
 
@@ -51,6 +56,8 @@ def test_expensive_operations_are_refused_before_they_run(source):
 
 
 def test_ordinary_templates_still_render():
+    assert render_bounded("{{ 'a-b-c'.replace('-', ', ', 1) }}|{{ '+'.join(['x', 'y']) }}|{{ ', '.join(['p', 'q']|map('upper')) "
+                          "}}|{{ 'a\tb'.expandtabs(3) }}", TemplateLimits(), {}) == "a, b-c|x+y|P, Q|a  b"
     source = ("{{ 3 ** 40 }}|{{ '%5s|%-3d'|format('a', 7) }}|{{ '{:>6}'.format('b') }}|{{ [1, 2]|join(', ') }}|"
               "{{ {'k': [1]}|tojson(indent=2) }}|{{ 'ab' * 3 }}|{{ 'x\ny'|indent(2) }}|{{ '%s!' % 'hey' }}")
     assert render_bounded(source, TemplateLimits(), {}) == (
@@ -95,3 +102,23 @@ def test_other_chat_template_kwargs_reach_the_template(served):
     response = served.post("/tokenize", {k: v for k, v in body.items() if k != "max_tokens"})
     assert response.status_code == 200, response.text
     assert response.json()["tokens"] == served.ctx.encode("hello", False, "prompt") or response.json()["count"] > 0
+
+
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+
+
+def test_the_cores_chat_template_is_bounded_too(served, monkeypatch):
+    """Issue 50, finding 6: a core template looping 10^10 times pinned a preprocessing thread per request."""
+    monkeypatch.setattr(served.ctx, "chat_template", LOOPING)
+    for _ in range(3):  # each request used to take a thread for good: two would stop every other request
+        started = time.perf_counter()
+        response = served.post(CHAT, {"messages": USER, "max_tokens": 1})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "the chat template" in error["message"], error
+        assert "steps" in error["message"] or "rendered for more than" in error["message"], error
+        assert time.perf_counter() - started < 3
+    assert served.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}).status_code == 200
+    monkeypatch.setattr(served.ctx, "chat_template", "{{ messages[0]['content'].replace('', 'L' * 10000000) }}")
+    error = served.post(CHAT, {"messages": USER, "max_tokens": 1}).json()["error"]
+    assert "str.replace" in error["message"] and "bound" in error["message"], error

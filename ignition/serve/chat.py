@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 
 from fastapi import Request as HttpRequest
@@ -16,7 +17,7 @@ from ignition.serve.common import (ApiError, GenerationError, RequestOutput, Res
                                    respond_samples, sse)
 from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
 from ignition.serve.parsers import OutputParser
-from ignition.serve.templates import TemplateLimitError, render_bounded, special_token, trusted_template
+from ignition.serve.templates import TemplateLimitError, render_bounded, special_token
 from ignition.serve.tools import ToolCallReader, ToolUse, enforce, template_messages, tool_use
 
 DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
@@ -57,13 +58,16 @@ def render_prompt(ctx: ServerContext, body: ChatCompletionRequest, tools: list[d
                            f"(reserved: {', '.join(variables)}); pass it through its own field or leave it out",
                            f"chat_template_kwargs.{key}")
     variables |= extra
+    limits = ctx.config.template_limits
+    if body.chat_template is None:  # the messages may fill --max-prompt-bytes, and the prompt holds them all
+        limits = dataclasses.replace(limits, max_output_bytes=max(limits.max_output_bytes,
+                                                                  ctx.config.max_prompt_bytes))
     try:
-        if body.chat_template is not None:
-            rendered = render_bounded(template, ctx.config.template_limits, variables)
-        else:
-            rendered = trusted_template(template).render(**variables)
+        rendered = render_bounded(template, limits, variables)
     except TemplateLimitError as exc:
-        raise ApiError(f"the request's chat template was stopped: {exc}", "chat_template") from None
+        if body.chat_template is not None:
+            raise ApiError(f"the request's chat template was stopped: {exc}", "chat_template") from None
+        raise ApiError(f"the chat template ({ctx.chat_template_source}) was stopped: {exc}", "messages") from None
     except Exception as exc:  # noqa: BLE001 (TemplateError, raise_exception, RecursionError, TypeError, ...)
         raise ApiError(f"the chat template failed: {type(exc).__name__}: {exc}", "messages") from None
     if body.continue_final_message and messages and messages[-1]["content"]:

@@ -26,7 +26,8 @@ MAX_BATCH_PROMPTS = 1024
 
 @dataclass(frozen=True, slots=True)
 class TemplateLimits:
-    """Bounds on rendering a chat template a request supplies (the server's own template is trusted)."""
+    """Bounds on rendering a chat template: a request's, and the server's own (the core's is untrusted data too),
+    whose output bound is raised to --max-prompt-bytes when that is larger (serve/chat.py)."""
 
     max_template_bytes: int = 64 * 1024
     max_nesting: int = 16  # nested for/if/macro/call/filter blocks; real chat templates nest 6 or fewer

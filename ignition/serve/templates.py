@@ -1,15 +1,17 @@
 """Chat templates: where the server's comes from, and how a request-supplied one is rendered within bounds.
 
 The server's template is, in order: ``--chat-template``, ``TOKENIZER/chat_template.jinja`` (where
-Hugging Face saves it), ``TOKENIZER/tokenizer_config.json``'s ``chat_template``. It is trusted
-and rendered in Jinja's immutable sandbox. A request's ``chat_template`` is refused unless the
-server allows them; then it is parsed with a size and nesting bound and rendered in the same
-sandbox with a time, step and output bound (``TemplateLimits``): a trace function counts every
+Hugging Face saves it), ``TOKENIZER/tokenizer_config.json``'s ``chat_template``. A request's
+``chat_template`` is refused unless the server allows them. Either is parsed with a size and nesting bound and rendered in Jinja's
+immutable sandbox with a time, step and output bound (``TemplateLimits``): a trace function counts every
 line the render executes, and the operators and calls that could allocate without running a
 line check their operands first and refuse before they run: integer bit sizes (``**``, ``*``), repeat
 counts and concatenations, ``%`` and ``str.format`` widths and precisions, ``join`` separators,
-``indent`` and ``tojson`` indents, ``replace`` (``_BoundedEnvironment``). Rendering
-happens on a worker thread, never on the event loop.
+``indent`` and ``tojson`` indents, the ``replace`` filter and the ``str.replace``, ``str.join`` and
+``str.expandtabs`` methods (``_BoundedEnvironment``). The server's own template (the core's, or
+``--chat-template``) is rendered the same way: a core is untrusted data, so its template gets the same
+pre-checks and limits, with an output bound of at least ``--max-prompt-bytes``. Rendering happens on a
+worker thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -71,13 +73,6 @@ def _environment(env: ImmutableSandboxedEnvironment) -> ImmutableSandboxedEnviro
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
-
-
-@functools.lru_cache(maxsize=8)
-def trusted_template(source: str):
-    """The server's own template, compiled once."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    return _environment(env).from_string(source)
 
 
 _PERCENT_WIDTH = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
@@ -235,7 +230,35 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's signature)
         __self._check_ints([*args, *kwargs.values()])
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and args:
+            args = __self._check_str_method(owner, getattr(__obj, "__name__", ""), args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
+
+    def _check_str_method(self, text: str, name: str, args: tuple, kwargs: dict) -> tuple:
+        """``text.replace``, ``text.join`` and ``text.expandtabs`` (string methods that can build more than their
+        operands) refused before they run when the result would pass the output bound; ``args`` as called (a
+        ``join`` of an iterator gets the list it was read into)."""
+        bound = self.limits.max_output_bytes
+        if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+            old, new = args[0], args[1]
+            count = args[2] if len(args) > 2 and isinstance(args[2], int) else kwargs.get("count", -1)
+            hits = text.count(old) if old else len(text) + 1
+            hits = hits if count is None or count < 0 else min(hits, count)
+            if len(text) + hits * (len(new) - len(old)) > bound:
+                self._refuse(f"str.replace ({hits} replacements of {len(new)} characters)")
+        elif name == "join":
+            items = list(args[0])
+            total = len(text) * max(len(items) - 1, 0) + sum(len(item) if isinstance(item, str) else 0
+                                                              for item in items)
+            if total > bound:
+                self._refuse(f"str.join of {len(items)} items with a {len(text)}-character separator")
+            return (items, *args[1:])
+        elif name == "expandtabs":
+            width = args[0] if isinstance(args[0], int) else 8
+            if len(text) + text.count("\t") * max(width, 0) > bound:
+                self._refuse(f"str.expandtabs({width})")
+        return args
 
 
 def _nesting(node: nodes.Node, depth: int = 0) -> int:
