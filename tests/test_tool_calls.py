@@ -128,10 +128,19 @@ def test_reader_streams_what_the_full_reading_reports():
     assert [(c.function.name, c.function.arguments) for c in whole.tool_calls()] == [CALL, CALL]
     assert [(c.function.name, c.function.arguments) for c in streamed.tool_calls()] == [CALL, CALL]
     first = [d for d in deltas if d.id is not None]
-    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in first] == [
-        (0, "function", "get_weather", ""), (1, "function", "get_weather", "")]
+    assert [(d.index, d.type, d.function.name) for d in first] == [(0, "function", "get_weather"),
+                                                                   (1, "function", "get_weather")]
     assert all(d.id.startswith("chatcmpl-tool-") for d in first)
     assert all(d.id is None and d.type is None and d.function.name is None for d in deltas if d not in first)
+    pieces = [p.replace("Ġ", " ").replace("Ċ", "\n") for p in TOOL_CHAIN] * 2  # token by token, as served
+    for size in (1, 2, 3, len(pieces)):
+        reader, arguments = ToolCallReader(use, OutputParser()), {}
+        for start in range(0, len(pieces), size):
+            step = reader.step("".join(pieces[start:start + size]), [], final=start + size >= len(pieces))[1]
+            assert len({d.index for d in step}) == len(step), (size, step)  # one entry per index per chunk
+            for d in step:
+                arguments[d.index] = arguments.get(d.index, "") + d.function.arguments
+        assert [json.loads(a) for a in arguments.values()] == [{"city": "Paris"}] * 2, size
     single = tool_use(ServeConfig(tool_call_parser="hermes", enable_auto_tool_choice=True), [WEATHER], "auto", True,
                       parallel=False)
     reader = ToolCallReader(single, OutputParser())
@@ -228,8 +237,14 @@ def test_chat_stream_deltas_add_up_to_the_full_response(served):
     calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
     assert content == CONTENT_TEXT and deltas[-1]["finish_reason"] == "tool_calls"
     first = calls[0]
-    assert set(first) == {"index", "id", "type", "function"} and first["function"] == {"name": "get_weather",
-                                                                                       "arguments": ""}
+    assert set(first) == {"index", "id", "type", "function"} and first["function"]["name"] == "get_weather"
+    # issue 50, finding 8: at most one entry per index per chunk (vLLM, OpenAI), so a client reading
+    # delta.tool_calls[0] (instructor's partial parsing) sees every argument character
+    for d in deltas:
+        indexes = [t["index"] for t in d["delta"].get("tool_calls", [])]
+        assert len(indexes) == len(set(indexes)), d
+    assert "".join(d["delta"]["tool_calls"][0]["function"]["arguments"] for d in deltas
+                   if d["delta"].get("tool_calls")) == full["message"]["tool_calls"][0]["function"]["arguments"]
     assert all(set(c) == {"index", "function"} and set(c["function"]) == {"arguments"} for c in calls[1:])
     assert "".join(c["function"]["arguments"] for c in calls) == full["message"]["tool_calls"][0]["function"][
         "arguments"]

@@ -193,7 +193,7 @@ class ToolCallReader:
         decided = []
         while self.waiting and (final or self.waiting[0].offset < self.parser.consumed):
             decided.append(self.waiting.popleft())
-        content, deltas = [], []
+        content, deltas = [], {}  # one delta per call index: vLLM and OpenAI never repeat an index in a chunk
         for event in events:
             if event.kind == CONTENT:
                 content.append(event.text)
@@ -201,12 +201,16 @@ class ToolCallReader:
                 if event.name is not None:  # a call starts: vLLM's first delta of a call
                     self.ids.append(random_id("chatcmpl-tool"))
                     self.calls.append([event.name, ""])
-                    deltas.append(DeltaToolCall(index=event.index, id=self.ids[-1], type="function",
-                                                function=DeltaFunctionCall(name=event.name, arguments="")))
+                    deltas[event.index] = DeltaToolCall(index=event.index, id=self.ids[-1], type="function",
+                                                        function=DeltaFunctionCall(name=event.name, arguments=""))
                 elif event.text:
                     self.calls[event.index][1] += event.text
-                    deltas.append(DeltaToolCall(index=event.index, function=DeltaFunctionCall(arguments=event.text)))
-        return ("".join(content) if content else None), deltas, decided
+                    if event.index in deltas:  # the header and the first arguments arrive in one piece
+                        deltas[event.index].function.arguments += event.text
+                    else:
+                        deltas[event.index] = DeltaToolCall(index=event.index,
+                                                            function=DeltaFunctionCall(arguments=event.text))
+        return ("".join(content) if content else None), list(deltas.values()), decided
 
     def tool_calls(self) -> list[ToolCall]:
         return [ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
