@@ -1,4 +1,5 @@
-"""Server-side trust findings of issue 50: tokenizing bounded by the context before it starts (finding 4).
+"""Server-side trust findings of issue 50: tokenizing bounded by the context before it starts (finding 4), and
+a tokenizer's panic answered as a 400 (finding 7).
 
 The live servers are conftest's; no core is exported here.
 """
@@ -77,3 +78,23 @@ def test_truncation_tokenizes_only_the_end_of_a_huge_prompt(served, context):
     assert response.status_code == 200, response.text[:500]
     assert response.json()["choices"][0]["prompt_token_ids"] == expected
     assert time.perf_counter() - started < 2.0
+
+
+def test_a_tokenizer_panic_is_a_400(served, monkeypatch):
+    """A normalizer regex that backtracks past Oniguruma's retry limit panics in the tokenizers library; pyo3
+    raises that as PanicException, a BaseException that passed every ``except Exception`` (a 500)."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    panicking = Tokenizer.from_str(served.ctx.tokenizer.to_str())
+    panicking.normalizer = normalizers.Replace(Regex("(a|a)+b"), "x")
+    monkeypatch.setattr(served.ctx, "tokenizer", panicking)
+    text = "a" * 40 + "c"
+    for path, body, param in ((TOKENIZE, {"prompt": text}, "prompt"),
+                              (CMPL, {"prompt": text, "max_tokens": 1}, "prompt"),
+                              (CHAT, {"messages": [{"role": "user", "content": text}], "max_tokens": 1}, "messages")):
+        response = served.post(path, body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "the tokenizer cannot tokenize this text" in error["message"], error
+        assert "retry-limit" in error["message"], error
+    assert served.post(TOKENIZE, {"prompt": "hello"}).status_code == 200

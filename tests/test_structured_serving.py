@@ -292,7 +292,17 @@ def test_bad_words_never_appear(server):
 
 
 # -- 400s --------------------------------------------------------------------------------------------------
+def _nested(levels: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("extra,param,fragments", [
+    # issue 50, finding 7: llguidance's recursion error was a 500
+    ({"response_format": schema_format(_nested(200))}, "response_format", ["recursion limit", "128 levels"]),
+    ({"structured_outputs": {"json": _nested(200)}}, "structured_outputs.json", ["128 levels"]),
     ({"response_format": schema_format({"type": "array", "uniqueItems": True})}, "response_format", ["uniqueItems"]),
     ({"response_format": schema_format({"not": {"type": "string"}})}, "response_format", ["not"]),
     ({"response_format": {"type": "yaml"}}, "response_format", ["json_object"]),

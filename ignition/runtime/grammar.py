@@ -60,7 +60,11 @@ def _grammar_text(spec: GrammarSpec) -> str:
         options = {"whitespace_flexible": spec.whitespace_flexible}
         if spec.whitespace_pattern is not None:
             options["whitespace_pattern"] = spec.whitespace_pattern
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=options)
+        try:  # serde_json's recursion limit refuses a schema nested more than 128 levels deep
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=options)
+        except ValueError as exc:
+            raise GrammarError(f"{spec.param}: cannot read this JSON Schema: {exc} (the grammar engine reads JSON "
+                               "nested at most 128 levels deep)", spec.param) from None
     try:
         return llguidance.grammar_from(spec.kind, spec.source)  # Lark or GBNF, a regex, a JSON list of choices
     except ValueError as exc:

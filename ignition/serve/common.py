@@ -58,6 +58,20 @@ class GenerationError(Exception):
         self.param = param
 
 
+@contextlib.contextmanager
+def tokenizer_errors(param: str, what: str = "tokenize"):
+    """The tokenizers library's failures on a request's text as a 400 naming ``param``: its bare ``Exception``,
+    and the Rust panics pyo3 raises as ``PanicException``, a BaseException (a core's normalizer or
+    pre-tokenizer regex that backtracks past Oniguruma's retry limit panics on some texts)."""
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 (only the two kinds above are answered; the rest re-raised)
+        if type(exc).__name__ != "PanicException" and type(exc) is not Exception:
+            raise
+        cause = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise ApiError(f"{param}: the tokenizer cannot {what} this text ({cause})", param) from None
+
+
 def generation_api_error(exc: GenerationError) -> ApiError:
     """A 400 naming the field when the request's own constraints failed it, else a 500."""
     if getattr(exc, "param", None) is not None:
@@ -185,7 +199,8 @@ class ServerContext:
                            f"most {bound} characters fit; shorten the prompt", param)
         # NOTE: encode_batch, not encode: only the batch call releases the GIL while Rust tokenizes, and a
         # multi-megabyte prompt holding it would stall the event loop as surely as tokenizing on it
-        encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        with tokenizer_errors(param):
+            encoding = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
         if kept is not None:
             return encoding.ids[-kept:]
         if self.max_context is not None and len(encoding) > self.max_context:  # before a list of millions of ids
@@ -305,7 +320,8 @@ def ending_ids(ctx: ServerContext, ignore_eos: bool, stop_token_ids) -> list[int
 
 
 def _encode_plain(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    with tokenizer_errors("bad_words"):
+        return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 async def attach_grammar(ctx: ServerContext, body: GenerationFields, request: Request) -> None:

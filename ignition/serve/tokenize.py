@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ignition.serve.chat import chat_prompt_ids
-from ignition.serve.common import ApiError, ServerContext
+from ignition.serve.common import ApiError, ServerContext, tokenizer_errors
 from ignition.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                      TokenizeCompletionRequest, TokenizeResponse, TokenizerInfoResponse)
 from ignition.serve.templates import template_of
@@ -106,7 +106,8 @@ def detokenize(ctx: ServerContext, body: DetokenizeRequest) -> DetokenizeRespons
     if outside:
         raise ApiError(f"token id {outside[0]} is outside the vocabulary [0, {ctx.core.vocab_size})", "tokens")
     # decode_batch releases the GIL while Rust decodes (decode does not)
-    return DetokenizeResponse(prompt=ctx.tokenizer.decode_batch([body.tokens], skip_special_tokens=False)[0])
+    with tokenizer_errors("tokens", "decode"):
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode_batch([body.tokens], skip_special_tokens=False)[0])
 
 
 def _plain(value):
