@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,53 @@ def test_torchrun_ranks_check_the_same_secret(launches):
     assert "rank 1 did not prove" in refusals[0], (events, err[-3000:])
 
 
+def test_wake_messages_through_the_store_are_sealed(caplog):
+    """Issue 50, finding 5: under torchrun rank 0 wakes the ranks through torchrun's store, which listens on every
+    interface. A message written by a process without the secret (a plain ``stop``, one sealed under another
+    secret) or replayed from another counter is refused and logged; the rank reads rank 0's own and goes on."""
+    import datetime
+    import queue
+    import threading
+
+    import torch.distributed as dist
+
+    from ignition.runtime.rendezvous import STOP, StoreChannel, seal, store_lines, wake_key
+
+    master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    stores = [dist.TCPStore("127.0.0.1", master.port, 3, is_master=False, timeout=datetime.timedelta(seconds=30))
+              for _ in range(2)]
+    rank0, attacker = StoreChannel(master, SECRET), stores[1]
+    lines: queue.Queue = queue.Queue()
+    def read():
+        for line in store_lines(stores[0], SECRET, 1):
+            lines.put(line)
+            if line == STOP:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    rank0.send("0")
+    assert lines.get(timeout=10) == "0"
+    with caplog.at_level("WARNING", logger="ignition.runtime.rendezvous"):
+        attacker.set("ignition/wake/2", STOP)  # the old, unsealed key
+        attacker.set(wake_key(SECRET, 2), seal("cd" * 32, 2, STOP))  # the key known, the secret not
+        time.sleep(0.3)
+        assert lines.empty() and "refused wake message 2" in caplog.text
+        rank0.send("1")
+        assert lines.get(timeout=10) == "1"
+        caplog.clear()
+        attacker.set(wake_key(SECRET, 3), attacker.get(wake_key(SECRET, 2)))  # message 2 replayed as message 3
+        time.sleep(0.3)
+        assert lines.empty() and "refused wake message 3" in caplog.text
+        rank0.send("1")
+        assert lines.get(timeout=10) == "1"
+        rank0.send(STOP)
+        assert lines.get(timeout=10) == STOP
+    reader.join(timeout=10)
+    assert not master.check([wake_key(SECRET, 1)])  # read by every rank: deleted
+
+
 def test_secret_and_host_are_checked_before_anything_starts(capsys):
     with pytest.raises(MembershipError, match=f"{SECRET_ENVIRONMENT}.*it has 5 characters"):
         secret_from_environment({SECRET_ENVIRONMENT: "short"})
@@ -124,12 +172,14 @@ def tp2(tmp_path_factory) -> Path:
 
 def test_the_launcher_listens_on_loopback_and_keeps_the_secret_out_of_argv(tp2):
     """While a TP=2 group runs: every listening socket of both ranks is on 127.0.0.1 (the store was on *:PORT),
-    no 64-hex secret is in the worker's argv or environment, and a process that joins the store with the port
-    from that argv neither receives request data nor changes the answers."""
+    no 64-hex secret and no store port is in the worker's argv (a local racer read the port there and stopped
+    the launch), no secret in its environment, and a process that joins the store with the port neither
+    receives request data nor changes the answers."""
     with tensor_parallel(tp2, 2) as loaded:
         worker = loaded.group.workers[0]
         argv = Path(f"/proc/{worker.pid}/cmdline").read_bytes().split(b"\0")
-        port = int(argv[argv.index(b"--port") + 1])
+        port = loaded.group.port
+        assert b"--port" not in argv and str(port).encode() not in argv, argv  # issue 50: the port is on stdin
         ours = listening_addresses() + listening_addresses(worker.pid)
         assert f"127.0.0.1:{port}" in ours, ours
         assert all(address.startswith("127.0.0.1:") for address in ours), ours

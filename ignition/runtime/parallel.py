@@ -10,9 +10,10 @@ rank, so nothing else travels. Peers never read frames back.
 
 Where ranks meet and how they prove they belong is ignition/runtime/rendezvous.py: the store and
 the transports on 127.0.0.1 unless ``host`` (``--tp-host``) says otherwise, a per-launch secret
-on the worker's stdin, checked over the new group before any request data. Under ``torchrun``
-(``launched_by_torchrun``) every rank runs the same command: rank 0 serves, the others run
-``rank_worker.torchrun_worker`` and are woken through the store instead of a pipe.
+and the store's port on the worker's stdin, the secret checked over the new group before any
+request data. Under ``torchrun`` (``launched_by_torchrun``) every rank runs the same command: rank 0
+serves, the others run ``rank_worker.torchrun_worker`` and are woken through the store instead of a
+pipe, with messages sealed under the secret (rendezvous.py).
 
 Failure is loud and bounded: the process group has a timeout (``PROCESS_GROUP_TIMEOUT_S``),
 rank 0 checks its workers before every submission (and an idle server checks them every second,
@@ -95,8 +96,8 @@ class _Replicated:
 class RankGroup:
     """Rank 0's handle on the worker processes (ranks 1..N-1)."""
 
-    def __init__(self, workers: list[subprocess.Popen], timeout_s: float, channel=None):
-        self.workers, self.timeout_s, self.closed = workers, timeout_s, False
+    def __init__(self, workers: list[subprocess.Popen], timeout_s: float, channel=None, port: int | None = None):
+        self.workers, self.timeout_s, self.closed, self.port = workers, timeout_s, False, port  # port: the store's
         self.channel = channel or PipeChannel(workers)  # torchrun: a StoreChannel, and no worker processes
         self._watchdog = threading.Thread(target=self._watch, name="ignition-tp-watchdog", daemon=True)
         self._watchdog.start()
@@ -171,7 +172,8 @@ def _check_rank_count(core: Path, ranks: int) -> None:
 
 def _start_workers(core, options: LoadOptions):
     """Ranks 1..N-1 as child processes and rank 0's store on ``options.tp_host``; each worker's stdin gets the
-    launch secret, then the load options whole. Returns (store, secret, RankGroup)."""
+    launch secret, the store's port, then the load options whole (none of them in argv, which every local user
+    can read). Returns (store, secret, RankGroup)."""
     ranks, host, timeout_s = options.ranks, options.tp_host, options.timeout_s
     try:
         check_host(host)
@@ -180,15 +182,15 @@ def _start_workers(core, options: LoadOptions):
     except (ValueError, OSError) as exc:  # not an address of this machine, or one that cannot be bound
         raise ParallelOptionError(str(exc) if "--tp-host" in str(exc) else f"--tp-host {host}: {exc}") from None
     secret = new_secret()
-    command = [sys.executable, "-m", "ignition.runtime.rank_worker", str(core), "--port", str(store.port)]
+    command = [sys.executable, "-m", "ignition.runtime.rank_worker", str(core)]
     environment = dict(os.environ, **pinned, PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])))
     workers = [subprocess.Popen(command + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                 text=True, env=environment) for rank in range(1, ranks)]
-    group = RankGroup(workers, timeout_s)
+    group = RankGroup(workers, timeout_s, port=store.port)
     for process in workers:
         try:
-            process.stdin.write(secret + "\n" + options.to_json() + "\n")
+            process.stdin.write(f"{secret}\n{store.port}\n{options.to_json()}\n")
             process.stdin.flush()
         except OSError:
             pass  # the worker is already gone; the group start-up names it
@@ -219,7 +221,7 @@ def tensor_parallel(core: str | Path, ranks_or_options: int | LoadOptions, **cho
             raise ParallelOptionError(str(exc)) from None
         if rank != 0:
             raise ParallelOptionError(f"torchrun rank {rank} runs torchrun_worker, not tensor_parallel")
-        group = RankGroup([], options.timeout_s, StoreChannel(store))
+        group = RankGroup([], options.timeout_s, StoreChannel(store, secret))
     else:
         store, secret, group = _start_workers(core, options)
     try:

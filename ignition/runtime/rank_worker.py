@@ -1,8 +1,9 @@
 """Ranks 1..N-1 of a tensor-parallel run: load this rank's shard, join the group, replay rank 0's submissions.
 
-Started either by rank 0 (``python -m ignition.runtime.rank_worker``; the launch secret is the first line
-of stdin, rank 0's LoadOptions the second, then one line per submission) or by torchrun (``torchrun_worker``; the secret comes from
-IGNITION_TP_SECRET and the submissions through the store). ignition/runtime/parallel.py is rank 0's side.
+Started either by rank 0 (``python -m ignition.runtime.rank_worker CORE --rank R``; stdin carries the launch
+secret, the store's port and rank 0's LoadOptions, one line each, then one line per submission) or by torchrun
+(``torchrun_worker``; the secret comes from IGNITION_TP_SECRET and the submissions through the store, sealed
+under it). ignition/runtime/parallel.py is rank 0's side.
 """
 
 from __future__ import annotations
@@ -65,19 +66,22 @@ def torchrun_worker(core: str | Path, options: LoadOptions) -> int:
     device = None
     if options.cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
-    return _replay(core, options.for_rank(rank, device), lambda: (store, secret), store_lines)
+    return _replay(core, options.for_rank(rank, device), lambda: (store, secret),
+                   lambda store: store_lines(store, secret, rank))
 
 
 def worker(argv: list[str] | None = None) -> int:
-    """A rank rank 0 started: its stdin carries the launch secret, then rank 0's LoadOptions (one JSON line),
-    then one line per submission."""
+    """A rank rank 0 started: its stdin carries the launch secret, the store's port, rank 0's LoadOptions (one
+    JSON line), then one line per submission."""
     parser = argparse.ArgumentParser(prog="python -m ignition.runtime.rank_worker")
     parser.add_argument("core")
     parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
     secret = sys.stdin.readline().strip()
+    port = sys.stdin.readline().strip()
     try:
+        if not port.isdigit():
+            raise LoadOptionError(f"expected the store's port on the second line of stdin, got {port[:20]!r}")
         options = LoadOptions.from_json(sys.stdin.readline()).for_rank(args.rank)
     except LoadOptionError as exc:  # rank 0 and this rank disagree on what can run here
         print(f"error: tensor-parallel rank {args.rank}: {exc}", file=sys.stderr, flush=True)
@@ -86,7 +90,7 @@ def worker(argv: list[str] | None = None) -> int:
     def connect():
         import torch.distributed as dist
 
-        store = dist.TCPStore(options.tp_host, args.port, options.ranks, is_master=False,
+        store = dist.TCPStore(options.tp_host, int(port), options.ranks, is_master=False,
                               timeout=datetime.timedelta(seconds=options.timeout_s))
         return store, secret
 

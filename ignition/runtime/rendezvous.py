@@ -13,6 +13,12 @@ exchange fresh nonces, then an HMAC-SHA256 of the whole exchange under the secre
 over the new process group itself. A rank whose tag does not verify is named and the launch is
 refused; a joiner that does not answer leaves the group to its timeout. The secret authenticates
 the ranks; it does not encrypt their traffic.
+
+Under torchrun rank 0 wakes the other ranks through torchrun's store, which listens on every
+interface whatever ``--master-addr`` says. Each wake message is sealed (``seal``): its line and an
+HMAC-SHA256 over a counter and the line under the launch secret, stored under a key named by the
+counter and a tag of it (``wake_key``). A rank refuses and logs a message that does not verify
+(forged, or replayed under another counter) and waits for rank 0's own (``store_lines``).
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import fcntl
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import secrets
 import socket
 import struct
 import sys
+import time
 
 import torch
 
@@ -162,8 +170,11 @@ def prove_membership(secret: str, rank: int, ranks: int, device: torch.device) -
 
 
 STOP = "stop"
-WAKE_KEY = "ignition/wake/{}"
+WAKE_KEY = "ignition/wake/{}/{}"
+"""A wake message's store key: its counter, then a tag of the counter under the launch secret (``wake_key``)."""
 WAKE_POLL_S = 5.0
+WAKE_RETRY_S = 0.05  # after a refused message, how often the key is read again for rank 0's own
+log = logging.getLogger("ignition.runtime.rendezvous")
 
 
 class PipeChannel:
@@ -178,31 +189,64 @@ class PipeChannel:
             process.stdin.flush()
 
 
-class StoreChannel:
-    """Rank 0 -> torchrun's other ranks: one store key per submission, in order (no pipe joins them)."""
+def _wake_tag(secret: str, counter: int, line: str) -> str:
+    return hmac.new(secret.encode(), b"ignition-tp-wake|%d|" % counter + line.encode(), hashlib.sha256).hexdigest()
 
-    def __init__(self, store):
-        self.store, self.sent = store, 0
+
+def wake_key(secret: str, counter: int) -> str:
+    """The store key of message ``counter``: torchrun's store listens on every interface, so its name is a tag
+    under the secret too (a process that reaches the store cannot address the next message)."""
+    return WAKE_KEY.format(counter, _wake_tag(secret, counter, "")[:32])
+
+
+def seal(secret: str, counter: int, line: str) -> bytes:
+    """Message ``counter`` as stored: ``line``, then its HMAC-SHA256 under the launch secret over the counter and
+    the line (a message replayed under another counter, or changed, does not verify)."""
+    return f"{line}|{_wake_tag(secret, counter, line)}".encode()
+
+
+def opened(secret: str, counter: int, value: bytes) -> str | None:
+    """The line of a sealed message ``counter``, or None when its tag does not verify."""
+    line, _, tag = value.decode("utf-8", "replace").rpartition("|")
+    return line if hmac.compare_digest(tag, _wake_tag(secret, counter, line)) else None
+
+
+class StoreChannel:
+    """Rank 0 -> torchrun's other ranks: one sealed message per submission under its own key, in order (no pipe
+    joins them)."""
+
+    def __init__(self, store, secret: str):
+        self.store, self.secret, self.sent = store, secret, 0
 
     def send(self, line: str) -> None:
         self.sent += 1
-        self.store.set(WAKE_KEY.format(self.sent), line)
+        self.store.set(wake_key(self.secret, self.sent), seal(self.secret, self.sent, line))
         if self.sent > 2:  # every rank has run submission sent-1, so it has read this older key
-            self.store.delete_key(WAKE_KEY.format(self.sent - 2))
+            self.store.delete_key(wake_key(self.secret, self.sent - 2))
 
 
-def store_lines(store):
-    """A worker's view of StoreChannel: the lines in order; an idle rank 0 only means waiting longer."""
+def store_lines(store, secret: str, rank: int | str = "?"):
+    """A worker's view of StoreChannel: the lines in order; an idle rank 0 only means waiting longer. A message
+    whose tag does not verify (forged, or replayed from another counter) is refused and logged, and the key is
+    read again until rank 0's own message is there: the rank keeps serving."""
     import torch.distributed as dist
 
     received = 0
     while True:
         received += 1
-        key = WAKE_KEY.format(received)
+        key = wake_key(secret, received)
         while True:
             try:
                 store.wait([key], datetime.timedelta(seconds=WAKE_POLL_S))
                 break
             except dist.DistStoreError:  # a timeout; a lost store raises DistNetworkError, which ends the rank
                 continue
-        yield store.get(key).decode()
+        refused = None
+        while (line := opened(secret, received, value := store.get(key))) is None:
+            if value != refused:
+                log.warning("tensor-parallel rank %s: refused wake message %d: its HMAC under the launch secret does "
+                            "not verify (forged or replayed by a process that reached the store); waiting for rank "
+                            "0's own", rank, received)
+                refused = value
+            time.sleep(WAKE_RETRY_S)
+        yield line
