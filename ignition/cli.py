@@ -457,6 +457,10 @@ def serve_cmd(
     enable_auto_tool_choice: bool = typer.Option(False, "--enable-auto-tool-choice",
                                                  help="Let the model choose to call tools (tool_choice auto, the "
                                                       "default with tools); needs --tool-call-parser"),
+    structured_outputs_config: Optional[str] = typer.Option(
+        None, "--structured-outputs-config",
+        help="vLLM's structured-output defaults as JSON, e.g. '{\"disable_any_whitespace\": true}' (no whitespace "
+             "in JSON the grammar engine writes unless a request asks for it)"),
     device: str = DEVICE_OPTION,
     eager: bool = EAGER_OPTION,
     pack_linears: bool = PACK_LINEARS_OPTION,
@@ -474,6 +478,7 @@ def serve_cmd(
     from ignition.runtime.rendezvous import torchrun_follower
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
+    from ignition.serve.config import structured_outputs_config as structured_outputs_config_from
     from ignition.serve.guards import parse_allowed_origins
     from ignition.serve.parsers import PARSERS
     from ignition.serve.tool_parsers import TOOL_PARSERS
@@ -500,11 +505,16 @@ def serve_cmd(
         template = read_chat_template(chat_template) if chat_template is not None else None
     except ChatTemplateError as exc:
         raise _fail(str(exc)) from None
+    try:
+        outputs_config = structured_outputs_config_from(structured_outputs_config or "{}")
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
     config = ServeConfig(api_keys=api_keys_from(api_key), max_model_len=max_model_len, max_body_bytes=max_body_bytes,
                          max_prompt_bytes=max_prompt_bytes, chat_template=template, tokenizer=tokenizer,
                          allow_request_chat_template=allow_request_chat_template, enable_docs=enable_docs,
                          log_requests=not disable_log_requests, reasoning_parser=reasoning_parser,
-                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
+                         tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
+                         structured_outputs_config=outputs_config)
     _check_speculative(speculative)
     _identify_core(core)
     load_options = _load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,

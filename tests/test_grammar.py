@@ -202,18 +202,43 @@ def test_spec_parsing():
     assert grammar_spec(structured_outputs={"json": None, "regex": None}) is None
     spec = grammar_spec(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
         "type": "object", "properties": {"b": {}, "a": {}}}}})
-    assert (spec.kind, spec.source) == ("json", '{"type":"object","properties":{"b":{},"a":{}}}')  # order kept
+    assert (spec.kind, spec.source) == (  # order kept; closed as vLLM's default backend (xgrammar) closes it
+        "json", '{"type":"object","properties":{"b":{},"a":{}},"additionalProperties":false}')
     assert grammar_spec(structured_outputs={"json": '{"type": "integer"}'}).source == '{"type":"integer"}'
-    closed = grammar_spec(structured_outputs={"json": {"type": "object", "properties": {
-        "o": {"type": "object"}, "type": {"const": {"type": "object"}}, "l": {"items": {"properties": {}}}},
-        "$defs": {"d": {"anyOf": [{"type": "object"}]}}}, "disable_additional_properties": True})
-    assert json.loads(closed.source) == {"type": "object", "additionalProperties": False, "properties": {
-        "o": {"type": "object", "additionalProperties": False}, "type": {"const": {"type": "object"}},
-        "l": {"items": {"properties": {}, "additionalProperties": False}}},
-        "$defs": {"d": {"anyOf": [{"type": "object", "additionalProperties": False}]}}}
+    # vLLM's walk (backend_guidance._walk_json_for_additional_properties): objects that list properties are
+    # closed wherever they sit; an object without properties, data (const) and an explicit choice stay as written
+    schema = {"type": "object", "properties": {
+        "o": {"type": "object"}, "type": {"const": {"type": "object", "properties": {}}},
+        "l": {"items": {"properties": {}}}, "open": {"properties": {"x": {}}, "additionalProperties": True}},
+        "$defs": {"d": {"anyOf": [{"patternProperties": {"^a": {}}}]}}}
+    closed = {"type": "object", "additionalProperties": False, "properties": {
+        "o": {"type": "object"}, "type": {"const": {"type": "object", "properties": {}}},
+        "l": {"items": {"properties": {}, "additionalProperties": False}},
+        "open": {"properties": {"x": {}}, "additionalProperties": True}},
+        "$defs": {"d": {"anyOf": [{"patternProperties": {"^a": {}}, "additionalProperties": False}]}}}
+    for flag in (True, False):
+        found = grammar_spec(structured_outputs={"json": schema, "disable_additional_properties": flag})
+        assert json.loads(found.source) == closed
     tight = grammar_spec(structured_outputs={"json_object": True, "disable_any_whitespace": True})
     assert (tight.kind, tight.whitespace_flexible) == ("json_object", False)
     assert grammar_spec(structured_outputs={"choice": ["a", "b"]}).source == '["a","b"]'
+
+
+def test_whitespace_options_apply_to_response_format_with_a_server_default():
+    """Issue 50, finding 9: structured_outputs' whitespace options were dropped beside response_format."""
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}}
+    for response_format in (schema, {"type": "json_object"}):
+        assert grammar_spec(response_format=response_format).whitespace_flexible
+        spec = grammar_spec(response_format=response_format,
+                            structured_outputs={"disable_any_whitespace": True, "whitespace_pattern": " ?"})
+        assert (spec.param, spec.whitespace_flexible, spec.whitespace_pattern) == ("response_format", False, " ?")
+        assert not grammar_spec(response_format=response_format, disable_any_whitespace=True).whitespace_flexible
+        assert grammar_spec(response_format=response_format, structured_outputs={"disable_any_whitespace": False},
+                            disable_any_whitespace=True).whitespace_flexible  # the request's own setting wins
+    assert not grammar_spec(structured_outputs={"json": {}}, disable_any_whitespace=True).whitespace_flexible
+    with pytest.raises(GrammarError) as raised:
+        grammar_spec(response_format=schema, structured_outputs={"disable_any_whitespace": "yes"})
+    assert raised.value.param == "structured_outputs.disable_any_whitespace"
 
 
 def test_disable_any_whitespace_allows_no_whitespace(compiler, vocabulary):

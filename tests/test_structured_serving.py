@@ -423,12 +423,12 @@ def test_a_grammar_the_tokenizer_cannot_follow_is_a_400(served):
 
 
 @contextlib.contextmanager
-def hermes_server(core_dir):
+def hermes_server(core_dir, **config):
     """A second server over the same core that reads hermes tool calls; yields its URL."""
     from ignition.serve.config import ServeConfig
 
     uvicorn_server, thread, url = serve_in_thread(create_app(core_dir, model_name="tiny",
-                                                             config=ServeConfig(tool_call_parser="hermes")))
+                                                             config=ServeConfig(tool_call_parser="hermes", **config)))
     try:
         yield url
     finally:
@@ -475,3 +475,48 @@ def test_langchain_with_structured_output_function_calling(core, server):
                            seed=5, max_retries=0, logit_bias={int(k): v for k, v in ending_bias(server.pieces).items()})
         reading = model.with_structured_output(Reading, method="function_calling").invoke("read the sensor")
         assert isinstance(reading, Reading) and 0 <= reading.value <= 99 and len(reading.sensor) <= 6
+
+
+# -- whitespace settings (issue 50, finding 9) ------------------------------------------------------------
+def whitespace_bias(pieces: dict[int, bytes]) -> dict[str, float]:
+    """Whitespace tokens +8 (a small model padding its JSON), closing punctuation and EOS +6."""
+    bias = {str(t): 8.0 for t in ids_of(pieces, lambda p: any(c in b" \t\r\n" for c in p))}
+    return bias | {str(t): 6.0 for t in ids_of(pieces, lambda p: all(c in b'"}],' for c in p))} | {str(EOS): 6.0}
+
+
+NUMBERS = {"type": "object", "required": ["n", "m"], "properties": {"n": {"type": "integer"}, "m": {"type": "integer"}}}
+
+
+def test_whitespace_settings_reach_response_format(server, monkeypatch):
+    """structured_outputs.disable_any_whitespace was dropped beside response_format, and there was no server
+    default: a model that likes whitespace padded its JSON until max_tokens."""
+    body = {"messages": USER, "max_tokens": 40, "temperature": 0.0, "logit_bias": whitespace_bias(server.pieces),
+            "response_format": schema_format(NUMBERS)}
+    padded = server.post(CHAT, body).json()["choices"][0]["message"]["content"]
+    assert any(c.isspace() for c in padded), padded  # the bias works: whitespace wherever the grammar allows it
+    tight = server.post(CHAT, {**body, "structured_outputs": {"disable_any_whitespace": True}}).json()
+    assert not any(c.isspace() for c in tight["choices"][0]["message"]["content"]), tight
+    pattern = server.post(CHAT, {**body, "structured_outputs": {"whitespace_pattern": "[ ]?"}}).json()
+    assert not any(c.isspace() and c != " " for c in pattern["choices"][0]["message"]["content"]), pattern
+    monkeypatch.setitem(server.ctx.config.structured_outputs_config, "disable_any_whitespace", True)
+    default = server.post(CHAT, body).json()["choices"][0]
+    assert not any(c.isspace() for c in default["message"]["content"]) and default["finish_reason"] == "stop"
+    assert json.loads(default["message"]["content"]).keys() == {"n", "m"}  # closed: no property beyond n, m
+    opened = server.post(CHAT, {**body, "structured_outputs": {"disable_any_whitespace": False}}).json()
+    assert opened["choices"][0]["message"]["content"] == padded  # a request's own setting wins
+
+
+def test_whitespace_settings_reach_tool_grammars(core, server):
+    tool = {"type": "function", "function": {"name": "count", "parameters": NUMBERS}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}], "tools": [tool],
+            "tool_choice": {"type": "function", "function": {"name": "count"}}, "max_tokens": 60, "temperature": 0,
+            "logit_bias": whitespace_bias(server.pieces)}
+    with hermes_server(core, structured_outputs_config={"disable_any_whitespace": True}) as url:
+        tight = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        padded = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            **body, "structured_outputs": {"disable_any_whitespace": False}}).json()["choices"][0]
+    (call,) = tight["message"]["tool_calls"]
+    assert not any(c.isspace() for c in call["function"]["arguments"]), call
+    assert json.loads(call["function"]["arguments"]).keys() == {"n", "m"}
+    # the request's own setting wins: whitespace padding until max_tokens, the call never finished
+    assert padded["finish_reason"] == "length" and '{ "name": ' in padded["message"]["content"], padded

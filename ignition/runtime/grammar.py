@@ -34,7 +34,7 @@ import llguidance
 import numpy as np
 
 from ignition.catalog.contract import bitmask_words
-from ignition.runtime.grammar_spec import GrammarError, GrammarSpec, grammar_spec
+from ignition.runtime.grammar_spec import GrammarError, GrammarSpec, grammar_spec, guidance_options
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[.*?\])")
 _MAX_MESSAGE = 600  # llguidance quotes the grammar around a syntax error; keep the head of it
@@ -57,9 +57,7 @@ class GrammarViolation(RuntimeError):
 def _grammar_text(spec: GrammarSpec) -> str:
     """The llguidance grammar of a spec; GrammarError for what cannot even be translated (GBNF syntax)."""
     if spec.kind in ("json", "json_object"):
-        options = {"whitespace_flexible": spec.whitespace_flexible}
-        if spec.whitespace_pattern is not None:
-            options["whitespace_pattern"] = spec.whitespace_pattern
+        options = guidance_options(spec.whitespace_flexible, spec.whitespace_pattern)
         try:  # serde_json's recursion limit refuses a schema nested more than 128 levels deep
             return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=options)
         except ValueError as exc:

@@ -117,7 +117,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     request = await ctx.run(functools.partial(build_request, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs,
                                               logprobs=top if body.logprobs else None, samples=True),
                             ctx, body, prompt_ids, random_id("chatcmpl"))
-    await enforce(ctx, tools, request)
+    await enforce(ctx, tools, request, body.structured_outputs)
     view = _ChatView(ctx, body, request.request_id, prompt_ids, tools if tools.parser_class is not None else None)
     return await respond_samples(ctx, http, body, request, view)
 

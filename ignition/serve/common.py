@@ -247,9 +247,10 @@ def responses_format(text: dict | None) -> dict | None:
                    "json_schema)", "text.format")
 
 
-def structured_spec(body: GenerationFields) -> GrammarSpec | None:
+def structured_spec(body: GenerationFields, disable_any_whitespace: bool = False) -> GrammarSpec | None:
     """The request's output constraint (``response_format``, ``structured_outputs``, the deprecated ``guided_*``
-    aliases, or Responses' ``text.format``), or None; a malformed one is a 400 naming its field."""
+    aliases, or Responses' ``text.format``), or None; a malformed one is a 400 naming its field.
+    ``disable_any_whitespace``: the server's default (``--structured-outputs-config``)."""
     responses = isinstance(getattr(body, "text", None), dict)  # /v1/responses: text.format is its response_format
     response_format = responses_format(body.text) if responses else body.response_format
     structured = body.structured_outputs
@@ -263,7 +264,7 @@ def structured_spec(body: GenerationFields) -> GrammarSpec | None:
                             f"structured_outputs.{GUIDED_ALIASES[name]}")
         structured = {GUIDED_ALIASES[name]: value for name, value in aliases.items()}
     try:
-        spec = grammar_spec(response_format, structured)
+        spec = grammar_spec(response_format, structured, disable_any_whitespace)
     except GrammarError as exc:
         raise ApiError(str(exc), _renamed_param(exc.param, responses, aliases)) from None
     if spec is not None and (responses or aliases):
@@ -328,7 +329,8 @@ async def attach_grammar(ctx: ServerContext, body: GenerationFields, request: Re
     """Compile the request's constraint off the event loop (the compiler's worker threads; cached by spec) and
     give the request its own matcher; a spec the engine cannot compile is a 400 naming the field and, for JSON
     Schema, the keywords."""
-    spec = await ctx.run(structured_spec, body)  # canonical JSON of a large schema: not on the event loop
+    # canonical JSON of a large schema: not on the event loop
+    spec = await ctx.run(structured_spec, body, ctx.config.disable_any_whitespace)
     if spec is None or request.constraints is None:
         return
     compiler = ctx.grammar_compiler(spec.param)
@@ -410,7 +412,7 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
         raise ApiError("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
     if body.stop_strings() and ctx.tokenizer is None:
         raise ApiError("stop strings need a tokenizer and this core has none; use stop_token_ids", "stop")
-    spec = structured_spec(body)
+    spec = structured_spec(body, ctx.config.disable_any_whitespace)
     constraints = sampling_constraints(ctx, body, spec, max_tokens)
     top_k = body.top_k if body.top_k is not None else 0
     defaults = SamplingParams()

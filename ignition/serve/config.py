@@ -6,6 +6,7 @@ change a field of a running server's config instead of starting another server).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,33 @@ class TemplateLimits:
     max_int_bits: int = 65_536  # an integer a template computes (``**``, ``*``): checked before the operation
 
 
+STRUCTURED_OUTPUTS_CONFIG = {"disable_any_whitespace": bool, "disable_additional_properties": bool}
+"""The keys of vLLM's ``--structured-outputs-config`` this server reads, with their types. ``disable_any_whitespace``:
+the default for requests that do not set ``structured_outputs.disable_any_whitespace``;
+``disable_additional_properties`` is accepted and changes nothing (objects are always closed as vLLM's default
+backend closes them, runtime/grammar_spec.py)."""
+
+
+def structured_outputs_config(value) -> dict:
+    """``--structured-outputs-config JSON`` (vLLM's spelling) as a dict; ValueError naming the key at fault."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"--structured-outputs-config is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--structured-outputs-config must be a JSON object such as "
+                         f"'{{\"disable_any_whitespace\": true}}', got {type(value).__name__}")
+    for key, item in value.items():
+        if key not in STRUCTURED_OUTPUTS_CONFIG:
+            raise ValueError(f"--structured-outputs-config: unknown key {key!r} (this server reads "
+                             f"{', '.join(STRUCTURED_OUTPUTS_CONFIG)})")
+        if not isinstance(item, STRUCTURED_OUTPUTS_CONFIG[key]):
+            raise ValueError(f"--structured-outputs-config: {key} must be a "
+                             f"{STRUCTURED_OUTPUTS_CONFIG[key].__name__}, got {json.dumps(item)}")
+    return dict(value)
+
+
 @dataclass(slots=True)
 class ServeConfig:
     """Server options; every field has the default ``ignition serve`` uses."""
@@ -54,6 +82,7 @@ class ServeConfig:
     reasoning_parser: str = "plain"  # how /v1/responses splits output: a name in parsers.PARSERS
     tool_call_parser: str | None = None  # how tool calls are read from the output: a name in TOOL_PARSERS
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (the default with tools) needs it and a parser
+    structured_outputs_config: dict = field(default_factory=dict)  # --structured-outputs-config (vLLM's)
 
     def __post_init__(self):
         self.api_keys = tuple(key for key in self.api_keys if key)
@@ -64,6 +93,12 @@ class ServeConfig:
                              f"(choices: {', '.join(TOOL_PARSERS)})")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:  # vLLM refuses this at start too
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        self.structured_outputs_config = structured_outputs_config(self.structured_outputs_config)
+
+    @property
+    def disable_any_whitespace(self) -> bool:
+        """The server's default for ``structured_outputs.disable_any_whitespace``."""
+        return bool(self.structured_outputs_config.get("disable_any_whitespace", False))
 
 
 def api_keys_from(option: str | None) -> tuple[str, ...]:

@@ -256,7 +256,7 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest, http: Http
         body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special
     prompt_text, prompt_ids, request = await ctx.run(_prepare, ctx, body, tools)
     try:
-        await enforce(ctx, tools, request)
+        await enforce(ctx, tools, request, getattr(body, "structured_outputs", None))
     except ApiError as exc:
         raise _renamed(exc, body) from exc
     parser = PARSERS[ctx.config.reasoning_parser](prompt_text)

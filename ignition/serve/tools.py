@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ignition.catalog.manifest import Features
 from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.grammar import GrammarError, GrammarSpec
+from ignition.runtime.grammar_spec import guidance_options, json_schema_object, whitespace_options
 from ignition.serve.common import ApiError, ending_ids
 from ignition.serve.config import ServeConfig
 from ignition.serve.detokenize import Span
@@ -52,18 +53,26 @@ class ToolUse:
             return "tool_calls"
         return finish_reason
 
-    def grammar(self) -> str:
-        """The Lark grammar (llguidance) that enforces ``required`` or a named call in the parser's format."""
+    def grammar(self, whitespace_flexible: bool = True, whitespace_pattern: str | None = None) -> str:
+        """The Lark grammar (llguidance) that enforces ``required`` or a named call in the parser's format; the
+        whitespace options (``grammar_spec.whitespace_options``) shape the calls' JSON as they shape
+        ``response_format``'s."""
         tools = [t for t in self.tools if self.named is None or t["function"]["name"] == self.named]
-        schemas = [_call_schema(self.parser_class or HermesToolParser, t["function"]) for t in tools]
+        schemas = [_call_schema(self.parser_class or HermesToolParser, t["function"], i) for i, t in enumerate(tools)]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        schema["x-guidance"] = guidance_options(whitespace_flexible, whitespace_pattern)
         return (self.parser_class or HermesToolParser).grammar(json.dumps(schema, ensure_ascii=False),
                                                                several=self.parallel and self.named is None)
 
 
-def _call_schema(parser: type[ToolCallParser], function: dict) -> dict:
-    """A call object of ``function``: its name, then its arguments (property order is output order)."""
-    arguments = function.get("parameters") or {"type": "object"}
+def _call_schema(parser: type[ToolCallParser], function: dict, index: int) -> dict:
+    """A call object of ``function``: its name, then its arguments (property order is output order), whose
+    objects are closed as ``response_format``'s are."""
+    try:
+        arguments = json_schema_object(function.get("parameters") or {"type": "object"},
+                                       f"tools[{index}].function.parameters")
+    except GrammarError as exc:
+        raise ApiError(str(exc), exc.param) from None
     key = parser.ARGUMENT_KEYS[0]
     return {"type": "object", "properties": {"name": {"const": function["name"]}, key: arguments},
             "required": ["name", key], "additionalProperties": False}
@@ -217,9 +226,10 @@ class ToolCallReader:
                 for call_id, (name, arguments) in zip(self.ids, self.calls)]
 
 
-async def enforce(ctx, use: ToolUse, request) -> None:
+async def enforce(ctx, use: ToolUse, request, structured_outputs: dict | None = None) -> None:
     """``required`` and named choices: the engine request is constrained with ``use.grammar()`` (the parser's
-    delimiters around the calls' JSON Schemas), compiled off the event loop and cached like any request grammar.
+    delimiters around the calls' JSON Schemas, with the whitespace options of ``structured_outputs`` and the
+    server's default), compiled off the event loop and cached like any request grammar.
     A 400 names ``tool_choice`` when the core has no structured-output inputs, when the request already carries a
     grammar (``response_format`` / ``structured_outputs``), or when the tools' schemas cannot be compiled."""
     if use.choice not in ("required", "named"):
@@ -231,9 +241,14 @@ async def enforce(ctx, use: ToolUse, request) -> None:
     if request.constraints is not None and request.constraints.grammar is not None:
         raise ApiError("tool_choice 'required' or a named function cannot be combined with response_format or "
                        "structured_outputs: both constrain the output", "tool_choice")
-    compiler = ctx.grammar_compiler("tool_choice")
     try:
-        compiled = await asyncio.wrap_future(compiler.submit(GrammarSpec("grammar", use.grammar(), "tool_choice")))
+        flexible, pattern = whitespace_options(structured_outputs, ctx.config.disable_any_whitespace)
+    except GrammarError as exc:
+        raise ApiError(str(exc), exc.param) from None
+    compiler = ctx.grammar_compiler("tool_choice")
+    grammar = GrammarSpec("grammar", use.grammar(flexible, pattern), "tool_choice")
+    try:
+        compiled = await asyncio.wrap_future(compiler.submit(grammar))
     except GrammarError as exc:
         raise ApiError(f"the tools' parameters cannot be enforced: {exc}", "tool_choice") from None
     if request.constraints is None:
