@@ -1,5 +1,5 @@
-"""Server-side trust findings of issue 50: tokenizing bounded by the context before it starts (finding 4), and
-a tokenizer's panic answered as a 400 (finding 7).
+"""Server-side trust findings of issue 50: tokenizing bounded by the context before it starts (finding 4), a
+tokenizer's panic answered as a 400 (finding 7), and --structured-outputs-config checked at start (finding 9).
 
 The live servers are conftest's; no core is exported here.
 """
@@ -98,3 +98,18 @@ def test_a_tokenizer_panic_is_a_400(served, monkeypatch):
         assert error["param"] == param and "the tokenizer cannot tokenize this text" in error["message"], error
         assert "retry-limit" in error["message"], error
     assert served.post(TOKENIZE, {"prompt": "hello"}).status_code == 200
+
+
+@pytest.mark.parametrize("value,message", [
+    ('{"disable_any_whitespace": 1}', "disable_any_whitespace must be a bool, got 1"),
+    ('{"backend": "xgrammar"}', "unknown key 'backend' (this server reads disable_any_whitespace"),
+    ("[true]", "must be a JSON object"),
+    ("{", "--structured-outputs-config is not JSON"),
+])
+def test_structured_outputs_config_is_checked_at_start(toy_core, value, message):
+    from typer.testing import CliRunner
+
+    from ignition.cli import app
+
+    result = CliRunner().invoke(app, ["serve", str(toy_core), "--structured-outputs-config", value])
+    assert result.exit_code == 2 and message in result.output, result.output
