@@ -137,6 +137,8 @@ def test_wake_messages_through_the_store_are_sealed(caplog):
     assert lines.get(timeout=10) == "0"
     with caplog.at_level("WARNING", logger="ignition.runtime.rendezvous"):
         attacker.set("ignition/wake/2", STOP)  # the old, unsealed key
+        attacker.set(wake_key(SECRET, 2), b"0|\xff\xfe not a tag")  # not even text
+        time.sleep(0.2)
         attacker.set(wake_key(SECRET, 2), seal("cd" * 32, 2, STOP))  # the key known, the secret not
         time.sleep(0.3)
         assert lines.empty() and "refused wake message 2" in caplog.text

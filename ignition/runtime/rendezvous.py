@@ -208,7 +208,8 @@ def seal(secret: str, counter: int, line: str) -> bytes:
 def opened(secret: str, counter: int, value: bytes) -> str | None:
     """The line of a sealed message ``counter``, or None when its tag does not verify."""
     line, _, tag = value.decode("utf-8", "replace").rpartition("|")
-    return line if hmac.compare_digest(tag, _wake_tag(secret, counter, line)) else None
+    expected = _wake_tag(secret, counter, line).encode()
+    return line if hmac.compare_digest(tag.encode("utf-8", "replace"), expected) else None  # bytes: any text
 
 
 class StoreChannel:
