@@ -15,7 +15,6 @@ import torch
 
 from _payloads import _model_json, rewrite
 from ignition.runtime.core import CoreLoadError, load_core, read_manifest, without_autograd
-from ignition.runtime.verified import CoreRunError
 from ignition.validate.core import validate_core
 
 GRAPH = "graphs/decode.c1.pt2"
@@ -96,6 +95,30 @@ def test_a_literal_allocation_beyond_the_geometry_is_refused(core_copy):
         load_core(core_copy.root)
 
 
+def test_a_constant_of_shape_bomb_in_an_onnx_graph_is_refused(toy_onnx_core, tmp_path):
+    import shutil
+
+    import onnx
+    from onnx import helper
+
+    from conftest import CoreCopy
+
+    shutil.copytree(toy_onnx_core, tmp_path / "core")
+    copy, graph = CoreCopy(tmp_path / "core"), "graphs/decode.c4.onnx"
+    model = onnx.load(str(copy.root / graph), load_external_data=False)
+    shape = helper.make_tensor("planted_shape", onnx.TensorProto.INT64, [1], [10**13])
+    model.graph.node.insert(0, helper.make_node("Constant", [], ["planted_shape_value"], value=shape))
+    model.graph.node.insert(1, helper.make_node("ConstantOfShape", ["planted_shape_value"], ["planted_bomb"],
+                                                name="planted_bomb"))
+    (copy.root / graph).write_bytes(model.SerializeToString())
+    copy.rehash(graph)
+    report = validate_core(copy.root)
+    assert rules(report) == {"GRAPH-ALLOCATION"}, report.violations
+    assert "node planted_bomb" in report.violations[0].where
+    with pytest.raises(CoreLoadError, match="GRAPH-ALLOCATION"):
+        load_core(copy.root, runtime="onnxruntime")
+
+
 def test_an_honest_core_allocates_within_its_bound(toy_core):
     from ignition.validate.allocations import allocation_bound
 
@@ -105,6 +128,8 @@ def test_an_honest_core_allocates_within_its_bound(toy_core):
 
 
 def test_an_index_or_allocation_failure_in_a_graph_is_a_core_error():
+    from ignition.runtime.verified import CoreRunError
+
     def index_error(buffers):
         return torch.zeros(3).index_select(0, torch.tensor([7]))
 

@@ -137,8 +137,8 @@ def without_autograd(inner: Callable, variant: str = "") -> Callable:
         except (IndexError, MemoryError, torch.OutOfMemoryError) as exc:
             raise CoreRunError(f"variant {variant}: the core's graph failed: {type(exc).__name__}: "
                                f"{str(exc)[:200]}") from None
-        except RuntimeError as exc:
-            if not _CORE_FAULT.search(str(exc)):
+        except Exception as exc:  # RuntimeError from torch; onnxruntime's own Fail and RuntimeException types
+            if not _CORE_FAULT.search(str(exc)) and not type(exc).__module__.startswith("onnxruntime"):
                 raise
             raise CoreRunError(f"variant {variant}: the core's graph failed: {str(exc)[:200]}") from None
     return replay
