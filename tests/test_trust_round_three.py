@@ -248,3 +248,36 @@ def test_a_device_as_trusted_key_is_a_usage_error(tmp_path):
     os.mkfifo(fifo)
     with pytest.raises(SigningError, match="PEM file of at most"):
         _finishes(lambda: load_trusted_key(fifo))
+
+
+# -- exit codes: a core's failing graph exits 1, a device as --trusted-key 2 (docs/api.md) -----------------
+def test_run_on_a_core_whose_graph_indexes_out_of_range_exits_1(core_copy):
+    """``select`` of row 10**6 of the graph's first input: an IndexError raised by the core's own graph."""
+    from test_cli_inputs import RUN, invoke
+
+    planted = _node("torch.ops.aten.select.int", [{"name": "self", "arg": {"as_tensor": {"name": "FIRST_INPUT"}},
+                                                   "kind": 1},
+                                                  {"name": "dim", "arg": {"as_int": 0}, "kind": 1},
+                                                  {"name": "index", "arg": {"as_int": 10**6}, "kind": 1}],
+                    [{"as_tensor": {"name": "planted_row"}}], "planted_row")
+    meta = {"dtype": 7, "sizes": [], "requires_grad": False, "device": {"type": "cpu", "index": None},
+            "strides": [], "storage_offset": {"as_int": 0}, "layout": 7}
+    _plant(core_copy, planted, values={"planted_row": meta})
+    for graph in [v["graph"] for v in core_copy.load("catalog.json")["variants"] if v["graph"] != GRAPH]:
+        path = core_copy.root / graph  # every variant indexes out of range: whichever runs first fails
+        path.write_bytes(rewrite(path.read_bytes(), _model_json(lambda d: (
+            d["graph_module"]["graph"]["nodes"].insert(0, json.loads(json.dumps(planted).replace(
+                "FIRST_INPUT", d["graph_module"]["graph"]["inputs"][0]["as_tensor"]["name"]))),
+            d["graph_module"]["graph"]["tensor_values"].update(planted_row=meta)))))
+        core_copy.rehash(graph)
+    code, output = invoke(["run", str(core_copy.root)] + RUN)  # loading folds the weight-only node
+    assert code == 1 and "cannot load core: variant decode.c1: the core's graph failed: IndexError" in output, output
+    code, output = invoke(["run", str(core_copy.root), "--no-pack-linears"] + RUN)  # the replay runs it
+    assert code == 1 and "core error: variant" in output and "the core's graph failed" in output, output
+
+
+def test_a_device_as_trusted_key_exits_2(toy_core):
+    from test_cli_inputs import invoke
+
+    code, output = invoke(["validate-core", str(toy_core), "--trusted-key", "/dev/zero"])
+    assert code == 2 and "PEM file of at most" in output, output

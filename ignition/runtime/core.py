@@ -458,7 +458,11 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
                 packs = None
             for index, entry in enumerate(entries, 1):
                 stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
-                backend.prepare(entry, declared[entry["name"]])
+                try:  # preparing evaluates a graph's weight-only nodes (runtime/backends/weight_constants.py)
+                    backend.prepare(entry, declared[entry["name"]])
+                except (IndexError, MemoryError, torch.OutOfMemoryError) as exc:
+                    raise CoreLoadError(f"variant {entry['name']}: the core's graph failed: {type(exc).__name__}: "
+                                        f"{str(exc)[:200]}") from None
         finally:  # the reader may wait for the first graph to say which weights it packs from scratch
             if packs is not None:
                 packs.decline()
