@@ -3,7 +3,7 @@
 ``python -m benchmarks.operator_table`` exports tiny cores of every recipe (toy, qwen3, llama,
 qwen3_moe, deepseek_v3) with generation and prompt logprobs, speculative verify and mixed
 variants, and a tensor-parallel qwen3 core, reads every graph's ``models/model.json`` and prints
-the operator packets (``namespace.name``) the graphs call that validate-core would refuse: neither in
+the exact operators (``namespace.name.overload``) the graphs call that validate-core would refuse: neither in
 ``ALLOWED_OPERATORS`` (``EMITTED_OPERATORS`` and ``TENSOR_OPERATORS``) nor an ``_operator`` function on
 shape symbols (exit 1 when any). ``--all`` prints every captured packet. An addition to the table is a reviewed change:
 validate-core refuses any other operator (GRAPH-OPERATOR).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.operators import ALLOWED_OPERATORS, operator_packet
+from ignition.catalog.operators import ALLOWED_OPERATORS, operator_entry
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.validate.program_json import SYMBOLIC_OPERATORS
@@ -57,7 +57,7 @@ def _checkpoints(root: Path) -> dict[str, Path]:
 
 
 def captured_packets(root: Path) -> set[str]:
-    """Export every configuration into ``root`` and collect the operator packets of all their graphs."""
+    """Export every configuration into ``root`` and collect the exact operators of all their graphs."""
     checkpoints = _checkpoints(root / "checkpoints")
     small = dict(capacities=(1, 2), chunk_limit=8, max_seq_len=32)
     configurations = {"toy": ExportOptions(recipe="toy", capacities=(1, 4)),
@@ -74,7 +74,7 @@ def captured_packets(root: Path) -> set[str]:
         out = root / name
         export_core(options, out)
         for pt2 in sorted(out.rglob("*.pt2")):
-            packets |= {operator_packet(t) for t in graph_targets(pt2)}
+            packets |= {operator_entry(t) for t in graph_targets(pt2)}
         print(f"{name}: {len(packets)} packets so far", file=sys.stderr)
     return packets
 

@@ -398,6 +398,7 @@ def run_cmd(
         request.prompt_ids = loaded.tokenizer.encode(prompt).ids
     from ignition.runtime.scheduler import Engine
     from ignition.runtime.parallel import ParallelError
+    from ignition.runtime.verified import CoreRunError
     engine = Engine(loaded, batch_invariant=batch_invariant, **options)
     try:
         (result,) = engine.generate([request])
@@ -406,6 +407,9 @@ def run_cmd(
         raise typer.Exit(1)
     except ParallelError as exc:  # a tensor-parallel rank died or timed out
         console.print("[red]error:[/red]", escape(str(exc)), highlight=False)
+        raise typer.Exit(1)
+    except CoreRunError as exc:  # the core's graph failed (an index out of range, an allocation): a core error
+        console.print("[red]core error:[/red]", escape(str(exc)), highlight=False)
         raise typer.Exit(1)
     if as_json:
         print(json.dumps(run_json(result, loaded.tokenizer)))

@@ -57,7 +57,7 @@ def _graph(document: dict) -> dict:
     (lambda d: d["graph_module"]["signature"]["input_specs"].insert(
         0, {"tensor_constant": {"arg": {"name": "c_t"}, "tensor_constant_name": "t"}}), "has no data/constants"),
     (lambda d: _graph(d)["nodes"][0].update(target="builtins.eval"), "is not an operator"),
-    (lambda d: _graph(d)["nodes"][0].update(target="torch.ops.aten.no_such_op.default"), "is not registered"),
+    (lambda d: _graph(d)["nodes"][0].update(target="torch.ops.aten.no_such_op.default"), "is not an allowed operator"),
     (lambda d: _graph(d)["nodes"][0].update(target="_operator.getitem"), "shape-arithmetic"),
     (lambda d: _graph(d)["nodes"][0]["inputs"][0].update(arg={"as_custom_obj": {"name": "o", "class_fqn": "x"}}),
      "argument kind 'as_custom_obj'"),

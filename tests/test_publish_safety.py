@@ -73,3 +73,26 @@ def test_the_current_directory_is_never_an_output(tmp_path, monkeypatch):
         with pytest.raises(PublishError, match="current directory or the file system root"):
             check_output(out, True, {})
     assert (tmp_path / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("plant", ["fifo", "links-only", "empty-directory", "manifest-fifo"])
+def test_overwrite_deletes_nothing_the_core_does_not_list(tmp_path, toy_core, plant):
+    """An unlisted FIFO, a subdirectory holding only symbolic links or nothing, and a manifest that is a FIFO
+    (never waited on): each makes --out no core to replace, and each is still there afterwards."""
+    out = tmp_path / "core"
+    shutil.copytree(toy_core, out)
+    (tmp_path / "target.txt").write_text("kept")
+    kept = {"fifo": out / "queue", "links-only": out / "links" / "to-target",
+            "empty-directory": out / "empty", "manifest-fifo": out / "manifest.json"}[plant]
+    if plant == "links-only":
+        kept.parent.mkdir()
+        os.symlink(tmp_path, kept)  # a link to a directory is no file: only FILE-EXTRA of links keeps it
+    elif plant == "empty-directory":
+        kept.mkdir()
+    else:
+        kept.unlink(missing_ok=True)
+        os.mkfifo(kept)
+    assert not is_core(out)
+    with pytest.raises(PublishError, match="refuses to replace"):
+        export_core(ExportOptions(**TOY), out, overwrite=True)
+    assert os.path.lexists(kept) and (tmp_path / "target.txt").read_text() == "kept"

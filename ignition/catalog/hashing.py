@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 
+NOT_A_REGULAR_FILE = "not a regular file"
+"""What ``sha256_file`` returns for a FIFO, device or directory: no digest ever equals it."""
+
+
 def sha256_file(path: Path) -> str:
+    """The file's sha256 (hex); ``NOT_A_REGULAR_FILE`` for anything else, which is never read or waited on."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return NOT_A_REGULAR_FILE
+        os.set_blocking(f.fileno(), True)
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

@@ -16,6 +16,8 @@ RULES = {
     "FILE-HASH": "Every file matches the sha256 recorded in the manifest.",
     "FILE-UNLISTED": "Every file the catalog, manifest or kernel table names is listed with a sha256.",
     "FILE-EXTRA": "The core holds no file that the manifest does not list.",
+    "FILE-REGULAR": "Every core file Ignition reads is a regular file (no symbolic link, FIFO or device) within its "
+                    "size cap (256 MiB for JSON, 16 GiB for a graph), checked before a byte is read.",
     "GEOM-T": "Resolved T (0 or omitted: 8) is at most 64: FORCED_MASK is one int64 record word, one bit per position.",
     "GEOM-VOCAB": "vocab_size <= vocab_padded, and eos_token_id < vocab_size.",
     "GEOM-SLOTS": "model.num_slots is the slot extent of every slot-indexed state tensor (KV caches, penalty "
@@ -118,6 +120,9 @@ RULES = {
                    "reader (load_core), after the safe reader accepted it."),
     "GRAPH-SIGNATURE": "The .pt2's inputs and outputs have the declared names, dtypes and shapes, in order.",
     "GRAPH-MUTATION": "The graph writes its outputs and state, and never writes inputs or weights.",
+    "GRAPH-ALLOCATION": "Every tensor a graph creates or grows from a size it names (new_full, zeros, empty, arange, "
+                        "expand, repeat, pad; ONNX ConstantOfShape, Expand, Tile, Range with constant inputs) holds at "
+                        "most as many elements as all the variant's declared buffers together.",
     "ONNX-PAIRING": "ONNX graphs and .pt2 variants match one-to-one: none, or every variant names graphs/<name>.onnx "
                     "in packages.onnx.",
     "ONNX-LOAD": "Every ONNX graph parses as an ONNX model (protobuf only; nothing executes).",

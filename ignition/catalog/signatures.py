@@ -10,6 +10,8 @@ and its id, ``sha256:`` + sha256 of the raw key. The exporter writes it
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from pathlib import Path
 
 SIGNATURE_FORMAT = "ignition-signature/1"
@@ -33,9 +35,18 @@ def key_id(public_key) -> str:
     return "sha256:" + hashlib.sha256(raw_public(public_key)).hexdigest()
 
 
+_MAX_PEM_BYTES = 64 * 1024
+
+
 def read_pem(path: str | Path, kind: str) -> bytes:
+    """A PEM file's bytes: a regular file of at most 64 KiB (``/dev/zero`` or a FIFO is refused, never read)."""
     try:
-        return Path(path).read_bytes()
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)), "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_PEM_BYTES:
+                raise SigningError(f"{path}: expected the {kind} as a PEM file of at most {_MAX_PEM_BYTES} bytes")
+            os.set_blocking(file.fileno(), True)
+            return file.read(_MAX_PEM_BYTES)
     except OSError as exc:
         raise SigningError(f"{path}: cannot read the {kind} ({exc.strerror or exc})") from None
 

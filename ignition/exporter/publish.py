@@ -4,8 +4,8 @@
   checkpoint or tokenizer the export reads, and an existing ``--out`` is replaced only with
   ``--overwrite`` and only when it is an Ignition core: its manifest.json matches the manifest
   schema and every file it lists is there with its recorded sha256, and the directory holds no file
-  the manifest does not list (``manifest.json`` and ``signature.json`` aside). Anything else may be
-  a user's data and is refused.
+  the manifest does not list (``manifest.json`` and ``signature.json`` aside): no FIFO, symbolic link or
+  directory without a listed file either. Anything else may be a user's data and is refused.
 - A replacement is two renames, and the old core is deleted only after the second:
   ``NAME -> .NAME.old-PID``, ``.NAME.partial-PID -> NAME``. A process that dies in between
   leaves ``NAME`` missing and the old core complete; the next export to ``NAME`` renames it back.
@@ -38,20 +38,31 @@ class PublishError(ValueError):
 
 def core_problem(path: Path) -> str | None:
     """Why ``path`` is not an Ignition core that ``--overwrite`` may replace; None when it is one."""
-    from ignition.validate.files import check_files
+    from ignition.validate.files import METADATA_MAX_BYTES, check_files, read_core_file
     from ignition.validate.schema import parse_json, schema_violations
 
-    try:
-        data = (path / MANIFEST_FILE).read_bytes()
-    except OSError:
-        return f"no readable {MANIFEST_FILE}"
+    data, unreadable = read_core_file(path, MANIFEST_FILE, "--out", METADATA_MAX_BYTES)  # a FIFO is not waited on
+    if data is None:
+        return f"no readable {MANIFEST_FILE} ({unreadable[0]})"
     manifest, problems = parse_json(data, MANIFEST_FILE)
     problems = problems or schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
     if problems:
         return f"{MANIFEST_FILE} is not an Ignition manifest ({problems[0]})"
-    found = check_files(path, manifest["files"], {})
+    found = check_files(path, manifest["files"], {})  # FILE-EXTRA names unlisted FIFOs and symbolic links too
     if found:
         return f"it does not hold exactly the files its manifest lists ({found[0]})"
+    return _unlisted_directory(path, manifest["files"])
+
+
+def _unlisted_directory(path: Path, listed) -> str | None:
+    """A directory inside ``path`` that holds no listed file (an empty one, or one holding only other
+    directories), which replacing the core would delete; None when every directory leads to a listed file."""
+    needed = {parent.as_posix() for rel in listed for parent in Path(rel).parents}
+    for folder, subfolders, _ in os.walk(path, followlinks=False):
+        for name in subfolders:
+            rel = (Path(folder) / name).relative_to(path).as_posix()
+            if rel not in needed:
+                return f"it holds the directory {rel!r}, which its manifest lists no file in"
     return None
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import sys
 import time
 import warnings
@@ -43,10 +44,10 @@ from ignition.runtime.host_memory import retain_freed_memory
 from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
-from ignition.runtime.verified import (CoreLoadError, LoadOptionError, check_loaded_weights, load_tokenizer,
+from ignition.runtime.verified import (CoreLoadError, CoreRunError, LoadOptionError, check_loaded_weights, load_tokenizer,
                                        read_verified_weights, tokenizer_file, weights_offsets)
 from ignition.validate.core import validate_core
-from ignition.validate.files import safe_path
+from ignition.validate.files import METADATA_MAX_BYTES, read_core_file
 
 Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
 
@@ -79,15 +80,16 @@ def identify_core(path: str | Path) -> None:
     if not root.is_dir():
         raise NotACoreError(f"{root} is a file; expected a core directory written by `ignition export-core`")
     if not (root / MANIFEST_FILE).exists() and (root / "config.json").is_file():
-        model_type = _model_type(root / "config.json")
+        model_type = _model_type(root)
         raise NotACoreError(f"{root} is a Hugging Face checkpoint, not a core; run "
                             f"`ignition export-core {root} --recipe RECIPE --out CORE` first, then use CORE",
                             checkpoint=True, model_type=model_type)
 
 
-def _model_type(config: Path) -> str | None:
+def _model_type(root: Path) -> str | None:
+    data, _ = read_core_file(root, "config.json", "checkpoint", METADATA_MAX_BYTES)
     try:
-        value = json.loads(config.read_bytes()).get("model_type")
+        value = json.loads(data).get("model_type") if data is not None else None
     except (OSError, ValueError, RecursionError, AttributeError):
         return None
     return value if isinstance(value, str) else None
@@ -122,15 +124,28 @@ def _collector_paused():
             gc.enable()
 
 
-def without_autograd(inner: Callable) -> Callable:
+def without_autograd(inner: Callable, variant: str = "") -> Callable:
     """A replay run under ``torch.inference_mode``: a graph is replayed, never differentiated, so its operators skip
     autograd's dispatch and view tracking (a decode step of Qwen3-0.6B's width makes about 6,500 operator calls,
     most of them small). The buffers are ordinary tensors that the graph updates in place, which inference mode
-    allows; what a replay returns is read, never updated."""
+    allows; what a replay returns is read, never updated. An index error or a failed allocation raised by the
+    graph is the core's fault: a ``CoreRunError`` naming ``variant``."""
     def replay(buffers: dict[str, torch.Tensor]):
-        with torch.inference_mode():
-            return inner(buffers)
+        try:
+            with torch.inference_mode():
+                return inner(buffers)
+        except (IndexError, MemoryError, torch.OutOfMemoryError) as exc:
+            raise CoreRunError(f"variant {variant}: the core's graph failed: {type(exc).__name__}: "
+                               f"{str(exc)[:200]}") from None
+        except Exception as exc:  # RuntimeError from torch; onnxruntime's own Fail and RuntimeException types
+            if not _CORE_FAULT.search(str(exc)) and not type(exc).__module__.startswith("onnxruntime"):
+                raise
+            raise CoreRunError(f"variant {variant}: the core's graph failed: {str(exc)[:200]}") from None
     return replay
+
+
+_CORE_FAULT = re.compile(r"out of memory|can't allocate memory|out of range|out of bounds|index .* is out")
+"""RuntimeError messages of an index or allocation failure (torch raises both kinds as RuntimeError too)."""
 
 
 @dataclass(slots=True)
@@ -228,7 +243,7 @@ class LoadedCore:
                        else torch.zeros_like(variant.buffers[a.name]) for a in variant.arguments}
             replica = LoadedVariant(variant.name, variant.operation, variant.capacity, variant.arguments,
                                     variant.bindings, variant.layout, variant.runner, buffers)
-            replica.wrap("inference-mode", without_autograd)
+            replica.wrap("inference-mode", lambda inner, name=replica.name: without_autograd(inner, name))
             if variant.layout.get("windows") and "windowed" in variant.layers:
                 replica.wrap("windowed", lambda inner: Windowed(inner, replica.bindings, replica.layout["windows"]))
             variants[name] = replica
@@ -310,10 +325,8 @@ def read_manifest(path: str | Path) -> dict | None:
     what the CLI checks options against before loading. None otherwise; load_core then says why."""
     from ignition.validate.schema import parse_json, schema_violations
 
-    file = Path(path) / MANIFEST_FILE
-    try:
-        data = file.read_bytes()
-    except OSError:
+    data, _ = read_core_file(Path(path), MANIFEST_FILE, "core", METADATA_MAX_BYTES)  # a FIFO is refused, not read
+    if data is None:
         return None
     manifest, problems = parse_json(data, MANIFEST_FILE)
     if problems or schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE):
@@ -353,8 +366,10 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     rank = options.rank
     try:
         files = {Manifest.from_json(manifest).rank_weights(rank)}
-        catalog_path, _ = safe_path(root, manifest["catalog"], "manifest.json:catalog")
-        catalog = json.loads(catalog_path.read_bytes())
+        data, _ = read_core_file(root, manifest["catalog"], "manifest.json:catalog", METADATA_MAX_BYTES)
+        if data is None:
+            return set()
+        catalog = json.loads(data)
         files |= backend_family(options.runtime).files(catalog, manifest, rank)  # the validator hashes the others
         if tokenizer_file(manifest) in manifest["files"]:
             files.add(tokenizer_file(manifest))
@@ -443,7 +458,11 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
                 packs = None
             for index, entry in enumerate(entries, 1):
                 stages.start("graphs", f"graph {index} of {len(entries)}: {entry['name']}")
-                backend.prepare(entry, declared[entry["name"]])
+                try:  # preparing evaluates a graph's weight-only nodes (runtime/backends/weight_constants.py)
+                    backend.prepare(entry, declared[entry["name"]])
+                except (IndexError, MemoryError, torch.OutOfMemoryError) as exc:
+                    raise CoreLoadError(f"variant {entry['name']}: the core's graph failed: {type(exc).__name__}: "
+                                        f"{str(exc)[:200]}") from None
         finally:  # the reader may wait for the first graph to say which weights it packs from scratch
             if packs is not None:
                 packs.decline()
@@ -469,7 +488,7 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
             name=entry["name"], operation=Operation(entry["operation"]), capacity=entry["capacity"],
             arguments=arguments, bindings={k: ValueSource(v) for k, v in entry["contract"]["bindings"].items()},
             layout=entry["contract"]["layout"], runner=backend.runner(entry, arguments, buffers), buffers=buffers)
-        variant.wrap("inference-mode", without_autograd)
+        variant.wrap("inference-mode", lambda inner, name=variant.name: without_autograd(inner, name))
         if reduction is not None:  # the core's own launcher, while its graphs run (and are captured)
             variant.wrap("launcher", reduction.bound)
         variants[entry["name"]] = variant

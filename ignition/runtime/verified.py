@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import struct
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ignition.runtime.weights import StreamSink, WeightsFormatError, read_tensors
-from ignition.validate.files import safe_path
+from ignition.validate.files import OPEN_NO_WAIT, safe_path
 from ignition.validate.report import Violation
 
 
@@ -29,6 +30,11 @@ DROP_CACHE_BYTES = 16 << 20
 
 class CoreLoadError(Exception):
     """The core is invalid or cannot be loaded; the message lists every finding."""
+
+
+class CoreRunError(CoreLoadError):
+    """A core's graph failed while it ran: an index out of range, or an allocation the machine cannot meet. The
+    core is at fault, not Ignition; the message names the variant."""
 
 
 class LoadOptionError(CoreLoadError):
@@ -82,8 +88,13 @@ def _opened(root: Path, rel: str):
     if path is None:  # validate_core already refused such a path; kept for a core changed since
         raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
     try:
-        with open(path, "rb") as file:
-            yield file, os.fstat(file.fileno()).st_size
+        with os.fdopen(os.open(path, OPEN_NO_WAIT), "rb") as file:
+            info = os.fstat(file.fileno())
+            if not stat.S_ISREG(info.st_mode):  # a FIFO or device swapped in since validation: never waited on
+                raise CoreLoadError(f"{root} is not a valid core:\n  "
+                                    f"{Violation('FILE-REGULAR', rel, 'expected a regular file')}")
+            os.set_blocking(file.fileno(), True)
+            yield file, info.st_size
     except OSError as exc:
         raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.model import MANIFEST_FILE
 from ignition.validate.contract_rules import check_catalog
-from ignition.validate.files import check_files, check_weights, safe_path
+from ignition.validate.files import METADATA_MAX_BYTES, check_files, check_weights, read_core_file, safe_path
 from ignition.validate.geometry import check_geometry, check_graph_vocabulary
 from ignition.validate.parallel import check_program, check_section, named_files, rank_graph_files
 from ignition.validate.report import Violation
@@ -45,15 +45,12 @@ class ValidationReport:
 
 def _read_bytes(root: Path, rel: str, where: str, report: ValidationReport) -> bytes | None:
     """The file's bytes, read once: kept in ``report.read`` so its sha256 is taken from what was parsed."""
-    path, problems = safe_path(root, rel, where)
+    data, problems = read_core_file(root, rel, where, METADATA_MAX_BYTES)
     report.violations += problems
-    if path is None:
+    if data is None:
         return None
-    if not path.is_file():
-        report.violations.append(Violation("FILE-MISSING", rel, f"named by {where} but absent"))
-        return None
-    report.read[rel] = path.read_bytes()
-    return report.read[rel]
+    report.read[rel] = data
+    return data
 
 
 def _read_json(root: Path, rel: str, where: str, report: ValidationReport, data: bytes | None = None):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from collections.abc import Collection, Mapping
 from pathlib import Path, PurePosixPath
 
@@ -27,6 +29,54 @@ def safe_path(root: Path, rel: str, where: str) -> tuple[Path | None, list[Viola
     except ValueError:
         return None, [Violation("FILE-PATH", where, f"{rel!r} resolves outside the core")]
     return path, []
+
+
+METADATA_MAX_BYTES = 256 * 2**20
+"""The largest JSON file of a core Ignition reads (a manifest, catalog, kernel table or tokenizer file; the
+largest real tokenizer.json is about 35 MB)."""
+GRAPH_MAX_BYTES = 16 * 2**30
+"""The largest graph file (.pt2 or .onnx) Ignition reads whole."""
+OPEN_NO_WAIT = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+"""Flags that open a core file without following a final symbolic link and without waiting on a FIFO."""
+
+
+def read_core_file(root: Path, rel: str, where: str, cap: int,
+                   listed: Collection[str] | None = None) -> tuple[bytes | None, list[Violation]]:
+    """(the bytes of the core file ``rel``, []) or (None, why not): a safe relative path (FILE-PATH), listed in the
+    manifest when ``listed`` is given (FILE-UNLISTED), and a regular file of at most ``cap`` bytes (FILE-REGULAR),
+    checked on the open descriptor before a byte is read. Opened without following a final symbolic link and
+    without blocking, so a FIFO, a device or a link to one is refused, never waited on or read without end."""
+    path, problems = safe_path(root, rel, where)
+    if path is None:
+        return None, problems
+    if listed is not None and rel not in listed:
+        return None, [Violation("FILE-UNLISTED", rel, f"named by {where} but has no sha256 in manifest.json")]
+    try:
+        descriptor = os.open(path, OPEN_NO_WAIT)
+    except FileNotFoundError:
+        return None, [Violation("FILE-MISSING", rel, f"named by {where} but absent")]
+    except OSError as exc:  # ELOOP: a symbolic link; EACCES, ...
+        kind = "a symbolic link" if path.is_symlink() else (exc.strerror or str(exc))
+        return None, [Violation("FILE-REGULAR", rel, f"expected a regular file, found {kind}")]
+    with os.fdopen(descriptor, "rb") as file:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            return None, [Violation("FILE-REGULAR", rel, f"expected a regular file, found {_kind(info.st_mode)}")]
+        if info.st_size > cap:
+            return None, [Violation("FILE-REGULAR", rel, f"expected at most {cap:,} bytes, found {info.st_size:,}")]
+        os.set_blocking(descriptor, True)
+        data = file.read(cap + 1)
+    if len(data) > cap:
+        return None, [Violation("FILE-REGULAR", rel, f"expected at most {cap:,} bytes, found more (it grew)")]
+    return data, []
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "no regular file"
 
 
 def check_files(root: Path, listed: dict[str, str], named: dict[str, str],
@@ -67,7 +117,7 @@ def check_files(root: Path, listed: dict[str, str], named: dict[str, str],
                 found.append(Violation("FILE-MISSING", rel, f"named by {who} but absent"))
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if path.is_file() and rel not in (MANIFEST_FILE, SIGNATURE_FILE) and rel not in listed:
+        if (path.is_symlink() or not path.is_dir()) and rel not in (MANIFEST_FILE, SIGNATURE_FILE) and rel not in listed:
             found.append(Violation("FILE-EXTRA", rel, "file in the core that manifest.json does not list"))
     return found
 

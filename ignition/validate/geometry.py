@@ -19,7 +19,7 @@ from pathlib import Path
 from ignition.catalog.enums import Operation
 from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, MODEL_DTYPE_STATE, STATE_SHAPES,
                                        SYMBOL_RULES, VOCAB_WEIGHTS, field_name, manifest_value)
-from ignition.validate.files import safe_path
+from ignition.validate.files import METADATA_MAX_BYTES, read_core_file, safe_path
 from ignition.validate.parallel import rank_view
 from ignition.validate.report import Violation
 from ignition.validate.schema import parse_json
@@ -139,16 +139,22 @@ def check_tokenizer(root: Path, manifest: dict) -> list[Violation]:
     directory, problems = safe_path(root, manifest["tokenizer"], "manifest.json:tokenizer")
     if directory is None or not directory.is_dir():
         return problems or [Violation("FILE-MISSING", manifest["tokenizer"], "named by manifest.json:tokenizer but absent")]
-    found = []
-    for path in sorted(directory.glob("*.json")):
-        found += parse_json(path.read_bytes(), path.relative_to(root).as_posix())[1]
-    tokenizer_json = directory / "tokenizer.json"
-    rel = tokenizer_json.relative_to(root).as_posix()
-    if found or not tokenizer_json.is_file():
+    found, read = [], {}
+    for path in sorted(directory.glob("*.json")):  # only listed files: FILE-EXTRA names the others, unread
+        rel = path.relative_to(root).as_posix()
+        if rel not in manifest["files"]:
+            continue
+        data, problems = read_core_file(root, rel, "manifest.json:tokenizer", METADATA_MAX_BYTES, manifest["files"])
+        if data is None:
+            return problems
+        read[rel] = data
+        found += parse_json(data, rel)[1]
+    rel = (directory / "tokenizer.json").relative_to(root).as_posix()
+    if found or rel not in read:
         return [Violation("TOKENIZER-PARSE", v.where, v.message) for v in found]
     from tokenizers import Tokenizer
     try:
-        tokenizer = Tokenizer.from_str(tokenizer_json.read_bytes().decode("utf-8"))
+        tokenizer = Tokenizer.from_str(read[rel].decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for every malformed file
         return [Violation("TOKENIZER-PARSE", rel, f"does not load as a tokenizer: {str(exc)[:200]}")]
     id_end = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1

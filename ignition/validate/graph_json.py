@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ignition.validate.program_json import SYMBOLIC_OPERATORS
+from ignition.catalog.operators import resolve_operator
+from ignition.validate.program_json import SHAPE_LITERAL_BOUND, SYMBOLIC_OPERATORS
+
+_SHAPE_ARITHMETIC = {name: getattr(operator, name) for name in SYMBOLIC_OPERATORS}
 
 _OPERATOR = re.compile(r"torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?")
 _SYMBOL = re.compile(r"Symbol\('(s[0-9]+)', positive=True, integer=True\)")
@@ -88,22 +91,20 @@ def serde_tables():
 
 
 def _resolve(target: str):
-    """The operator a node's target string names: ``torch.ops.<namespace>.<name>[.<overload>]`` or one of the
-    ``_operator`` shape-arithmetic functions; nothing else is looked up."""
+    """The operator a node's target string names: an exact entry of the operator allow-list (``catalog/
+    operators.resolve_operator``, which looks the object up by the entry's own spelling) or one of the
+    ``_operator`` shape-arithmetic functions; nothing else is looked up, and no attribute is read off a target."""
     if target.startswith("_operator."):
         name = target.removeprefix("_operator.")
         if name not in SYMBOLIC_OPERATORS:
             raise ProgramReadError(f"target {target!r} is not one of the shape-arithmetic operators")
-        return getattr(operator, name)
-    match = _OPERATOR.fullmatch(target)
-    if match is None:
+        return _SHAPE_ARITHMETIC[name]
+    if _OPERATOR.fullmatch(target) is None:
         raise ProgramReadError(f"target {target[:80]!r} is not an operator")
-    namespace, name, overload = match.groups()
-    try:
-        packet = getattr(getattr(torch.ops, namespace), name)
-        return packet if overload is None else getattr(packet, overload)
-    except (AttributeError, RuntimeError):
-        raise ProgramReadError(f"operator {target!r} is not registered in this torch") from None
+    resolved = resolve_operator(target)
+    if resolved is None:
+        raise ProgramReadError(f"operator {target!r} is not an allowed operator registered in this torch")
+    return resolved
 
 
 class GraphReader:
@@ -177,6 +178,10 @@ class GraphReader:
         else:  # shape arithmetic on symbols: positional arguments
             name = node_json.get("name") or outputs[0]["as_sym_int"]["as_name"]
             args = tuple(self._argument(item["arg"], nodes, graph) for item in inputs)
+            for value in args:
+                if not (isinstance(value, torch.fx.Node) or (type(value) is int and abs(value) <= SHAPE_LITERAL_BOUND)):
+                    raise ProgramReadError(f"{node_json['target']}: expected shape symbols and integer literals of "
+                                           f"magnitude at most {SHAPE_LITERAL_BOUND}, found {str(value)[:40]!r}")
             node = graph.create_node("call_function", target, args, {}, name)
             self._sync(nodes, outputs[0]["as_sym_int"]["as_name"], node)
 

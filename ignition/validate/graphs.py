@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import operator
 import types
 import typing
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ import torch
 
 from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
 from ignition.validate import schema_reader
+from ignition.validate.allocations import allocation_violations
 from ignition.validate.archive import accept_archive
+from ignition.validate.files import GRAPH_MAX_BYTES, read_core_file
 from ignition.validate.program_facts import ProgramFacts, program_facts
 from ignition.validate.program_reader import ProgramReadError, read_program
 from ignition.validate.report import Violation
@@ -39,9 +42,15 @@ def _extents(facts: ProgramFacts, shape, name: str, windows) -> list:
 
 
 def _mutated_placeholders(graph: torch.fx.Graph) -> set[str]:
-    """Placeholders written by any node, following view chains back to their base."""
+    """Placeholders written by any node, following view chains back to their base (through ``getitem`` of the
+    list a view operation such as ``unbind``, ``split`` or ``chunk`` returns)."""
     def base(node):
-        while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        while node.op == "call_function":
+            if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+                node = node.args[0]  # one tensor of a list: the list's producer decides whether it aliases
+                continue
+            if not isinstance(node.target, torch._ops.OpOverload):
+                break
             schema = node.target._schema
             first = schema.arguments[0] if schema.arguments else None
             if first is None or first.alias_info is None or first.alias_info.is_write:
@@ -138,10 +147,19 @@ def _file_hash(variant: dict, expected: str, found: str) -> list[Violation]:
 def read_ahead(path: Path, variant: dict) -> ReadAhead:
     """Read ``variant``'s graph file at ``path`` once: its digest, the archive checks and the program, as
     ``read_graph`` would."""
-    data = path.read_bytes()
+    data, refused = _graph_bytes(path, variant)
+    if refused:
+        return ReadAhead(hashlib.sha256(b"").hexdigest(), refused, None)
     refused, accepted = accept_archive(data, _where(variant))
     program, unreadable = (None, None) if refused else _program_of(accepted)
     return ReadAhead(hashlib.sha256(data).hexdigest(), refused, program, unreadable)
+
+
+def _graph_bytes(path: Path, variant: dict) -> tuple[bytes, list[Violation]]:
+    """The graph file's bytes, read only as a regular file under ``GRAPH_MAX_BYTES`` (``read_core_file``: a FIFO,
+    a device or an oversized file is a FILE-REGULAR finding, never read)."""
+    data, problems = read_core_file(path.parent, path.name, _where(variant), GRAPH_MAX_BYTES)
+    return (b"", problems) if data is None else (data, [])
 
 
 def _program_of(accepted) -> tuple[object | None, str | None]:
@@ -156,7 +174,9 @@ def _accepted_bytes(path: Path, variant: dict, sha256: str | None):
     """(where, violations, the file's bytes, what ``accept_archive`` read of them): the file read once, its digest
     compared (FILE-HASH) and the archive checked by our own reader, all on the very bytes that are then loaded."""
     where = _where(variant)
-    data = path.read_bytes()
+    data, refused = _graph_bytes(path, variant)
+    if refused:
+        return where, refused, None, None
     if sha256 is not None and (found := hashlib.sha256(data).hexdigest()) != sha256:
         return where, _file_hash(variant, sha256, found), None, None
     refused, accepted = accept_archive(data, where)
@@ -198,7 +218,7 @@ def read_graph(path: Path, variant: dict, sha256: str | None = None, ahead: Read
 
 
 def check_program(program, variant: dict, where: str) -> list[Violation]:
-    """GRAPH-SIGNATURE and GRAPH-MUTATION of a loaded program (an ``ExportedProgram`` or the runtime reader's
+    """GRAPH-SIGNATURE, GRAPH-MUTATION and GRAPH-ALLOCATION of a loaded program (an ``ExportedProgram`` or the runtime reader's
     ``StaticProgram``) against its catalog entry."""
     facts = program_facts(program)
     declared = variant["arguments"]
@@ -241,4 +261,4 @@ def check_program(program, variant: dict, where: str) -> list[Violation]:
         elif decl["role"] not in _WRITES_EXPECTED and writes:
             found.append(Violation("GRAPH-MUTATION", f"{where}: argument {decl['name']}",
                                    f"declared {decl['role']} but the graph writes it"))
-    return found
+    return found + allocation_violations(facts, variant, where)

@@ -17,7 +17,8 @@ from ignition.catalog.operators import ONNX_CUSTOM_DOMAINS
 from ignition.catalog.onnx_layout import (ONNX_DTYPES, ONNX_OPSET, expected_inputs, expected_outputs, external_data,
                                           onnx_path, output_name, safetensors_offsets, weights_as_inputs,
                                           written_buffers)
-from ignition.validate.files import safe_path
+from ignition.validate.files import GRAPH_MAX_BYTES, read_core_file, safe_path
+from ignition.validate.onnx_allocations import onnx_allocation_violations
 from ignition.validate.report import Violation
 
 _DTYPE_NAMES = {code: name for name, code in ONNX_DTYPES.items()}
@@ -173,7 +174,7 @@ def check_onnx_graph(data: bytes, variant: dict, weights_file: str,
     found += _compare("outputs", where, list(model.graph.output), expected_outputs(arguments, returns))
     found += _check_weights(model, where, [a for a in arguments if a.role is Role.WEIGHT], weights_file, offsets)
     found += [Violation("ONNX-INPLACE", where, hazard) for hazard in inplace_hazards(model, written_buffers(arguments))]
-    return found
+    return found + onnx_allocation_violations(model, variant, where)
 
 
 def check_onnx(root: Path, manifest: dict, variants: list[dict], broken: set[str]) -> list[Violation]:
@@ -197,5 +198,6 @@ def check_onnx(root: Path, manifest: dict, variants: list[dict], broken: set[str
         path, _ = safe_path(root, rel, variant["name"])
         if path is None or rel in broken or not path.is_file() or rel != onnx_path(variant["name"]):
             continue  # already a file or pairing finding
-        found += check_onnx_graph(path.read_bytes(), variant, weights_file, offsets)
+        data, problems = read_core_file(root, rel, variant["name"], GRAPH_MAX_BYTES)
+        found += problems if data is None else check_onnx_graph(data, variant, weights_file, offsets)
     return found

@@ -9,8 +9,9 @@ whose extent is one symbol: so no guards code may appear, every expression must 
 arithmetic (sum, product, min, max, floor division, modulo) of literals and shape symbols, which
 sympify can only build, never run code from, and range constraints must be integer bounds of such
 symbols. Node targets are limited to operator namespaces we emit (PT2-PROGRAM), plus a fixed list
-of ``_operator`` functions on shape symbols, and within them to the operators the recipes emit
-(GRAPH-OPERATOR, ``ignition/catalog/operators.py``: ``aten.from_file`` and its kind can write files);
+of ``_operator`` functions on shape symbols and bounded integer literals, and within them to the exact
+operator overloads the recipes emit (GRAPH-OPERATOR, ``ignition/catalog/operators.py``: ``aten.from_file`` and
+its kind can write files; ``aten.slice_scatter.__init__`` is no overload);
 pytree specs to the plain containers our signature uses.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 
+from ignition.catalog.limits import INT32_MAX
 from ignition.catalog.operators import OPERATOR_NAMESPACES as OP_NAMESPACES, operator_refusal
 from ignition.validate.report import Violation
 _TARGET = re.compile(rf"torch\.ops\.({'|'.join(OP_NAMESPACES)})\.[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
@@ -31,6 +33,8 @@ SYMBOLIC_OPERATORS = ("add", "sub", "mul", "floordiv", "mod", "neg", "lt", "le",
 """``_operator`` functions a graph may call on shape symbols (torch maps the names to functions; nothing is evaluated)."""
 _SYMBOLIC_TARGET = re.compile(rf"_operator\.({'|'.join(SYMBOLIC_OPERATORS)})")
 _MAX_EXPRESSION = 400
+SHAPE_LITERAL_BOUND = INT32_MAX
+"""The largest integer literal (in magnitude) a shape-arithmetic node takes: every extent fits in int32."""
 
 
 def symbolic_expression_allowed(text) -> bool:
@@ -111,9 +115,11 @@ def _node_violations(node: dict, bad, at: str) -> list[Violation]:
         found.append(bad("expected no custom objects (torch unpickles them)"))
     target = node.get("target") if "inputs" in node and "outputs" in node else None
     for operator in (target, node.get("as_operator")):  # a node's target, or an operator passed as an argument
-        if operator is None or (operator is target and isinstance(target, str)
-                                and _SYMBOLIC_TARGET.fullmatch(target)):
-            continue  # shape-symbol arithmetic: torch maps these names to fixed functions
+        if operator is None:
+            continue
+        if operator is target and isinstance(target, str) and _SYMBOLIC_TARGET.fullmatch(target):
+            found += _shape_arithmetic_violations(node, bad)  # torch maps these names to fixed functions
+            continue
         if not (isinstance(operator, str) and _TARGET.fullmatch(operator)):
             found.append(bad(f"operator {str(operator)[:80]!r} is not an operator in the allowed namespaces "
                              f"{', '.join(OP_NAMESPACES)}"))
@@ -123,6 +129,29 @@ def _node_violations(node: dict, bad, at: str) -> list[Violation]:
         if isinstance(node.get(key), str):
             found += _spec_violations(node[key], key, bad)
     return found
+
+
+def _shape_arithmetic_violations(node: dict, bad) -> list[Violation]:
+    """A shape-arithmetic node computes on shape symbols and integer literals of at most ``SHAPE_LITERAL_BOUND``;
+    any other argument (a string, a list, a huge integer) would make ``_operator.mul`` build whatever it likes."""
+    found = []
+    for item in node["inputs"] if isinstance(node["inputs"], list) else [None]:
+        arg = item.get("arg") if isinstance(item, dict) else None
+        if not _shape_argument(arg):
+            found.append(bad(f"{node['target']}: expected a shape symbol or an integer literal of magnitude at most "
+                             f"{SHAPE_LITERAL_BOUND}, found {str(arg)[:80]}"))
+    return found
+
+
+def _shape_argument(arg) -> bool:
+    if not isinstance(arg, dict) or len([v for v in arg.values() if v is not None]) != 1:
+        return False
+    kind, value = next((k, v) for k, v in arg.items() if v is not None)
+    if kind == "as_sym_int" and isinstance(value, dict) and len(value) == 1:
+        kind, value = next(iter(value.items()))
+        if kind == "as_name":
+            return isinstance(value, str)
+    return kind == "as_int" and type(value) is int and abs(value) <= SHAPE_LITERAL_BOUND
 
 
 def _spec_violations(text: str, key: str, bad) -> list[Violation]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
 from ignition.catalog.hashing import is_canonical
 from ignition.catalog.signatures import key_id, verify
-from ignition.validate.files import safe_path
+from ignition.validate.files import read_core_file, safe_path
 from ignition.validate.report import Violation
 from ignition.validate.schema import schema_violations
 
@@ -50,10 +50,11 @@ def _signature(root: Path, found: Provenance, trusted_key) -> list[Violation]:
             return []  # unsigned cores are valid; only a trusted key demands a signature
         return [Violation("SIGNATURE", SIGNATURE_FILE,
                           f"expected a signature by the trusted key {key_id(trusted_key)}, found an unsigned core")]
-    if not path.is_file() or path.stat().st_size > _MAX_SIGNATURE_BYTES:
+    data, _ = read_core_file(root, SIGNATURE_FILE, "core", _MAX_SIGNATURE_BYTES)  # regular, never a FIFO
+    if data is None:
         return [Violation("SIGNATURE", SIGNATURE_FILE, f"expected a JSON file under {_MAX_SIGNATURE_BYTES} bytes")]
     try:
-        document = json.loads(path.read_bytes().decode("utf-8"))
+        document = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         return [Violation("SIGNATURE", SIGNATURE_FILE, f"expected UTF-8 JSON, found {type(exc).__name__}: {exc}")]
     shape = schema_violations(document, "signature.schema.json", SIGNATURE_FILE)
