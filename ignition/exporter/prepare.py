@@ -3,8 +3,9 @@
 Runs before any graph is captured. The launch plan of a variant follows from its declared
 contract: one reduction row per lane (decode: capacity lanes; prefill family: one lane; verify: S+1 per lane),
 the core's padded vocabulary, K, explicit IDs, and the dtype of the logits the reduction reads
-(``catalog.model.reduction_logits_dtype``: float32 on a single rank, the model dtype on a sharded one). After capture, ``check_captured_launches`` confirms the graph's reduction node
-really has that shape, so a prepared core never misses a launch configuration.
+(``catalog.model.reduction_logits_dtype``: float32 on a single rank, the model dtype on a sharded one). After
+capture, ``check_captured_launches`` confirms the graph's reduction node really has that shape, so a prepared
+core never misses a launch configuration.
 """
 
 from __future__ import annotations

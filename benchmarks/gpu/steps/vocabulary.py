@@ -3,7 +3,8 @@
 1. the prepared launches (CUDA) against the torch reference (CPU) on the same requests: same ids, values
    within 2e-5;
 2. greedy tokens against Hugging Face's Qwen3ForCausalLM on this GPU (fp32, a plain greedy loop);
-3. timings at batch 1 and 4 (each recorded as it is measured) for logprobs off, 0, 5 and 20, prefill and decode apart, for both:
+3. timings at batch 1 and 4 for logprobs off, 0, 5 and 20 (each recorded as it is measured), prefill and decode
+   apart, for both:
    Ignition's prefill is ``generate`` with max_tokens=1, its decode the rest of a longer ``generate``;
    HF's prefill is one forward over the prompts, its decode the cached single-token forwards, each step
    doing what a server must for that setting (argmax; log_softmax, the chosen value and top-K; a host copy).
