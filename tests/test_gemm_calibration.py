@@ -53,6 +53,27 @@ def test_measured_choices_are_honoured_cached_and_reused(tmp_path, monkeypatch):
     assert calls[-1] == (512, 1024) and len(json.loads(cache.read_text())["machines"]) == 2
 
 
+@pytest.fixture(autouse=True)
+def quiet_host(monkeypatch):
+    """The cache is written only when the host was not oversubscribed; these tests pin the cache, so the host is."""
+    monkeypatch.setattr(gemm_calibration, "quiet", lambda: True)
+
+
+def test_a_busy_hosts_timings_serve_the_load_and_are_not_cached(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({(64, 64): {"1": {PACKED: 1.0, ATEN: 2.0}}}, calls))
+    monkeypatch.setattr(gemm_calibration, "quiet", lambda: False)
+    assert GemmPlan("calibrate", cache=tmp_path / "c.json").packs((64, 64), torch.float32)
+    assert not (tmp_path / "c.json").exists()
+    assert GemmPlan("calibrate", cache=tmp_path / "c.json").packs((64, 64), torch.float32) and len(calls) == 2
+    monkeypatch.undo()  # the real ``quiet``: load average against the CPUs this process may run on
+    monkeypatch.setattr(gemm_calibration.os, "getloadavg", lambda: (11.4, 9.5, 7.0))
+    monkeypatch.setattr(gemm_calibration.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert gemm_calibration.quiet() is False
+    monkeypatch.setattr(gemm_calibration.os, "getloadavg", lambda: (1.5, 1.0, 0.9))
+    assert gemm_calibration.quiet() is True
+
+
 def test_a_corrupt_or_unwritable_cache_only_means_timing_again(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(gemm_calibration, "time_paths", _timed(

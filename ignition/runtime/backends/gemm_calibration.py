@@ -5,7 +5,8 @@ read the Qwen3-0.6B weights 1.3-6x faster than MKL's FP32 ``aten.linear`` at 1 t
 AVX-512 and AMX, MKL streamed them at 22.6 GB/s at one row against the packed product's 17.6. So the choice is made per
 weight shape by timing both (``GemmPlan``), at the decode row counts ``CALIBRATION_ROWS``, and the result is kept
 in a small JSON cache keyed by the CPU model, the torch version and the shape (``cache_path``): a machine pays a
-few hundred milliseconds once per shape, and each later load reads the cache. A BF16 weight's packed product takes
+few hundred milliseconds once per shape, and each later load reads the cache (timings taken while the host is
+oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
 the CPU's best BF16 kernels (AMX where present); it is a candidate only where it returns ``aten.linear``'s bits
 (``packed_linear.keeps_bits``), so the choice never changes a BF16 core's numbers. One choice per weight shape, not
 per row count: a weight used both ways would be held twice (its raw and its packed copy), so the shape takes the
@@ -34,7 +35,9 @@ CALIBRATION_ROWS = (1, 8)
 CALIBRATION_BYTES = 64 << 20
 """A larger weight is timed on its first rows up to this size: past every L2 and most L3 caches, so the product
 streams from memory as the real one does, while a shape takes tens of milliseconds, not seconds, to time."""
-CALIBRATION_REPEATS = 5
+CALIBRATION_REPEATS = 7
+"""Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
+wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
 CACHE_VERSION = 1
 _lock = threading.Lock()
 
@@ -67,18 +70,32 @@ def shape_key(shape, dtype: torch.dtype) -> str:
     return f"{str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}"
 
 
-def _seconds(product, repeats: int = CALIBRATION_REPEATS) -> float:
-    product()  # first touch: page faults, oneDNN's primitive cache
-    times = []
+def quiet() -> bool:
+    """Whether the host was not oversubscribed over the last minute (load average at most its CPUs): only then is
+    a calibration cached. NOTE: on a host running more threads than cores, a multi-threaded product waits a time
+    slice at its barrier (measured here at a load average of 11 on 2 cores: 40-55 ms for a 4 MiB product that takes
+    0.1 ms), so such timings say more about the neighbours than about the kernels."""
+    try:
+        return os.getloadavg()[0] <= len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):  # no load average (not Linux): trust the best-of rounds
+        return True
+
+
+def _best_seconds(products: dict, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
+    """Each product's best time over ``repeats`` interleaved rounds, after one untimed call each."""
+    for product in products.values():
+        product()  # first touch: page faults, oneDNN's primitive cache
+    best = {name: float("inf") for name in products}
     for _ in range(repeats):
-        started = time.perf_counter()
-        product()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+        for name, product in products.items():
+            started = time.perf_counter()
+            product()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
 
 
 def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[str, dict[str, float]]:
-    """Median seconds of ``x [rows, in] @ w.T`` for each of ``paths`` and each row count, on a random weight of
+    """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` and each row count, on a random weight of
     ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``): ``{str(rows): {path: seconds}}``."""
     out_features, in_features = shape
     element = torch.empty((), dtype=dtype).element_size()
@@ -91,7 +108,7 @@ def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[
         x = torch.randn(count, in_features, generator=generator).to(dtype)
         products = {ATEN: lambda: torch.nn.functional.linear(x, weight),
                     PACKED: lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-        timings[str(count)] = {path: _seconds(products[path]) for path in paths}
+        timings[str(count)] = _best_seconds({path: products[path] for path in paths})
     return timings
 
 
@@ -138,9 +155,10 @@ class GemmPlan:
             timings = time_paths(shape, dtype, (PACKED, ATEN))
             choice = choose(timings)
             self.measured.append(key)
-            data = self._read()
-            data.setdefault(machine, {})[key] = {"choice": choice, "seconds": timings}
-            self._write(data)
+            if quiet():  # a busy host's timings serve this load only: the next one times again
+                data = self._read()
+                data.setdefault(machine, {})[key] = {"choice": choice, "seconds": timings}
+                self._write(data)
             return choice
 
     def _read(self) -> dict:
