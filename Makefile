@@ -34,7 +34,8 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.export_time
 
 # On a CUDA machine (the H200 image: torch 2.11, Triton 3.6, cuda-bindings preinstalled): no venv, the checkout on
-# PYTHONPATH, build/wheelhouse and build/gpu-check-cores carried in; 8-minute deadline; results in $OUT or build/gpu-check.
+# PYTHONPATH, build/wheelhouse and build/gpu-check-cores carried in; 560-second deadline (benchmarks/gpu/plan.py);
+# results in $OUT or build/gpu-check. The wheelhouse's requirements.txt lists only what the image lacks.
 # `make gpu-check DRY=1` is its CPU half, here: wheelhouse, import coverage, carried cores, plan and budgets.
 gpu-check: $(if $(DRY),$(STAMP))
 	PYTHONPATH=$(CURDIR) PYTHONUNBUFFERED=1 $(if $(DRY),$(PY),$(PYTHON)) -m benchmarks.gpu_check $(if $(DRY),--dry-run)

@@ -1,4 +1,4 @@
-"""`make gpu-check`: the first-run script for a CUDA machine, inside an 8-minute deadline.
+"""`make gpu-check`: the first-run script for a CUDA machine, inside a deadline of ``plan.DEADLINE_S`` (560 s).
 
 On the GPU machine (the checkout on PYTHONPATH, build/wheelhouse and build/gpu-check-cores carried in)::
 
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu.plan import DEADLINE_S, PLAN, Step, budget_problems, step_timeout
+from benchmarks.gpu.record import with_site
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "build" / "gpu-check"
@@ -49,12 +50,11 @@ class Log:
             self.file.write(line + "\n")
 
 
-def run_step(step: Step, timeout_s: float, arguments: list[str], result: Path, log: Log) -> dict:
+def run_step(step: Step, timeout_s: float, arguments: list[str], result: Path, log: Log, work: Path) -> dict:
     """One step in its own process group, killed with everything it started when ``timeout_s`` passes."""
     result.unlink(missing_ok=True)
     command = [sys.executable, "-m", step.module, *arguments, "--result", str(result)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(with_site(work), PYTHONUNBUFFERED="1")  # with the install step's --target fallback, if it ran
     log(f"=== step {step.name} (timeout {timeout_s:.0f} s): {step.summary}")
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -110,7 +110,8 @@ def run_plan(plan: tuple[Step, ...], out: Path, arguments: list[str], work: Path
                                          assertions=[{"name": "ran before the deadline", "ok": False,
                                                       "detail": f"deadline {deadline_s:g} s"}]))
         else:
-            results["steps"].append(run_step(step, timeout_s, arguments, work / "results" / f"{step.name}.json", log))
+            results["steps"].append(run_step(step, timeout_s, arguments, work / "results" / f"{step.name}.json", log,
+                                                  work))
         results["seconds"] = round(time.perf_counter() - started, 1)
         results["ok"] = all(s["status"] == "passed" for s in results["steps"]) and len(results["steps"]) == len(plan)
         write_results(out, results)

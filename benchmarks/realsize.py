@@ -21,7 +21,10 @@ the same checkpoint, prompts and threads:
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
   steps) at each batch, logprobs 5, and every other operator's self ms, ours and HF's own (``hf_step_profile``);
 - that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
-  measured and whether it is met.
+  measured and whether it is met;
+- first, the machine (``benchmarks/machine.py``): the CPU model, the ISA flags its kernels rely on, the read
+  bandwidth of a streaming one-row GEMV, and the weight-streaming floor (weight bytes / bandwidth), with each decode
+  row's fraction of it, ours and HF's.
 
 ``--onnx`` and ``--compile`` export the core with ONNX graphs or AOTInductor packages too, and time every decode
 row on ``--runtime onnxruntime`` or the packages as well. ``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
@@ -49,6 +52,9 @@ from typing import NamedTuple
 import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABLE, precedes torch's allocations)
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from benchmarks.machine import (cpu_flags, cpu_model, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
+                                header, relied_flags, weight_bytes)
 
 SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
              num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
@@ -531,6 +537,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
+    bandwidth = gemv_bandwidth()  # before anything else holds memory or threads
     batches = [int(b) for b in args.batches.split(",")]
     settings = [int(k) or None for k in args.logprobs.split(",")]
 
@@ -554,7 +561,8 @@ def main() -> None:
         load_s, core = timed(lambda: load_core(args.core))
         faulted = faulted_gib(before)
         rate = fault_seconds_per_gib(args.threads)
-        weights_gib = sum(t.numel() * t.element_size() for t in core.weights.values()) / 2**30
+        streamed = weight_bytes(core.weights)  # what every decode step reads
+        weights_gib = streamed / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
         fresh = [fresh_load(args.core, args.threads) for _ in range(FRESH_LOADS)]
         rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
@@ -619,8 +627,11 @@ def main() -> None:
                     differing += differ
                     if not label:
                         rates[size, logprobs] = rate_ours, rate_hf
+                    ours_floor, hf_floor = (floor_fraction(rate, size, streamed, bandwidth["best"])
+                                            for rate in (rate_ours, rate_hf))
                     rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}{_differ(differ)}",
-                                 f"{rate_ours:.2f} tok/s", f"{rate_hf:.2f} tok/s", f"{rate_ours / rate_hf:.2f}x"))
+                                 f"{rate_ours:.2f} tok/s ({ours_floor:.0%} of floor)",
+                                 f"{rate_hf:.2f} tok/s ({hf_floor:.0%} of floor)", f"{rate_ours / rate_hf:.2f}x"))
                 if not label:
                     shares, walls, others = step_profile(loaded, batch, 5)
                     hf_shares, hf_walls, hf_others, _ = hf_step_profile(model, batch, 5)
@@ -659,6 +670,8 @@ def main() -> None:
             compiled = load_core(args.core, trust_compiled=True)
             mismatches += decode_rows(f", AOTInductor ({compiled.backend})", compiled)
             del compiled
+    print(header(args.threads, bandwidth))
+    print(floor_line(streamed, bandwidth["best"]))
     print(f"HF attention: {attention}")
     print(f"Qwen3-0.6B shape, {args.layers} layers, {args.dtype}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, decode {DECODE_TOKENS} tokens from {PROMPT}-token prompts")
@@ -668,10 +681,12 @@ def main() -> None:
     print(f"greedy tokens equal to HF: {'yes' if mismatches == 0 else f'NO ({mismatches} sequences differ)'}")
     verdicts = targets(export_s, [load_s, *(seconds for _, seconds, *_ in fresh)], load_rss / (weights_gib + state_gib),
                        prefill_ratio, rates, matrix_shares, mismatches, logprob_costs)
+    verdicts += floor_targets(rates, streamed, bandwidth["best"])
     print(f"\n| target (issue 23; this run: {args.dtype}) | measured | met |\n|---|---|---|")
     for target, measured, met in verdicts:
         print(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
-    print(json.dumps({"rows": rows, "greedy_mismatches": mismatches,
+    print(json.dumps({"cpu": cpu_model(), "isa": relied_flags(cpu_flags()), "read_bandwidth": bandwidth,
+                      "weight_bytes": streamed, "rows": rows, "greedy_mismatches": mismatches,
                       "targets": [[t, m, bool(ok)] for t, m, ok in verdicts]}))
     if mismatches:
         sys.exit(1)

@@ -16,9 +16,13 @@ from ignition.recipes.base import ExportOptions
 
 def pytest_configure(config):
     """Under pytest-xdist (``make test`` runs two workers on two cores) each worker's torch gets one
-    thread, so the workers do not oversubscribe the cores; a plain ``pytest`` keeps torch's default."""
+    thread, so the workers do not oversubscribe the cores; a plain ``pytest`` keeps torch's default. The GEMM
+    calibration cache goes to a folder of the run's own."""
     import os
+    import tempfile
 
+    # the GEMM calibration cache (runtime/backends/gemm_calibration.py) of this run, never the user's
+    os.environ.setdefault("IGNITION_CACHE_DIR", tempfile.mkdtemp(prefix="ignition-test-cache-"))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 

@@ -160,36 +160,84 @@ def _bf16_plan(rows: Rows):
     return plan_attention(rows, w["slots"], w["max_seq_len"], w["share"], torch.bfloat16)
 
 
-def test_a_bf16_decode_lane_attends_as_transformers_eager_attention_bit_for_bit() -> None:
-    """One lane at contexts of 2 to 80 keys, through the key window the loader passes (``WINDOWS[KEY_WINDOW]``, 32
-    positions at least): transformers' own eager attention over exactly the live keys gives the same BF16 bits.
-    Below ``SHORT_ROW`` keys that takes the short softmax (``AttentionPlan.short``): with the window's softmax,
-    about 1 in 20,000 BF16 probabilities rounds differently, and these 5,600 short cases caught one at context 7."""
+def _deviations(got: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    return (got.double() - reference.double()).abs()
+
+
+def _assert_bf16_fidelity(cases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], where: list[str]) -> None:
+    """BF16 fidelity judged against transformers' own BF16 on this machine: ``cases`` of (ours, transformers'
+    eager BF16, transformers' eager FP32 on the same BF16-valued inputs). Each case's largest deviation from the FP32
+    reference may exceed transformers' by one BF16 ulp of the case's largest value, and the mean deviation over all
+    cases by 2%.
+
+    Why that slack: both sides round the scores, the probabilities and the output to BF16 at the same points; they
+    differ only in the FP32 summation order of their products (oneDNN and MKL pick kernels by shape and ISA, and the
+    key window gives ours other shapes), which moves an FP32 sum by ~1e-7 relative, so it flips a BF16 rounding
+    (2**-9 relative) about once in 10,000 values, and a flip moves an output by at most one BF16 ulp. A structural
+    error (one key too many or too few, a wrong scale) moves the mean twenty times or more
+    (``test_the_bf16_fidelity_check_fails_attention_over_one_key_too_many``)."""
+    ours_total = theirs_total = 0.0
+    for (ours, theirs, reference), name in zip(cases, where):
+        ours_deviation, theirs_deviation = _deviations(ours, reference), _deviations(theirs, reference)
+        ulp = 2.0 ** (torch.floor(torch.log2(reference.abs().max().double())) - 7)
+        worst, theirs_worst = float(ours_deviation.max()), float(theirs_deviation.max())
+        assert worst <= theirs_worst + ulp, f"{name}: deviation {worst:.3g} against transformers' {theirs_worst:.3g}"
+        ours_total += float(ours_deviation.mean())
+        theirs_total += float(theirs_deviation.mean())
+    assert ours_total <= 1.02 * theirs_total, \
+        f"mean deviation {ours_total / len(cases):.4g} against transformers' {theirs_total / len(cases):.4g}"
+
+
+def _decode_lane(generator, context: int, visible: int | None = None):
+    """One lane at ``context`` keys through the key window the loader passes (``WINDOWS[KEY_WINDOW]``, 32 positions
+    at least): (ours, transformers' eager BF16, its FP32) over the live keys. ``visible`` (a test of the check):
+    ours attends over that many keys instead."""
     w = BF16_WIDTH
+    key_cache, value_cache = _bf16_caches(generator)
+    query = torch.randn(1, w["kv_heads"] * w["share"], w["head_dim"], generator=generator).to(torch.bfloat16)
+    seen = visible or context
+    rows = Rows.decode(torch.tensor([seen - 1]), torch.tensor([1]), torch.tensor([True]), _key_window(seen))
+    ours = cached_attention(query, key_cache[None], value_cache[None], 0, _bf16_plan(rows))
+    return (ours, _transformers_eager(query, key_cache, value_cache, context),
+            _transformers_eager(query.float(), key_cache.float(), value_cache.float(), context))
+
+
+DECODE_CONTEXTS = [*range(2, 18), 24, 31, 32, 33, 47, 64, 65, 80]  # short forwards (< SHORT_ROW), window edges
+
+
+def test_a_bf16_decode_lane_is_as_close_to_fp32_as_transformers_bf16_eager() -> None:
+    """One lane at contexts of 2 to 80 keys (eight draws each), the short forwards (``AttentionPlan.short``) and
+    the key window's 32-position granule edges among them: ``_assert_bf16_fidelity``. On a machine whose kernels
+    are the same for both (AVX-512 without AMX), the bits are transformers' own, and the check passes with
+    equal deviations."""
     generator = torch.Generator().manual_seed(0)
-    for context in range(2, 81):
-        for _ in range(400 if context < 16 else 3):
-            key_cache, value_cache = _bf16_caches(generator)
-            query = torch.randn(1, w["kv_heads"] * w["share"], w["head_dim"], generator=generator).to(torch.bfloat16)
-            window = _key_window(context)
-            rows = Rows.decode(torch.tensor([context - 1]), torch.tensor([1]), torch.tensor([True]), window)
-            ours = cached_attention(query, key_cache[None], value_cache[None], 0, _bf16_plan(rows))
-            assert torch.equal(ours, _transformers_eager(query, key_cache, value_cache, context)), \
-                f"context {context}, window {window.shape[0]}"
+    where = [f"context {context}" for context in DECODE_CONTEXTS for _ in range(8)]
+    _assert_bf16_fidelity([_decode_lane(generator, int(name.split()[1])) for name in where], where)
+
+
+def test_the_bf16_fidelity_check_fails_attention_over_one_key_too_many() -> None:
+    generator = torch.Generator().manual_seed(0)
+    cases = [_decode_lane(generator, context, visible=context + 1) for context in (4, 15, 31, 64) for _ in range(4)]
+    with pytest.raises(AssertionError, match="deviation"):
+        _assert_bf16_fidelity(cases, ["one key too many"] * len(cases))
+
+
+PROMPT_LENGTHS = [*range(2, 18), 23, 31, 32, 33, 40]
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["chunk", "packed"])
-def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed: bool) -> None:
+def test_a_bf16_prompt_is_as_close_to_fp32_as_transformers_bf16_eager_prefill(packed: bool) -> None:
     """A prompt of 2 to 40 tokens in one chunk of 48 rows (a prefill chunk's rows, or one lane of packed prompt
-    chunks), through the key window the loader passes: transformers' eager prefill of the whole prompt (its causal
-    mask, rows as long as the prompt) gives the same BF16 bits for every prompt row."""
+    chunks), through the key window the loader passes, against transformers' eager prefill of the whole prompt (its
+    causal mask, rows as long as the prompt): ``_assert_bf16_fidelity`` over every prompt row."""
     from ignition.recipes.attention import packed_attention
 
     w = BF16_WIDTH
     chunk_rows = 48
     generator = torch.Generator().manual_seed(1)
-    for length in range(2, 41):
-        for _ in range(40 if length < 16 else 2):
+    cases, where = [], []
+    for length in PROMPT_LENGTHS:
+        for _ in range(3):
             key_cache, value_cache = _bf16_caches(generator)
             query = torch.randn(chunk_rows, w["kv_heads"] * w["share"], w["head_dim"], generator=generator)
             query = query.to(torch.bfloat16)
@@ -201,10 +249,14 @@ def test_a_bf16_prompt_attends_as_transformers_eager_prefill_bit_for_bit(packed:
             else:
                 rows = Rows.prefill(chunk_rows, torch.tensor(0), torch.tensor(length), torch.tensor([1]), key_window)
                 ours = cached_attention(query, key_cache[None], value_cache[None], 0, _bf16_plan(rows))[:length]
-            causal = torch.full((length, length), torch.finfo(torch.bfloat16).min).triu(1).to(torch.bfloat16)
-            theirs = _transformers_eager(query[:length], key_cache, value_cache, length,
-                                         causal.view(1, 1, length, length))
-            assert torch.equal(ours, theirs), f"prompt of {length}"
+            causal = torch.ones(length, length, dtype=torch.bool).triu(1).view(1, 1, length, length)
+            theirs, reference = (
+                _transformers_eager(query[:length].to(dtype), key_cache.to(dtype), value_cache.to(dtype), length,
+                                    torch.zeros(causal.shape, dtype=dtype).masked_fill(causal, torch.finfo(dtype).min))
+                for dtype in (torch.bfloat16, torch.float32))
+            cases.append((ours, theirs, reference))
+            where.append(f"prompt of {length}")
+    _assert_bf16_fidelity(cases, where)
 
 
 def test_a_bf16_verify_row_attends_as_the_decode_step_at_its_position_bit_for_bit() -> None:

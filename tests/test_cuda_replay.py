@@ -1,7 +1,7 @@
 """Cores replayed on CUDA with the prepared kernels (marker ``cuda``; skipped without a GPU).
 
-CUDA vs CPU replay (same ids and order, values within 2e-5), CUDA-graph replay vs eager
-(bit-identical), no compilation during replay, prompt scoring on CUDA, and a core refused
+CUDA vs CPU replay and CUDA-graph replay vs eager (same ids and order, values within 2e-5: eager narrows the
+windows the graphs replay at full extent), no compilation during replay, prompt scoring on CUDA, and a core refused
 for lacking the device's architecture.
 """
 
@@ -78,12 +78,12 @@ def test_cuda_replay_matches_cpu_replay(cores, name):
 
 
 @pytest.mark.parametrize("name", ["toy", "qwen3"])
-def test_graph_replay_is_bit_identical_to_eager(cores, name):
+def test_graph_replay_matches_eager(cores, name):
+    """Captured graphs replay at their full window extents, eager runs narrow the windows to the live context: the
+    products differ in shape, so their FP32 sums may round apart. Same ids and order, values within 2e-5."""
     _, graphs = _generate(cores[name], "cuda")
     _, eager = _generate(cores[name], "cuda", eager=True)
-    for a, b in zip(graphs, eager):
-        assert a.token_ids == b.token_ids
-        assert [(e.id, e.logprob, e.top) for e in a.entries] == [(e.id, e.logprob, e.top) for e in b.entries]
+    _assert_same(graphs, eager)
 
 
 def test_nothing_compiles_during_cuda_replay(cores):

@@ -72,7 +72,7 @@ def real_width_core(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(real_width_core):
     from ignition.runtime.core import load_core
-    return load_core(real_width_core)
+    return load_core(real_width_core, gemm="packed")  # the packed path, whichever this CPU's calibration picks
 
 
 @pytest.mark.parametrize("lanes", [SLOTS, 2, 1])

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu import imports, wheelhouse
-from benchmarks.gpu.plan import DEADLINE_S, PLAN, SMOKE_S, Step, budget_problems, step_timeout
+from benchmarks.gpu.plan import DEADLINE_S, PLAN, PYTEST_CUDA_S, SMOKE_S, Step, budget_problems, step_timeout
+from benchmarks.gpu.record import site_dir, with_site
+from benchmarks.gpu.replay import LOW_PRECISION_TOLERANCE, compare_low_precision
 from benchmarks.gpu_check import run_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_budgets_fit_the_deadline():
     assert budget_problems(PLAN, DEADLINE_S) == []
-    assert sum(step.budget_s for step in PLAN) < DEADLINE_S == 480
+    assert sum(step.budget_s for step in PLAN) < DEADLINE_S <= 600 - 30  # the device tool's limit on one command
     assert [PLAN[0].name, PLAN[1].name, PLAN[1].budget_s] == ["install", "smoke", SMOKE_S]
     assert budget_problems(PLAN, sum(step.budget_s for step in PLAN)) != []  # equal is not under
 
@@ -39,6 +41,14 @@ def test_no_step_can_outlast_the_deadline():
             assert elapsed <= DEADLINE_S
     assert step_timeout(PLAN, len(PLAN) - 1, 0.0) == DEADLINE_S  # the elastic last step takes what is left
     assert step_timeout(PLAN, 0, DEADLINE_S) == 0.0
+
+
+def test_pytest_cuda_gets_its_measured_need_even_after_every_step_spends_its_budget():
+    """pytest -m cuda needs 150-280 s on an H200: the last step, elastic, gets at least its budget when every step
+    before it runs to its timeout, and the deadline's slack on top."""
+    assert PLAN[-1].name == "pytest-cuda" and PLAN[-1].elastic and PLAN[-1].budget_s == PYTEST_CUDA_S >= 250
+    spent = sum(step.budget_s for step in PLAN[:-1])
+    assert step_timeout(PLAN, len(PLAN) - 1, spent) == DEADLINE_S - spent >= PYTEST_CUDA_S
 
 
 def test_a_bad_plan_is_refused_with_its_reason():
@@ -60,7 +70,8 @@ def test_the_runner_records_every_step_and_fails_on_any_assertion(tmp_path, monk
     modules = tmp_path / "modules"
     modules.mkdir()
     monkeypatch.setenv("PYTHONPATH", str(modules))
-    plan = (_fake_step(modules, "passes", "record.check('holds', True)\nrecord.metric('x', 1)"),
+    plan = (_fake_step(modules, "passes", "record.check('holds', True)\nrecord.metric('x', 1)\n"
+                                          "import os\nrecord.metric('path', os.environ['PYTHONPATH'])"),
             _fake_step(modules, "fails", "record.check('holds', True)\nrecord.check('breaks', False, 'why')"),
             _fake_step(modules, "hangs", "record.check('started', True)\ntime.sleep(60)"),
             _fake_step(modules, "raises", "raise ValueError('bad input')"))
@@ -72,7 +83,8 @@ def test_the_runner_records_every_step_and_fails_on_any_assertion(tmp_path, monk
     assert statuses == {"passes": "passed", "fails": "failed", "hangs": "timeout", "raises": "failed"}
     assert not results["ok"]
     steps = {s["name"]: s for s in results["steps"]}
-    assert steps["passes"]["metrics"] == {"x": 1}
+    assert steps["passes"]["metrics"]["x"] == 1
+    assert str(site_dir(work)) in steps["passes"]["metrics"]["path"].split(os.pathsep)  # the --target fallback's
     assert [a["name"] for a in steps["hangs"]["assertions"]] == ["started", "finished within 5 s"]
     assert steps["hangs"]["seconds"] < 15
     assert "ValueError: bad input" in steps["raises"]["assertions"][0]["detail"]
@@ -90,6 +102,54 @@ def test_bad_arguments_get_one_line_not_a_traceback(tmp_path):
         done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", *arguments], cwd=ROOT,
                               capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_site_folder_follows_the_inherited_path(tmp_path):
+    path = with_site(tmp_path, {"PYTHONPATH": "/somewhere"})["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(ROOT), "/somewhere", str(tmp_path / "site")]
+
+
+def test_requirements_list_only_what_the_image_lacks():
+    """N1: listing an image package makes pip resolve against the image's torch tree offline."""
+    from packaging.requirements import Requirement
+
+    wanted = wheelhouse.requirements()
+    assert {"torch", "numpy", "safetensors"} <= {r.name for r in wanted}
+    listed = {Requirement(line).name for line in wheelhouse.install_list(wanted).splitlines()}
+    assert {"jsonschema", "typer", "rich", "pytest"} <= listed
+    assert not [name for name in listed if wheelhouse.on_image(name)]
+
+
+def test_a_requirements_file_naming_an_image_package_is_a_problem(tmp_path):
+    (tmp_path / wheelhouse.MANIFEST).write_text(json.dumps({"wheels": [], "requirements": []}))
+    (tmp_path / wheelhouse.REQUIREMENTS).write_text("typer>=0.9\ntorch>=2.4\n")
+    assert wheelhouse.check(tmp_path) == [f"{wheelhouse.REQUIREMENTS} lists torch, which the image has: pip would "
+                                          f"resolve against its tree"]
+
+
+def _result(steps, error=None):
+    from types import SimpleNamespace
+
+    from ignition.catalog.abi import TokenEntry
+
+    return SimpleNamespace(error=error, prompt_entries=None,
+                           entries=[TokenEntry(chosen, dict(top)[chosen], top) for chosen, top in steps])
+
+
+def test_the_bf16_comparison_allows_a_near_tie_and_two_ulps_and_nothing_more():
+    u = LOW_PRECISION_TOLERANCE / 2
+    cpu = [_result([(3, [(3, -1.0), (5, -1.0 - u)]), (7, [(7, -0.5), (1, -2.0)])])]
+    near = [_result([(3, [(3, -1.0 + 2 * u), (5, -1.0)]), (7, [(7, -0.5), (1, -2.0)])])]
+    assert compare_low_precision(near, cpu)[0]
+    parted = [_result([(5, [(5, -1.0), (3, -1.0)]), (9, [(9, -0.1)])])]  # 5 is a near tie on the CPU
+    ok, detail, _ = compare_low_precision(parted, cpu)
+    assert ok and "1 requests parted" in detail
+    far = [_result([(3, [(3, -1.0 + 3 * u), (5, -1.0)]), (7, [(7, -0.5), (1, -2.0)])])]
+    assert not compare_low_precision(far, cpu)[0]
+    not_a_tie = [_result([(3, [(3, -1.0)]), (1, [(1, -0.5)])])]  # 1 is 1.5 below 7 on the CPU
+    ok, detail, _ = compare_low_precision(not_a_tie, cpu)
+    assert not ok and "not a near tie" in detail
+    assert not compare_low_precision([_result([], error="boom")], cpu)[0]
 
 
 def test_the_cuda_test_files_and_their_helpers_are_scanned():

@@ -15,6 +15,7 @@ import torch
 
 from ignition.catalog.enums import Role
 from ignition.runtime.backends import packed_linear
+from ignition.runtime.backends.gemm_calibration import GemmPlan
 from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
 from ignition.runtime.core import load_core
 from ignition.runtime.host_memory import release_pages
@@ -54,7 +55,10 @@ def _requests() -> list[Request]:
 
 @pytest.fixture
 def pack_tiny(monkeypatch):
+    """The tiny cores' weights packed as a real model's are where the packed product is allowed: under no size
+    floor, and as ``gemm="packed"`` forces, whatever this CPU's calibration would pick for their tiny shapes."""
     monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(GemmPlan, "packs", lambda self, shape, dtype: self.mode != "aten")
 
 
 def _dtype(core) -> str:
@@ -290,7 +294,7 @@ def _entry():
 
 @pytest.mark.parametrize("later_raw", [False, True], ids=["packed only", "a later graph reads it raw"])
 def test_a_weight_the_first_graph_reads_only_packed_streams_and_a_later_raw_read_gets_its_exact_bytes(later_raw):
-    packs = packed_linear.LinearPacks(min_elements=0)
+    packs = packed_linear.LinearPacks(min_elements=0, gemm=GemmPlan("packed"))
     first, second = _linear_program(raw_read=False), _linear_program(raw_read=later_raw)
     packs.rewrite(first, _decls())
     weight, x = torch.randn(4, 6), torch.randn(2, 6)
@@ -312,7 +316,7 @@ def test_a_weight_the_first_graph_reads_only_packed_streams_and_a_later_raw_read
 
 
 def test_a_weight_the_first_graph_reads_raw_is_read_raw_and_packed_from_there():
-    packs = packed_linear.LinearPacks(min_elements=0)
+    packs = packed_linear.LinearPacks(min_elements=0, gemm=GemmPlan("packed"))
     packs.rewrite(_linear_program(raw_read=True), _decls())  # the tied embedding's case: packed and looked up
     assert not packs.streams(_entry())
     weight = torch.randn(4, 6)
@@ -324,7 +328,7 @@ def test_a_weight_the_first_graph_reads_raw_is_read_raw_and_packed_from_there():
 
 
 def test_a_weight_only_a_later_graph_multiplies_by_is_packed_from_its_raw_copy_after_the_graphs():
-    packs = packed_linear.LinearPacks(min_elements=0)
+    packs = packed_linear.LinearPacks(min_elements=0, gemm=GemmPlan("packed"))
     packs.rewrite(_linear_program(raw_read=False, packed=False), _decls())  # the first graph does not read w
     assert not packs.streams(_entry())
     weight = torch.randn(4, 6)
@@ -341,7 +345,7 @@ def test_a_weight_only_a_later_graph_multiplies_by_is_packed_from_its_raw_copy_a
 
 def test_the_reader_does_not_wait_when_no_graph_says_what_to_pack():
     """``decline`` (a backend that packs nothing, or a graph that failed to load) lets a waiting reader go on raw."""
-    packs = packed_linear.LinearPacks(min_elements=0)
+    packs = packed_linear.LinearPacks(min_elements=0, gemm=GemmPlan("packed"))
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(packs.streams, _entry())
         packs.decline()

@@ -37,9 +37,9 @@ CAPACITIES, CHUNK_LIMIT, MAX_SEQ_LEN = (1, 2), 8, 32
 # fp32: our logits differ from HF's only by matmul reduction order (~2e-6 on logits of magnitude
 # ~5, see test_transformer.py) and the FP32 logsumexp adds ~1e-6: measured logprob errors are at
 # most 1.6e-6, so 1e-4 is a 60x margin, while a wrong normalization or position moves them by 1e-2.
-# bf16: the logits are measured bit-identical to HF on CPU (logprob error ~3e-7, FP32 logsumexp
-# only); other kernels may flip a bf16 rounding of a logit (1 ulp = 2**-5 at |logit| < 8), which
-# moves logit - logsumexp by at most 2 ulps. A structural bug moves it by O(1).
+# bf16: the logits were measured bit-identical to HF on AVX-512 CPUs without AMX (logprob error
+# ~3e-7, FP32 logsumexp only); other kernels (AMX, other shapes) may flip a bf16 rounding of a logit
+# (1 ulp = 2**-5 at |logit| < 8), which moves logit - logsumexp by at most 2 ulps. A structural bug moves it by O(1).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2 * 2**-5}
 
 

@@ -22,12 +22,15 @@ VOCABULARY_LOGIT_SCALE = 2.0  # wider random logits: greedy near-ties between im
 
 _TINY_QWEN3 = dict(recipe="qwen3", checkpoint="tiny-qwen3", capacities=(1, 4), chunk_limit=64, max_seq_len=256,
                    prompt_logprobs=True)
+_TINY_QWEN3_BF16 = dict(_TINY_QWEN3, dtype="bfloat16")  # the production dtype: float32 logits reduced (N6)
 CARRIED: dict[str, dict] = {
     "toy": dict(recipe="toy", capacities=(1, 4)),
     "qwen3": _TINY_QWEN3,
+    "qwen3-bf16": _TINY_QWEN3_BF16,
 }
 FRESH: dict[str, dict] = {
     "qwen3": _TINY_QWEN3,
+    "qwen3-bf16": _TINY_QWEN3_BF16,
     "vocabulary": dict(recipe="qwen3", checkpoint="vocabulary", capacities=(1, 4), chunk_limit=64, max_seq_len=256),
 }
 PREPARED = "prepared.json"  # beside the carried cores: the versions that exported them

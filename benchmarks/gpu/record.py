@@ -19,6 +19,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def site_dir(work: Path) -> Path:
+    """Where the install step's ``--target`` fallback puts the carried wheels (absent when pip installed them)."""
+    return work / "site"
+
+
+def with_site(work: Path, env: dict | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the checkout and ``site_dir(work)`` on PYTHONPATH."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH"), str(site_dir(work))]))
+    return env
+
+
 class Record:
     """The result file of one step: ``{"assertions": [...], "metrics": {...}, "tables": [...]}``."""
 

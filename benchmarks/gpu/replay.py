@@ -12,6 +12,10 @@ from collections import Counter
 from pathlib import Path
 
 TOLERANCE = 2e-5  # CUDA vs CPU, per logprob value (tests/test_cuda_replay.py holds the same)
+LOW_PRECISION_TOLERANCE = 2 * 2**-5
+"""BF16/FP16 cores, CUDA vs CPU: the two devices' GEMMs sum in other orders, so a BF16 logit may round one ulp
+apart (2**-5 at |logit| in [4, 8)), which moves logit - logsumexp by at most two; tests/test_transformer.py holds
+BF16 logits to the same bound. A wrong dtype, row or normalization moves a logprob by O(1)."""
 MAX_TOKENS = 12
 
 
@@ -77,6 +81,37 @@ def compare(cuda_results, cpu_results, tolerance: float = TOLERANCE) -> tuple[bo
             worst = max(worst, abs(a["logprob"] - b["logprob"]))
     ok = worst <= tolerance
     return ok, f"max |difference| {worst:.3g} (tolerance {tolerance:g})", worst
+
+
+def compare_low_precision(cuda_results, cpu_results,
+                          tolerance: float = LOW_PRECISION_TOLERANCE) -> tuple[bool, str, float]:
+    """A BF16/FP16 core's CUDA results against its CPU ones, step by step while the tokens agree: the chosen and
+    every shared alternative's logprob within ``tolerance``. Where the tokens part, CUDA's token must be a near tie
+    on the CPU (its CPU logprob within ``2 * tolerance`` of the CPU's choice), and the request is not compared past
+    it; prompt scores: the same ids, values within ``tolerance``. (ok, first difference or summary, max |diff|)."""
+    worst, parted = 0.0, 0
+    for number, (cuda, cpu) in enumerate(zip(cuda_results, cpu_results, strict=True)):
+        where = f"request {number}"
+        if cuda.error or cpu.error:
+            return False, f"{where}: error cuda={cuda.error!r} cpu={cpu.error!r}", worst
+        for index, (a, b) in enumerate(zip(cuda.entries, cpu.entries)):
+            cpu_values = dict(b.top)
+            if a.id != b.id:
+                near = cpu_values.get(a.id)
+                if near is None or abs(near - b.logprob) > 2 * tolerance:
+                    return False, f"{where} token {index}: {a.id} vs cpu {b.id}, not a near tie ({b.top})", worst
+                parted += 1
+                break
+            shared = [(x, cpu_values[i]) for i, x in a.top if i in cpu_values]
+            worst = max([worst] + [abs(x - y) for x, y in [(a.logprob, b.logprob)] + shared
+                                   if x is not None and y is not None])
+        for index, (a, b) in enumerate(zip(cuda.prompt_entries or [], cpu.prompt_entries or [], strict=True)):
+            if (a is None) != (b is None) or (a is not None and a["id"] != b["id"]):
+                return False, f"{where} prompt position {index}: {a} vs cpu {b}", worst
+            if a is not None:
+                worst = max(worst, abs(a["logprob"] - b["logprob"]))
+    ok = worst <= tolerance
+    return ok, f"max |difference| {worst:.3g} (tolerance {tolerance:g}); {parted} requests parted at a near tie", worst
 
 
 def capture_coverage(loaded) -> tuple[bool, str]:

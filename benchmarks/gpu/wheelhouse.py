@@ -9,8 +9,11 @@ travels as wheels in ``build/wheelhouse``:
 2. ``pip download`` resolves those not in ``IMAGE`` once per CPython version, binary wheels only;
 3. wheels of ``IMAGE`` packages are dropped (torch, Triton and CUDA are never carried); a pure-python
    wheel is kept once, a binary one per version it serves (or once, where it is abi3);
-4. ``manifest.json`` records each file's name, version, sha256, size and the versions it serves, and
-   ``requirements.txt`` the full requirement list that ``pip install --no-index`` installs on the image.
+4. ``manifest.json`` records each file's name, version, sha256, size and the versions it serves (and the full
+   requirement list), ``requirements.txt`` only the requirements the image lacks: listing an image package
+   (torch, numpy, ...) makes pip resolve against the installed torch's whole tree, where one pin it cannot
+   meet offline installs nothing. The install step falls back to ``pip install --target`` of the carried
+   wheels the image does not have (``steps/install.py``).
 
 ``check`` proves a wheelhouse complete without a network: every file matches the manifest, the total
 fits ``MAX_BYTES``, and for each CPython version every requirement, and every requirement of every
@@ -83,6 +86,11 @@ def requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[Requirement]
     if missing:
         raise WheelhouseError(f"{pyproject}: the test extra lacks {', '.join(missing)} (GPU_TEST_TOOLS)")
     return [Requirement(r) for r in project["dependencies"]] + [test[t] for t in GPU_TEST_TOOLS]
+
+
+def install_list(wanted: list[Requirement]) -> str:
+    """``requirements.txt``: the requirements the image lacks, one a line (image packages are never listed)."""
+    return "".join(f"{r}\n" for r in wanted if not on_image(r.name))
 
 
 def target_environment(python: str) -> dict[str, str]:
@@ -158,7 +166,7 @@ def build(out: Path = DEFAULT_DIR, log=print) -> dict:
     manifest = {"pythons": list(PYTHONS), "platforms": list(PLATFORMS), "max_bytes": MAX_BYTES,
                 "total_bytes": sum(e["bytes"] for e in entries), "requirements": [str(r) for r in wanted],
                 "image": {"packages": IMAGE, "prefixes": list(IMAGE_PREFIXES)}, "wheels": entries}
-    (out / REQUIREMENTS).write_text("".join(f"{r}\n" for r in wanted))
+    (out / REQUIREMENTS).write_text(install_list(wanted))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -211,6 +219,10 @@ def check(directory: Path = DEFAULT_DIR, verify_hashes: bool = True) -> list[str
         problems.append(f"the wheelhouse holds {total / 2**20:.1f} MiB, over {MAX_BYTES / 2**20:.0f} MiB")
     if not (directory / REQUIREMENTS).is_file():
         problems.append(f"{REQUIREMENTS} is missing")
+    else:
+        listed = [Requirement(line) for line in (directory / REQUIREMENTS).read_text().splitlines() if line.strip()]
+        problems += [f"{REQUIREMENTS} lists {r.name}, which the image has: pip would resolve against its tree"
+                     for r in listed if on_image(r.name)]
     roots = [Requirement(r) for r in manifest["requirements"]]
     for python in PYTHONS:
         problems += [f"CPython {python}: {p}" for p in _walk(directory, wheels, roots, python)[0]]

@@ -27,6 +27,14 @@ def lane_count(operation: int, capacity: int) -> int:
     return 1 if operation in PREFILL_FAMILY else capacity
 
 
+def reduction_logits_dtype(model_dtype: str, sharded: bool) -> str:
+    """The dtype (a torch dtype name) of the logits a variant's logprob reduction reads: float32 on a single rank,
+    whose graph converts BF16/FP16 logits once for sampling and the reduction alike (``recipes/graphs.py``), the
+    model dtype on a rank of a sharded core, whose reduction reads its vocabulary shard as the LM head wrote it.
+    The launch plan, the exporter's check of the captured graph and the loader's launcher all read it here."""
+    return model_dtype if sharded else "float32"
+
+
 def reduction_rows(operation: int, capacity: int, layout: dict) -> int:
     """Logit rows a variant's logprob reduction covers: one per lane, S+1 per lane for SPECULATIVE_VERIFY."""
     speculative = layout.get("speculative") or {}

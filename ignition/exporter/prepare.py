@@ -2,9 +2,10 @@
 
 Runs before any graph is captured. The launch plan of a variant follows from its declared
 contract: one reduction row per lane (decode: capacity lanes; prefill family: one lane; verify: S+1 per lane),
-the core's padded vocabulary, K, explicit IDs, and the dtype of the raw logits (the model
-dtype). After capture, ``check_captured_launches`` confirms the graph's reduction node
-really has that shape, so a prepared core never misses a launch configuration.
+the core's padded vocabulary, K, explicit IDs, and the dtype of the logits the reduction reads
+(``catalog.model.reduction_logits_dtype``: float32 on a single rank, the model dtype on a sharded one). After
+capture, ``check_captured_launches`` confirms the graph's reduction node really has that shape, so a prepared
+core never misses a launch configuration.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.model import reduction_rows
+from ignition.catalog.model import reduction_logits_dtype, reduction_rows
 from ignition.exporter.kernels import launch_key, parse_targets, prepare_kernels
 from ignition.recipes.base import GraphBuild, RecipeBuild
 
@@ -30,6 +31,10 @@ def scored_rows(variant) -> int:
     return next(a.shape[0] for a in variant.arguments if a.name == scoring["targets"])
 
 
+def _reduced_dtype(build: RecipeBuild) -> torch.dtype:
+    return getattr(torch, reduction_logits_dtype(build.model["dtype"], sharded=build.parallel is not None))
+
+
 def variant_plan(build: RecipeBuild, graph: GraphBuild):
     """The variant's launches: four single-rank ones, or for a sharded build the six every rank runs (one plan for
     all ranks: a shard's position is a runtime argument, so identical shapes share one binary), then for a scored
@@ -37,7 +42,7 @@ def variant_plan(build: RecipeBuild, graph: GraphBuild):
     layout = graph.variant.layout.get("logprobs")
     if layout is None:
         return []
-    dtype = getattr(torch, build.model["dtype"])
+    dtype = _reduced_dtype(build)
     if build.parallel is not None:
         from ignition.catalog.parallel import scoring_row_blocks
         from ignition.components.triton_vocabulary import scoring_launch_plan, vocabulary_launch_plan
@@ -73,7 +78,7 @@ def check_captured_launches(build: RecipeBuild, graph: GraphBuild, program) -> s
     if len(nodes) != wanted:
         return f"expected {wanted} ignition::{op} node(s), found {len(nodes)}"
     width = build.vocab_padded if build.parallel is None else build.parallel.vocab_shard
-    expected = (_lanes(graph), width, getattr(torch, build.model["dtype"]))
+    expected = (_lanes(graph), width, _reduced_dtype(build))
     for node in nodes:
         logits = node.args[0].meta["val"]
         found = (logits.shape[0], logits.shape[1], logits.dtype)

@@ -37,6 +37,7 @@ from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
 from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Backend, backend_family
 from ignition.runtime.backends.aoti import has_packages
+from ignition.runtime.backends.gemm_calibration import GemmPlan
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
@@ -444,7 +445,8 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     weights_file = _rank_weights(root, spec, options)
     entries = catalog["variants"]
     declared = {entry["name"]: [BufferDecl.from_json(a) for a in entry["arguments"]] for entry in entries}
-    packs = LinearPacks() if options.pack_linears and backend_family(options.runtime) is Pt2Backend else None
+    packs = LinearPacks(gemm=GemmPlan(options.gemm)) if options.pack_linears and \
+        backend_family(options.runtime) is Pt2Backend else None
     # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
     with _short_switch_interval(), ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.model import reduction_rows
+from ignition.catalog.model import reduction_logits_dtype, reduction_rows
 from ignition.components.workspaces import ReductionWorkspace, reduction_arguments
 from ignition.runtime.cuda_driver import LauncherError, device_capability, pack_params  # noqa: F401 (re-exported)
 from ignition.runtime.launches import (KernelTable, PreparedKernels, PreparedLaunch, claim_launches,
@@ -41,10 +41,11 @@ class ReductionShape:
 def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list[str]]:
     """Each shape the core's graphs reduce, with its launch keys in launch order."""
     shapes: dict[ReductionShape, list[str]] = {}
+    dtype = reduction_logits_dtype(manifest["model"]["dtype"], sharded=False)
     for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
         shape = ReductionShape(rows, manifest["vocab_padded"], manifest["vocab_size"], layout["k"],
-                               bool(layout["explicit_ids"]), manifest["model"]["dtype"])
+                               bool(layout["explicit_ids"]), dtype)
         launches = list(entry.get("launches") or [])
         if not launches:
             raise LauncherError(f"variant {entry['name']} reduces logprobs but lists no prepared launches; "

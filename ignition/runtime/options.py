@@ -16,6 +16,7 @@ import torch
 
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT_S
 from ignition.runtime.backends import RUNTIMES, backend_family
+from ignition.runtime.backends.gemm_calibration import GEMM_MODES
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
 from ignition.runtime.rendezvous import LOOPBACK
@@ -38,13 +39,14 @@ class LoadOptions:
     retain_host_memory: bool = True  # CPU: glibc keeps freed blocks for the next replay (runtime/host_memory.py)
     pack_linears: bool = True  # CPU: linear weights packed once for oneDNN (runtime/backends/packed_linear.py)
     drop_file_cache: bool = True  # the weights file's page cache dropped as it is read (runtime/verified.py)
+    gemm: str = "calibrate"  # CPU: packed or aten.linear per weight shape, timed here (backends/gemm_calibration.py)
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
                prefer_compiled: bool = True, trust_compiled: bool = False, trusted_key=None,
                tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
                retain_host_memory: bool = True, pack_linears: bool = True,
-               drop_file_cache: bool = True) -> "LoadOptions":
+               drop_file_cache: bool = True, gemm: str = "calibrate") -> "LoadOptions":
         """Validate and resolve; LoadOptionError naming the option that cannot work here."""
         if runtime not in RUNTIMES:
             raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -68,9 +70,11 @@ class LoadOptions:
         except ValueError as exc:
             raise LoadOptionError(str(exc)) from None
         pack_linears = bool(pack_linears) and not is_cuda(resolved) and packing_available()  # a CPU choice only
+        if gemm not in GEMM_MODES:
+            raise LoadOptionError(f"--gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
         options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
                       trusted_key, tp_host, float(timeout_s), bool(retain_host_memory), pack_linears,
-                      bool(drop_file_cache))
+                      bool(drop_file_cache), gemm)
         options.rank_device(ranks - 1)  # every rank must get a device before anything starts
         return options
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ignition.catalog.model import reduction_rows
+from ignition.catalog.model import reduction_logits_dtype, reduction_rows
 from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES, VOCABULARY_LAUNCHES,
                                        variant_scoring_blocks)
 from ignition.components.workspaces import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments, stage_arguments,
@@ -66,7 +66,7 @@ def scoring_shapes(manifest: dict, catalog: dict) -> dict[ScoringShape, list[str
     for entry, _ in logprob_variants(catalog):
         launches = _variant_launches(entry, section["ranks"])[len(VOCABULARY_LAUNCHES):]
         for index, rows in enumerate(variant_scoring_blocks(entry)):
-            shape = ScoringShape(rows, section["vocab_shard"], section["ranks"], manifest["model"]["dtype"])
+            shape = ScoringShape(rows, section["vocab_shard"], section["ranks"], reduction_logits_dtype(manifest["model"]["dtype"], sharded=True))
             own = launches[index * len(SCORING_LAUNCHES):(index + 1) * len(SCORING_LAUNCHES)]
             claim_launches(shapes, shape, own, f"variant {entry['name']}: scoring launches {own} differ from another "
                                                f"variant's for the same row block")
@@ -80,7 +80,7 @@ def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, li
     for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
         shape = VocabularyShape(rows, section["vocab_shard"], section["ranks"], layout["k"],
-                                bool(layout["explicit_ids"]), manifest["model"]["dtype"])
+                                bool(layout["explicit_ids"]), reduction_logits_dtype(manifest["model"]["dtype"], sharded=True))
         launches = _variant_launches(entry, section["ranks"])[:len(VOCABULARY_LAUNCHES)]
         claim_launches(shapes, shape, launches, f"variant {entry['name']}: launches {launches} differ from another "
                                                 f"variant of the same reduction shape")

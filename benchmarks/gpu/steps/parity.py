@@ -1,7 +1,8 @@
 """CUDA against CPU on the carried cores (exported elsewhere, older torch here) and a freshly exported one.
 
 For each core: the CPU results (the torch reference reduction); the CUDA-graph load's capture coverage and
-results; replays must add only the launches of variants that run eagerly. Then two cores are loaded
+results (FP32: ``compare``; BF16: ``compare_low_precision``); replays must add only the launches of variants that
+run eagerly. Then two cores are loaded
 eagerly on the one GPU at once, and each forward must make exactly the launches its catalog lists, with
 results still matching the CPU's: a second core must not take the first one's kernels.
 """
@@ -24,7 +25,8 @@ def run(context, record) -> None:
     record.metric("carried_exported_with", {k: prepared.get(k) for k in ("torch", "triton", "python", "commit")})
     record.metric("loaded_with", {"torch": torch.__version__})
     cores = {"qwen3 (carried)": context.carried("qwen3"), "qwen3 (exported here)": context.fresh("qwen3"),
-             "toy (carried)": context.carried("toy")}
+             "qwen3 bf16 (carried)": context.carried("qwen3-bf16"),
+             "qwen3 bf16 (exported here)": context.fresh("qwen3-bf16"), "toy (carried)": context.carried("toy")}
     expected, rows = {}, []
     for label, path in cores.items():
         if record.check(f"{label}: the core is there", (path / "manifest.json").is_file(), str(path)):
@@ -40,8 +42,8 @@ def _one_core(record, label, path, expected) -> list:
     """CPU results, then the CUDA-graph load: capture coverage, parity, launches during replay; a table row."""
     from ignition.runtime.core import load_core
 
-    from benchmarks.gpu.replay import (capture_coverage, compare, generate, launch_count, requests_for,
-                                       variant_launches)
+    from benchmarks.gpu.replay import (capture_coverage, compare, compare_low_precision, generate, launch_count,
+                                       requests_for, variant_launches)
 
     started = time.perf_counter()
     cpu = load_core(path, device="cpu")
@@ -55,14 +57,21 @@ def _one_core(record, label, path, expected) -> list:
     record.check(f"{label}: every capturable variant is captured", *capture_coverage(loaded))
     before = launch_count(loaded)
     results, submissions, seconds = generate(loaded, requests)
-    ok, detail, _ = compare(results, expected[label][1])
-    record.check(f"{label}: CUDA graphs match CPU (same ids, values within 2e-5)", ok, detail)
+    if loaded.manifest["model"]["dtype"] == "float32":
+        ok, detail, _ = compare(results, expected[label][1])
+        record.check(f"{label}: CUDA graphs match CPU (same ids, values within 2e-5)", ok, detail)
+    else:
+        ok, detail, _ = compare_low_precision(results, expected[label][1])
+        record.check(f"{label}: CUDA graphs match CPU (tokens up to near ties, values within two BF16 ulps)",
+                     ok, detail)
     eager = set(loaded.variants) - set(loaded.capture.captured if loaded.capture else ())
     want = submissions.launches(variant_launches(path), only=eager)
     got = launch_count(loaded) - before
     record.check(f"{label}: replays add only the eager variants' launches", got == want,
                  f"{got} launches during generation, expected {want}; submissions {dict(submissions.counts)}")
-    return [label, f"{cpu_load:.1f}", f"{cuda_load:.1f}", before, f"{seconds * 1e3:.0f}"]
+    row = [label, f"{cpu_load:.1f}", f"{cuda_load:.1f}", before, f"{seconds * 1e3:.0f}"]
+    record.metric(f"{label}: seconds", {"cpu_load": row[1], "cuda_load": row[2], "generate_ms": row[4]})
+    return row
 
 
 def _two_cores(context, record, expected) -> None:

@@ -21,7 +21,10 @@ def run(context, record) -> None:
     started = time.perf_counter()
     loaded = load_core(core, device="cuda", eager=True)  # eager: the forward itself launches the cubins
     record.metric("load_seconds", round(time.perf_counter() - started, 2))
-    record.check("load_core(carried toy core, device='cuda', eager=True)", True, str(core))
+    on_device = {tensor.device.type for tensor in [*loaded.weights.values(), *loaded.state.values()]}
+    record.check("load_core(carried toy core, device='cuda', eager=True): weights on CUDA, a prepared reduction",
+                 loaded.device.type == "cuda" and on_device == {"cuda"} and loaded.reduction is not None,
+                 f"device {loaded.device}, weights on {sorted(on_device)}, reduction {type(loaded.reduction).__name__}")
     before = launch_count(loaded)
     (result,), submissions, seconds = generate(loaded, [Request(prompt_ids=[1, 2, 3], max_tokens=1, logprobs=5)])
     record.metric("forward_seconds", round(seconds, 3))

@@ -18,7 +18,9 @@ embedding, which the lookup still reads) has no raw copy after the load: the cor
 the weights stay in memory once. The weights the first graph reads only packed are packed as the weights file is read,
 from a reused scratch buffer (``runtime/weights.py``: their raw bytes never get memory of their own); any other
 packed weight is packed from its raw copy once every graph is read, and that copy released (``finish``).
-``LoadOptions.pack_linears`` makes the choice, at load. The same pass folds what a graph computes from weights alone
+``LoadOptions.pack_linears`` makes the choice, at load, and ``LoadOptions.gemm`` which weights: each weight shape's
+faster path on this machine (``gemm_calibration.GemmPlan``: timed once per CPU model and cached), or one forced.
+The same pass folds what a graph computes from weights alone
 (views of them, the q/k norm scales' concatenation) into constants computed once (``weight_constants.py``).
 """
 
@@ -32,6 +34,7 @@ from functools import cache
 import torch
 
 from ignition.catalog.model import BufferDecl, Role
+from ignition.runtime.backends.gemm_calibration import GemmPlan
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.weights import TensorEntry
@@ -113,8 +116,9 @@ class LinearPacks:
     (oneDNN's reorder undone: ``to_dense``) of a streamed weight that a later graph also reads raw; ``finish`` puts the
     packed tensors in the graphs' empty stand-ins and drops the raw copies no graph reads."""
 
-    def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None):
+    def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None, gemm: GemmPlan | None = None):
         self.rows_hint = rows_hint
+        self.gemm = GemmPlan() if gemm is None else gemm  # which weight shapes run packed on this machine
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
         self.attributes: dict[str, str] = {}  # weight name -> the graph attribute of its packed copy
         self.reorders: dict[str, Future] = {}  # weight name -> its reorder (as the file is read, or ``start``)
@@ -129,8 +133,14 @@ class LinearPacks:
         self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
     def _packs(self, shape, dtype: torch.dtype) -> bool:
-        """Whether a weight of this shape and dtype is packed where a graph multiplies by it."""
-        return len(shape) == 2 and math.prod(shape) >= self.min_elements and packs_dtype(dtype)
+        """Whether a weight of this shape and dtype is packed where a graph multiplies by it (``GemmPlan.packs``:
+        decided once per shape, the first time a graph or the weights' reader asks)."""
+        return self._may_pack(shape, dtype) and self.gemm.packs(shape, dtype)
+
+    def _may_pack(self, shape, dtype: torch.dtype) -> bool:
+        """Whether a weight of this shape and dtype could be packed at all (nothing timed)."""
+        return len(shape) == 2 and math.prod(shape) >= self.min_elements and self.gemm.mode != "aten" and \
+            packs_dtype(dtype) and self.gemm.allowed(dtype)
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
         """Rewrite the linears of ``program``'s graph whose weight is a large weight argument of a packed dtype (by its
@@ -182,7 +192,7 @@ class LinearPacks:
     def _first_packs(self, entry: TensorEntry) -> tuple[bool, bool] | None:
         """(whether the first graph packs ``entry``, whether it reads it raw) once it is rewritten; None, without
         waiting, for a weight of a dtype or shape that is never packed."""
-        if not self._packs(entry.shape, entry.dtype):
+        if not self._may_pack(entry.shape, entry.dtype):  # the first graph's rewrite timed what it packs
             return None
         self._planned.wait()
         packed, raw = self._first

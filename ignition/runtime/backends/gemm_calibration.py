@@ -1,0 +1,186 @@
+"""Which product a CPU linear runs on, measured on this machine at load: oneDNN on a packed weight, or ``aten.linear``.
+
+NOTE: neither path wins on every x86 CPU. On the AMD EPYC hosts this project was built on, oneDNN's packed product
+read the Qwen3-0.6B weights 1.3-6x faster than MKL's FP32 ``aten.linear`` at 1 to 32 rows; on an Intel Xeon with
+AVX-512 and AMX, MKL streamed them at 22.6 GB/s at one row against the packed product's 17.6. So the choice is made per
+weight shape by timing both (``GemmPlan``), at the decode row counts ``CALIBRATION_ROWS``, and the result is kept
+in a small JSON cache keyed by the CPU model, the torch version and the shape (``cache_path``): a machine pays a
+few hundred milliseconds once per shape, and each later load reads the cache (timings taken while the host is
+oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
+the CPU's best BF16 kernels (AMX where present); it is a candidate only where it returns ``aten.linear``'s bits
+(``packed_linear.keeps_bits``), so the choice never changes a BF16 core's numbers. One choice per weight shape, not
+per row count: a weight used both ways would be held twice (its raw and its packed copy), so the shape takes the
+path whose times, each relative to the faster path at that row count, sum lowest.
+
+``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``aten`` to force
+one path everywhere; ``LinearPacks`` asks ``GemmPlan.packs`` once per weight as it rewrites the graphs, and nothing
+re-decides while a core runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+PACKED, ATEN = "packed", "aten"
+GEMM_MODES = ("calibrate", PACKED, ATEN)
+CALIBRATION_ROWS = (1, 8)
+"""Decode at one lane and at eight: the row counts whose weight streaming the decode targets are set against."""
+CALIBRATION_BYTES = 64 << 20
+"""A larger weight is timed on its first rows up to this size: past every L2 and most L3 caches, so the product
+streams from memory as the real one does, while a shape takes tens of milliseconds, not seconds, to time."""
+CALIBRATION_REPEATS = 7
+"""Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
+wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
+CACHE_VERSION = 1
+_lock = threading.Lock()
+
+
+def cache_path() -> Path:
+    """``$IGNITION_CACHE_DIR``, else ``$XDG_CACHE_HOME/ignition``, else ``~/.cache/ignition``; the file in it."""
+    root = os.environ.get("IGNITION_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ignition"
+    return Path(root) / "gemm-calibration.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_key() -> str:
+    """What a calibration is valid for: this CPU model under this torch (its oneDNN and MKL) and thread count."""
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def shape_key(shape, dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}"
+
+
+def quiet() -> bool:
+    """Whether the host was not oversubscribed over the last minute (load average at most its CPUs): only then is
+    a calibration cached. NOTE: on a host running more threads than cores, a multi-threaded product waits a time
+    slice at its barrier (measured here at a load average of 11 on 2 cores: 40-55 ms for a 4 MiB product that takes
+    0.1 ms), so such timings say more about the neighbours than about the kernels."""
+    try:
+        return os.getloadavg()[0] <= len(os.sched_getaffinity(0))
+    except (OSError, AttributeError):  # no load average (not Linux): trust the best-of rounds
+        return True
+
+
+def _best_seconds(products: dict, repeats: int = CALIBRATION_REPEATS) -> dict[str, float]:
+    """Each product's best time over ``repeats`` interleaved rounds, after one untimed call each."""
+    for product in products.values():
+        product()  # first touch: page faults, oneDNN's primitive cache
+    best = {name: float("inf") for name in products}
+    for _ in range(repeats):
+        for name, product in products.items():
+            started = time.perf_counter()
+            product()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[str, dict[str, float]]:
+    """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` and each row count, on a random weight of
+    ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``): ``{str(rows): {path: seconds}}``."""
+    out_features, in_features = shape
+    element = torch.empty((), dtype=dtype).element_size()
+    kept = max(1, min(out_features, CALIBRATION_BYTES // (element * in_features)))
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.empty(kept, in_features, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator).to(dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows)) if PACKED in paths else None
+    timings = {}
+    for count in rows:
+        x = torch.randn(count, in_features, generator=generator).to(dtype)
+        products = {ATEN: lambda: torch.nn.functional.linear(x, weight),
+                    PACKED: lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
+        timings[str(count)] = _best_seconds({path: products[path] for path in paths})
+    return timings
+
+
+def choose(timings: dict[str, dict[str, float]]) -> str:
+    """The path whose times, each over the faster one's at its row count, sum lowest (ties: ``aten``)."""
+    paths = sorted(next(iter(timings.values())))
+    cost = {path: sum(per[path] / max(min(per.values()), 1e-12) for per in timings.values()) for path in paths}
+    return min(paths, key=lambda path: (cost[path], path != ATEN))
+
+
+class GemmPlan:
+    """The path of each weight shape's linear on this machine, decided once per shape at load (``packs``).
+
+    ``mode``: ``calibrate`` (time, or read the cache), ``packed`` or ``aten`` (forced). ``allowed(dtype)``: whether
+    the packed product may run a weight of that dtype at all here (``LinearPacks`` also asks
+    ``packed_linear.packs_dtype`` first; default: every dtype)."""
+
+    def __init__(self, mode: str = "calibrate", allowed=None, cache: Path | None = None):
+        if mode not in GEMM_MODES:
+            raise ValueError(f"unknown GEMM mode {mode!r}; expected one of {', '.join(GEMM_MODES)}")
+        self.mode = mode
+        self.allowed = allowed or (lambda dtype: True)
+        self.cache = cache_path() if cache is None else cache
+        self.choices: dict[str, str] = {}  # shape key -> path, as decided for this load
+        self.measured: list[str] = []  # the shape keys this load timed (not found in the cache)
+
+    def packs(self, shape, dtype: torch.dtype) -> bool:
+        """Whether a linear on a weight of ``shape`` and ``dtype`` runs packed on this machine."""
+        if self.mode == ATEN or not self.allowed(dtype):
+            return False
+        if self.mode == PACKED:
+            return True
+        key = shape_key(shape, dtype)
+        if key not in self.choices:
+            self.choices[key] = self._calibrated(tuple(shape), dtype, key)
+        return self.choices[key] == PACKED
+
+    def _calibrated(self, shape, dtype: torch.dtype, key: str) -> str:
+        with _lock:  # one load times at a time: two would share the memory bandwidth they measure
+            machine = machine_key()
+            entries = self._read().get(machine, {})
+            if key in entries and entries[key].get("choice") in (PACKED, ATEN):
+                return entries[key]["choice"]
+            timings = time_paths(shape, dtype, (PACKED, ATEN))
+            choice = choose(timings)
+            self.measured.append(key)
+            if quiet():  # a busy host's timings serve this load only: the next one times again
+                data = self._read()
+                data.setdefault(machine, {})[key] = {"choice": choice, "seconds": timings}
+                self._write(data)
+            return choice
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.cache.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+            return {}
+        return {k: v for k, v in data.get("machines", {}).items() if isinstance(v, dict)}
+
+    def _write(self, machines: dict) -> None:
+        """Atomically; a cache that cannot be written (a read-only home) only means timing again next load."""
+        try:
+            self.cache.parent.mkdir(parents=True, exist_ok=True)
+            scratch = self.cache.with_name(f"{self.cache.name}.{os.getpid()}.tmp")
+            scratch.write_text(json.dumps({"version": CACHE_VERSION, "machines": machines}, indent=1,
+                                          sort_keys=True) + "\n")
+            os.replace(scratch, self.cache)
+        except OSError:
+            pass
+
+
+__all__ = ["ATEN", "CALIBRATION_ROWS", "GEMM_MODES", "GemmPlan", "PACKED", "cache_path", "choose", "cpu_model",
+           "machine_key", "time_paths"]

@@ -1,0 +1,153 @@
+"""runtime/backends/gemm_calibration.py: each weight shape's CPU product (oneDNN packed or ``aten.linear``) chosen
+by timing both once per CPU model, cached, honoured by the load, and forced by ``LoadOptions.gemm``. The mechanism
+is tested, not which path wins here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ignition.runtime.backends import gemm_calibration
+from ignition.runtime.backends.gemm_calibration import ATEN, PACKED, GemmPlan, choose, machine_key, time_paths
+from ignition.runtime.backends.packed_linear import packing_available
+from ignition.runtime.options import LoadOptionError, LoadOptions
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+ANY = staticmethod(lambda dtype: True)
+
+
+def _timed(per_shape: dict[tuple, dict[str, dict[str, float]]], calls: list):
+    def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):
+        calls.append(tuple(shape))
+        return per_shape[tuple(shape)]
+    return fake
+
+
+def test_the_faster_path_summed_over_row_counts_relative_to_the_best_wins():
+    assert choose({"1": {PACKED: 1.0, ATEN: 2.0}, "8": {PACKED: 3.0, ATEN: 2.5}}) == PACKED  # 1 + 1.2 < 2 + 1
+    assert choose({"1": {PACKED: 2.0, ATEN: 1.0}, "8": {PACKED: 1.0, ATEN: 1.1}}) == ATEN  # 2 + 1 > 1 + 1.1
+    assert choose({"1": {PACKED: 1.0, ATEN: 1.0}}) == ATEN  # a tie keeps aten.linear
+
+
+def test_measured_choices_are_honoured_cached_and_reused(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({
+        (512, 1024): {"1": {PACKED: 1e-3, ATEN: 2e-3}, "8": {PACKED: 1e-3, ATEN: 2e-3}},
+        (1024, 512): {"1": {PACKED: 3e-3, ATEN: 2e-3}, "8": {PACKED: 3e-3, ATEN: 2e-3}}}, calls))
+    cache = tmp_path / "cache" / "gemm.json"
+    plan = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)
+    assert plan.packs((512, 1024), torch.float32) and not plan.packs((1024, 512), torch.float32)
+    assert plan.packs((512, 1024), torch.float32)  # decided once a load
+    assert calls == [(512, 1024), (1024, 512)] and plan.measured == ["float32 512x1024", "float32 1024x512"]
+    saved = json.loads(cache.read_text())
+    assert saved["machines"][machine_key()]["float32 512x1024"]["choice"] == PACKED
+    assert saved["machines"][machine_key()]["float32 1024x512"]["seconds"]["8"][ATEN] == 2e-3
+    again = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)  # the next load reads the cache
+    assert again.packs((512, 1024), torch.float32) and not again.packs((1024, 512), torch.float32)
+    assert calls == [(512, 1024), (1024, 512)] and again.measured == []
+    monkeypatch.setattr(gemm_calibration, "machine_key", lambda: "another CPU | torch x | 2 threads")
+    other = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)  # another CPU model times for itself
+    other.packs((512, 1024), torch.float32)
+    assert calls[-1] == (512, 1024) and len(json.loads(cache.read_text())["machines"]) == 2
+
+
+@pytest.fixture(autouse=True)
+def quiet_host(monkeypatch):
+    """The cache is written only when the host was not oversubscribed; these tests pin the cache, so the host is."""
+    monkeypatch.setattr(gemm_calibration, "quiet", lambda: True)
+
+
+def test_a_busy_hosts_timings_serve_the_load_and_are_not_cached(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({(64, 64): {"1": {PACKED: 1.0, ATEN: 2.0}}}, calls))
+    monkeypatch.setattr(gemm_calibration, "quiet", lambda: False)
+    assert GemmPlan("calibrate", cache=tmp_path / "c.json").packs((64, 64), torch.float32)
+    assert not (tmp_path / "c.json").exists()
+    assert GemmPlan("calibrate", cache=tmp_path / "c.json").packs((64, 64), torch.float32) and len(calls) == 2
+    monkeypatch.undo()  # the real ``quiet``: load average against the CPUs this process may run on
+    monkeypatch.setattr(gemm_calibration.os, "getloadavg", lambda: (11.4, 9.5, 7.0))
+    monkeypatch.setattr(gemm_calibration.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert gemm_calibration.quiet() is False
+    monkeypatch.setattr(gemm_calibration.os, "getloadavg", lambda: (1.5, 1.0, 0.9))
+    assert gemm_calibration.quiet() is True
+
+
+def test_a_corrupt_or_unwritable_cache_only_means_timing_again(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed(
+        {(64, 64): {"1": {PACKED: 1.0, ATEN: 2.0}}}, calls))
+    (tmp_path / "bad.json").write_text("{not json")
+    assert GemmPlan("calibrate", allowed=lambda dtype: True, cache=tmp_path / "bad.json").packs((64, 64), torch.float32)
+    (tmp_path / "file").write_text("")
+    blocked = GemmPlan("calibrate", allowed=lambda dtype: True, cache=tmp_path / "file" / "gemm.json")
+    assert blocked.packs((64, 64), torch.float32) and len(calls) == 2
+
+
+def test_forced_modes_and_disallowed_dtypes_time_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(gemm_calibration, "time_paths", lambda *a, **k: pytest.fail("timed a forced choice"))
+    assert GemmPlan(PACKED, allowed=lambda dtype: True, cache=tmp_path / "c.json").packs((8, 8), torch.float32)
+    assert not GemmPlan(ATEN, allowed=lambda dtype: True, cache=tmp_path / "c.json").packs((8, 8), torch.float32)
+    never = GemmPlan("calibrate", allowed=lambda dtype: False, cache=tmp_path / "c.json")  # e.g. BF16 rounding apart
+    assert not never.packs((8, 8), torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown GEMM mode 'fast'"):
+        GemmPlan("fast")
+
+
+def test_both_products_are_timed_on_this_machine():
+    timings = time_paths((256, 512), torch.float32, (PACKED, ATEN), rows=(1, 8))
+    assert set(timings) == {"1", "8"}
+    assert all(set(per) == {PACKED, ATEN} and all(0 < s < 1 for s in per.values()) for per in timings.values())
+    assert choose(timings) in (PACKED, ATEN)
+
+
+def test_the_load_option_is_validated_and_travels_to_worker_ranks():
+    assert LoadOptions.create("cpu").gemm == "calibrate"
+    options = LoadOptions.create("cpu", gemm=ATEN)
+    assert LoadOptions.from_json(options.to_json()).gemm == ATEN
+    with pytest.raises(LoadOptionError, match="--gemm must be one of calibrate, packed, aten, got 'fastest'"):
+        LoadOptions.create("cpu", gemm="fastest")
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+    from tests._decoder_cores import TinyCase, save_checkpoint
+
+    root = tmp_path_factory.mktemp("gemm")
+    save_checkpoint(TinyCase("qwen3", torch.float32, True, 300), root / "ckpt")
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1,), chunk_limit=8,
+                              max_seq_len=32), root / "core")
+    return root / "core"
+
+
+def _packed_weights(loaded) -> set[tuple[int, ...]]:
+    """The shapes of the weights some graph multiplies by packed (its ``_packed_*`` constants)."""
+    return {tuple(tensor.shape) for variant in loaded.variants.values()
+            for name, tensor in variant.runner.graph_module.named_buffers() if name.startswith("_packed_")}
+
+
+def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path, monkeypatch):
+    from ignition.runtime.backends import packed_linear
+    from ignition.runtime.core import load_core
+
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)  # the tiny core's weights are all calibrated
+    monkeypatch.setenv("IGNITION_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):  # packed wins on square weights only
+        calls.append(tuple(shape))
+        return {"1": {PACKED: 1.0 if shape[0] == shape[1] else 3.0, ATEN: 2.0}}
+
+    monkeypatch.setattr(gemm_calibration, "time_paths", fake)
+    calibrated = _packed_weights(load_core(core))
+    shapes = set(calls)
+    assert len(calls) == len(shapes) > 1  # each shape timed once
+    assert calibrated == {shape for shape in shapes if shape[0] == shape[1]}
+    assert calibrated and calibrated != shapes
+    assert _packed_weights(load_core(core)) == calibrated and len(calls) == len(shapes)  # from the cache
+    assert _packed_weights(load_core(core, gemm=PACKED)) == shapes
+    assert _packed_weights(load_core(core, gemm=ATEN)) == set()
+    assert len(calls) == len(shapes)
