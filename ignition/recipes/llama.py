@@ -77,6 +77,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     _check_family(options.recipe, family, config, directory)
     cfg = family.parse(config, str(directory / CONFIG_FILE))
     _check_geometry(options, cfg)
+    if hasattr(cfg, "with_steps"):  # sliding layers: a ring of their window plus one step's rows (cache_kinds)
+        cfg = cfg.with_steps(step_rows(options), options.max_seq_len)
     dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
     weights = load_weights(open_checkpoint(directory), cfg, family.weight_map, dtype)
     if cfg.tie_word_embeddings:
@@ -278,6 +280,12 @@ def _check_family(recipe: str, family: DecoderFamily, config: dict, directory: P
         wanted = [name for name, name_family in ARCHITECTURES.items() if name_family == family.family]
         raise RecipeError(f"{directory / CONFIG_FILE}: recipe {recipe} expects architectures[0] in {wanted}, "
                           f"found {config['architectures'][0]!r} (use --recipe {found})")
+
+
+def step_rows(options: ExportOptions) -> int:
+    """The most rows one slot writes in a step: a prompt chunk (packed and mixed chunks are no longer) or a verify
+    round's S + 1 positions (``validate/cache_kinds.step_rows`` reads the same from a core)."""
+    return max(options.chunk_limit, max(options.speculative_tokens, default=0) + 1)
 
 
 def _check_geometry(options: ExportOptions, cfg) -> None:
