@@ -38,7 +38,7 @@ def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0
         layer_types=LAYER_TYPES, sliding_window=window, query_pre_attn_scalar=24,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id)
     torch.manual_seed(seed)
     model = make_tiny_qwen3.seeded(Gemma3ForCausalLM(config), seed)

@@ -138,11 +138,13 @@ def test_mixed_serial_batch_invariant_and_speculative_rounds_agree(gemma):
     mixed = mixed_engine.generate(requests)
     invariant = Engine(core, batch_invariant=True).generate(requests)
     speculative_engine = Engine(core, drafter=NgramDrafter(), draft_tokens=3, mixed=False)
-    speculative = speculative_engine.generate([Request(PROMPTS[2], max_tokens=16, logprobs=3, ignore_eos=True)])
+    speculative = speculative_engine.generate([Request(p, max_tokens=16, logprobs=3, ignore_eos=True)
+                                               for p in (PROMPTS[2], PROMPTS[0])])
     assert mixed_engine.stats["mixed_rounds"] >= 1
     assert speculative_engine.stats["proposed"] > speculative_engine.stats["accepted"] > 0
     assert summary(serial) == summary(mixed) == summary(invariant)
-    for prompt, result in [(PROMPTS[1], serial[0]), (PROMPTS[0], serial[1]), (PROMPTS[2], speculative[0])]:
+    for prompt, result in [(PROMPTS[1], serial[0]), (PROMPTS[0], serial[1]), (PROMPTS[2], speculative[0]),
+                           (PROMPTS[0], speculative[1])]:
         tokens, rows = hf_incremental(hf, prompt, 16)
         assert result.token_ids == tokens
         for step, entry in enumerate(result.entries):
@@ -153,7 +155,7 @@ def test_mixed_serial_batch_invariant_and_speculative_rounds_agree(gemma):
 
 def test_manifest_declares_each_layers_kind_and_the_ring(gemma):
     _, root, _, _ = gemma
-    report = validate_core(root)
+    report = validate_core(root, check_graphs=False)  # the export checked every graph
     assert report.violations == []
     model = report.manifest["model"]
     assert model["layer_kinds"] == ["sliding", "full", "sliding"]
