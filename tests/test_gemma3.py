@@ -215,3 +215,32 @@ def test_kind_table_and_config_refusals(gemma):
                                                    "rope_local_base_freq": 1e4}, "config.json")
     assert parsed.layer_kinds == ("sliding", "full", "sliding")
     assert (parsed.global_rope.rope_theta, parsed.local_rope.rope_theta) == (5e5, 1e4)
+
+
+def test_multimodal_checkpoint_exports_its_text_model(gemma, tmp_path, caplog):
+    """A Gemma3ForConditionalGeneration checkpoint (a tiny SigLIP tower beside the text model): the recipe reads
+    text_config and the language model's tensors, leaves the tower out and says so in one log line."""
+    from transformers import Gemma3Config as HFGemma3Config
+    from transformers import Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from ignition.recipes.registry import build_recipe
+
+    hf, _, _, checkpoint = gemma
+    text = {k: v for k, v in read_config(checkpoint).items() if k not in ("architectures", "transformers_version")}
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    multimodal = Gemma3ForConditionalGeneration(HFGemma3Config(text_config=text, vision_config=vision.to_dict(),
+                                                               mm_tokens_per_image=4, tie_word_embeddings=False))
+    multimodal.model.language_model.load_state_dict(hf.model.state_dict())
+    multimodal.lm_head.load_state_dict(hf.lm_head.state_dict())
+    multimodal.save_pretrained(tmp_path / "multimodal")
+    options = dict(recipe="gemma3", capacities=(1,), chunk_limit=CHUNK, max_seq_len=MAX_SEQ)
+    with caplog.at_level("WARNING", logger="ignition.recipes"):
+        built = build_recipe(ExportOptions(checkpoint=tmp_path / "multimodal", **options))
+    assert [r.message for r in caplog.records if "text model only" in r.message] != [] and len(caplog.records) == 1
+    text_only = build_recipe(ExportOptions(checkpoint=checkpoint, **options))
+    assert built.weights.keys() == text_only.weights.keys()
+    assert all(torch.equal(built.weights[name], text_only.weights[name]) for name in built.weights)
+    assert built.model | {"architecture": "-"} == text_only.model | {"architecture": "-"}
+    assert built.model["architecture"] == "Gemma3ForConditionalGeneration"

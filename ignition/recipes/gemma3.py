@@ -1,5 +1,5 @@
-"""The ``gemma3`` recipe (HF ``Gemma3ForCausalLM``, model type ``gemma3_text``): sliding-window layers beside
-global ones.
+"""The ``gemma3`` recipe (HF ``Gemma3ForCausalLM``, model type ``gemma3_text``, and the text model of a multimodal
+``Gemma3ForConditionalGeneration``): sliding-window layers beside global ones.
 
 ``Gemma3Config.from_hf_config`` reads ``config.json`` and refuses what transformers would run differently from
 this forward, naming the field. Each layer's cache kind comes from ``layer_types`` (or the legacy
@@ -12,6 +12,7 @@ ones (``llama.build_decoder``); the model is ``gemma3_model.gemma3_decoder``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,7 +23,7 @@ from ignition.catalog.cache_kinds import window_cells
 from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape
 from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes.base import ExportOptions, RecipeBuild
-from ignition.recipes.checkpoint import CheckpointError, read_field
+from ignition.recipes.checkpoint import Checkpoint, CheckpointError, read_field
 from ignition.recipes.config import CONFIG_DTYPES
 from ignition.recipes.rope import RopeScaling
 from ignition.recipes.weights import WeightSpec
@@ -233,8 +234,58 @@ WEIGHT_MAP: dict[str, WeightSpec] = {
 }
 
 
+MULTIMODAL_ARCHITECTURE = "Gemma3ForConditionalGeneration"
+"""A ``gemma3`` checkpoint with a vision tower: its ``text_config`` and text weights are exported, nothing else."""
+
+MULTIMODAL_LAYOUTS: dict[str, str] = {
+    "model.language_model.": "lm_head.weight",  # transformers 5 ``save_pretrained``
+    "language_model.model.": "language_model.lm_head.weight",  # the Hub's original layout
+}
+"""Where a multimodal checkpoint stores the text model: the prefix that replaces ``model.`` in ``WEIGHT_MAP``, and
+the LM head's name (present only when untied)."""
+
+log = logging.getLogger("ignition.recipes")
+
+
+def is_multimodal(config: Mapping[str, Any]) -> bool:
+    return (config.get("architectures") or [None])[0] == MULTIMODAL_ARCHITECTURE
+
+
 def parse(config: Mapping[str, Any], source: str) -> Gemma3Config:
-    return Gemma3Config.from_hf_config(config, source)
+    """``Gemma3Config`` of a ``gemma3_text`` config, or of a multimodal config's ``text_config`` (saying so)."""
+    if not is_multimodal(config):
+        return Gemma3Config.from_hf_config(config, source)
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{source}: a {MULTIMODAL_ARCHITECTURE} config needs a 'text_config' object; "
+                              f"found {text!r}")
+    # the dtype is stated at the top; so is the tying transformers applies to the whole model (it wins over
+    # text_config's: a tied multimodal checkpoint stores no LM head whatever text_config says)
+    inherited = {key: config[key] for key in ("dtype", "torch_dtype") if key in config and key not in text}
+    if "tie_word_embeddings" in config:
+        inherited["tie_word_embeddings"] = config["tie_word_embeddings"]
+    log.warning("%s: a multimodal Gemma 3 checkpoint (%s); exporting its text model only (text_config and the "
+                "language model's weights; the vision tower and projector are left out)", source,
+                MULTIMODAL_ARCHITECTURE)
+    return Gemma3Config.from_hf_config(text | inherited, f"{source} (text_config)")
+
+
+def text_weights(checkpoint: Checkpoint, config: Mapping[str, Any],
+                 weight_map: Mapping[str, WeightSpec]) -> tuple[Checkpoint, dict[str, WeightSpec]]:
+    """The checkpoint's text-model tensors and ``weight_map`` under their stored names (``MULTIMODAL_LAYOUTS``); a
+    ``gemma3_text`` checkpoint is returned as it is."""
+    if not is_multimodal(config):
+        return checkpoint, dict(weight_map)
+    layout = next((prefix for prefix in MULTIMODAL_LAYOUTS if any(n.startswith(prefix) for n in checkpoint.tensors)),
+                  None)
+    if layout is None:
+        raise CheckpointError(f"{checkpoint.directory}: a {MULTIMODAL_ARCHITECTURE} checkpoint stores its text model "
+                              f"under one of {list(MULTIMODAL_LAYOUTS)}; found no tensor there")
+    head = MULTIMODAL_LAYOUTS[layout]
+    renamed = {head if hf == "lm_head.weight" else layout + hf.removeprefix("model."): spec
+               for hf, spec in weight_map.items()}
+    text = {name: info for name, info in checkpoint.tensors.items() if name.startswith(layout) or name == head}
+    return Checkpoint(checkpoint.directory, text), renamed
 
 
 def build(options: ExportOptions) -> RecipeBuild:
@@ -242,5 +293,5 @@ def build(options: ExportOptions) -> RecipeBuild:
     from ignition.recipes.llama import DecoderFamily, build_decoder
 
     family = DecoderFamily("gemma3", parse, WEIGHT_MAP, gemma3_decoder, windowed=True, dynamic_chunks=True,
-                           packed=True)
+                           packed=True, text_weights=text_weights)
     return build_decoder(options, family)
