@@ -8,7 +8,10 @@ and mixed graphs; its sliding layers keep a ring of 8 + 8 - 1 = 15 cells a slot.
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,3 +247,25 @@ def test_multimodal_checkpoint_exports_its_text_model(gemma, tmp_path, caplog):
     assert all(torch.equal(built.weights[name], text_only.weights[name]) for name in built.weights)
     assert built.model | {"architecture": "-"} == text_only.model | {"architecture": "-"}
     assert built.model["architecture"] == "Gemma3ForConditionalGeneration"
+
+
+def test_tensor_parallel_two_ranks_match_one(gemma, tmp_path):
+    """--tensor-parallel 2 (heads, MLP columns, vocabulary and both kinds' caches split by rank): the same tokens,
+    ids and order as the single-rank core, logprobs within 1e-5, decoding past the window."""
+    from _tp_runner import as_json, requests
+
+    _, _, core, checkpoint = gemma
+    export_core(ExportOptions(recipe="gemma3", checkpoint=checkpoint, capacities=(1,), chunk_limit=CHUNK,
+                              max_seq_len=32, tensor_parallel=2), tmp_path / "tp2")
+    state = {s["name"]: s["shape"] for s in json.loads((tmp_path / "tp2" / "manifest.json").read_text())["state"]}
+    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 1, 32, 1, 16]
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_tp_runner.py")), str(tmp_path / "tp2"), "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (sharded,) = json.loads(done.stdout.splitlines()[-1])["results"]
+    single = [as_json(r) for r in Engine(core).generate(requests())]
+    for one, two in zip(single, sharded, strict=True):
+        assert two["error"] is None and two["tokens"] == one["tokens"]
+        for a, b in zip(one["entries"], two["entries"], strict=True):
+            assert [i for i, _ in a["top"]] == [i for i, _ in b["top"]] and abs(a["logprob"] - b["logprob"]) < TOL
+            assert max(abs(v - w) for (_, v), (_, w) in zip(a["top"], b["top"])) < TOL

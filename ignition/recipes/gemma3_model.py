@@ -89,9 +89,11 @@ def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str,
 
 def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
                    caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
-    """Gemma 3: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``)."""
-    if parallel is not None:
-        raise ValueError("gemma3 graphs are single-rank")
+    """Gemma 3: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards (its heads, its MLP
+    columns, its vocabulary rows); the embedding is vocabulary-parallel and each attention and MLP output is a
+    partial sum that ``parallel.reduce`` adds over the ranks before its post-norm."""
     _check_caches(cfg, weights, caches)
     plans = _plans(cfg, rows, caches)
     first = next(iter(plans.values()))
@@ -105,7 +107,9 @@ def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Te
     embed = weights["embed"]
     # HF's embed_scale: sqrt(hidden_size) as an FP32 scalar, rounded to the model dtype
     normalizer = embed.new_full((), cfg.hidden_size ** 0.5, dtype=torch.float32).to(embed.dtype)
-    hidden = F.embedding(token_ids, embed) * normalizer  # [R, d_model]
+    rows_embedded = F.embedding(token_ids, embed) if parallel is None else parallel.embed(token_ids, embed)
+    hidden = rows_embedded * normalizer  # [R, d_model]
+    reduce = (lambda partial: partial) if parallel is None else parallel.reduce
     ropes = {}
     for kind, rope in (("full", cfg.global_rope), ("sliding", cfg.local_rope)):
         if kind in plans:
@@ -116,9 +120,10 @@ def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Te
         prefix = f"layers.{layer}."
         normed = gemma_rms_norm(hidden, weights[prefix + "attn_norm"], eps)
         attended = _attention(weights, cfg, layer, normed, ropes[cfg.layer_kinds[layer]], rows, plans, caches)
-        hidden = hidden + gemma_rms_norm(attended, weights[prefix + "post_attn_norm"], eps)
+        hidden = hidden + gemma_rms_norm(reduce(attended), weights[prefix + "post_attn_norm"], eps)
         normed = gemma_rms_norm(hidden, weights[prefix + "mlp_norm"], eps)
-        hidden = hidden + gemma_rms_norm(_mlp(weights, cfg, layer, normed), weights[prefix + "post_mlp_norm"], eps)
+        mlp = reduce(_mlp(weights, cfg, layer, normed))
+        hidden = hidden + gemma_rms_norm(mlp, weights[prefix + "post_mlp_norm"], eps)
     hidden = gemma_rms_norm(hidden, weights["final_norm"], eps)
     return hidden if lane_slots is None else hidden.index_select(0, lane_slots)  # back in lane order
 
