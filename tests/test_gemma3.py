@@ -269,3 +269,27 @@ def test_tensor_parallel_two_ranks_match_one(gemma, tmp_path):
         for a, b in zip(one["entries"], two["entries"], strict=True):
             assert [i for i, _ in a["top"]] == [i for i, _ in b["top"]] and abs(a["logprob"] - b["logprob"]) < TOL
             assert max(abs(v - w) for (_, v), (_, w) in zip(a["top"], b["top"])) < TOL
+
+
+@pytest.mark.parametrize("lanes", [2, 1])
+def test_a_decode_step_copies_no_ring(gemma, lanes):
+    """A decode step reads the sliding layers' rings in place (two lanes over both slots) or copies one slot's
+    ring (one lane), never more; its sliding layers attend over the ring's cells, its full layer over the live
+    key window (tests/test_decode_copies.py's watch)."""
+    from test_decode_copies import CacheCopies
+
+    from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+
+    _, _, core, _ = gemma
+    engine = Engine(core)
+    for lane in range(lanes):
+        engine.submit(Request(PROMPTS[0][:12 + lane], max_tokens=8, ignore_eos=True))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()  # every prompt prefilled: the next step is one decode round of every lane
+    rings = [core.state[name] for name in ("k_window_cache", "v_window_cache")]
+    watch = CacheCopies({t.untyped_storage().data_ptr() for t in rings}, rings[0][0, 0].nbytes)  # a layer's slot
+    with watch:
+        engine.step()
+    assert watch.copies == [], watch.copies[:5]
+    cells, window = WINDOW + CHUNK - 1, WINDOWS[KEY_WINDOW].granule
+    assert sorted(keys[2] for keys in watch.attention_keys) == [cells, cells, window]  # sliding, sliding, full
