@@ -66,7 +66,13 @@ def test_exported_cores_pass_every_geometry_rule(decoder_core, toy_with_tokenize
     # witness the true width too
     (lambda m: m.update(vocab_size=10**18, vocab_padded=10**18), ("GEOM-VOCAB-TENSOR", "CONSTRAINT-WORDS", "BUF-SHAPE")),
     (lambda m: m.update(vocab_size=100, vocab_padded=100), ("GEOM-VOCAB-TENSOR", "CONSTRAINT-WORDS", "BUF-SHAPE")),
-    (lambda m: m["model"].update(num_layers=3), "GEOM-MODEL"),
+    (lambda m: m["model"].update(num_layers=3), "GEOM-KIND"),  # two layer kinds for three layers
+    (lambda m: m["model"].pop("layer_kinds"), ("GEOM-KIND", "GEOM-KIND-BUFFERS")),
+    # the k/v caches' first extent counts the full layers, now one
+    (lambda m: m["model"]["layer_kinds"].__setitem__(0, "compressed"), ("GEOM-KIND-RESERVED", "GEOM-KIND-BUFFERS")),
+    (lambda m: m["model"]["layer_kinds"].__setitem__(0, "windowed"), ("GEOM-KIND", "GEOM-KIND-BUFFERS")),
+    # no window caches, no sliding_window / window_cells fields
+    (lambda m: m["model"]["layer_kinds"].__setitem__(1, "sliding"), "GEOM-KIND-BUFFERS"),
     (lambda m: m["model"].update(head_dim=8), "GEOM-MODEL"),
     (lambda m: m["model"].update(hidden_size=64), "GEOM-MODEL"),
     (lambda m: m["model"].update(num_heads=8), "GEOM-MODEL"),  # against the q_proj rows in the weights header

@@ -62,8 +62,12 @@ INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""
 
-FORMAT_VERSION = 1
-"""Core format version written into and required from every manifest."""
+FORMAT_VERSION = 2
+"""Core format version written into and required from every manifest (2: ``model.layer_kinds``, per-layer cache
+kinds, catalog/cache_kinds.py)."""
+
+FORMAT_CHANGES = {1: "format 1 predates per-layer cache kinds (model.layer_kinds)"}
+"""Why a core of an older format is refused, by version."""
 
 
 def packed_width(k: int, explicit_ids: bool) -> int:

@@ -56,8 +56,8 @@ def _limits() -> str:
 
 
 def _geometry() -> str:
-    from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, DERIVED, FIELDS, STATE_SHAPES,
-                                           SYMBOL_RULES, VOCAB_WEIGHTS)
+    from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, DERIVED, FIELDS, KIND_LAYERS,
+                                           OFFSETS, STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS)
     attention = f"weight ({', '.join(ATTENTION_RECIPES)}; a rank: its heads)"
     tensors = [("state", n, e) for n, e in STATE_SHAPES.items()] + [("weight", n, e) for n, e in VOCAB_WEIGHTS.items()] \
         + [(attention, n, e) for n, e in ATTENTION_WEIGHTS.items()]
@@ -65,8 +65,21 @@ def _geometry() -> str:
     symbols = "\n".join(f"| `{s}` | `{'.'.join(path)}` | {SYMBOL_RULES.get(s, 'GEOM-MODEL')} |" for s, path in FIELDS.items())
     symbols += "".join(f"\n| `{s}` | `{' * '.join('.'.join(FIELDS[p]) for p in parts)}` | GEOM-MODEL |"
                        for s, parts in DERIVED.items())
+    symbols += "".join(f"\n| `{s}` | count of `{kind}` in `model.layer_kinds` | {SYMBOL_RULES[s]} |"
+                       for s, kind in KIND_LAYERS.items())
+    symbols += "".join(f"\n| `{s}` | `{'.'.join(FIELDS[field])} {offset:+d}` | GEOM-MODEL |"
+                       for s, (field, offset) in OFFSETS.items())
     return ("| kind | tensor | shape |\n|---|---|---|\n" + rows + "\n\n| symbol | manifest field | rule |\n|---|---|---|\n"
             + symbols + "\n")
+
+
+def _cache_kinds() -> str:
+    from ignition.catalog.cache_kinds import CACHE_KINDS
+    rows = "\n".join(f"| `{k.name}` | {k.code.value} | {', '.join(f'`{b}`' for b in k.buffers) or '-'} | "
+                     f"`{k.layers_symbol}` | {', '.join(f'`model.{f}`' for f in k.fields) or '-'} | "
+                     f"{'accepted' if k.built else 'reserved, refused'}: {k.summary} |" for k in CACHE_KINDS.values())
+    return ("| kind | code | state buffers | layer count | model fields | status |\n|---|---|---|---|---|---|\n"
+            + rows + "\n")
 
 
 def _exchanges() -> str:
@@ -108,6 +121,7 @@ SECTIONS = {
     "rules": _rules,
     "limits": _limits,
     "geometry": _geometry,
+    "cache-kinds": _cache_kinds,
     "exchanges": _exchanges,
     "sharded-launches": _sharded_launches,
     "shards": _shards,

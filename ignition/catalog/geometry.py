@@ -10,20 +10,36 @@ from __future__ import annotations
 
 K_CACHE, V_CACHE, PENALTY_COUNTS = "k_cache", "v_cache", "penalty_counts"
 LATENT_CACHE, ROPE_KEY_CACHE = "latent_cache", "rope_key_cache"  # MLA (deepseek_v3)
+K_WINDOW_CACHE, V_WINDOW_CACHE = "k_window_cache", "v_window_cache"  # sliding-window layers (catalog/cache_kinds.py)
+CONV_STATE, RECURRENT_STATE = "conv_state", "recurrent_state"  # linear-attention layers (catalog/cache_kinds.py)
 PENALTY_PLANES = 2
 """penalty_counts planes: prompt-token counts, emitted-token counts."""
 
-_KV_CACHE = ("num_layers", "num_slots", "max_seq_len", "num_kv_heads", "head_dim")
+_KV_CACHE = ("full_layers", "num_slots", "max_seq_len", "num_kv_heads", "head_dim")
+_WINDOW_CACHE = ("sliding_layers", "num_slots", "window_cells", "num_kv_heads", "head_dim")
 STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     K_CACHE: _KV_CACHE,
     V_CACHE: _KV_CACHE,
-    LATENT_CACHE: ("num_layers", "num_slots", "max_seq_len", "kv_lora_rank"),
-    ROPE_KEY_CACHE: ("num_layers", "num_slots", "max_seq_len", "qk_rope_head_dim"),
+    LATENT_CACHE: ("full_layers", "num_slots", "max_seq_len", "kv_lora_rank"),
+    ROPE_KEY_CACHE: ("full_layers", "num_slots", "max_seq_len", "qk_rope_head_dim"),
+    K_WINDOW_CACHE: _WINDOW_CACHE,
+    V_WINDOW_CACHE: _WINDOW_CACHE,
+    CONV_STATE: ("linear_layers", "num_slots", "linear_conv_dim", "linear_conv_state"),
+    RECURRENT_STATE: ("linear_layers", "num_slots", "linear_heads", "linear_key_dim", "linear_value_dim"),
     PENALTY_COUNTS: ("num_slots", PENALTY_PLANES, "vocab_padded"),
 }
-"""Runtime-owned state tensors by name. The KV caches are in the model dtype."""
+"""Runtime-owned state tensors by name. The caches are in the model dtype; each cache's first extent counts the
+layers of its kind (``KIND_LAYERS``)."""
 
-MODEL_DTYPE_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE)
+MODEL_DTYPE_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE, K_WINDOW_CACHE, V_WINDOW_CACHE, CONV_STATE,
+                     RECURRENT_STATE)
+
+KIND_LAYERS: dict[str, str] = {"full_layers": "full", "sliding_layers": "sliding", "linear_layers": "linear",
+                               "compressed_layers": "compressed"}
+"""Symbols that count the layers of one cache kind in ``manifest.json:model.layer_kinds``."""
+
+OFFSETS: dict[str, tuple[str, int]] = {"linear_conv_state": ("linear_conv_kernel", -1)}
+"""Symbols that are a manifest field plus a constant (a convolution keeps its last kernel - 1 inputs)."""
 
 VOCAB_WEIGHTS: dict[str, tuple[str | int, ...]] = {
     "embed": ("vocab_padded", "hidden_size"),  # decoder recipes (qwen3, llama, ...); a tied lm_head is stored as embed
@@ -40,7 +56,7 @@ ATTENTION_WEIGHTS: dict[str, tuple[str | int, ...]] = {
 }
 """Attention projections of the first layer (a rank: its heads' rows), whose rows are heads times head_dim."""
 
-ATTENTION_RECIPES = ("qwen3", "llama", "qwen3_moe")
+ATTENTION_RECIPES = ("qwen3", "llama", "qwen3_moe", "gemma3")
 """Recipes whose ``model.head_dim`` is the width of every attention head (MLA's heads are not)."""
 
 DERIVED: dict[str, tuple[str, str]] = {"query_width": ("num_heads", "head_dim"), "kv_width": ("num_kv_heads", "head_dim")}
@@ -54,17 +70,29 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "num_kv_heads": ("model", "num_kv_heads"),
     "head_dim": ("model", "head_dim"),
     "kv_lora_rank": ("model", "kv_lora_rank"),
+    "window_cells": ("model", "window_cells"),
+    "linear_conv_dim": ("model", "linear_conv_dim"),
+    "linear_conv_kernel": ("model", "linear_conv_kernel"),
+    "linear_heads": ("model", "linear_heads"),
+    "linear_key_dim": ("model", "linear_key_dim"),
+    "linear_value_dim": ("model", "linear_value_dim"),
     "qk_rope_head_dim": ("model", "qk_rope_head_dim"),
     "hidden_size": ("model", "hidden_size"),
     "vocab_padded": ("vocab_padded",),
 }
 """Symbol -> its path in manifest.json."""
 
-SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "vocab_padded": "GEOM-VOCAB-TENSOR"}
+SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "vocab_padded": "GEOM-VOCAB-TENSOR",
+                "window_cells": "GEOM-WINDOW"} | {symbol: "GEOM-KIND-BUFFERS" for symbol in KIND_LAYERS}
 """The validator rule for a mismatched extent; every other symbol is GEOM-MODEL."""
 
 
 def field_name(symbol: str) -> str:
+    if symbol in KIND_LAYERS:
+        return f"the count of {KIND_LAYERS[symbol]!r} in manifest.json:model.layer_kinds"
+    if symbol in OFFSETS:
+        field, offset = OFFSETS[symbol]
+        return f"{field_name(field)} {'+' if offset >= 0 else '-'} {abs(offset)}"
     if symbol in DERIVED:
         return " * ".join(field_name(part) for part in DERIVED[symbol])
     return "manifest.json:" + ".".join(FIELDS[symbol])
@@ -72,6 +100,13 @@ def field_name(symbol: str) -> str:
 
 def manifest_value(manifest: dict, symbol: str):
     """The manifest's value of ``symbol``, or None when the manifest does not state it."""
+    if symbol in KIND_LAYERS:
+        kinds = manifest.get("model", {}).get("layer_kinds") if isinstance(manifest.get("model"), dict) else None
+        return sum(kind == KIND_LAYERS[symbol] for kind in kinds) if isinstance(kinds, list) else None
+    if symbol in OFFSETS:
+        field, offset = OFFSETS[symbol]
+        value = manifest_value(manifest, field)
+        return value + offset if isinstance(value, int) else None
     if symbol in DERIVED:
         first, second = (manifest_value(manifest, part) for part in DERIVED[symbol])
         return first * second if isinstance(first, int) and isinstance(second, int) else None

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ignition.catalog.buffers import PROMPT_BUFFERS
+from ignition.catalog.cache_kinds import CACHE_KINDS
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation
 from ignition.catalog.model import BufferDecl
@@ -21,6 +22,21 @@ def kv_bytes_per_token(manifest: dict) -> int | None:
     per_token = [BufferDecl.from_json(s).nbytes // (slots * seq) for s in manifest["state"]
                  if s["shape"][1:3] == [slots, seq]]
     return sum(per_token) or None
+
+
+def kind_memory(manifest: dict) -> dict[str, dict]:
+    """Each cache kind present: its layers, the state bytes of its buffers, and the positions a slot keeps per
+    layer (``max_seq_len`` for full layers, ``window_cells`` for sliding ones, none for a recurrent state)."""
+    kinds = manifest["model"].get("layer_kinds") or []
+    report = {}
+    for kind in dict.fromkeys(kinds):
+        spec = CACHE_KINDS.get(kind)
+        buffers = [s for s in manifest["state"] if spec is not None and s["name"] in spec.buffers]
+        positions = {"full": manifest["model"].get("max_seq_len"),
+                     "sliding": manifest["model"].get("window_cells")}.get(kind)
+        report[kind] = {"layers": kinds.count(kind), "state_bytes": sum(BufferDecl.from_json(s).nbytes for s in buffers),
+                        "positions_per_slot": positions, "buffers": [s["name"] for s in buffers]}
+    return report
 
 
 def scoring_cost(report, budget: int | None) -> dict:
@@ -80,6 +96,7 @@ def inspect_core(report, budget: int | None = None) -> dict:
         "variants": variants,
         "memory": {"weights_bytes": sum(weights.values()), "state_bytes": state,
                    "completion_frame_bytes": sum(outputs.values())} | scoring_cost(report, budget),
+        "cache_kinds": kind_memory(manifest),
     }
 
 
@@ -125,3 +142,10 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
         for name, value in summary["memory"].items():
             table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
         console.print(table)
+        kinds = Table(title="state per cache kind")
+        for column in ("kind", "layers", "positions per slot", "buffers", "bytes"):
+            kinds.add_column(column, justify="right" if column in ("layers", "bytes") else "left")
+        for kind, row in summary["cache_kinds"].items():
+            kinds.add_row(kind, str(row["layers"]), str(row["positions_per_slot"] or "-"), ", ".join(row["buffers"]),
+                          f"{row['state_bytes']:,}")
+        console.print(kinds)

@@ -57,6 +57,9 @@ class ModelShape:
     num_layers: int
     max_seq_len: int | None
     num_slots: int | None
+    layer_kinds: tuple[str, ...] = ()  # each layer's cache kind (catalog/cache_kinds.py), in layer order
+    sliding_window: int | None = None  # sliding layers' window W
+    window_cells: int | None = None  # sliding layers' ring cells a slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +85,9 @@ class Manifest:
                    eos_token_id=manifest.get("eos_token_id"), weights=manifest["weights"],
                    features=Features.from_json(manifest["features"]),
                    model=ModelShape(model.get("architecture", ""), int(model.get("num_layers", 0)),
-                                    model.get("max_seq_len"), model.get("num_slots")),
+                                    model.get("max_seq_len"), model.get("num_slots"),
+                                    tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
+                                    model.get("window_cells")),
                    parallel=ParallelSection.from_json(section) if section else None)
 
     @property

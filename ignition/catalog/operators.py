@@ -80,7 +80,9 @@ TENSOR_OPERATORS = frozenset({
     "aten.narrow.Tensor", "aten.new_ones.default", "aten.rms_norm.default", "aten.scatter.src", "aten.scatter_.src",
     "aten.scatter_add_.default", "aten.select_scatter.default", "aten.slice_scatter.default", "aten.split.Tensor",
     "aten.split.default", "aten.split.sizes", "aten.squeeze.default", "aten.squeeze.dims", "aten.t.default",
-    "aten.unflatten.int", "aten.view.dtype", "aten.view_as.default", "aten.zero_.default"
+    "aten.unflatten.int", "aten.view.dtype", "aten.view_as.default", "aten.zero_.default",
+    # sliding-window layers (recipes/attention.py ``sliding_mask``, layers.py ring writes) and GeGLU MLPs (gemma3)
+    "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.gelu.default", "aten.tanh.default",
 })
 
 ONNX_CUSTOM_DOMAINS: tuple[str, ...] = ()

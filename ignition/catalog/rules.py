@@ -7,7 +7,7 @@ RULES = {
     "JSON-PARSE": f"Every metadata file is strict UTF-8 JSON (no NaN/Infinity, no object repeating a key), nested "
                   f"at most {MAX_JSON_DEPTH} levels deep.",
     "SCHEMA": "Every metadata file matches its JSON Schema (draft 2020-12); unknown fields are rejected.",
-    "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads.",
+    "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads (format 2: per-layer cache kinds).",
     "ENUM-OPERATION": "A variant's operation is a known Operation code.",
     "ENUM-SOURCE": "A binding's value source is a known ValueSource code.",
     "ENUM-RESERVED": "A variant's operation is not a code reserved for a feature not built yet (DRAFT_PROPOSE).",
@@ -29,6 +29,15 @@ RULES = {
                         "core's vocab_shard) and logits of vocab_padded columns (vocab_shard for a shard's op).",
     "GEOM-MODEL": "The model's sizes (layers, KV heads, head_dim, hidden_size) and dtype match the state and "
                   "vocabulary weight tensors.",
+    "GEOM-KIND": "model.layer_kinds names one cache kind of catalog/cache_kinds.py for each of model.num_layers "
+                 "layers.",
+    "GEOM-KIND-RESERVED": "No layer declares a reserved cache kind (compressed: not built).",
+    "GEOM-KIND-BUFFERS": "The state declares each cache kind's buffers exactly when some layer has that kind, with "
+                         "that kind's layer count as their first extent, and states the kind's model fields "
+                         "(sliding: sliding_window, window_cells).",
+    "GEOM-WINDOW": "A sliding layer's ring holds its window plus a step's rows: window_cells = min(sliding_window + "
+                   "R - 1, max_seq_len), R the most rows one slot writes in a step (the chunk limit, a verify "
+                   "round's S+1); window_cells is the position extent of the window caches.",
     "GEOM-TOKENIZER": "The tokenizer's token ids (added tokens included) are below vocab_size.",
     "TOKENIZER-PARSE": "The core's tokenizer JSON files parse and tokenizer.json loads.",
     "CATALOG-DUP": "Variant names and argument names within a variant are unique.",

@@ -99,7 +99,8 @@ class ModelConfig:
     def summary(self) -> dict:
         """Model fields of the core manifest."""
         return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
-                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "layer_kinds": ["full"] * self.num_layers}
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -237,6 +238,6 @@ def kv_cache_shape(cfg: ModelConfig, num_slots: int, max_seq_len: int) -> tuple[
     for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"kv_cache_shape: {name} must be a positive int; found {value!r}")
-    return tuple(state_shape(K_CACHE, num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
+    return tuple(state_shape(K_CACHE, full_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
 

@@ -108,7 +108,8 @@ class DeepseekV3Config:
 
     def summary(self) -> dict:
         return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
-                "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim}
+                "kv_lora_rank": self.kv_lora_rank, "qk_rope_head_dim": self.qk_rope_head_dim,
+                "layer_kinds": ["full"] * self.num_layers}
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str) -> DeepseekV3Config:

@@ -36,7 +36,7 @@ def mla_cache_shapes(cfg, num_slots: int, max_seq_len: int) -> dict[str, tuple[i
     for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"mla_cache_shapes: {name} must be a positive int; found {value!r}")
-    geometry = dict(num_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
+    geometry = dict(full_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
                     kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)
     return {name: tuple(state_shape(name, **geometry)) for name in (LATENT_CACHE, ROPE_KEY_CACHE)}
 

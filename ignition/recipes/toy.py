@@ -203,7 +203,7 @@ def build(options: ExportOptions) -> RecipeBuild:
             with_constraints(graph.variant, VOCAB_PADDED)
     return RecipeBuild(
         recipe="toy",
-        model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32"},
+        model={"architecture": "bigram", "hidden_size": HIDDEN, "num_layers": 0, "dtype": "float32", "layer_kinds": []},
         vocab_size=VOCAB_SIZE,
         vocab_padded=VOCAB_PADDED,
         token_capacity=token_capacity,

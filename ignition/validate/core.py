@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ignition.catalog.contract import FORMAT_VERSION
+from ignition.catalog.contract import FORMAT_CHANGES, FORMAT_VERSION
 from ignition.catalog.model import MANIFEST_FILE
+from ignition.validate.cache_kinds import check_cache_kinds
 from ignition.validate.contract_rules import check_catalog
 from ignition.validate.files import METADATA_MAX_BYTES, check_files, check_weights, read_core_file, safe_path
 from ignition.validate.geometry import check_geometry, check_graph_vocabulary
@@ -121,7 +122,10 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     report.manifest = manifest
     if manifest["format_version"] != FORMAT_VERSION:
         report.violations.append(Violation("FORMAT-VERSION", f"{MANIFEST_FILE}:format_version",
-                                           f"expected {FORMAT_VERSION}, found {manifest['format_version']}"))
+                                           f"expected {FORMAT_VERSION}, found {manifest['format_version']}"
+                                           + (f" ({FORMAT_CHANGES[manifest['format_version']]}; re-export the core "
+                                              f"with this Ignition)" if manifest["format_version"] in FORMAT_CHANGES
+                                              else "")))
         return
     catalog = _read_json(root, manifest["catalog"], f"{MANIFEST_FILE}:catalog", report)
     if catalog is None:
@@ -141,6 +145,7 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     report.violations += check_catalog(manifest, catalog)
     report.violations += check_section(root, manifest, variants)
     report.violations += check_geometry(root, manifest, catalog)
+    report.violations += check_cache_kinds(manifest, variants)
     kernel_table = None
     if manifest["kernels"] is not None:
         kernel_table = _read_json(root, manifest["kernels"], f"{MANIFEST_FILE}:kernels", report)
