@@ -4,7 +4,7 @@ A ``.pt2`` graph is data until torch runs it, and some aten operators reach outs
 ``aten.from_file(path, shared=True)`` maps a file that ``fill_`` then overwrites, ``save``/``load``
 touch files, storage constructors alias memory the graph does not own. So a graph may call only
 
-* ``EMITTED_OPERATORS``: what the exporter captures for every recipe (toy, qwen3, llama, qwen3_moe,
+* ``EMITTED_OPERATORS``: what the exporter captures for every recipe (toy, qwen3, llama, qwen3_moe, gemma3,
   deepseek_v3; logprobs, prompt logprobs, speculative, mixed, tensor-parallel). Regenerate or check
   it with ``python -m benchmarks.operator_table``; an addition is a reviewed change to this file;
 * ``TENSOR_OPERATORS``: harmless tensor, view and in-place operators a recipe may start to emit
@@ -83,6 +83,7 @@ TENSOR_OPERATORS = frozenset({
     "aten.unflatten.int", "aten.view.dtype", "aten.view_as.default", "aten.zero_.default",
     # sliding-window layers (recipes/attention.py ``sliding_mask``, layers.py ring writes) and GeGLU MLPs (gemma3)
     "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.gelu.default", "aten.tanh.default",
+    "aten.pow.Tensor_Scalar",
 })
 
 ONNX_CUSTOM_DOMAINS: tuple[str, ...] = ()
