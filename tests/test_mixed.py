@@ -13,7 +13,7 @@ from ignition.components.merge import merge_role_frames
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 
 from conftest import CoreCopy
@@ -58,12 +58,12 @@ def test_scored_requests_never_take_the_prompt_role(mixed_core):
     decoding = Request([1, 2], max_tokens=6, request_id="d")
     scoring = Request([3, 4, 5], max_tokens=2, request_id="s")
     scoring.prompt_logprobs = 0
-    assert not engine._mixed_round(engine_state(engine, scoring), [engine_state(engine, decoding)])
+    assert not engine.scheduler._mixed_round(engine_state(engine, scoring), [engine_state(engine, decoding)])
     assert engine.stats["mixed_rounds"] == 0
 
 
 def engine_state(engine, request):
-    from ignition.runtime.scheduler import RequestState
+    from ignition.runtime.requests import RequestState
     return RequestState(request, request.request_id)
 
 

@@ -20,7 +20,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.requests import Request
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
 

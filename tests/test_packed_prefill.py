@@ -33,7 +33,8 @@ from ignition.runtime.bindings import ChunkPlan, Lane, Windowed, fill_inputs, re
 from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.core import load_core
 from ignition.runtime.requests import Request, SamplingParams
-from ignition.runtime.scheduler import Engine, RequestState
+from ignition.runtime.engine import Engine
+from ignition.runtime.requests import RequestState
 from ignition.validate.packed import check_packed
 
 CHUNK, SLOTS, MAX_SEQ_LEN, VOCAB = 16, 4, 128, 300
@@ -264,12 +265,12 @@ def test_only_lanes_of_one_key_window_are_packed(core):
     states = [RequestState(Request(prompt(0, 70)), "long"), RequestState(Request(prompt(1, 6)), "short")]
     states[0].prefilled = 64  # its next chunk ends at 70
     covering = WINDOWS[KEY_WINDOW].covering
-    assert [engine._window_of(variant, state, CHUNK) for state in states] == [covering(70, 128), covering(6, 128)]
+    assert [engine.scheduler._window_of(variant, state, CHUNK) for state in states] == [covering(70, 128), covering(6, 128)]
     assert covering(70, 128) > covering(6, 128)
-    assert not engine._packed_prefill(states) and engine.stats["packed_rounds"] == 0
+    assert not engine.scheduler._packed_prefill(states) and engine.stats["packed_rounds"] == 0
     scored = RequestState(Request(prompt(2, 6), prompt_logprobs=0), "scored")
-    assert not engine._packed_prefill([scored, states[1]])  # a scoring lead runs alone (scored prefill)
-    assert not Engine(core, packed=False).packed_variants
+    assert not engine.scheduler._packed_prefill([scored, states[1]])  # a scoring lead runs alone (scored prefill)
+    assert not Engine(core, packed=False).scheduler.packed_variants
 
 
 def test_windows_cover_every_lane(core):

@@ -22,7 +22,7 @@ from _served import serve_in_thread
 from ignition.catalog.abi import RECORD_HEADER_WORDS, RecordField
 from ignition.catalog.enums import FinishReason, RoundKind
 from ignition.cli import app as cli
-from ignition.runtime.scheduler import RequestState
+from ignition.runtime.requests import RequestState
 from ignition.runtime.frames import PendingFrame
 from ignition.runtime.requests import Request
 from ignition.serve.app import create_app
