@@ -275,8 +275,8 @@ def test_a_slot_limited_decode_variant_matches_transformers(tmp_path) -> None:
     """``decode.c2`` of a 4-slot core declares slot limit 2 and attends over slots 0-1 in place; lanes it cannot
     serve (a slot of 2 or more) run in ``decode.c4``. Both give transformers' greedy tokens and logprobs."""
     from ignition.runtime.core import load_core
-    from ignition.runtime.requests import Request
     from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
 
     case = CASES["qwen3_fp32_sharded"]
     hf = save_checkpoint(case, tmp_path / "checkpoint")

@@ -105,10 +105,14 @@ class Engine:
         rounds = self.scheduler.schedule()
         if not rounds:
             return self.scheduler.release_idle()
+        self.execute(rounds)
+        return True
+
+    def execute(self, rounds: list[ScheduledRound]) -> None:
+        """Submit and interpret the rounds ``Scheduler.schedule`` chose, in order (each exactly once)."""
         for round in rounds:
             self._execute(round)
             self.outputs.complete_chunks(round.lanes)
-        return True
 
     def _execute(self, round: ScheduledRound) -> None:
         """Submit ``round`` and interpret its records. Filling the inputs may fail for one lane (its constraints allow
