@@ -138,3 +138,21 @@ def test_runtime_files_stay_small():
     large = {path.relative_to(ROOT).as_posix(): n for path in sorted((ROOT / "runtime").rglob("*.py"))
              if (n := len(path.read_text().splitlines())) > RUNTIME_LINES}
     assert not large, f"runtime/ modules over {RUNTIME_LINES} lines: {large}"
+
+
+def test_the_runtime_package_exports_the_public_api():
+    import ignition.runtime as runtime
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.options import LoadOptions
+    from ignition.runtime.requests import Request, SamplingParams
+
+    assert runtime.__all__ == ["load_core", "LoadOptions", "Engine", "Request", "SamplingParams"]
+    assert [getattr(runtime, name) for name in runtime.__all__] == [load_core, LoadOptions, Engine, Request,
+                                                                   SamplingParams]
+    try:
+        runtime.Scheduler  # noqa: B018 (the scheduler is no public name)
+    except AttributeError as exc:
+        assert "has no attribute 'Scheduler'" in str(exc)
+    else:
+        raise AssertionError("ignition.runtime exports Scheduler")

@@ -109,7 +109,9 @@ class AsyncEngine:
         self._thread.join(timeout=ENGINE_STOP_SECONDS)
 
     async def submit(self, request: Request) -> RequestStream:
-        """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
+        """Admit a request that passed ``check_admission`` against this engine (``build_request`` checks every prompt
+        of a request before any is submitted), so the engine does not check it again; an AdmissionError the engine
+        still raises (a sample group it cannot hold) is raised here, before anything is sent to the client."""
         if request.n != 1:
             raise ValueError("a request for several samples is admitted with submit_samples")
         (stream,) = await self._submit(request, [request.request_id])
