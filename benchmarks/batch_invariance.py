@@ -28,7 +28,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     with tempfile.TemporaryDirectory() as tmp:

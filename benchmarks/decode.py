@@ -36,7 +36,7 @@ def main() -> None:
     from transformers import Qwen3ForCausalLM
 
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)  # the onnxruntime backend uses torch.get_num_threads() too
 
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     with tempfile.TemporaryDirectory() as tmp:

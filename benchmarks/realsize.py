@@ -121,7 +121,7 @@ def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None,
     """``packed``: None leaves the engine's default (the packed prefill when the core has it); False: serial.
     ``steps`` gets the seconds of each decode step: an engine step that every running lane enters with a token
     already generated (the prefill and the first token are not one)."""
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     requests = [Request(p, max_tokens=tokens, logprobs=logprobs, ignore_eos=True) for p in prompts]
@@ -306,7 +306,7 @@ def spread(values: list[float]) -> tuple[float, float, float]:
 def warmed_engine(core, requests):
     """An ``Engine`` over ``core`` with ``requests`` admitted, every prompt prefilled and 3 decode rounds run: the
     next ``step`` is a steady decode round of every lane."""
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
 
     engine = Engine(core)
     for request in requests:

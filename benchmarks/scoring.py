@@ -29,7 +29,7 @@ def main() -> None:
 
     from ignition.catalog.inspect import inspect_core
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
     from ignition.validate.core import validate_core
 

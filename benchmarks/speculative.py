@@ -36,7 +36,7 @@ def main() -> None:
 
     from ignition.runtime.core import load_core
     from ignition.runtime.drafters import NgramDrafter
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -396,7 +396,7 @@ def run_cmd(
         if loaded.tokenizer is None:
             raise _fail("this core has no tokenizer; pass --prompt-ids")
         request.prompt_ids = loaded.tokenizer.encode(prompt).ids
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.parallel import ParallelError
     from ignition.runtime.verified import CoreRunError
     engine = Engine(loaded, batch_invariant=batch_invariant, **options)

@@ -383,7 +383,7 @@ CORE_REQUESTS = [dict(prompt_ids=[1, 2, 3], max_tokens=3, logprobs=5, ignore_eos
 
 
 def _generated(core) -> list:
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     plain = not core.features["allow_logprobs"]  # a core without logprobs serves the requests without them

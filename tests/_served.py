@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ignition.recipes.toy import batch_invariant_logits
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 from ignition.serve.app import create_app
 from ignition.serve.config import ServeConfig

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 
 PROMPT = [5, 17, 33, 2, 140, 9]

@@ -106,3 +106,53 @@ def test_device_and_backend_decisions_live_in_one_place():
         strays += [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
                    if DECISION.search(line)]
     assert not strays, "device or backend decided outside options/backends/cuda_driver:\n" + "\n".join(strays)
+
+
+NAME_CHECK = re.compile(r"\bbackend\.name\s*(==|!=|\bin\b)|(==|!=)\s*\w*[Bb]ackend\.name\b|\bBackend\.name\b")
+"""A comparison with a backend's name: what a backend can do is a property of the protocol (backends/protocol.py)."""
+
+
+def test_no_code_outside_the_backends_asks_a_backend_its_name():
+    strays = [f"{path.relative_to(ROOT).as_posix()}:{n}: {line.strip()}" for path in sorted(ROOT.rglob("*.py"))
+              if not path.relative_to(ROOT).as_posix().startswith("runtime/backends/")
+              for n, line in enumerate(path.read_text().splitlines(), 1) if NAME_CHECK.search(line)]
+    assert not strays, "a backend's name decides, not the protocol:\n" + "\n".join(strays)
+    assert NAME_CHECK.search('windowed = backend.name != "onnx"') and NAME_CHECK.search("if name == Pt2Backend.name:")
+    assert not NAME_CHECK.search("backend=backend.name, transfer=...")  # naming it in a result is no decision
+
+
+FRAME_RECORDS = re.compile(r"\bdecode_record\b|\brecords_host\b|\bPendingFrame\b|\bdecode_hook\b|\bFrameReader\b")
+"""What reads a frame's records: the runtime's alone (runtime/runner.py, frames.py, outputs.py)."""
+
+
+def test_serve_never_decodes_frame_records():
+    strays = [f"{path.relative_to(ROOT).as_posix()}:{n}: {line.strip()}" for path in sorted((ROOT / "serve").rglob("*.py"))
+              for n, line in enumerate(path.read_text().splitlines(), 1) if FRAME_RECORDS.search(line)]
+    assert not strays, "serve/ reads frame records (runtime/outputs.py interprets them):\n" + "\n".join(strays)
+
+
+RUNTIME_LINES = 400
+
+
+def test_runtime_files_stay_small():
+    large = {path.relative_to(ROOT).as_posix(): n for path in sorted((ROOT / "runtime").rglob("*.py"))
+             if (n := len(path.read_text().splitlines())) > RUNTIME_LINES}
+    assert not large, f"runtime/ modules over {RUNTIME_LINES} lines: {large}"
+
+
+def test_the_runtime_package_exports_the_public_api():
+    import ignition.runtime as runtime
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.options import LoadOptions
+    from ignition.runtime.requests import Request, SamplingParams
+
+    assert runtime.__all__ == ["load_core", "LoadOptions", "Engine", "Request", "SamplingParams"]
+    assert [getattr(runtime, name) for name in runtime.__all__] == [load_core, LoadOptions, Engine, Request,
+                                                                   SamplingParams]
+    try:
+        runtime.Scheduler  # noqa: B018 (the scheduler is no public name)
+    except AttributeError as exc:
+        assert "has no attribute 'Scheduler'" in str(exc)
+    else:
+        raise AssertionError("ignition.runtime exports Scheduler")

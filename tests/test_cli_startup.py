@@ -221,7 +221,7 @@ class Letters:
 
 
 def _result(entries, prompt_entries=None):
-    from ignition.runtime.scheduler import Result
+    from ignition.runtime.outputs import Result
 
     return Result("r", [0, 1, 2], [e.id for e in entries], entries, "length", None, prompt_entries)
 

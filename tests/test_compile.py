@@ -69,7 +69,7 @@ def test_export_compile_inductor_packages_are_validated_and_preferred(tmp_path):
     from ignition.exporter.export import export_core
     from ignition.recipes.base import ExportOptions
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
     from ignition.validate.core import validate_core
 

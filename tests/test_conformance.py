@@ -102,6 +102,6 @@ def test_counts_agree_with_the_rows():
 
 def test_parser_catches_a_rotten_reference():
     assert "reduce_emitted_logprobs" in defined_names("ignition/components/commit.py")
-    assert "Engine._decode_lane" in defined_names("ignition/runtime/scheduler.py")
+    assert "OutputProcessor._decode_lane" in defined_names("ignition/runtime/outputs.py")
     assert "PAYLOAD_MASK" not in defined_names("ignition/catalog/abi.py")
     assert REF.findall("`tests/test_x.py::test_y`, `a/b.py::C.d`") == [("tests/test_x.py", "test_y"), ("a/b.py", "C.d")]

@@ -18,7 +18,7 @@ import torch
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import CoreLoadError, load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 
 pytestmark = pytest.mark.cuda
@@ -92,7 +92,7 @@ def test_nothing_compiles_during_cuda_replay(cores):
         import sys
         sys.modules["triton"] = None
         from ignition.runtime.core import load_core
-        from ignition.runtime.scheduler import Engine
+        from ignition.runtime.engine import Engine
         from ignition.runtime.requests import Request
         loaded = load_core({str(cores["qwen3"])!r}, device="cuda")
         (result,) = Engine(loaded).generate([Request(prompt_ids=[1, 2, 3], max_tokens=8, logprobs=20)])

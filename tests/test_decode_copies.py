@@ -77,7 +77,7 @@ def loaded(real_width_core):
 
 @pytest.mark.parametrize("lanes", [SLOTS, 2, 1])
 def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: int):
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     core = loaded
@@ -134,7 +134,7 @@ def test_a_greedy_decode_step_makes_one_vocabulary_wide_row_per_lane(loaded, lan
     """The LM head's logits are the step's only ``[lanes, vocabulary]`` float32 tensor: the sampling transforms write
     their window of columns in place and put it back (``components.sampling.transformed_row``), the greedy pick and
     the logprob reduction read the logits where they are."""
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     core = loaded

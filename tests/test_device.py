@@ -238,7 +238,7 @@ def test_serving_never_imports_triton(toy_core):
         import sys
         sys.modules["triton"] = None  # any `import triton` now raises ImportError
         from ignition.runtime.core import load_core
-        from ignition.runtime.scheduler import Engine
+        from ignition.runtime.engine import Engine
         from ignition.runtime.requests import Request
         engine = Engine(load_core({str(toy_core)!r}, device="cpu"))
         (result,) = engine.generate([Request(prompt_ids=[1, 2], max_tokens=4, logprobs=5)])

@@ -168,7 +168,7 @@ class PointerAlignment(TorchDispatchMode):
 
 def test_every_core_passes_its_reduction_aligned_pointers(cores):
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     for name, core in cores.items():

@@ -14,7 +14,7 @@ import pytest
 from ignition.catalog.abi import RecordField
 from ignition.catalog.enums import RoundKind
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 from ignition.serve.engine import AsyncEngine
 

@@ -12,8 +12,9 @@ from ignition.catalog.buffers import LOGPROBS, PROMPT_LANE, RECORDS, ROLE_FRAMES
 from ignition.components.merge import merge_role_frames
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
+from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 
 from conftest import CoreCopy
@@ -58,12 +59,31 @@ def test_scored_requests_never_take_the_prompt_role(mixed_core):
     decoding = Request([1, 2], max_tokens=6, request_id="d")
     scoring = Request([3, 4, 5], max_tokens=2, request_id="s")
     scoring.prompt_logprobs = 0
-    assert not engine._mixed_round(engine_state(engine, scoring), [engine_state(engine, decoding)])
+    assert not engine.scheduler._mixed_round(engine_state(engine, scoring), [engine_state(engine, decoding)])
     assert engine.stats["mixed_rounds"] == 0
 
 
+def test_a_mixed_round_is_scheduled_as_data(mixed_core):
+    """The schedule of a mixed round: the decoding lane first, then the prompt chunk's lane (its context rows), in
+    the smallest mixed variant that holds them; only the constrained lane writes constraint rows."""
+    engine = Engine(mixed_core)
+    biased = LaneConstraints.build(mixed_core.vocab_size, logit_bias={7: 5.0})
+    engine.submit(Request([1, 2], max_tokens=6, ignore_eos=True, constraints=biased, request_id="d"))
+    assert engine.step() and len(engine.state("d").generated) == 1  # its one prompt chunk emitted its first token
+    engine.submit(Request(list(range(3, 12)), max_tokens=2, request_id="p"))
+    (round,) = engine.scheduler.schedule()
+    assert round.variant.name == "mixed.t4.c2" and engine.stats["mixed_rounds"] == 1
+    assert [lane.state.request_id for lane in round.lanes] == ["d", "p"]
+    assert round.chunk_rows == [(1, 0, 4)] and round.constraint_rows == [0]
+    assert round.lanes[1].chunk.tokens == [3, 4, 5, 6] and not round.lanes[1].chunk.emits
+    engine.execute([round])
+    assert engine.state("p").prefilled == 4 and len(engine.state("d").generated) == 2
+    (following,) = engine.scheduler.schedule()
+    assert following.variant.name == "mixed.t4.c2" and following.chunk_rows == [(1, 4, 8)]
+
+
 def engine_state(engine, request):
-    from ignition.runtime.scheduler import RequestState
+    from ignition.runtime.requests import RequestState
     return RequestState(request, request.request_id)
 
 

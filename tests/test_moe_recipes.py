@@ -32,7 +32,7 @@ from ignition.recipes.rope import rope_frequencies
 from ignition.recipes.transformer import lm_head_logits
 from ignition.recipes.weights import load_weights
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.present import run_json
 from ignition.validate.core import validate_core
 from ignition.runtime.requests import Request

@@ -21,9 +21,9 @@ from _serving_tokenizers import byte_level_tokenizer, write_tokenizer_dir
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import AdmissionError, Request, SamplingParams
 from ignition.runtime.samples import PromptCopier, sample_ids, sample_seed
-from ignition.runtime.scheduler import Engine
 from ignition.serve.app import create_app
 
 PROMPT = [(7 * j) % 290 + 1 for j in range(13)]  # two prompt chunks of 8

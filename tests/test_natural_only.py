@@ -19,7 +19,7 @@ from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.validate.core import validate_core
 from _served import Served

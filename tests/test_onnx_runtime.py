@@ -27,7 +27,7 @@ from ignition.exporter.export import export_core  # noqa: E402
 from ignition.catalog.hashing import sha256_file  # noqa: E402
 from ignition.recipes.base import ExportOptions  # noqa: E402
 from ignition.runtime.core import CoreLoadError, load_core  # noqa: E402
-from ignition.runtime.scheduler import Engine  # noqa: E402
+from ignition.runtime.engine import Engine  # noqa: E402
 from ignition.catalog.abi import TokenEntry  # noqa: E402
 from ignition.runtime.requests import Request  # noqa: E402
 

@@ -18,10 +18,10 @@ from ignition.runtime.backends import packed_linear
 from ignition.runtime.backends.gemm_calibration import GemmPlan
 from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
 from ignition.runtime.core import load_core
+from ignition.runtime.engine import Engine
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.requests import Request
-from ignition.runtime.scheduler import Engine
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
 

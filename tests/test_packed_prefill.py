@@ -32,8 +32,8 @@ from ignition.recipes.llama import FAMILIES, packed_capacity
 from ignition.runtime.bindings import ChunkPlan, Lane, Windowed, fill_inputs, replayed_extent
 from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.core import load_core
-from ignition.runtime.requests import Request, SamplingParams
-from ignition.runtime.scheduler import Engine, RequestState
+from ignition.runtime.engine import Engine
+from ignition.runtime.requests import Request, RequestState, SamplingParams
 from ignition.validate.packed import check_packed
 
 CHUNK, SLOTS, MAX_SEQ_LEN, VOCAB = 16, 4, 128, 300
@@ -257,6 +257,29 @@ def test_a_packed_round_copies_each_lanes_window_once_and_no_cache(core):
     engine.run()
 
 
+def test_a_packed_prefill_is_scheduled_as_data(core):
+    """The schedule of a packed prefill: every waiting request's first chunk in admission order (at most C rows each,
+    as the serial round cuts it) in the packed variant; only a constrained lane whose chunk samples writes constraint
+    rows. The next step's chunk of the longest prompt runs alone."""
+    engine = Engine(core)
+    biased = LaneConstraints.build(VOCAB, logit_bias={5: 2.0})
+    engine.submit(Request(prompt(0, 5), request_id="a"))
+    engine.submit(Request(prompt(1, 20), request_id="b", constraints=biased))
+    engine.submit(Request(prompt(2, 3), request_id="c", constraints=biased))
+    (round,) = engine.scheduler.schedule()
+    assert round.variant.name == PACKED and engine.stats["packed_rounds"] == 1
+    assert [lane.state.request_id for lane in round.lanes] == ["a", "b", "c"]
+    assert round.chunk_rows == [(0, 0, 5), (1, 0, CHUNK), (2, 0, 3)]
+    assert round.constraint_rows == [2]  # b's first chunk samples nothing
+    engine.execute([round])
+    assert [engine.state(r).prefilled for r in "abc"] == [5, CHUNK, 3]
+    (following,) = engine.scheduler.schedule()
+    assert following.variant.operation is Operation.PREFILL and following.chunk_rows == [(0, CHUNK, 20)]
+    assert following.constraint_rows == [0]
+    engine.execute([following])
+    engine.run()
+
+
 def test_only_lanes_of_one_key_window_are_packed(core):
     """The lead's window decides: a request whose next chunk ends past the lead's key window waits."""
     engine = Engine(core)
@@ -264,12 +287,12 @@ def test_only_lanes_of_one_key_window_are_packed(core):
     states = [RequestState(Request(prompt(0, 70)), "long"), RequestState(Request(prompt(1, 6)), "short")]
     states[0].prefilled = 64  # its next chunk ends at 70
     covering = WINDOWS[KEY_WINDOW].covering
-    assert [engine._window_of(variant, state, CHUNK) for state in states] == [covering(70, 128), covering(6, 128)]
+    assert [engine.scheduler._window_of(variant, state, CHUNK) for state in states] == [covering(70, 128), covering(6, 128)]
     assert covering(70, 128) > covering(6, 128)
-    assert not engine._packed_prefill(states) and engine.stats["packed_rounds"] == 0
+    assert not engine.scheduler._packed_prefill(states) and engine.stats["packed_rounds"] == 0
     scored = RequestState(Request(prompt(2, 6), prompt_logprobs=0), "scored")
-    assert not engine._packed_prefill([scored, states[1]])  # a scoring lead runs alone (scored prefill)
-    assert not Engine(core, packed=False).packed_variants
+    assert not engine.scheduler._packed_prefill([scored, states[1]])  # a scoring lead runs alone (scored prefill)
+    assert not Engine(core, packed=False).scheduler.packed_variants
 
 
 def test_windows_cover_every_lane(core):

@@ -27,7 +27,7 @@ from _tp_cores import shared_tp_cores
 from _tp_runner import as_json, requests
 from conftest import CoreCopy
 from ignition.runtime.core import CoreLoadError, load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.parallel import tensor_parallel
 from ignition.runtime.rendezvous import SECRET_ENVIRONMENT, MembershipError, check_host, secret_from_environment
 from ignition.validate.core import validate_core

@@ -91,7 +91,7 @@ def test_alternating_costs_step_two_engines_in_turn(toy_core, monkeypatch):
 
 def test_ours_times_only_the_decode_steps(toy_core):
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     core = load_core(toy_core)

@@ -258,7 +258,7 @@ def test_dtype_and_slots_options_shape_weights_and_state(exported) -> None:
 def test_minimal_loader_serves_the_core_like_transformers(exported) -> None:
     """The runtime's own scheduling (chunking, padded decode capacities) reproduces HF greedy generation."""
     from ignition.runtime.core import load_core
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     core, hf = exported("llama_fp32_tied_llama3")
@@ -275,8 +275,8 @@ def test_a_slot_limited_decode_variant_matches_transformers(tmp_path) -> None:
     """``decode.c2`` of a 4-slot core declares slot limit 2 and attends over slots 0-1 in place; lanes it cannot
     serve (a slot of 2 or more) run in ``decode.c4``. Both give transformers' greedy tokens and logprobs."""
     from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
-    from ignition.runtime.scheduler import Engine
 
     case = CASES["qwen3_fp32_sharded"]
     hf = save_checkpoint(case, tmp_path / "checkpoint")

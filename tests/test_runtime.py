@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ignition.cli import app
 from ignition.runtime.core import CoreLoadError, load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import AdmissionError, Request
 
 TOL = 3e-5  # fp32 logits of a 32-wide matmul vs fp64 (< 1e-5) plus the FP32 reduction (< 5e-6)

@@ -17,7 +17,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.toy import batch_invariant_logits
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 
 CHUNK = 256

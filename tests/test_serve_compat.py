@@ -89,7 +89,8 @@ def test_every_chunk_validates_strictly_and_carries_token_ids(served):
 def test_batched_prompts_spread_over_lanes_in_order(served, monkeypatch):
     prompts = [[11, 42, 99, 7], [5, 6], [3, 1, 4, 1, 5], [200, 201, 202], [9, 8]]  # five prompts, four lanes
     engine, admitted = served.ctx.engine.engine, []
-    monkeypatch.setattr(engine, "submit", lambda r, submit=engine.submit: admitted.append(r.request_id) or submit(r))
+    monkeypatch.setattr(engine, "submit", lambda r, submit=engine.submit, **checked: admitted.append(r.request_id)
+                        or submit(r, **checked))
     # lm-eval's local-completions loglikelihood request: echo, max_tokens=1, logprobs=1, the prompts as [[ids]]
     body = {"model": "toy", "prompt": prompts, "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0,
             "seed": 1234}

@@ -7,27 +7,18 @@ from __future__ import annotations
 
 import logging
 import re
-import types
 import uuid
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from _served import serve_in_thread
-from ignition.catalog.abi import RECORD_HEADER_WORDS, RecordField
-from ignition.catalog.enums import FinishReason, RoundKind
 from ignition.cli import app as cli
-from ignition.runtime.scheduler import RequestState
-from ignition.runtime.frames import PendingFrame
-from ignition.runtime.requests import Request
 from ignition.serve.app import create_app
 from ignition.serve.config import ServeConfig
-from ignition.serve.engine import StopTokens
 from ignition.serve.protocol import STRUCTURED_OUTPUT, UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from test_serve_compat import assert_envelope
 
@@ -216,28 +207,3 @@ def test_the_field_table_matches_the_request_models(column, model, caplog):
     with caplog.at_level(logging.WARNING, logger="ignition.serve"):
         parsed = model.model_validate({**base, **{name: 0 for name in ignored}})
     assert sorted(parsed.model_extra) == ignored  # accepted, and (once per process) warned about
-
-
-def test_stop_tokens_reads_the_ending_token_of_a_multi_token_round():
-    """A speculative round emits several tokens; the runtime appends those before the stop and finishes the
-    request (ignition/runtime/scheduler.py _decode_lane): the ending token is emitted[generated now - before]."""
-    states = [RequestState(Request([1], max_tokens=9), f"r{i}", slot=i, epoch=3, generated=[2]) for i in range(4)]
-    engine = types.SimpleNamespace(decode_hook=None, running=list(states))
-    tap = StopTokens(engine)
-    records = torch.zeros((4, RECORD_HEADER_WORDS + 5), dtype=torch.int64)
-    rounds = [((5, 6, 9, 7), FinishReason.NONE, [5, 6], "stop"),  # stop id 9 mid-round: 7 was never taken
-              ((3, 4), FinishReason.EOS, [3], "stop"),  # the EOS ends the round
-              ((8,), FinishReason.EOS, [], "stop"),  # a first-position stop
-              ((1, 2), FinishReason.LENGTH, [1, 2], "length")]
-    for lane, (emitted, finish, _, _) in enumerate(rounds):
-        records[lane, [RecordField.SLOT, RecordField.EPOCH, RecordField.ROUND_KIND, RecordField.EMITTED_COUNT,
-                       RecordField.FINISH_REASON]] = torch.tensor([lane, 3, RoundKind.SPECULATIVE, len(emitted), finish])
-        records[lane, RECORD_HEADER_WORDS:RECORD_HEADER_WORDS + len(emitted)] = torch.tensor(emitted)
-    pending = PendingFrame(0, [(i, 3) for i in range(4)], np.zeros(4, dtype=bool), 0)
-    tap(None, types.SimpleNamespace(records_host=records), pending)
-    records.fill_(0)  # the next submission may overwrite the host records before the engine step returns
-    for state, (_, _, appended, reason) in zip(states, rounds):  # what the runtime's decode does
-        state.generated += appended
-        state.finish_reason = reason
-    tap.settle()
-    assert tap.found == {"r0": (9, False), "r1": (4, True), "r2": (8, True)}

@@ -23,7 +23,7 @@ import pytest
 from _served import VOCAB, Served
 from _serving_tokenizers import (CHAT_TEMPLATE, byte_fallback_tokenizer, byte_level_tokenizer, offsets_oracle,
                                  splits_a_character)
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.catalog.abi import TokenEntry
 from ignition.runtime.requests import Request
 

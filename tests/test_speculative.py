@@ -11,7 +11,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
 from ignition.runtime.drafters import DraftCoreDrafter, NgramDrafter, SpeculativeError, parse_speculative
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request, SamplingParams
 
 VOCAB = 250  # the toy core's vocabulary: the toy bigram serves as the wild draft core
@@ -108,7 +108,7 @@ def test_speculative_option_errors(cores):
             parse_speculative(bad)
     with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[5\\]"):
         Engine(core, drafter=NgramDrafter(), draft_tokens=6)
-    assert Engine(core, drafter=NgramDrafter(), draft_tokens=3).verify_variants[0].name == "verify.s5.c2"
+    assert Engine(core, drafter=NgramDrafter(), draft_tokens=3).scheduler.proposer.verify_variants[0].name == "verify.s5.c2"
 
 
 def test_mixed_rounds_equal_serial_rounds(cores, plain):

@@ -29,10 +29,11 @@ from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.core import load_core
+from ignition.runtime.drafters import Proposer
+from ignition.runtime.engine import Engine
 from ignition.runtime.grammar import GrammarCompiler
 from ignition.runtime.grammar_spec import grammar_spec
 from ignition.runtime.requests import Request, SamplingParams
-from ignition.runtime.scheduler import Engine
 from ignition.serve.app import create_app
 
 REGULAR, VOCAB = 300, 320  # tokenizer ids 0..302 (EOS 300), model vocabulary 320
@@ -377,7 +378,8 @@ def test_constrained_requests_never_ride_verify_rounds(core):
         def release(self, request_id):
             pass
 
-    engine.drafter, engine.draft_tokens = Drafter(), 2
+    drafter = Drafter()
+    engine.scheduler.proposer = Proposer(drafter, 2, [])
     compiler = GrammarCompiler((engine.core.path / "tokenizer" / "tokenizer.json").read_text(),
                                engine.core.manifest["vocab_padded"], EOS)
     matcher = compiler.matcher(compiler.compile(grammar_spec(structured_outputs={"regex": "[a-c]{6}"})))
@@ -386,7 +388,7 @@ def test_constrained_requests_never_ride_verify_rounds(core):
     free = Request([1, 2, 3], max_tokens=8, request_id="free")
     masked, unmasked = engine.generate([constrained, free])
     limits: dict[str, list[int]] = {}
-    for round_asks in engine.drafter.asks:
+    for round_asks in drafter.asks:
         for request_id, _, limit in round_asks:
             limits.setdefault(request_id, []).append(limit)
     assert set(limits["masked"]) == {0} and max(limits["free"]) == 2  # no proposal is ever asked for "masked"

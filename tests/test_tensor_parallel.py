@@ -43,7 +43,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.recipes.registry import build_recipe
 from ignition.recipes.sharding import check_tensor_parallel, shard_config
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.validate.core import validate_core
 from ignition.validate.kernels import check_sharded_launches
 

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ignition.catalog.enums import Role
 from ignition.runtime.core import load_core
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 from ignition.runtime.transfer import ARENA_ALIGNMENT, HostTransfer, arrange_inputs, input_names, pitched_rows
 

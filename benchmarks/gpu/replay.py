@@ -150,7 +150,7 @@ class Submissions:
 
 def generate(loaded, requests) -> tuple[list, Submissions, float]:
     """Results of ``requests`` on a fresh engine, its submissions and the wall seconds."""
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
 
     engine = Engine(loaded)
     submissions = Submissions(engine)

@@ -36,6 +36,12 @@ class Lane:
     retire: bool = False  # a cancelled request's lane: no budget left, so the commit writes a MAINTENANCE record
     draft: list[int] = field(default_factory=list)  # a verify round's proposed tokens after the lane's input token
 
+    @property
+    def constrained(self) -> bool:
+        """Whether this lane samples under its request's constraints: it writes bitmask and bias rows."""
+        return self.state.request.constraints is not None and (self.chunk is None or self.chunk.emits) \
+            and not self.retire
+
 
 def _seed(state) -> int:
     seed = state.request.sampling.seed
@@ -196,8 +202,7 @@ def fill_constraints(variant, lanes: list[Lane], buffers: dict | None = None) ->
     buffers = variant.buffers if buffers is None else buffers
     names = {source: name for name, source in variant.bindings.items() if source in CONSTRAINT_SOURCES}
     constrained = [(index, lane.state.request.constraints, lane.state.generated) for index, lane in enumerate(lanes)
-                   if lane.state.request.constraints is not None and (lane.chunk is None or lane.chunk.emits)
-                   and not lane.retire]
+                   if lane.constrained]
     if len(names) != len(CONSTRAINT_SOURCES):
         if constrained:  # a verify variant, or a core without the feature: the lane would sample unconstrained
             raise RuntimeError(f"{variant.name} takes no structured-output inputs; lane {constrained[0][0]}'s request "

@@ -15,15 +15,11 @@ core at rest, with every finding; loading stops at the first graph that fails.
 
 from __future__ import annotations
 
-import gc
 import json
 import re
-import sys
-import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,96 +29,24 @@ import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.manifest import Manifest
-from ignition.catalog.model import MANIFEST_FILE, BufferDecl, lane_count
+from ignition.catalog.model import BufferDecl, lane_count
 from ignition.components.device_reduction import jit_opted_in
-from ignition.runtime.backends import AotiBackend, Backend, OnnxBackend, Pt2Backend, backend_family
-from ignition.runtime.backends.aoti import has_packages
+from ignition.runtime.backends import backend_family
+from ignition.runtime.backends.select import select_backend
 from ignition.runtime.backends.gemm_calibration import GemmPlan
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
 from ignition.runtime.host_memory import retain_freed_memory
+from ignition.runtime.identify import NotACoreError, check_rank_count, identify_core, read_manifest  # noqa: F401
 from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
+from ignition.runtime.load_stages import Progress, Stages, collector_paused, short_switch_interval
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, CoreRunError, LoadOptionError, check_loaded_weights, load_tokenizer,
-                                       read_verified_weights, tokenizer_file, weights_offsets)
+                                       read_verified_weights, tokenizer_file)
 from ignition.validate.core import validate_core
 from ignition.validate.files import METADATA_MAX_BYTES, read_core_file
-
-Progress = Callable[[str, str], None]  # (stage, item), called as each stage starts
-
-LOAD_SWITCH_INTERVAL = 0.0005
-"""Seconds a thread holds the GIL before one that waits for it takes its turn, while the weights are read beside the
-graphs (``_short_switch_interval``).
-
-NOTE: the graphs are read by Python code that holds the GIL, while the weights' reader, its hash and the packs make
-several hundred calls that release it (a read, a torch op, a sha256 update) and each must take it back. At Python's
-default 5 ms a turn, a reader that reads and packs weight by weight took 9-10.6 s to read the Qwen3-0.6B-shaped core's
-weights beside a thread that only counted, and 2.5-4.8 s alone (an ad-hoc script, three alternated runs each)."""
-
-
-class NotACoreError(CoreLoadError):
-    """The path is no core at all (a Hugging Face checkpoint, a missing directory): a usage error.
-    ``model_type``: the checkpoint's config.json ``model_type`` when the path is a checkpoint."""
-
-    def __init__(self, message: str, checkpoint: bool = False, model_type: str | None = None):
-        super().__init__(message)
-        self.checkpoint = checkpoint
-        self.model_type = model_type
-
-
-def identify_core(path: str | Path) -> None:
-    """Raise NotACoreError, before any heavy work, when ``path`` cannot be a core: it is missing, not a
-    directory, or a Hugging Face checkpoint (``config.json``, no manifest) that needs ``export-core``."""
-    root = Path(path)
-    if not root.exists():
-        raise NotACoreError(f"{root} does not exist; expected a core directory written by `ignition export-core`")
-    if not root.is_dir():
-        raise NotACoreError(f"{root} is a file; expected a core directory written by `ignition export-core`")
-    if not (root / MANIFEST_FILE).exists() and (root / "config.json").is_file():
-        model_type = _model_type(root)
-        raise NotACoreError(f"{root} is a Hugging Face checkpoint, not a core; run "
-                            f"`ignition export-core {root} --recipe RECIPE --out CORE` first, then use CORE",
-                            checkpoint=True, model_type=model_type)
-
-
-def _model_type(root: Path) -> str | None:
-    data, _ = read_core_file(root, "config.json", "checkpoint", METADATA_MAX_BYTES)
-    try:
-        value = json.loads(data).get("model_type") if data is not None else None
-    except (OSError, ValueError, RecursionError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
-
-
-@contextmanager
-def _short_switch_interval():
-    """The interpreter's thread switch interval at most ``LOAD_SWITCH_INTERVAL`` inside, as it was after."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, LOAD_SWITCH_INTERVAL))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
-@contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off inside (as it was after).
-
-    NOTE: a load builds millions of Python objects that it keeps (each graph's program JSON, then its FX nodes), and
-    every few hundred thousand of them the collector walks all that are alive: with it running, reading the 28-layer
-    Qwen3-0.6B-shaped core's five graphs took 2.6-3.2 s, without it 1.6-1.9 s, and the whole load 3.5-7.6 s against
-    2.8-3.5 s (an ad-hoc script, three alternated loads each). What a load leaves unreachable is collected after it,
-    as usual."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def without_autograd(inner: Callable, variant: str = "") -> Callable:
@@ -271,31 +195,6 @@ class LoadedCore:
         return report
 
 
-def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
-    packaged = has_packages(catalog)
-    if packaged and not trusted:
-        warnings.warn(f"not loading the compiled packages of {', '.join(packaged)}: they hold native code and the "
-                      "core is not trusted (pass trust_compiled=True / --trust-compiled, or a trusted key that "
-                      "signed it); using the portable .pt2 programs", stacklevel=4)
-    return trusted
-
-
-def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: dict, trusted: bool,
-                   weights: Callable[[], tuple[dict[str, torch.Tensor], object]],
-                   packs: LinearPacks | None = None) -> Backend:
-    """The one backend choice: ONNX when ``--runtime onnxruntime``; else AOTInductor when the core has packages,
-    they are trusted and wanted and the device is the CPU (packages are built for it); else the ``.pt2`` programs,
-    their linears on ``packs`` (``LoadOptions.pack_linears``). ``weights()`` waits for the loaded weights and the
-    bytes they view (``_read_weights``); only the ONNX backend needs them to be built."""
-    if backend_family(options.runtime) is OnnxBackend:
-        tensors, data = weights()
-        return OnnxBackend(root, manifest, catalog, tensors, weights_offsets(data), options.device)
-    if options.prefer_compiled and _compiled_allowed(catalog, options.trust_compiled or trusted) \
-            and has_packages(catalog) and not options.cuda:
-        return AotiBackend(root, manifest, catalog, options.rank, options.device)
-    return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs)
-
-
 def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
     """The core's launcher of its prepared cubins on a CUDA device (None: JIT, opted in), bound to its variants."""
     if jit_opted_in():
@@ -321,42 +220,6 @@ def _read_weights(root: Path, manifest: dict, catalog: dict, weights_file: str, 
     return {name: t.to(device) for name, t in weights.items()}, header
 
 
-def read_manifest(path: str | Path) -> dict | None:
-    """The core's manifest when it parses and matches its schema, read alone (no other file, no hashes):
-    what the CLI checks options against before loading. None otherwise; load_core then says why."""
-    from ignition.validate.schema import parse_json, schema_violations
-
-    data, _ = read_core_file(Path(path), MANIFEST_FILE, "core", METADATA_MAX_BYTES)  # a FIFO is refused, not read
-    if data is None:
-        return None
-    manifest, problems = parse_json(data, MANIFEST_FILE)
-    if problems or schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE):
-        return None
-    return manifest
-
-
-class _Stages:
-    """Wall seconds per load stage, and the caller's progress callback as each one starts."""
-
-    def __init__(self, progress: Progress | None):
-        self.progress = progress
-        self.timings: dict[str, float] = {}
-        self._current: tuple[str, float] | None = None
-
-    def start(self, stage: str, item: str = "", announce: bool = True) -> None:
-        """``announce=False``: time a stage already announced (the wait for the weights), calling no one."""
-        self.stop()
-        if self.progress is not None and announce:
-            self.progress(stage, item)
-        self._current = (stage, time.perf_counter())
-
-    def stop(self) -> None:
-        if self._current is not None:
-            stage, started = self._current
-            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - started
-            self._current = None
-
-
 def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> set[str]:
     """The files load_core reads once, hashing the very bytes it loads (``read_verified``, ``check_graph``):
     the validator leaves their sha256 to it. Names come from the manifest read alone; whatever the
@@ -377,14 +240,6 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError):
         return set()  # the validator reports what is wrong, and hashes everything
     return files
-
-
-def check_rank_count(root: Path, spec: Manifest, ranks: int) -> None:
-    """CoreLoadError when ``ranks`` is not the core's rank count, naming the option that fits."""
-    if ranks != spec.ranks:
-        hint = f"run it with --tensor-parallel {spec.ranks}" if spec.sharded else "run it without --tensor-parallel"
-        raise CoreLoadError(f"{root}: the core holds {spec.ranks} rank shard{'s' if spec.sharded else ''}, "
-                            f"not {ranks}; {hint}")
 
 
 def _rank_weights(root: Path, spec: Manifest, options: LoadOptions) -> str:
@@ -422,12 +277,12 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
         options = options.for_rank(rank) if rank else options
     elif choices:
         raise LoadOptionError(f"load_core: pass either LoadOptions or keyword choices, not both ({', '.join(choices)})")
-    with _collector_paused():
+    with collector_paused():
         return _load(root, options, progress)
 
 
 def _load(root: Path, options: LoadOptions, progress: Progress | None) -> LoadedCore:
-    stages = _Stages(progress)
+    stages = Stages(progress)
     identify_core(root)
     if options.retain_host_memory and not options.cuda:  # before the first replay allocates anything
         retain_freed_memory()
@@ -446,16 +301,16 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     entries = catalog["variants"]
     declared = {entry["name"]: [BufferDecl.from_json(a) for a in entry["arguments"]] for entry in entries}
     packs = LinearPacks(gemm=GemmPlan(options.gemm)) if options.pack_linears and \
-        backend_family(options.runtime) is Pt2Backend else None
+        backend_family(options.runtime).packs_linears else None
     # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
-    with _short_switch_interval(), ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
+    with short_switch_interval(), ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
         stages.start("weights", weights_file)  # the read starts: after the check, as before any overlap
         reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device, packs,
                               options.drop_file_cache)
         try:
             backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
-            if packs is not None and backend.name != Pt2Backend.name:  # AOTInductor packages run their own kernels
+            if packs is not None and not backend.packs_linears:  # AOTInductor packages run their own kernels
                 packs.decline()
                 packs = None
             for index, entry in enumerate(entries, 1):
@@ -504,7 +359,7 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
         except CaptureError as exc:
             raise CoreLoadError(f"{root}: {exc}") from None
     for variant in variants.values():  # ONNX graphs are re-traced static, and CUDA graphs captured at full extents
-        windowed = backend.name != "onnx" and variant.layout.get("windows")
+        windowed = backend.windowed and variant.layout.get("windows")
         if windowed and (capture is None or variant.name not in capture.captured):
             variant.wrap("windowed", lambda inner, v=variant: Windowed(inner, v.bindings, v.layout["windows"]))
     stages.start("tokenizer", manifest["tokenizer"] or "none")

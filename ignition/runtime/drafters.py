@@ -14,14 +14,14 @@ draft probability ever reaches reporting. ``parse_speculative`` reads the CLI/se
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ignition.catalog.enums import Operation
 from ignition.runtime.bindings import ChunkPlan, Lane
-from ignition.runtime.requests import Request, SamplingParams
+from ignition.runtime.requests import Request, RequestState, SamplingParams
 from ignition.runtime.runner import FreeSlots, OwnershipError, Runner, smallest_fitting
 
 
@@ -58,8 +58,6 @@ def engine_options(speculation: Speculation | None, target_core, load_draft) -> 
     """
     if speculation is None:
         return {}
-    from ignition.runtime.scheduler import select_verify_variants
-
     try:
         select_verify_variants(target_core, speculation.draft_tokens)
     except ValueError as exc:
@@ -71,6 +69,54 @@ def engine_options(speculation: Speculation | None, target_core, load_draft) -> 
     else:
         drafter = DraftCoreDrafter(load_draft(speculation.draft_core), target_core)
     return {"drafter": drafter, "draft_tokens": speculation.draft_tokens}
+
+
+def select_verify_variants(core, draft_tokens: int) -> list:
+    """The ``verify.s{S}`` family with the smallest S >= ``draft_tokens``, by capacity; ValueError if none."""
+    families: dict[int, list] = {}
+    for variant in core.by_operation(Operation.SPECULATIVE_VERIFY):
+        families.setdefault(variant.layout["speculative"]["draft_tokens"], []).append(variant)
+    fitting = sorted(s for s in families if s >= draft_tokens)
+    if draft_tokens < 1 or not fitting:
+        raise ValueError(f"core {core.path} has no verify variants for {draft_tokens} draft tokens "
+                         f"(it has S = {sorted(families) or 'none'}); export it with --speculative-tokens {draft_tokens}")
+    return families[fitting[0]]
+
+
+class Proposer:
+    """The engine's drafter: asks it for each decoding request's proposal, to be checked by ``verify_variants``
+    (the core's ``verify.s{S}`` family with the smallest S >= ``draft_tokens``; ``for_core`` selects it)."""
+
+    def __init__(self, drafter, draft_tokens: int, verify_variants: list):
+        self.drafter, self.draft_tokens, self.verify_variants = drafter, draft_tokens, verify_variants
+
+    @classmethod
+    def for_core(cls, core, drafter, draft_tokens: int) -> "Proposer":
+        return cls(drafter, draft_tokens, select_verify_variants(core, draft_tokens))
+
+    def propose(self, decoding: list[RequestState], constrained) -> list[list[int]]:
+        """Each decoding request's proposal (maybe empty).
+
+        The rule: a round is a speculative ``verify`` round when at least one lane has a proposal, else an
+        ordinary decode round. A proposal never reaches past the request's token budget or a forced token
+        (a forced token is emitted alone at position 0 of its own round), so every drafted position can be
+        emitted; a lane without a proposal emits exactly what a decode round would. A request for which
+        ``constrained(state)`` holds gets no proposal (the scheduler decodes it in an ordinary round).
+        """
+        asks = []
+        for state in decoding:
+            generated = len(state.generated)
+            limit = min(self.draft_tokens, state.request.max_tokens - generated - 1)
+            forced = [index - generated for index in state.request.forced_tokens if index >= generated]
+            if forced:
+                limit = min(limit, min(forced) - 1)
+            if constrained(state):
+                limit = 0
+            asks.append((state.request_id, state.request.prompt_ids + state.generated, max(limit, 0)))
+        return self.drafter.propose(asks)
+
+    def release(self, request_id: str) -> None:
+        self.drafter.release(request_id)
 
 
 class NgramDrafter:
@@ -100,18 +146,6 @@ class NgramDrafter:
         """Nothing is held per request."""
 
 
-@dataclass(slots=True)
-class _DraftState:
-    """Duck-typed like the engine's RequestState for ``fill_inputs``: one request's lane in the draft core."""
-
-    request: Request
-    request_id: str
-    slot: int
-    epoch: int
-    generated: list[int] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)  # tokens whose cache cells the draft core holds, in order
-
-
 class DraftCoreDrafter:
     """Greedy proposals from a second, smaller core of the same tokenizer (its own slots and KV state)."""
 
@@ -126,28 +160,30 @@ class DraftCoreDrafter:
         self.max_context = model.get("max_seq_len")
         self.free_slots = FreeSlots(self.num_slots)
         self.epochs = [0] * self.num_slots
-        self.states: dict[str, _DraftState] = {}
+        self.states: dict[str, RequestState] = {}  # each request's lane in the draft core
+        self.cached: dict[str, list[int]] = {}  # tokens whose cache cells the draft core holds, in order
         self.runner = Runner(draft_core)
 
     def release(self, request_id: str) -> None:
         state = self.states.pop(request_id, None)
         if state is not None:
             self.free_slots.give(state.slot)
+            del self.cached[request_id]
 
-    def _state(self, request_id: str) -> _DraftState | None:
+    def _state(self, request_id: str) -> RequestState | None:
         state = self.states.get(request_id)
         if state is None and self.free_slots:  # no free draft slot: this request is not drafted this round
             slot = self.free_slots.take()
             self.epochs[slot] += 1
-            state = _DraftState(Request([0]), request_id, slot, self.epochs[slot])
-            self.states[request_id] = state
+            state = RequestState(Request([0]), request_id, slot, self.epochs[slot])
+            self.states[request_id], self.cached[request_id] = state, []
         return state
 
     def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
         """Greedy continuations: each request's missing context is prefilled (its last chunk emits the
         first proposal), then decode rounds over all drafted requests extend every proposal to its limit."""
         proposals: list[list[int]] = [[] for _ in requests]
-        drafting: list[tuple[int, _DraftState, int]] = []
+        drafting: list[tuple[int, RequestState, int]] = []
         for index, (request_id, tokens, limit) in enumerate(requests):
             if self.max_context is not None:
                 limit = min(limit, self.max_context - len(tokens))
@@ -156,11 +192,11 @@ class DraftCoreDrafter:
                 continue
             state.request = Request(list(tokens), max_tokens=limit, sampling=SamplingParams(), ignore_eos=True)
             state.generated = []
-            valid = _common_prefix(state.cached, tokens[:-1])
+            valid = _common_prefix(self.cached[request_id], tokens[:-1])
             if len(tokens) - valid > 1:  # more than the last token is missing: prefill chunks
                 self._prefill(state, tokens, valid)
             else:
-                state.cached = state.cached[:valid]
+                self.cached[request_id] = self.cached[request_id][:valid]
             drafting.append((index, state, limit))
         while True:
             lanes = [Lane(state=s) for _, s, limit in drafting if len(s.generated) < limit]
@@ -171,20 +207,20 @@ class DraftCoreDrafter:
                 batch = lanes[start:start + largest]
                 variant = smallest_fitting(self.decode_variants, batch)
                 for lane in batch:  # the decode consumes the last known token at its position
-                    lane.state.cached.append(_last_token(lane.state))
+                    self.cached[lane.state.request_id].append(_last_token(lane.state))
                 self._run(variant, batch)
         for index, state, _ in drafting:
             proposals[index] = list(state.generated)
         return proposals
 
-    def _prefill(self, state: _DraftState, tokens: list[int], valid: int) -> None:
+    def _prefill(self, state: RequestState, tokens: list[int], valid: int) -> None:
         start = valid
         while start < len(tokens):
             length = min(self.chunk, len(tokens) - start)
             last = start + length == len(tokens)
             self._run(self.prefill, [Lane(state=state, chunk=ChunkPlan(start, tokens[start:start + length], last))])
             start += length
-        state.cached = list(tokens)
+        self.cached[state.request_id] = list(tokens)
 
     def _run(self, variant, lanes: list[Lane]) -> None:
         submission = self.runner.submit(variant, lanes)
@@ -196,7 +232,7 @@ class DraftCoreDrafter:
             lane.state.generated += record.emitted
 
 
-def _last_token(state: _DraftState) -> int:
+def _last_token(state: RequestState) -> int:
     return state.generated[-1] if state.generated else state.request.prompt_ids[-1]
 
 

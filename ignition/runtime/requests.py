@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ignition.catalog.abi import TokenEntry
 from ignition.catalog.buffers import SAMPLING_DEFAULTS
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.catalog.limits import check_limit
@@ -63,6 +64,40 @@ class Request:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None or bool(self.logprob_token_ids)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """One admitted request as the engine tracks it: its lane (slot, epoch), its progress and, once finished, how it
+    ended. The scheduler, the sample groups, the constraints and the drafter all work on this one type."""
+
+    request: Request
+    request_id: str
+    slot: int = -1
+    epoch: int = 0
+    prefilled: int = 0  # context tokens already in the KV state
+    generated: list[int] = field(default_factory=list)
+    prompt_entries: list[dict | None] = field(default_factory=list)  # published prompt scores, position 0 first
+    entries: list[TokenEntry] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    group: object | None = None  # SampleGroup: a sample of an n > 1 request (ignition/runtime/samples.py)
+    prompt_source: RequestState | None = None  # the sibling whose slot will hold the prompt state to copy
+    grammar_ended: bool = False  # finished "stop" because its grammar is complete: the EOS it forces next is implied
+    error_param: str | None = None  # the request field an "error" finish is due to (its constraints): a client error
+    stop_token: int | None = None  # the EOS or stop_token_ids token that ended it "stop" (it has no entry)
+    stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def context(self) -> list[int]:
+        """Tokens the KV state must hold before the next decode: the prompt, then all but the last generated."""
+        return self.request.prompt_ids + self.generated[:-1]
+
+    def scoring(self) -> bool:
+        return self.request.prompt_logprobs is not None and len(self.prompt_entries) < len(self.request.prompt_ids)
 
 
 def check_admission(request: Request, features: dict, vocab_size: int, max_context: int | None) -> None:

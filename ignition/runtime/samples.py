@@ -2,7 +2,7 @@
 
 A group's samples are ordinary requests (``Request`` with ``n == 1``), one per slot, admitted
 together: the group waits at the head of the queue until it has a free slot for every sample
-(``Engine._assign_slots``), so no sample ever waits for a slot whose prompt state must come from
+(``SampleGroups.admit``), so no sample ever waits for a slot whose prompt state must come from
 a sibling that may already be gone. The first sample (the *leader*) prefills the prompt as any
 request does, scored prefill and its emitted first token included. Right after the submission that
 completes the prompt, ``PromptCopier`` copies the prompt's rows of every state tensor from the
@@ -21,11 +21,13 @@ vLLM's child ids, ``f"{index}_{request_id}"``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from ignition.catalog.geometry import PENALTY_COUNTS, STATE_SHAPES
+from ignition.runtime.requests import AdmissionError, RequestState
 
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 """``penalty_counts`` planes (catalog/geometry.py: prompt-token counts, then emitted-token counts)."""
@@ -94,4 +96,88 @@ class PromptCopier:
                 dst.narrow(seq_dim, 0, length).copy_(src.narrow(seq_dim, 0, length))
 
 
-__all__ = ["SampleGroup", "PromptCopier", "sample_ids", "sample_seed", "sample_requests"]
+class SampleGroups:
+    """The engine's ``n > 1`` requests, by id, until every sample finished: admitted together, the prompt prefilled
+    by the first sample (the leader) and copied into the others' slots."""
+
+    def __init__(self, core, num_slots: int, stats: dict):
+        self.num_slots, self.stats = num_slots, stats
+        self.by_id: dict[str, SampleGroup] = {}
+        self.copier = PromptCopier(core)
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def add(self, request, group_id: str) -> list[RequestState]:
+        """The states of a new group's samples, sample 0 first (AdmissionError before anything is kept)."""
+        if request.n > self.num_slots:
+            raise AdmissionError(f"n = {request.n} samples of one prompt decode together, one slot each, and this "
+                                 f"core has {self.num_slots} slots", "n")
+        if group_id in self.by_id:
+            raise AdmissionError(f"request id {group_id!r} is already running", "request_id")
+        group = SampleGroup(group_id)
+        group.members = [RequestState(sample, sample.request_id, group=group)
+                         for sample in sample_requests(request, group_id)]
+        self.by_id[group_id] = group
+        return group.members
+
+    def samples(self, request_id: str) -> list[str]:
+        """The ids of a request's samples, in index order, while any runs: a group's, else the request's own id."""
+        group = self.by_id.get(request_id)
+        return [member.request_id for member in group.members] if group is not None else [request_id]
+
+    def admit(self, waiting, free_slots: int, take_slot) -> bool:
+        """Give each of the group at the head of ``waiting`` a slot (``take_slot``), all at once (False, nothing
+        taken, while fewer than its samples are ``free_slots``). The first prefills the prompt; the others wait for
+        its state (``share_prompt``)."""
+        group = waiting[0].group
+        members = list(itertools.takewhile(lambda state: state.group is group, waiting))
+        if len(members) > free_slots:
+            return False
+        for state in members:
+            waiting.popleft()
+            take_slot(state)
+        group.admitted = True
+        if self.copier.shared:
+            for state in members[1:]:
+                state.prompt_source = members[0]
+        return True
+
+    def share_prompt(self, leader: RequestState, finish) -> None:
+        """Once ``leader``'s prompt is in its slot (right after the submission that completed it, before any
+        other), copy its prompt state into the slots of the samples waiting for it; they decode from there. A sample
+        that cannot decode ends through ``finish(state, reason, error)``."""
+        waiting = [s for s in leader.group.members if s.prompt_source is leader] if leader.group else []
+        prompt = leader.request.prompt_ids
+        if not waiting or (leader.error is None and leader.prefilled < len(prompt)):
+            return
+        for state in waiting:
+            state.prompt_source = None
+            if leader.error is not None:  # the prompt failed: so does every sample that shares it
+                finish(state, "error", leader.error)
+                continue
+            state.prompt_entries = list(leader.prompt_entries)  # prompt scores are computed once, reported by all
+            if state.request.max_tokens == 0:
+                finish(state, "length")
+                continue
+            self.copier.copy(leader.slot, state.slot, len(prompt))
+            state.prefilled = len(prompt)  # the first decode lane recomputes position L - 1 in its own slot
+            self.stats["prompt_copies"] += 1
+
+    @staticmethod
+    def hand_over(state: RequestState) -> None:
+        """``state`` leaves before its prompt state was shared: the first sample waiting for it prefills the
+        prompt in its own slot instead, for the others."""
+        waiting = [s for s in state.group.members if s.prompt_source is state] if state.group else []
+        if waiting:
+            waiting[0].prompt_source = None
+            for other in waiting[1:]:
+                other.prompt_source = waiting[0]
+
+    def forget(self) -> None:
+        """Drop the groups whose samples all finished."""
+        for group_id in [g for g, group in self.by_id.items() if all(s.done for s in group.members)]:
+            del self.by_id[group_id]
+
+
+__all__ = ["SampleGroup", "SampleGroups", "PromptCopier", "sample_ids", "sample_seed", "sample_requests"]

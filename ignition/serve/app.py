@@ -27,8 +27,8 @@ import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.catalog.manifest import Features
 from ignition.runtime.core import LoadedCore, load_core
+from ignition.runtime.engine import ContextError, Engine
 from ignition.runtime.options import LoadOptions
-from ignition.runtime.scheduler import Engine
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
@@ -89,14 +89,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_capacity: int,
              batch_invariant: bool, engine_options: dict | None, max_batch_prompts: int) -> ServerContext:
-    engine = AsyncEngine(Engine(loaded, batch_invariant=batch_invariant, **(engine_options or {})),
-                         queue_capacity=queue_capacity, health=loaded.group.check if loaded.group else None)
-    context = engine.engine.max_context
-    if config.max_model_len is not None:
-        if context is not None and config.max_model_len > context:
-            raise ServeSetupError(f"--max-model-len {config.max_model_len} exceeds the core's context of {context} "
-                                  "tokens (model.max_seq_len)")
-        engine.engine.max_context = config.max_model_len  # admission checks prompt + max_tokens against it
+    try:  # admission checks prompt + max_tokens against --max-model-len, else the core's context
+        runtime = Engine(loaded, batch_invariant=batch_invariant, max_context=config.max_model_len,
+                         **(engine_options or {}))
+    except ContextError as exc:
+        raise ServeSetupError(f"--max-model-len {config.max_model_len} exceeds the core's context of {exc.context} "
+                              "tokens (model.max_seq_len)") from None
+    engine = AsyncEngine(runtime, queue_capacity=queue_capacity, health=loaded.group.check if loaded.group else None)
     try:
         files = load_tokenizer_files(config.tokenizer or loaded.path / "tokenizer", loaded.tokenizer,
                                      loaded.vocab_size, load=config.tokenizer is not None,

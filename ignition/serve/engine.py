@@ -6,9 +6,8 @@ queue has room; otherwise new entries wait in the engine and are coalesced into 
 delta, so a slow reader never blocks generation for others and never grows a queue.
 Delivered entries are moved out of the engine state: nothing keeps a response history.
 A request that ends on EOS or a ``stop_token_ids`` token has no entry for that token (the logprob
-contract); ``StopTokens`` reads which token it was, and the last delta carries it, so usage and
-``token_ids`` count it as vLLM does. A request whose grammar is complete ends one step before the EOS
-its grammar then forces (``RequestState.grammar_ended``); its last delta carries that EOS the same way.
+contract); the runtime keeps which token it was (``RequestState.stop_token``, also the EOS that a complete
+grammar forces next), and the last delta carries it, so usage and ``token_ids`` count it as vLLM does.
 The coalesced entries are bounded too: once ``entry_limit`` wait undelivered, the engine stops
 scheduling that request (its slot stays held) until the reader drains them, so a request holds
 at most ``entry_limit + T`` entries whatever its max_tokens.
@@ -24,14 +23,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from ignition.catalog.abi import TokenEntry, decode_record
-from ignition.catalog.enums import FinishReason
-from ignition.runtime.scheduler import Engine, RequestState
-from ignition.runtime.frames import PendingFrame
+from ignition.catalog.abi import TokenEntry
+from ignition.runtime.engine import Engine
 from ignition.runtime.parallel import ParallelError
-from ignition.runtime.requests import Request
+from ignition.runtime.requests import Request, RequestState
 from ignition.runtime.samples import sample_ids
 
 log = logging.getLogger("ignition.serve")
@@ -50,54 +45,6 @@ class Delta:
     stop_token: int | None = None  # the EOS or stop_token_ids token that ended the request (no entry)
     stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
     error_param: str | None = None  # the request field an error is due to (its constraints): answered as a 400
-
-
-class StopTokens:
-    """The token that ended each request by EOS or ``stop_token_ids``, read from the frame records.
-
-    The runtime finishes such a request without an entry for that token, as the logprob contract
-    requires, and keeps no other trace of it. vLLM counts it: check_stop (vllm/v1/core/sched/utils.py)
-    runs after the sampled token is appended to ``output_token_ids``, so it is in ``completion_tokens``
-    and ``token_ids``, and a ``stop_token_ids`` stop sets ``stop_reason`` to its id. Installed as the
-    Engine's decode hook (called once a frame's records are on the host, before the lanes are decoded),
-    this notes each lane's emitted tokens and its request's generated count; once decoded, a request
-    that finished "stop" ended on ``emitted[generated now - generated before]``.
-    """
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.previous = engine.decode_hook
-        engine.decode_hook = self
-        self.noted: list[tuple[int, RequestState, int]] = []  # the last frame's (lane, request, generated before)
-        self.records: np.ndarray | None = None  # that frame's records, decoded only for requests that stop
-        self.found: dict[str, tuple[int, bool]] = {}  # request id -> (token, ended as EOS)
-
-    def __call__(self, variant, reader, pending: PendingFrame) -> None:
-        self.settle()  # the previous frame of this step is decoded by now
-        if self.previous is not None:
-            self.previous(variant, reader, pending)
-        owners = {(state.slot, state.epoch): state for state in self.engine.running}
-        for lane, owner in enumerate(pending.lane_owner):
-            state = owners.get(owner) if owner is not None else None
-            if state is not None and not state.done:
-                self.noted.append((lane, state, len(state.generated)))
-        if self.noted:
-            self.records = reader.records_host.numpy().copy()  # [capacity, 16+T] int64: a few KiB
-
-    def settle(self) -> None:
-        """Find the ending token of every noted request that the decoded frame finished with "stop"."""
-        for lane, state, before in self.noted:
-            if state.finish_reason != "stop" or state.error is not None:
-                continue
-            try:
-                record = decode_record(self.records[lane])
-            except ValueError:  # a malformed record (the runtime fails such a request itself)
-                continue
-            index = len(state.generated) - before
-            if index < len(record.emitted):
-                eos = record.finish_reason is FinishReason.EOS and index == len(record.emitted) - 1
-                self.found[state.request_id] = (record.emitted[index], eos)
-        self.noted, self.records = [], None
 
 
 class EngineStopped(RuntimeError):
@@ -140,8 +87,6 @@ class AsyncEngine:
         """``health``: called on the engine thread at least once a second, also while idle; an exception
         it raises stops the engine like a failed step (a tensor-parallel rank that died: RankGroup.check)."""
         self.engine = engine
-        self.stop_tokens = StopTokens(engine)
-        self.eos: int | None = engine.core.manifest.get("eos_token_id")  # a request whose grammar ended implies it
         self.health = health
         self.on_dead: Callable[[BaseException], None] | None = None  # called once, on the engine thread
         self.queue_capacity = queue_capacity
@@ -164,7 +109,9 @@ class AsyncEngine:
         self._thread.join(timeout=ENGINE_STOP_SECONDS)
 
     async def submit(self, request: Request) -> RequestStream:
-        """Admit a request; an AdmissionError is raised here, before anything is sent to the client."""
+        """Admit a request that passed ``check_admission`` against this engine (``build_request`` checks every prompt
+        of a request before any is submitted), so the engine does not check it again; an AdmissionError the engine
+        still raises (a sample group it cannot hold) is raised here, before anything is sent to the client."""
         if request.n != 1:
             raise ValueError("a request for several samples is admitted with submit_samples")
         (stream,) = await self._submit(request, [request.request_id])
@@ -207,7 +154,6 @@ class AsyncEngine:
             try:
                 self._apply_commands()
                 worked = self.dead is None and self._healthy() and self._step()
-                self.stop_tokens.settle()
                 self._deliver()
             except Exception as exc:  # a bug in the thread's own bookkeeping fails the requests, not hangs them
                 log.exception("engine thread failed")
@@ -269,8 +215,8 @@ class AsyncEngine:
                 if self.dead is not None:
                     admitted.set_exception(EngineStopped(f"the engine stopped: {self.dead}"))
                     continue
-                try:
-                    request_id = self.engine.submit(payload)
+                try:  # the handler checked it against this engine before it was sent (serve/common.py build_request)
+                    request_id = self.engine.submit(payload, checked=True)
                 except Exception as exc:  # AdmissionError (a 400), or a loader bug: the handler reports it
                     admitted.set_exception(exc)
                     continue
@@ -280,7 +226,6 @@ class AsyncEngine:
             else:
                 for request_id in self.engine.samples(payload):  # a group's id cancels each of its samples
                     if self._tracked.pop(request_id, None) is not None:
-                        self.stop_tokens.found.pop(request_id, None)
                         self.engine.cancel(request_id)
                         self.engine.finished.pop(request_id, None)
 
@@ -297,11 +242,7 @@ class AsyncEngine:
             if finished:
                 delta.finish_reason, delta.error = state.finish_reason, state.error
                 delta.error_param = state.error_param
-                stop = self.stop_tokens.found.pop(request_id, None)
-                if stop is None and state.grammar_ended and self.eos is not None:
-                    stop = (self.eos, True)  # the EOS a complete grammar forces: counted as vLLM samples it
-                if stop is not None:
-                    delta.stop_token, delta.stop_by_eos = stop
+                delta.stop_token, delta.stop_by_eos = state.stop_token, state.stop_by_eos
                 del self._tracked[request_id]
                 self.engine.finished.pop(request_id, None)
             stream.scheduled += 1
@@ -309,7 +250,6 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
             except RuntimeError:  # the handler's event loop is closed: nobody will read this request
                 self._tracked.pop(request_id, None)
-                self.stop_tokens.found.pop(request_id, None)
                 self.engine.cancel(request_id)
                 self.engine.finished.pop(request_id, None)
 

@@ -119,7 +119,7 @@ def hf_greedy(model, prompts, new_tokens: int, k):
 
 
 def _ignition_times(loaded, prompts, k) -> tuple[float, float]:
-    from ignition.runtime.scheduler import Engine
+    from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
     def once(max_tokens):

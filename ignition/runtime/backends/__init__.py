@@ -3,7 +3,7 @@
 Three backends sit behind one small protocol (``protocol.Backend``): ``pt2`` (the torch.export
 programs, the default), ``aoti`` (AOTInductor packages, CPU, trusted cores only; a variant without
 a package runs its ``.pt2``), and ``onnx`` (onnxruntime over the ``--onnx`` graphs). ``load_core``
-chooses once (``select_backend`` in ignition/runtime/core.py); nothing else in the runtime asks
+chooses once (``select_backend`` in ignition/runtime/backends/select.py); nothing else in the runtime asks
 which backend it has.
 """
 

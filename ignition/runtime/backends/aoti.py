@@ -32,6 +32,8 @@ class AotiBackend(Pt2Backend):
     capturable = False  # packages are loaded on the CPU only
     needs_reduction = True
     supports_ranks = True
+    packs_linears = False  # a package runs its own kernels
+    windowed = True
 
     def runner(self, entry: dict, arguments: list[BufferDecl], buffers) -> Runner:
         package = entry.get("packages", {}).get("inductor")

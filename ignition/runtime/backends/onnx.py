@@ -18,6 +18,8 @@ class OnnxBackend:
     capturable = False
     needs_reduction = False  # the ONNX graphs reduce in standard ops
     supports_ranks = False
+    packs_linears = False
+    windowed = False  # the ONNX graphs are re-traced static: full extents
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],
                  offsets: dict[str, tuple[int, int]], device: torch.device):
@@ -26,6 +28,7 @@ class OnnxBackend:
         if found := check_pairing(catalog["variants"]):
             raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
         self.root, self.manifest, self.offsets = root, manifest, offsets
+        self.programs: dict = {}  # nothing to capture
         try:
             self.sessions = OnnxRuntimeBackend(root, weights, device)
         except OnnxBackendError as exc:

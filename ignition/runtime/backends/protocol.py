@@ -8,8 +8,10 @@ runs its ``.pt2``), and ``onnx`` (onnxruntime over the ``--onnx`` graphs). ``loa
 once, with ``select_backend``; nothing else in the runtime asks which backend it has.
 
 A backend answers: the files it reads (and so hashes) at load, a runner for each catalog entry,
-whether its runners can be captured as CUDA graphs, whether its graphs call the prepared vocabulary
-reduction on CUDA, and whether it replays tensor-parallel rank shards.
+whether its runners can be captured as CUDA graphs (and the programs a capture traces), whether its graphs
+call the prepared vocabulary reduction on CUDA, whether it replays tensor-parallel rank shards, whether its
+runners read CPU-packed linear weights, and whether they take inputs narrowed to a window's extent. Code
+outside the backends asks these, never a backend's name.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ class Backend(Protocol):
     capturable: ClassVar[bool]  # its runners may be captured as CUDA graphs
     needs_reduction: ClassVar[bool]  # its graphs call ignition::reduce_logprobs, which CUDA serves with prepared kernels
     supports_ranks: ClassVar[bool]  # it replays the rank shards of a tensor-parallel core
+    packs_linears: ClassVar[bool]  # its runners read linear weights packed for the CPU (packed_linear.LinearPacks)
+    windowed: ClassVar[bool]  # its runners take windowed inputs narrowed to the submission's extent (bindings.Windowed)
+    programs: dict[str, object]  # variant name -> the program a CUDA capture traces (empty where not capturable)
 
     @staticmethod
     def files(catalog: dict, manifest: dict, rank: int) -> set[str]:

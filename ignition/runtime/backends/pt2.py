@@ -26,6 +26,8 @@ class Pt2Backend:
     capturable = True
     needs_reduction = True
     supports_ranks = True
+    packs_linears = True
+    windowed = True
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device,
                  packs: LinearPacks | None = None):
