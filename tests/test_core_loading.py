@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from ignition.cli import app
+from ignition.runtime.load_stages import LOAD_SWITCH_INTERVAL
 from ignition.runtime import core as core_module
 from ignition.runtime.core import CoreLoadError, load_core
 from ignition.runtime.parallel import ParallelOptionError, tensor_parallel
@@ -164,7 +165,7 @@ def test_a_load_pauses_the_collector_and_shortens_the_switch_interval_and_restor
     finally:
         (gc.enable if was_enabled else gc.disable)()
     assert seen and not any(enabled for _, enabled, _ in seen)
-    assert all(s <= core_module.LOAD_SWITCH_INTERVAL for stage, _, s in seen if stage == "graphs")
+    assert all(s <= LOAD_SWITCH_INTERVAL for stage, _, s in seen if stage == "graphs")
 
 
 def test_the_load_passes_its_file_cache_choice_to_the_weights_reader(toy_core, monkeypatch):
