@@ -69,7 +69,7 @@ class CacheKindSpec:
     code: CacheKind
     buffers: tuple[str, ...]  # the state buffers of this kind's layers (a recipe declares one family of them)
     fields: tuple[str, ...] = ()  # manifest.json:model fields a core with such a layer states
-    built: bool = True  # False: reserved, refused when declared (GEOM-KIND-RESERVED)
+    built: bool = True  # False: reserved, refused when declared (GEOM-KIND-RESERVED); every kind today is built
     summary: str = ""
 
     @property

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from ignition.catalog.cache_kinds import kind_index
+from ignition.catalog.cache_kinds import compressed_entries, kind_index, layer_counts, source_cells, window_cells
 from ignition.catalog.geometry import (CSA_INDEX_CACHE, CSA_INDEX_SOURCE, CSA_KV_CACHE, CSA_SOURCE, CSA_WINDOW_CACHE,
-                                       HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, SWA_KV_CACHE)
+                                       HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, SWA_KV_CACHE, state_shape)
 from ignition.recipes.deepseek_v4_attention import (apply_rope, attend, compress_step, entries_seen, indexer_choice,
                                                     rms_norm, rope_cos_sin, window_keys)
 
@@ -30,14 +30,34 @@ STATE_BUFFERS: dict[str, dict[str, str]] = {
 """Each layer kind's state buffers by role."""
 
 
+def state_geometry(cfg, num_slots: int, max_seq_len: int, step_rows: int) -> dict[str, int]:
+    """The manifest symbols of ``STATE_SHAPES``' DeepSeek V4 buffers for steps of at most ``step_rows`` rows."""
+    return {"num_slots": num_slots, "head_dim": cfg.head_dim, "index_head_dim": cfg.index_head_dim,
+            "window_cells": window_cells(cfg.sliding_window, step_rows, max_seq_len),
+            "csa_entries": compressed_entries(max_seq_len, cfg.csa_rate),
+            "hca_entries": compressed_entries(max_seq_len, cfg.hca_rate),
+            "csa_source_cells": source_cells(cfg.csa_rate, step_rows, True),
+            "hca_source_cells": source_cells(cfg.hca_rate, step_rows, False), **layer_counts(list(cfg.layer_kinds))}
+
+
+def allocate_state(cfg, num_slots: int, max_seq_len: int, step_rows: int,
+                   device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Zeroed state buffers of the layer kinds ``cfg`` has, in the model dtype."""
+    geometry = state_geometry(cfg, num_slots, max_seq_len, step_rows)
+    names = dict.fromkeys(name for kind in cfg.layer_kinds for name in STATE_BUFFERS[kind].values())
+    return {name: torch.zeros(state_shape(name, **geometry), dtype=cfg.dtype, device=device) for name in names}
+
+
 def _layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
     index = kind_index(cfg.layer_kinds, layer)
     return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
 
 
 def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, start: int,
-              state: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` -> ``[R, hidden]``, reading and writing ``state``."""
+              state: Mapping[str, torch.Tensor], forward_end: int | None = None) -> torch.Tensor:
+    """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` -> ``[R, hidden]``, reading and writing ``state``.
+    ``forward_end``: the position after the last row of the transformers forward this step is part of (the
+    indexer's top-k runs over the entries complete there); None: this step's own end."""
     prefix, kind, eps = f"layers.{layer}.", cfg.layer_kinds[layer], cfg.rms_norm_eps
     rows = x.shape[0]
     positions = start + torch.arange(rows, device=x.device)
@@ -59,7 +79,8 @@ def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Ten
             compress_step(weights, prefix + "indexer.", x, positions, state["index_source"], state["index_entries"],
                           rate, True, cfg.compress_rope, eps)
             seen = indexer_choice(weights, prefix + "indexer.", cfg, x, q_residual, positions,
-                                  state["index_entries"], seen, min((start + rows) // rate, seen.shape[1]))
+                                  state["index_entries"], seen,
+                                  min((start + rows if forward_end is None else forward_end) // rate, seen.shape[1]))
         keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
         mask = torch.cat([mask, torch.zeros(seen.shape, dtype=mask.dtype).masked_fill(~seen, float("-inf"))], dim=1)
     attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
@@ -120,8 +141,12 @@ def moe(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, t
 
 
 def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, start: int, slot: int,
-                        caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """One step of slot ``slot``: rows at positions ``start ..``; the final-normed hidden ``[R, hidden]``."""
+                        caches: Mapping[str, torch.Tensor], forward_end: int | None = None) -> torch.Tensor:
+    """One step of slot ``slot``: rows at positions ``start ..``; the final-normed hidden ``[R, hidden]``.
+
+    Generation steps (``forward_end`` None) are transformers' incremental forward: a prompt chunk or decode step is
+    one call with its cache. Prompt scoring is transformers' full forward over the whole prompt: its chunks pass
+    ``forward_end`` = the prompt's length, so the indexer chooses as that single forward does."""
     rows = input_ids.shape[0]
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
     hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
@@ -131,7 +156,7 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
         state = _layer_state(cfg, caches, layer, slot)
         post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
         out = attention(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps),
-                        start, state)
+                        start, state, forward_end)
         streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
             + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
         post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
@@ -145,4 +170,4 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
     return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)
 
 
-__all__ = ["deepseek_v4_decoder", "STATE_BUFFERS", "attention", "hyper_connection", "moe"]
+__all__ = ["deepseek_v4_decoder", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
