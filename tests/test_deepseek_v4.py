@@ -195,3 +195,15 @@ def test_release_names_load_the_same_weights(tiny, tmp_path):
     save_file(renamed, str(tmp_path / "release" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="missing tensor 'layers.1.attn.indexer.wq_b.weight'"):
         read_checkpoint(open_checkpoint(tmp_path / "release"), read_config(path))
+
+
+def test_a_step_the_state_cannot_hold_is_refused(tiny):
+    _, cfg, weights, _, long_prompt = tiny
+    state = allocate_state(cfg, 1, MAX_SEQ, 16)
+    with pytest.raises(ValueError, match=r"buffer 'hca_window_cache' must be \[1 layers, slots > 0, >= 24 cells"):
+        deepseek_v4_decoder(weights, cfg, long_prompt[:17], 0, 0, state)  # a ring of 8 + 16 - 1 cells
+    with pytest.raises(ValueError, match="buffer 'hca_kv_cache' must be"):
+        deepseek_v4_decoder(weights, cfg, long_prompt[:1], 330, 0, state)  # past the entry table
+    with pytest.raises(ValueError, match="buffer 'csa_index_source' is required"):
+        deepseek_v4_decoder(weights, cfg, long_prompt[:1], 0, 0, {k: v for k, v in state.items()
+                                                                   if k != "csa_index_source"})

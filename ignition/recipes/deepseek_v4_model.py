@@ -48,6 +48,31 @@ def allocate_state(cfg, num_slots: int, max_seq_len: int, step_rows: int,
     return {name: torch.zeros(state_shape(name, **geometry), dtype=cfg.dtype, device=device) for name in names}
 
 
+def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, slot: int) -> None:
+    """Refuse a step the state cannot hold, naming the buffer: each kind's buffers present with its layer count,
+    ``head_dim`` wide, rings long enough for the positions a step reads before its own plus its rows (``rows``),
+    entry tables holding every window the step may close."""
+    reads = {"window": cfg.sliding_window - 1, "source": 2 * cfg.csa_rate - 1, "index_source": 2 * cfg.csa_rate - 1}
+    for kind in dict.fromkeys(cfg.layer_kinds):
+        layers = cfg.layer_kinds.count(kind)
+        rate = cfg.hca_rate if kind == "heavily_compressed" else cfg.csa_rate
+        for role, name in STATE_BUFFERS[kind].items():
+            cache = caches.get(name)
+            if cache is None:
+                raise ValueError(f"deepseek_v4 state: buffer {name!r} is required by the {kind!r} layers; found "
+                                 f"only {sorted(caches)}")
+            width = cfg.index_head_dim if role.startswith("index") else cfg.head_dim
+            candidates = start // rate + (rows - 1) // rate + 1  # every window a step may write, stand-ins included
+            least = {"window": reads["window"] + rows, "index_source": reads["index_source"] + rows,
+                     "source": (rate - 1 if kind == "heavily_compressed" else reads["source"]) + rows,
+                     "entries": candidates, "index_entries": candidates}[role]
+            if cache.dim() < 4 or cache.shape[0] != layers or cache.shape[-1] != width or cache.shape[2] < least \
+                    or not 0 <= slot < cache.shape[1] or cache.dtype != cfg.dtype:
+                raise ValueError(f"deepseek_v4 state: buffer {name!r} must be [{layers} layers, slots > {slot}, "
+                                 f">= {least} cells, ..., {width}] of {cfg.dtype} for {rows} rows from position "
+                                 f"{start}; found {list(cache.shape)} {cache.dtype}")
+
+
 def _layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
     index = kind_index(cfg.layer_kinds, layer)
     return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
@@ -148,6 +173,7 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
     one call with its cache. Prompt scoring is transformers' full forward over the whole prompt: its chunks pass
     ``forward_end`` = the prompt's length, so the indexer chooses as that single forward does."""
     rows = input_ids.shape[0]
+    check_step(cfg, caches, start, rows, slot)
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
     hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
     streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [R, n, hidden]
@@ -170,4 +196,4 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
     return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)
 
 
-__all__ = ["deepseek_v4_decoder", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
+__all__ = ["deepseek_v4_decoder", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
