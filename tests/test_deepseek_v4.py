@@ -48,6 +48,14 @@ def tiny(tmp_path_factory):
     return path, cfg, weights, model, long_prompt
 
 
+@pytest.fixture(scope="module")
+def full_forward(tiny):
+    """transformers' full forward over the 300-row prompt: logprobs ``[300, vocab]``."""
+    model, long_prompt = tiny[3], tiny[4]
+    with torch.no_grad():
+        return model(long_prompt[None]).logits[0].float().log_softmax(-1)
+
+
 def _logprobs(weights, hidden):
     return (hidden @ weights["head"].T).float().log_softmax(-1)
 
@@ -78,10 +86,9 @@ def test_generation_logprobs_match_transformers_incremental_decode(tiny):
     torch.testing.assert_close(ours, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_prompt_logprobs_in_chunks_match_transformers_full_forward(tiny):
-    _, cfg, weights, model, long_prompt = tiny
-    with torch.no_grad():
-        expected = model(long_prompt[None]).logits[0].float().log_softmax(-1)  # [300, vocab]
+def test_prompt_logprobs_in_chunks_match_transformers_full_forward(tiny, full_forward):
+    _, cfg, weights, _, long_prompt = tiny
+    expected = full_forward
     state = allocate_state(cfg, 1, MAX_SEQ, CHUNK)
     rows = [deepseek_v4_decoder(weights, cfg, long_prompt[start:start + CHUNK], start, 0, state,
                                 forward_end=long_prompt.shape[0])
@@ -90,14 +97,14 @@ def test_prompt_logprobs_in_chunks_match_transformers_full_forward(tiny):
     torch.testing.assert_close(ours, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_last_row_score_against_first_generated_logprob(tiny):
+def test_last_row_score_against_first_generated_logprob(tiny, full_forward):
     """Scoring sees the whole prompt at once; ordinary prefill in 128-row chunks is transformers' chunked
     incremental forward, whose indexer ranks only the entries complete at each chunk's end. The difference of
     the two at the prompt's last row (the logprob of the first generated token) is measured here and reported in
     docs/api.md; transformers' own chunked forward with its cache gives the same number."""
     _, cfg, weights, model, long_prompt = tiny
+    scored = full_forward[-1]
     with torch.no_grad():
-        scored = model(long_prompt[None]).logits[0, -1].float().log_softmax(-1)
         cache = transformers.DynamicCache(config=model.config)
         for start in range(0, long_prompt.shape[0], CHUNK):
             logits = model(long_prompt[None, start:start + CHUNK], cache=cache, use_cache=True).logits

@@ -81,10 +81,11 @@ def window_keys(ring: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, w
     _write_ring(ring, positions, kv)
     seen = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - window) \
         & (key_positions[None, :] >= 0)
-    return keys, _additive(seen, kv.dtype)
+    return keys, additive_mask(seen, kv.dtype)
 
 
-def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``seen``, ``-inf`` elsewhere."""
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ignition.catalog.cache_kinds import compressed_entries, kind_index, layer_counts, source_cells, window_cells
 from ignition.catalog.geometry import (CSA_INDEX_CACHE, CSA_INDEX_SOURCE, CSA_KV_CACHE, CSA_SOURCE, CSA_WINDOW_CACHE,
                                        HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, SWA_KV_CACHE, state_shape)
-from ignition.recipes.deepseek_v4_attention import (apply_rope, attend, compress_step, entries_seen, indexer_choice,
+from ignition.recipes.deepseek_v4_attention import (additive_mask, apply_rope, attend, compress_step, entries_seen, indexer_choice,
                                                     rms_norm, rope_cos_sin, window_keys)
 
 STATE_BUFFERS: dict[str, dict[str, str]] = {
@@ -107,7 +107,7 @@ def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Ten
                                   state["index_entries"], seen,
                                   min((start + rows if forward_end is None else forward_end) // rate, seen.shape[1]))
         keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
-        mask = torch.cat([mask, torch.zeros(seen.shape, dtype=mask.dtype).masked_fill(~seen, float("-inf"))], dim=1)
+        mask = torch.cat([mask, additive_mask(seen, mask.dtype)], dim=1)
     attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
     attended = apply_rope(attended, cos, -sin)  # V = K carries the keys' rotation: undo it at the query position
     grouped = attended.reshape(rows, cfg.o_groups, -1).transpose(0, 1)  # [g, R, H D / g]
