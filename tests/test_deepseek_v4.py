@@ -214,3 +214,25 @@ def test_a_step_the_state_cannot_hold_is_refused(tiny):
     with pytest.raises(ValueError, match="buffer 'csa_index_source' is required"):
         deepseek_v4_decoder(weights, cfg, long_prompt[:1], 0, 0, {k: v for k, v in state.items()
                                                                    if k != "csa_index_source"})
+
+
+def test_rejected_verify_rows_need_no_rollback(tiny):
+    """A verify round writes all its rows; after only the first is accepted, decoding on from the next position
+    does not depend on what the rejected rows were (bit for bit: the rings hold a step's rows beyond what it
+    reads, and an entry a rejected row closed is rewritten before any row sees it), and matches decoding one row
+    at a time within rounding (the accepted row was computed in a 4-row step)."""
+    _, cfg, weights, _, long_prompt = tiny
+    prompt, rounds = long_prompt[:37], 4  # rows 37..40 close CSA window 9 and HCA window 4 (position 39)
+    states = [allocate_state(cfg, 1, MAX_SEQ, rounds) for _ in range(3)]
+    for state in states:
+        for start in range(0, prompt.shape[0], rounds):
+            deepseek_v4_decoder(weights, cfg, prompt[start:start + rounds], start, 0, state)
+    position, accepted = prompt.shape[0], long_prompt[100:101]
+    deepseek_v4_decoder(weights, cfg, accepted, position, 0, states[0])
+    for state, rejected in zip(states[1:], (long_prompt[101:104], long_prompt[150:153])):
+        deepseek_v4_decoder(weights, cfg, torch.cat([accepted, rejected]), position, 0, state)
+    for step, token in enumerate(long_prompt[200:206]):
+        one_by_one, *verified = (deepseek_v4_decoder(weights, cfg, token.view(1), position + 1 + step, 0, state)
+                                 for state in states)
+        assert torch.equal(verified[0], verified[1]), step
+        torch.testing.assert_close(verified[0], one_by_one, atol=TOLERANCE, rtol=0)
