@@ -175,7 +175,7 @@ def test_manifest_declares_each_layers_kind_and_the_ring(gemma):
 @pytest.mark.parametrize("edit, rules", [
     (lambda m: m["model"].update(window_cells=16), {"GEOM-WINDOW"}),  # also the rings' position extent
     (lambda m: m["model"].update(sliding_window=4), {"GEOM-WINDOW"}),
-    (lambda m: m["model"]["layer_kinds"].__setitem__(1, "compressed"), {"GEOM-KIND-RESERVED", "GEOM-KIND-BUFFERS"}),
+    (lambda m: m["model"]["layer_kinds"].__setitem__(1, "compressed"), {"GEOM-KIND-BUFFERS"}),  # no CSA buffers
     (lambda m: m["model"]["layer_kinds"].__setitem__(1, "sliding"), {"GEOM-KIND-BUFFERS"}),  # k_cache has no layers
     (lambda m: m["model"].pop("sliding_window"), {"GEOM-KIND-BUFFERS"}),
 ])
@@ -207,7 +207,7 @@ def test_the_ring_holds_every_position_a_row_reads():
 
 def test_kind_table_and_config_refusals(gemma):
     _, _, _, checkpoint = gemma
-    assert kind_index(("sliding", "full", "sliding"), 2) == 1 and not CACHE_KINDS["compressed"].built
+    assert kind_index(("sliding", "full", "sliding"), 2) == 1 and CACHE_KINDS["compressed"].built
     config = read_config(checkpoint)
     for field, value in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0),
                          ("hidden_activation", "silu"), ("layer_types", ["sliding_attention"])):

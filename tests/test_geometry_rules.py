@@ -69,7 +69,7 @@ def test_exported_cores_pass_every_geometry_rule(decoder_core, toy_with_tokenize
     (lambda m: m["model"].update(num_layers=3), "GEOM-KIND"),  # two layer kinds for three layers
     (lambda m: m["model"].pop("layer_kinds"), ("GEOM-KIND", "GEOM-KIND-BUFFERS")),
     # the k/v caches' first extent counts the full layers, now one
-    (lambda m: m["model"]["layer_kinds"].__setitem__(0, "compressed"), ("GEOM-KIND-RESERVED", "GEOM-KIND-BUFFERS")),
+    (lambda m: m["model"]["layer_kinds"].__setitem__(0, "compressed"), "GEOM-KIND-BUFFERS"),  # no CSA buffers
     (lambda m: m["model"]["layer_kinds"].__setitem__(0, "windowed"), ("GEOM-KIND", "GEOM-KIND-BUFFERS")),
     # no window caches, no sliding_window / window_cells fields
     (lambda m: m["model"]["layer_kinds"].__setitem__(1, "sliding"), "GEOM-KIND-BUFFERS"),

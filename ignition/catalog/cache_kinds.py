@@ -21,7 +21,21 @@ validate-core resolves them, the GEOM rules); this table says which buffers belo
 - ``linear``: linear attention with a recurrent state (Qwen3.5 Gated DeltaNet): no KV cache; per slot a
   causal-convolution state of the last ``conv_kernel - 1`` inputs and a ``[heads, key_dim, value_dim]``
   recurrent state. Declared here; built by the recipe that needs it.
-- ``compressed``: reserved for DeepSeek V4's compressed attention; a core that declares it is refused.
+- DeepSeek V4's three kinds share one design (``recipes/deepseek_v4_attention.py``): every attention block keeps a
+  ring of one K=V head over ``window_cells`` cells like ``sliding`` (its window ``W = model.sliding_window``), and
+  a compressed layer adds a table of compressed entries and its compressor's source ring. Entry ``w`` compresses
+  the positions ``[w m, (w + 1) m)`` and is written by the step holding position ``(w + 1) m - 1``; the table has
+  ``max_seq_len // m + 1`` entries (the last one takes the stand-in writes of windows a step cannot close). The
+  source ring keeps each position's projected kv and gate rows, ``q mod cells``, read before the step writes it:
+  a step of ``R`` rows needs the ``2m - 1`` (CSA) or ``m - 1`` (HCA) positions before it, so the ring holds
+  ``2m + R - 1`` or ``m + R - 1`` cells and a rejected verify row never overwrites a position a later step reads.
+
+  - ``shared_window``: the window only (``swa_kv_cache``).
+  - ``compressed``: compressed sparse attention, ``m = model.csa_rate``: entries of ``head_dim`` mixing two
+    windows (``csa_kv_cache``, ``csa_source``), and the lightning indexer's own entries of ``index_head_dim``
+    (``csa_index_cache``, ``csa_index_source``), from which each row keeps the ``index_topk`` best.
+  - ``heavily_compressed``: heavily compressed attention, ``m = model.hca_rate``: every complete entry
+    (``hca_kv_cache``, ``hca_source``).
 """
 
 from __future__ import annotations
@@ -29,8 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from ignition.catalog.geometry import (CONV_STATE, K_CACHE, K_WINDOW_CACHE, KIND_LAYERS, LATENT_CACHE,
-                                       RECURRENT_STATE, ROPE_KEY_CACHE, V_CACHE, V_WINDOW_CACHE)
+from ignition.catalog.geometry import (CONV_STATE, CSA_INDEX_CACHE, CSA_INDEX_SOURCE, CSA_KV_CACHE, CSA_SOURCE,
+                                       CSA_WINDOW_CACHE, HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, K_CACHE,
+                                       K_WINDOW_CACHE, KIND_LAYERS, LATENT_CACHE, RECURRENT_STATE, ROPE_KEY_CACHE,
+                                       SWA_KV_CACHE, V_CACHE, V_WINDOW_CACHE)
 
 
 class CacheKind(IntEnum):
@@ -39,7 +55,9 @@ class CacheKind(IntEnum):
     FULL = 1  # every position: [layers, num_slots, max_seq_len, ...]
     SLIDING = 2  # a ring of window_cells positions (window W, optional sinks)
     LINEAR = 3  # a convolution state and a recurrent state per slot, no KV
-    COMPRESSED = 4  # reserved (DeepSeek V4)
+    COMPRESSED = 4  # DeepSeek V4 CSA: a K=V window ring, compressed entries, the indexer's entries
+    HEAVILY_COMPRESSED = 5  # DeepSeek V4 HCA: a K=V window ring and compressed entries
+    SHARED_WINDOW = 6  # DeepSeek V4 sliding layer: a K=V window ring
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +69,7 @@ class CacheKindSpec:
     code: CacheKind
     buffers: tuple[str, ...]  # the state buffers of this kind's layers (a recipe declares one family of them)
     fields: tuple[str, ...] = ()  # manifest.json:model fields a core with such a layer states
-    built: bool = True  # False: reserved, refused when declared (GEOM-KIND-RESERVED)
+    built: bool = True  # False: reserved, refused when declared (GEOM-KIND-RESERVED); every kind today is built
     summary: str = ""
 
     @property
@@ -70,8 +88,19 @@ CACHE_KINDS: dict[str, CacheKindSpec] = {spec.name: spec for spec in (
                   ("linear_conv_dim", "linear_conv_kernel", "linear_heads", "linear_key_dim", "linear_value_dim"),
                   summary="conv [layers, num_slots, conv_dim, conv_kernel - 1] and recurrent "
                           "[layers, num_slots, heads, key_dim, value_dim] states"),
-    CacheKindSpec("compressed", CacheKind.COMPRESSED, (), built=False,
-                  summary="DeepSeek V4 compressed attention, not built"),
+    CacheKindSpec("compressed", CacheKind.COMPRESSED,
+                  (CSA_WINDOW_CACHE, CSA_KV_CACHE, CSA_SOURCE, CSA_INDEX_CACHE, CSA_INDEX_SOURCE),
+                  ("sliding_window", "window_cells", "csa_rate", "csa_entries", "csa_source_cells", "index_head_dim"),
+                  summary="DeepSeek V4 CSA: window [layers, num_slots, window_cells, head_dim], entries "
+                          "[layers, num_slots, csa_entries, head_dim], source [layers, num_slots, csa_source_cells, "
+                          "2, 2, head_dim], and the indexer's entries and source at index_head_dim"),
+    CacheKindSpec("heavily_compressed", CacheKind.HEAVILY_COMPRESSED, (HCA_WINDOW_CACHE, HCA_KV_CACHE, HCA_SOURCE),
+                  ("sliding_window", "window_cells", "hca_rate", "hca_entries", "hca_source_cells"),
+                  summary="DeepSeek V4 HCA: window [layers, num_slots, window_cells, head_dim], entries "
+                          "[layers, num_slots, hca_entries, head_dim], source [layers, num_slots, hca_source_cells, "
+                          "2, 1, head_dim]"),
+    CacheKindSpec("shared_window", CacheKind.SHARED_WINDOW, (SWA_KV_CACHE,), ("sliding_window", "window_cells"),
+                  summary="DeepSeek V4 sliding layer: a K=V ring [layers, num_slots, window_cells, head_dim]"),
 )}
 """Kind name -> its spec; ``manifest.json:model.layer_kinds`` names these."""
 
@@ -88,6 +117,18 @@ def window_cells(window: int, step_rows: int, max_seq_len: int) -> int:
     return min(window + step_rows - 1, max_seq_len)
 
 
+def compressed_entries(max_seq_len: int, rate: int) -> int:
+    """Entries of a compressed layer's table: ``max_seq_len // rate`` complete windows at most, plus the cell that
+    takes the stand-in writes of windows a step cannot close."""
+    return max_seq_len // rate + 1
+
+
+def source_cells(rate: int, step_rows: int, overlap: bool) -> int:
+    """Cells of a compressor's source ring: the ``2 rate - 1`` (``overlap``, CSA) or ``rate - 1`` positions a step
+    reads before its own, plus its ``step_rows``."""
+    return (2 if overlap else 1) * rate + step_rows - 1
+
+
 def layer_counts(layer_kinds: list[str]) -> dict[str, int]:
     """Each kind's ``layers_symbol`` -> how many layers declare it (0 for a kind no layer declares)."""
     return {spec.layers_symbol: sum(kind == name for kind in layer_kinds) for name, spec in CACHE_KINDS.items()}
@@ -98,5 +139,5 @@ def kind_index(layer_kinds: list[str] | tuple[str, ...], layer: int) -> int:
     return sum(kind == layer_kinds[layer] for kind in layer_kinds[:layer])
 
 
-__all__ = ["CacheKind", "CacheKindSpec", "CACHE_KINDS", "KIND_OF_BUFFER", "window_cells", "layer_counts",
-           "kind_index"]
+__all__ = ["CacheKind", "CacheKindSpec", "CACHE_KINDS", "KIND_OF_BUFFER", "window_cells", "compressed_entries",
+           "source_cells", "layer_counts", "kind_index"]

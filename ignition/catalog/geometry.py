@@ -12,6 +12,11 @@ K_CACHE, V_CACHE, PENALTY_COUNTS = "k_cache", "v_cache", "penalty_counts"
 LATENT_CACHE, ROPE_KEY_CACHE = "latent_cache", "rope_key_cache"  # MLA (deepseek_v3)
 K_WINDOW_CACHE, V_WINDOW_CACHE = "k_window_cache", "v_window_cache"  # sliding-window layers (catalog/cache_kinds.py)
 CONV_STATE, RECURRENT_STATE = "conv_state", "recurrent_state"  # linear-attention layers (catalog/cache_kinds.py)
+# DeepSeek V4 (catalog/cache_kinds.py): one K=V window ring a layer, compressed entries and their compressors' sources
+SWA_KV_CACHE = "swa_kv_cache"
+CSA_WINDOW_CACHE, CSA_KV_CACHE, CSA_SOURCE = "csa_window_cache", "csa_kv_cache", "csa_source"
+CSA_INDEX_CACHE, CSA_INDEX_SOURCE = "csa_index_cache", "csa_index_source"
+HCA_WINDOW_CACHE, HCA_KV_CACHE, HCA_SOURCE = "hca_window_cache", "hca_kv_cache", "hca_source"
 PENALTY_PLANES = 2
 """penalty_counts planes: prompt-token counts, emitted-token counts."""
 
@@ -26,16 +31,27 @@ STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     V_WINDOW_CACHE: _WINDOW_CACHE,
     CONV_STATE: ("linear_layers", "num_slots", "linear_conv_dim", "linear_conv_state"),
     RECURRENT_STATE: ("linear_layers", "num_slots", "linear_heads", "linear_key_dim", "linear_value_dim"),
+    SWA_KV_CACHE: ("shared_window_layers", "num_slots", "window_cells", "head_dim"),
+    CSA_WINDOW_CACHE: ("compressed_layers", "num_slots", "window_cells", "head_dim"),
+    CSA_KV_CACHE: ("compressed_layers", "num_slots", "csa_entries", "head_dim"),
+    CSA_SOURCE: ("compressed_layers", "num_slots", "csa_source_cells", 2, 2, "head_dim"),  # kv|gate, Ca|Cb
+    CSA_INDEX_CACHE: ("compressed_layers", "num_slots", "csa_entries", "index_head_dim"),
+    CSA_INDEX_SOURCE: ("compressed_layers", "num_slots", "csa_source_cells", 2, 2, "index_head_dim"),
+    HCA_WINDOW_CACHE: ("heavily_compressed_layers", "num_slots", "window_cells", "head_dim"),
+    HCA_KV_CACHE: ("heavily_compressed_layers", "num_slots", "hca_entries", "head_dim"),
+    HCA_SOURCE: ("heavily_compressed_layers", "num_slots", "hca_source_cells", 2, 1, "head_dim"),  # kv|gate
     PENALTY_COUNTS: ("num_slots", PENALTY_PLANES, "vocab_padded"),
 }
 """Runtime-owned state tensors by name. The caches are in the model dtype; each cache's first extent counts the
 layers of its kind (``KIND_LAYERS``)."""
 
 MODEL_DTYPE_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE, K_WINDOW_CACHE, V_WINDOW_CACHE, CONV_STATE,
-                     RECURRENT_STATE)
+                     RECURRENT_STATE, SWA_KV_CACHE, CSA_WINDOW_CACHE, CSA_KV_CACHE, CSA_SOURCE, CSA_INDEX_CACHE,
+                     CSA_INDEX_SOURCE, HCA_WINDOW_CACHE, HCA_KV_CACHE, HCA_SOURCE)
 
 KIND_LAYERS: dict[str, str] = {"full_layers": "full", "sliding_layers": "sliding", "linear_layers": "linear",
-                               "compressed_layers": "compressed"}
+                               "compressed_layers": "compressed", "heavily_compressed_layers": "heavily_compressed",
+                               "shared_window_layers": "shared_window"}
 """Symbols that count the layers of one cache kind in ``manifest.json:model.layer_kinds``."""
 
 OFFSETS: dict[str, tuple[str, int]] = {"linear_conv_state": ("linear_conv_kernel", -1)}
@@ -77,13 +93,19 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "linear_key_dim": ("model", "linear_key_dim"),
     "linear_value_dim": ("model", "linear_value_dim"),
     "qk_rope_head_dim": ("model", "qk_rope_head_dim"),
+    "index_head_dim": ("model", "index_head_dim"),
+    "csa_entries": ("model", "csa_entries"),
+    "csa_source_cells": ("model", "csa_source_cells"),
+    "hca_entries": ("model", "hca_entries"),
+    "hca_source_cells": ("model", "hca_source_cells"),
     "hidden_size": ("model", "hidden_size"),
     "vocab_padded": ("vocab_padded",),
 }
 """Symbol -> its path in manifest.json."""
 
 SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "vocab_padded": "GEOM-VOCAB-TENSOR",
-                "window_cells": "GEOM-WINDOW"} | {symbol: "GEOM-KIND-BUFFERS" for symbol in KIND_LAYERS}
+                "window_cells": "GEOM-WINDOW", "csa_entries": "GEOM-COMPRESS", "csa_source_cells": "GEOM-COMPRESS",
+                "hca_entries": "GEOM-COMPRESS", "hca_source_cells": "GEOM-COMPRESS"} | {symbol: "GEOM-KIND-BUFFERS" for symbol in KIND_LAYERS}
 """The validator rule for a mismatched extent; every other symbol is GEOM-MODEL."""
 
 

@@ -31,13 +31,17 @@ RULES = {
                   "vocabulary weight tensors.",
     "GEOM-KIND": "model.layer_kinds names one cache kind of catalog/cache_kinds.py for each of model.num_layers "
                  "layers.",
-    "GEOM-KIND-RESERVED": "No layer declares a reserved cache kind (compressed: not built).",
+    "GEOM-KIND-RESERVED": "No layer declares a reserved cache kind (a kind whose table entry is not built).",
     "GEOM-KIND-BUFFERS": "The state declares each cache kind's buffers exactly when some layer has that kind, with "
                          "that kind's layer count as their first extent, and states the kind's model fields "
                          "(sliding: sliding_window, window_cells).",
     "GEOM-WINDOW": "A sliding layer's ring holds its window plus a step's rows: window_cells = min(sliding_window + "
                    "R - 1, max_seq_len), R the most rows one slot writes in a step (the chunk limit, a verify "
-                   "round's S+1); window_cells is the position extent of the window caches.",
+                   "round's S+1); window_cells is the position extent of the window caches (sliding, and DeepSeek "
+                   "V4's shared_window, compressed and heavily_compressed K=V rings).",
+    "GEOM-COMPRESS": "A compressed layer's extents follow its rate m (csa_rate, hca_rate): an entry table of "
+                     "max_seq_len // m + 1 entries (csa_entries, hca_entries) and a source ring of 2m + R - 1 (CSA) or "
+                     "m + R - 1 (HCA) cells (csa_source_cells, hca_source_cells), R a step's most rows.",
     "GEOM-TOKENIZER": "The tokenizer's token ids (added tokens included) are below vocab_size.",
     "TOKENIZER-PARSE": "The core's tokenizer JSON files parse and tokenizer.json loads.",
     "CATALOG-DUP": "Variant names and argument names within a variant are unique.",

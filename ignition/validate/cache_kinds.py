@@ -1,15 +1,16 @@
 """Cache-kind rules: every layer's kind against the kind table and the state buffers that hold it.
 
 ``manifest.json:model.layer_kinds`` names a kind of ``catalog/cache_kinds.py`` for every layer; the state then
-declares exactly the buffers of the kinds present, and a sliding layer's ring is as long as its window plus one
-step's rows (GEOM-WINDOW). The buffers' extents themselves (each kind's layer count first, ``window_cells`` as a
+declares exactly the buffers of the kinds present, a window ring (sliding, and every DeepSeek V4 kind) is as long
+as its window plus one step's rows (GEOM-WINDOW), and a compressed layer's entry table and source ring have the
+extents ``catalog/cache_kinds.py`` derives from its compression rate (GEOM-COMPRESS). The buffers' extents themselves (each kind's layer count first, ``window_cells`` as a
 window cache's positions) are checked with the rest of the state by ``validate/geometry.py`` from
 ``catalog.geometry.STATE_SHAPES``.
 """
 
 from __future__ import annotations
 
-from ignition.catalog.cache_kinds import CACHE_KINDS, KIND_OF_BUFFER, window_cells
+from ignition.catalog.cache_kinds import CACHE_KINDS, KIND_OF_BUFFER, compressed_entries, source_cells, window_cells
 from ignition.catalog.enums import Operation
 from ignition.validate.report import Violation
 
@@ -69,7 +70,8 @@ def check_kind_buffers(manifest: dict, variants: list[dict]) -> list[Violation]:
         if missing:
             found.append(Violation("GEOM-KIND-BUFFERS", "manifest.json:model", f"{kind!r} layers need the "
                                    f"fields {list(spec.fields)}; missing {missing}"))
-    if "sliding" in kinds and isinstance(model.get("sliding_window"), int) and isinstance(model.get("window_cells"), int) \
+    windowed = any("window_cells" in CACHE_KINDS[kind].fields for kind in kinds & set(CACHE_KINDS))
+    if windowed and isinstance(model.get("sliding_window"), int) and isinstance(model.get("window_cells"), int) \
             and isinstance(model.get("max_seq_len"), int):
         rows = step_rows(manifest, variants)
         expected = window_cells(model["sliding_window"], rows, model["max_seq_len"])
@@ -80,7 +82,40 @@ def check_kind_buffers(manifest: dict, variants: list[dict]) -> list[Violation]:
     return found
 
 
+COMPRESSED_EXTENTS: dict[str, tuple[str, str, str, bool]] = {
+    "compressed": ("csa_rate", "csa_entries", "csa_source_cells", True),
+    "heavily_compressed": ("hca_rate", "hca_entries", "hca_source_cells", False),
+}
+"""A compressed kind -> (its rate field, entry-table field, source-ring field, whether windows overlap)."""
+
+
+def check_compressed_extents(manifest: dict, variants: list[dict]) -> list[Violation]:
+    """GEOM-COMPRESS: each compressed kind present has a positive rate, ``max_seq_len // rate + 1`` entries and a
+    source ring of ``(2 if overlapping else 1) * rate + R - 1`` cells."""
+    model, kinds = manifest["model"], set(manifest["model"]["layer_kinds"])
+    found = []
+    for kind, (rate_field, entries_field, cells_field, overlap) in COMPRESSED_EXTENTS.items():
+        rate, max_seq_len = model.get(rate_field), model.get("max_seq_len")
+        if kind not in kinds or not all(isinstance(model.get(f), int) for f in (rate_field, entries_field, cells_field)) \
+                or not isinstance(max_seq_len, int):
+            continue  # a missing field is GEOM-KIND-BUFFERS'
+        if rate < 1:
+            found.append(Violation("GEOM-COMPRESS", f"manifest.json:model.{rate_field}",
+                                   f"expected a positive compression rate, found {rate}"))
+            continue
+        rows = step_rows(manifest, variants)
+        for field, expected, how in (
+                (entries_field, compressed_entries(max_seq_len, rate), f"max_seq_len {max_seq_len} // {rate_field} "
+                                                                       f"{rate} + 1"),
+                (cells_field, source_cells(rate, rows, overlap), f"{2 if overlap else 1} * {rate_field} {rate} + "
+                                                                 f"{rows} step rows - 1")):
+            if model[field] != expected:
+                found.append(Violation("GEOM-COMPRESS", f"manifest.json:model.{field}",
+                                       f"expected {how} = {expected}, found {model[field]}"))
+    return found
+
+
 def check_cache_kinds(manifest: dict, variants: list[dict]) -> list[Violation]:
-    """Every GEOM-KIND* and GEOM-WINDOW finding of a schema-valid manifest."""
+    """Every GEOM-KIND*, GEOM-WINDOW and GEOM-COMPRESS finding of a schema-valid manifest."""
     found = check_layer_kinds(manifest)
-    return found or check_kind_buffers(manifest, variants)
+    return found or check_kind_buffers(manifest, variants) + check_compressed_extents(manifest, variants)

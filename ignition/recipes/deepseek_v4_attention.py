@@ -1,0 +1,170 @@
+"""DeepSeek V4 attention over its per-slot state: a sliding window of one K=V head, plus compressed entries.
+
+One step is ``R`` rows of one slot at positions ``start .. start + R - 1``. Every buffer it keeps is a ring or a
+table indexed by position (``catalog/cache_kinds.py``), so a prompt chunk, a decode step and a verify round run
+the same code, and nothing depends on how the sequence was cut into steps:
+
+- the window ring: the K=V row of position ``q`` in cell ``q mod window_cells``; a row at ``p`` attends over the
+  positions ``(p - W, p]`` (transformers' sliding mask, and its decode cache of the last ``W - 1`` rows);
+- a compressor's source ring: the projected ``(kv, gate)`` rows of the last positions, ``q mod source_cells``;
+- the entry table: entry ``w`` compresses the window of positions ``[w m, (w + 1) m)`` and is written by the step
+  holding its last position ``(w + 1) m - 1``; a row at ``p`` sees the entries ``w < (p + 1) // m``. A CSA entry
+  (``m = csa_rate``) mixes window ``w - 1``'s first series (Ca) with window ``w``'s second (Cb), softmax-gated over
+  ``2m`` rows; an HCA entry (``m = hca_rate``) its own window's ``m`` rows.
+
+Every ring is read before the step writes it, so a step needs the last ``W - 1`` (window), ``2m - 1`` (CSA) or
+``m - 1`` (HCA) positions before it; the rings hold that plus the step's rows, so a rejected verify row only
+overwrites positions no later row reads. CSA rows attend over the ``index_topk`` entries the lightning indexer
+scores highest among those they see (``∑_h w_h ReLU(q_h · k)``); HCA rows over all they see. Op for op
+transformers' eager ``DeepseekV4Attention`` in FP32 (incremental decode, which these rules are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ignition.recipes.rope import rope_frequencies
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' ``Olmo2RMSNorm`` (``weight`` None: ``DeepseekV4UnweightedRMSNorm``)."""
+    if weight is None:
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * hidden).to(x.dtype)
+
+
+def rope_cos_sin(rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4's half-width ``cos``, ``sin`` ``[R, rope_dim // 2]``: one angle per interleaved pair."""
+    inv_freq, multiplier = rope_frequencies(rope, positions.device)
+    angles = positions.to(torch.float32)[:, None] * inv_freq
+    return (angles.cos() * multiplier).to(dtype), (angles.sin() * multiplier).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' V4 ``apply_rotary_pos_emb`` on the trailing ``2 * cos.shape[-1]`` channels of ``x [R, H, D]``
+    (``cos``/``sin`` ``[R, half]``, each repeated twice; GLM's interleaved ``rotate_half``: pair ``(x0, x1)`` turns
+    into ``(-x1, x0)``); the leading channels untouched."""
+    cos = cos.repeat_interleave(2, dim=-1).unsqueeze(1)
+    sin = sin.repeat_interleave(2, dim=-1).unsqueeze(1)
+    width = cos.shape[-1]
+    nope, rope = x[..., :-width], x[..., -width:]
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = ((rope.float() * cos) + (turned.float() * sin)).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def _ring_history(ring: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
+    """The ring's rows of positions ``start - count .. start - 1`` (cells ``q mod cells``; negative positions read
+    some cell, and every reader masks them)."""
+    positions = start - count + torch.arange(count, device=ring.device)
+    return ring.index_select(0, positions.remainder(ring.shape[0]))
+
+
+def _write_ring(ring: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    """``ring[q mod cells] = row`` for every row (a step's rows are fewer than the cells: distinct cells)."""
+    ring.index_copy_(0, positions.remainder(ring.shape[0]), rows.to(ring.dtype))
+
+
+def window_keys(ring: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, window: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window branch: keys ``[W - 1 + R, D]`` (the ring's last ``W - 1`` positions, then this step's rows) and
+    the additive mask ``[R, W - 1 + R]`` of the positions ``(p - W, p]`` each row sees; writes the step's rows."""
+    start = positions[:1]
+    history = _ring_history(ring, start, window - 1)
+    keys = torch.cat([history, kv], dim=0)
+    key_positions = start - (window - 1) + torch.arange(keys.shape[0], device=kv.device)
+    _write_ring(ring, positions, kv)
+    seen = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - window) \
+        & (key_positions[None, :] >= 0)
+    return keys, additive_mask(seen, kv.dtype)
+
+
+def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``seen``, ``-inf`` elsewhere."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
+
+
+def compress_step(weights: Mapping[str, torch.Tensor], prefix: str, x: torch.Tensor, positions: torch.Tensor,
+                  source: torch.Tensor, entries: torch.Tensor, rate: int, overlap: bool, rope, eps: float) -> None:
+    """Write every entry whose window closes in this step into ``entries [extent, d]``, from the step's hidden rows
+    ``x [R, hidden]`` and the ``source`` ring ``[cells, 2, series, d]`` (kv and gate of each position, ``series``
+    2 with ``overlap``: Ca and Cb; 1 without).
+
+    transformers' ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor`` / the indexer's compressor: the gate
+    plus ``ape`` softmaxed in FP32 over the window's rows, the weighted kv summed, RMS-normed, rotated at the
+    window's first position ``w m``. Window 0 has no previous window: its Ca rows weigh 0."""
+    rows, series, dim = x.shape[0], 2 if overlap else 1, entries.shape[-1]
+    start = positions[:1]
+    kv = F.linear(x, weights[prefix + "wkv"]).view(rows, series, dim)
+    gate = F.linear(x, weights[prefix + "wgate"]).view(rows, series, dim)
+    new = torch.stack([kv, gate], dim=1)  # [R, 2, series, d]
+    history = series * rate - 1  # positions before the step a closing window may read
+    src = torch.cat([_ring_history(source, start, history), new.to(source.dtype)], dim=0)  # [history + R, 2, series, d]
+    _write_ring(source, positions, new)
+    candidates = (rows - 1) // rate + 1  # windows that may close in a step of R rows
+    window = start // rate + torch.arange(candidates, device=x.device)  # [C]
+    offsets = torch.arange(rate, device=x.device)
+    first = start - history  # position of src row 0
+    ape = weights[prefix + "ape"].view(rate, series, dim)
+    current = (window[:, None] * rate + offsets[None, :] - first).clamp(0, src.shape[0] - 1)  # [C, m]
+    kv_rows = src[current, 0, series - 1]  # [C, m, d]
+    gate_rows = src[current, 1, series - 1] + ape[:, series - 1]
+    if overlap:
+        previous = (window[:, None] * rate - rate + offsets[None, :] - first).clamp(0, src.shape[0] - 1)
+        prior_gate = (src[previous, 1, 0] + ape[:, 0]).masked_fill((window == 0)[:, None, None], float("-inf"))
+        prior_kv = src[previous, 0, 0].masked_fill((window == 0)[:, None, None], 0.0)
+        kv_rows, gate_rows = torch.cat([prior_kv, kv_rows], dim=1), torch.cat([prior_gate, gate_rows], dim=1)
+    mixed = (kv_rows * gate_rows.softmax(dim=1, dtype=torch.float32).to(kv_rows.dtype)).sum(dim=1)  # [C, d]
+    compressed = rms_norm(mixed, weights[prefix + "norm"], eps)
+    cos, sin = rope_cos_sin(rope, window * rate, compressed.dtype)
+    compressed = apply_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
+    # a window that does not close in this step writes a stand-in its closing step overwrites before any row reads it
+    entries.index_copy_(0, window.clamp(max=entries.shape[0] - 1), compressed.to(entries.dtype))
+
+
+def entries_seen(positions: torch.Tensor, extent: int, rate: int) -> torch.Tensor:
+    """``[R, extent]``: entry ``w`` is complete for the row at ``p`` when ``w < (p + 1) // rate``."""
+    return torch.arange(extent, device=positions.device)[None, :] < ((positions + 1) // rate)[:, None]
+
+
+def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: torch.Tensor, q_residual: torch.Tensor,
+                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor, complete: int) -> torch.Tensor:
+    """The lightning indexer: ``[R, extent]`` True where a row attends to an entry, the ``index_topk`` complete
+    entries with the highest ``∑_h w_h ReLU(q_h · k) / sqrt(index_head_dim)`` (transformers'
+    ``DeepseekV4Indexer`` and ``DeepseekV4IndexerScorer``).
+
+    ``complete``: the entries complete at the step's end. The top-k runs over exactly those, as transformers runs
+    it over the entries its cache holds after the call: ReLU makes exact ties (several entries scoring 0) common
+    in a small model, and ``torch.topk`` breaks ties in a way that depends on the vector's length, so this is what
+    makes the choice transformers' (same steps, same device)."""
+    rows = x.shape[0]
+    cos, sin = rope_cos_sin(cfg.compress_rope, positions, x.dtype)
+    query = F.linear(q_residual, weights[prefix + "wq_b"]).view(rows, cfg.index_heads, cfg.index_head_dim)
+    query = apply_rope(query, cos, sin)
+    scores = torch.matmul(query.float(), index_keys.float().transpose(0, 1))  # [R, heads, extent]
+    scores = F.relu(scores) * cfg.index_head_dim ** -0.5
+    head_weights = F.linear(x, weights[prefix + "weights_proj"]).float() * cfg.index_heads ** -0.5  # [R, heads]
+    total = (scores * head_weights.unsqueeze(-1)).sum(dim=1).masked_fill(~seen, float("-inf"))  # [R, extent]
+    chosen = torch.zeros_like(seen)
+    if complete > 0:
+        top = total[:, :complete].topk(min(cfg.index_topk, complete), dim=-1).indices  # [R, k]
+        chosen = chosen.scatter(-1, top, True)
+    return chosen & seen
+
+
+def attend(weights: Mapping[str, torch.Tensor], prefix: str, cfg, query: torch.Tensor, keys: torch.Tensor,
+           mask: torch.Tensor) -> torch.Tensor:
+    """transformers' eager attention with per-head sinks over one K=V head: ``[R, H, D]`` queries, ``[K, D]`` keys,
+    an additive mask ``[R, K]``."""
+    scores = torch.einsum("rhd,kd->hrk", query, keys) * cfg.head_dim ** -0.5  # [H, R, K]
+    scores = scores + mask.unsqueeze(0)
+    sinks = weights[prefix + "attn_sink"].to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    combined = torch.cat([scores, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(keys.dtype), keys).transpose(0, 1)  # [R, H, D]

@@ -1,0 +1,199 @@
+"""Functional DeepSeek V4 decoder: one step of one slot, op for op transformers' eager incremental forward.
+
+A layer's hidden state is ``hc_mult`` streams (manifold-constrained hyper-connections: each block reads a
+sigmoid-weighted sum of the streams and writes its output back through ``post`` and a Sinkhorn-normalized
+``comb`` mix); attention is ``deepseek_v4_attention`` over the layer's cache kind; the MoE routes by
+``sqrt(softplus)`` scores, top-k with a correction bias or by the ``tid2eid`` table on hash layers, with clamped
+SwiGLU experts and one shared expert. The state is ``STATE_BUFFERS``'s tensors for the layer kinds present
+(``catalog.geometry.STATE_SHAPES``), each layer at its index among the layers of its kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ignition.catalog.cache_kinds import compressed_entries, kind_index, layer_counts, source_cells, window_cells
+from ignition.catalog.geometry import (CSA_INDEX_CACHE, CSA_INDEX_SOURCE, CSA_KV_CACHE, CSA_SOURCE, CSA_WINDOW_CACHE,
+                                       HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, SWA_KV_CACHE, state_shape)
+from ignition.recipes.deepseek_v4_attention import (additive_mask, apply_rope, attend, compress_step, entries_seen, indexer_choice,
+                                                    rms_norm, rope_cos_sin, window_keys)
+
+STATE_BUFFERS: dict[str, dict[str, str]] = {
+    "shared_window": {"window": SWA_KV_CACHE},
+    "compressed": {"window": CSA_WINDOW_CACHE, "entries": CSA_KV_CACHE, "source": CSA_SOURCE,
+                   "index_entries": CSA_INDEX_CACHE, "index_source": CSA_INDEX_SOURCE},
+    "heavily_compressed": {"window": HCA_WINDOW_CACHE, "entries": HCA_KV_CACHE, "source": HCA_SOURCE},
+}
+"""Each layer kind's state buffers by role."""
+
+
+def state_geometry(cfg, num_slots: int, max_seq_len: int, step_rows: int) -> dict[str, int]:
+    """The manifest symbols of ``STATE_SHAPES``' DeepSeek V4 buffers for steps of at most ``step_rows`` rows."""
+    return {"num_slots": num_slots, "head_dim": cfg.head_dim, "index_head_dim": cfg.index_head_dim,
+            "window_cells": window_cells(cfg.sliding_window, step_rows, max_seq_len),
+            "csa_entries": compressed_entries(max_seq_len, cfg.csa_rate),
+            "hca_entries": compressed_entries(max_seq_len, cfg.hca_rate),
+            "csa_source_cells": source_cells(cfg.csa_rate, step_rows, True),
+            "hca_source_cells": source_cells(cfg.hca_rate, step_rows, False), **layer_counts(list(cfg.layer_kinds))}
+
+
+def allocate_state(cfg, num_slots: int, max_seq_len: int, step_rows: int,
+                   device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Zeroed state buffers of the layer kinds ``cfg`` has, in the model dtype."""
+    geometry = state_geometry(cfg, num_slots, max_seq_len, step_rows)
+    names = dict.fromkeys(name for kind in cfg.layer_kinds for name in STATE_BUFFERS[kind].values())
+    return {name: torch.zeros(state_shape(name, **geometry), dtype=cfg.dtype, device=device) for name in names}
+
+
+def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, slot: int) -> None:
+    """Refuse a step the state cannot hold, naming the buffer: each kind's buffers present with its layer count,
+    ``head_dim`` wide, rings long enough for the positions a step reads before its own plus its rows (``rows``),
+    entry tables holding every window the step may close."""
+    reads = {"window": cfg.sliding_window - 1, "source": 2 * cfg.csa_rate - 1, "index_source": 2 * cfg.csa_rate - 1}
+    for kind in dict.fromkeys(cfg.layer_kinds):
+        layers = cfg.layer_kinds.count(kind)
+        rate = cfg.hca_rate if kind == "heavily_compressed" else cfg.csa_rate
+        for role, name in STATE_BUFFERS[kind].items():
+            cache = caches.get(name)
+            if cache is None:
+                raise ValueError(f"deepseek_v4 state: buffer {name!r} is required by the {kind!r} layers; found "
+                                 f"only {sorted(caches)}")
+            width = cfg.index_head_dim if role.startswith("index") else cfg.head_dim
+            candidates = start // rate + (rows - 1) // rate + 1  # every window a step may write, stand-ins included
+            least = {"window": reads["window"] + rows, "index_source": reads["index_source"] + rows,
+                     "source": (rate - 1 if kind == "heavily_compressed" else reads["source"]) + rows,
+                     "entries": candidates, "index_entries": candidates}[role]
+            if cache.dim() < 4 or cache.shape[0] != layers or cache.shape[-1] != width or cache.shape[2] < least \
+                    or not 0 <= slot < cache.shape[1] or cache.dtype != cfg.dtype:
+                raise ValueError(f"deepseek_v4 state: buffer {name!r} must be [{layers} layers, slots > {slot}, "
+                                 f">= {least} cells, ..., {width}] of {cfg.dtype} for {rows} rows from position "
+                                 f"{start}; found {list(cache.shape)} {cache.dtype}")
+
+
+def _layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
+    index = kind_index(cfg.layer_kinds, layer)
+    return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
+
+
+def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, start: int,
+              state: Mapping[str, torch.Tensor], forward_end: int | None = None) -> torch.Tensor:
+    """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` -> ``[R, hidden]``, reading and writing ``state``.
+    ``forward_end``: the position after the last row of the transformers forward this step is part of (the
+    indexer's top-k runs over the entries complete there); None: this step's own end."""
+    prefix, kind, eps = f"layers.{layer}.", cfg.layer_kinds[layer], cfg.rms_norm_eps
+    rows = x.shape[0]
+    positions = start + torch.arange(rows, device=x.device)
+    rope = cfg.main_rope if kind == "shared_window" else cfg.compress_rope
+    cos, sin = rope_cos_sin(rope, positions, x.dtype)
+    q_residual = rms_norm(F.linear(x, weights[prefix + "wq_a"]), weights[prefix + "q_norm"], eps)
+    query = F.linear(q_residual, weights[prefix + "wq_b"]).view(rows, cfg.num_heads, cfg.head_dim)
+    query = apply_rope(rms_norm(query, None, eps), cos, sin)  # [R, H, D]
+    kv = rms_norm(F.linear(x, weights[prefix + "wkv"]), weights[prefix + "kv_norm"], eps)
+    kv = apply_rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [R, D]: key and value
+    keys, mask = window_keys(state["window"], kv, positions, cfg.sliding_window)
+    if kind != "shared_window":
+        csa = kind == "compressed"
+        rate = cfg.csa_rate if csa else cfg.hca_rate
+        compress_step(weights, prefix + "compressor.", x, positions, state["source"], state["entries"], rate, csa,
+                      cfg.compress_rope, eps)
+        seen = entries_seen(positions, state["entries"].shape[0], rate)  # [R, extent]
+        if csa:
+            compress_step(weights, prefix + "indexer.", x, positions, state["index_source"], state["index_entries"],
+                          rate, True, cfg.compress_rope, eps)
+            seen = indexer_choice(weights, prefix + "indexer.", cfg, x, q_residual, positions,
+                                  state["index_entries"], seen,
+                                  min((start + rows if forward_end is None else forward_end) // rate, seen.shape[1]))
+        keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
+        mask = torch.cat([mask, additive_mask(seen, mask.dtype)], dim=1)
+    attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
+    attended = apply_rope(attended, cos, -sin)  # V = K carries the keys' rotation: undo it at the query position
+    grouped = attended.reshape(rows, cfg.o_groups, -1).transpose(0, 1)  # [g, R, H D / g]
+    wo_a = weights[prefix + "wo_a"].view(cfg.o_groups, cfg.o_lora_rank, -1)  # [g, o_lora, H D / g]
+    mixed = torch.bmm(grouped, wo_a.transpose(1, 2)).transpose(0, 1).reshape(rows, -1)  # [R, g o_lora]
+    return F.linear(mixed, weights[prefix + "wo_b"])
+
+
+def hyper_connection(weights: Mapping[str, torch.Tensor], prefix: str, cfg, streams: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' ``DeepseekV4HyperConnection``: ``streams [R, n, hidden]`` -> (post ``[R, n]``, comb
+    ``[R, n, n]``, the collapsed block input ``[R, hidden]``)."""
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    flat = rms_norm(streams.reshape(streams.shape[0], -1).float(), None, cfg.rms_norm_eps)
+    mixes = F.linear(flat, weights[prefix + "fn"].float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = weights[prefix + "base"].split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = weights[prefix + "scale"].unbind(0)
+    comb_w, comb_b = comb_w.view(-1, n, n), comb_b.view(n, n)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    gate = F.linear(x, w1).clamp(max=limit)
+    up = F.linear(x, w3).clamp(min=-limit, max=limit)
+    return F.linear(F.silu(gate) * up, w2)
+
+
+def moe(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """transformers' ``DeepseekV4SparseMoeBlock``: routed experts (summed in expert order) plus the shared one."""
+    prefix, experts = f"layers.{layer}.", cfg.moe
+    scores = F.softplus(F.linear(x, weights[prefix + "gate"])).sqrt()  # [R, E]
+    if layer in cfg.hash_layers:
+        chosen = weights[prefix + "tid2eid"].index_select(0, token_ids).long()  # [R, k]
+    else:
+        chosen = torch.topk(scores + weights[prefix + "gate_bias"], experts.top_k, dim=-1, sorted=False).indices
+    routed_weights = scores.gather(1, chosen)
+    routed_weights = routed_weights / (routed_weights.sum(dim=-1, keepdim=True) + 1e-20) * experts.routed_scaling_factor
+    routed = torch.zeros_like(x)
+    for expert in range(experts.num_experts):
+        weight = (routed_weights * (chosen == expert)).sum(-1, keepdim=True)  # [R, 1]: 0 where not chosen
+        names = [f"{prefix}experts.{expert}.{w}" for w in ("w1", "w2", "w3")]
+        out = _swiglu(x, weights[names[0]], weights[names[1]], weights[names[2]], experts.swiglu_limit)
+        routed = routed + (out * weight).masked_fill(weight == 0, 0.0)
+    shared = _swiglu(x, weights[prefix + "shared.w1"], weights[prefix + "shared.w2"], weights[prefix + "shared.w3"],
+                     experts.swiglu_limit)
+    return routed + shared
+
+
+def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, start: int, slot: int,
+                        caches: Mapping[str, torch.Tensor], forward_end: int | None = None) -> torch.Tensor:
+    """One step of slot ``slot``: rows at positions ``start ..``; the final-normed hidden ``[R, hidden]``.
+
+    Generation steps (``forward_end`` None) are transformers' incremental forward: a prompt chunk or decode step is
+    one call with its cache. Prompt scoring is transformers' full forward over the whole prompt: its chunks pass
+    ``forward_end`` = the prompt's length, so the indexer chooses as that single forward does."""
+    rows = input_ids.shape[0]
+    check_step(cfg, caches, start, rows, slot)
+    token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
+    hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
+    streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [R, n, hidden]
+    for layer in range(cfg.num_layers):
+        prefix = f"layers.{layer}."
+        state = _layer_state(cfg, caches, layer, slot)
+        post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
+        out = attention(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps),
+                        start, state, forward_end)
+        streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
+            + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+        post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
+        out = moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps), token_ids)
+        streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
+            + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+    flat = rms_norm(streams.reshape(rows, -1).float(), None, cfg.rms_norm_eps)
+    pre = torch.sigmoid(F.linear(flat, weights["hc_head_fn"].float()) * weights["hc_head_scale"].float()
+                        + weights["hc_head_base"].float()) + cfg.hc_eps
+    hidden = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)
+
+
+__all__ = ["deepseek_v4_decoder", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
