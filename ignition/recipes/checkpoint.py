@@ -29,6 +29,8 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (recipes/qwen3_5.py)
 }
 
 # Non-persistent buffers that some exporters still write; never part of the expected layout.

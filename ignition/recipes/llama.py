@@ -50,6 +50,8 @@ class DecoderFamily:
     windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
     dynamic_chunks: bool = False  # prefill rows are a window too (not for MoE: its capacity ladder fixes the rows)
     packed: bool = False  # packed.t{C}.c{capacity}: several prompts' chunks per submission (GQA, dynamic chunks)
+    # (checkpoint, cfg, dtype) -> weights under our names; None: ``load_weights`` over ``weight_map``
+    load: Callable[[Any, Any, torch.dtype], dict[str, torch.Tensor]] | None = None
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
@@ -78,7 +80,8 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     cfg = family.parse(config, str(directory / CONFIG_FILE))
     _check_geometry(options, cfg)
     dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
-    weights = load_weights(open_checkpoint(directory), cfg, family.weight_map, dtype)
+    weights = (family.load or (lambda checkpoint, cfg, dtype: load_weights(checkpoint, cfg, family.weight_map, dtype)))(
+        open_checkpoint(directory), cfg, dtype)
     if cfg.tie_word_embeddings:
         del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
