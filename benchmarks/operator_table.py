@@ -1,7 +1,7 @@
 """Regenerate or check ``ignition/catalog/operators.py``: the operators the recipes' graphs call.
 
 ``python -m benchmarks.operator_table`` exports tiny cores of every recipe (toy, qwen3, llama,
-qwen3_moe, deepseek_v3) with generation and prompt logprobs, speculative verify and mixed
+qwen3_moe, deepseek_v3, qwen3_5: no verify variants) with generation and prompt logprobs, speculative verify and mixed
 variants, and a tensor-parallel qwen3 core, reads every graph's ``models/model.json`` and prints
 the operator packets (``namespace.name``) the graphs call that validate-core would refuse: neither in
 ``ALLOWED_OPERATORS`` (``EMITTED_OPERATORS`` and ``TENSOR_OPERATORS``) nor an ``_operator`` function on
@@ -48,9 +48,11 @@ def _checkpoints(root: Path) -> dict[str, Path]:
     import make_tiny_llama
     import make_tiny_moe
     import make_tiny_qwen3
+    import make_tiny_qwen3_5
 
     made = {"qwen3": make_tiny_qwen3.make_checkpoint(root / "qwen3"),
-            "llama": make_tiny_llama.make_checkpoint(root / "llama")}
+            "llama": make_tiny_llama.make_checkpoint(root / "llama"),
+            "qwen3_5": make_tiny_qwen3_5.make_checkpoint(root / "qwen3_5")}
     for family in ("qwen3_moe", "deepseek_v3"):
         made[family] = make_tiny_moe.make_checkpoint(root / family, family=family)
     return made
@@ -66,7 +68,8 @@ def captured_packets(root: Path) -> set[str]:
                       "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
     for family, checkpoint in checkpoints.items():
         configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
-                                               speculative_tokens=(2,), mixed=True, **small)
+                                               speculative_tokens=() if family == "qwen3_5" else (2,), mixed=True,
+                                               **small)
     configurations["qwen3-tp2"] = ExportOptions(recipe="qwen3", checkpoint=checkpoints["qwen3"], prompt_logprobs=True,
                                                 tensor_parallel=2, targets=("cuda:90",), **small)
     packets = set()

@@ -5,7 +5,7 @@ A ``.pt2`` graph is data until torch runs it, and some aten operators reach outs
 touch files, storage constructors alias memory the graph does not own. So a graph may call only
 
 * ``EMITTED_OPERATORS``: what the exporter captures for every recipe (toy, qwen3, llama, qwen3_moe,
-  deepseek_v3; logprobs, prompt logprobs, speculative, mixed, tensor-parallel). Regenerate or check
+  deepseek_v3, qwen3_5; logprobs, prompt logprobs, speculative, mixed, tensor-parallel). Regenerate or check
   it with ``python -m benchmarks.operator_table``; an addition is a reviewed change to this file;
 * ``TENSOR_OPERATORS``: harmless tensor, view and in-place operators a recipe may start to emit
   (attention through scaled_dot_product_attention, in-place cache writes, slicing views);
@@ -30,14 +30,16 @@ EMITTED_OPERATORS = frozenset({
     "aten.__and__", "aten.__lshift__", "aten.__or__", "aten.__rshift__", "aten.__xor__",
     "aten._assert_tensor_metadata", "aten.add", "aten.add_", "aten.addcdiv", "aten.amax", "aten.amin", "aten.arange",
     "aten.argmax",
-    "aten.bitwise_not", "aten.bmm", "aten.cat", "aten.clamp", "aten.contiguous", "aten.copy_", "aten.cos",
-    "aten.cumprod", "aten.cumsum", "aten.div", "aten.embedding", "aten.eq", "aten.expand", "aten.fill_",
+    "aten.bitwise_not", "aten.bmm", "aten.cat", "aten.clamp", "aten.contiguous", "aten.conv1d", "aten.copy_",
+    "aten.cos",
+    "aten.cumprod", "aten.cumsum", "aten.div", "aten.embedding", "aten.eq", "aten.exp", "aten.expand", "aten.fill_",
     "aten.full_like", "aten.gather", "aten.ge", "aten.gt", "aten.index", "aten.index_add", "aten.index_copy_",
-    "aten.index_put_", "aten.index_select", "aten.le", "aten.lift_fresh_copy", "aten.linear", "aten.lt",
+    "aten.index_put_", "aten.index_select", "aten.le", "aten.lift_fresh_copy", "aten.linalg_solve_triangular",
+    "aten.linear", "aten.lt",
     "aten.masked_fill", "aten.matmul", "aten.minimum", "aten.mul", "aten.ne", "aten.neg", "aten.new_full", "aten.pad",
     "aten.permute", "aten.pow", "aten.reciprocal", "aten.repeat", "aten.repeat_interleave", "aten.reshape",
     "aten.roll", "aten.rsqrt", "aten.rsub", "aten.scatter", "aten.scatter_", "aten.select", "aten.sigmoid",
-    "aten.silu", "aten.sin", "aten.slice", "aten.softmax", "aten.sort", "aten.split_with_sizes", "aten.squeeze",
+    "aten.silu", "aten.sin", "aten.slice", "aten.softmax", "aten.softplus", "aten.sort", "aten.split_with_sizes", "aten.squeeze",
     "aten.stack", "aten.sub", "aten.sum", "aten.to", "aten.topk", "aten.transpose", "aten.unbind", "aten.unsqueeze",
     "aten.view", "aten.where", "aten.zeros", "aten.zeros_like", "ignition.merge_prompt_scores",
     "ignition.merge_vocabulary_logprobs", "ignition.reduce_logprobs", "ignition.score_prompt_rows",

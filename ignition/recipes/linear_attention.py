@@ -93,7 +93,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     query, key, k_beta, v_beta = (x.reshape(groups, heads, blocks, block, x.shape[-1])
                                   for x in (query, key, k_beta, v_beta))
     cum_decay = decay.reshape(groups, heads, blocks, block).cumsum(dim=3)  # [G, heads, blocks, block]
-    upper = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    index = torch.arange(block, device=query.device)
+    upper = index.view(1, -1) > index.view(-1, 1)  # [block, block]: the later rows a row may not see
     pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise  # [G, heads, blocks, block, block], lower triangle
     intra = (query @ key.transpose(-1, -2)) * pairwise

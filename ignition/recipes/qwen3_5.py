@@ -294,6 +294,23 @@ def gated_attention(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, laye
     return F.linear(attended, weights[prefix + "o_proj"])  # [R, d_model]
 
 
+def decoder_layer(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, layer: int, hidden: torch.Tensor,
+                  rows: Rows, caches: Mapping[str, torch.Tensor], plan=None, rope=None) -> torch.Tensor:
+    """One residual layer on ``hidden [R, d_model]``: zero-centered norm, the layer's token mixer (linear or gated
+    full attention: ``plan`` and ``rope = (cos, signed sin)`` are the forward's), zero-centered norm, the MLP."""
+    prefix = f"layers.{layer}."
+    normed = zero_centered_rms_norm(hidden, weights[prefix + "attn_norm"], cfg.rms_norm_eps)
+    row = kind_index(cfg.layer_kinds, layer)
+    if cfg.layer_kinds[layer] == "linear":
+        mixed = gated_delta_net(weights, cfg, layer, row, normed, rows, caches[CONV_STATE], caches[RECURRENT_STATE])
+    else:
+        mixed = gated_attention(weights, cfg, layer, row, normed, *rope, rows, plan, caches[K_CACHE], caches[V_CACHE])
+    hidden = hidden + mixed
+    normed = zero_centered_rms_norm(hidden, weights[prefix + "mlp_norm"], cfg.rms_norm_eps)
+    gated = F.silu(F.linear(normed, weights[prefix + "gate_proj"])) * F.linear(normed, weights[prefix + "up_proj"])
+    return hidden + F.linear(gated, weights[prefix + "down_proj"])  # [R, d_model]
+
+
 def _check_caches(cfg: Qwen35Config, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:
     """Static (trace-time) check that every cache matches ``cache_shapes`` and the weights' dtype."""
     first = caches[cfg.cache_names[0]]
@@ -314,27 +331,15 @@ def qwen3_5_decoder(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, inpu
                          "prefill)")
     _check_caches(cfg, weights, caches)
     hidden = F.embedding(input_ids.clamp(0, cfg.vocab_size - 1), weights["embed"])  # [R, d_model]
-    plan = None
+    plan = rope = None
     if cfg.full_layers:
         k_cache = caches[K_CACHE]
         plan = plan_attention(rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads,
                               k_cache.dtype)
         cos, sin = rope_cos_sin(cfg.rotary, rows.positions, hidden.dtype)  # [R, 1, rotary_dim]
-        sin_signed = signed_sin(sin)
-    for layer, kind in enumerate(cfg.layer_kinds):
-        normed = zero_centered_rms_norm(hidden, weights[f"layers.{layer}.attn_norm"], cfg.rms_norm_eps)
-        row = kind_index(cfg.layer_kinds, layer)
-        if kind == "linear":
-            mixed = gated_delta_net(weights, cfg, layer, row, normed, rows, caches[CONV_STATE],
-                                    caches[RECURRENT_STATE])
-        else:
-            mixed = gated_attention(weights, cfg, layer, row, normed, cos, sin_signed, rows, plan, caches[K_CACHE],
-                                    caches[V_CACHE])
-        hidden = hidden + mixed
-        normed = zero_centered_rms_norm(hidden, weights[f"layers.{layer}.mlp_norm"], cfg.rms_norm_eps)
-        prefix = f"layers.{layer}."
-        gated = F.silu(F.linear(normed, weights[prefix + "gate_proj"])) * F.linear(normed, weights[prefix + "up_proj"])
-        hidden = hidden + F.linear(gated, weights[prefix + "down_proj"])
+        rope = (cos, signed_sin(sin))
+    for layer in range(cfg.num_layers):
+        hidden = decoder_layer(weights, cfg, layer, hidden, rows, caches, plan, rope)
     return zero_centered_rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)  # [R, d_model]
 
 
