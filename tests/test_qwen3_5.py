@@ -8,6 +8,7 @@ forward for prompt scores. The decoder and the delta-rule forms are also checked
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -27,6 +28,7 @@ from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions, RecipeError
 from ignition.recipes.checkpoint import open_checkpoint, read_config
 from ignition.recipes.layers import Rows
+from ignition.recipes.llama import eos_token_id
 from ignition.recipes.linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from ignition.recipes.qwen3_5 import FAMILY, Qwen35Config
 from ignition.recipes.registry import build_recipe
@@ -211,7 +213,8 @@ def test_multimodal_checkpoint_exports_its_text_model(checkpoint, tmp_path, capl
     directory, _ = checkpoint
     text = read_config(directory)
     config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-              "tie_word_embeddings": True, "text_config": {k: v for k, v in text.items() if k != "architectures"},
+              "tie_word_embeddings": True,
+              "text_config": {k: v for k, v in text.items() if k not in ("architectures", "tie_word_embeddings")},
               "vision_config": {"depth": 1}}
     tensors = {name.replace("model.", "model.language_model.", 1): tensor
                for name, tensor in load_file(directory / "model.safetensors").items()}
@@ -220,12 +223,11 @@ def test_multimodal_checkpoint_exports_its_text_model(checkpoint, tmp_path, capl
     multimodal.mkdir()
     (multimodal / "config.json").write_text(json.dumps(config))
     save_file(tensors, multimodal / "model.safetensors")
-    with caplog.at_level(logging.INFO, logger="ignition.recipes.qwen3_5"):
+    with caplog.at_level(logging.WARNING, logger="ignition.recipes.qwen3_5"):
         cfg = Qwen35Config.from_hf_config(read_config(multimodal), "config.json")
     assert sum("text model" in record.getMessage() for record in caplog.records) == 1
-    assert cfg == FAMILY.parse(text, "config.json").__class__(**{
-        **{f: getattr(FAMILY.parse(text, "config.json"), f) for f in Qwen35Config.__slots__},
-        "text_prefix": "model.language_model."})
+    assert cfg == dataclasses.replace(FAMILY.parse(text, "config.json"), text_prefix="model.language_model.")
+    assert eos_token_id(read_config(multimodal), cfg, multimodal) == text["eos_token_id"]
     ours = FAMILY.load(open_checkpoint(multimodal), cfg, torch.float32)
     theirs = FAMILY.load(open_checkpoint(directory), FAMILY.parse(text, "config.json"), torch.float32)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)

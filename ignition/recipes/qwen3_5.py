@@ -164,10 +164,11 @@ class Qwen35Config:
             if not isinstance(text, dict):
                 raise CheckpointError(f"{source}: field 'text_config' must be an object; found {text!r}")
             source = f"{source} (text_config)"
-            log.info("%s: a multimodal %s checkpoint; exporting its text model (the vision tower is skipped)",
+            log.warning("%s: a multimodal %s checkpoint; exporting its text model (the vision tower is skipped)",
                      source, architecture)
-            text = {"tie_word_embeddings": config.get("tie_word_embeddings"), "dtype": config.get("dtype")} | {
-                key: value for key, value in text.items() if value is not None}
+            # the multimodal model's own fields win (its lm_head ties to the text embedding by the top-level flag)
+            text = {"dtype": config.get("dtype")} | {key: value for key, value in text.items() if value is not None} | {
+                key: config[key] for key in ("tie_word_embeddings",) if config.get(key) is not None}
         for key, (value, why) in FIXED_FIELDS.items():
             if text.get(key) is not None and text[key] != value:
                 raise CheckpointError(f"{source}: field {key!r} must be {value!r} ({why}); found {text[key]!r}")
