@@ -160,6 +160,19 @@ def test_batched_mixed_and_reused_slots_match_transformers(core, checkpoint) -> 
         assert_generation_matches(hf, prompt, result, 20, f"request {index}")
 
 
+def test_batch_invariant_requests_are_bit_identical_to_alone(core) -> None:
+    """--batch-invariant: a request's tokens and logprobs do not depend on its co-batching, its slot or whether its
+    prompt ran in a prefill or a mixed round (each lane's states are its own)."""
+    loaded = core[1]
+    requests = [Request(list(range(3 + 5 * i, 12 + 7 * i)), max_tokens=5 + i, logprobs=5, ignore_eos=True)
+                for i in range(3)]
+    together = Engine(loaded, batch_invariant=True).generate(requests)
+    for request, shared in zip(requests, together):
+        (alone,) = Engine(loaded, batch_invariant=True).generate([request])
+        assert shared.error is None and shared.token_ids == alone.token_ids
+        assert [(e.logprob, e.top) for e in shared.entries] == [(e.logprob, e.top) for e in alone.entries]
+
+
 def test_decoder_logits_match_transformers(checkpoint) -> None:
     """The decoder alone: chunked prefill (junk padding ids) into scrambled slots, then batched decode with an
     inactive lane whose slot holds another sequence's state; against transformers' full forward."""
