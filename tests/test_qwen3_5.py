@@ -101,6 +101,7 @@ def test_core_declares_linear_and_full_state(core) -> None:
     assert model["layer_kinds"] == ["linear", "linear", "linear", "full"]
     assert (model["linear_conv_dim"], model["linear_conv_kernel"], model["linear_heads"], model["linear_key_dim"],
             model["linear_value_dim"]) == (2 * 2 * 16 + 4 * 8, 4, 4, 16, 8)
+    assert {s["name"]: s["dtype"] for s in manifest["state"]}["recurrent_state"] == "float32"
     assert {s["name"]: s["shape"] for s in manifest["state"]} == {
         "k_cache": [1, 2, MAX_SEQ_LEN, 2, 16], "v_cache": [1, 2, MAX_SEQ_LEN, 2, 16], "conv_state": [3, 2, 96, 3],
         "recurrent_state": [3, 2, 4, 16, 8], "penalty_counts": [2, 2, VOCAB]}
@@ -113,13 +114,18 @@ def test_core_declares_linear_and_full_state(core) -> None:
 
 
 @pytest.mark.parametrize("field, value, rule", [("linear_heads", 8, "GEOM-MODEL"), ("linear_conv_kernel", 5, "GEOM-MODEL"),
-                                                ("layer_kinds", ["linear", "full", "full", "full"], "GEOM-KIND-BUFFERS")])
+                                                ("layer_kinds", ["linear", "full", "full", "full"], "GEOM-KIND-BUFFERS"),
+                                                ("recurrent_state", "bfloat16", "GEOM-MODEL")])
 def test_validator_checks_the_linear_state(core, tmp_path, field: str, value, rule: str) -> None:
-    """A manifest whose linear geometry or layer kinds lie about the state is refused, naming the rule."""
+    """A manifest whose linear geometry, layer kinds or recurrent-state dtype lie about the state is refused, naming
+    the rule."""
     out = tmp_path / "core"
     shutil.copytree(core[0], out)
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest["model"][field] = value
+    if field == "recurrent_state":
+        next(decl for decl in manifest["state"] if decl["name"] == field)["dtype"] = value
+    else:
+        manifest["model"][field] = value
     (out / "manifest.json").write_bytes(dump_json(manifest))
     report = validate_core(out, check_graphs=False)
     assert any(v.rule == rule for v in report.violations), report.violations
@@ -200,6 +206,33 @@ def test_decoder_logits_match_transformers(checkpoint) -> None:
             logits = lm_head_logits(weights, cfg, FAMILY.decoder(weights, cfg, input_ids, rows, caches))
             for lane, reference in enumerate(references):
                 torch.testing.assert_close(logits[lane], reference[positions[lane]], atol=TOL, rtol=0)
+
+
+def test_bfloat16_decoder_is_transformers_bit_for_bit(checkpoint) -> None:
+    """BF16 weights, the recurrent state in FP32 (as transformers keeps it): a prompt forward, then 20 decode steps
+    on transformers' cache, against its BF16 incremental decode. Measured bit-identical on CPU; the tolerance is one
+    BF16 step at |logit| < 8 (a BF16 recurrent state moved a logit by 0.125 within 28 steps)."""
+    directory = checkpoint[0]
+    hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.bfloat16).eval()
+    cfg = FAMILY.parse(read_config(directory), "config.json")
+    weights = FAMILY.load(open_checkpoint(directory), cfg, torch.bfloat16)
+    shapes = cfg.cache_shapes(2, MAX_SEQ_LEN)
+    caches = {name: torch.zeros(shape, dtype=torch.float32 if name == "recurrent_state" else torch.bfloat16)
+              for name, shape in shapes.items()}
+    prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3))
+    tolerance = dict(atol=2 ** -5, rtol=0)
+    with torch.no_grad():
+        out = hf(prompt[None], use_cache=True)
+        rows = Rows.prefill(16, torch.tensor([0]), torch.tensor([12]), torch.tensor([1]))
+        hidden = FAMILY.decoder(weights, cfg, torch.cat([prompt, torch.zeros(4, dtype=torch.long)]), rows, caches)
+        torch.testing.assert_close(lm_head_logits(weights, cfg, hidden)[:12], out.logits[0], **tolerance)
+        cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        for position in range(12, 32):
+            out = hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            rows = Rows.decode(torch.tensor([position]), torch.tensor([1]), torch.tensor([True]))
+            hidden = FAMILY.decoder(weights, cfg, torch.tensor([token]), rows, caches)
+            torch.testing.assert_close(lm_head_logits(weights, cfg, hidden)[0], out.logits[0, -1], **tolerance)
+            cache, token = out.past_key_values, int(out.logits[0, -1].argmax())
 
 
 def test_delta_rule_forms_agree_with_transformers() -> None:

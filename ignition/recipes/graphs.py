@@ -27,7 +27,7 @@ from ignition.catalog.buffers import (DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, P
                                      SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW,
                                      TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, Role
-from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
+from ignition.catalog.geometry import FP32_STATE, PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.constraints import sampling_logits
@@ -60,9 +60,10 @@ def penalty_history(penalty: torch.Tensor, slots: torch.Tensor, transform: torch
 def state_declarations(cfg, dtype: torch.dtype, num_slots: int, max_seq_len: int,
                        vocab_padded: int) -> list[BufferDecl]:
     """The runtime-owned state every decoder variant reads and updates, in argument order: the config's
-    caches (``[layers, num_slots, max_seq_len, ...]`` in the model dtype), then the penalty counts."""
+    caches (``[layers, num_slots, max_seq_len, ...]`` in the model dtype; ``FP32_STATE`` in FP32), then the penalty
+    counts."""
     cache_dtype = str(dtype).removeprefix("torch.")
-    caches = [BufferDecl(name, cache_dtype, list(shape), Role.STATE)
+    caches = [BufferDecl(name, "float32" if name in FP32_STATE else cache_dtype, list(shape), Role.STATE)
               for name, shape in cfg.cache_shapes(num_slots, max_seq_len).items()]
     penalty = state_shape(PENALTY_COUNTS, num_slots=num_slots, vocab_padded=vocab_padded)
     return caches + [BufferDecl(PENALTY_COUNTS, "int32", penalty, Role.STATE)]

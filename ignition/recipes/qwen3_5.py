@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
-from ignition.catalog.geometry import CONV_STATE, K_CACHE, RECURRENT_STATE, V_CACHE, state_shape
+from ignition.catalog.geometry import CONV_STATE, FP32_STATE, K_CACHE, RECURRENT_STATE, V_CACHE, state_shape
 from ignition.recipes.attention import cached_attention, plan_attention
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, read_field
@@ -133,7 +133,8 @@ class Qwen35Config:
                 + ((CONV_STATE, RECURRENT_STATE) if self.linear_layers else ()))
 
     def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
-        """Each cache buffer's shape (``catalog.geometry.STATE_SHAPES``), in the model (export) dtype."""
+        """Each cache buffer's shape (``catalog.geometry.STATE_SHAPES``): in the model (export) dtype, the recurrent
+        state in FP32 (``catalog.geometry.FP32_STATE``)."""
         for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Qwen35Config.cache_shapes: {name} must be a positive int; found {value!r}")
@@ -318,8 +319,9 @@ def _check_caches(cfg: Qwen35Config, weights: Mapping[str, torch.Tensor], caches
     max_seq_len = caches[K_CACHE].shape[2] if cfg.full_layers and caches[K_CACHE].dim() == 5 else 1
     expected = cfg.cache_shapes(first.shape[1] if first.dim() > 1 else 1, max_seq_len)
     for name, shape in expected.items():
-        if tuple(caches[name].shape) != shape or caches[name].dtype != weights["embed"].dtype:
-            raise ValueError(f"{name} must have shape {shape} and dtype {weights['embed'].dtype}; "
+        dtype = torch.float32 if name in FP32_STATE else weights["embed"].dtype
+        if tuple(caches[name].shape) != shape or caches[name].dtype != dtype:
+            raise ValueError(f"{name} must have shape {shape} and dtype {dtype}; "
                              f"found {tuple(caches[name].shape)} {caches[name].dtype}")
 
 
