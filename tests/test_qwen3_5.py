@@ -113,6 +113,14 @@ def test_core_declares_linear_and_full_state(core) -> None:
     assert kinds == {"linear": 3 * 2 * (96 * 3 + 4 * 16 * 8) * 4, "full": 2 * 2 * MAX_SEQ_LEN * 2 * 16 * 4}
 
 
+def test_kv_bytes_per_token_counts_no_linear_state() -> None:
+    """A conv state whose conv_dim equals max_seq_len is still per slot, not per token."""
+    from ignition.catalog.inspect import kv_bytes_per_token
+    state = [{"name": "k_cache", "dtype": "float32", "shape": [1, 2, 96, 2, 16], "role": "state"},
+             {"name": "conv_state", "dtype": "float32", "shape": [3, 2, 96, 3], "role": "state"}]
+    assert kv_bytes_per_token({"model": {"num_slots": 2, "max_seq_len": 96}, "state": state}) == 2 * 16 * 4
+
+
 @pytest.mark.parametrize("field, value, rule", [("linear_heads", 8, "GEOM-MODEL"), ("linear_conv_kernel", 5, "GEOM-MODEL"),
                                                 ("layer_kinds", ["linear", "full", "full", "full"], "GEOM-KIND-BUFFERS"),
                                                 ("recurrent_state", "bfloat16", "GEOM-MODEL")])
