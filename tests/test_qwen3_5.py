@@ -287,6 +287,13 @@ def test_multimodal_checkpoint_exports_its_text_model(checkpoint, tmp_path, capl
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
+def test_a_linear_attention_core_is_refused_as_a_draft_core(core) -> None:
+    """A draft core rewinds to the prefix a new context shares with the old one; a recurrent state cannot."""
+    from ignition.runtime.drafters import SpeculativeError, check_draft_core
+    with pytest.raises(SpeculativeError, match="linear layers keep a state that summarises"):
+        check_draft_core(core[1], core[1])
+
+
 @pytest.mark.parametrize("option, words", [(dict(speculative_tokens=(2,)), "--speculative-tokens 2"),
                                            (dict(onnx=True), "aten.linalg_solve_triangular")])
 def test_unbuilt_options_are_refused_by_name(checkpoint, option: dict, words: str) -> None:
