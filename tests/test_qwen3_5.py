@@ -61,7 +61,7 @@ def core(checkpoint, tmp_path_factory):
     """(exported core, loaded core): export validates it."""
     out = tmp_path_factory.mktemp("qwen3_5-core") / "core"
     export_core(ExportOptions(recipe="qwen3_5", checkpoint=checkpoint[0], capacities=(2,), chunk_limit=CHUNK,
-                              max_seq_len=MAX_SEQ_LEN, prompt_logprobs=True, mixed=True), out)
+                              max_seq_len=MAX_SEQ_LEN, prompt_logprobs=True, mixed=True, speculative_tokens=(2,)), out)
     return out, load_core(out, device="cpu")
 
 
@@ -187,6 +187,25 @@ def test_batch_invariant_requests_are_bit_identical_to_alone(core) -> None:
         assert [(e.logprob, e.top) for e in shared.entries] == [(e.logprob, e.top) for e in alone.entries]
 
 
+def test_speculative_verify_keeps_the_accepted_rows_state(core, checkpoint) -> None:
+    """Prompt-lookup drafts through verify.s2.c2: accepted and rejected proposals, each lane's recurrent and conv
+    states rolled back to its last accepted row. Greedy tokens, logprobs and K=20 alternatives equal plain decoding's
+    and match transformers' incremental decode."""
+    from ignition.runtime.drafters import NgramDrafter
+    hf, loaded = checkpoint[1], core[1]
+    prompts = [[7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [(5 * i + 1) % VOCAB for i in range(13)]]
+    requests = [Request(prompt, max_tokens=16, logprobs=20, ignore_eos=True) for prompt in prompts]
+    plain = Engine(loaded, mixed=False).generate(requests)
+    engine = Engine(loaded, drafter=NgramDrafter(), draft_tokens=2, mixed=False)
+    speculated = engine.generate(requests)
+    assert 0 < engine.stats["accepted"] < engine.stats["proposed"], engine.stats  # both paths of the rollback
+    for index, (prompt, ours, base) in enumerate(zip(prompts, speculated, plain)):
+        assert ours.error is None and ours.token_ids == base.token_ids
+        for entry, reference in zip(ours.entries, base.entries, strict=True):
+            assert abs(entry.logprob - reference.logprob) <= TOL
+        assert_generation_matches(hf, prompt, ours, 20, f"speculative request {index}")
+
+
 def test_decoder_logits_match_transformers(checkpoint) -> None:
     """The decoder alone: chunked prefill (junk padding ids) into scrambled slots, then batched decode with an
     inactive lane whose slot holds another sequence's state; against transformers' full forward."""
@@ -294,8 +313,8 @@ def test_a_linear_attention_core_is_refused_as_a_draft_core(core) -> None:
         check_draft_core(core[1], core[1])
 
 
-@pytest.mark.parametrize("option, words", [(dict(speculative_tokens=(2,)), "--speculative-tokens 2"),
-                                           (dict(onnx=True), "aten.linalg_solve_triangular")])
+@pytest.mark.parametrize("option, words", [(dict(onnx=True), "aten.linalg_solve_triangular"),
+                                           (dict(tensor_parallel=2), "no sharded layout")])
 def test_unbuilt_options_are_refused_by_name(checkpoint, option: dict, words: str) -> None:
     with pytest.raises(RecipeError, match=words):
         build_recipe(ExportOptions(recipe="qwen3_5", checkpoint=checkpoint[0], capacities=(2,), **option))

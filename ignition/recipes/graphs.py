@@ -39,6 +39,7 @@ from ignition.components.sampling import (SamplingTensors, filtered_distribution
 from ignition.components.speculative import (accept_draft, commit_speculative_round, draft_output_counts, row_sampling,
                                              verify_rows)
 from ignition.recipes.layers import Rows
+from ignition.recipes.linear_attention import ACCEPTED_STATES
 from ignition.recipes.transformer import gqa_decoder, lm_head_logits, sampled_row_logits
 
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
@@ -278,6 +279,8 @@ class VerifyGraph(_DecoderGraph):
             buffers.get(SAMPLE_WINDOW), buffers.get(TRANSFORM_WINDOW))
         accepted, counts = accept_draft(greedy, buffers[DRAFT_TOKENS], draft_lengths, params, sorted_ids, probs)
         emitted = commit_speculative_round(buffers, raw_logits, accepted, counts, vocab_size=self.vocab_size, k=self.k)
+        for keep in rows.plans.get(ACCEPTED_STATES, ()):  # a recurrent layer keeps the state of each lane's last
+            keep((emitted >= 0).sum(1))  # accepted row (recipes/linear_attention.py), rejected rows' dropped
         flat = emitted.reshape(-1)  # forced tokens are output tokens and count, like a decode round's
         update_output_counts(penalty.select(1, OUTPUT_PLANE), safe_slots.repeat_interleave(width), flat, flat >= 0)
         return (emitted,)

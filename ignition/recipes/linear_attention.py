@@ -15,7 +15,10 @@ prefix of their group. For each group the layer:
    (``torch_chunk_gated_delta_rule``, its triangular system solved by ``torch.linalg.solve_triangular``). Rows past
    a group's valid prefix get a decay of 1 and a learning rate of 0, so they leave the state as it was;
 4. writes the new states of groups with a valid row back in place (``write_slot_states``): the conv state holds the
-   last ``conv_kernel - 1`` valid inputs, the recurrent state the rule's final matrix.
+   last ``conv_kernel - 1`` valid inputs, the recurrent state the rule's final matrix. Verify rows (each a decode
+   step) run the recurrent form keeping the states after every row; the verify graph writes, once the round has
+   accepted its drafts, each lane's states after its last accepted row (``ACCEPTED_STATES``): the rejected rows'
+   updates are never written, so rolling back copies nothing.
 
 The ops mirror transformers' eager ones (FP32 rule, L2-normed queries and keys scaled by ``key_dim ** -0.5``,
 the gated RMSNorm in FP32); nothing branches on tensor values, so the forms export with ``torch.export``.
@@ -56,20 +59,23 @@ def _prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay:
 
 
 def recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                               beta: torch.Tensor, state: torch.Tensor,
+                               every_state: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule one row after another from ``state [G, heads, key_dim, value_dim]`` (FP32): per row the state
     decays by ``exp(decay)``, learns ``beta * (v - S^T k)`` along ``k`` and is read by the query. Inputs as
-    ``chunk_gated_delta_rule``'s; returns (``[G, P, heads, value_dim]`` in the query's dtype, the final state)."""
+    ``chunk_gated_delta_rule``'s; returns (``[G, P, heads, value_dim]`` in the query's dtype, the final state, or
+    with ``every_state`` the state after each row ``[G, P, heads, key_dim, value_dim]``)."""
     dtype = query.dtype
     query, key, value, decay, beta = _prepare(query, key, value, decay, beta)
-    outputs = []
+    outputs, states = [], []
     for row in range(query.shape[2]):  # a static count: the group's rows
         state = state * decay[:, :, row].exp()[..., None, None]
         remembered = (state * key[:, :, row].unsqueeze(-1)).sum(dim=-2)  # [G, heads, value_dim]
         delta = (value[:, :, row] - remembered) * beta[:, :, row].unsqueeze(-1)
         state = state + key[:, :, row].unsqueeze(-1) * delta.unsqueeze(-2)
         outputs.append((state * query[:, :, row].unsqueeze(-1)).sum(dim=-2))
-    return torch.stack(outputs, dim=1).to(dtype), state
+        states.append(state)
+    return torch.stack(outputs, dim=1).to(dtype), torch.stack(states, dim=1) if every_state else state
 
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
@@ -156,6 +162,23 @@ def write_slot_states(state: torch.Tensor, layer: int, slots: torch.Tensor, live
                                            flat.index_select(0, cells)))
 
 
+ACCEPTED_STATES = "accepted_states"
+"""``Rows.plans`` key of the writes a verify forward leaves for its acceptance: callables of the tokens each lane
+emitted (``int64 [G]``), which keep each lane's states after its last accepted row (``recipes/graphs.py``
+``VerifyGraph``)."""
+
+
+def _keep_accepted(conv_state: torch.Tensor, recurrent_state: torch.Tensor, row: int, slots: torch.Tensor,
+                   live: torch.Tensor, emitted: torch.Tensor, conv_every: torch.Tensor, every: torch.Tensor) -> None:
+    """A verify lane that emitted ``n`` tokens consumed its rows ``0..n-1`` (its last position and the ``n - 1``
+    accepted drafts): its states after row ``n - 1`` are its slot's; rejected rows' states are dropped."""
+    groups = slots.shape[0]
+    last = (emitted - 1).clamp(0, every.shape[1] - 1)  # [G]
+    lane = torch.arange(groups, device=slots.device)
+    write_slot_states(conv_state, row, slots, live, conv_every[lane, last])
+    write_slot_states(recurrent_state, row, slots, live, every[lane, last])
+
+
 def gated_delta_net(weights: Mapping[str, torch.Tensor], cfg, layer: int, row: int, normed: torch.Tensor,
                     rows: Rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
     """Layer ``layer``'s Gated DeltaNet over ``normed [R, d_model]``: its states are row ``row`` of the linear
@@ -190,12 +213,19 @@ def gated_delta_net(weights: Mapping[str, torch.Tensor], cfg, layer: int, row: i
     beta, decay = beta.masked_fill(still, 0), decay.masked_fill(still, 0)
     start = recurrent_state[row].index_select(0, slots).to(torch.float32)  # [G, heads, key_dim, value_dim]
     start = torch.where(fresh.view(-1, 1, 1, 1), torch.zeros_like(start), start)
-    rule = recurrent_gated_delta_rule if per_group == 1 else chunk_gated_delta_rule
-    attended, final = rule(query, key, value, decay, beta, start)  # [G, P, heads, value_dim]
-
     live = valid.any(1)
-    write_slot_states(conv_state, row, slots, live, conv_next)
-    write_slot_states(recurrent_state, row, slots, live, final)
+    if rows.row_forwards:  # verify rows: the states after every row, the accepted one kept after acceptance
+        attended, every = recurrent_gated_delta_rule(query, key, value, decay, beta, start, every_state=True)
+        after = torch.arange(per_group, device=lengths.device).view(-1, 1) + 1 + torch.arange(
+            conv_in.shape[2], device=lengths.device)  # [P, kernel - 1]: the conv inputs after each row
+        conv_every = joined[:, :, after].permute(0, 2, 1, 3)  # [G, P, conv_dim, kernel - 1]
+        rows.plans.setdefault(ACCEPTED_STATES, []).append(lambda emitted: _keep_accepted(
+            conv_state, recurrent_state, row, slots, live & (emitted > 0), emitted, conv_every, every))
+    else:
+        rule = recurrent_gated_delta_rule if per_group == 1 else chunk_gated_delta_rule
+        attended, final = rule(query, key, value, decay, beta, start)  # [G, P, heads, value_dim]
+        write_slot_states(conv_state, row, slots, live, conv_next)
+        write_slot_states(recurrent_state, row, slots, live, final)
     attended = gated_rms_norm(attended.reshape(num_rows, heads, value_dim), gate, weights[prefix + "norm"],
                               cfg.rms_norm_eps)
     return F.linear(attended.reshape(num_rows, heads * value_dim), weights[prefix + "out_proj"])  # [R, d_model]

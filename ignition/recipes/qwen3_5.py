@@ -8,10 +8,11 @@ the first ``partial_rotary_factor`` of each head. Every RMSNorm of the residual 
 MLP is SiLU-gated. The multimodal checkpoint's text model is read from ``text_config`` and
 ``model.language_model.*`` (its vision tower and multi-token-prediction head are skipped).
 
-The build, variants and graphs are the shared decoder ones (``llama.build_decoder``). A verify round would need a
-recurrent state per verify row and a rollback to the accepted one, which this recipe does not build: it refuses
-``--speculative-tokens``. Its chunked delta rule solves a triangular system, which ONNX has no operator for: it
-refuses ``--onnx``. Prompt chunks are packed one at a time (no packed prefill variant).
+The build, variants and graphs are the shared decoder ones (``llama.build_decoder``). In a verify round a linear
+layer keeps its states after every verify row and, once the round has accepted its drafts, writes each lane's
+states after its last accepted row (``linear_attention.ACCEPTED_STATES``). Its chunked delta rule solves a
+triangular system, which ONNX has no operator for: it refuses ``--onnx``. Prompt chunks run one at a time (no
+packed prefill variant).
 """
 
 from __future__ import annotations
@@ -351,10 +352,6 @@ FAMILY = DecoderFamily("qwen3_5", Qwen35Config.from_hf_config, WEIGHT_MAP, qwen3
 
 
 def build(options: ExportOptions) -> RecipeBuild:
-    if options.speculative_tokens:
-        raise RecipeError(f"--speculative-tokens {','.join(map(str, options.speculative_tokens))}: recipe qwen3_5 has "
-                          f"no verify variants (a linear-attention layer would need a recurrent state per verify row "
-                          f"and a rollback to the accepted one); export it without --speculative-tokens")
     if options.onnx:
         raise RecipeError("--onnx: recipe qwen3_5's chunked delta rule uses aten.linalg_solve_triangular, which has "
                           "no ONNX operator; export it without --onnx (it runs with --runtime torch)")
