@@ -1,7 +1,7 @@
 """The qwen3_5 recipe against transformers, on an examples/make_tiny_qwen3_5.py checkpoint.
 
 Three Gated DeltaNet linear-attention layers and one gated full-attention layer. One core (decode capacity 2,
-8-row chunks, --prompt-logprobs, --mixed) is exported and loaded once. transformers' eager model is the oracle:
+8-row chunks, --prompt-logprobs, --mixed, --speculative-tokens 2) is exported and loaded once. transformers' eager model is the oracle:
 its incremental decode (prompt forward, then one token at a time on its cache) for generated tokens, its full
 forward for prompt scores. The decoder and the delta-rule forms are also checked directly.
 """
