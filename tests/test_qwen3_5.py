@@ -1,9 +1,9 @@
 """The qwen3_5 recipe against transformers, on an examples/make_tiny_qwen3_5.py checkpoint.
 
 Three Gated DeltaNet linear-attention layers and one gated full-attention layer. One core (decode capacity 2,
-8-row chunks, --prompt-logprobs, --mixed, --speculative-tokens 2) is exported and loaded once. transformers' eager model is the oracle:
-its incremental decode (prompt forward, then one token at a time on its cache) for generated tokens, its full
-forward for prompt scores. The decoder and the delta-rule forms are also checked directly.
+8-row chunks, --prompt-logprobs, --mixed, --speculative-tokens 2) is exported and loaded once. transformers' eager
+model is the oracle: its incremental decode (prompt forward, then one token at a time on its cache) for generated
+tokens, its full forward for prompt scores. The decoder and the delta-rule forms are also checked directly.
 """
 
 from __future__ import annotations
@@ -121,9 +121,10 @@ def test_kv_bytes_per_token_counts_no_linear_state() -> None:
     assert kv_bytes_per_token({"model": {"num_slots": 2, "max_seq_len": 96}, "state": state}) == 2 * 16 * 4
 
 
-@pytest.mark.parametrize("field, value, rule", [("linear_heads", 8, "GEOM-MODEL"), ("linear_conv_kernel", 5, "GEOM-MODEL"),
-                                                ("layer_kinds", ["linear", "full", "full", "full"], "GEOM-KIND-BUFFERS"),
-                                                ("recurrent_state", "bfloat16", "GEOM-MODEL")])
+@pytest.mark.parametrize("field, value, rule", [
+    ("linear_heads", 8, "GEOM-MODEL"), ("linear_conv_kernel", 5, "GEOM-MODEL"),
+    ("layer_kinds", ["linear", "full", "full", "full"], "GEOM-KIND-BUFFERS"),
+    ("recurrent_state", "bfloat16", "GEOM-MODEL")])
 def test_validator_checks_the_linear_state(core, tmp_path, field: str, value, rule: str) -> None:
     """A manifest whose linear geometry, layer kinds or recurrent-state dtype lie about the state is refused, naming
     the rule."""
@@ -275,7 +276,8 @@ def test_delta_rule_forms_agree_with_transformers() -> None:
     stepped, step_state = recurrent_gated_delta_rule(query, key, value, decay, beta, state)
     theirs, their_state = torch_chunk_gated_delta_rule(query, key, value, decay, beta, initial_state=state,
                                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
-    for ours, reference in ((chunked, stepped), (chunk_state, step_state), (chunked, theirs), (chunk_state, their_state)):
+    pairs = ((chunked, stepped), (chunk_state, step_state), (chunked, theirs), (chunk_state, their_state))
+    for ours, reference in pairs:
         torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
     assert float((chunk_state - state).abs().max()) > 0.1  # the rows moved the state
 

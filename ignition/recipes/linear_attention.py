@@ -3,9 +3,9 @@
 A ``linear`` layer (``catalog/cache_kinds.py``) keeps no KV cache. Per slot it keeps the last ``conv_kernel - 1``
 inputs of its causal depthwise convolution (``conv_state [linear_layers, num_slots, conv_dim, conv_kernel - 1]``) and
 the delta rule's ``[heads, key_dim, value_dim]`` matrix (``recurrent_state [linear_layers, num_slots, heads, key_dim,
-value_dim]``), the first in the model dtype, the second in FP32 as transformers keeps it. A forward's rows are G groups of ``R // G`` rows, each group one slot's
-consecutive positions (``Rows``: a prompt chunk is one group, a decode step one group a lane); valid rows are a
-prefix of their group. For each group the layer:
+value_dim]``), the first in the model dtype, the second in FP32 as transformers keeps it. A forward's rows are G
+groups of ``R // G`` rows, each group one slot's consecutive positions (``Rows``: a prompt chunk is one group, a
+decode step one group a lane); valid rows are a prefix of their group. For each group the layer:
 
 1. reads its slot's two states (one slot's cells, a copy of ``G`` slots' states, never the whole state), or zeros
    when the group's first row is position 0 (a new sequence starts from nothing, as transformers' fresh cache);

@@ -109,7 +109,8 @@ class Qwen35Config:
             raise CheckpointError(f"Qwen35Config.rotary_dim must be even and at most head_dim {self.head_dim}; "
                                   f"found {self.rotary_dim}")
         if self.linear_conv_kernel < 2:
-            raise CheckpointError(f"Qwen35Config.linear_conv_kernel must be at least 2; found {self.linear_conv_kernel}")
+            raise CheckpointError(f"Qwen35Config.linear_conv_kernel must be at least 2; "
+                                  f"found {self.linear_conv_kernel}")
         if not self.layer_kinds or any(kind not in LAYER_KINDS.values() for kind in self.layer_kinds):
             raise CheckpointError(f"Qwen35Config.layer_kinds must name {sorted(LAYER_KINDS.values())} per layer; "
                                   f"found {self.layer_kinds!r}")
