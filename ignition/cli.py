@@ -70,7 +70,7 @@ def _main_options(
 @app.command("export-core")
 def export_core_cmd(
     checkpoint: Optional[Path] = typer.Argument(None, help="Hugging Face checkpoint directory (toy: optional .safetensors)"),
-    recipe: str = typer.Option(..., "--recipe", help="Recipe name: toy, qwen3, llama"),
+    recipe: str = typer.Option(..., "--recipe", help="Recipe name: toy, qwen3, llama, qwen3_moe, deepseek_v3, gemma3"),
     out: Path = typer.Option(..., "--out", help="Core directory to create"),
     capacities: str = typer.Option(",".join(map(str, EXPORT_DEFAULTS["capacities"])), help="Decode capacities, comma-separated"),
     chunk_limit: int = typer.Option(EXPORT_DEFAULTS["chunk_limit"], help="Prefill chunk limit (largest chunk capacity)"),

@@ -8,7 +8,6 @@ tokens, its full forward for prompt scores. The decoder and the delta-rule forms
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -30,7 +29,7 @@ from ignition.recipes.checkpoint import open_checkpoint, read_config
 from ignition.recipes.layers import Rows
 from ignition.recipes.llama import eos_token_id
 from ignition.recipes.linear_attention import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from ignition.recipes.qwen3_5 import FAMILY, Qwen35Config
+from ignition.recipes.qwen3_5 import FAMILY, Qwen35Config, load_qwen3_5_weights
 from ignition.recipes.registry import build_recipe
 from ignition.recipes.transformer import lm_head_logits
 from ignition.runtime.core import load_core
@@ -212,7 +211,7 @@ def test_decoder_logits_match_transformers(checkpoint) -> None:
     inactive lane whose slot holds another sequence's state; against transformers' full forward."""
     directory, hf = checkpoint
     cfg = FAMILY.parse(read_config(directory), "config.json")
-    weights = FAMILY.load(open_checkpoint(directory), cfg, torch.float32)
+    weights = load_qwen3_5_weights(open_checkpoint(directory), read_config(directory), cfg, torch.float32)
     caches = {name: torch.zeros(shape) for name, shape in cfg.cache_shapes(4, 32).items()}
     generator = torch.Generator().manual_seed(2)
     lengths, slots, steps = [13, 5], [3, 0], 4
@@ -243,7 +242,7 @@ def test_bfloat16_decoder_is_transformers_bit_for_bit(checkpoint) -> None:
     directory = checkpoint[0]
     hf = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager", dtype=torch.bfloat16).eval()
     cfg = FAMILY.parse(read_config(directory), "config.json")
-    weights = FAMILY.load(open_checkpoint(directory), cfg, torch.bfloat16)
+    weights = load_qwen3_5_weights(open_checkpoint(directory), read_config(directory), cfg, torch.bfloat16)
     shapes = cfg.cache_shapes(2, MAX_SEQ_LEN)
     caches = {name: torch.zeros(shape, dtype=torch.float32 if name == "recurrent_state" else torch.bfloat16)
               for name, shape in shapes.items()}
@@ -301,10 +300,10 @@ def test_multimodal_checkpoint_exports_its_text_model(checkpoint, tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="ignition.recipes.qwen3_5"):
         cfg = Qwen35Config.from_hf_config(read_config(multimodal), "config.json")
     assert sum("text model" in record.getMessage() for record in caplog.records) == 1
-    assert cfg == dataclasses.replace(FAMILY.parse(text, "config.json"), text_prefix="model.language_model.")
+    assert cfg == FAMILY.parse(text, "config.json")
     assert eos_token_id(read_config(multimodal), cfg, multimodal) == text["eos_token_id"]
-    ours = FAMILY.load(open_checkpoint(multimodal), cfg, torch.float32)
-    theirs = FAMILY.load(open_checkpoint(directory), FAMILY.parse(text, "config.json"), torch.float32)
+    ours = load_qwen3_5_weights(open_checkpoint(multimodal), read_config(multimodal), cfg, torch.float32)
+    theirs = load_qwen3_5_weights(open_checkpoint(directory), text, cfg, torch.float32)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 

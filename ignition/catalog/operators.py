@@ -69,6 +69,8 @@ TENSOR_OPERATORS = frozenset({
     "aten.rms_norm", "aten.mean",
     # routed experts (recipes/moe.py): sorted dispatch and a torch.cond capacity ladder
     "aten.argsort", "aten.floor_divide", "higher_order.cond",
+    # sliding-window layers (recipes/attention.py ``sliding_mask``, layers.py ring writes) and GeGLU MLPs (gemma3)
+    "aten.remainder", "aten.gelu", "aten.tanh",
 })
 
 ONNX_CUSTOM_DOMAINS: tuple[str, ...] = ()

@@ -19,8 +19,9 @@ from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, TILE_SORT_KEY
 MAX_TENSOR_PARALLEL = 64
 """Largest rank count ``--tensor-parallel`` accepts."""
 
-SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3")
-"""Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE, and MLA."""
+SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gemma3")
+"""Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE (gemma3's sliding
+rings split by KV head like its full caches), and MLA."""
 
 ROW_REDUCTION_BLOCKS = 8
 """Row-parallel layers (o_proj, down_proj) sum their input dimension as at most this many equal blocks, pairwise.

@@ -80,6 +80,7 @@ class AttentionPlan:
     short: torch.Tensor | None = None
     views: dict = field(default_factory=dict, compare=False, repr=False)  # ``_windows``: each cache's, once a forward
     slot_ordered: bool = False  # the rows are in slot order (``in_slot_order``): row r attends at slot r, in place
+    scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
 
     def slot_order(self, rows: Rows) -> torch.Tensor | None:
         """The row at each read slot (``placement``) when ``rows`` may run in slot order instead (``in_slot_order``):
@@ -133,13 +134,19 @@ Qwen3-0.6B's width a decode step of 8 lanes on a 32-slot cache spent 57-93 ms of
 slots' windows."""
 
 
-def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dtype: torch.dtype) -> AttentionPlan:
+def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dtype: torch.dtype,
+                   sliding: int | None = None, scale: float | None = None) -> AttentionPlan:
     """Build the plan ``cached_attention`` reads for ``rows`` over a cache of ``num_slots x max_seq_len``
-    positions, with ``share`` query heads per KV head and the model ``dtype``."""
+    positions, with ``share`` query heads per KV head and the model ``dtype``.
+
+    ``sliding``: the cache is a sliding layer's ring of ``max_seq_len`` cells (``catalog/cache_kinds.py``) and each
+    row attends over the last ``sliding`` positions up to its own (``sliding_mask``); every cell is read (the key
+    window bounds positions, not cells), and the BF16/FP16 short-forward order is not kept (the ring's cell order is
+    not transformers' key order anyway). ``scale``: the scores' scale (None: ``head_dim ** -0.5``)."""
     groups = rows.read_slots.shape[0]
     per_group = rows.positions.shape[0] // groups
     device = rows.positions.device
-    window = key_positions(rows, max_seq_len, device)  # [W]: 0..W-1
+    window = torch.arange(max_seq_len, device=device) if sliding else key_positions(rows, max_seq_len, device)
     positions = rows.positions.view(groups, per_group)
     # a slot limit: the lanes' slots are all below it, so only the first ``read`` slots can hold their windows
     read = num_slots if rows.slot_limit is None else min(rows.slot_limit, num_slots)
@@ -152,15 +159,16 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     if groups > 1 and not per_lane and not gathered:  # lanes: the read slots' windows in place, each query at its slot
         placement = _placement(rows, slots, read)
         positions = positions.index_select(0, placement)  # [read, R/G]; the first live group's at empty slots
-    mask = causal_mask(window, positions, share, dtype)
+    mask = sliding_mask(window, positions, sliding, share, dtype) if sliding else \
+        causal_mask(window, positions, share, dtype)
     short = None
-    if gathered:  # each row's forward: its own (a verify row), or its group's valid rows' last position + 1
+    if gathered and not sliding:  # each row's forward: its own (a verify row), or its group's valid rows' last position + 1
         extent = positions + 1 if rows.row_forwards else \
             rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1, keepdim=True) + 1
         # [G, R/G] in the mask's row order (head share, then row)
         short = short_forwards(extent.expand(groups, per_group)).repeat(1, share).view(groups, 1, share * per_group, 1)
     return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
-                         placement=placement, per_lane=per_lane, mask=mask, read=read, short=short)
+                         placement=placement, per_lane=per_lane, mask=mask, read=read, short=short, scale=scale)
 
 
 def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -196,16 +204,17 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
-                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1])
+                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1],
+                                      scale=plan.scale)
                               for g in range(groups)])
     elif plan.slot_ordered:  # group r is slot r's: in place over the first read slots, nothing placed or picked
-        attended = _attend(grouped, keys, values, plan.mask)
+        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale)
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
-                           short=plan.short)
+                           short=plan.short, scale=plan.scale)
     else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
         grouped = grouped.index_select(0, plan.placement)  # the keys and values: the first read slots (_windows)
-        attended = _attend(grouped, keys, values, plan.mask).index_select(0, plan.slots)  # [G, ...]: the lanes' rows
+        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale).index_select(0, plan.slots)  # [G, ...]
     if per_group > 1:
         attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
@@ -221,18 +230,33 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
     return torch.zeros(hidden.shape, dtype=dtype, device=window.device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
+def sliding_mask(cells: torch.Tensor, positions: torch.Tensor, window: int, share: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """``causal_mask``'s form for a sliding layer's ring of ``S`` cells ``cells [S]`` (0..S-1): a row at ``p`` sees
+    cell ``c`` when ``d = (p - c) mod S`` is below ``window`` and at most ``p``; the cell then holds position
+    ``p - d`` (transformers' sliding window: keys ``k`` with ``p - window < k <= p``). Valid for steps of at most
+    ``S - window + 1`` rows a slot, which ``catalog.cache_kinds.window_cells`` sizes the ring for."""
+    rows = positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)  # [batch, 1, share * rows, 1]
+    distance = (rows - cells.view(1, 1, 1, -1)).remainder(cells.shape[0])  # [batch, 1, share * rows, S]
+    hidden = (distance >= window) | (distance > rows)
+    if dtype != torch.float32:
+        return hidden
+    return torch.zeros(hidden.shape, dtype=dtype, device=cells.device).masked_fill(hidden, torch.finfo(dtype).min)
+
+
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            per_head: bool = False, short: torch.Tensor | None = None) -> torch.Tensor:
+            per_head: bool = False, short: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``short``: see
-    ``_eager_low_precision``); ``mask`` from ``causal_mask``."""
+    ``_eager_low_precision``); ``mask`` from ``causal_mask`` or ``sliding_mask``; ``scale``: the scores' scale
+    (None: ``head_dim ** -0.5``)."""
     if query.dtype == torch.float32:
-        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return _eager_low_precision(query, keys, values, mask, per_head, short)
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+    return _eager_low_precision(query, keys, values, mask, per_head, short, scale)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          hidden: torch.Tensor, per_head: bool = False,
-                         short: torch.Tensor | None = None) -> torch.Tensor:
+                         short: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
@@ -245,13 +269,13 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
     (True: masked) -> ``[B, kv, M, D]``.
     """
     if not per_head:
-        return _eager_product(query, keys, values, hidden, short)
+        return _eager_product(query, keys, values, hidden, short, scale)
     return torch.cat([_eager_product(query[:, head:head + 1], keys[:, head:head + 1], values[:, head:head + 1],
-                                     hidden, short) for head in range(query.shape[1])], dim=1)
+                                     hidden, short, scale) for head in range(query.shape[1])], dim=1)
 
 
 def _eager_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
-                   short: torch.Tensor | None) -> torch.Tensor:
+                   short: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     """Transformers' ``eager_attention_forward`` in one batched product each way over the batch and KV-head dims:
     the scores in the model dtype scaled, masked at the dtype's minimum (transformers adds its mask, whose zeros
     leave every visible score's bits and whose minimum softmaxes to zero as ours does), softmaxed in FP32
@@ -260,7 +284,8 @@ def _eager_product(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     batch, kv_heads, rows, head_dim = query.shape
     window = keys.shape[2]
     scores = torch.bmm(query.reshape(batch * kv_heads, rows, head_dim),
-                       keys.reshape(batch * kv_heads, window, head_dim).transpose(1, 2)) * head_dim ** -0.5
+                       keys.reshape(batch * kv_heads, window, head_dim).transpose(1, 2)) * \
+        (head_dim ** -0.5 if scale is None else scale)
     scores = scores.view(batch, kv_heads, rows, window).masked_fill(hidden, torch.finfo(query.dtype).min)
     probs = _softmax_in_order(scores, short).to(query.dtype)  # [B, kv, M, W]
     attended = torch.bmm(probs.view(batch * kv_heads, rows, window),
@@ -316,10 +341,11 @@ class PackedPlan:
     brief_mask: torch.Tensor | None = None
     brief_keys: int = 0
     short: torch.Tensor | None = None  # FP16 [B, 1, 1, 1]: the lanes whose forward is short (``_softmax_in_order``)
+    scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
 
 
 def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
-                 dtype: torch.dtype) -> PackedPlan:
+                 dtype: torch.dtype, sliding: int | None = None, scale: float | None = None) -> PackedPlan:
     """``packed_attention``'s plan for ``rows``, made by the forward's first layer and kept in ``rows.plans``.
 
     A packed row's regrouped row is ``b * E + j`` (lane b, its row j). With BF16 each lane's regrouped rows are
@@ -327,22 +353,26 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
     segment ends before ``SHORT_ROW`` keys: its rows are at most its first F) takes instead. FP16 lanes softmax
     every row of a short forward in order over the window, as ``cached_attention`` does: FP16 products over 15 keys
     rounded some rows differently from the chunk's over the window (``tests/test_packed_prefill.py``), so the packed
-    rows would not be the serial ones."""
-    if "packed" in rows.plans:
-        return rows.plans["packed"]
+    rows would not be the serial ones. ``sliding``, ``scale``: as ``plan_attention``'s (a sliding layer's ring: no
+    brief rows, no short-forward order)."""
+    key = ("packed", sliding, scale)
+    if key in rows.plans:
+        return rows.plans[key]
     segments = rows.segments
     device = rows.positions.device
     extent = segments.extent.shape[0]
-    window = key_positions(rows, max_seq_len, device)  # [W]: 0..W-1
+    window = torch.arange(max_seq_len, device=device) if sliding else key_positions(rows, max_seq_len, device)
     local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
     source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
-    mask = causal_mask(window, segments.starts.unsqueeze(1) + local.unsqueeze(0), share, dtype)  # [B, 1, share*E, W]
+    row_positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
+    mask = sliding_mask(window, row_positions, sliding, share, dtype) if sliding else \
+        causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
     slots = rows.read_slots.clamp(0, num_slots - 1)
-    ends = None if dtype == torch.float32 else segments.starts + segments.lengths  # [B]: each lane's forward's keys
-    if dtype != torch.bfloat16:
+    ends = None if dtype == torch.float32 or sliding else segments.starts + segments.lengths  # [B]: forwards' keys
+    if dtype != torch.bfloat16 or sliding:
         short = None if ends is None else short_forwards(ends).view(-1, 1, 1, 1)
         plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source,
-                          short=short)
+                          short=short, scale=scale)
     else:
         first = brief_keys(max_seq_len)
         head = torch.arange(first, device=device)  # [F]: 0..F-1
@@ -354,8 +384,8 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
                           gather=lane * (extent + first) + regrouped,
                           brief_source=(segments.offsets.unsqueeze(1) + head.unsqueeze(0)).clamp(0, num_rows - 1),
                           brief_mask=causal_mask(head, segments.starts.unsqueeze(1) + head.unsqueeze(0), share, dtype),
-                          brief_keys=first)
-    rows.plans["packed"] = plan
+                          brief_keys=first, scale=scale)
+    rows.plans[key] = plan
     return plan
 
 
@@ -374,7 +404,7 @@ def _lane_outputs(attended: torch.Tensor, share: int, extent: int) -> torch.Tens
 
 
 def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     rows: Rows) -> torch.Tensor:
+                     rows: Rows, sliding: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
 
     Lane b's segment (``rows.segments``) attends over the positions ``<=`` each row's of slot
@@ -385,21 +415,21 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
     (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
     (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
-    order.
+    order. ``sliding``, ``scale``: as ``plan_attention``'s (``key_cache`` is then a sliding layer's ring).
     """
     num_rows, heads, head_dim = query.shape
     num_slots, max_seq_len, kv_heads, _ = key_cache.shape
     share = heads // kv_heads
-    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype)
+    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype, sliding, scale)
     keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
     values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
     attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True,
-                       short=plan.short)
+                       short=plan.short, scale=plan.scale)
     outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
     if plan.brief_source is not None:  # each lane's first F rows over its slot's first F keys: [B, F, kv, share, D]
         first_keys, first_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
                                      for cache in (key_cache, value_cache))  # [B, kv_heads, F, D]
         brief = _eager_low_precision(_lane_rows(query, plan.brief_source, kv_heads, share), first_keys,
-                                     first_values, plan.brief_mask, per_head=True)
+                                     first_values, plan.brief_mask, per_head=True, scale=plan.scale)
         outputs = torch.cat([outputs, _lane_outputs(brief, share, plan.brief_keys)], dim=1)  # [B, E + F, kv, share, D]
     return outputs.reshape(-1, heads * head_dim).index_select(0, plan.gather)  # [R, heads * head_dim]

@@ -183,8 +183,11 @@ class Rows:
                     slot_limit=self.slot_limit, slot_ordered=True)
 
 
-def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor) -> None:
+def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor, ring: bool = False) -> None:
     """``cache[layer, slot_i, position_i] = values[i]`` for valid rows; invalid rows leave it bit-identical.
+
+    ``ring``: ``cache`` is a sliding layer's ring (``catalog/cache_kinds.py``): position ``p`` goes to cell
+    ``p mod cells`` instead.
 
     One ``index_copy_`` into the cache's cells (its first three dims flattened, a view) writes every row. An
     invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
@@ -196,8 +199,8 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     every layer's old cell values in one gather at the cache's first write (``_cache_cells``); each write then adds
     its gather of the rows (none in slot order), a ``where`` and the copy.
     """
-    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim())
-    flat, old = _cache_cells(rows, cache)
+    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim(), ring)
+    flat, old = _cache_cells(rows, cache, ring)
     old_values = old[layer] if old is not None else flat.index_select(0, cells)
     new_values = values if source is None else values.index_select(0, source)
     flat.index_copy_(0, cells, torch.where(keep_new, new_values, old_values))
@@ -209,7 +212,12 @@ instead of one a layer) when they number at most this many (layers x rows: a dec
 (a symbolic count, or past the limit) read theirs layer by layer, so its forward holds one layer's copy at a time."""
 
 
-def _cache_cells(rows: Rows, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _plan_key(extents: torch.Size, ring: bool) -> tuple:
+    """``rows.writes``' key of the cell plan for caches of ``extents`` (layers, slots, positions or ring cells)."""
+    return (*tuple(extents), "ring") if ring else tuple(extents)
+
+
+def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(``cache`` with its first three dims flattened, a view; the values before this forward's writes of every
     layer's target cells ``[layers, R, ...]``, or None past OLD_CELLS_AHEAD), made at the cache's first write of the
     forward. Only a forward without a valid row writes those old values back (``write_rows``), so reading them
@@ -217,7 +225,7 @@ def _cache_cells(rows: Rows, cache: torch.Tensor) -> tuple[torch.Tensor, torch.T
     key = ("cells", id(cache))
     if key not in rows.writes:
         flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
-        cells = rows.writes[tuple(cache.shape[:3])].cells  # [layers, R]
+        cells = rows.writes[_plan_key(cache.shape[:3], ring)].cells  # [layers, R]
         old = None
         numel = cells.numel()  # a symbolic count (a prompt chunk's rows) never reads ahead: no guard on it
         if isinstance(numel, int) and numel <= OLD_CELLS_AHEAD:
@@ -235,14 +243,14 @@ class _RowWrites(NamedTuple):
     keep_new: torch.Tensor  # [R]: False where a row rewrites its cell's old value (none valid; slot order: invalid)
 
 
-def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple[torch.Tensor, ...]:
+def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int, ring: bool = False) -> tuple[torch.Tensor, ...]:
     """(source row ``[R]``, the layer's cell of each row ``[R]``, keep-new shaped for ``dims``-D values) of each
     row's write into a cache of ``extents`` (layers, slots, positions). The rows' part is built on the first call
     for these extents, a layer's cells on its first write; every later layer and cache reuses them
     (``rows.writes``)."""
-    key = tuple(extents)
+    key = _plan_key(extents, ring)
     if key not in rows.writes:
-        layers, num_slots, max_seq_len = key
+        layers, num_slots, max_seq_len = tuple(extents)
         if rows.slot_ordered:  # every row its own slot's cell
             source, slots, positions, keep_new = None, rows.write_slots, rows.positions, rows.valid
         else:
@@ -250,7 +258,8 @@ def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int) -> tuple
             row = torch.arange(rows.valid.shape[0], device=rows.valid.device)
             source = torch.where(rows.valid, row, first_valid)  # [R]
             slots, positions, keep_new = rows.write_slots[source], rows.positions[source], rows.valid[source]
-        cell = slots.clamp(0, num_slots - 1) * max_seq_len + positions.clamp(0, max_seq_len - 1)  # [R]: in one layer
+        position_cells = positions.remainder(max_seq_len) if ring else positions.clamp(0, max_seq_len - 1)
+        cell = slots.clamp(0, num_slots - 1) * max_seq_len + position_cells  # [R]: in one layer
         layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]
         rows.writes[key] = _RowWrites(source, layer_start.unsqueeze(1) + cell.unsqueeze(0), keep_new)
     source, cells, keep_new = rows.writes[key]

@@ -29,8 +29,8 @@ from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, Re
                                    chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
                                    next_tokens_return, prefill_family, sampling_arguments, spec_arguments,
                                    verify_family, weight_arguments, with_constraints)
-from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
-                                         read_config)
+from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, Checkpoint, CheckpointError, family_of,
+                                         open_checkpoint, read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
 from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PackedPrefillGraph, PrefillGraph,
                                      ScoredPrefillGraph, VerifyGraph, state_declarations)
@@ -50,8 +50,9 @@ class DecoderFamily:
     windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
     dynamic_chunks: bool = False  # prefill rows are a window too (not for MoE: its capacity ladder fixes the rows)
     packed: bool = False  # packed.t{C}.c{capacity}: several prompts' chunks per submission (GQA, dynamic chunks)
-    # (checkpoint, cfg, dtype) -> weights under our names; None: ``load_weights`` over ``weight_map``
-    load: Callable[[Any, Any, torch.dtype], dict[str, torch.Tensor]] | None = None
+    # (checkpoint, config.json, weight_map) -> the tensors to export and the map under their stored names (a
+    # multimodal checkpoint's text model); None: the checkpoint and map as they are
+    text_weights: Callable[[Checkpoint, Mapping[str, Any], Mapping[str, WeightSpec]], tuple] | None = None
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
@@ -79,9 +80,13 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     _check_family(options.recipe, family, config, directory)
     cfg = family.parse(config, str(directory / CONFIG_FILE))
     _check_geometry(options, cfg)
+    if hasattr(cfg, "with_steps"):  # sliding layers: a ring of their window plus one step's rows (cache_kinds)
+        cfg = cfg.with_steps(step_rows(options), options.max_seq_len)
     dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
-    weights = (family.load or (lambda checkpoint, cfg, dtype: load_weights(checkpoint, cfg, family.weight_map, dtype)))(
-        open_checkpoint(directory), cfg, dtype)
+    checkpoint, weight_map = open_checkpoint(directory), family.weight_map
+    if family.text_weights is not None:
+        checkpoint, weight_map = family.text_weights(checkpoint, config, weight_map)
+    weights = load_weights(checkpoint, cfg, weight_map, dtype)
     if cfg.tie_word_embeddings:
         del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)
@@ -281,6 +286,12 @@ def _check_family(recipe: str, family: DecoderFamily, config: dict, directory: P
         wanted = [name for name, name_family in ARCHITECTURES.items() if name_family == family.family]
         raise RecipeError(f"{directory / CONFIG_FILE}: recipe {recipe} expects architectures[0] in {wanted}, "
                           f"found {config['architectures'][0]!r} (use --recipe {found})")
+
+
+def step_rows(options: ExportOptions) -> int:
+    """The most rows one slot writes in a step: a prompt chunk (packed and mixed chunks are no longer) or a verify
+    round's S + 1 positions (``validate/cache_kinds.step_rows`` reads the same from a core)."""
+    return max(options.chunk_limit, max(options.speculative_tokens, default=0) + 1)
 
 
 def _check_geometry(options: ExportOptions, cfg) -> None:

@@ -35,7 +35,7 @@ from ignition.recipes.layers import Rows, write_rows
 from ignition.recipes.linear_attention import gated_delta_net
 from ignition.recipes.llama import DecoderFamily, build_decoder
 from ignition.recipes.rope import RopeScaling, rope_cos_sin, rotate_half_rope, signed_sin
-from ignition.recipes.weights import WeightSpec, weight_layout
+from ignition.recipes.weights import WeightSpec, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,6 @@ class Qwen35Config:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     tie_word_embeddings: bool = False
     dtype: torch.dtype = torch.float32
-    text_prefix: str = "model."
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
@@ -213,7 +212,7 @@ class Qwen35Config:
             rms_norm_eps=read_field(text, "rms_norm_eps", float, source, 1e-6),
             rope_theta=rope_theta, rope_scaling=rope_scaling,
             tie_word_embeddings=read_field(text, "tie_word_embeddings", bool, source, False),
-            dtype=CONFIG_DTYPES[dtype_name], text_prefix=TEXT_PREFIXES.get(architecture, "model."))
+            dtype=CONFIG_DTYPES[dtype_name])
 
 
 _LAYER, _OURS = "model.layers.{layer}.", "layers.{layer}."
@@ -252,18 +251,22 @@ WEIGHT_MAP: dict[str, WeightSpec] = {
 }
 
 
-def load_qwen3_5_weights(checkpoint: Checkpoint, cfg: Qwen35Config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``WEIGHT_MAP`` under the checkpoint's text prefix, checked against the checkpoint (vision and MTP tensors
-    skipped) and loaded under our names, cast to ``dtype``; a tied lm_head is the embedding."""
-    rename = lambda hf: cfg.text_prefix + hf.removeprefix("model.") if hf.startswith("model.") else hf  # noqa: E731
-    layout = {rename(hf): entry for hf, entry in weight_layout(cfg, WEIGHT_MAP).items()}
-    skipped = {name: info.shape for name, info in checkpoint.tensors.items() if name.startswith(SKIPPED_PREFIXES)}
-    tied = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)} if cfg.tie_word_embeddings else {}
-    checkpoint.validate({hf: shape for hf, (_, shape, _) in layout.items()}, optional=skipped | tied)
-    weights = {ours: checkpoint.load(hf).to(spec.dtype or dtype) for hf, (ours, _, spec) in layout.items()}
-    if cfg.tie_word_embeddings:
-        weights["lm_head"] = weights["embed"]
-    return weights
+def text_weights(checkpoint: Checkpoint, config: Mapping[str, Any],
+                 weight_map: Mapping[str, WeightSpec]) -> tuple[Checkpoint, dict[str, WeightSpec]]:
+    """``weight_map`` under the checkpoint's text prefix (``TEXT_PREFIXES`` by architecture), and the checkpoint
+    without the tensors no text graph reads (``SKIPPED_PREFIXES``): the ``DecoderFamily.text_weights`` hook."""
+    prefix = TEXT_PREFIXES.get((config.get("architectures") or [""])[0], "model.")
+    renamed = {prefix + hf.removeprefix("model.") if hf.startswith("model.") else hf: spec
+               for hf, spec in weight_map.items()}
+    kept = {name: info for name, info in checkpoint.tensors.items() if not name.startswith(SKIPPED_PREFIXES)}
+    return Checkpoint(checkpoint.directory, kept), renamed
+
+
+def load_qwen3_5_weights(checkpoint: Checkpoint, config: Mapping[str, Any], cfg: Qwen35Config,
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every weight the graphs read under our names, cast to ``dtype`` (``text_weights``, then ``load_weights``)."""
+    view, weight_map = text_weights(checkpoint, config, WEIGHT_MAP)
+    return load_weights(view, cfg, weight_map, dtype)
 
 
 def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -349,7 +352,7 @@ def qwen3_5_decoder(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, inpu
 
 
 FAMILY = DecoderFamily("qwen3_5", Qwen35Config.from_hf_config, WEIGHT_MAP, qwen3_5_decoder,
-                       load=load_qwen3_5_weights)
+                       text_weights=text_weights)
 
 
 def build(options: ExportOptions) -> RecipeBuild:

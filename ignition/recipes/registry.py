@@ -14,6 +14,7 @@ RECIPES = {
     "llama": "ignition.recipes.llama",
     "qwen3_moe": "ignition.recipes.llama",
     "deepseek_v3": "ignition.recipes.deepseek_v3",
+    "gemma3": "ignition.recipes.gemma3",
     "qwen3_5": "ignition.recipes.qwen3_5",
 }
 

@@ -1,0 +1,131 @@
+"""Functional Gemma 3 text decoder: a static-shape forward for ``torch.export``, op for op transformers' eager one.
+
+Scaled embeddings (``sqrt(hidden_size)`` rounded to the model dtype), four Gemma RMSNorms a layer (``(1 + w)``
+scales, normalized in FP32 and cast back after the scale), q/k norms before RoPE, each layer kind's own RoPE base,
+scores scaled by ``query_pre_attn_scalar ** -0.5``, a GeGLU MLP (``gelu_pytorch_tanh``). Full layers attend over
+``k_cache``/``v_cache`` like ``transformer.gqa_decoder``; sliding layers over their ring ``k_window_cache`` /
+``v_window_cache`` (``recipes/attention.py`` ``sliding_mask``, ``layers.write_rows(ring=True)``). Both kinds' plans
+are made once a forward; decode lanes attending in place run the forward in slot order as ``gqa_decoder`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ignition.catalog.cache_kinds import kind_index
+from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE
+from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
+from ignition.recipes.layers import Rows, row_linear, write_rows
+from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin
+
+CACHES = {"full": (K_CACHE, V_CACHE), "sliding": (K_WINDOW_CACHE, V_WINDOW_CACHE)}
+"""Each layer kind's K and V state buffers."""
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``Gemma3RMSNorm``: ``x`` normalized in FP32, times ``1 + weight`` in FP32, cast back."""
+    hidden = x.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return (hidden * (1.0 + weight.float())).to(x.dtype)
+
+
+def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch.Tensor, rope, rows: Rows,
+               plans: dict, caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """One layer's attention over its kind's cache; ``rope``: (cos, signed sin) of the layer's kind."""
+    prefix = f"layers.{layer}."
+    kind = cfg.layer_kinds[layer]
+    index = kind_index(cfg.layer_kinds, layer)  # the layer's row of its kind's caches
+    k_cache, v_cache = (caches[name] for name in CACHES[kind])
+    num_rows, heads, kv_heads, head_dim = normed.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    query = F.linear(normed, weights[prefix + "q_proj"]).view(num_rows, heads, head_dim)
+    key = F.linear(normed, weights[prefix + "k_proj"]).view(num_rows, kv_heads, head_dim)
+    value = F.linear(normed, weights[prefix + "v_proj"]).view(num_rows, kv_heads, head_dim)
+    query = gemma_rms_norm(query, weights[prefix + "q_norm"], cfg.rms_norm_eps)
+    key = gemma_rms_norm(key, weights[prefix + "k_norm"], cfg.rms_norm_eps)
+    cos, sin_signed = rope
+    query, key = rotate_half_rope(query, cos, sin_signed), rotate_half_rope(key, cos, sin_signed)
+    ring = kind == "sliding"
+    write_rows(k_cache, index, rows, key, ring=ring)
+    write_rows(v_cache, index, rows, value, ring=ring)
+    sliding = cfg.sliding_window if ring else None
+    if plans[kind] is None:  # packed prompt chunks (rows.segments)
+        attended = packed_attention(query, k_cache[index], v_cache[index], rows, sliding, cfg.scale)
+    else:
+        attended = cached_attention(query, k_cache, v_cache, index, plans[kind])  # [R, q_width]
+    return row_linear(attended, weights[prefix + "o_proj"], None, cfg.row_blocks, cfg.row_shard)  # [R, d_model]
+
+
+def _mlp(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch.Tensor) -> torch.Tensor:
+    """GeGLU: ``down(gelu_tanh(gate(x)) * up(x))``."""
+    prefix = f"layers.{layer}."
+    hidden = F.gelu(F.linear(normed, weights[prefix + "gate_proj"]), approximate="tanh") \
+        * F.linear(normed, weights[prefix + "up_proj"])  # [R, intermediate]
+    return row_linear(hidden, weights[prefix + "down_proj"], None, cfg.row_blocks, cfg.row_shard)  # [R, d_model]
+
+
+def _plans(cfg, rows: Rows, caches: Mapping[str, torch.Tensor]) -> dict:
+    """Each present kind's ``AttentionPlan`` (None for packed rows, which plan per call)."""
+    plans = {}
+    for kind in dict.fromkeys(cfg.layer_kinds):
+        cache = caches[CACHES[kind][0]]
+        plans[kind] = None if rows.segments is not None else plan_attention(
+            rows, cache.shape[1], cache.shape[2], cfg.num_heads // cfg.num_kv_heads, cache.dtype,
+            sliding=cfg.sliding_window if kind == "sliding" else None, scale=cfg.scale)
+    return plans
+
+
+def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:
+    """Static (trace-time) check of every cache against ``cfg.cache_shapes`` and the weights' dtype."""
+    for name in cfg.cache_names:
+        cache = caches[name]
+        expected = cfg.cache_shapes(cache.shape[1], cache.shape[2] if name in (K_CACHE, V_CACHE) else 1)[name]
+        if tuple(cache.shape) != expected or cache.dtype != weights["embed"].dtype:
+            raise ValueError(f"{name} must have shape {expected} and dtype {weights['embed'].dtype}; "
+                             f"found {tuple(cache.shape)} {cache.dtype}")
+
+
+def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
+                   caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
+    """Gemma 3: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards (its heads, its MLP
+    columns, its vocabulary rows); the embedding is vocabulary-parallel and each attention and MLP output is a
+    partial sum that ``parallel.reduce`` adds over the ranks before its post-norm."""
+    _check_caches(cfg, weights, caches)
+    plans = _plans(cfg, rows, caches)
+    first = next(iter(plans.values()))
+    order = None if first is None else first.slot_order(rows)
+    lane_slots = None
+    if order is not None:  # decode lanes attending in place: the whole forward in slot order, rearranged once
+        lane_slots = first.slots  # [R]: each lane's slot, where its row ends up
+        rows, input_ids = rows.in_slot_order(order), input_ids.index_select(0, order)
+        plans = {kind: plan.in_slot_order(rows.read_slots) for kind, plan in plans.items()}
+    token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
+    embed = weights["embed"]
+    # HF's embed_scale: sqrt(hidden_size) as an FP32 scalar, rounded to the model dtype
+    normalizer = embed.new_full((), cfg.hidden_size ** 0.5, dtype=torch.float32).to(embed.dtype)
+    rows_embedded = F.embedding(token_ids, embed) if parallel is None else parallel.embed(token_ids, embed)
+    hidden = rows_embedded * normalizer  # [R, d_model]
+    reduce = (lambda partial: partial) if parallel is None else parallel.reduce
+    ropes = {}
+    for kind, rope in (("full", cfg.global_rope), ("sliding", cfg.local_rope)):
+        if kind in plans:
+            cos, sin = rope_cos_sin(rope, rows.positions, hidden.dtype)  # [R, 1, head_dim] each
+            ropes[kind] = (cos, signed_sin(sin))
+    eps = cfg.rms_norm_eps
+    for layer in range(cfg.num_layers):
+        prefix = f"layers.{layer}."
+        normed = gemma_rms_norm(hidden, weights[prefix + "attn_norm"], eps)
+        attended = _attention(weights, cfg, layer, normed, ropes[cfg.layer_kinds[layer]], rows, plans, caches)
+        hidden = hidden + gemma_rms_norm(reduce(attended), weights[prefix + "post_attn_norm"], eps)
+        normed = gemma_rms_norm(hidden, weights[prefix + "mlp_norm"], eps)
+        mlp = reduce(_mlp(weights, cfg, layer, normed))
+        hidden = hidden + gemma_rms_norm(mlp, weights[prefix + "post_mlp_norm"], eps)
+    hidden = gemma_rms_norm(hidden, weights["final_norm"], eps)
+    return hidden if lane_slots is None else hidden.index_select(0, lane_slots)  # back in lane order
+
+
+__all__ = ["gemma3_decoder", "gemma_rms_norm"]
