@@ -1,7 +1,7 @@
 """Regenerate or check ``ignition/catalog/operators.py``: the operators the recipes' graphs call.
 
 ``python -m benchmarks.operator_table`` exports tiny cores of every recipe (toy, qwen3, llama,
-qwen3_moe, deepseek_v3, qwen3_5: no verify variants) with generation and prompt logprobs, speculative verify and mixed
+qwen3_moe, deepseek_v3, qwen3_5) with generation and prompt logprobs, speculative verify and mixed
 variants, and a tensor-parallel qwen3 core, reads every graph's ``models/model.json`` and prints
 the operator packets (``namespace.name``) the graphs call that validate-core would refuse: neither in
 ``ALLOWED_OPERATORS`` (``EMITTED_OPERATORS`` and ``TENSOR_OPERATORS``) nor an ``_operator`` function on
@@ -68,8 +68,7 @@ def captured_packets(root: Path) -> set[str]:
                       "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
     for family, checkpoint in checkpoints.items():
         configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
-                                               speculative_tokens=() if family == "qwen3_5" else (2,), mixed=True,
-                                               **small)
+                                               speculative_tokens=(2,), mixed=True, **small)
     configurations["qwen3-tp2"] = ExportOptions(recipe="qwen3", checkpoint=checkpoints["qwen3"], prompt_logprobs=True,
                                                 tensor_parallel=2, targets=("cuda:90",), **small)
     packets = set()
