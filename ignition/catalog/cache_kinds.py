@@ -71,6 +71,9 @@ class CacheKindSpec:
     fields: tuple[str, ...] = ()  # manifest.json:model fields a core with such a layer states
     built: bool = True  # False: reserved, refused when declared (GEOM-KIND-RESERVED); every kind today is built
     summary: str = ""
+    # a step may restart from an earlier position of the slot (its state holds positions, so a draft core rewinds to
+    # the prefix it shares with a new context); False: the state summarises every position it has seen
+    rewinds: bool = True
 
     @property
     def layers_symbol(self) -> str:
@@ -87,7 +90,7 @@ CACHE_KINDS: dict[str, CacheKindSpec] = {spec.name: spec for spec in (
     CacheKindSpec("linear", CacheKind.LINEAR, (CONV_STATE, RECURRENT_STATE),
                   ("linear_conv_dim", "linear_conv_kernel", "linear_heads", "linear_key_dim", "linear_value_dim"),
                   summary="conv [layers, num_slots, conv_dim, conv_kernel - 1] and recurrent "
-                          "[layers, num_slots, heads, key_dim, value_dim] states"),
+                          "[layers, num_slots, heads, key_dim, value_dim] states", rewinds=False),
     CacheKindSpec("compressed", CacheKind.COMPRESSED,
                   (CSA_WINDOW_CACHE, CSA_KV_CACHE, CSA_SOURCE, CSA_INDEX_CACHE, CSA_INDEX_SOURCE),
                   ("sliding_window", "window_cells", "csa_rate", "csa_entries", "csa_source_cells", "index_head_dim"),

@@ -9,6 +9,7 @@ from ignition.catalog.buffers import PROMPT_BUFFERS
 from ignition.catalog.cache_kinds import CACHE_KINDS
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation
+from ignition.catalog.geometry import STATE_SHAPES
 from ignition.catalog.model import BufferDecl
 
 _CLASSES = {"output": "completion frames and outputs", "state": "state (KV)", "weight": "weights", "input": "inputs"}
@@ -19,8 +20,11 @@ def kv_bytes_per_token(manifest: dict) -> int | None:
     slots, seq = manifest["model"].get("num_slots"), manifest["model"].get("max_seq_len")
     if not slots or not seq:
         return None
+    # by the geometry table, not by extents: a linear layer's conv_state [layers, slots, conv_dim, ...] is per slot
+    # even where conv_dim equals max_seq_len
     per_token = [BufferDecl.from_json(s).nbytes // (slots * seq) for s in manifest["state"]
-                 if s["shape"][1:3] == [slots, seq]]
+                 if tuple(STATE_SHAPES.get(s["name"], ()))[1:3] == ("num_slots", "max_seq_len")
+                 and s["shape"][1:3] == [slots, seq]]
     return sum(per_token) or None
 
 

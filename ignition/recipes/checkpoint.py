@@ -31,6 +31,8 @@ ARCHITECTURES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (recipes/gemma3.py)
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (recipes/qwen3_5.py)
 }
 
 # Non-persistent buffers that some exporters still write; never part of the expected layout.

@@ -27,7 +27,7 @@ from ignition.catalog.buffers import (DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, P
                                      SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW,
                                      TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, Role
-from ignition.catalog.geometry import PENALTY_COUNTS, state_shape
+from ignition.catalog.geometry import FP32_STATE, PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.constraints import sampling_logits
@@ -39,6 +39,7 @@ from ignition.components.sampling import (SamplingTensors, filtered_distribution
 from ignition.components.speculative import (accept_draft, commit_speculative_round, draft_output_counts, row_sampling,
                                              verify_rows)
 from ignition.recipes.layers import Rows
+from ignition.recipes.linear_attention import ACCEPTED_STATES
 from ignition.recipes.transformer import gqa_decoder, lm_head_logits, sampled_row_logits
 
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
@@ -60,9 +61,10 @@ def penalty_history(penalty: torch.Tensor, slots: torch.Tensor, transform: torch
 def state_declarations(cfg, dtype: torch.dtype, num_slots: int, max_seq_len: int,
                        vocab_padded: int) -> list[BufferDecl]:
     """The runtime-owned state every decoder variant reads and updates, in argument order: the config's
-    caches (``[layers, num_slots, max_seq_len, ...]`` in the model dtype), then the penalty counts."""
+    caches (``[layers, num_slots, max_seq_len, ...]`` in the model dtype; ``FP32_STATE`` in FP32), then the penalty
+    counts."""
     cache_dtype = str(dtype).removeprefix("torch.")
-    caches = [BufferDecl(name, cache_dtype, list(shape), Role.STATE)
+    caches = [BufferDecl(name, "float32" if name in FP32_STATE else cache_dtype, list(shape), Role.STATE)
               for name, shape in cfg.cache_shapes(num_slots, max_seq_len).items()]
     penalty = state_shape(PENALTY_COUNTS, num_slots=num_slots, vocab_padded=vocab_padded)
     return caches + [BufferDecl(PENALTY_COUNTS, "int32", penalty, Role.STATE)]
@@ -277,6 +279,8 @@ class VerifyGraph(_DecoderGraph):
             buffers.get(SAMPLE_WINDOW), buffers.get(TRANSFORM_WINDOW))
         accepted, counts = accept_draft(greedy, buffers[DRAFT_TOKENS], draft_lengths, params, sorted_ids, probs)
         emitted = commit_speculative_round(buffers, raw_logits, accepted, counts, vocab_size=self.vocab_size, k=self.k)
+        for keep in rows.plans.get(ACCEPTED_STATES, ()):  # a recurrent layer keeps the state of each lane's last
+            keep((emitted >= 0).sum(1))  # accepted row (recipes/linear_attention.py), rejected rows' dropped
         flat = emitted.reshape(-1)  # forced tokens are output tokens and count, like a decode round's
         update_output_counts(penalty.select(1, OUTPUT_PLANE), safe_slots.repeat_interleave(width), flat, flat >= 0)
         return (emitted,)

@@ -306,8 +306,10 @@ def _check_geometry(options: ExportOptions, cfg) -> None:
 
 
 def eos_token_id(config: dict, cfg, directory: Path) -> int | None:
-    """``config.json`` eos_token_id (the first one when it lists several), checked against the vocabulary."""
-    value = config.get("eos_token_id")
+    """``config.json`` eos_token_id (the first one when it lists several; a multimodal checkpoint's may be in its
+    ``text_config``), checked against the vocabulary."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    value = config.get("eos_token_id", text.get("eos_token_id"))
     if isinstance(value, list):
         value = value[0] if value else None
     if value is None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ignition.catalog.cache_kinds import CACHE_KINDS
 from ignition.catalog.enums import Operation
 from ignition.runtime.bindings import ChunkPlan, Lane
 from ignition.runtime.requests import Request, RequestState, SamplingParams
@@ -254,5 +255,11 @@ def check_draft_core(draft_core, target_core) -> None:
     if draft["files"].get(tokenizer) != target["files"].get(tokenizer):
         raise SpeculativeError(f"draft core {draft_core.path}: its tokenizer differs from the target's "
                                f"({tokenizer} sha256 {draft['files'].get(tokenizer)} vs {target['files'].get(tokenizer)})")
+    summarised = sorted({kind for kind in draft["model"].get("layer_kinds", ())
+                         if kind in CACHE_KINDS and not CACHE_KINDS[kind].rewinds})
+    if summarised:
+        raise SpeculativeError(f"draft core {draft_core.path}: its {', '.join(summarised)} layers keep a state that "
+                               f"summarises the whole context and cannot rewind to the prefix a new context shares; "
+                               f"use a draft core of full or sliding attention layers, or ngram:S")
     if not draft_core.by_operation(Operation.DECODE) or not draft_core.by_operation(Operation.PREFILL):
         raise SpeculativeError(f"draft core {draft_core.path}: needs PREFILL and DECODE variants to propose")

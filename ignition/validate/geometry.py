@@ -17,8 +17,8 @@ import copy
 from pathlib import Path
 
 from ignition.catalog.enums import Operation
-from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, MODEL_DTYPE_STATE, STATE_SHAPES,
-                                       SYMBOL_RULES, VOCAB_WEIGHTS, field_name, manifest_value)
+from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, FP32_STATE, MODEL_DTYPE_STATE,
+                                       STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS, field_name, manifest_value)
 from ignition.validate.files import METADATA_MAX_BYTES, read_core_file, safe_path
 from ignition.validate.parallel import rank_view
 from ignition.validate.report import Violation
@@ -54,6 +54,9 @@ def check_state(manifest: dict) -> list[Violation]:
         found += _compare(manifest, what, expression, decl["shape"])
         if decl["name"] in MODEL_DTYPE_STATE and decl["dtype"] != manifest["model"]["dtype"]:
             found.append(Violation("GEOM-MODEL", what, f"expected the model dtype {manifest['model']['dtype']}, "
+                                   f"found {decl['dtype']}"))
+        if decl["name"] in FP32_STATE and decl["dtype"] != "float32":
+            found.append(Violation("GEOM-MODEL", what, f"expected float32 (kept in FP32 whatever the model dtype), "
                                    f"found {decl['dtype']}"))
     return found
 
