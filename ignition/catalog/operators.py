@@ -5,7 +5,7 @@ A ``.pt2`` graph is data until torch runs it, and some aten operators reach outs
 touch files, storage constructors alias memory the graph does not own. So a graph may call only
 
 * ``EMITTED_OPERATORS``: what the exporter captures for every recipe (toy, qwen3, llama, qwen3_moe, gemma3,
-  deepseek_v3; logprobs, prompt logprobs, speculative, mixed, tensor-parallel). Regenerate or check
+  deepseek_v3, qwen3_5; logprobs, prompt logprobs, speculative, mixed, tensor-parallel). Regenerate or check
   it with ``python -m benchmarks.operator_table``; an addition is a reviewed change to this file;
 * ``TENSOR_OPERATORS``: harmless tensor, view and in-place operators a recipe may start to emit
   (attention through scaled_dot_product_attention, in-place cache writes, slicing views);
@@ -84,6 +84,9 @@ TENSOR_OPERATORS = frozenset({
     # sliding-window layers (recipes/attention.py ``sliding_mask``, layers.py ring writes) and GeGLU MLPs (gemma3)
     "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.gelu.default", "aten.tanh.default",
     "aten.pow.Tensor_Scalar",
+    # Gated DeltaNet linear attention (recipes/linear_attention.py: causal conv, decay, chunked delta rule; qwen3_5)
+    "aten.conv1d.default", "aten.exp.default", "aten.linalg_solve_triangular.default", "aten.softplus.default",
+    "aten.to.device",
 })
 
 ONNX_CUSTOM_DOMAINS: tuple[str, ...] = ()
