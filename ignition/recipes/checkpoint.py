@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Non-persistent buffers that some exporters still write; never part of the expected layout.

@@ -29,8 +29,8 @@ from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, Re
                                    chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
                                    next_tokens_return, prefill_family, sampling_arguments, spec_arguments,
                                    verify_family, weight_arguments, with_constraints)
-from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, CheckpointError, family_of, open_checkpoint,
-                                         read_config)
+from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, Checkpoint, CheckpointError, family_of,
+                                         open_checkpoint, read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
 from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PackedPrefillGraph, PrefillGraph,
                                      ScoredPrefillGraph, VerifyGraph, state_declarations)
@@ -50,6 +50,7 @@ class DecoderFamily:
     windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
     dynamic_chunks: bool = False  # prefill rows are a window too (not for MoE: its capacity ladder fixes the rows)
     packed: bool = False  # packed.t{C}.c{capacity}: several prompts' chunks per submission (GQA, dynamic chunks)
+    checkpoint: Callable[[Path], Checkpoint] = open_checkpoint  # opens the weights (gpt_oss: MXFP4 dequantized)
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
@@ -80,7 +81,7 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if hasattr(cfg, "with_steps"):  # sliding layers: a ring of their window plus one step's rows (cache_kinds)
         cfg = cfg.with_steps(step_rows(options), options.max_seq_len)
     dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
-    weights = load_weights(open_checkpoint(directory), cfg, family.weight_map, dtype)
+    weights = load_weights(family.checkpoint(directory), cfg, family.weight_map, dtype)
     if cfg.tie_word_embeddings:
         del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)

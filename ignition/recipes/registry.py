@@ -15,6 +15,7 @@ RECIPES = {
     "qwen3_moe": "ignition.recipes.llama",
     "deepseek_v3": "ignition.recipes.deepseek_v3",
     "gemma3": "ignition.recipes.gemma3",
+    "gpt_oss": "ignition.recipes.gpt_oss",
 }
 
 
