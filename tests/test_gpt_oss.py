@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_gemma3 import PROMPTS, TOL, assert_entries_match, hf_incremental, hf_rows
-from transformers import GptOssForCausalLM
+from transformers import GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from ignition.exporter.export import export_core
@@ -112,8 +112,9 @@ def test_manifest_declares_each_layers_kind(gpt_oss):
 
 def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path):
     """An MXFP4-stored copy of the checkpoint (the published layout: ``*_blocks``/``*_scales``) reads back as the
-    exact values its codes stand for, equal to transformers' own dequantization and within one e2m1 step of the
-    BF16 weights; everything else is the BF16 checkpoint's."""
+    exact values its codes stand for, equal to transformers' own dequantization (its function, and the model it
+    loads from the MXFP4 checkpoint) and within one e2m1 step of the BF16 weights; everything else is the BF16
+    checkpoint's."""
     shutil.copytree(checkpoint, tmp_path / "mxfp4")
     recovered = make_tiny_gpt_oss.store_mxfp4(tmp_path / "mxfp4")
     stored = open_checkpoint(tmp_path / "mxfp4")
@@ -121,7 +122,12 @@ def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path
     assert cfg.mxfp4 and any(name.endswith("_blocks") for name in stored.names())
     ours = load_weights(open_gpt_oss_checkpoint(tmp_path / "mxfp4"), cfg, WEIGHT_MAP)
     plain = load_weights(open_checkpoint(checkpoint), cfg, WEIGHT_MAP)
+    hf = GptOssForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32,
+                                           quantization_config=Mxfp4Config(dequantize=True))
     for layer in range(cfg.num_layers):
+        experts = hf.model.layers[layer].mlp.experts
+        assert torch.equal(ours[f"layers.{layer}.experts.gate_up"], experts.gate_up_proj)
+        assert torch.equal(ours[f"layers.{layer}.experts.down"], experts.down_proj)
         for hf_name, name in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
             full = f"model.layers.{layer}.mlp.experts.{hf_name}"
             blocks, scales = stored.load(full + "_blocks"), stored.load(full + "_scales")
