@@ -2,7 +2,7 @@
 
 One tiny random checkpoint (examples/make_tiny_gpt_oss.py: window 8, layers sliding/full/sliding, non-zero sinks,
 4 experts with 2 a token) is exported once with chunks of 8 rows (every prompt here crosses window and chunk
-boundaries), prompt scoring and a verify family; the oracle is transformers' eager ``GptOssForCausalLM``.
+boundaries), prompt scoring, a verify family and mixed graphs; the oracle is transformers' eager ``GptOssForCausalLM``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def checkpoint(tmp_path_factory) -> Path:
 def gpt_oss(checkpoint):
     core = checkpoint.parent / "core"
     export_core(ExportOptions(recipe="gpt_oss", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
-                              max_seq_len=MAX_SEQ, prompt_logprobs=True, speculative_tokens=(3,)), core)
+                              max_seq_len=MAX_SEQ, prompt_logprobs=True, speculative_tokens=(3,), mixed=True),
+                core)
     hf = GptOssForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
     return hf, core, load_core(core), checkpoint
 
@@ -101,6 +102,25 @@ def test_speculative_rounds_give_transformers_tokens(gpt_oss):
         tokens, rows = hf_incremental(hf, prompt, 12)
         assert result.token_ids == tokens
         assert max(abs(e.logprob - rows[step][e.id].item()) for step, e in enumerate(result.entries)) < TOL
+
+
+def test_mixed_serial_and_batch_invariant_rounds_agree(gpt_oss):
+    """Mixed rounds (a prompt chunk beside a decode lane), serial chunks and batch-invariant decode give the same
+    tokens and logprobs, transformers' ones."""
+    hf, _, core, _ = gpt_oss
+    requests = [Request(p, max_tokens=10, logprobs=3, ignore_eos=True) for p in (PROMPTS[1], PROMPTS[0])]
+    serial = Engine(core, mixed=False).generate(requests)
+    mixed_engine = Engine(core)
+    mixed = mixed_engine.generate(requests)
+    invariant = Engine(core, batch_invariant=True).generate(requests)
+    assert mixed_engine.stats["mixed_rounds"] >= 1
+    summary = [[(r.token_ids, [[i for i, _ in e.top] for e in r.entries], r.error)] for r in (serial + mixed)]
+    assert summary[:2] == summary[2:]
+    for prompt, result in zip((PROMPTS[1], PROMPTS[0]), serial):
+        assert result.token_ids == hf_incremental(hf, prompt, 10)[0]
+    for a, b in zip(serial + invariant, mixed + serial):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.entries, b.entries)) < TOL
 
 
 def test_manifest_declares_each_layers_kind(gpt_oss):
