@@ -184,3 +184,30 @@ def test_config_refusals_name_the_field(checkpoint):
     parsed = GptOssConfig.from_hf_config(legacy, "config.json")  # transformers' defaults: alternating, YaRN x32
     assert parsed.layer_kinds == ("sliding", "full", "sliding")
     assert (parsed.rope.rope_scaling.kind, parsed.rope.rope_scaling.factor) == ("yarn", 32.0)
+
+
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json (legacy rope_scaling form, MXFP4 experts), layer_types below
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "quantization_config": {"quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088, "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+
+def test_a_published_config_parses_and_its_yarn_is_transformers():
+    """gpt-oss-20b's config: alternating kinds, MXFP4, and YaRN (untruncated) frequencies and cos/sin multiplier
+    bit-identical to transformers' rotary embedding for that config."""
+    from transformers import GptOssConfig as HfConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from ignition.recipes.rope import rope_frequencies
+
+    parsed = GptOssConfig.from_hf_config(GPT_OSS_20B, "config.json")
+    assert parsed.layer_kinds == ("sliding", "full") * 12 and parsed.mxfp4 and parsed.moe.experts_per_token == 4
+    assert (parsed.rope.rope_theta, parsed.rope.rope_scaling.truncate) == (150000.0, False)
+    hf = GptOssRotaryEmbedding(HfConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}))
+    inv_freq, multiplier = rope_frequencies(parsed.rope)
+    assert torch.equal(inv_freq, hf.inv_freq) and multiplier == hf.attention_scaling
