@@ -1,7 +1,7 @@
 """Regenerate or check ``ignition/catalog/operators.py``: the operators the recipes' graphs call.
 
 ``python -m benchmarks.operator_table [--recipes R,...]`` exports tiny cores of every recipe (toy, qwen3, llama, gemma3,
-qwen3_moe, deepseek_v3, qwen3_5) with generation and prompt logprobs, speculative verify and mixed
+qwen3_moe, deepseek_v3, qwen3_5, gpt_oss) with generation and prompt logprobs, speculative verify and mixed
 variants, and a tensor-parallel qwen3 core, reads every graph's ``models/model.json`` and prints
 the exact operators (``namespace.name.overload``) the graphs call that validate-core would refuse: neither in
 ``ALLOWED_OPERATORS`` (``EMITTED_OPERATORS`` and ``TENSOR_OPERATORS``) nor an ``_operator`` function on
@@ -53,6 +53,7 @@ EXAMPLES = {  # recipe -> (examples/ script, make_checkpoint keyword arguments)
     "deepseek_v3": ("make_tiny_moe", {"family": "deepseek_v3"}),
     "gemma3": ("make_tiny_gemma3", {}),
     "qwen3_5": ("make_tiny_qwen3_5", {}),
+    "gpt_oss": ("make_tiny_gpt_oss", {}),
 }
 
 

@@ -184,13 +184,13 @@ def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
 
 
 def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
-                     plan: AttentionPlan) -> torch.Tensor:
+                     plan: AttentionPlan, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``query [R, heads, head_dim]`` over layer ``layer`` of the caches
     ``[layers, num_slots, T, kv_heads, head_dim]``.
 
     Row ``i`` of group ``g`` (``R // G`` rows per group, ``G = len(rows.read_slots)``) attends over the
     positions ``<= rows.positions[i]`` of slot ``rows.read_slots[g]`` (``plan`` holds the rows' part).
-    Returns ``[R, heads * head_dim]``.
+    ``sinks [heads]``: each head's learned sink logit (``_attend``). Returns ``[R, heads * head_dim]``.
     """
     num_rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[3]
@@ -205,16 +205,17 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1],
-                                      scale=plan.scale)
+                                      scale=plan.scale, sinks=sinks)
                               for g in range(groups)])
     elif plan.slot_ordered:  # group r is slot r's: in place over the first read slots, nothing placed or picked
-        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale)
+        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks)
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
         attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
-                           short=plan.short, scale=plan.scale)
+                           short=plan.short, scale=plan.scale, sinks=sinks)
     else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
         grouped = grouped.index_select(0, plan.placement)  # the keys and values: the first read slots (_windows)
-        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale).index_select(0, plan.slots)  # [G, ...]
+        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks).index_select(
+            0, plan.slots)  # [G, ...]
     if per_group > 1:
         attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
@@ -245,13 +246,45 @@ def sliding_mask(cells: torch.Tensor, positions: torch.Tensor, window: int, shar
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            per_head: bool = False, short: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+            per_head: bool = False, short: torch.Tensor | None = None, scale: float | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``short``: see
     ``_eager_low_precision``); ``mask`` from ``causal_mask`` or ``sliding_mask``; ``scale``: the scores' scale
-    (None: ``head_dim ** -0.5``)."""
+    (None: ``head_dim ** -0.5``); ``sinks [heads]``: learned sink logits (``_sink_attention``)."""
+    if sinks is not None:
+        return _sink_attention(query, keys, values, mask, sinks, scale)
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return _eager_low_precision(query, keys, values, mask, per_head, short, scale)
+
+
+def _sink_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    sinks: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Attention with a learned sink logit per head (GPT-OSS; transformers' ``eager_attention_forward`` there): each
+    row's scores get one more column, its head's sink, the row is softmaxed in the scores' dtype after subtracting
+    its maximum, and the sink's probability is dropped, so the keys' weights sum to less than one.
+
+    One product per KV head: ``keys[:, kv]`` of a strided cache view is a strided batch of matrices that ``bmm``
+    reads in place, where a product over the merged batch and KV-head dims would copy the window. ``query [B, kv, M,
+    D]`` (row ``s * M / share + j``: head ``(kv, s)``), ``keys``/``values [B, kv, W, D]``, ``mask [B, 1, M, W]``
+    (FP32 additive, or True where hidden), ``sinks [heads]`` -> ``[B, kv, M, D]``."""
+    batch, kv_heads, rows, head_dim = query.shape
+    share = sinks.shape[0] // kv_heads
+    # [kv, M, 1]: row s * M / share + j of KV head kv takes head (kv, s)'s sink
+    row_sinks = sinks.view(kv_heads, share, 1).expand(kv_heads, share, rows // share).reshape(kv_heads, rows, 1)
+    scale = head_dim ** -0.5 if scale is None else scale
+    outputs = []
+    for head in range(kv_heads):
+        scores = torch.matmul(query[:, head], keys[:, head].transpose(1, 2)) * scale  # [B, M, W]
+        mask_rows = mask[:, 0]
+        scores = scores.masked_fill(mask_rows, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \
+            else scores + mask_rows
+        sink = row_sinks[head].to(scores.dtype).unsqueeze(0).expand(batch, rows, 1)
+        combined = torch.cat([scores, sink], dim=-1)  # [B, M, W + 1]
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype).narrow(-1, 0, scores.shape[-1])
+        outputs.append(torch.matmul(probs.to(values.dtype), values[:, head]))  # [B, M, D]
+    return torch.stack(outputs, dim=1)
 
 
 def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -404,7 +437,8 @@ def _lane_outputs(attended: torch.Tensor, share: int, extent: int) -> torch.Tens
 
 
 def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     rows: Rows, sliding: int | None = None, scale: float | None = None) -> torch.Tensor:
+                     rows: Rows, sliding: int | None = None, scale: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
 
     Lane b's segment (``rows.segments``) attends over the positions ``<=`` each row's of slot
@@ -415,7 +449,8 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
     (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
     (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
-    order. ``sliding``, ``scale``: as ``plan_attention``'s (``key_cache`` is then a sliding layer's ring).
+    order. ``sliding``, ``scale``: as ``plan_attention``'s (``key_cache`` is then a sliding layer's ring);
+    ``sinks [heads]``: learned sink logits (``_sink_attention``).
     """
     num_rows, heads, head_dim = query.shape
     num_slots, max_seq_len, kv_heads, _ = key_cache.shape
@@ -424,12 +459,12 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
     values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
     attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True,
-                       short=plan.short, scale=plan.scale)
+                       short=plan.short, scale=plan.scale, sinks=sinks)
     outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
     if plan.brief_source is not None:  # each lane's first F rows over its slot's first F keys: [B, F, kv, share, D]
         first_keys, first_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
                                      for cache in (key_cache, value_cache))  # [B, kv_heads, F, D]
-        brief = _eager_low_precision(_lane_rows(query, plan.brief_source, kv_heads, share), first_keys,
-                                     first_values, plan.brief_mask, per_head=True, scale=plan.scale)
+        brief = _attend(_lane_rows(query, plan.brief_source, kv_heads, share), first_keys, first_values,
+                        plan.brief_mask, per_head=True, scale=plan.scale, sinks=sinks)
         outputs = torch.cat([outputs, _lane_outputs(brief, share, plan.brief_keys)], dim=1)  # [B, E + F, kv, share, D]
     return outputs.reshape(-1, heads * head_dim).index_select(0, plan.gather)  # [R, heads * head_dim]

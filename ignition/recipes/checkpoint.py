@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3",  # its text model (recipes/gemma3.py)
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (recipes/qwen3_5.py)
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Non-persistent buffers that some exporters still write; never part of the expected layout.

@@ -53,6 +53,7 @@ class DecoderFamily:
     # (checkpoint, config.json, weight_map) -> the tensors to export and the map under their stored names (a
     # multimodal checkpoint's text model); None: the checkpoint and map as they are
     text_weights: Callable[[Checkpoint, Mapping[str, Any], Mapping[str, WeightSpec]], tuple] | None = None
+    checkpoint: Callable[[Path], Checkpoint] = open_checkpoint  # opens the weights (gpt_oss: MXFP4 dequantized)
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
@@ -83,7 +84,7 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if hasattr(cfg, "with_steps"):  # sliding layers: a ring of their window plus one step's rows (cache_kinds)
         cfg = cfg.with_steps(step_rows(options), options.max_seq_len)
     dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
-    checkpoint, weight_map = open_checkpoint(directory), family.weight_map
+    checkpoint, weight_map = family.checkpoint(directory), family.weight_map
     if family.text_weights is not None:
         checkpoint, weight_map = family.text_weights(checkpoint, config, weight_map)
     weights = load_weights(checkpoint, cfg, weight_map, dtype)

@@ -1,9 +1,11 @@
 """Mixture-of-experts feed-forward: routing computed in the graph, experts read as stored.
 
-Two routers, chosen by name from ``ROUTERS`` (a table, read once when the graph is built):
+Three routers, chosen by name from ``ROUTERS`` (a table, read once when the graph is built):
 
 * ``softmax_topk`` (Qwen3-MoE): fp32 softmax of the router logits, top-k, optionally
   renormalised (``norm_topk_prob``), cast to the model dtype;
+* ``topk_softmax`` (GPT-OSS): router logits with a bias, top-k of the logits, then a softmax of the
+  k picked logits in the model dtype;
 * ``grouped_sigmoid_topk`` (DeepSeek-V3): fp32 sigmoid scores; the choice adds
   ``e_score_correction_bias``, keeps the ``topk_group`` groups whose two best scores sum
   highest, then the top-k experts inside them; the weights are the *uncorrected* scores,
@@ -125,10 +127,20 @@ def route_grouped_sigmoid_topk(weights: Mapping[str, torch.Tensor], prefix: str,
     return top_experts, top_values * moe.routed_scaling_factor
 
 
+def route_topk_softmax(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig,
+                       hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS routing: the top-k experts of the biased router logits ``[R, k]`` and the softmax of their logits
+    (in the model dtype, as transformers' ``GptOssTopKRouter``)."""
+    router_logits = F.linear(hidden, weights[prefix + "router"], weights[prefix + "router_bias"])  # [R, E]
+    top_logits, top_experts = torch.topk(router_logits, moe.experts_per_token, dim=-1)  # [R, k]
+    return top_experts, torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
+
+
 Router = Callable[[Mapping[str, torch.Tensor], str, MoeConfig, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ROUTERS: dict[str, Router] = {
     "softmax_topk": route_softmax_topk,
     "grouped_sigmoid_topk": route_grouped_sigmoid_topk,
+    "topk_softmax": route_topk_softmax,
 }
 """Router name -> ``(weights, layer prefix, moe, normed hidden [R, d]) -> (experts [R, k] int64, weights [R, k])``."""
 
@@ -170,17 +182,19 @@ class Dispatch:
                    starts=torch.cumsum(counts, 0) - counts, counts=counts)
 
 
-# The operands every branch of an expert's dispatch takes (torch.cond passes them positionally); each
-# branch returns a 1-tuple, the form torch.onnx's converter of a cond's outputs expects.
+# The operands every branch of an expert's dispatch takes (torch.cond passes them positionally): out, hidden, rows,
+# weights, start, count, then the expert's own tensors; each branch returns a 1-tuple, the form torch.onnx's
+# converter of a cond's outputs expects.
 _COUNT = 5  # the segment length's position among them
 
 
-def _run_segment(capacity: int, out, hidden, rows, weights, start, count, gate, up, down) -> tuple[torch.Tensor]:
-    """One expert on its segment padded to ``capacity`` rows; adds the weighted results into ``out``."""
+def _run_segment(capacity: int, mlp, out, hidden, rows, weights, start, count, *expert) -> tuple[torch.Tensor]:
+    """One expert (``mlp(rows [C, d_model], *expert)``) on its segment padded to ``capacity`` rows; adds the
+    weighted results into ``out``."""
     slot = torch.arange(capacity, device=hidden.device)
     index = (start + slot).clamp(max=rows.shape[0] - 1)  # [C]: positions in the sorted assignments
     row = rows[index]  # [C]: padding slots hold later experts' rows
-    result = (gated_mlp(hidden[row], gate, up, down) * weights[index, None]).to(out.dtype)  # [C, d_model]
+    result = (mlp(hidden[row], *expert) * weights[index, None]).to(out.dtype)  # [C, d_model]
     return (out.index_add(0, row, torch.where((slot < count)[:, None], result, 0)),)
 
 
@@ -194,31 +208,42 @@ def _skip(out, *_) -> tuple[torch.Tensor]:
     return (out.clone(),)  # a branch may not return its input
 
 
-def _ladder(rows: int):
+def _ladder(rows: int, mlp):
     """The routed branch: the smallest capacity that holds the segment, chosen by nested conds."""
     ladder = capacities(rows)
-    branch = partial(_run_segment, ladder[-1])
+    branch = partial(_run_segment, ladder[-1], mlp)
     for capacity in reversed(ladder[:-1]):
-        branch = partial(_choose, capacity, partial(_run_segment, capacity), branch)
+        branch = partial(_choose, capacity, partial(_run_segment, capacity, mlp), branch)
     return branch
 
 
 def moe_block(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig, hidden: torch.Tensor) -> torch.Tensor:
     """Routed experts (each on its own rows, sorted dispatch) plus shared experts; ``[R, d_model]``."""
-    top_experts, top_weights = ROUTERS[moe.router](weights, prefix, moe, hidden)  # [R, k] each
-    assigned = Dispatch.sort(top_experts, top_weights, moe.num_experts)
-    routed = _ladder(hidden.shape[0])
-    out = torch.zeros_like(hidden)
-    for expert in range(moe.num_experts):  # ascending, like HF's index_add_ per expert
+    def expert_weights(expert: int) -> tuple[torch.Tensor, ...]:
         name = f"{prefix}experts.{expert}."
-        count = assigned.counts[expert]
-        out = torch.ops.higher_order.cond(
-            count > 0, routed, _skip,
-            (out, hidden, assigned.rows, assigned.weights, assigned.starts[expert], count,
-             weights[name + "gate_proj"], weights[name + "up_proj"], weights[name + "down_proj"]))[0]
+        return weights[name + "gate_proj"], weights[name + "up_proj"], weights[name + "down_proj"]
+
+    out = routed_experts(weights, prefix, moe, hidden, expert_weights, gated_mlp)
     if moe.num_shared_experts:
         out = out + gated_mlp(hidden, weights[prefix + "shared.gate_proj"], weights[prefix + "shared.up_proj"],
                               weights[prefix + "shared.down_proj"])
+    return out
+
+
+def routed_experts(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig, hidden: torch.Tensor,
+                   expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
+                   mlp: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """The routed part of an MoE block: ``moe.router``'s choice, then each expert ``mlp(rows, *expert_weights(e))``
+    on the rows routed to it (sorted dispatch), weighted and added in ascending expert order; ``[R, d_model]``."""
+    top_experts, top_weights = ROUTERS[moe.router](weights, prefix, moe, hidden)  # [R, k] each
+    assigned = Dispatch.sort(top_experts, top_weights, moe.num_experts)
+    routed = _ladder(hidden.shape[0], mlp)
+    out = torch.zeros_like(hidden)
+    for expert in range(moe.num_experts):  # ascending, like HF's index_add_ per expert
+        count = assigned.counts[expert]
+        out = torch.ops.higher_order.cond(
+            count > 0, routed, _skip,
+            (out, hidden, assigned.rows, assigned.weights, assigned.starts[expert], count, *expert_weights(expert)))[0]
     return out
 
 

@@ -16,6 +16,7 @@ RECIPES = {
     "deepseek_v3": "ignition.recipes.deepseek_v3",
     "gemma3": "ignition.recipes.gemma3",
     "qwen3_5": "ignition.recipes.qwen3_5",
+    "gpt_oss": "ignition.recipes.gpt_oss",
 }
 
 

@@ -1,0 +1,213 @@
+"""GPT-OSS (sinks on sliding and full layers, routed clamped-SwiGLU experts, YaRN) against transformers, and MXFP4.
+
+One tiny random checkpoint (examples/make_tiny_gpt_oss.py: window 8, layers sliding/full/sliding, non-zero sinks,
+4 experts with 2 a token) is exported once with chunks of 8 rows (every prompt here crosses window and chunk
+boundaries), prompt scoring, a verify family and mixed graphs; the oracle is transformers' eager ``GptOssForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_gemma3 import PROMPTS, TOL, assert_entries_match, hf_incremental, hf_rows
+from transformers import GptOssForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from ignition.exporter.export import export_core
+from ignition.recipes.base import ExportOptions
+from ignition.recipes.checkpoint import CheckpointError, open_checkpoint, read_config
+from ignition.recipes.gpt_oss import WEIGHT_MAP, GptOssConfig
+from ignition.recipes.mxfp4 import dequantize_mxfp4, open_gpt_oss_checkpoint
+from ignition.recipes.weights import load_weights
+from ignition.runtime.core import load_core
+from ignition.runtime.drafters import NgramDrafter
+from ignition.runtime.requests import Request
+from ignition.runtime.scheduler import Engine
+
+_SPEC = importlib.util.spec_from_file_location(
+    "make_tiny_gpt_oss", Path(__file__).parents[1] / "examples" / "make_tiny_gpt_oss.py")
+make_tiny_gpt_oss = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(make_tiny_gpt_oss)
+
+WINDOW, CHUNK, MAX_SEQ = 8, 8, 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_gpt_oss.make_checkpoint(tmp_path_factory.mktemp("gpt_oss") / "ckpt", window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(checkpoint):
+    core = checkpoint.parent / "core"
+    export_core(ExportOptions(recipe="gpt_oss", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
+                              max_seq_len=MAX_SEQ, prompt_logprobs=True, speculative_tokens=(3,), mixed=True),
+                core)
+    hf = GptOssForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    return hf, core, load_core(core), checkpoint
+
+
+def test_generation_matches_transformers_incremental_decode(gpt_oss):
+    """Greedy tokens and K=20 logprobs equal transformers' eager incremental decode, prompts longer and shorter
+    than the window, decoding well past it (two lanes at once, then one)."""
+    hf, _, core, _ = gpt_oss
+    steps = 16
+    results = Engine(core).generate([Request(p, max_tokens=steps, logprobs=20, ignore_eos=True) for p in PROMPTS])
+    for prompt, result in zip(PROMPTS, results):
+        tokens, rows = hf_incremental(hf, prompt, steps)
+        assert result.error is None and result.token_ids == tokens
+        assert len(set(tokens)) >= 3  # the tiny model does not repeat one token
+        assert_entries_match(result, rows, 20)
+
+
+def test_prompt_logprobs_match_the_full_forward(gpt_oss):
+    hf, _, core, _ = gpt_oss
+    prompt = PROMPTS[2]  # 29 tokens: four chunks
+    (result,) = Engine(core).generate([Request(prompt, max_tokens=0, prompt_logprobs=20)])
+    rows = hf_rows(hf, prompt)
+    assert result.error is None and result.prompt_entries[0] is None
+    for position in range(1, len(prompt)):
+        entry, row = result.prompt_entries[position], rows[position - 1]
+        assert entry["id"] == prompt[position] and abs(entry["logprob"] - row[prompt[position]].item()) < TOL
+        values = torch.tensor([t["logprob"] for t in entry["top_logprobs"]], dtype=torch.float64)
+        torch.testing.assert_close(values, torch.sort(row, descending=True).values[:20], atol=TOL, rtol=0)
+
+
+def test_the_sinks_and_the_window_change_transformers_logits(gpt_oss):
+    """The oracle depends on what the export must reproduce: without sinks (a sink of -inf takes no probability)
+    or with a full-length window, transformers' rows move by far more than the tolerance."""
+    hf, _, _, checkpoint = gpt_oss
+    reference = hf_rows(hf, PROMPTS[0])
+    no_sinks = GptOssForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager").eval()
+    for layer in no_sinks.model.layers:
+        assert layer.self_attn.sinks.abs().min() > 0
+        layer.self_attn.sinks.data.fill_(float("-inf"))
+    assert (reference - hf_rows(no_sinks, PROMPTS[0])).abs().max() > 1e-2
+    wide = GptOssForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, attn_implementation="eager",
+                                             sliding_window=MAX_SEQ).eval()
+    assert (reference - hf_rows(wide, PROMPTS[0]))[WINDOW:].abs().max() > 1e-2
+
+
+def test_speculative_rounds_give_transformers_tokens(gpt_oss):
+    """Verify rounds write rejected rows into the ring and roll back; tokens and logprobs stay transformers'."""
+    hf, _, core, _ = gpt_oss
+    engine = Engine(core, drafter=NgramDrafter(), draft_tokens=3)
+    results = engine.generate([Request(p, max_tokens=12, logprobs=3, ignore_eos=True) for p in PROMPTS[1:]])
+    assert engine.stats["proposed"] > engine.stats["accepted"] > 0
+    for prompt, result in zip(PROMPTS[1:], results):
+        tokens, rows = hf_incremental(hf, prompt, 12)
+        assert result.token_ids == tokens
+        assert max(abs(e.logprob - rows[step][e.id].item()) for step, e in enumerate(result.entries)) < TOL
+
+
+def test_mixed_serial_and_batch_invariant_rounds_agree(gpt_oss):
+    """Mixed rounds (a prompt chunk beside a decode lane), serial chunks and batch-invariant decode give the same
+    tokens and logprobs, transformers' ones."""
+    hf, _, core, _ = gpt_oss
+    requests = [Request(p, max_tokens=10, logprobs=3, ignore_eos=True) for p in (PROMPTS[1], PROMPTS[0])]
+    serial = Engine(core, mixed=False).generate(requests)
+    mixed_engine = Engine(core)
+    mixed = mixed_engine.generate(requests)
+    invariant = Engine(core, batch_invariant=True).generate(requests)
+    assert mixed_engine.stats["mixed_rounds"] >= 1
+    summary = [[(r.token_ids, [[i for i, _ in e.top] for e in r.entries], r.error)] for r in (serial + mixed)]
+    assert summary[:2] == summary[2:]
+    for prompt, result in zip((PROMPTS[1], PROMPTS[0]), serial):
+        assert result.token_ids == hf_incremental(hf, prompt, 10)[0]
+    for a, b in zip(serial + invariant, mixed + serial):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.entries, b.entries)) < TOL
+
+
+def test_manifest_declares_each_layers_kind(gpt_oss):
+    _, root, _, _ = gpt_oss
+    model = load_core(root).manifest["model"]
+    assert model["layer_kinds"] == ["sliding", "full", "sliding"]
+    assert (model["sliding_window"], model["window_cells"]) == (WINDOW, WINDOW + CHUNK - 1)
+
+
+def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path):
+    """An MXFP4-stored copy of the checkpoint (the published layout: ``*_blocks``/``*_scales``) reads back as the
+    exact values its codes stand for, equal to transformers' own dequantization (its function, and the model it
+    loads from the MXFP4 checkpoint) and within one e2m1 step of the BF16 weights; everything else is the BF16
+    checkpoint's."""
+    shutil.copytree(checkpoint, tmp_path / "mxfp4")
+    recovered = make_tiny_gpt_oss.store_mxfp4(tmp_path / "mxfp4")
+    stored = open_checkpoint(tmp_path / "mxfp4")
+    cfg = GptOssConfig.from_hf_config(read_config(tmp_path / "mxfp4"), "config.json")
+    assert cfg.mxfp4 and any(name.endswith("_blocks") for name in stored.names())
+    ours = load_weights(open_gpt_oss_checkpoint(tmp_path / "mxfp4"), cfg, WEIGHT_MAP)
+    plain = load_weights(open_checkpoint(checkpoint), cfg, WEIGHT_MAP)
+    hf = GptOssForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32,
+                                           quantization_config=Mxfp4Config(dequantize=True))
+    for layer in range(cfg.num_layers):
+        experts = hf.model.layers[layer].mlp.experts
+        assert torch.equal(ours[f"layers.{layer}.experts.gate_up"], experts.gate_up_proj)
+        assert torch.equal(ours[f"layers.{layer}.experts.down"], experts.down_proj)
+        for hf_name, name in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            full = f"model.layers.{layer}.mlp.experts.{hf_name}"
+            blocks, scales = stored.load(full + "_blocks"), stored.load(full + "_scales")
+            theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            value = ours[f"layers.{layer}.experts.{name}"]
+            assert torch.equal(value, theirs) and torch.equal(value, recovered[full])
+            original = plain[f"layers.{layer}.experts.{name}"]
+            step = 2.0 ** (scales.float() - 127 + 1).transpose(-2, -1).repeat_interleave(32, -2)  # widest e2m1 gap
+            assert ((value - original).abs() <= step / 2).all() and (value != original).any()
+    assert all(torch.equal(ours[name], plain[name]) for name in plain if ".experts." not in name)
+
+
+def test_dequantize_mxfp4_codes_and_scales():
+    """Each nibble (low first) is its e2m1 value times 2 ** (scale - 127); negative zero keeps its sign."""
+    blocks = torch.zeros(1, 1, 16, dtype=torch.uint8)
+    blocks[0, 0, 0] = 0x1F  # values 0, 1: code 15 (-6.0), code 1 (0.5)
+    blocks[0, 0, 1] = 0x87  # values 2, 3: code 7 (6.0), code 8 (-0.0)
+    values = dequantize_mxfp4(blocks, torch.tensor([[129]], dtype=torch.uint8))[0]
+    assert values[:4].tolist() == [-24.0, 2.0, 24.0, -0.0] and torch.signbit(values[3])
+    assert values[4:].abs().sum() == 0
+    with pytest.raises(CheckpointError, match="MXFP4 blocks"):
+        dequantize_mxfp4(blocks[..., :8], torch.tensor([[127]], dtype=torch.uint8))
+
+
+def test_config_refusals_name_the_field(checkpoint):
+    config = read_config(checkpoint)
+    for field, value in (("hidden_act", "gelu"), ("attention_bias", False), ("layer_types", ["full_attention"]),
+                         ("quantization_config", {"quant_method": "fp8"})):
+        with pytest.raises(CheckpointError, match=field):
+            GptOssConfig.from_hf_config(config | {field: value}, "config.json")
+    with pytest.raises(CheckpointError, match="BF16 checkpoint"):
+        GptOssConfig.from_hf_config(config | {"quantization_config": {"quant_method": "bitsandbytes"}}, "x")
+    legacy = {k: v for k, v in config.items() if k not in ("layer_types", "rope_parameters")}
+    parsed = GptOssConfig.from_hf_config(legacy, "config.json")  # transformers' defaults: alternating, YaRN x32
+    assert parsed.layer_kinds == ("sliding", "full", "sliding")
+    assert (parsed.rope.rope_scaling.kind, parsed.rope.rope_scaling.factor) == ("yarn", 32.0)
+
+
+GPT_OSS_20B = {  # openai/gpt-oss-20b's config.json (legacy rope_scaling form, MXFP4 experts), layer_types below
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "intermediate_size": 2880, "max_position_embeddings": 131072, "model_type": "gpt_oss",
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "quantization_config": {"quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "vocab_size": 201088, "layer_types": ["sliding_attention", "full_attention"] * 12}
+
+
+def test_a_published_config_parses_and_its_yarn_is_transformers():
+    """gpt-oss-20b's config: alternating kinds, MXFP4, and YaRN (untruncated) frequencies and cos/sin multiplier
+    bit-identical to transformers' rotary embedding for that config."""
+    from transformers import GptOssConfig as HfConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from ignition.recipes.rope import rope_frequencies
+
+    parsed = GptOssConfig.from_hf_config(GPT_OSS_20B, "config.json")
+    assert parsed.layer_kinds == ("sliding", "full") * 12 and parsed.mxfp4 and parsed.moe.experts_per_token == 4
+    assert (parsed.rope.rope_theta, parsed.rope.rope_scaling.truncate) == (150000.0, False)
+    hf = GptOssRotaryEmbedding(HfConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}))
+    inv_freq, multiplier = rope_frequencies(parsed.rope)
+    assert torch.equal(inv_freq, hf.inv_freq) and multiplier == hf.attention_scaling
