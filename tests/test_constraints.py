@@ -17,7 +17,7 @@ import torch
 from _grammar_cases import byte_level_bpe, token_pieces
 from ignition.catalog.contract import MAX_LOGIT_BIAS, bitmask_words
 from ignition.catalog.enums import ValueSource as S
-from ignition.runtime.bindings import fill_constraints
+from ignition.runtime.bindings import Lane, fill_constraints
 from ignition.runtime.constraints import (ConstraintConflict, ConstraintError, LaneConstraints, bad_word_sequences,
                                           fill_mask_rows, vocabulary_row)
 from ignition.runtime.grammar import GrammarCompiler
@@ -187,7 +187,7 @@ def fake_variant(lanes: int, words: int, constrained: bool = True):
 
 def fake_lane(constraints, generated=(), chunk=None, retire=False):
     state = SimpleNamespace(request=Request([1], constraints=constraints), generated=list(generated))
-    return SimpleNamespace(state=state, chunk=chunk, retire=retire)
+    return Lane(state, chunk=chunk, retire=retire)
 
 
 def test_fill_constraints_writes_sampling_lanes_only():

@@ -30,7 +30,7 @@ from ignition.recipes.gemma3 import Gemma3Config
 from ignition.runtime.core import load_core
 from ignition.runtime.drafters import NgramDrafter
 from ignition.runtime.requests import Request
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.validate.core import validate_core
 
 _SPEC = importlib.util.spec_from_file_location(

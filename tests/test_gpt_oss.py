@@ -26,7 +26,7 @@ from ignition.recipes.weights import load_weights
 from ignition.runtime.core import load_core
 from ignition.runtime.drafters import NgramDrafter
 from ignition.runtime.requests import Request
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 
 _SPEC = importlib.util.spec_from_file_location(
     "make_tiny_gpt_oss", Path(__file__).parents[1] / "examples" / "make_tiny_gpt_oss.py")

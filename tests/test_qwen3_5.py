@@ -34,7 +34,7 @@ from ignition.recipes.registry import build_recipe
 from ignition.recipes.transformer import lm_head_logits
 from ignition.runtime.core import load_core
 from ignition.runtime.requests import Request
-from ignition.runtime.scheduler import Engine
+from ignition.runtime.engine import Engine
 from ignition.validate.core import validate_core
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_qwen3_5.py"

@@ -5,14 +5,17 @@ grow a tensor by a size they name (``expand``, ``repeat``, ``pad``) take their e
 shape symbols computed in the graph. Nothing else bounds them: ``new_full`` of a literal ``[10**13]`` passes every
 signature rule and asks the allocator for 40 TB at run time. So each such size is bounded here, before anything
 runs: a literal is itself, a shape symbol its ``range_constraints`` maximum, shape arithmetic (``_operator``) the
-bound of its result, and the elements it creates may not exceed the elements of all the variant's declared
-buffers together (``allocation_bound``). A size that cannot be bounded this way is refused too.
+bound of its result, a compound size expression (``Add``, ``Mul``, ``Max``, ... of symbols and integers, as the
+program writes it) the bound its parts give, and the elements it creates may not exceed ``ALLOCATION_HEADROOM``
+times the elements of all the variant's declared buffers together (``allocation_bound``). A size that cannot be
+bounded this way is refused too.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+import re
 
 import torch
 
@@ -31,10 +34,18 @@ _COMBINE = {operator.add: lambda a, b: a + b, operator.sub: lambda a, b: a + b, 
 """Upper bounds of magnitudes: |a - b| <= |a| + |b|, |a // b| <= |a| for integer b != 0, |a % b| < |b|."""
 
 
+ALLOCATION_HEADROOM = 64
+"""Scratch a graph may create beyond its declared buffers: a chunk's attention scores and masks (``[heads, rows,
+keys]``) exceed the buffers of a small core (the tiny test cores' 200-row chunks: 1.1x); a literal size such as
+``10**13`` stays far outside any core's bound."""
+
+
 def allocation_bound(variant: dict) -> int:
-    """The most elements one allocation of ``variant``'s graph may create: all its declared buffers together."""
-    return sum(math.prod(d["shape"]) for d in variant["arguments"]) + sum(math.prod(r["shape"])
-                                                                          for r in variant["returns"])
+    """The most elements one allocation of ``variant``'s graph may create: ``ALLOCATION_HEADROOM`` times all its
+    declared buffers together."""
+    declared = sum(math.prod(d["shape"]) for d in variant["arguments"]) + sum(math.prod(r["shape"])
+                                                                              for r in variant["returns"])
+    return ALLOCATION_HEADROOM * declared
 
 
 def allocation_violations(facts: ProgramFacts, variant: dict, where: str) -> list[Violation]:
@@ -50,8 +61,8 @@ def allocation_violations(facts: ProgramFacts, variant: dict, where: str) -> lis
             if created is None or created > bound:
                 what = "cannot be bounded" if created is None else f"creates up to {created:,} elements"
                 found.append(Violation("GRAPH-ALLOCATION", f"{where}: node {node.name}",
-                                       f"{node.target} {what}; expected at most {bound:,} (all the variant's declared "
-                                       "buffers together)"))
+                                       f"{node.target} {what}; expected at most {bound:,} ({ALLOCATION_HEADROOM} times "
+                                       "all the variant's declared buffers together)"))
     return found
 
 
@@ -93,7 +104,9 @@ class _SizeBounds:
             return abs(value)
         if isinstance(value, str):  # a tensor extent: a shape symbol's name, or a compound expression
             bounds = self.facts.bounds.get(value)
-            return bounds[1] if bounds is not None else None
+            if bounds is not None:
+                return bounds[1]
+            return _expression_upper(value, self.facts.bounds) if value.endswith(")") else None
         if not isinstance(value, torch.fx.Node):
             return None
         if value.name not in self.cache:
@@ -128,3 +141,41 @@ class _SizeBounds:
     def elements(self, node) -> int | None:
         tensor = tensor_facts(node)
         return None if tensor is None else self.product(list(tensor.shape))
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<call>[A-Za-z]+)\(|(?P<text>'[^']*')|(?P<int>-?\d+)|(?P<keyword>\w+=\w+)|(?P<close>\))|,)")
+_EXPRESSION_UPPER = {"Add": sum, "Mul": math.prod, "Max": max, "Min": min, "FloorDiv": lambda parts: parts[0],
+                     "PythonMod": lambda parts: parts[1], "Mod": lambda parts: parts[1]}
+"""Upper bounds of a size expression's magnitude from its arguments' (``srepr`` function names)."""
+
+
+def _expression_upper(text: str, bounds: dict) -> int | None:
+    """Upper bound of a size expression written as ``sympy.srepr`` writes it (``Add(Symbol('s0', ...),
+    Integer(1))``), read token by token (nothing is evaluated); None for any other function or an unbounded
+    symbol."""
+    position, stack = 0, [["", []]]
+    while position < len(text):
+        match = _TOKEN.match(text, position)
+        if match is None or match.end() == position:
+            return None
+        position = match.end()
+        if match["call"]:
+            stack.append([match["call"], []])
+        elif match["text"] is not None and stack[-1][0] == "Symbol" and not stack[-1][1]:
+            bound = bounds.get(match["text"][1:-1])
+            if bound is None or bound[1] is None:
+                return None
+            stack[-1][1].append(bound[1])
+        elif match["int"] is not None and stack[-1][0] == "Integer":
+            stack[-1][1].append(abs(int(match["int"])))
+        elif match["close"]:
+            if len(stack) < 2:
+                return None
+            name, parts = stack.pop()
+            if name in ("Symbol", "Integer") and len(parts) == 1:
+                stack[-1][1].append(parts[0])
+            elif name in _EXPRESSION_UPPER and parts:
+                stack[-1][1].append(_EXPRESSION_UPPER[name](parts))
+            else:
+                return None
+    return stack[0][1][0] if len(stack) == 1 and len(stack[0][1]) == 1 else None
