@@ -16,9 +16,11 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from ignition.runtime.requests import AdmissionError
-from ignition.serve.common import (ApiError, EngineStreamingResponse, RequestOutput, ResponseView, ServerContext,
-                                   admit_all, best, build_request, check_whole_vocabulary, collect, error_event,
-                                   merged, sse, until_disconnect)
+from ignition.serve.context import ServerContext
+from ignition.serve.errors import ApiError
+from ignition.serve.requests import build_request, check_whole_vocabulary
+from ignition.serve.streaming import (EngineStreamingResponse, RequestOutput, ResponseView, admit_all, best, collect,
+                                      error_event, merged, sse, until_disconnect)
 from ignition.serve.detokenize import Release, decode_all
 from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,

@@ -215,7 +215,7 @@ class AsyncEngine:
                 if self.dead is not None:
                     admitted.set_exception(EngineStopped(f"the engine stopped: {self.dead}"))
                     continue
-                try:  # the handler checked it against this engine before it was sent (serve/common.py build_request)
+                try:  # the handler checked it against this engine before it was sent (serve/requests.py build_request)
                     request_id = self.engine.submit(payload, checked=True)
                 except Exception as exc:  # AdmissionError (a 400), or a loader bug: the handler reports it
                     admitted.set_exception(exc)

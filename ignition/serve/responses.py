@@ -27,8 +27,10 @@ from pydantic import Field
 
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.serve.chat import render_prompt
-from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, generation_api_error, respond)
+from ignition.serve.context import ServerContext
+from ignition.serve.errors import ApiError, GenerationError, generation_api_error
+from ignition.serve.requests import build_request
+from ignition.serve.streaming import RequestOutput, ResponseView, respond
 from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
