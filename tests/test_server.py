@@ -55,6 +55,28 @@ def merge_completion_chunks(chunks: list[dict]) -> dict:
     return {"text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
+# -- request defaults (serve/defaults.py) ---------------------------------------------------------
+def test_request_defaults_are_one_table_that_docs_serving_md_shows():
+    from types import SimpleNamespace as Body
+
+    from ignition.serve import defaults
+    assert defaults.main(["--check"]) == 0, "docs/serving.md is stale: run python -m ignition.serve.defaults"
+    assert defaults.COMPLETIONS.resolve(Body(max_tokens=None), 5, 64) == 16
+    assert defaults.COMPLETIONS.resolve(Body(max_tokens=3), 5, 64) == 3
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=None, max_tokens=None), 5, 64) == 59
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=None, max_tokens=None), 5, None) == 256
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=7, max_tokens=9), 5, 64) == 7
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=None, max_tokens=9), 5, 64) == 9
+    assert defaults.RESPONSES.resolve(Body(max_output_tokens=None), 10, 64) == 54
+
+
+def test_completions_without_max_tokens_generate_the_table_default(served):
+    from ignition.serve.defaults import COMPLETIONS
+    body = {"model": "toy", "prompt": [1, 2], "ignore_eos": True}
+    usage = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert usage["completion_tokens"] == COMPLETIONS.fixed == 16
+
+
 # -- models and health ----------------------------------------------------------------------------
 def test_models_advertise_the_core_features(served, served_eos, served_plain):
     (card,) = served.client.models.list().data

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.context import ServerContext
+from ignition.serve.defaults import COMPLETIONS
 from ignition.serve.errors import ApiError
 from ignition.serve.requests import build_request, check_whole_vocabulary
 from ignition.serve.streaming import (EngineStreamingResponse, RequestOutput, ResponseView, admit_all, best, collect,
@@ -26,8 +27,6 @@ from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, promp
 from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                      CompletionResponseChoice, CompletionResponseStreamChoice,
                                      CompletionStreamResponse, UsageInfo, random_id)
-
-DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) Completions default
 
 
 def _empty_logprobs() -> CompletionLogProbs:
@@ -80,7 +79,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
                        "prompt scoring (--prompt-logprobs)", "echo")
     prompt_scores = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if echo_scores else None)
-    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = COMPLETIONS.resolve(body, 0, ctx.max_context)
     if any(isinstance(p, str) for p in prompts):
         all_ids = await ctx.run(_prompt_ids, ctx, body, prompts)
     else:

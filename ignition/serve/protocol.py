@@ -133,7 +133,7 @@ class CompletionRequest(GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     echo: bool | None = False
     logprobs: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: the route's default (serve/defaults.py)
     suffix: str | None = None
     add_special_tokens: bool = True
 
