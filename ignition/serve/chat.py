@@ -9,17 +9,17 @@ import functools
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
-                                              ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
 from ignition.serve.context import ServerContext
 from ignition.serve.defaults import CHAT
 from ignition.serve.errors import ApiError, GenerationError
+from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
+from ignition.serve.parsers import OutputParser
+from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
+                                     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                     ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
 from ignition.serve.requests import build_request, check_whole_vocabulary
 from ignition.serve.streaming import (RequestOutput, ResponseView, best, collect, error_event, merged, respond_samples,
                                       sse)
-from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
-from ignition.serve.parsers import OutputParser
 from ignition.serve.templates import TemplateLimitError, render_bounded, special_token
 from ignition.serve.tools import ToolCallReader, ToolUse, enforce, template_messages, tool_use
 

@@ -18,15 +18,15 @@ from fastapi.responses import Response
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.context import ServerContext
 from ignition.serve.defaults import COMPLETIONS
-from ignition.serve.errors import ApiError
-from ignition.serve.requests import build_request, check_whole_vocabulary
-from ignition.serve.streaming import (EngineStreamingResponse, RequestOutput, ResponseView, admit_all, best, collect,
-                                      error_event, merged, sse, until_disconnect)
 from ignition.serve.detokenize import Release, decode_all
+from ignition.serve.errors import ApiError
 from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                      CompletionResponseChoice, CompletionResponseStreamChoice,
                                      CompletionStreamResponse, UsageInfo, random_id)
+from ignition.serve.requests import build_request, check_whole_vocabulary
+from ignition.serve.streaming import (EngineStreamingResponse, RequestOutput, ResponseView, admit_all, best, collect,
+                                      error_event, merged, sse, until_disconnect)
 
 
 def _empty_logprobs() -> CompletionLogProbs:
@@ -135,7 +135,7 @@ async def _full(ctx: ServerContext, body: CompletionRequest, response_id: str, v
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, response_id: str, views: list[_CompletionView],
                   outputs: list[list[RequestOutput]]):
-    n = len(outputs[0])  # best_of equals n when streaming (common.sample_counts)
+    n = len(outputs[0])  # best_of equals n when streaming (requests.sample_counts)
     try:
         sources = [view.chunks(output, i * n + j) for i, (view, samples) in enumerate(zip(views, outputs))
                    for j, output in enumerate(samples)]

@@ -47,7 +47,7 @@ class ServerContext:
 
     @property
     def max_context(self) -> int | None:
-        return self.engine.engine.max_context
+        return self.engine.max_context
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -272,6 +272,15 @@ class AsyncEngine:
                 self.engine.finished.pop(request_id, None)
 
     # -- introspection ---------------------------------------------------------------------
+    @property
+    def max_context(self) -> int | None:
+        """Prompt plus max_tokens the engine admits (--max-model-len, else the core's context)."""
+        return self.engine.max_context
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.num_slots
+
     def load(self) -> dict[str, int]:
         engine = self.engine
         return {"running": len(engine.running), "waiting": len(engine.waiting),

@@ -173,7 +173,7 @@ def sample_counts(ctx: ServerContext, body: GenerationFields) -> tuple[int, int]
     best_of = n if body.best_of is None else body.best_of
     if best_of < n:
         raise ApiError(f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}", "best_of")
-    slots = ctx.engine.engine.num_slots
+    slots = ctx.engine.num_slots
     if best_of > slots:
         param = "best_of" if best_of > n else "n"
         raise ApiError(f"{param} = {best_of} is more than this core's {slots} slots: the samples of a prompt decode "

@@ -30,11 +30,11 @@ from ignition.serve.chat import render_prompt
 from ignition.serve.context import ServerContext
 from ignition.serve.defaults import RESPONSES
 from ignition.serve.errors import ApiError, GenerationError, generation_api_error
-from ignition.serve.requests import build_request
-from ignition.serve.streaming import RequestOutput, ResponseView, respond
 from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
+from ignition.serve.requests import build_request
+from ignition.serve.streaming import RequestOutput, ResponseView, respond
 from ignition.serve.tool_parsers import TOOL_CALL, ToolCallingParser
 from ignition.serve.tools import ToolUse, enforce, messages_with_tool_item, responses_tool_use
 
