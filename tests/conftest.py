@@ -148,15 +148,17 @@ def served(serving_cores):
 
 
 @pytest.fixture(scope="session")
-def served_eos(serving_cores):
-    """Core B with an EOS: the third token the greedy chain from token 7 produces."""
+def served_eos(serving_cores, tmp_path_factory):
+    """A copy of core B with an EOS: the third token the greedy chain from token 7 produces (core B itself, which
+    other tests serve, keeps its manifest)."""
     from safetensors.torch import load_file
 
     from _served import VOCAB, Served
     from _serving_tokenizers import byte_fallback_tokenizer
     from ignition.recipes.toy import batch_invariant_logits
 
-    core = serving_cores[1]
+    core = tmp_path_factory.mktemp("served-eos") / "b"
+    shutil.copytree(serving_cores[1], core)
     weights = load_file(str(core / "weights.safetensors"))
     successor = batch_invariant_logits(weights["embedding.weight"], weights["lm_head.weight"])[:, :VOCAB].argmax(1)
     chain = [int(successor[7])]

@@ -315,7 +315,7 @@ def test_a_failure_after_admission(server):
     """A loader failure: a 500 in the envelope, or, once streaming, an error event and response.failed."""
     import asyncio
 
-    from ignition.serve.common import ApiError, GenerationError
+    from ignition.serve.errors import ApiError, GenerationError
     from ignition.serve.responses import ResponsesRequest, _ResponsesView
 
     class Failing:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import socket
 import subprocess
@@ -53,6 +54,28 @@ def merge_completion_chunks(chunks: list[dict]) -> dict:
             logprobs[key] += (choice.get("logprobs") or {}).get(key, [])
         finish = choice.get("finish_reason") or finish
     return {"text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
+# -- request defaults (serve/defaults.py) ---------------------------------------------------------
+def test_request_defaults_are_one_table_that_docs_serving_md_shows():
+    from types import SimpleNamespace as Body
+
+    from ignition.serve import defaults
+    assert defaults.main(["--check"]) == 0, "docs/serving.md is stale: run python -m ignition.serve.defaults"
+    assert defaults.COMPLETIONS.resolve(Body(max_tokens=None), 5, 64) == 16
+    assert defaults.COMPLETIONS.resolve(Body(max_tokens=3), 5, 64) == 3
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=None, max_tokens=None), 5, 64) == 59
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=None, max_tokens=None), 5, None) == 256
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=7, max_tokens=9), 5, 64) == 7
+    assert defaults.CHAT.resolve(Body(max_completion_tokens=None, max_tokens=9), 5, 64) == 9
+    assert defaults.RESPONSES.resolve(Body(max_output_tokens=None), 10, 64) == 54
+
+
+def test_completions_without_max_tokens_generate_the_table_default(served):
+    from ignition.serve.defaults import COMPLETIONS
+    body = {"model": "toy", "prompt": [1, 2], "ignore_eos": True}
+    usage = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+    assert usage["completion_tokens"] == COMPLETIONS.fixed == 16
 
 
 # -- models and health ----------------------------------------------------------------------------
@@ -379,6 +402,36 @@ def test_other_errors_use_the_envelope(served, monkeypatch):
     with pytest.raises(openai.BadRequestError) as caught:  # the official client sees the same envelope
         served.client.completions.create(model="toy", prompt=[1], logprobs=30)
     assert caught.value.body["param"] == "logprobs"
+
+
+# -- a core whose graph fails while it runs ------------------------------------------------------------
+def test_a_core_run_error_fails_its_requests_with_a_500_and_the_server_goes_on(served, monkeypatch, caplog):
+    from ignition.runtime.verified import CoreRunError
+
+    def failing(name):
+        def run(buffers):
+            raise CoreRunError(f"variant {name}: the core's graph failed: IndexError: index 300 is out of bounds")
+        return run
+
+    for name, variant in served.ctx.core.variants.items():
+        monkeypatch.setattr(variant, "run", failing(name))
+    body = {"model": "toy", "prompt": [5, 6], "max_tokens": 3}
+    with caplog.at_level(logging.ERROR, logger="ignition.serve"):
+        response = served.post("/v1/completions", body)
+        events = served.sse("/v1/completions", {**body, "stream": True})
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["type"] == "InternalServerError" and error["code"] == 500
+    assert error["message"].startswith("core error: variant ") and "index 300 is out of bounds" in error["message"]
+    assert error["message"].split()[3].rstrip(":") in served.ctx.core.variants  # names the variant that failed
+    assert events[-1]["error"]["message"].startswith("core error: variant ")  # a stream ends with the error event
+    core_errors = [r for r in caplog.records if r.name == "ignition.serve" and "core error" in r.getMessage()]
+    assert len(core_errors) == 2 and all(r.exc_info is None for r in core_errors)  # once per failed step, no traceback
+    monkeypatch.undo()  # the core runs again: the same server serves the next request
+    assert served.ctx.engine.dead is None
+    served.wait_idle()  # the failed requests' slots were freed
+    choice = served.client.completions.create(model="toy", prompt=[5, 6], max_tokens=3).choices[0]
+    assert choice.text == served.text(served.chain(6, 3)) and choice.finish_reason == "length"
 
 
 # -- lifecycle: disconnects, concurrency, bounded queues ---------------------------------------------

@@ -24,9 +24,6 @@ DEFAULT_MAX_TOKENS = 16
 """Tokens generated when a request names no limit: ``ignition run``, the runtime's ``Request`` and Completions
 (vLLM's and OpenAI's Completions default)."""
 
-DEFAULT_FILL_TOKENS = 256
-"""Chat's and Responses' limit when a request names none and the core declares no context length to fill."""
-
 _D = SAMPLING_DEFAULTS
 
 

@@ -33,7 +33,8 @@ from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
 from ignition.serve.chat import create_chat_completion
-from ignition.serve.common import ApiError, ServerContext
+from ignition.serve.context import ServerContext
+from ignition.serve.errors import ApiError
 from ignition.serve.completions import create_completion
 from ignition.serve.config import MAX_BATCH_PROMPTS, ServeConfig
 from ignition.serve.detokenize import TokenTable

@@ -14,7 +14,7 @@ from http import HTTPStatus
 
 from starlette.datastructures import Headers
 
-from ignition.serve.common import ApiError
+from ignition.serve.errors import ApiError
 from ignition.serve.config import ServeConfig
 
 GUARDED_PREFIX = "/v1"

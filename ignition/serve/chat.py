@@ -9,18 +9,19 @@ import functools
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
-from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
-                                              ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
-                                              ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
-from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext, best,
-                                   build_request, check_whole_vocabulary, collect, error_event, merged,
-                                   respond_samples, sse)
+from ignition.serve.context import ServerContext
+from ignition.serve.defaults import CHAT
+from ignition.serve.errors import ApiError, GenerationError
 from ignition.serve.logprobs import chat_logprobs, prompt_logprobs
 from ignition.serve.parsers import OutputParser
+from ignition.serve.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
+                                     ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                     ChatCompletionStreamResponse, ChatMessage, DeltaMessage, random_id)
+from ignition.serve.requests import build_request, check_whole_vocabulary
+from ignition.serve.streaming import (RequestOutput, ResponseView, best, collect, error_event, merged, respond_samples,
+                                      sse)
 from ignition.serve.templates import TemplateLimitError, render_bounded, special_token
 from ignition.serve.tools import ToolCallReader, ToolUse, enforce, template_messages, tool_use
-
-DEFAULT_MAX_TOKENS = 256  # when the core declares no context length to fill
 
 
 def _text_content(message: dict, index: int) -> str:
@@ -111,9 +112,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     if tools.parser_class is not None and tools.parser_class.keep_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special
     prompt_ids = await ctx.run(chat_prompt_ids, ctx, body, body.truncate_prompt_tokens, tools.template_tools)
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is None:
-        max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_TOKENS
+    max_tokens = CHAT.resolve(body, len(prompt_ids), ctx.max_context)
     request = await ctx.run(functools.partial(build_request, max_tokens=max_tokens, prompt_logprobs=body.prompt_logprobs,
                                               logprobs=top if body.logprobs else None, samples=True),
                             ctx, body, prompt_ids, random_id("chatcmpl"))

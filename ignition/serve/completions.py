@@ -16,16 +16,17 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from ignition.runtime.requests import AdmissionError
-from ignition.serve.common import (ApiError, EngineStreamingResponse, RequestOutput, ResponseView, ServerContext,
-                                   admit_all, best, build_request, check_whole_vocabulary, collect, error_event,
-                                   merged, sse, until_disconnect)
+from ignition.serve.context import ServerContext
+from ignition.serve.defaults import COMPLETIONS
 from ignition.serve.detokenize import Release, decode_all
+from ignition.serve.errors import ApiError
 from ignition.serve.logprobs import add_completion_logprobs, prompt_entry, prompt_logprobs
 from ignition.serve.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                      CompletionResponseChoice, CompletionResponseStreamChoice,
                                      CompletionStreamResponse, UsageInfo, random_id)
-
-DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) Completions default
+from ignition.serve.requests import build_request, check_whole_vocabulary
+from ignition.serve.streaming import (EngineStreamingResponse, RequestOutput, ResponseView, admit_all, best, collect,
+                                      error_event, merged, sse, until_disconnect)
 
 
 def _empty_logprobs() -> CompletionLogProbs:
@@ -78,7 +79,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, http: H
                        "prompt scoring (--prompt-logprobs)", "echo")
     prompt_scores = body.prompt_logprobs if body.prompt_logprobs is not None else (
         body.logprobs if echo_scores else None)
-    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    max_tokens = COMPLETIONS.resolve(body, 0, ctx.max_context)
     if any(isinstance(p, str) for p in prompts):
         all_ids = await ctx.run(_prompt_ids, ctx, body, prompts)
     else:
@@ -134,7 +135,7 @@ async def _full(ctx: ServerContext, body: CompletionRequest, response_id: str, v
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, response_id: str, views: list[_CompletionView],
                   outputs: list[list[RequestOutput]]):
-    n = len(outputs[0])  # best_of equals n when streaming (common.sample_counts)
+    n = len(outputs[0])  # best_of equals n when streaming (requests.sample_counts)
     try:
         sources = [view.chunks(output, i * n + j) for i, (view, samples) in enumerate(zip(views, outputs))
                    for j, output in enumerate(samples)]

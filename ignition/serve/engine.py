@@ -28,6 +28,7 @@ from ignition.runtime.engine import Engine
 from ignition.runtime.parallel import ParallelError
 from ignition.runtime.requests import Request, RequestState
 from ignition.runtime.samples import sample_ids
+from ignition.runtime.verified import CoreRunError
 
 log = logging.getLogger("ignition.serve")
 ENGINE_STOP_SECONDS = 5
@@ -185,6 +186,9 @@ class AsyncEngine:
     def _step(self) -> bool:
         try:
             return self.engine.step()
+        except CoreRunError as exc:  # the core's graph failed: the requests it ran fail, the others go on
+            self._fail_running(exc)
+            return True
         except ParallelError as exc:  # a tensor-parallel rank died: its message says which, no traceback needed
             log.error("engine step failed: %s", exc)
             self._die(exc)
@@ -193,6 +197,20 @@ class AsyncEngine:
             log.exception("engine step failed")
             self._die(exc)
             return False
+
+    def _fail_running(self, exc: CoreRunError) -> None:
+        """A step's graph failed (an index out of range, an allocation the machine cannot meet; the message names
+        the variant): every running request ends with the error, which its handler answers as a 500 "core error",
+        and their slots are freed; waiting requests are admitted by the next step. The failure is logged once,
+        without a traceback: the core is at fault, not the server."""
+        error = f"core error: {exc}"
+        failed = list(self.engine.running)
+        log.error("%s (%d running request%s failed; serving goes on)", error, len(failed), "" if len(failed) == 1
+                  else "s")
+        scheduler = self.engine.scheduler
+        for state in failed:
+            scheduler.finish(state, "error", error)
+        scheduler.release_retiring(list(self.engine.retiring))  # their records-only lanes rode the failed round
 
     def _die(self, exc: BaseException) -> None:
         self.dead = f"{type(exc).__name__}: {exc}"
@@ -215,7 +233,7 @@ class AsyncEngine:
                 if self.dead is not None:
                     admitted.set_exception(EngineStopped(f"the engine stopped: {self.dead}"))
                     continue
-                try:  # the handler checked it against this engine before it was sent (serve/common.py build_request)
+                try:  # the handler checked it against this engine before it was sent (serve/requests.py build_request)
                     request_id = self.engine.submit(payload, checked=True)
                 except Exception as exc:  # AdmissionError (a 400), or a loader bug: the handler reports it
                     admitted.set_exception(exc)
@@ -254,6 +272,15 @@ class AsyncEngine:
                 self.engine.finished.pop(request_id, None)
 
     # -- introspection ---------------------------------------------------------------------
+    @property
+    def max_context(self) -> int | None:
+        """Prompt plus max_tokens the engine admits (--max-model-len, else the core's context)."""
+        return self.engine.max_context
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.num_slots
+
     def load(self) -> dict[str, int]:
         engine = self.engine
         return {"running": len(engine.running), "waiting": len(engine.waiting),

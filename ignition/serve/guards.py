@@ -9,7 +9,7 @@ from http import HTTPStatus
 
 from starlette.datastructures import Headers
 
-from ignition.serve.common import ApiError
+from ignition.serve.errors import ApiError
 from ignition.serve.config import ServeConfig
 from ignition.serve.protocol import random_id
 

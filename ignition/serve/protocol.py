@@ -6,7 +6,7 @@ are listed in UNSUPPORTED (or STRUCTURED_OUTPUT) and rejected with 400 when set.
 lists every vLLM request field under one of the three; tests/test_serve_parity.py keeps it in step.
 Structured output (``response_format``, ``structured_outputs`` and vLLM's deprecated ``guided_*`` aliases) and
 the sampling controls (``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``) are read by
-``common.structured_spec`` and ``common.sampling_constraints``.
+``requests.structured_spec`` and ``requests.sampling_constraints``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class GenerationFields(RequestModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    n: int | None = 1  # choices per prompt (common.sample_counts): the prompt is prefilled once for all
+    n: int | None = 1  # choices per prompt (requests.sample_counts): the prompt is prefilled once for all
     best_of: int | None = None  # samples drawn per prompt, the best n returned (vLLM V0); None: n
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -110,7 +110,7 @@ class GenerationFields(RequestModel):
     return_token_ids: bool | None = None
     truncate_prompt_tokens: int | None = None
     user: str | None = None
-    # structured output (common.structured_spec) and the sampling controls (common.sampling_constraints)
+    # structured output (requests.structured_spec) and the sampling controls (requests.sampling_constraints)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None  # vLLM's deprecated aliases of structured_outputs' fields
@@ -133,7 +133,7 @@ class CompletionRequest(GenerationFields):
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
     echo: bool | None = False
     logprobs: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: the route's default (serve/defaults.py)
     suffix: str | None = None
     add_special_tokens: bool = True
 

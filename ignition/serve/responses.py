@@ -27,16 +27,18 @@ from pydantic import Field
 
 from ignition.runtime.requests import AdmissionError, Request
 from ignition.serve.chat import render_prompt
-from ignition.serve.common import (ApiError, GenerationError, RequestOutput, ResponseView, ServerContext,
-                                   build_request, generation_api_error, respond)
+from ignition.serve.context import ServerContext
+from ignition.serve.defaults import RESPONSES
+from ignition.serve.errors import ApiError, GenerationError, generation_api_error
 from ignition.serve.logprobs import chat_logprobs
 from ignition.serve.parsers import CONTENT, PARSERS, OutputParser, TokenAttribution
 from ignition.serve.protocol import ChatCompletionRequest, ErrorResponse, GenerationFields, OpenAIBaseModel
+from ignition.serve.requests import build_request
+from ignition.serve.streaming import RequestOutput, ResponseView, respond
 from ignition.serve.tool_parsers import TOOL_CALL, ToolCallingParser
 from ignition.serve.tools import ToolUse, enforce, messages_with_tool_item, responses_tool_use
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-DEFAULT_MAX_OUTPUT_TOKENS = 256  # when the core declares no context length to fill (Chat's default)
 PARAMS = {"max_tokens": "max_output_tokens", "logprobs": "include", "prompt": "input", "messages": "input"}
 """Loader and Chat parameter names -> the Responses field a rejection names."""
 
@@ -236,9 +238,7 @@ def _prepare(ctx: ServerContext, body: ResponsesRequest, tools: ToolUse) -> tupl
                                      chat_template_kwargs={"reasoning_effort": effort} if effort is not None else None)
         prompt_text = render_prompt(ctx, chat, tools.template_tools)
         prompt_ids = ctx.encode(prompt_text, False, "input", body.truncate_prompt_tokens)
-        max_tokens = body.max_output_tokens
-        if max_tokens is None:
-            max_tokens = ctx.max_context - len(prompt_ids) if ctx.max_context else DEFAULT_MAX_OUTPUT_TOKENS
+        max_tokens = RESPONSES.resolve(body, len(prompt_ids), ctx.max_context)
         wants = LOGPROBS_INCLUDE in (body.include or ())
         engine_body = body.model_copy(update={"tools": None, "tool_choice": None})  # both resolved in `tools`
         request = build_request(ctx, engine_body, prompt_ids, _id("resp"), max_tokens=max_tokens,

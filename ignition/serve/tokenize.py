@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ignition.serve.chat import chat_prompt_ids
-from ignition.serve.common import ApiError, ServerContext, tokenizer_errors
+from ignition.serve.context import ServerContext
+from ignition.serve.errors import ApiError, tokenizer_errors
 from ignition.serve.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                      TokenizeCompletionRequest, TokenizeResponse, TokenizerInfoResponse)
 from ignition.serve.templates import template_of

@@ -18,7 +18,8 @@ from ignition.catalog.manifest import Features
 from ignition.runtime.constraints import LaneConstraints
 from ignition.runtime.grammar import GrammarError, GrammarSpec
 from ignition.runtime.grammar_spec import guidance_options, json_schema_object, whitespace_options
-from ignition.serve.common import ApiError, ending_ids
+from ignition.serve.errors import ApiError
+from ignition.serve.requests import ending_ids
 from ignition.serve.config import ServeConfig
 from ignition.serve.detokenize import Span
 from ignition.serve.parsers import CONTENT
