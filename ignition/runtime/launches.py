@@ -20,6 +20,10 @@ import torch
 
 from ignition.components.device_reduction import bind_launcher
 from ignition.runtime.cuda_driver import LauncherError, PrimaryContext, launch, load_driver, load_function, pack_params
+from ignition.validate.files import read_core_file
+
+KERNEL_MAX_BYTES = 64 * 2**20
+"""The largest prepared kernel binary a launcher reads (a cubin of the reduction's launches is tens of KiB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +95,10 @@ class KernelTable:
     def _launch(self, key: str) -> PreparedLaunch:
         entry = self.entry(key)
         if entry["file"] not in self.functions:
-            module, function = load_function(self.driver, (self.root / entry["file"]).read_bytes(),
-                                             entry["kernel_name"], entry["shared_bytes"])
+            binary, problems = read_core_file(self.root, entry["file"], "kernels.json", KERNEL_MAX_BYTES)
+            if binary is None:
+                raise LauncherError(f"kernels.json launch {key}: {'; '.join(str(p) for p in problems)}")
+            module, function = load_function(self.driver, binary, entry["kernel_name"], entry["shared_bytes"])
             self.modules.append(module)
             self.functions[entry["file"]] = function
         grid = tuple(entry["grid"]) + (1,) * (3 - len(entry["grid"]))
