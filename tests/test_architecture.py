@@ -22,8 +22,8 @@ LAYERS = {
     "exporter": {"catalog", "components", "recipes", "validate", "schemas"},
     "runtime": {"catalog", "components", "validate", "schemas"},
     "serve": {"catalog", "runtime"},
-    "cli_support": {"catalog", "recipes", "runtime"},
-    "cli": {"catalog", "components", "recipes", "exporter", "validate", "runtime", "serve", "cli_support"},
+    "cli": {"catalog", "components", "recipes", "exporter", "validate", "runtime", "serve"},
+    "__main__": {"cli"},
 }
 """Subpackage -> the subpackages it may import (besides itself and the top-level ``ignition`` package)."""
 
