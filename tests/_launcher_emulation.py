@@ -44,6 +44,7 @@ import torch
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, SCRATCH_POINTERS, packed_width
 from ignition.components import triton_logprobs as T
+from ignition.components import triton_scoring as TS
 from ignition.components import triton_vocabulary as TV
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
@@ -51,9 +52,9 @@ from ignition.runtime.launcher import PreparedReduction, load_launcher
 
 KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
                                       T.merge_kernel, TV.shard_statistics_kernel, TV.global_normalization_kernel,
-                                      TV.shard_candidates_kernel, TV.merge_shards_kernel, TV.score_statistics_kernel,
-                                      TV.score_normalization_kernel, TV.tile_greater_kernel,
-                                      TV.score_candidates_kernel, TV.score_merge_kernel)}
+                                      TV.shard_candidates_kernel, TV.merge_shards_kernel, TS.score_statistics_kernel,
+                                      TS.score_normalization_kernel, TS.tile_greater_kernel,
+                                      TS.score_candidates_kernel, TS.score_merge_kernel)}
 POINTER_DTYPES = {"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float32, "*bf16": torch.bfloat16,
                   "*fp16": torch.float16}
 MASS_TOLERANCE = 2.0**-18

@@ -149,7 +149,7 @@ def _table(plan) -> dict:
 
 def test_scoring_launch_plan_follows_the_catalog():
     from ignition.catalog.parallel import SCORING_LAUNCHES
-    from ignition.components.triton_vocabulary import scoring_launch_plan
+    from ignition.components.triton_scoring import scoring_launch_plan
     from ignition.components.workspaces import stage_launches
 
     plan = scoring_launch_plan(64, 37984, 4, torch.bfloat16)
