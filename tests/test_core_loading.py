@@ -20,7 +20,7 @@ from ignition.cli import app
 from ignition.runtime.load_stages import LOAD_SWITCH_INTERVAL
 from ignition.runtime import core as core_module
 from ignition.runtime.core import CoreLoadError, load_core
-from ignition.runtime.parallel import ParallelOptionError, tensor_parallel
+from ignition.runtime.parallel.group import ParallelOptionError, tensor_parallel
 
 REFUSAL = ("--runtime onnxruntime replays single-rank cores only, so it cannot run --tensor-parallel 2; "
            "tensor parallelism is supported with --runtime torch (gloo on CPU, NCCL on CUDA)")

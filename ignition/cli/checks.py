@@ -59,10 +59,15 @@ def not_a_core_message(exc, core: Path) -> str:
 
 
 def read_manifest(core: Path):
-    """The core's manifest for early option checks (None when it does not parse: loading says why)."""
+    """The core's typed manifest for early option checks (None when it does not read as one: loading says why)."""
+    from ignition.catalog.manifest import Manifest
     from ignition.runtime.core import read_manifest as read
 
-    return read(core)
+    manifest = read(core)
+    try:
+        return Manifest.from_json(manifest) if manifest is not None else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def bind(host: str, port: int) -> socket.socket:

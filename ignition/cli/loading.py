@@ -12,7 +12,7 @@ from ignition.cli.checks import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_
                                  read_manifest, runtime_name, trusted_key)
 from ignition.cli.console import StageLog, console
 from ignition.cli.errors import CoreError, UsageError
-from ignition.runtime.rendezvous import LOOPBACK
+from ignition.runtime.parallel.rendezvous import LOOPBACK
 
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
 EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
@@ -57,13 +57,13 @@ def load(core: Path, options):
     """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
     core that cannot load is a CoreError (a path that is no core at all: a UsageError). With
     ``options.ranks`` > 1 the other ranks start too and stop when this process exits
-    (ignition/runtime/parallel.py)."""
+    (ignition/runtime/parallel/group.py)."""
     from ignition.runtime.core import CoreLoadError, LoadOptionError, NotACoreError, load_core
-    from ignition.runtime.parallel import ParallelError, ParallelOptionError, start_for_process
-    from ignition.runtime.rendezvous import torchrun_follower
+    from ignition.runtime.parallel.group import ParallelError, ParallelOptionError, start_for_process
+    from ignition.runtime.parallel.rendezvous import torchrun_follower
 
     if options.ranks > 1 and torchrun_follower():  # a torchrun rank >= 1 replays rank 0's submissions, then exits
-        from ignition.runtime.rank_worker import torchrun_worker
+        from ignition.runtime.parallel.rank_worker import torchrun_worker
         raise typer.Exit(torchrun_worker(core, options))
     try:
         with StageLog("load") as progress:
@@ -90,17 +90,16 @@ def check_run_options(core: Path, request, text_prompt: bool) -> None:
     or features, and (with --prompt-ids) the whole admission check; a usage error naming the option."""
     from ignition.runtime.requests import AdmissionError, check_admission, check_options
 
-    manifest = read_manifest(core)
-    if manifest is None:
+    spec = read_manifest(core)
+    if spec is None:
         return  # loading reports what is wrong with the core
-    if text_prompt and manifest.get("tokenizer") is None:
+    if text_prompt and spec.tokenizer is None:
         raise UsageError("this core has no tokenizer; pass --prompt-ids")
     try:
         if text_prompt:
-            check_options(request, manifest["features"], manifest["vocab_size"])
+            check_options(request, spec.features.as_json(), spec.vocab_size)
         else:
-            check_admission(request, manifest["features"], manifest["vocab_size"],
-                            manifest["model"].get("max_seq_len"))
+            check_admission(request, spec.features.as_json(), spec.vocab_size, spec.model.max_seq_len)
     except AdmissionError as exc:
         option = "--" + {"prompt": "prompt_ids"}.get(exc.param, exc.param).replace("_", "-")
         raise UsageError(f"{option}: {exc}") from None

@@ -82,7 +82,7 @@ def run_cmd(
             raise UsageError("this core has no tokenizer; pass --prompt-ids")
         request.prompt_ids = loaded.tokenizer.encode(prompt).ids
     from ignition.runtime.engine import Engine
-    from ignition.runtime.parallel import ParallelError
+    from ignition.runtime.parallel.group import ParallelError
     from ignition.runtime.verified import CoreRunError
     engine = Engine(loaded, batch_invariant=batch_invariant, **engine_options)
     try:

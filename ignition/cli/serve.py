@@ -76,8 +76,8 @@ def serve_cmd(
     speculative: Optional[str] = SPECULATIVE_OPTION,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
-    from ignition.runtime.parallel import ParallelError
-    from ignition.runtime.rendezvous import torchrun_follower
+    from ignition.runtime.parallel.group import ParallelError
+    from ignition.runtime.parallel.rendezvous import torchrun_follower
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
     from ignition.serve.config import structured_outputs_config as structured_outputs_config_from

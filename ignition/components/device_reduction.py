@@ -3,7 +3,7 @@
 The CPU runs the pure-torch references (``logprobs.py``; for a vocabulary shard the three stage
 ops of ``vocabulary_logprobs.py``). On CUDA the ops launch kernels prepared ahead of time, through
 the launcher of the core whose graph is running: each loaded core owns its launcher
-(``ignition.runtime.launcher``), built from its kernel table, and binds it for the duration of
+(``ignition.runtime.launchers.reduction``), built from its kernel table, and binds it for the duration of
 each of its graph runs (``bind_launcher``; a CUDA-graph capture records the launches it issued, so a
 replay needs no binding). The op looks up the launcher bound to its tensors' device on this thread,
 so two cores on one GPU (a draft core, a core with and one without logprobs) each launch their own
