@@ -149,7 +149,7 @@ def prepare_cuda_launches(shapes, dtype_names):
     from ignition.components.device_reduction import bind_launcher
     from ignition.components.triton_logprobs import launch_plan
     from ignition.exporter.kernels import launch_key, prepare_kernels
-    from ignition.runtime.launcher import PreparedReduction, ReductionShape, target_name
+    from ignition.runtime.launchers.reduction import PreparedReduction, ReductionShape, target_name
 
     device = torch.device("cuda", torch.cuda.current_device())
     target = target_name(torch.cuda.get_device_capability(device))

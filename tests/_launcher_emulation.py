@@ -43,17 +43,19 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, SCRATCH_POINTERS, packed_width
+from ignition.catalog.manifest import Manifest
 from ignition.components import triton_logprobs as T
+from ignition.components import triton_scoring as TS
 from ignition.components import triton_vocabulary as TV
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
-from ignition.runtime.launcher import PreparedReduction, load_launcher
+from ignition.runtime.launchers.reduction import PreparedReduction, load_launcher
 
 KERNELS = {k.fn.__name__: k for k in (T.tile_stats_kernel, T.row_normalization_kernel, T.tile_candidates_kernel,
                                       T.merge_kernel, TV.shard_statistics_kernel, TV.global_normalization_kernel,
-                                      TV.shard_candidates_kernel, TV.merge_shards_kernel, TV.score_statistics_kernel,
-                                      TV.score_normalization_kernel, TV.tile_greater_kernel,
-                                      TV.score_candidates_kernel, TV.score_merge_kernel)}
+                                      TV.shard_candidates_kernel, TV.merge_shards_kernel, TS.score_statistics_kernel,
+                                      TS.score_normalization_kernel, TS.tile_greater_kernel,
+                                      TS.score_candidates_kernel, TS.score_merge_kernel)}
 POINTER_DTYPES = {"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float32, "*bf16": torch.bfloat16,
                   "*fp16": torch.float16}
 MASS_TOLERANCE = 2.0**-18
@@ -281,7 +283,7 @@ def emulate(core: Path) -> dict[str, list[str]]:
     results = {}
     if "tensor_parallel" in manifest:
         ranks = manifest["tensor_parallel"]["ranks"]
-        launchers = [load_launcher(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+        launchers = [load_launcher(core, Manifest.from_json(manifest), catalog, table, torch.device("cpu"), driver=driver)
                      for _ in range(ranks)]  # one process per rank: one workspace each
         for launcher in launchers:
             launcher.current_stream = lambda: 0
@@ -303,7 +305,7 @@ def emulate(core: Path) -> dict[str, list[str]]:
         results["launches"] = [] if issued == len(driver.launched) else [
             f"launch_count {issued} != {len(driver.launched)} emulated launches"]
         return results
-    launcher = load_launcher(core, manifest, catalog, table, torch.device("cpu"), driver=driver)
+    launcher = load_launcher(core, Manifest.from_json(manifest), catalog, table, torch.device("cpu"), driver=driver)
     launcher.current_stream = lambda: 0
     for rows in sorted({s.rows for s in launcher.launches}):
         for dtype in (torch.int64, torch.int32, "strided"):  # strided: a column view of the records
@@ -354,14 +356,14 @@ def run_scoring_case(launchers: list, driver: EmulatedDriver, shape, vocab_size:
 def emulate_scoring(root: Path) -> dict[str, list[str]]:
     """{case: [problems]} for every scoring row block of the directory's scored variants, one launcher per rank."""
     from _triton_vocabulary_check import _numpy_normalization  # the interpreter's expf/logf (see there)
-    from ignition.runtime.vocabulary_launcher import PreparedVocabulary, scoring_shapes
+    from ignition.runtime.launchers.vocabulary import PreparedVocabulary, scoring_shapes
 
     V.global_normalization = _numpy_normalization
     manifest, catalog, table = (json.loads((root / f"{name}.json").read_text())
                                 for name in ("manifest", "catalog", "kernels"))
     driver = EmulatedDriver(root, table)
-    shapes = scoring_shapes(manifest, catalog)
-    launchers = [PreparedVocabulary.load(root, manifest, table, {}, torch.device("cpu"), "cuda:90", driver, shapes)
+    shapes = scoring_shapes(Manifest.from_json(manifest), catalog)
+    launchers = [PreparedVocabulary.load(root, Manifest.from_json(manifest), table, {}, torch.device("cpu"), "cuda:90", driver, shapes)
                  for _ in range(manifest["tensor_parallel"]["ranks"])]
     for launcher in launchers:
         launcher.current_stream = lambda: 0
@@ -430,7 +432,7 @@ def emulate_cores(roots: list[Path]) -> dict[str, list[str]]:
     reduce_logprobs_op.register_kernel("cpu")(D._reduce_on_device)  # from here on, the CUDA op's path
     for root in roots:  # all loaded before any runs: a later load must not displace an earlier core's launcher
         manifest, catalog, table = tables[root]
-        launcher = load_launcher(root, manifest, catalog, table, torch.device("cpu"), driver=driver)
+        launcher = load_launcher(root, Manifest.from_json(manifest), catalog, table, torch.device("cpu"), driver=driver)
         launchers[root.name] = launcher
         if launcher is None:
             continue

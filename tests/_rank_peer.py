@@ -22,8 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ignition.runtime.rendezvous import (LOOPBACK, MembershipError, listening_store, pin_interfaces,
-                                         prove_membership, torchrun_store)
+from ignition.runtime.parallel.rendezvous import (LOOPBACK, MembershipError, listening_store, pin_interfaces,
+                                                  prove_membership, torchrun_store)
 
 REQUEST_DATA = 271828
 TIMEOUT_S = 60.0  # generous: these processes start on a busy machine; a refusal never waits for it

@@ -34,7 +34,7 @@ def as_json(result) -> dict:
 
 
 def run(cores: list[str], ranks: int, kill: bool) -> dict:
-    from ignition.runtime.parallel import ParallelError, tensor_parallel
+    from ignition.runtime.parallel.group import ParallelError, tensor_parallel
 
     report = {"results": []}
     for index, core in enumerate(cores):

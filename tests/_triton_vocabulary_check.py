@@ -35,8 +35,8 @@ from ignition.catalog.parallel import EXCHANGE_WORDS, SCORING_LAUNCHES, padded_v
 from ignition.components import vocabulary_logprobs as V
 from ignition.components.logprobs import reduce_logprobs_reference
 from ignition.components.prompt_scoring import score_rows_reference
-from ignition.components.triton_vocabulary import (TritonScoring, TritonVocabulary, scoring_launch_plan,
-                                                   stage_launches, vocabulary_launch_plan)
+from ignition.components.triton_scoring import TritonScoring, scoring_launch_plan
+from ignition.components.triton_vocabulary import TritonVocabulary, stage_launches, vocabulary_launch_plan
 
 SENTINEL = 0x5A5A5A5A
 

@@ -22,8 +22,8 @@ LAYERS = {
     "exporter": {"catalog", "components", "recipes", "validate", "schemas"},
     "runtime": {"catalog", "components", "validate", "schemas"},
     "serve": {"catalog", "runtime"},
-    "cli_support": {"catalog", "recipes", "runtime"},
-    "cli": {"catalog", "components", "recipes", "exporter", "validate", "runtime", "serve", "cli_support"},
+    "cli": {"catalog", "components", "recipes", "exporter", "validate", "runtime", "serve"},
+    "__main__": {"cli"},
 }
 """Subpackage -> the subpackages it may import (besides itself and the top-level ``ignition`` package)."""
 
@@ -156,3 +156,30 @@ def test_the_runtime_package_exports_the_public_api():
         assert "has no attribute 'Scheduler'" in str(exc)
     else:
         raise AssertionError("ignition.runtime exports Scheduler")
+
+
+RAW_READ = re.compile(r"\bmanifest(\[[^\]]+\](?!\s*=[^=])|\.get\()")
+"""A read of the raw manifest JSON: ``manifest[...]`` (an assignment writes it) or ``manifest.get(...)``."""
+
+RAW_READERS = ("catalog/", "validate/")
+"""Where the raw manifest is read; everything else reads the typed ``catalog.manifest.Manifest`` (``LoadedCore.spec``)."""
+
+PENDING_RAW_READS = {
+    'eos = self.core.manifest.get("eos_token_id")': "core.spec.eos_token_id",
+    'return GrammarCompiler(self.tokenizer.to_str(), int(self.core.manifest["vocab_padded"]), eos)': "core.spec.vocab_padded",
+    'eos = ctx.core.manifest.get("eos_token_id")': "core.spec.eos_token_id",
+    'token_id = ctx.core.manifest.get(f"{name}_id")': "a typed special-token field",
+    'hashes=None if config.tokenizer is not None else loaded.manifest["files"])': "loaded.spec.files",
+}
+"""serve/'s remaining raw reads (serve/ is being split): each line, and the typed read that replaces it."""
+
+
+def test_only_catalog_and_validate_read_the_raw_manifest():
+    strays = [f"{path.relative_to(ROOT).as_posix()}:{n}: {line.strip()}" for path in sorted(ROOT.rglob("*.py"))
+              if not path.relative_to(ROOT).as_posix().startswith(RAW_READERS)
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if RAW_READ.search(line) and line.strip() not in PENDING_RAW_READS]
+    assert not strays, "raw manifest reads (read LoadedCore.spec, the typed Manifest):\n" + "\n".join(strays)
+    assert RAW_READ.search('model = core.manifest["model"]') and RAW_READ.search('core.manifest.get("eos_token_id")')
+    assert RAW_READ.search('if manifest["k"] == 0:')
+    assert not RAW_READ.search('manifest["tensor_parallel"] = section') and not RAW_READ.search("core.spec.model")

@@ -20,7 +20,7 @@ from ignition.cli import app
 from ignition.runtime.load_stages import LOAD_SWITCH_INTERVAL
 from ignition.runtime import core as core_module
 from ignition.runtime.core import CoreLoadError, load_core
-from ignition.runtime.parallel import ParallelOptionError, tensor_parallel
+from ignition.runtime.parallel.group import ParallelOptionError, tensor_parallel
 
 REFUSAL = ("--runtime onnxruntime replays single-rank cores only, so it cannot run --tensor-parallel 2; "
            "tensor parallelism is supported with --runtime torch (gloo on CPU, NCCL on CUDA)")
@@ -182,10 +182,11 @@ def test_run_takes_the_file_cache_choice_from_the_command_line(toy_core, monkeyp
     from typer.testing import CliRunner
 
     import ignition.cli as cli
+    from ignition.cli import loading
 
     seen = []
-    real_load = cli._load
-    monkeypatch.setattr(cli, "_load", lambda core, options: seen.append(options) or real_load(core, options))
+    real_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda core, options: seen.append(options) or real_load(core, options))
     for flag in ("--keep-file-cache", "--drop-file-cache"):
         result = CliRunner().invoke(cli.app, ["run", str(toy_core), "--prompt-ids", "1,2", "--max-tokens", "1",
                                               "--device", "cpu", flag])

@@ -27,7 +27,7 @@ OTHER_TARGETS = {"cuda:90": "cuda:120", "cuda:120": "cuda:90"}
 
 
 def _device_target() -> str:
-    from ignition.runtime.launcher import target_name
+    from ignition.runtime.launchers.reduction import target_name
 
     return target_name(torch.cuda.get_device_capability())
 

@@ -18,13 +18,15 @@ import torch
 from typer.testing import CliRunner
 
 from ignition.catalog.contract import POINTER_DIVISIBILITY, SCRATCH_POINTERS
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
 from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.device import foreign_devices, move_program
 from ignition.runtime.cuda_driver import resolve_device
-from ignition.runtime.launcher import LauncherError, ReductionShape, pack_params, reduction_shapes, select_target
+from ignition.runtime.launchers.reduction import (LauncherError, ReductionShape, pack_params, reduction_shapes,
+                                                 select_target)
 from ignition.runtime.transfer import pitched_rows
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
@@ -98,7 +100,7 @@ def test_kernel_target_selection():
 def test_reduction_shapes_name_every_variants_launches(prepared_core):
     manifest = json.loads((prepared_core / "manifest.json").read_text())
     catalog = json.loads((prepared_core / "catalog.json").read_text())
-    shapes = reduction_shapes(manifest, catalog)
+    shapes = reduction_shapes(Manifest.from_json(manifest), catalog)
     assert set(shapes) == {ReductionShape(rows, 256, 250, 20, True, "float32") for rows in (1, 4)}
     table = json.loads((prepared_core / "kernels.json").read_text())
     keys = {entry["key"] for entry in table["kernels"]}
@@ -109,7 +111,7 @@ def test_reduction_shapes_name_every_variants_launches(prepared_core):
     for variant in catalog["variants"]:
         variant["launches"] = []
     with pytest.raises(LauncherError, match="lists no prepared launches"):
-        reduction_shapes(manifest, catalog)
+        reduction_shapes(Manifest.from_json(manifest), catalog)
 
 
 def test_launch_parameters_follow_the_signature(prepared_core):

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import ignition.cli as cli
+from ignition.cli import loading
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 
@@ -91,13 +92,13 @@ def speculative_target(tmp_path_factory):
 def test_trust_compiled_names_the_target_core_only(tmp_path, monkeypatch, speculative_target):
     target, draft = speculative_target, tmp_path / "draft"
     shutil.copytree(target, draft)
-    trusted, real_load = {}, cli._load
+    trusted, real_load = {}, loading.load
 
     def recording_load(core, options):
         trusted[core.name] = options.trust_compiled
         return real_load(core, options)
 
-    monkeypatch.setattr(cli, "_load", recording_load)
+    monkeypatch.setattr(loading, "load", recording_load)
     code, output = invoke(["run", target, "--prompt-ids", "1,2", "--max-tokens", "2", "--trust-compiled",
                            "--speculative", f"draft:{draft}:2"])
     assert code == 0, output

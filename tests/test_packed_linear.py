@@ -160,12 +160,13 @@ def test_run_and_serve_take_the_choice_from_the_command_line(toy_core, monkeypat
     from typer.testing import CliRunner
 
     import ignition.cli as cli
+    from ignition.cli import loading
 
-    assert cli._load_options("cpu", False, False, None, pack_linears=False).pack_linears is False
-    assert cli._load_options("cpu", False, False, None).pack_linears is True
+    assert loading.load_options("cpu", False, False, None, pack_linears=False).pack_linears is False
+    assert loading.load_options("cpu", False, False, None).pack_linears is True
     seen = []
-    real_load = cli._load
-    monkeypatch.setattr(cli, "_load", lambda core, options: seen.append(options) or real_load(core, options))
+    real_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda core, options: seen.append(options) or real_load(core, options))
     result = CliRunner().invoke(cli.app, ["run", str(toy_core), "--prompt-ids", "1,2", "--max-tokens", "1",
                                           "--device", "cpu", "--no-pack-linears"])
     assert result.exit_code == 0, result.output

@@ -28,8 +28,8 @@ from _tp_runner import as_json, requests
 from conftest import CoreCopy
 from ignition.runtime.core import CoreLoadError, load_core
 from ignition.runtime.engine import Engine
-from ignition.runtime.parallel import tensor_parallel
-from ignition.runtime.rendezvous import SECRET_ENVIRONMENT, MembershipError, check_host, secret_from_environment
+from ignition.runtime.parallel.group import tensor_parallel
+from ignition.runtime.parallel.rendezvous import SECRET_ENVIRONMENT, MembershipError, check_host, secret_from_environment
 from ignition.validate.core import validate_core
 
 REPO = Path(__file__).parents[1]
@@ -117,7 +117,7 @@ def test_wake_messages_through_the_store_are_sealed(caplog):
 
     import torch.distributed as dist
 
-    from ignition.runtime.rendezvous import STOP, StoreChannel, seal, store_lines, wake_key
+    from ignition.runtime.parallel.rendezvous import STOP, StoreChannel, seal, store_lines, wake_key
 
     master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=30))
@@ -135,7 +135,7 @@ def test_wake_messages_through_the_store_are_sealed(caplog):
     reader.start()
     rank0.send("0")
     assert lines.get(timeout=10) == "0"
-    with caplog.at_level("WARNING", logger="ignition.runtime.rendezvous"):
+    with caplog.at_level("WARNING", logger="ignition.runtime.parallel.rendezvous"):
         attacker.set("ignition/wake/2", STOP)  # the old, unsealed key
         attacker.set(wake_key(SECRET, 2), b"0|\xff\xfe not a tag")  # not even text
         time.sleep(0.2)

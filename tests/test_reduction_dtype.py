@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import reduction_logits_dtype
-from ignition.runtime.launcher import ReductionShape, reduction_shapes
+from ignition.runtime.launchers.reduction import ReductionShape, reduction_shapes
 from ignition.validate.core import validate_core
 
 
@@ -46,7 +47,7 @@ def test_a_bf16_core_exports_with_targets_and_validates(bf16_core):
 def test_the_launcher_and_the_prepared_kernels_read_float32_logits(bf16_core):
     manifest = json.loads((bf16_core / "manifest.json").read_text())
     catalog = json.loads((bf16_core / "catalog.json").read_text())
-    shapes = reduction_shapes(manifest, catalog)
+    shapes = reduction_shapes(Manifest.from_json(manifest), catalog)
     assert {shape.logits_dtype for shape in shapes} == {"float32"}
     assert ReductionShape(4, 300, 300, 20, True, "float32") in shapes  # decode.c4
     table = json.loads((bf16_core / "kernels.json").read_text())
@@ -61,7 +62,7 @@ def test_each_captured_reduction_reads_the_dtype_the_launcher_looks_up(bf16_core
     """The graph's ``ignition::reduce_logprobs`` input, as the runtime will hand it to ``PreparedReduction``."""
     catalog = json.loads((bf16_core / "catalog.json").read_text())
     manifest = json.loads((bf16_core / "manifest.json").read_text())
-    shapes = reduction_shapes(manifest, catalog)
+    shapes = reduction_shapes(Manifest.from_json(manifest), catalog)
     entry = next(e for e in catalog["variants"] if e["name"].startswith("decode"))
     program = torch.export.load(bf16_core / entry["graph"])
     (node,) = [n for n in program.graph.nodes if str(n.target) == "ignition.reduce_logprobs.default"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from ignition.catalog.manifest import Features
 from ignition.cli import app
 from ignition.runtime.core import CoreLoadError, load_core
 from ignition.runtime.engine import Engine
@@ -151,12 +153,9 @@ def test_forced_tokens_and_stops(core, oracle):
 
 def test_eos_terminates_without_entry(core, oracle):
     chain = greedy_chain(oracle, 2, 5)
-    core.manifest["eos_token_id"] = chain[3]
-    try:
-        (result,) = Engine(core).generate([Request([2], max_tokens=8, logprobs=1)])
-        (ignored,) = Engine(core).generate([Request([2], max_tokens=5, ignore_eos=True)])
-    finally:
-        core.manifest["eos_token_id"] = None
+    eos_core = dataclasses.replace(core, _spec=dataclasses.replace(core.spec, eos_token_id=chain[3]))  # core unchanged
+    (result,) = Engine(eos_core).generate([Request([2], max_tokens=8, logprobs=1)])
+    (ignored,) = Engine(eos_core).generate([Request([2], max_tokens=5, ignore_eos=True)])
     assert result.token_ids == chain[:3] and result.finish_reason == "stop"
     assert ignored.token_ids == chain and ignored.finish_reason == "length"
 
@@ -191,7 +190,8 @@ def test_admission_on_cores_without_features(toy_core_no_logprobs):
     engine = Engine(core)
     with pytest.raises(AdmissionError, match=r"^this core was exported without logprob outputs \(allow_logprobs: false\)$"):
         engine.submit(Request([1], logprobs=0))
-    core.manifest["features"] = {"allow_logprobs": True, "max_logprobs": 5, "explicit_ids": False, "prompt_logprobs": False}
+    features = Features(allow_logprobs=True, max_logprobs=5, explicit_ids=False, prompt_logprobs=False)
+    engine = Engine(dataclasses.replace(core, _spec=dataclasses.replace(core.spec, features=features)))
     with pytest.raises(AdmissionError, match=r"^this core does not support logprob_token_ids \(no explicit-ID inputs\)$"):
         engine.submit(Request([1], logprob_token_ids=[1]))
     (result,) = engine.generate([Request([1], max_tokens=3)])

@@ -76,7 +76,7 @@ class CliServer:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except (OSError, IndexError, ValueError):
                 continue
-            if ppid == self.process.pid and b"ignition.runtime.rank_worker" in argv and b"--rank" in argv \
+            if ppid == self.process.pid and b"ignition.runtime.parallel.rank_worker" in argv and b"--rank" in argv \
                     and argv[argv.index(b"--rank") + 1] == str(rank).encode():
                 return int(entry.name)
         raise AssertionError(f"no rank {rank} worker under the server (pid {self.process.pid})")

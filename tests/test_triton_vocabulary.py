@@ -149,7 +149,7 @@ def _table(plan) -> dict:
 
 def test_scoring_launch_plan_follows_the_catalog():
     from ignition.catalog.parallel import SCORING_LAUNCHES
-    from ignition.components.triton_vocabulary import scoring_launch_plan
+    from ignition.components.triton_scoring import scoring_launch_plan
     from ignition.components.workspaces import stage_launches
 
     plan = scoring_launch_plan(64, 37984, 4, torch.bfloat16)
@@ -220,8 +220,12 @@ def test_prepared_scoring_launcher_drives_the_kernels_exactly(tmp_path):
     plan = variant_plan(build, graph)
     table = prepare_kernels(plan[6:], ["cuda:90"], tmp_path)  # generation launches are not loaded here
     (tmp_path / "kernels.json").write_text(json.dumps(table))
-    (tmp_path / "manifest.json").write_text(json.dumps({"tensor_parallel": {"ranks": 2, "vocab_shard": 912},
-                                                        "model": {"dtype": "float32"}, "vocab_size": 1823}))
+    features = {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": False, "prompt_logprobs": True}
+    section = {"ranks": 2, "vocab_shard": 912, "group": "0", "rank_files": []}
+    (tmp_path / "manifest.json").write_text(json.dumps({  # what the launcher reads (the typed Manifest's fields)
+        "recipe": "toy", "vocab_size": 1823, "vocab_padded": 1824, "k": 20, "weights": "weights.safetensors",
+        "features": features, "model": {"dtype": "float32"}, "tensor_parallel": section, "catalog": "catalog.json",
+        "files": {}, "state": []}))
     entry = _catalog_entry(graph.variant, [launch_key(spec) for spec in plan])
     (tmp_path / "catalog.json").write_text(json.dumps({"variants": [entry]}))
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -122,23 +122,23 @@ def _core(tmp_path, data: bytes, digest: str | None = None) -> dict:
 def test_a_changed_weights_file_is_named_as_one_even_when_its_header_breaks(tmp_path):
     good = save({"w": torch.ones(4)})
     manifest = _core(tmp_path, good)
-    tensors, _ = read_verified_weights(tmp_path, "w.safetensors", manifest)
+    tensors, _ = read_verified_weights(tmp_path, "w.safetensors", manifest["files"])
     assert torch.equal(tensors["w"], torch.ones(4))
     (tmp_path / "w.safetensors").write_bytes(good[:-4] + b"\0\0\x80\x7f")  # same size, one value changed
     with pytest.raises(CoreLoadError, match="FILE-HASH"):
-        read_verified_weights(tmp_path, "w.safetensors", manifest)
+        read_verified_weights(tmp_path, "w.safetensors", manifest["files"])
     (tmp_path / "w.safetensors").write_bytes(b"\xff" * len(good))  # the header too
     with pytest.raises(CoreLoadError, match="FILE-HASH"):
-        read_verified_weights(tmp_path, "w.safetensors", manifest)
+        read_verified_weights(tmp_path, "w.safetensors", manifest["files"])
     (tmp_path / "w.safetensors").write_bytes(good[:20])
     with pytest.raises(CoreLoadError, match="FILE-HASH"):
-        read_verified_weights(tmp_path, "w.safetensors", manifest)
+        read_verified_weights(tmp_path, "w.safetensors", manifest["files"])
 
 
 def test_a_malformed_file_whose_hash_matches_gets_the_format_error(tmp_path):
     data = _file({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, b"\0" * 16)
     with pytest.raises(CoreLoadError, match="w.safetensors: tensor 'w'.*do not hold them"):
-        read_verified_weights(tmp_path, "w.safetensors", _core(tmp_path, data))
+        read_verified_weights(tmp_path, "w.safetensors", _core(tmp_path, data)["files"])
 
 
 def test_the_exporters_weights_file_reads_back_whole(tmp_path):
@@ -155,7 +155,7 @@ def test_the_exporters_weights_file_reads_back_whole(tmp_path):
     with safe_open(tmp_path / "w.safetensors", "pt") as file:
         assert file.metadata() == {"rank": "0"}
         assert set(file.keys()) == set(tensors)
-    read, _ = read_verified_weights(tmp_path, "w.safetensors", {"files": {"w.safetensors": digest}})
+    read, _ = read_verified_weights(tmp_path, "w.safetensors", {"w.safetensors": digest})
     assert read.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert torch.equal(read[name], tensor), name
@@ -174,7 +174,7 @@ def test_a_reader_that_drops_the_file_cache_drops_every_byte_it_read_once(tmp_pa
     real = os.posix_fadvise
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: (
         dropped.append((offset, length, advice)), real(fd, offset, length, advice))[1])
-    read, _ = read_verified_weights(tmp_path, "w.safetensors", manifest, drop_cache=True)
+    read, _ = read_verified_weights(tmp_path, "w.safetensors", manifest["files"], drop_cache=True)
     assert all(torch.equal(read[name], tensor) for name, tensor in tensors.items())
     assert {advice for *_, advice in dropped} == {os.POSIX_FADV_DONTNEED}
     covered = 0
@@ -183,7 +183,7 @@ def test_a_reader_that_drops_the_file_cache_drops_every_byte_it_read_once(tmp_pa
         covered += length
     assert covered == len(data) and len(dropped) > 2
     dropped.clear()
-    read_verified_weights(tmp_path, "w.safetensors", manifest)
+    read_verified_weights(tmp_path, "w.safetensors", manifest["files"])
     assert not dropped
 
 

@@ -8,8 +8,10 @@ derived from several fields is derived in exactly one place: the effective K a r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
+
+from ignition.catalog.contract import manifest_token_capacity
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,10 @@ class Features:
     def from_json(cls, features: dict) -> "Features":
         return cls(bool(features["allow_logprobs"]), int(features["max_logprobs"]), bool(features["explicit_ids"]),
                    bool(features["prompt_logprobs"]), bool(features.get("structured_output", False)))
+
+    def as_json(self) -> dict:
+        """The manifest's ``features`` object, every flag present (an older core's omitted ones at their default)."""
+        return asdict(self)
 
     @property
     def effective_k(self) -> int:
@@ -54,6 +60,7 @@ class ParallelSection:
 @dataclass(frozen=True, slots=True)
 class ModelShape:
     architecture: str
+    dtype: str  # the weights' dtype name: float32, bfloat16 or float16
     num_layers: int
     max_seq_len: int | None
     num_slots: int | None
@@ -75,6 +82,11 @@ class Manifest:
     features: Features
     model: ModelShape
     parallel: ParallelSection | None
+    token_capacity: int  # T, resolved (catalog.contract.manifest_token_capacity)
+    catalog: str  # the catalog file
+    tokenizer: str | None  # the tokenizer directory, or None
+    files: MappingProxyType  # every listed file -> its sha256
+    state: tuple  # the state buffer declarations (buffer.schema.json objects), in manifest order
 
     @classmethod
     def from_json(cls, manifest: dict) -> "Manifest":
@@ -84,11 +96,15 @@ class Manifest:
                    vocab_padded=int(manifest["vocab_padded"]), k=int(manifest["k"]),
                    eos_token_id=manifest.get("eos_token_id"), weights=manifest["weights"],
                    features=Features.from_json(manifest["features"]),
-                   model=ModelShape(model.get("architecture", ""), int(model.get("num_layers", 0)),
+                   model=ModelShape(model.get("architecture", ""), model["dtype"],
+                                    int(model.get("num_layers", 0)),
                                     model.get("max_seq_len"), model.get("num_slots"),
                                     tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
                                     model.get("window_cells")),
-                   parallel=ParallelSection.from_json(section) if section else None)
+                   parallel=ParallelSection.from_json(section) if section else None,
+                   token_capacity=manifest_token_capacity(manifest), catalog=manifest["catalog"],
+                   tokenizer=manifest.get("tokenizer"), files=MappingProxyType(dict(manifest["files"])),
+                   state=tuple(MappingProxyType(dict(d)) for d in manifest["state"]))
 
     @property
     def sharded(self) -> bool:
@@ -98,6 +114,11 @@ class Manifest:
     @property
     def ranks(self) -> int:
         return self.parallel.ranks if self.parallel is not None else 1
+
+    @property
+    def tokenizer_file(self) -> str | None:
+        """The tokenizer.json the core ships (None without a tokenizer)."""
+        return f"{self.tokenizer.rstrip('/')}/tokenizer.json" if self.tokenizer else None
 
     def rank_weights(self, rank: int) -> str:
         """The weights file rank ``rank`` loads."""

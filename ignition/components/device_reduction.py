@@ -3,7 +3,7 @@
 The CPU runs the pure-torch references (``logprobs.py``; for a vocabulary shard the three stage
 ops of ``vocabulary_logprobs.py``). On CUDA the ops launch kernels prepared ahead of time, through
 the launcher of the core whose graph is running: each loaded core owns its launcher
-(``ignition.runtime.launcher``), built from its kernel table, and binds it for the duration of
+(``ignition.runtime.launchers.reduction``), built from its kernel table, and binds it for the duration of
 each of its graph runs (``bind_launcher``; a CUDA-graph capture records the launches it issued, so a
 replay needs no binding). The op looks up the launcher bound to its tensors' device on this thread,
 so two cores on one GPU (a draft core, a core with and one without logprobs) each launch their own
@@ -82,16 +82,29 @@ reduce_logprobs_op.register_kernel("cuda")(_reduce_on_device)
 _jit_launchers: dict[tuple[torch.device, str], object] = {}
 
 
+def _jit_vocabulary():
+    from ignition.components.triton_vocabulary import TritonVocabulary
+    return TritonVocabulary()
+
+
+def _jit_scoring():
+    from ignition.components.triton_scoring import TritonScoring
+    return TritonScoring()
+
+
+_JIT_CLASSES = {"vocabulary": _jit_vocabulary, "scoring": _jit_scoring}
+"""The JIT stage-op classes (``IGNITION_TRITON_JIT=1``), each built on first use."""
+
+
 def _sharded_launcher(device: torch.device, op: str, jit_class: str, part: str | None = None):
     """The bound sharded launcher (``PreparedVocabulary``, or its attribute ``part``: ``scoring``), or with
-    JIT opted in one ``triton_vocabulary.<jit_class>`` per device."""
+    JIT opted in one ``_JIT_CLASSES[jit_class]`` per device (Triton is imported then, not before)."""
     launcher = bound_launcher(device)
     if launcher is None:
         if not jit_opted_in():
             raise _no_launcher(op, device, "Run it through the sharded core loaded with --device cuda")
         if (device, jit_class) not in _jit_launchers:
-            from ignition.components import triton_vocabulary
-            _jit_launchers[(device, jit_class)] = getattr(triton_vocabulary, jit_class)()
+            _jit_launchers[(device, jit_class)] = _JIT_CLASSES[jit_class]()
         return _jit_launchers[(device, jit_class)]
     if not hasattr(launcher, part or "merge"):
         raise RuntimeError(f"ignition::{op} on {device}: the loaded core's prepared kernels are single-rank "
@@ -101,7 +114,7 @@ def _sharded_launcher(device: torch.device, op: str, jit_class: str, part: str |
 
 def _vocabulary_launcher(device: torch.device, op: str):
     """The generation stages of the bound sharded launcher (``PreparedVocabulary``), or JIT ones."""
-    return _sharded_launcher(device, op, "TritonVocabulary")
+    return _sharded_launcher(device, op, "vocabulary")
 
 
 def check_stage_args(op: str, rows: int, words: int = EXCHANGE_WORDS, **tensors) -> None:
@@ -163,7 +176,7 @@ STAGE_OPS["merge"].register_kernel("cuda")(_merge_on_device)
 # ---- the vocabulary-sharded prompt-scoring stage ops ----------------------------------------------
 def _scoring_launcher(device: torch.device, op: str):
     """The scoring stages of the bound sharded launcher (``PreparedVocabulary.scoring``), or JIT ones."""
-    return _sharded_launcher(device, op, "TritonScoring", "scoring")
+    return _sharded_launcher(device, op, "scoring", "scoring")
 
 
 def _score_statistics_on_device(logits, targets, vocab_start, vocab_size):

@@ -2,7 +2,7 @@
 
 One workspace class per reduction and one argument binder per reduction, shared by the JIT path
 (``triton_logprobs.launch_reduction``, ``triton_vocabulary``) and the prepared launchers
-(``ignition.runtime.launcher.PreparedReduction``, ``ignition.runtime.vocabulary_launcher``): the binder
+(``ignition.runtime.launchers.reduction.PreparedReduction``, ``ignition.runtime.launchers.vocabulary``): the binder
 returns every runtime argument by kernel parameter name, as tensors; the JIT passes them to Triton, the
 prepared launcher their addresses to ``cuLaunchKernel``. Nothing here imports Triton.
 

@@ -45,7 +45,8 @@ def variant_plan(build: RecipeBuild, graph: GraphBuild):
     dtype = _reduced_dtype(build)
     if build.parallel is not None:
         from ignition.catalog.parallel import scoring_row_blocks
-        from ignition.components.triton_vocabulary import scoring_launch_plan, vocabulary_launch_plan
+        from ignition.components.triton_scoring import scoring_launch_plan
+        from ignition.components.triton_vocabulary import vocabulary_launch_plan
         plan = vocabulary_launch_plan(_lanes(graph), build.parallel.vocab_shard, build.parallel.ranks, layout["k"],
                                       layout["explicit_ids"], dtype)
         scoring = graph.variant.layout.get("prompt_logprobs")

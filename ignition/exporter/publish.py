@@ -25,6 +25,7 @@ import secrets
 import shutil
 from pathlib import Path
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import MANIFEST_FILE, SIGNATURE_FILE
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<pid>\d+)$")
@@ -48,10 +49,11 @@ def core_problem(path: Path) -> str | None:
     problems = problems or schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
     if problems:
         return f"{MANIFEST_FILE} is not an Ignition manifest ({problems[0]})"
-    found = check_files(path, manifest["files"], {})  # FILE-EXTRA names unlisted FIFOs and symbolic links too
+    listed = Manifest.from_json(manifest).files  # the schema holds: the typed view reads it
+    found = check_files(path, listed, {})  # FILE-EXTRA names unlisted FIFOs and symbolic links too
     if found:
         return f"it does not hold exactly the files its manifest lists ({found[0]})"
-    return _unlisted_directory(path, manifest["files"])
+    return _unlisted_directory(path, listed)
 
 
 def _unlisted_directory(path: Path, listed) -> str | None:

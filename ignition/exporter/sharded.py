@@ -3,7 +3,7 @@
 Rank r's graphs are traced with ``torch.distributed`` initialized as the fake backend
 (``torch.testing._internal.distributed.fake_pg``) at rank r of N, so each functional collective
 is recorded in the ``.pt2`` with its group size and the default group's name. At run time every
-rank starts a real gloo or NCCL default group (ignition/runtime/parallel.py), whose name is the
+rank starts a real gloo or NCCL default group (ignition/runtime/parallel/group.py), whose name is the
 same, and the recorded collectives bind to it. Rank 0's files are the core's ordinary weights and
 graphs; rank r >= 1 stores ``ranks/{r}/weights.safetensors`` (its header metadata names rank r) and
 ``ranks/{r}/graphs/*.pt2``. The manifest binds every rank's weights to its rank: index and sha256.

@@ -78,7 +78,7 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
     """Upload every bound input; return the lane request mask and W (pairs to read back)."""
     inputs = core.transfer.inputs(variant)  # pinned host mirrors on CUDA, uploaded below; the buffers themselves on CPU
     b = inputs.buffers
-    eos = core.manifest.get("eos_token_id")
+    eos = core.spec.eos_token_id
     per_lane = [_lane_values(lane, eos) for lane in lanes]
     for name, source in variant.bindings.items():
         target = b[name]

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
-from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl, lane_count
@@ -39,12 +38,12 @@ from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
 from ignition.runtime.host_memory import retain_freed_memory
 from ignition.runtime.identify import NotACoreError, check_rank_count, identify_core, read_manifest  # noqa: F401
-from ignition.runtime.launcher import LauncherError, PreparedReduction, load_launcher
+from ignition.runtime.launchers.reduction import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.load_stages import Progress, Stages, collector_paused, short_switch_interval
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, CoreRunError, LoadOptionError, check_loaded_weights, load_tokenizer,
-                                       read_verified_weights, tokenizer_file)
+                                       read_verified_weights)
 from ignition.validate.core import validate_core
 from ignition.validate.files import METADATA_MAX_BYTES, read_core_file
 
@@ -119,7 +118,7 @@ class LoadedCore:
     reduction: PreparedReduction | None = None  # CUDA: the prepared-kernel launcher
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
-    group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel.py)
+    group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel/group.py)
     _spec: Manifest | None = None
 
     @property
@@ -132,26 +131,27 @@ class LoadedCore:
 
     @property
     def spec(self) -> Manifest:
-        """The typed view of the manifest (parsed once, on first use)."""
-        if self._spec is None:
+        """The typed view of the manifest: ``load_core`` builds it once, from the validated manifest."""
+        if self._spec is None:  # a LoadedCore assembled by hand (tests)
             self._spec = Manifest.from_json(self.manifest)
         return self._spec
 
     @property
     def features(self) -> dict:
-        return self.manifest["features"]
+        """The manifest's features as JSON (``spec.features`` is the typed view)."""
+        return self.spec.features.as_json()
 
     @property
     def k(self) -> int:
-        return self.manifest["k"]
+        return self.spec.k
 
     @property
     def vocab_size(self) -> int:
-        return self.manifest["vocab_size"]
+        return self.spec.vocab_size
 
     @property
     def token_capacity(self) -> int:
-        return manifest_token_capacity(self.manifest)
+        return self.spec.token_capacity
 
     def by_operation(self, operation: Operation) -> list[LoadedVariant]:
         return sorted((v for v in self.variants.values() if v.operation is operation), key=lambda v: v.capacity)
@@ -174,7 +174,7 @@ class LoadedCore:
             variants[name] = replica
         return LoadedCore(path=self.path, manifest=self.manifest, weights=self.weights, state=state, variants=variants,
                           tokenizer=self.tokenizer, options=self.options, backend=self.backend,
-                          transfer=self.transfer, reduction=self.reduction, capture=None)
+                          transfer=self.transfer, reduction=self.reduction, capture=None, _spec=self.spec)
 
     def memory_report(self) -> dict[str, int]:
         """Physical bytes of weights, state (KV), completion frames and other owned buffers."""
@@ -195,25 +195,25 @@ class LoadedCore:
         return report
 
 
-def _device_reduction(root: Path, report, device: torch.device) -> PreparedReduction | None:
+def _device_reduction(root: Path, spec: Manifest, report, device: torch.device) -> PreparedReduction | None:
     """The core's launcher of its prepared cubins on a CUDA device (None: JIT, opted in), bound to its variants."""
     if jit_opted_in():
         warnings.warn("IGNITION_TRITON_JIT=1: the reduction JIT-compiles Triton instead of launching the core's "
                       "prepared kernels (development only)", stacklevel=3)
         return None
     try:
-        return load_launcher(root, report.manifest, report.catalog, report.kernels, device)
+        return load_launcher(root, spec, report.catalog, report.kernels, device)
     except LauncherError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
 
 
-def _read_weights(root: Path, manifest: dict, catalog: dict, weights_file: str, device: torch.device,
+def _read_weights(root: Path, manifest: dict, files, catalog: dict, weights_file: str, device: torch.device,
                   packs: LinearPacks | None = None, drop_cache: bool = False) -> tuple[dict[str, torch.Tensor], bytes]:
     """(the weights on ``device``, the file's length and header bytes): ``weights_file`` read once and hashed
     (``read_verified_weights``), each tensor read into its own memory or, one that ``packs`` streams, packed from
     scratch (``drop_cache``: the file's page cache dropped as it is read); then checked against the catalog's
     declarations again."""
-    weights, header = read_verified_weights(root, weights_file, manifest, packs, drop_cache)
+    weights, header = read_verified_weights(root, weights_file, files, packs, drop_cache)
     if packs is not None:
         weights |= packs.streamed_weights()
     check_loaded_weights(root, manifest, catalog, weights, weights_file)
@@ -229,14 +229,15 @@ def _hashed_on_load(root: Path, manifest: dict | None, options: LoadOptions) -> 
         return set()
     rank = options.rank
     try:
-        files = {Manifest.from_json(manifest).rank_weights(rank)}
-        data, _ = read_core_file(root, manifest["catalog"], "manifest.json:catalog", METADATA_MAX_BYTES)
+        spec = Manifest.from_json(manifest)
+        files = {spec.rank_weights(rank)}
+        data, _ = read_core_file(root, spec.catalog, "manifest.json:catalog", METADATA_MAX_BYTES)
         if data is None:
             return set()
         catalog = json.loads(data)
         files |= backend_family(options.runtime).files(catalog, manifest, rank)  # the validator hashes the others
-        if tokenizer_file(manifest) in manifest["files"]:
-            files.add(tokenizer_file(manifest))
+        if spec.tokenizer_file in spec.files:
+            files.add(spec.tokenizer_file)
     except (OSError, ValueError, RecursionError, KeyError, IndexError, TypeError, AttributeError):
         return set()  # the validator reports what is wrong, and hashes everything
     return files
@@ -264,7 +265,7 @@ def load_core(path: str | Path, options: LoadOptions | None = None, *, progress:
     thread starts reading and hashing them; graphs, read and checked meanwhile; runners, each variant bound to its
     buffers, linears packed; capture; tokenizer); ``LoadedCore.timings`` holds the seconds of each (weights: its start
     and the wait for the read that is left after the graphs). A sharded core loads
-    one rank at a time; ignition/runtime/parallel.py starts the ranks and their process group.
+    one rank at a time; ignition/runtime/parallel/group.py starts the ranks and their process group.
     """
     root = Path(path)
     if options is None:
@@ -306,10 +307,10 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.
     with short_switch_interval(), ThreadPoolExecutor(1, thread_name_prefix="ignition-weights") as pool:
         stages.start("weights", weights_file)  # the read starts: after the check, as before any overlap
-        reading = pool.submit(_read_weights, root, manifest, catalog, weights_file, device, packs,
+        reading = pool.submit(_read_weights, root, manifest, spec.files, catalog, weights_file, device, packs,
                               options.drop_file_cache)
         try:
-            backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs)
+            backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs, spec=spec)
             if packs is not None and not backend.packs_linears:  # AOTInductor packages run their own kernels
                 packs.decline()
                 packs = None
@@ -327,8 +328,8 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
         weights, _ = reading.result()
     if packs is not None:  # on the worker threads, while the variants are bound and their code generated
         packs.start(weights)
-    reduction = _device_reduction(root, report, device) if options.cuda and backend.needs_reduction else None
-    state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in manifest["state"]}
+    reduction = _device_reduction(root, spec, report, device) if options.cuda and backend.needs_reduction else None
+    state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in spec.state}
     variants = {}
     for index, entry in enumerate(entries, 1):
         stages.start("runners", f"variant {index} of {len(entries)}: {entry['name']}")
@@ -362,8 +363,8 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
         windowed = backend.windowed and variant.layout.get("windows")
         if windowed and (capture is None or variant.name not in capture.captured):
             variant.wrap("windowed", lambda inner, v=variant: Windowed(inner, v.bindings, v.layout["windows"]))
-    stages.start("tokenizer", manifest["tokenizer"] or "none")
-    tokenizer = load_tokenizer(root, manifest)
+    stages.start("tokenizer", spec.tokenizer or "none")
+    tokenizer = load_tokenizer(root, spec)
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, options=options, backend=backend.name, transfer=HostTransfer(device),

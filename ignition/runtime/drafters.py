@@ -156,9 +156,9 @@ class DraftCoreDrafter:
         self.decode_variants = draft_core.by_operation(Operation.DECODE)
         self.prefill = draft_core.by_operation(Operation.PREFILL)[-1]
         self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
-        model = draft_core.manifest["model"]
-        self.num_slots = model.get("num_slots", self.decode_variants[-1].capacity)
-        self.max_context = model.get("max_seq_len")
+        model = draft_core.spec.model
+        self.num_slots = model.num_slots if model.num_slots is not None else self.decode_variants[-1].capacity
+        self.max_context = model.max_seq_len
         self.free_slots = FreeSlots(self.num_slots)
         self.epochs = [0] * self.num_slots
         self.states: dict[str, RequestState] = {}  # each request's lane in the draft core

@@ -47,7 +47,7 @@ class Engine:
         per round). ``max_context``: the context admission checks prompt + max_tokens against (default the core's
         ``model.max_seq_len``; ContextError above it)."""
         self.core = core
-        context = core.manifest["model"].get("max_seq_len")
+        context = core.spec.model.max_seq_len
         if max_context is not None and context is not None and max_context > context:
             raise ContextError(max_context, context)
         self.max_context = max_context if max_context is not None else context
@@ -55,7 +55,7 @@ class Engine:
                       "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0, "packed_rounds": 0}
         proposer = Proposer.for_core(core, drafter, draft_tokens) if drafter is not None else None
         self.scheduler = Scheduler(core, self.stats, batch_invariant=batch_invariant, proposer=proposer,
-                                   constraints=Constraints(core.manifest.get("eos_token_id")), mixed=mixed,
+                                   constraints=Constraints(core.spec.eos_token_id), mixed=mixed,
                                    packed=packed)
         self.runner = Runner(core)
         self.outputs = OutputProcessor(self.scheduler, self.stats)

@@ -19,7 +19,7 @@ from ignition.runtime.backends import RUNTIMES, backend_family
 from ignition.runtime.backends.gemm_calibration import GEMM_MODES
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
-from ignition.runtime.rendezvous import LOOPBACK
+from ignition.runtime.parallel.rendezvous import LOOPBACK
 from ignition.runtime.verified import LoadOptionError
 
 @dataclass(frozen=True, slots=True)

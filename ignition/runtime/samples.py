@@ -71,7 +71,7 @@ class PromptCopier:
 
     ``shared`` is False where the copy cannot be made and each sample then prefills its own prompt: a state
     tensor whose layout ``catalog.geometry.STATE_SHAPES`` does not declare, or a tensor-parallel core (each
-    rank holds its own state shard and replays only broadcast submissions, ignition/runtime/parallel.py).
+    rank holds its own state shard and replays only broadcast submissions, ignition/runtime/parallel/group.py).
     """
 
     def __init__(self, core):

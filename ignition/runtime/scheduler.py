@@ -63,7 +63,8 @@ class Scheduler:
         self.mixed_variants = core.by_operation(Operation.MIXED) if mixed else []
         self.packed_variants = core.by_operation(Operation.PACKED_PREFILL) if packed else []
         self.chunk = next(a.shape[0] for a in self.prefill.arguments if a.name == "chunk_input_ids")
-        self.num_slots = core.manifest["model"].get("num_slots", self.decode_variants[-1].capacity)
+        num_slots = core.spec.model.num_slots
+        self.num_slots = num_slots if num_slots is not None else self.decode_variants[-1].capacity
         self.epochs = [0] * self.num_slots
         self.free_slots = FreeSlots(self.num_slots)
         self.waiting: deque[RequestState] = deque()

@@ -13,10 +13,12 @@ import struct
 import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.runtime.weights import StreamSink, WeightsFormatError, read_tensors
 from ignition.validate.files import OPEN_NO_WAIT, safe_path
 from ignition.validate.report import Violation
@@ -42,7 +44,7 @@ class LoadOptionError(CoreLoadError):
     error, whatever the core holds."""
 
 
-def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
+def read_verified(root: Path, rel: str, files: Mapping[str, str]) -> bytearray:
     """The bytes of the core file ``rel``, read once, after their sha256 matched the manifest's record:
     what the caller loads from them is what was verified (no second read a swapped file could answer)."""
     with _opened(root, rel) as (file, size):
@@ -54,11 +56,11 @@ def read_verified(root: Path, rel: str, manifest: dict) -> bytearray:
             found = reader.hexdigest()
         finally:
             reader.close()
-    _compare(root, rel, manifest, found)
+    _compare(root, rel, files, found)
     return data
 
 
-def read_verified_weights(root: Path, rel: str, manifest: dict, sink: StreamSink | None = None,
+def read_verified_weights(root: Path, rel: str, files: Mapping[str, str], sink: StreamSink | None = None,
                           drop_cache: bool = False) -> tuple[dict[str, torch.Tensor], bytes]:
     """``runtime/weights.read_tensors`` of the core's weights file ``rel``, read once: (its tensors, its length and
     header bytes), returned after the sha256 of every byte read matched the manifest's record (the tensors ``sink``
@@ -72,12 +74,12 @@ def read_verified_weights(root: Path, rel: str, manifest: dict, sink: StreamSink
                 tensors, header = read_tensors(reader, size, sink)
             except WeightsFormatError as exc:
                 reader.drain()
-                _compare(root, rel, manifest, reader.hexdigest())
+                _compare(root, rel, files, reader.hexdigest())
                 raise CoreLoadError(f"{root}: {rel}: {exc}") from None
             found = reader.hexdigest()
         finally:
             reader.close()
-    _compare(root, rel, manifest, found)
+    _compare(root, rel, files, found)
     return tensors, header
 
 
@@ -99,8 +101,9 @@ def _opened(root: Path, rel: str):
         raise CoreLoadError(f"{root}: cannot read {rel}: {exc.strerror or exc}") from None
 
 
-def _compare(root: Path, rel: str, manifest: dict, found: str) -> None:
-    expected = manifest["files"].get(rel)
+def _compare(root: Path, rel: str, files: Mapping[str, str], found: str) -> None:
+    """``found`` against the sha256 the manifest lists for ``rel`` (``Manifest.files``)."""
+    expected = files.get(rel)
     if found != expected:
         raise CoreLoadError(f"{root} is not a valid core:\n  "
                             f"{Violation('FILE-HASH', rel, f'expected sha256 {expected}, found {found}')}")
@@ -169,22 +172,18 @@ class HashingReader:
         self._hasher.shutdown()
 
 
-def tokenizer_file(manifest: dict) -> str | None:
-    return f"{manifest['tokenizer'].rstrip('/')}/tokenizer.json" if manifest.get("tokenizer") else None
-
-
-def load_tokenizer(root: Path, manifest: dict):
+def load_tokenizer(root: Path, spec: Manifest):
     """The core's tokenizer, built from the bytes of tokenizer.json read once and hashed (``read_verified``)."""
-    rel = tokenizer_file(manifest)
-    if rel is None or rel not in manifest["files"]:
+    rel = spec.tokenizer_file
+    if rel is None or rel not in spec.files:
         return None
     from tokenizers import Tokenizer
-    data = read_verified(root, rel, manifest)
+    data = read_verified(root, rel, spec.files)
     try:
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as exc:  # UnicodeDecodeError; tokenizers raises a bare Exception for a malformed file
         raise CoreLoadError(f"{root}: {rel} does not load as a tokenizer: {str(exc)[:200]}") from None
-    reach, size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1), manifest["vocab_size"]
+    reach, size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1), spec.vocab_size
     if reach >= size:  # GEOM-TOKENIZER again, on the bytes that are used
         found = Violation("GEOM-TOKENIZER", rel, f"token ids must stay below manifest.json:vocab_size = {size}; "
                                                  f"the tokenizer's reach {reach}")

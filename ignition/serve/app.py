@@ -29,7 +29,7 @@ from ignition.catalog.manifest import Features
 from ignition.runtime.core import LoadedCore, load_core
 from ignition.runtime.engine import ContextError, Engine
 from ignition.runtime.options import LoadOptions
-from ignition.runtime.parallel import ParallelError
+from ignition.runtime.parallel.group import ParallelError
 from ignition.runtime.requests import AdmissionError
 from ignition.serve.auth import ApiKeyMiddleware
 from ignition.serve.chat import create_chat_completion

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from ignition.catalog.abi import TokenEntry
 from ignition.runtime.engine import Engine
-from ignition.runtime.parallel import ParallelError
+from ignition.runtime.parallel.group import ParallelError
 from ignition.runtime.requests import Request, RequestState
 from ignition.runtime.samples import sample_ids
 from ignition.runtime.verified import CoreRunError

@@ -39,7 +39,7 @@ class AotiBackend(Pt2Backend):
         package = entry.get("packages", {}).get("inductor")
         program = self.program(entry)  # checked and kept even when the package runs: the fallback, and validation
         if package is not None:
-            data = read_verified(self.root, package, self.manifest)
+            data = read_verified(self.root, package, self.spec.files)
             try:
                 with private_copy(data, package) as copy:
                     return load_package(copy)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
 from ignition.runtime.backends.protocol import Runner
 from ignition.runtime.verified import CoreLoadError, read_verified
@@ -22,12 +23,12 @@ class OnnxBackend:
     windowed = False  # the ONNX graphs are re-traced static: full extents
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],
-                 offsets: dict[str, tuple[int, int]], device: torch.device):
+                 offsets: dict[str, tuple[int, int]], device: torch.device, spec: Manifest):
         from ignition.runtime.backends.onnx_sessions import OnnxBackendError, OnnxRuntimeBackend
 
         if found := check_pairing(catalog["variants"]):
             raise CoreLoadError(f"{root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
-        self.root, self.manifest, self.offsets = root, manifest, offsets
+        self.root, self.manifest, self.spec, self.offsets = root, manifest, spec, offsets
         self.programs: dict = {}  # nothing to capture
         try:
             self.sessions = OnnxRuntimeBackend(root, weights, device)
@@ -47,8 +48,8 @@ class OnnxBackend:
         rel = entry.get("packages", {}).get("onnx")
         if rel is None:
             raise CoreLoadError(f"{self.root}: variant {entry['name']} has no ONNX graph: export the core with --onnx")
-        data = bytes(read_verified(self.root, rel, self.manifest))  # onnxruntime parses bytes (weights are external)
-        found = check_onnx_graph(data, entry, self.manifest["weights"], self.offsets)
+        data = bytes(read_verified(self.root, rel, self.spec.files))  # onnxruntime parses bytes (weights are external)
+        found = check_onnx_graph(data, entry, self.spec.weights, self.offsets)
         if found:
             raise CoreLoadError(f"{self.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in found))
         try:

@@ -30,11 +30,11 @@ class Pt2Backend:
     windowed = True
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device,
-                 packs: LinearPacks | None = None):
-        self.root, self.manifest, self.device = root, manifest, device
+                 packs: LinearPacks | None = None, *, spec: Manifest):
+        self.root, self.manifest, self.spec, self.device = root, manifest, spec, device
         self.packs = packs  # CPU: linear weights packed for oneDNN (LoadOptions.pack_linears)
         self.graphs = graph_files(catalog, manifest, rank)
-        self.sharded = Manifest.from_json(manifest).sharded
+        self.sharded = spec.sharded
         self.programs: dict[str, StaticProgram] = {}  # variant name -> its program (what CUDA capture traces)
 
     @staticmethod
@@ -58,7 +58,7 @@ class Pt2Backend:
         graph_path, problems = safe_path(self.root, rel, f"variant {entry['name']}")
         if graph_path is None:  # validate_core already refused such a path; kept for a core changed since
             raise CoreLoadError(f"{self.root} is not a valid core:\n" + "\n".join(f"  {v}" for v in problems))
-        found, program = read_graph(graph_path, entry, sha256=self.manifest["files"].get(rel))
+        found, program = read_graph(graph_path, entry, sha256=self.spec.files.get(rel))
         if not found and program is not None:
             found = check_graph_vocabulary(program, self.manifest, rel)
             if self.sharded:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.runtime.backends import backend_family
 from ignition.runtime.backends.aoti import AotiBackend, has_packages
 from ignition.runtime.backends.onnx import OnnxBackend
@@ -29,18 +30,18 @@ def _compiled_allowed(catalog: dict, trusted: bool) -> bool:
 
 def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: dict, trusted: bool,
                    weights: Callable[[], tuple[dict[str, torch.Tensor], object]],
-                   packs: LinearPacks | None = None) -> Backend:
+                   packs: LinearPacks | None = None, *, spec: Manifest) -> Backend:
     """The one backend choice: ONNX when ``--runtime onnxruntime``; else AOTInductor when the core has packages,
     they are trusted and wanted and the device is the CPU (packages are built for it); else the ``.pt2`` programs,
     their linears on ``packs`` (``LoadOptions.pack_linears``). ``weights()`` waits for the loaded weights and the
     bytes they view (``_read_weights``); only the ONNX backend needs them to be built."""
     if backend_family(options.runtime) is OnnxBackend:
         tensors, data = weights()
-        return OnnxBackend(root, manifest, catalog, tensors, weights_offsets(data), options.device)
+        return OnnxBackend(root, manifest, catalog, tensors, weights_offsets(data), options.device, spec)
     if options.prefer_compiled and _compiled_allowed(catalog, options.trust_compiled or trusted) \
             and has_packages(catalog) and not options.cuda:
-        return AotiBackend(root, manifest, catalog, options.rank, options.device)
-    return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs)
+        return AotiBackend(root, manifest, catalog, options.rank, options.device, spec=spec)
+    return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs, spec=spec)
 
 
 __all__ = ["select_backend"]

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import reduction_logits_dtype, reduction_rows
 from ignition.catalog.parallel import (EXCHANGE_WORDS, SCORING_EXCHANGE_WORDS, SCORING_LAUNCHES, VOCABULARY_LAUNCHES,
                                        variant_scoring_blocks)
 from ignition.components.workspaces import (ScoringWorkspace, VocabularyWorkspace, scoring_arguments, stage_arguments,
                                              stage_launches)
 from ignition.runtime.cuda_driver import LauncherError
-from ignition.runtime.launches import KernelTable, PreparedKernels, PreparedLaunch, claim_launches, logprob_variants
+from ignition.runtime.launchers.launches import (KernelTable, PreparedKernels, PreparedLaunch, claim_launches,
+                                                logprob_variants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,29 +61,29 @@ def _variant_launches(entry: dict, ranks: int) -> list[str]:
     return launches
 
 
-def scoring_shapes(manifest: dict, catalog: dict) -> dict[ScoringShape, list[str]]:
+def scoring_shapes(spec: Manifest, catalog: dict) -> dict[ScoringShape, list[str]]:
     """Each row block the sharded core's scored graphs score, with its seven launch keys in launch order."""
-    section = manifest["tensor_parallel"]
+    section, dtype = spec.parallel, reduction_logits_dtype(spec.model.dtype, sharded=True)
     shapes: dict[ScoringShape, list[str]] = {}
     for entry, _ in logprob_variants(catalog):
-        launches = _variant_launches(entry, section["ranks"])[len(VOCABULARY_LAUNCHES):]
+        launches = _variant_launches(entry, section.ranks)[len(VOCABULARY_LAUNCHES):]
         for index, rows in enumerate(variant_scoring_blocks(entry)):
-            shape = ScoringShape(rows, section["vocab_shard"], section["ranks"], reduction_logits_dtype(manifest["model"]["dtype"], sharded=True))
+            shape = ScoringShape(rows, section.vocab_shard, section.ranks, dtype)
             own = launches[index * len(SCORING_LAUNCHES):(index + 1) * len(SCORING_LAUNCHES)]
             claim_launches(shapes, shape, own, f"variant {entry['name']}: scoring launches {own} differ from another "
                                                f"variant's for the same row block")
     return shapes
 
 
-def vocabulary_shapes(manifest: dict, catalog: dict) -> dict[VocabularyShape, list[str]]:
+def vocabulary_shapes(spec: Manifest, catalog: dict) -> dict[VocabularyShape, list[str]]:
     """Each shape the sharded core's graphs reduce, with its six launch keys in launch order."""
-    section = manifest["tensor_parallel"]
+    section, dtype = spec.parallel, reduction_logits_dtype(spec.model.dtype, sharded=True)
     shapes: dict[VocabularyShape, list[str]] = {}
     for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
-        shape = VocabularyShape(rows, section["vocab_shard"], section["ranks"], layout["k"],
-                                bool(layout["explicit_ids"]), reduction_logits_dtype(manifest["model"]["dtype"], sharded=True))
-        launches = _variant_launches(entry, section["ranks"])[:len(VOCABULARY_LAUNCHES)]
+        shape = VocabularyShape(rows, section.vocab_shard, section.ranks, layout["k"], bool(layout["explicit_ids"]),
+                                dtype)
+        launches = _variant_launches(entry, section.ranks)[:len(VOCABULARY_LAUNCHES)]
         claim_launches(shapes, shape, launches, f"variant {entry['name']}: launches {launches} differ from another "
                                                 f"variant of the same reduction shape")
     return shapes
@@ -140,7 +142,7 @@ class PreparedVocabulary(PreparedKernels):
             VOCABULARY_LAUNCHES, "stage ")
 
     @classmethod
-    def load(cls, root: Path, manifest: dict, table: dict, shapes: dict[VocabularyShape, list[str]],
+    def load(cls, root: Path, spec: Manifest, table: dict, shapes: dict[VocabularyShape, list[str]],
              device: torch.device, target: str, driver=None,
              scoring: dict[ScoringShape, list[str]] | None = None) -> "PreparedVocabulary":
         kernels = KernelTable(root, table, target, device, driver)

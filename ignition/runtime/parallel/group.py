@@ -1,14 +1,14 @@
 """Tensor-parallel start-up: N rank processes over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
 Rank 0 is the calling process: it owns the engine, the HTTP server and the frame readback.
-Ranks 1..N-1 are worker processes (``python -m ignition.runtime.rank_worker``) that load their own
+Ranks 1..N-1 are worker processes (``python -m ignition.runtime.parallel.rank_worker``) that load their own
 shard of the core and replay the same submissions: before each graph run rank 0 wakes every
 worker with the variant's index over its stdin pipe, then broadcasts the variant's input
 buffers over the default process group; every rank then runs its graph, whose in-graph
 collectives join the ranks. State (KV shards, penalty counts) evolves identically on every
 rank, so nothing else travels. Peers never read frames back.
 
-Where ranks meet and how they prove they belong is ignition/runtime/rendezvous.py: the store and
+Where ranks meet and how they prove they belong is ignition/runtime/parallel/rendezvous.py: the store and
 the transports on 127.0.0.1 unless ``host`` (``--tp-host``) says otherwise, a per-launch secret
 and the store's port on the worker's stdin, the secret checked over the new group before any
 request data. Under ``torchrun`` (``launched_by_torchrun``) every rank runs the same command: rank 0
@@ -38,11 +38,12 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.enums import Role
 from ignition.runtime.options import LoadOptions
-from ignition.runtime.rendezvous import (STOP, MembershipError, PipeChannel, StoreChannel, check_host,
-                                         launched_by_torchrun, listening_store, new_secret, pin_interfaces,
-                                         prove_membership, torchrun_store)
+from ignition.runtime.parallel.rendezvous import (STOP, MembershipError, PipeChannel, StoreChannel, check_host,
+                                                  launched_by_torchrun, listening_store, new_secret, pin_interfaces,
+                                                  prove_membership, torchrun_store)
 from ignition.runtime.verified import LoadOptionError
 
 WATCH_INTERVAL_S = 0.2
@@ -61,14 +62,14 @@ def _input_tensors(variant) -> list[torch.Tensor]:
     return [variant.buffers[a.name] for a in variant.arguments if a.role is Role.INPUT]
 
 
-def join_group(store, options: LoadOptions, manifest: dict, secret: str) -> None:
+def join_group(store, options: LoadOptions, spec: Manifest, secret: str) -> None:
     """Join the default process group, check that it is the group the core's graphs were traced against, and
     prove to every rank that this one holds the launch's ``secret`` (before any request data travels)."""
     import torch.distributed as dist
 
     dist.init_process_group(options.collective_backend, store=store, rank=options.rank, world_size=options.ranks,
                             timeout=datetime.timedelta(seconds=options.timeout_s))
-    expected = manifest["tensor_parallel"]["group"]
+    expected = spec.parallel.group
     if dist.group.WORLD.group_name != expected:
         raise ParallelError(f"the default process group is named {dist.group.WORLD.group_name!r}, but the core's "
                             f"graphs were traced against group {expected!r}")
@@ -162,7 +163,6 @@ class RankGroup:
 
 def _check_rank_count(core: Path, ranks: int) -> None:
     """Refuse a rank count the core does not have before any worker starts (load_core checks it again)."""
-    from ignition.catalog.manifest import Manifest
     from ignition.runtime.core import check_rank_count, read_manifest
 
     manifest = read_manifest(core)
@@ -182,7 +182,7 @@ def _start_workers(core, options: LoadOptions):
     except (ValueError, OSError) as exc:  # not an address of this machine, or one that cannot be bound
         raise ParallelOptionError(str(exc) if "--tp-host" in str(exc) else f"--tp-host {host}: {exc}") from None
     secret = new_secret()
-    command = [sys.executable, "-m", "ignition.runtime.rank_worker", str(core)]
+    command = [sys.executable, "-m", "ignition.runtime.parallel.rank_worker", str(core)]
     environment = dict(os.environ, **pinned, PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])))
     workers = [subprocess.Popen(command + ["--rank", str(rank)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -227,7 +227,7 @@ def tensor_parallel(core: str | Path, ranks_or_options: int | LoadOptions, **cho
     try:
         loaded = load_core(core, options)
         try:
-            join_group(store, options, loaded.manifest, secret)
+            join_group(store, options, loaded.spec, secret)
         except RuntimeError as exc:
             raise group.failure(f"process-group start-up: {str(exc).splitlines()[0]}") from None
         for index, variant in enumerate(loaded.variants.values()):

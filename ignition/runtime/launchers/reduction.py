@@ -5,7 +5,7 @@ refused), loads each cubin once with ``cuModuleLoadData`` and sizes one workspac
 reduce: a ``PreparedReduction`` for a single-rank core, a ``PreparedVocabulary`` (vocabulary_launcher.py) for a
 rank of a sharded one. The core's variants run through ``launcher.bound(run)``, so the CUDA implementation of
 ``ignition::reduce_logprobs`` reaches this core's launcher, which looks the shape up and issues the variant's
-launches, in kernel-table order, on torch's current stream with ``cuLaunchKernel`` (runtime/launches.py).
+launches, in kernel-table order, on torch's current stream with ``cuLaunchKernel`` (runtime/launchers/launches.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import reduction_logits_dtype, reduction_rows
 from ignition.components.workspaces import ReductionWorkspace, reduction_arguments
 from ignition.runtime.cuda_driver import LauncherError, device_capability, pack_params  # noqa: F401 (re-exported)
-from ignition.runtime.launches import (KernelTable, PreparedKernels, PreparedLaunch, claim_launches,
-                                       logprob_variants, select_target, target_name)
-from ignition.runtime.vocabulary_launcher import PreparedVocabulary, scoring_shapes, vocabulary_shapes
+from ignition.runtime.launchers.launches import (KernelTable, PreparedKernels, PreparedLaunch, claim_launches,
+                                                 logprob_variants, select_target, target_name)
+from ignition.runtime.launchers.vocabulary import PreparedVocabulary, scoring_shapes, vocabulary_shapes
 
 __all__ = ["LauncherError", "PreparedLaunch", "PreparedReduction", "ReductionShape", "load_launcher", "pack_params",
            "reduction_shapes", "select_target", "target_name"]
@@ -38,13 +39,13 @@ class ReductionShape:
     logits_dtype: str  # torch dtype name
 
 
-def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list[str]]:
+def reduction_shapes(spec: Manifest, catalog: dict) -> dict[ReductionShape, list[str]]:
     """Each shape the core's graphs reduce, with its launch keys in launch order."""
     shapes: dict[ReductionShape, list[str]] = {}
-    dtype = reduction_logits_dtype(manifest["model"]["dtype"], sharded=False)
+    dtype = reduction_logits_dtype(spec.model.dtype, sharded=False)
     for entry, layout in logprob_variants(catalog):
         rows = reduction_rows(entry["operation"], entry["capacity"], entry["contract"]["layout"])
-        shape = ReductionShape(rows, manifest["vocab_padded"], manifest["vocab_size"], layout["k"],
+        shape = ReductionShape(rows, spec.vocab_padded, spec.vocab_size, layout["k"],
                                bool(layout["explicit_ids"]), dtype)
         launches = list(entry.get("launches") or [])
         if not launches:
@@ -55,7 +56,7 @@ def reduction_shapes(manifest: dict, catalog: dict) -> dict[ReductionShape, list
     return shapes
 
 
-def load_launcher(root: Path, manifest: dict, catalog: dict, table: dict | None, device: torch.device,
+def load_launcher(root: Path, spec: Manifest, catalog: dict, table: dict | None, device: torch.device,
                   driver=None) -> "PreparedReduction | PreparedVocabulary | None":
     """The launcher of a core on ``device``: None when no graph of the core reduces logprobs, a
     ``PreparedVocabulary`` for a rank of a sharded core, else a ``PreparedReduction``.
@@ -64,10 +65,10 @@ def load_launcher(root: Path, manifest: dict, catalog: dict, table: dict | None,
     if not any(entry["contract"]["layout"].get("logprobs") for entry in catalog["variants"]):
         return None
     target = select_target(device_capability(device), list(table["targets"]) if table else [], str(device))
-    if "tensor_parallel" in manifest:  # a rank of a sharded core: six sharded launches, seven per scoring block
-        return PreparedVocabulary.load(root, manifest, table, vocabulary_shapes(manifest, catalog), device, target,
-                                       driver, scoring_shapes(manifest, catalog))
-    return PreparedReduction.from_table(root, table, reduction_shapes(manifest, catalog), device, target, driver)
+    if spec.sharded:  # a rank of a sharded core: six sharded launches, seven per scoring block
+        return PreparedVocabulary.load(root, spec, table, vocabulary_shapes(spec, catalog), device, target,
+                                       driver, scoring_shapes(spec, catalog))
+    return PreparedReduction.from_table(root, table, reduction_shapes(spec, catalog), device, target, driver)
 
 
 class PreparedReduction(PreparedKernels):

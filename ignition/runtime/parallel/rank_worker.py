@@ -1,9 +1,9 @@
 """Ranks 1..N-1 of a tensor-parallel run: load this rank's shard, join the group, replay rank 0's submissions.
 
-Started either by rank 0 (``python -m ignition.runtime.rank_worker CORE --rank R``; stdin carries the launch
+Started either by rank 0 (``python -m ignition.runtime.parallel.rank_worker CORE --rank R``; stdin carries the launch
 secret, the store's port and rank 0's LoadOptions, one line each, then one line per submission) or by torchrun
 (``torchrun_worker``; the secret comes from IGNITION_TP_SECRET and the submissions through the store, sealed
-under it). ignition/runtime/parallel.py is rank 0's side.
+under it). ignition/runtime/parallel/group.py is rank 0's side.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ignition.runtime.options import LoadOptions
-from ignition.runtime.parallel import _input_tensors, join_group
-from ignition.runtime.rendezvous import STOP, store_lines, torchrun_store
+from ignition.runtime.parallel.group import _input_tensors, join_group
+from ignition.runtime.parallel.rendezvous import STOP, store_lines, torchrun_store
 from ignition.runtime.verified import LoadOptionError
 
 
@@ -36,7 +36,7 @@ def _replay(core, options: LoadOptions, connect, lines) -> int:
     try:
         loaded = load_core(core, options)
         store, secret = connect()
-        join_group(store, options, loaded.manifest, secret)
+        join_group(store, options, loaded.spec, secret)
         variants = list(loaded.variants.values())
         for line in lines(store):
             if line.strip() == STOP:
@@ -73,7 +73,7 @@ def torchrun_worker(core: str | Path, options: LoadOptions) -> int:
 def worker(argv: list[str] | None = None) -> int:
     """A rank rank 0 started: its stdin carries the launch secret, the store's port, rank 0's LoadOptions (one
     JSON line), then one line per submission."""
-    parser = argparse.ArgumentParser(prog="python -m ignition.runtime.rank_worker")
+    parser = argparse.ArgumentParser(prog="python -m ignition.runtime.parallel.rank_worker")
     parser.add_argument("core")
     parser.add_argument("--rank", type=int, required=True)
     args = parser.parse_args(argv)

@@ -174,7 +174,7 @@ WAKE_KEY = "ignition/wake/{}/{}"
 """A wake message's store key: its counter, then a tag of the counter under the launch secret (``wake_key``)."""
 WAKE_POLL_S = 5.0
 WAKE_RETRY_S = 0.05  # after a refused message, how often the key is read again for rank 0's own
-log = logging.getLogger("ignition.runtime.rendezvous")
+log = logging.getLogger("ignition.runtime.parallel.rendezvous")
 
 
 class PipeChannel:

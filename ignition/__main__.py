@@ -1,0 +1,5 @@
+"""``python -m ignition``: the ``ignition`` command."""
+
+from ignition.cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""``python -m ignition.cli``: the ``ignition`` command."""
+
+from ignition.cli import main
+
+main()

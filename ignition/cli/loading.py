@@ -1,0 +1,130 @@
+"""Loading a core for ``run`` and ``serve``: the shared options, LoadOptions, the load itself with its
+stage log, the request checks against the manifest before loading, and ``--speculative``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ignition.cli.checks import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_HELP, not_a_core_message,
+                                 read_manifest, runtime_name, trusted_key)
+from ignition.cli.console import StageLog, console
+from ignition.cli.errors import CoreError, UsageError
+from ignition.runtime.parallel.rendezvous import LOOPBACK
+
+DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
+EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
+PACK_LINEARS_OPTION = typer.Option(True, "--pack-linears/--no-pack-linears",
+                                   help="CPU: run FP32 projections, and BF16 ones where the packed product keeps "
+                                        "aten.linear's bits, on weights packed once for oneDNN (--no-pack-linears: "
+                                        "torch's own aten.linear)")
+DROP_FILE_CACHE_OPTION = typer.Option(True, "--drop-file-cache/--keep-file-cache",
+                                      help="Drop the weights file's pages from the page cache as the loader reads "
+                                           "them: its own copy is the one used (--keep-file-cache: a later load "
+                                           "reads the file from the cache instead of the disk)")
+BATCH_INVARIANT_OPTION = typer.Option(False, "--batch-invariant",
+                                      help="Decode in the largest variant: results independent of co-batching")
+TRUST_COMPILED_OPTION = typer.Option(False, "--trust-compiled", help=TRUST_COMPILED_HELP)
+TRUSTED_KEY_OPTION = typer.Option(None, "--trusted-key", help=TRUSTED_KEY_HELP)
+RUNTIME_OPTION = typer.Option("torch", "--runtime", callback=runtime_name, help=RUNTIME_HELP)
+TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", min=1, help="Ranks of a sharded core to start (gloo on "
+                                      "CPU, NCCL on CUDA); this process is rank 0")
+TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-parallel store and ranks listen on "
+                              "(loopback unless set; another one is warned about)")
+SPECULATIVE_OPTION = typer.Option(None, "--speculative",
+                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
+
+
+def load_options(device: str, eager: bool, trust_compiled: bool, trusted_key_path: Optional[Path],
+                 runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True,
+                 drop_file_cache: bool = True):
+    """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
+    (--device, --runtime, --tensor-parallel, --trusted-key) is a usage error naming it."""
+    from ignition.runtime.options import LoadOptions
+    from ignition.runtime.verified import LoadOptionError
+
+    try:
+        return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
+                                  trusted_key=trusted_key(trusted_key_path), tp_host=tp_host,
+                                  pack_linears=pack_linears, drop_file_cache=drop_file_cache)
+    except LoadOptionError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def load(core: Path, options):
+    """load_core for run and serve, its stages on stderr and a last line with the seconds of each; a
+    core that cannot load is a CoreError (a path that is no core at all: a UsageError). With
+    ``options.ranks`` > 1 the other ranks start too and stop when this process exits
+    (ignition/runtime/parallel/group.py)."""
+    from ignition.runtime.core import CoreLoadError, LoadOptionError, NotACoreError, load_core
+    from ignition.runtime.parallel.group import ParallelError, ParallelOptionError, start_for_process
+    from ignition.runtime.parallel.rendezvous import torchrun_follower
+
+    if options.ranks > 1 and torchrun_follower():  # a torchrun rank >= 1 replays rank 0's submissions, then exits
+        from ignition.runtime.parallel.rank_worker import torchrun_worker
+        raise typer.Exit(torchrun_worker(core, options))
+    try:
+        with StageLog("load") as progress:
+            if options.ranks > 1:
+                loaded = start_for_process(core, options)
+            else:
+                loaded = load_core(core, options, progress=progress)
+    except NotACoreError as exc:
+        raise UsageError(not_a_core_message(exc, core)) from None
+    except (LoadOptionError, ParallelOptionError) as exc:  # --device, --runtime or --tensor-parallel that cannot work
+        raise UsageError(str(exc)) from None
+    except ParallelError as exc:
+        raise CoreError(str(exc)) from None
+    except CoreLoadError as exc:
+        raise CoreError(str(exc), label="cannot load core") from None
+    stages = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in loaded.timings.items())
+    console.print(f"loaded {core} on {loaded.device} in {loaded.load_seconds:.2f} s ({stages})",
+                  markup=False, highlight=False, soft_wrap=True)
+    return loaded
+
+
+def check_run_options(core: Path, request, text_prompt: bool) -> None:
+    """``run``'s request against the core's manifest, before loading: logprob options beyond the core's K
+    or features, and (with --prompt-ids) the whole admission check; a usage error naming the option."""
+    from ignition.runtime.requests import AdmissionError, check_admission, check_options
+
+    spec = read_manifest(core)
+    if spec is None:
+        return  # loading reports what is wrong with the core
+    if text_prompt and spec.tokenizer is None:
+        raise UsageError("this core has no tokenizer; pass --prompt-ids")
+    try:
+        if text_prompt:
+            check_options(request, spec.features.as_json(), spec.vocab_size)
+        else:
+            check_admission(request, spec.features.as_json(), spec.vocab_size, spec.model.max_seq_len)
+    except AdmissionError as exc:
+        option = "--" + {"prompt": "prompt_ids"}.get(exc.param, exc.param).replace("_", "-")
+        raise UsageError(f"{option}: {exc}") from None
+
+
+def check_speculative(text: Optional[str]) -> None:
+    """--speculative's syntax, before anything loads."""
+    from ignition.runtime.drafters import SpeculativeError, parse_speculative
+
+    if text is not None:
+        try:
+            parse_speculative(text)
+        except SpeculativeError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def speculative(text: Optional[str], loaded) -> dict:
+    """Engine options for --speculative; a bad option or draft core is a usage error (a draft core that cannot
+    load: a CoreError). ``--trust-compiled`` names the target core only: a draft core's compiled packages load
+    only when its own signature verifies against ``--trusted-key``."""
+    from ignition.runtime.drafters import SpeculativeError, engine_options, parse_speculative
+
+    try:
+        speculation = parse_speculative(text) if text is not None else None
+        return engine_options(speculation, loaded, lambda path: load(path, loaded.options.for_draft()))
+    except SpeculativeError as exc:
+        raise UsageError(str(exc)) from None
+
