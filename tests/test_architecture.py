@@ -164,14 +164,8 @@ RAW_READ = re.compile(r"\bmanifest(\[[^\]]+\](?!\s*=[^=])|\.get\()")
 RAW_READERS = ("catalog/", "validate/")
 """Where the raw manifest is read; everything else reads the typed ``catalog.manifest.Manifest`` (``LoadedCore.spec``)."""
 
-PENDING_RAW_READS = {
-    'eos = self.core.manifest.get("eos_token_id")': "core.spec.eos_token_id",
-    'return GrammarCompiler(self.tokenizer.to_str(), int(self.core.manifest["vocab_padded"]), eos)': "core.spec.vocab_padded",
-    'eos = ctx.core.manifest.get("eos_token_id")': "core.spec.eos_token_id",
-    'token_id = ctx.core.manifest.get(f"{name}_id")': "a typed special-token field",
-    'hashes=None if config.tokenizer is not None else loaded.manifest["files"])': "loaded.spec.files",
-}
-"""serve/'s remaining raw reads (serve/ is being split): each line, and the typed read that replaces it."""
+PENDING_RAW_READS: dict[str, str] = {}
+"""Raw reads still allowed outside catalog/ and validate/, each line with the typed read that replaces it: none."""
 
 
 def test_only_catalog_and_validate_read_the_raw_manifest():

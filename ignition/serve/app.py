@@ -100,7 +100,7 @@ def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_cap
     try:
         files = load_tokenizer_files(config.tokenizer or loaded.path / "tokenizer", loaded.tokenizer,
                                      loaded.vocab_size, load=config.tokenizer is not None,
-                                     hashes=None if config.tokenizer is not None else loaded.manifest["files"])
+                                     hashes=None if config.tokenizer is not None else dict(loaded.spec.files))
     except ValueError as exc:
         raise ServeSetupError(str(exc)) from None
     template, source = files.chat_template, files.chat_template_source

@@ -70,13 +70,13 @@ class ServerContext:
     def _make_grammar_compiler(self) -> GrammarCompiler | str:
         if self.tokenizer is None:
             return f"this core has no tokenizer ({self.core.path}/tokenizer/tokenizer.json) to compile grammars for"
-        eos = self.core.manifest.get("eos_token_id")
+        eos = self.core.spec.eos_token_id
         if eos is None:  # the graph then stops on no token; the grammar still needs one to end on
             name = self.tokenizer_config.get("eos_token")
             name = name.get("content") if isinstance(name, dict) else name
             eos = self.tokenizer.token_to_id(name) if isinstance(name, str) else None
         try:
-            return GrammarCompiler(self.tokenizer.to_str(), int(self.core.manifest["vocab_padded"]), eos)
+            return GrammarCompiler(self.tokenizer.to_str(), self.core.spec.vocab_padded, eos)
         except GrammarSetupError as exc:
             return str(exc)
 

@@ -123,7 +123,7 @@ def sampling_constraints(ctx: ServerContext, body: GenerationFields, spec: Gramm
 def ending_ids(ctx: ServerContext, ignore_eos: bool, stop_token_ids) -> list[int]:
     """The ids that end a request (EOS unless ignored, then its stop ids): what ``min_tokens`` masks and a grammar
     may end on."""
-    eos = ctx.core.manifest.get("eos_token_id")
+    eos = ctx.core.spec.eos_token_id
     return ([] if ignore_eos or eos is None else [eos]) + list(stop_token_ids or ())
 
 

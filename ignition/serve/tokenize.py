@@ -126,9 +126,9 @@ def tokenizer_info(ctx: ServerContext) -> TokenizerInfoResponse:
         raise ApiError(f"this core has no tokenizer ({ctx.core.path}/tokenizer/tokenizer.json)", None)
     info = {k: _plain(v) for k, v in ctx.tokenizer_config.items() if not k.endswith("_file")}
     info.pop("chat_template", None)
-    for name in ("eos_token", "bos_token"):  # lm-eval's remote tokenizer reads both keys
+    token_ids = {"eos_token": ctx.core.spec.eos_token_id, "bos_token": None}  # a manifest records no BOS id
+    for name, token_id in token_ids.items():  # lm-eval's remote tokenizer reads both keys
         if info.get(name) is None:
-            token_id = ctx.core.manifest.get(f"{name}_id")
             info[name] = ctx.tokenizer.id_to_token(token_id) if isinstance(token_id, int) else None
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     if ctx.chat_template is not None:
