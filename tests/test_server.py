@@ -8,6 +8,7 @@ template, B byte fallback with an EOS and no template, C without logprobs or tok
 
 from __future__ import annotations
 
+import dataclasses
 import asyncio
 import json
 import logging
@@ -396,7 +397,9 @@ def test_other_errors_use_the_envelope(served, monkeypatch):
     assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
     missing = served.post(CMPL, {"model": "other", "prompt": [1]})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"  # as vLLM answers
-    monkeypatch.setitem(served.ctx.core.features, "explicit_ids", False)
+    spec = served.ctx.core.spec
+    monkeypatch.setattr(served.ctx.core, "_spec",
+                        dataclasses.replace(spec, features=dataclasses.replace(spec.features, explicit_ids=False)))
     response = served.post(CMPL, {"prompt": [1], "logprobs": 0, "logprob_token_ids": [2]})
     assert response.status_code == 400 and "does not support logprob_token_ids" in response.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as caught:  # the official client sees the same envelope
