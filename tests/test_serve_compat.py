@@ -6,6 +6,7 @@ the error envelope for every failure). The live servers are conftest's; no core 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -339,6 +340,7 @@ def test_chat_template_sources(tmp_path, served, monkeypatch):
         app.state.ctx.engine.engine.submit(Request([1, 2, 3, 4, 5], max_tokens=4))
     app.state.ctx.executor.shutdown()
     core = served.ctx.core
-    monkeypatch.setitem(core.manifest["model"], "max_seq_len", 64)
+    spec = core.spec
+    monkeypatch.setattr(core, "_spec", dataclasses.replace(spec, model=dataclasses.replace(spec.model, max_seq_len=64)))
     with pytest.raises(ServeSetupError, match="--max-model-len 65 exceeds the core's context of 64 tokens"):
         create_app(core, config=ServeConfig(max_model_len=65))
