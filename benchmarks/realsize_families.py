@@ -93,7 +93,8 @@ def make_checkpoint(family: Family, directory: Path, layers: int, dtype: str, ov
 
 
 def _mib(count: int) -> str:
-    return f"{count / 2**20:.2f} MiB"
+    """Bytes as MiB, or as KiB below one MiB (a tiny core's state)."""
+    return f"{count / 2**20:.2f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
 
 
 def memory_rows(manifest: dict, longer: dict | None = None) -> list[tuple[str, str, str, str]]:
