@@ -36,7 +36,8 @@ times, and reports medians; ``--core DIR`` reuses an exported core instead of ex
 (``benchmarks/realsize_families.py`` holds the shapes; ``qwen3``, the default, is the one above) and exports it with
 that recipe; the memory rows then give each cache kind's state (``inspect-core --memory``), and with the 1 x 2,048
 prefill's second core (max_seq_len 2,112), each kind's bytes per slot and layer at both lengths: a sliding layer's
-stay those of its window. ``--vocab N`` replaces the vocabulary size (quick runs).
+ring holds its window plus a step's rows - 1 (at most max_seq_len), a full layer's every position. ``--vocab N``
+replaces the vocabulary size (quick runs).
 """
 
 from __future__ import annotations

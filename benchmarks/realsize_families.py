@@ -97,6 +97,10 @@ def _mib(count: int) -> str:
     return f"{count / 2**20:.2f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
 
 
+def _kept(positions: int | None) -> str:
+    return "no positions" if positions is None else f"{positions} positions"
+
+
 def memory_rows(manifest: dict, longer: dict | None = None) -> list[tuple[str, str, str, str]]:
     """The state memory of each cache kind a core's layers use (``inspect-core --memory``'s ``cache_kinds``): its
     layers, bytes and positions kept per slot. ``longer``: the manifest of a core exported with a longer
@@ -107,8 +111,9 @@ def memory_rows(manifest: dict, longer: dict | None = None) -> list[tuple[str, s
     for kind, entry in kinds.items():
         kept = entry["positions_per_slot"]
         note = {"full": f"{kept} positions per slot (max_seq_len {model.get('max_seq_len')})",
-                "sliding": f"{kept} positions per slot (window {model.get('sliding_window')}; max_seq_len "
-                           f"{model.get('max_seq_len')})"}.get(kind, "a fixed state per slot, no positions")
+                "sliding": f"{kept} positions per slot (a ring of window {model.get('sliding_window')} + a step's "
+                           f"rows - 1, at most max_seq_len {model.get('max_seq_len')})"}.get(
+            kind, "a fixed state per slot, no positions")
         rows.append((f"state, {kind} layers ({entry['layers']}, {model.get('num_slots')} slots)",
                      _mib(entry["state_bytes"]), "", note))
     if longer is not None:
@@ -118,7 +123,8 @@ def memory_rows(manifest: dict, longer: dict | None = None) -> list[tuple[str, s
                 continue
             mine = entry["state_bytes"] // (entry["layers"] * model["num_slots"])
             theirs = other[kind]["state_bytes"] // (other[kind]["layers"] * longer["model"]["num_slots"])
+            kept = [_kept(entry["positions_per_slot"]), _kept(other[kind]["positions_per_slot"])]
             rows.append((f"state per slot and {kind} layer: max_seq_len {model['max_seq_len']} -> "
                          f"{longer['model']['max_seq_len']}", f"{_mib(mine)} -> {_mib(theirs)}", "",
-                         f"{theirs / mine:.2f}x" if mine else ""))
+                         (f"{theirs / mine:.2f}x" if mine else "") + f"; {kept[0]} -> {kept[1]}"))
     return rows
