@@ -685,7 +685,8 @@ def main() -> None:
     print(header(args.threads, bandwidth))
     print(floor_line(streamed, bandwidth["best"]))
     print(f"HF attention: {attention}")
-    print(f"{family.label} shape, {args.layers} layers{'' if args.vocab is None else f', vocabulary {vocab}'}, {args.dtype}, torch {torch.__version__}, "
+    vocabulary = "" if args.vocab is None else f", vocabulary {vocab}"
+    print(f"{family.label} shape, {args.layers} layers{vocabulary}, {args.dtype}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, decode {DECODE_TOKENS} tokens from {PROMPT}-token prompts")
     print("| measure | Ignition | HF eager | ratio |\n|---|---|---|---|")
     for row in rows:

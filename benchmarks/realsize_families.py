@@ -1,4 +1,4 @@
-"""The model shapes ``benchmarks/realsize.py --family`` builds random checkpoints of, and its memory rows per cache kind.
+"""The shapes ``benchmarks/realsize.py --family`` builds random checkpoints of, and its memory rows per cache kind.
 
 Each family: the recipe that exports it, the transformers classes that build and run it, and the published text
 config of the real model it mimics (where each value comes from is noted beside it). ``--layers`` shrinks the

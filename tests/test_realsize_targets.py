@@ -284,8 +284,10 @@ def test_memory_rows_show_sliding_layers_grow_with_the_window(family_cores):
         "23 positions per slot (a ring of window 8 + a step's rows - 1, at most max_seq_len 64)")
     assert rows["state, full layers (1, 2 slots)"][1] == "64 positions per slot (max_seq_len 64)"
     # per slot and layer: K and V of 1 head x 16 FP32 values a position
-    assert rows["state per slot and sliding layer: max_seq_len 64 -> 128"] == ("2.9 KiB -> 2.9 KiB", "1.00x; 23 positions -> 23 positions")
-    assert rows["state per slot and full layer: max_seq_len 64 -> 128"] == ("8.0 KiB -> 16.0 KiB", "2.00x; 64 positions -> 128 positions")
+    assert rows["state per slot and sliding layer: max_seq_len 64 -> 128"] == (
+        "2.9 KiB -> 2.9 KiB", "1.00x; 23 positions -> 23 positions")
+    assert rows["state per slot and full layer: max_seq_len 64 -> 128"] == (
+        "8.0 KiB -> 16.0 KiB", "2.00x; 64 positions -> 128 positions")
     assert rows["state, sliding layers (1, 2 slots)"][0] == "5.8 KiB"  # 2 slots x 23 cells x K and V x 16 x 4 B
 
 
