@@ -31,6 +31,13 @@ row on ``--runtime onnxruntime`` or the packages as well. ``--layers N`` builds 
 skips the decode rows; ``--compare-serial`` also times every prefill row with one prompt chunk per submission
 (``Engine(core, packed=False)``, the path of cores without a packed variant), the two interleaved ``--repeats``
 times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting.
+
+``--family gemma3`` or ``--family qwen3_5`` builds a Gemma-3-1B-shaped or Qwen3.5-0.8B-shaped checkpoint instead
+(``benchmarks/realsize_families.py`` holds the shapes; ``qwen3``, the default, is the one above) and exports it with
+that recipe; the memory rows then give each cache kind's state (``inspect-core --memory``), and with the 1 x 2,048
+prefill's second core (max_seq_len 2,112), each kind's bytes per slot and layer at both lengths: a sliding layer's
+ring holds its window plus a step's rows - 1 (at most max_seq_len), a full layer's every position. ``--vocab N``
+replaces the vocabulary size (quick runs).
 """
 
 from __future__ import annotations
@@ -55,27 +62,23 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from benchmarks.machine import (cpu_flags, cpu_model, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
                                 header, relied_flags, weight_bytes)
+from benchmarks.realsize_families import FAMILIES, Family, memory_rows
+from benchmarks.realsize_families import make_checkpoint as make_family_checkpoint
 
-SHAPE = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
-             num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, max_position_embeddings=40960,
-             rope_theta=1000000.0, rms_norm_eps=1e-6)
+SHAPE = FAMILIES["qwen3"].shape
 DECODE_TOKENS = 16
 PROMPT = 4  # decode runs start from short prompts, as the issue's first table row
 
 
-def make_checkpoint(directory: Path, layers: int, dtype: str) -> Path:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(num_hidden_layers=layers, torch_dtype=dtype, bos_token_id=None, eos_token_id=None, **SHAPE)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
+def make_checkpoint(directory: Path, layers: int, dtype: str, family: Family = FAMILIES["qwen3"],
+                    overrides: dict | None = None) -> Path:
+    return make_family_checkpoint(family, directory, layers, dtype, overrides)
 
 
-def export(checkpoint: Path, out: Path, dtype: str, extra: list[str]) -> tuple[float, dict[str, float]]:
+def export(checkpoint: Path, out: Path, dtype: str, extra: list[str],
+           recipe: str = "qwen3") -> tuple[float, dict[str, float]]:
     """``ignition export-core`` in its own process: (its wall seconds, the stage seconds it printed)."""
-    command = [sys.executable, "-m", "ignition.cli", "export-core", str(checkpoint), "--recipe", "qwen3", "--out",
+    command = [sys.executable, "-m", "ignition.cli", "export-core", str(checkpoint), "--recipe", recipe, "--out",
                str(out), "--dtype", dtype, "--overwrite", *extra]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
@@ -511,7 +514,10 @@ def targets(export_s: float, loads: list[float], rss_ratio: float, prefill_ratio
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen3",
+                        help="the real model whose shape the random checkpoint takes (benchmarks/realsize_families.py)")
+    parser.add_argument("--layers", type=int, default=None, help="depth (default: the family's real depth)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the family's real one)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--logprobs", default="0,5,20", help="0 means logprobs off")
@@ -535,26 +541,29 @@ def main() -> None:
                              "eager for bfloat16, the one whose rounding the cores' BF16 attention reproduces, so "
                              "greedy tokens can be compared)")
     args = parser.parse_args()
+    family = FAMILIES[args.family]
+    args.layers = args.layers or family.layers
+    overrides = {} if args.vocab is None else {"vocab_size": args.vocab}
+    vocab = overrides.get("vocab_size", family.shape["vocab_size"])
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
     bandwidth = gemv_bandwidth()  # before anything else holds memory or threads
     batches = [int(b) for b in args.batches.split(",")]
     settings = [int(k) or None for k in args.logprobs.split(",")]
 
-    from transformers import Qwen3ForCausalLM
-
     from ignition.runtime.core import load_core
 
     rows: list[tuple[str, str, str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
-        checkpoint = make_checkpoint(work / "checkpoint", args.layers, args.dtype)
+        checkpoint = make_checkpoint(work / "checkpoint", args.layers, args.dtype, family, overrides)
         slots = max(batches)
         if args.core is None:
             args.core = work / "core"
             export_s, stages = export(checkpoint, args.core, args.dtype,
                               ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640",
-                               *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])])
+                               *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])],
+                              family.recipe)
         else:
             export_s, stages = float("nan"), {}
         before = memory_counters()
@@ -577,8 +586,7 @@ def main() -> None:
                      % (weights_gib, state_gib), f"{load_rss:.2f} GiB", "",
                      f"{load_rss / (weights_gib + state_gib):.2f}x of weights+KV"))
         attention = args.hf_attention or ("sdpa" if args.dtype == "float32" else "eager")
-        hf_load, model = timed(lambda: Qwen3ForCausalLM.from_pretrained(
-            checkpoint, torch_dtype=getattr(torch, args.dtype), attn_implementation=attention).eval())
+        hf_load, model = timed(lambda: family.pretrained(checkpoint, args.dtype, attention))
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
         rows.append(("HF from_pretrained", f"{hf_load:.1f} s", "", ""))
@@ -587,7 +595,7 @@ def main() -> None:
         short_generator = torch.Generator().manual_seed(2)  # short prefill rows: the decode prompts stay as they were
 
         def prompts(count, length, source=generator):
-            return torch.randint(0, SHAPE["vocab_size"], (count, length), generator=source).tolist()
+            return torch.randint(0, vocab, (count, length), generator=source).tolist()
 
         mismatches = 0
         prefill_ratio = None
@@ -651,17 +659,21 @@ def main() -> None:
         logprob_costs: dict[int, list[float]] = {}  # batch -> logprobs 20's cost over off, step pair by step pair
         prompts_for = {size: prompts(size, PROMPT) for size in batches}
         mismatches += decode_rows("", core)
+        manifest = core.manifest
         del core
         if not args.skip_prefill and not args.skip_long:
             long_export, _ = export(checkpoint, work / "core-long", args.dtype,
-                                 ["--capacities", "1", "--max-seq-len", "2112"])
+                                 ["--capacities", "1", "--max-seq-len", "2112"], family.recipe)
             long_core = load_core(work / "core-long")
+            rows += memory_rows(manifest, long_core.manifest)
             batch = prompts(1, 2048)
             t_ours, _ = ours(long_core, batch, 1, None)
             t_hf, _ = hf(model, batch, 1, None)
             rows.append((f"prefill 1 x 2048 tokens (one-slot core, export {long_export:.0f} s)",
                          f"{2048 / t_ours:.1f} tok/s", f"{2048 / t_hf:.1f} tok/s", f"{t_hf / t_ours:.2f}x"))
             del long_core
+        else:
+            rows += memory_rows(manifest)
         # NOTE: the other runtimes last, one at a time: AOTInductor's native code stays loaded in the process (with
         # both cores loaded, the torch rows of a --layers 2 run fell from 163 to 68 tok/s at batch 8)
         if args.onnx:
@@ -673,7 +685,8 @@ def main() -> None:
     print(header(args.threads, bandwidth))
     print(floor_line(streamed, bandwidth["best"]))
     print(f"HF attention: {attention}")
-    print(f"Qwen3-0.6B shape, {args.layers} layers, {args.dtype}, torch {torch.__version__}, "
+    vocabulary = "" if args.vocab is None else f", vocabulary {vocab}"
+    print(f"{family.label} shape, {args.layers} layers{vocabulary}, {args.dtype}, torch {torch.__version__}, "
           f"threads {torch.get_num_threads()}, decode {DECODE_TOKENS} tokens from {PROMPT}-token prompts")
     print("| measure | Ignition | HF eager | ratio |\n|---|---|---|---|")
     for row in rows:

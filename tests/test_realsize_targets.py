@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import benchmarks.realsize as realsize
 from benchmarks.realsize import targets
 
@@ -193,3 +195,108 @@ def test_decode_steps_alternate_prints_the_pairs_median(toy_core, capsys):
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.search(r"batch 2, logprobs 5 over off, 6 alternating step pairs: median [0-9.]+, quartiles "
                      r"[0-9.]+-[0-9.]+, threads 1$", line), line
+
+
+# --family: tiny configs of the Gemma 3 and Qwen3.5 families through the same checkpoint, export, decode and memory
+# rows as the real-size shapes (benchmarks/realsize_families.py), each exported once for the module
+TINY = {"gemma3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                       num_key_value_heads=1, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                       layer_types=["sliding_attention", "full_attention"]),
+        "qwen3_5": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
+                        linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.1,
+                        layer_types=["linear_attention", "full_attention"])}
+TINY_EXPORT = ["--chunk-limit", "16", "--no-packed-prefill"]  # step rows of 16: a ring of 8 + 16 - 1 cells
+
+
+@pytest.fixture(scope="module")
+def family_cores(tmp_path_factory):
+    """family -> (checkpoint, a two-slot core at max_seq_len 64); gemma3 also a one-slot core at 128."""
+    from benchmarks.realsize_families import FAMILIES
+
+    made = {}
+    for name, overrides in TINY.items():
+        root = tmp_path_factory.mktemp(name)
+        checkpoint = realsize.make_checkpoint(root / "checkpoint", 2, "float32", FAMILIES[name], overrides)
+        realsize.export(checkpoint, root / "core", "float32", ["--capacities", "2", "--max-seq-len", "64",
+                                                               *TINY_EXPORT], FAMILIES[name].recipe)
+        made[name] = checkpoint, root / "core"
+    realsize.export(made["gemma3"][0], made["gemma3"][1].with_name("core-long"), "float32",
+                    ["--capacities", "1", "--max-seq-len", "128", *TINY_EXPORT], "gemma3")
+    return made
+
+
+def test_family_shapes_are_the_published_models():
+    import torch
+
+    from benchmarks.realsize_families import FAMILIES
+
+    def parameters(name, layers=None):
+        family = FAMILIES[name]
+        with torch.device("meta"):
+            model = family.model(family.config(layers or family.layers, "float32"))
+        return model, sum(p.numel() for p in model.parameters())
+
+    # Qwen3-0.6B's model card: 0.44B parameters besides the (tied) embedding
+    qwen3, count = parameters("qwen3")
+    assert count - 151936 * 1024 == 440_467_456
+    gemma3, count = parameters("gemma3")
+    assert count == 999_885_952  # google/gemma-3-1b: its safetensors' parameter count
+    assert gemma3.config.layer_types.count("full_attention") == 4 and gemma3.config.layer_types[5] == "full_attention"
+    qwen3_5, _ = parameters("qwen3_5")
+    types = qwen3_5.config.layer_types
+    assert len(types) == 24 and [types[i] for i in range(3, 24, 4)] == ["full_attention"] * 6
+    assert types.count("linear_attention") == 18
+    shallow, _ = parameters("gemma3", layers=7)  # --layers cuts the published pattern
+    assert shallow.config.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_a_family_decodes_as_transformers_past_its_window(family_cores, name):
+    import torch
+
+    from benchmarks.realsize_families import FAMILIES
+    from ignition.runtime.core import load_core
+
+    checkpoint, path = family_cores[name]
+    core = load_core(path)
+    assert core.manifest["recipe"] == name
+    model = FAMILIES[name].pretrained(checkpoint, "float32", "sdpa")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    prompts = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1)).tolist()
+    _, ours = realsize.ours(core, prompts, 12, None)  # 12 + 12 positions: past the window of 8
+    _, theirs = realsize.hf(model, prompts, 12, None)
+    assert ours == theirs
+    assert len({token for row in ours for token in row}) > 2  # not one token over and over
+
+
+def test_memory_rows_show_sliding_layers_grow_with_the_window(family_cores):
+    import json
+
+    from benchmarks.realsize_families import memory_rows
+
+    _, path = family_cores["gemma3"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    longer = json.loads((path.with_name("core-long") / "manifest.json").read_text())
+    rows = {label: (value, note) for label, value, _, note in memory_rows(manifest, longer)}
+    assert rows["state, sliding layers (1, 2 slots)"][1] == (
+        "23 positions per slot (a ring of window 8 + a step's rows - 1, at most max_seq_len 64)")
+    assert rows["state, full layers (1, 2 slots)"][1] == "64 positions per slot (max_seq_len 64)"
+    # per slot and layer: K and V of 1 head x 16 FP32 values a position
+    assert rows["state per slot and sliding layer: max_seq_len 64 -> 128"] == (
+        "2.9 KiB -> 2.9 KiB", "1.00x; 23 positions -> 23 positions")
+    assert rows["state per slot and full layer: max_seq_len 64 -> 128"] == (
+        "8.0 KiB -> 16.0 KiB", "2.00x; 64 positions -> 128 positions")
+    assert rows["state, sliding layers (1, 2 slots)"][0] == "5.8 KiB"  # 2 slots x 23 cells x K and V x 16 x 4 B
+
+
+def test_memory_rows_give_a_linear_layer_its_fixed_state(family_cores):
+    import json
+
+    from benchmarks.realsize_families import memory_rows
+
+    manifest = json.loads((family_cores["qwen3_5"][1] / "manifest.json").read_text())
+    rows = {label: note for label, _, _, note in memory_rows(manifest)}
+    assert rows == {"state, linear layers (1, 2 slots)": "a fixed state per slot, no positions",
+                    "state, full layers (1, 2 slots)": "64 positions per slot (max_seq_len 64)"}
