@@ -40,6 +40,14 @@ def config_dtype(config: Mapping[str, Any], source: str) -> torch.dtype:
     return CONFIG_DTYPES[dtype_name]
 
 
+def check_positive_ints(config, names: tuple[str, ...]) -> None:
+    """Refuse a config whose field in ``names`` is not a positive int (a bool is not one)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{type(config).__name__}.{name} must be a positive int; found {value!r}")
+
+
 class DecoderWidths:
     """The projection widths every decoder config derives from its head counts (a mixin of frozen dataclasses
     with ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``tie_word_embeddings``)."""
@@ -88,11 +96,8 @@ class ModelConfig(DecoderWidths):
     def __post_init__(self) -> None:
         if self.family not in FAMILY_QK_NORM:
             raise CheckpointError(f"ModelConfig.family must be one of {sorted(FAMILY_QK_NORM)}; found {self.family!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"ModelConfig.{name} must be a positive int; found {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                   "num_kv_heads", "head_dim", "max_position_embeddings"))
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"ModelConfig.num_heads must be a multiple of num_kv_heads; "

@@ -25,10 +25,7 @@ from ignition.recipes.checkpoint import Checkpoint, CheckpointError, read_field
 from ignition.recipes.config import config_dtype
 from ignition.recipes.rope import RopeScaling
 from ignition.recipes.weights import WeightSpec
-from ignition.recipes.windowed import WindowedLayers, check_fixed_fields
-
-LAYER_TYPES: dict[str, str] = {"full_attention": "full", "sliding_attention": "sliding"}
-"""HF ``layer_types`` entry -> our cache kind (catalog/cache_kinds.py)."""
+from ignition.recipes.windowed import LAYER_TYPES, WindowedLayers, check_fixed_fields
 
 DEFAULT_SLIDING_PATTERN = 6
 """transformers' ``sliding_window_pattern`` when a config states neither it nor ``layer_types``: every sixth layer
@@ -83,17 +80,8 @@ class Gemma3Config(WindowedLayers):
     family: str = field(default="gemma3", init=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings", "sliding_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"Gemma3Config.{name} must be a positive int; found {value!r}")
-        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
-            raise CheckpointError(f"Gemma3Config: num_heads must be a multiple of num_kv_heads and head_dim even; "
-                                  f"found {self.num_heads}, {self.num_kv_heads}, {self.head_dim}")
-        if len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_TYPES.values()):
-            raise CheckpointError(f"Gemma3Config.layer_kinds must name 'full' or 'sliding' for each of "
-                                  f"{self.num_layers} layers; found {list(self.layer_kinds)}")
+        self.check_layers(("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                           "num_kv_heads", "head_dim", "max_position_embeddings", "sliding_window"))
         if not self.query_pre_attn_scalar > 0 or not self.rms_norm_eps > 0:
             raise CheckpointError(f"Gemma3Config: query_pre_attn_scalar and rms_norm_eps must be > 0; found "
                                   f"{self.query_pre_attn_scalar!r}, {self.rms_norm_eps!r}")

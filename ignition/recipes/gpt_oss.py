@@ -3,7 +3,7 @@ learned attention sinks, routed experts with a clamped SwiGLU.
 
 ``GptOssConfig.from_hf_config`` reads ``config.json`` and refuses what transformers would run differently from
 this forward, naming the field. Each layer's cache kind comes from ``layer_types`` (default: even layers sliding,
-odd ones full, as transformers derives it) through ``gemma3.LAYER_TYPES``; every layer, of either kind, has a sink
+odd ones full, as transformers derives it) through ``windowed.LAYER_TYPES``; every layer, of either kind, has a sink
 logit per head (``recipes/attention.py`` ``_sink_attention``). RoPE is one YaRN rotation for every layer
 (``rope_parameters``). The experts are the checkpoint's stacked tensors (``[experts, hidden, 2 * intermediate]``
 with gate and up interleaved), each routed expert reading its own row of them; experts stored in MXFP4
@@ -24,7 +24,8 @@ from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.checkpoint import CheckpointError, read_field
 from ignition.recipes.config import config_dtype
-from ignition.recipes.gemma3 import LAYER_TYPES, LayerRope
+from ignition.recipes import gemma3
+from ignition.recipes.gemma3 import LayerRope
 from ignition.recipes.moe import MoeConfig
 from ignition.recipes.rope import RopeScaling
 from ignition.recipes.weights import WeightSpec
@@ -70,17 +71,8 @@ class GptOssConfig(WindowedLayers):
     family: str = field(default="gpt_oss", init=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "max_position_embeddings", "sliding_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"GptOssConfig.{name} must be a positive int; found {value!r}")
-        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
-            raise CheckpointError(f"GptOssConfig: num_heads must be a multiple of num_kv_heads and head_dim even; "
-                                  f"found {self.num_heads}, {self.num_kv_heads}, {self.head_dim}")
-        if len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_TYPES.values()):
-            raise CheckpointError(f"GptOssConfig.layer_kinds must name 'full' or 'sliding' for each of "
-                                  f"{self.num_layers} layers; found {list(self.layer_kinds)}")
+        self.check_layers(("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                           "max_position_embeddings", "sliding_window"))
         if not self.swiglu_alpha > 0 or not self.swiglu_limit > 0 or not self.rms_norm_eps > 0:
             raise CheckpointError(f"GptOssConfig: swiglu_alpha, swiglu_limit and rms_norm_eps must be > 0; found "
                                   f"{self.swiglu_alpha!r}, {self.swiglu_limit!r}, {self.rms_norm_eps!r}")
@@ -146,15 +138,11 @@ def quantized(config: Mapping[str, Any], source: str) -> bool:
 
 
 def layer_kinds(config: Mapping[str, Any], num_layers: int, source: str) -> tuple[str, ...]:
-    """Each layer's cache kind from ``layer_types`` (``LAYER_TYPES``), else transformers' default: layer i slides
-    when ``(i + 1) % 2`` is non-zero."""
-    types = config.get("layer_types")
-    if types is None:
+    """Each layer's cache kind from ``layer_types`` (``windowed.LAYER_TYPES``), else transformers' default:
+    layer i slides when ``(i + 1) % 2`` is non-zero."""
+    if config.get("layer_types") is None:
         return tuple("sliding" if (layer + 1) % 2 else "full" for layer in range(num_layers))
-    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
-        raise CheckpointError(f"{source}: field 'layer_types' must list one of {sorted(LAYER_TYPES)} for each of "
-                              f"num_hidden_layers = {num_layers} layers; found {types!r}")
-    return tuple(LAYER_TYPES[t] for t in types)
+    return gemma3.layer_kinds(config, num_layers, source)  # the same reading of a stated layer_types
 
 
 def layer_rope(config: Mapping[str, Any], head_dim: int, max_positions: int, source: str) -> LayerRope:

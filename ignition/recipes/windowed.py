@@ -11,7 +11,10 @@ from typing import Any
 from ignition.catalog.cache_kinds import window_cells
 from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape
 from ignition.recipes.checkpoint import CheckpointError
-from ignition.recipes.config import DecoderWidths
+from ignition.recipes.config import DecoderWidths, check_positive_ints
+
+LAYER_TYPES: dict[str, str] = {"full_attention": "full", "sliding_attention": "sliding"}
+"""HF ``layer_types`` entry -> our cache kind (catalog/cache_kinds.py)."""
 
 
 def check_fixed_fields(config: Mapping[str, Any], fixed: Mapping[str, tuple[Any, str]], source: str) -> None:
@@ -27,6 +30,18 @@ class WindowedLayers(DecoderWidths):
     ``window_cells`` and the ``DecoderWidths`` fields."""
 
     __slots__ = ()
+
+    def check_layers(self, positive: tuple[str, ...]) -> None:
+        """Refuse a non-positive field in ``positive``, heads that do not group evenly, an odd head width, or
+        layer kinds that are not one ``LAYER_TYPES`` kind per layer."""
+        name = type(self).__name__
+        check_positive_ints(self, positive)
+        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
+            raise CheckpointError(f"{name}: num_heads must be a multiple of num_kv_heads and head_dim even; "
+                                  f"found {self.num_heads}, {self.num_kv_heads}, {self.head_dim}")
+        if len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_TYPES.values()):
+            raise CheckpointError(f"{name}.layer_kinds must name 'full' or 'sliding' for each of "
+                                  f"{self.num_layers} layers; found {list(self.layer_kinds)}")
 
     def layers_of(self, kind: str) -> tuple[int, ...]:
         return tuple(layer for layer, found in enumerate(self.layer_kinds) if found == kind)
