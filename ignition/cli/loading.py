@@ -3,6 +3,9 @@ stage log, the request checks against the manifest before loading, and ``--specu
 
 from __future__ import annotations
 
+import functools
+import inspect
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +39,45 @@ TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-pa
 SPECULATIVE_OPTION = typer.Option(None, "--speculative",
                                   help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
 
+
+
+@dataclass(frozen=True)
+class SharedOptions:
+    """The options ``run`` and ``serve`` both take (``with_shared_options``), each field's default its typer
+    option."""
+
+    device: str = DEVICE_OPTION
+    eager: bool = EAGER_OPTION
+    pack_linears: bool = PACK_LINEARS_OPTION
+    drop_file_cache: bool = DROP_FILE_CACHE_OPTION
+    batch_invariant: bool = BATCH_INVARIANT_OPTION
+    trust_compiled: bool = TRUST_COMPILED_OPTION
+    trusted_key: Optional[Path] = TRUSTED_KEY_OPTION
+    runtime: str = RUNTIME_OPTION
+    tensor_parallel: int = TENSOR_PARALLEL_OPTION
+    tp_host: str = TP_HOST_OPTION
+    speculative: Optional[str] = SPECULATIVE_OPTION
+
+    def load_options(self):
+        return load_options(self.device, self.eager, self.trust_compiled, self.trusted_key, self.runtime,
+                            self.tensor_parallel, self.tp_host, self.pack_linears, self.drop_file_cache)
+
+
+def with_shared_options(command):
+    """``command`` as typer sees it: its own parameters, then ``SharedOptions``' fields as options; it is called
+    with those gathered into its ``shared`` parameter."""
+    own = [param for name, param in inspect.signature(command, eval_str=True).parameters.items() if name != "shared"]
+    hints = inspect.get_annotations(SharedOptions, eval_str=True)
+    added = [inspect.Parameter(item.name, inspect.Parameter.KEYWORD_ONLY, default=item.default,
+                               annotation=hints[item.name]) for item in fields(SharedOptions)]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        shared = SharedOptions(**{item.name: kwargs.pop(item.name) for item in fields(SharedOptions)})
+        return command(**kwargs, shared=shared)
+
+    wrapper.__signature__ = inspect.Signature(own + added)
+    return wrapper
 
 def load_options(device: str, eager: bool, trust_compiled: bool, trusted_key_path: Optional[Path],
                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True,

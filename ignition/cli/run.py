@@ -13,9 +13,6 @@ from ignition.cli import loading
 from ignition.cli.checks import check_limits, identify_core, int_list, is_utf8
 from ignition.cli.errors import EXIT_CORE, EXIT_OK, CoreError, UsageError
 from ignition.cli.group import app
-from ignition.cli.loading import (BATCH_INVARIANT_OPTION, DEVICE_OPTION, DROP_FILE_CACHE_OPTION, EAGER_OPTION,
-                                  PACK_LINEARS_OPTION, RUNTIME_OPTION, SPECULATIVE_OPTION, TENSOR_PARALLEL_OPTION,
-                                  TP_HOST_OPTION, TRUST_COMPILED_OPTION, TRUSTED_KEY_OPTION)
 from ignition.runtime.requests import DEFAULT_MAX_TOKENS, SamplingParams
 
 SAMPLING = SamplingParams()
@@ -23,6 +20,7 @@ SAMPLING = SamplingParams()
 
 
 @app.command("run")
+@loading.with_shared_options
 def run_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     prompt: Optional[str] = typer.Argument(None, help="Prompt text (needs the core's tokenizer)"),
@@ -39,17 +37,8 @@ def run_cmd(
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
-    device: str = DEVICE_OPTION,
-    eager: bool = EAGER_OPTION,
-    pack_linears: bool = PACK_LINEARS_OPTION,
-    drop_file_cache: bool = DROP_FILE_CACHE_OPTION,
-    batch_invariant: bool = BATCH_INVARIANT_OPTION,
-    trust_compiled: bool = TRUST_COMPILED_OPTION,
-    trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
-    runtime: str = RUNTIME_OPTION,
-    tensor_parallel: int = TENSOR_PARALLEL_OPTION,
-    tp_host: str = TP_HOST_OPTION,
-    speculative: Optional[str] = SPECULATIVE_OPTION,
+    *,
+    shared: loading.SharedOptions,
 ) -> None:
     """Generate with a core through the minimal loader and show tokens with their logprobs."""
     from ignition.runtime.present import render_run, run_json
@@ -72,11 +61,10 @@ def run_cmd(
     request = Request(prompt_ids=ids or [], max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     loading.check_run_options(core, request, text_prompt=prompt is not None)
-    loading.check_speculative(speculative)
-    options = loading.load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,
-                                   pack_linears, drop_file_cache)
+    loading.check_speculative(shared.speculative)
+    options = shared.load_options()
     loaded = loading.load(core, options)
-    engine_options = loading.speculative(speculative, loaded)
+    engine_options = loading.speculative(shared.speculative, loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise UsageError("this core has no tokenizer; pass --prompt-ids")
@@ -84,7 +72,7 @@ def run_cmd(
     from ignition.runtime.engine import Engine
     from ignition.runtime.parallel.group import ParallelError
     from ignition.runtime.verified import CoreRunError
-    engine = Engine(loaded, batch_invariant=batch_invariant, **engine_options)
+    engine = Engine(loaded, batch_invariant=shared.batch_invariant, **engine_options)
     try:
         (result,) = engine.generate([request])
     except AdmissionError as exc:

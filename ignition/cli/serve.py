@@ -13,13 +13,11 @@ from ignition.cli.checks import bind, check_limits, identify_core, read_manifest
 from ignition.cli.console import console
 from ignition.cli.errors import CoreError, UsageError
 from ignition.cli.group import app
-from ignition.cli.loading import (BATCH_INVARIANT_OPTION, DEVICE_OPTION, DROP_FILE_CACHE_OPTION, EAGER_OPTION,
-                                  PACK_LINEARS_OPTION, RUNTIME_OPTION, SPECULATIVE_OPTION, TENSOR_PARALLEL_OPTION,
-                                  TP_HOST_OPTION, TRUST_COMPILED_OPTION, TRUSTED_KEY_OPTION)
 from ignition.serve.config import MAX_BATCH_PROMPTS, MAX_BODY_BYTES, MAX_PROMPT_BYTES
 
 
 @app.command("serve")
+@loading.with_shared_options
 def serve_cmd(
     core: Path = typer.Argument(..., help="Core directory"),
     host: str = typer.Option("127.0.0.1"),
@@ -63,17 +61,8 @@ def serve_cmd(
         None, "--structured-outputs-config",
         help="vLLM's structured-output defaults as JSON, e.g. '{\"disable_any_whitespace\": true}' (no whitespace "
              "in JSON the grammar engine writes unless a request asks for it)"),
-    device: str = DEVICE_OPTION,
-    eager: bool = EAGER_OPTION,
-    pack_linears: bool = PACK_LINEARS_OPTION,
-    drop_file_cache: bool = DROP_FILE_CACHE_OPTION,
-    batch_invariant: bool = BATCH_INVARIANT_OPTION,
-    trust_compiled: bool = TRUST_COMPILED_OPTION,
-    trusted_key: Optional[Path] = TRUSTED_KEY_OPTION,
-    runtime: str = RUNTIME_OPTION,
-    tensor_parallel: int = TENSOR_PARALLEL_OPTION,
-    tp_host: str = TP_HOST_OPTION,
-    speculative: Optional[str] = SPECULATIVE_OPTION,
+    *,
+    shared: loading.SharedOptions,
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
     from ignition.runtime.parallel.group import ParallelError
@@ -117,14 +106,13 @@ def serve_cmd(
                          log_requests=not disable_log_requests, reasoning_parser=reasoning_parser,
                          tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                          structured_outputs_config=outputs_config)
-    loading.check_speculative(speculative)
+    loading.check_speculative(shared.speculative)
     identify_core(core)
-    load_options = loading.load_options(device, eager, trust_compiled, trusted_key, runtime, tensor_parallel, tp_host,
-                                 pack_linears, drop_file_cache)
+    load_options = shared.load_options()
     if read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         loading.load(core, load_options)  # exits 1 with them
         raise UsageError(f"{core}/manifest.json changed while the server started")
-    if tensor_parallel > 1 and torchrun_follower():  # torchrun rank >= 1: follows rank 0, exits in loading.load
+    if shared.tensor_parallel > 1 and torchrun_follower():  # torchrun rank >= 1: follows rank 0, exits in loading.load
         loading.load(core, load_options)
     sock = bind(host, port)
     loaded = loading.load(core, load_options)
@@ -135,9 +123,9 @@ def serve_cmd(
         console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
                       markup=False, highlight=False, soft_wrap=True)
 
-    options = loading.speculative(speculative, loaded)
+    options = loading.speculative(shared.speculative, loaded)
     try:
-        serve(loaded, host=host, port=port, model_name=name, batch_invariant=batch_invariant, config=config,
+        serve(loaded, host=host, port=port, model_name=name, batch_invariant=shared.batch_invariant, config=config,
               sock=sock, on_ready=ready, engine_options=options, allowed_origins=origins,
               max_batch_prompts=max_batch_prompts)
     except ServeSetupError as exc:

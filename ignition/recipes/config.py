@@ -32,8 +32,43 @@ CONFIG_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def config_dtype(config: Mapping[str, Any], source: str) -> torch.dtype:
+    """The checkpoint's dtype: ``dtype``, else ``torch_dtype``, else FP32 (what HF loads when unset)."""
+    dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if dtype_name not in CONFIG_DTYPES:
+        raise CheckpointError(f"{source}: field 'dtype' must be one of {list(CONFIG_DTYPES)}; found {dtype_name!r}")
+    return CONFIG_DTYPES[dtype_name]
+
+
+def check_positive_ints(config, names: tuple[str, ...]) -> None:
+    """Refuse a config whose field in ``names`` is not a positive int (a bool is not one)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{type(config).__name__}.{name} must be a positive int; found {value!r}")
+
+
+class DecoderWidths:
+    """The projection widths every decoder config derives from its head counts (a mixin of frozen dataclasses
+    with ``num_heads``, ``num_kv_heads``, ``head_dim`` and ``tie_word_embeddings``)."""
+
+    __slots__ = ()
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def untied_lm_head(self) -> bool:
+        return not self.tie_word_embeddings
+
+
 @dataclass(frozen=True, slots=True)
-class ModelConfig:
+class ModelConfig(DecoderWidths):
     """Static description of a Qwen3 / Llama decoder, parsed from a Hugging Face ``config.json``."""
 
     family: str
@@ -61,11 +96,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILY_QK_NORM:
             raise CheckpointError(f"ModelConfig.family must be one of {sorted(FAMILY_QK_NORM)}; found {self.family!r}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"ModelConfig.{name} must be a positive int; found {value!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                   "num_kv_heads", "head_dim", "max_position_embeddings"))
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"ModelConfig.num_heads must be a multiple of num_kv_heads; "
@@ -78,18 +110,6 @@ class ModelConfig:
                 f"found {self.rms_norm_eps!r}, {self.rope_theta!r}")
         if self.dtype not in CONFIG_DTYPES.values():
             raise CheckpointError(f"ModelConfig.dtype must be one of {list(CONFIG_DTYPES)}; found {self.dtype}")
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def untied_lm_head(self) -> bool:
-        return not self.tie_word_embeddings
 
     def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
         """The KV cache state buffers, both ``kv_cache_shape``, in the model (export) dtype."""
@@ -128,9 +148,7 @@ class ModelConfig:
         if any(kind != "full_attention" for kind in layer_types):
             raise CheckpointError(
                 f"{source}: field 'layer_types' must contain only 'full_attention'; found {sorted(set(layer_types))}")
-        dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"  # HF loads fp32 when unset
-        if dtype_name not in CONFIG_DTYPES:
-            raise CheckpointError(f"{source}: field 'dtype' must be one of {list(CONFIG_DTYPES)}; found {dtype_name!r}")
+        dtype = config_dtype(config, source)
         max_positions = read_field(config, "max_position_embeddings", int, source)
         rope_theta, rope_scaling = RopeScaling.from_hf_config(config, max_positions, source)
         return cls(
@@ -150,7 +168,7 @@ class ModelConfig:
             qk_norm=FAMILY_QK_NORM[family],
             attention_bias=read_field(config, "attention_bias", bool, source, False),
             mlp_bias=read_field(config, "mlp_bias", bool, source, False),
-            dtype=CONFIG_DTYPES[dtype_name],
+            dtype=dtype,
             moe=qwen3_moe_config(config, source) if family == "qwen3_moe" else None,
         )
 

@@ -14,22 +14,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ignition.catalog.cache_kinds import window_cells
-from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape
 from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.checkpoint import Checkpoint, CheckpointError, read_field
-from ignition.recipes.config import CONFIG_DTYPES
+from ignition.recipes.config import config_dtype
 from ignition.recipes.rope import RopeScaling
 from ignition.recipes.weights import WeightSpec
-
-LAYER_TYPES: dict[str, str] = {"full_attention": "full", "sliding_attention": "sliding"}
-"""HF ``layer_types`` entry -> our cache kind (catalog/cache_kinds.py)."""
+from ignition.recipes.windowed import LAYER_TYPES, WindowedLayers, check_fixed_fields
 
 DEFAULT_SLIDING_PATTERN = 6
 """transformers' ``sliding_window_pattern`` when a config states neither it nor ``layer_types``: every sixth layer
@@ -59,7 +55,7 @@ class LayerRope:
 
 
 @dataclass(frozen=True, slots=True)
-class Gemma3Config:
+class Gemma3Config(WindowedLayers):
     """Static description of a Gemma 3 text decoder, parsed from a Hugging Face ``config.json``."""
 
     vocab_size: int
@@ -84,78 +80,24 @@ class Gemma3Config:
     family: str = field(default="gemma3", init=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings", "sliding_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"Gemma3Config.{name} must be a positive int; found {value!r}")
-        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
-            raise CheckpointError(f"Gemma3Config: num_heads must be a multiple of num_kv_heads and head_dim even; "
-                                  f"found {self.num_heads}, {self.num_kv_heads}, {self.head_dim}")
-        if len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_TYPES.values()):
-            raise CheckpointError(f"Gemma3Config.layer_kinds must name 'full' or 'sliding' for each of "
-                                  f"{self.num_layers} layers; found {list(self.layer_kinds)}")
+        self.check_layers(("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                           "num_kv_heads", "head_dim", "max_position_embeddings", "sliding_window"))
         if not self.query_pre_attn_scalar > 0 or not self.rms_norm_eps > 0:
             raise CheckpointError(f"Gemma3Config: query_pre_attn_scalar and rms_norm_eps must be > 0; found "
                                   f"{self.query_pre_attn_scalar!r}, {self.rms_norm_eps!r}")
 
     @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def untied_lm_head(self) -> bool:
-        return not self.tie_word_embeddings
-
-    @property
     def scale(self) -> float:
         return self.query_pre_attn_scalar ** -0.5
-
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        return tuple(layer for layer, found in enumerate(self.layer_kinds) if found == kind)
-
-    @property
-    def cache_names(self) -> tuple[str, ...]:
-        """The state caches in argument order: the full layers' K and V, then the sliding layers' rings."""
-        return (((K_CACHE, V_CACHE) if self.layers_of("full") else ())
-                + ((K_WINDOW_CACHE, V_WINDOW_CACHE) if self.layers_of("sliding") else ()))
-
-    def with_steps(self, step_rows: int, max_seq_len: int) -> Gemma3Config:
-        """This config with its ring sized for steps of at most ``step_rows`` rows a slot."""
-        return replace(self, window_cells=window_cells(self.sliding_window, step_rows, max_seq_len))
-
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
-        if self.window_cells is None and self.layers_of("sliding"):
-            raise ValueError("Gemma3Config.cache_shapes: bind the ring's step rows first (with_steps)")
-        geometry = dict(full_layers=len(self.layers_of("full")), sliding_layers=len(self.layers_of("sliding")),
-                        num_slots=num_slots, max_seq_len=max_seq_len, window_cells=self.window_cells,
-                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        return {name: tuple(state_shape(name, **geometry)) for name in self.cache_names}
-
-    def summary(self) -> dict:
-        """Model fields of the core manifest."""
-        cache = {"sliding_window": self.sliding_window, "window_cells": self.window_cells} \
-            if self.layers_of("sliding") else {}
-        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
-                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "layer_kinds": list(self.layer_kinds)} | cache
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str) -> Gemma3Config:
         """Parse a Hugging Face ``config.json`` dict (a ``gemma3`` multimodal one: its ``text_config``)."""
-        for key, (value, why) in FIXED_FIELDS.items():
-            if config.get(key) is not None and config[key] != value:
-                raise CheckpointError(f"{source}: field {key!r} must be {value!r} ({why}); found {config[key]!r}")
+        check_fixed_fields(config, FIXED_FIELDS, source)
         num_layers = read_field(config, "num_hidden_layers", int, source)
         head_dim = read_field(config, "head_dim", int, source)
         max_positions = read_field(config, "max_position_embeddings", int, source)
-        dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
-        if dtype_name not in CONFIG_DTYPES:
-            raise CheckpointError(f"{source}: field 'dtype' must be one of {list(CONFIG_DTYPES)}; found {dtype_name!r}")
+        dtype = config_dtype(config, source)
         return cls(
             vocab_size=read_field(config, "vocab_size", int, source),
             hidden_size=read_field(config, "hidden_size", int, source),
@@ -172,7 +114,7 @@ class Gemma3Config:
             local_rope=layer_rope(config, "sliding", head_dim, max_positions, source),
             rms_norm_eps=read_field(config, "rms_norm_eps", float, source, 1e-6),
             tie_word_embeddings=read_field(config, "tie_word_embeddings", bool, source, True),
-            dtype=CONFIG_DTYPES[dtype_name],
+            dtype=dtype,
         )
 
 

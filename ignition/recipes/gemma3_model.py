@@ -16,13 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
-from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE
-from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
+from ignition.recipes.attention import cached_attention, packed_attention
 from ignition.recipes.layers import Rows, row_linear, write_rows
 from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin
-
-CACHES = {"full": (K_CACHE, V_CACHE), "sliding": (K_WINDOW_CACHE, V_WINDOW_CACHE)}
-"""Each layer kind's K and V state buffers."""
+from ignition.recipes.windowed_model import CACHES, planned_rows
 
 
 def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,27 +63,6 @@ def _mlp(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch.Ten
     return row_linear(hidden, weights[prefix + "down_proj"], None, cfg.row_blocks, cfg.row_shard)  # [R, d_model]
 
 
-def _plans(cfg, rows: Rows, caches: Mapping[str, torch.Tensor]) -> dict:
-    """Each present kind's ``AttentionPlan`` (None for packed rows, which plan per call)."""
-    plans = {}
-    for kind in dict.fromkeys(cfg.layer_kinds):
-        cache = caches[CACHES[kind][0]]
-        plans[kind] = None if rows.segments is not None else plan_attention(
-            rows, cache.shape[1], cache.shape[2], cfg.num_heads // cfg.num_kv_heads, cache.dtype,
-            sliding=cfg.sliding_window if kind == "sliding" else None, scale=cfg.scale)
-    return plans
-
-
-def _check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:
-    """Static (trace-time) check of every cache against ``cfg.cache_shapes`` and the weights' dtype."""
-    for name in cfg.cache_names:
-        cache = caches[name]
-        expected = cfg.cache_shapes(cache.shape[1], cache.shape[2] if name in (K_CACHE, V_CACHE) else 1)[name]
-        if tuple(cache.shape) != expected or cache.dtype != weights["embed"].dtype:
-            raise ValueError(f"{name} must have shape {expected} and dtype {weights['embed'].dtype}; "
-                             f"found {tuple(cache.shape)} {cache.dtype}")
-
-
 def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
                    caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
     """Gemma 3: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``).
@@ -94,15 +70,7 @@ def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Te
     ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards (its heads, its MLP
     columns, its vocabulary rows); the embedding is vocabulary-parallel and each attention and MLP output is a
     partial sum that ``parallel.reduce`` adds over the ranks before its post-norm."""
-    _check_caches(cfg, weights, caches)
-    plans = _plans(cfg, rows, caches)
-    first = next(iter(plans.values()))
-    order = None if first is None else first.slot_order(rows)
-    lane_slots = None
-    if order is not None:  # decode lanes attending in place: the whole forward in slot order, rearranged once
-        lane_slots = first.slots  # [R]: each lane's slot, where its row ends up
-        rows, input_ids = rows.in_slot_order(order), input_ids.index_select(0, order)
-        plans = {kind: plan.in_slot_order(rows.read_slots) for kind, plan in plans.items()}
+    rows, input_ids, plans, lane_slots = planned_rows(cfg, weights, input_ids, rows, caches)
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
     embed = weights["embed"]
     # HF's embed_scale: sqrt(hidden_size) as an FP32 scalar, rounded to the model dtype

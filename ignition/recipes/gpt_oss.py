@@ -3,7 +3,7 @@ learned attention sinks, routed experts with a clamped SwiGLU.
 
 ``GptOssConfig.from_hf_config`` reads ``config.json`` and refuses what transformers would run differently from
 this forward, naming the field. Each layer's cache kind comes from ``layer_types`` (default: even layers sliding,
-odd ones full, as transformers derives it) through ``gemma3.LAYER_TYPES``; every layer, of either kind, has a sink
+odd ones full, as transformers derives it) through ``windowed.LAYER_TYPES``; every layer, of either kind, has a sink
 logit per head (``recipes/attention.py`` ``_sink_attention``). RoPE is one YaRN rotation for every layer
 (``rope_parameters``). The experts are the checkpoint's stacked tensors (``[experts, hidden, 2 * intermediate]``
 with gate and up interleaved), each routed expert reading its own row of them; experts stored in MXFP4
@@ -15,21 +15,21 @@ variants and graphs are the shared decoder ones (``llama.build_decoder``); the m
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ignition.catalog.cache_kinds import window_cells
-from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape
 from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.checkpoint import CheckpointError, read_field
-from ignition.recipes.config import CONFIG_DTYPES
-from ignition.recipes.gemma3 import LAYER_TYPES, LayerRope
+from ignition.recipes.config import config_dtype
+from ignition.recipes import gemma3
+from ignition.recipes.gemma3 import LayerRope
 from ignition.recipes.moe import MoeConfig
 from ignition.recipes.rope import RopeScaling
 from ignition.recipes.weights import WeightSpec
+from ignition.recipes.windowed import WindowedLayers, check_fixed_fields
 
 DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
@@ -45,7 +45,7 @@ MXFP4 = "mxfp4"
 
 
 @dataclass(frozen=True, slots=True)
-class GptOssConfig:
+class GptOssConfig(WindowedLayers):
     """Static description of a GPT-OSS decoder, parsed from a Hugging Face ``config.json``."""
 
     vocab_size: int
@@ -71,28 +71,11 @@ class GptOssConfig:
     family: str = field(default="gpt_oss", init=False)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                     "max_position_embeddings", "sliding_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"GptOssConfig.{name} must be a positive int; found {value!r}")
-        if self.num_heads % self.num_kv_heads or self.head_dim % 2:
-            raise CheckpointError(f"GptOssConfig: num_heads must be a multiple of num_kv_heads and head_dim even; "
-                                  f"found {self.num_heads}, {self.num_kv_heads}, {self.head_dim}")
-        if len(self.layer_kinds) != self.num_layers or set(self.layer_kinds) - set(LAYER_TYPES.values()):
-            raise CheckpointError(f"GptOssConfig.layer_kinds must name 'full' or 'sliding' for each of "
-                                  f"{self.num_layers} layers; found {list(self.layer_kinds)}")
+        self.check_layers(("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                           "max_position_embeddings", "sliding_window"))
         if not self.swiglu_alpha > 0 or not self.swiglu_limit > 0 or not self.rms_norm_eps > 0:
             raise CheckpointError(f"GptOssConfig: swiglu_alpha, swiglu_limit and rms_norm_eps must be > 0; found "
                                   f"{self.swiglu_alpha!r}, {self.swiglu_limit!r}, {self.rms_norm_eps!r}")
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def gate_up_width(self) -> int:
@@ -100,54 +83,17 @@ class GptOssConfig:
         return 2 * self.moe.intermediate_size
 
     @property
-    def untied_lm_head(self) -> bool:
-        return not self.tie_word_embeddings
-
-    @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
-
-    def layers_of(self, kind: str) -> tuple[int, ...]:
-        return tuple(layer for layer, found in enumerate(self.layer_kinds) if found == kind)
-
-    @property
-    def cache_names(self) -> tuple[str, ...]:
-        """The state caches in argument order: the full layers' K and V, then the sliding layers' rings."""
-        return (((K_CACHE, V_CACHE) if self.layers_of("full") else ())
-                + ((K_WINDOW_CACHE, V_WINDOW_CACHE) if self.layers_of("sliding") else ()))
-
-    def with_steps(self, step_rows: int, max_seq_len: int) -> GptOssConfig:
-        """This config with its ring sized for steps of at most ``step_rows`` rows a slot."""
-        return replace(self, window_cells=window_cells(self.sliding_window, step_rows, max_seq_len))
-
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
-        if self.window_cells is None and self.layers_of("sliding"):
-            raise ValueError("GptOssConfig.cache_shapes: bind the ring's step rows first (with_steps)")
-        geometry = dict(full_layers=len(self.layers_of("full")), sliding_layers=len(self.layers_of("sliding")),
-                        num_slots=num_slots, max_seq_len=max_seq_len, window_cells=self.window_cells,
-                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        return {name: tuple(state_shape(name, **geometry)) for name in self.cache_names}
-
-    def summary(self) -> dict:
-        """Model fields of the core manifest."""
-        cache = {"sliding_window": self.sliding_window, "window_cells": self.window_cells} \
-            if self.layers_of("sliding") else {}
-        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
-                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "layer_kinds": list(self.layer_kinds)} | cache
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str) -> GptOssConfig:
         """Parse a Hugging Face ``config.json`` dict."""
-        for key, (value, why) in FIXED_FIELDS.items():
-            if config.get(key) is not None and config[key] != value:
-                raise CheckpointError(f"{source}: field {key!r} must be {value!r} ({why}); found {config[key]!r}")
+        check_fixed_fields(config, FIXED_FIELDS, source)
         num_layers = read_field(config, "num_hidden_layers", int, source)
         head_dim = read_field(config, "head_dim", int, source)
         max_positions = read_field(config, "max_position_embeddings", int, source)
-        dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
-        if dtype_name not in CONFIG_DTYPES:
-            raise CheckpointError(f"{source}: field 'dtype' must be one of {list(CONFIG_DTYPES)}; found {dtype_name!r}")
+        dtype = config_dtype(config, source)
         moe = MoeConfig(router="topk_softmax",
                         num_experts=read_field(config, "num_local_experts", int, source),
                         experts_per_token=read_field(config, "num_experts_per_tok", int, source),
@@ -172,7 +118,7 @@ class GptOssConfig:
             swiglu_limit=read_field(config, "swiglu_limit", float, source, 7.0),
             rms_norm_eps=read_field(config, "rms_norm_eps", float, source, 1e-5),
             tie_word_embeddings=read_field(config, "tie_word_embeddings", bool, source, False),
-            dtype=CONFIG_DTYPES[dtype_name],
+            dtype=dtype,
             mxfp4=quantized(config, source),
         )
 
@@ -192,15 +138,11 @@ def quantized(config: Mapping[str, Any], source: str) -> bool:
 
 
 def layer_kinds(config: Mapping[str, Any], num_layers: int, source: str) -> tuple[str, ...]:
-    """Each layer's cache kind from ``layer_types`` (``LAYER_TYPES``), else transformers' default: layer i slides
-    when ``(i + 1) % 2`` is non-zero."""
-    types = config.get("layer_types")
-    if types is None:
+    """Each layer's cache kind from ``layer_types`` (``windowed.LAYER_TYPES``), else transformers' default:
+    layer i slides when ``(i + 1) % 2`` is non-zero."""
+    if config.get("layer_types") is None:
         return tuple("sliding" if (layer + 1) % 2 else "full" for layer in range(num_layers))
-    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
-        raise CheckpointError(f"{source}: field 'layer_types' must list one of {sorted(LAYER_TYPES)} for each of "
-                              f"num_hidden_layers = {num_layers} layers; found {types!r}")
-    return tuple(LAYER_TYPES[t] for t in types)
+    return gemma3.layer_kinds(config, num_layers, source)  # the same reading of a stated layer_types
 
 
 def layer_rope(config: Mapping[str, Any], head_dim: int, max_positions: int, source: str) -> LayerRope:

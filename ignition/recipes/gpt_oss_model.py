@@ -3,7 +3,7 @@
 Pre-norm layers (RMSNorm normalized in FP32, ``weight * x`` then cast back), biased q/k/v/o projections, one YaRN
 RoPE for every layer, attention with a learned sink logit per head on both layer kinds (``recipes/attention.py``
 ``_sink_attention``): full layers over ``k_cache``/``v_cache``, sliding ones over their ring ``k_window_cache`` /
-``v_window_cache`` as ``gemma3_model`` does (its plans and slot order are reused). The MLP is routed experts
+``v_window_cache`` as ``gemma3_model`` does (plans and slot order from ``windowed_model``). The MLP is routed experts
 (``moe.routed_experts`` with the ``topk_softmax`` router) whose expert is a clamped SwiGLU over the checkpoint's
 stacked, interleaved ``gate_up`` (``clamped_swiglu``).
 """
@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
 from ignition.recipes.attention import cached_attention, packed_attention
-from ignition.recipes.gemma3_model import CACHES, _check_caches, _plans
 from ignition.recipes.layers import Rows, row_linear, write_rows
 from ignition.recipes.moe import routed_experts
 from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin
+from ignition.recipes.windowed_model import CACHES, planned_rows
 
 
 def gpt_oss_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,15 +86,7 @@ def gpt_oss_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.T
     """GPT-OSS: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``)."""
     if parallel is not None:
         raise ValueError("gpt_oss graphs are single-rank")
-    _check_caches(cfg, weights, caches)
-    plans = _plans(cfg, rows, caches)
-    first = next(iter(plans.values()))
-    order = None if first is None else first.slot_order(rows)
-    lane_slots = None
-    if order is not None:  # decode lanes attending in place: the whole forward in slot order, rearranged once
-        lane_slots = first.slots  # [R]: each lane's slot, where its row ends up
-        rows, input_ids = rows.in_slot_order(order), input_ids.index_select(0, order)
-        plans = {kind: plan.in_slot_order(rows.read_slots) for kind, plan in plans.items()}
+    rows, input_ids, plans, lane_slots = planned_rows(cfg, weights, input_ids, rows, caches)
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
     hidden = F.embedding(token_ids, weights["embed"])  # [R, d_model]
     cos, sin = rope_cos_sin(cfg.rope, rows.positions, hidden.dtype)  # [R, 1, head_dim] each
