@@ -128,22 +128,32 @@ SECTIONS = {
 }
 
 
-def render(text: str) -> str:
-    for name, fn in SECTIONS.items():
+def render_blocks(text: str, sections, where: str) -> str:
+    """``text`` with each ``<!-- BEGIN GENERATED: name -->`` block rewritten by ``sections[name]()``."""
+    for name, fn in sections.items():
         pattern = re.compile(rf"(<!-- BEGIN GENERATED: {name} -->\n).*?(<!-- END GENERATED: {name} -->)", re.S)
         if not pattern.search(text):
-            raise ValueError(f"docs/api.md lacks the generated block {name!r}")
+            raise ValueError(f"{where} lacks the generated block {name!r}")
         text = pattern.sub(lambda m: m.group(1) + fn() + m.group(2), text)
     return text
 
 
-def main(argv: list[str]) -> int:
-    current = DOC.read_text()
-    fresh = render(current)
+def render(text: str) -> str:
+    return render_blocks(text, SECTIONS, "docs/api.md")
+
+
+def regenerate(doc: Path, render_text, argv: list[str]) -> int:
+    """Rewrite ``doc`` with ``render_text``; with ``--check``, exit status 1 when it is stale instead."""
+    current = doc.read_text()
+    fresh = render_text(current)
     if "--check" in argv:
         return 0 if fresh == current else 1
-    DOC.write_text(fresh)
+    doc.write_text(fresh)
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return regenerate(DOC, render, argv)
 
 
 if __name__ == "__main__":

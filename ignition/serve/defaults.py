@@ -4,11 +4,11 @@ file is stale, and a test runs it)."""
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ignition.catalog.docs import regenerate, render_blocks
 from ignition.runtime.requests import DEFAULT_MAX_TOKENS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
@@ -61,19 +61,11 @@ def table() -> str:
 
 def render(text: str) -> str:
     """``text`` with the generated block ``request-defaults`` rewritten from ``TOKEN_LIMITS``."""
-    pattern = re.compile(rf"(<!-- BEGIN GENERATED: {BLOCK} -->\n).*?(<!-- END GENERATED: {BLOCK} -->)", re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{DOC} lacks the generated block {BLOCK!r}")
-    return pattern.sub(lambda m: m.group(1) + table() + m.group(2), text)
+    return render_blocks(text, {BLOCK: table}, str(DOC))
 
 
 def main(argv: list[str]) -> int:
-    current = DOC.read_text()
-    fresh = render(current)
-    if "--check" in argv:
-        return 0 if fresh == current else 1
-    DOC.write_text(fresh)
-    return 0
+    return regenerate(DOC, render, argv)
 
 
 if __name__ == "__main__":
