@@ -5,8 +5,11 @@ rows, hash-routed MoE layers.
 - Generation logprobs are transformers' incremental decode (``generate`` with its cache), within 1e-5 in FP32
   with the same greedy tokens.
 - Prompt logprobs, scored in 128-row chunks, are transformers' full forward over the 300-row prompt.
-- A long prompt's last-row score against its first generated logprob (128-row prefill chunks, transformers' own
-  chunked incremental forward): measured, and the same difference transformers shows.
+- The indexer's tie rule (lowest entry first): transformers' ``topk`` breaks exact ties by the vector's length,
+  so the parity checks run on a checkpoint whose indexer never ties where it matters. Its 8 indexer heads make an
+  exact 0 score (every head's ReLU at 0) a 1-in-256 event, and ``tie_free`` asserts, for every row the oracle and
+  we both rank, that the k-th and (k+1)-th scores it sees differ by more than ``TIE_MARGIN`` (20 times the 1e-6
+  rounding between us and transformers). A 2-head checkpoint, where ties are common, pins the rule itself.
 - The cache kinds' table entries and GEOM-COMPRESS; config and checkpoint refusals name the field or tensor.
 """
 
@@ -24,6 +27,8 @@ from ignition.catalog.geometry import STATE_SHAPES
 from ignition.catalog.rules import RULES
 from ignition.recipes.checkpoint import CheckpointError, open_checkpoint, read_config
 from ignition.recipes.deepseek_v4 import DeepseekV4Config, TOP_LEVEL_NAMES, read_checkpoint
+from ignition.recipes import deepseek_v4_attention
+from ignition.recipes.deepseek_v4_attention import keep_best
 from ignition.recipes.deepseek_v4_model import STATE_BUFFERS, allocate_state, deepseek_v4_decoder, state_geometry
 from ignition.validate.cache_kinds import check_cache_kinds
 
@@ -36,6 +41,25 @@ _SPEC.loader.exec_module(make_tiny)
 
 MAX_SEQ, CHUNK, NEW_TOKENS = 320, 128, 8
 TOLERANCE = 1e-5
+TIE_MARGIN = 2e-5
+
+
+@pytest.fixture
+def tie_free(monkeypatch):
+    """Records every ranking our indexer makes in the test; afterwards asserts none could go either way: where a
+    row sees more than k entries, its k-th best score exceeds the next by more than ``TIE_MARGIN``."""
+    margins = []
+
+    def recorded(total, k):
+        ranked = torch.sort(total, dim=-1, descending=True).values
+        if ranked.shape[-1] > k:
+            gap = ranked[:, k - 1] - ranked[:, k]
+            margins.append(float(torch.where(torch.isinf(ranked[:, k]), float("inf"), gap).min()))
+        return keep_best(total, k)
+
+    monkeypatch.setattr(deepseek_v4_attention, "keep_best", recorded)
+    yield margins
+    assert margins and min(margins) > TIE_MARGIN, f"an indexer ranking within {TIE_MARGIN}: {min(margins)}"
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +98,7 @@ def _generate(cfg, weights, prompt, new_tokens, chunk=CHUNK):
     return torch.stack(logprobs)
 
 
-def test_generation_logprobs_match_transformers_incremental_decode(tiny):
+def test_generation_logprobs_match_transformers_incremental_decode(tiny, tie_free):
     _, cfg, weights, model, long_prompt = tiny
     prompt = long_prompt[:37]  # 9 CSA entries (3 kept per row), 4 HCA entries, window 8
     with torch.no_grad():
@@ -86,22 +110,22 @@ def test_generation_logprobs_match_transformers_incremental_decode(tiny):
     torch.testing.assert_close(ours, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_prompt_logprobs_in_chunks_match_transformers_full_forward(tiny, full_forward):
+def test_prompt_logprobs_in_chunks_match_transformers_full_forward(tiny, full_forward, tie_free):
     _, cfg, weights, _, long_prompt = tiny
     expected = full_forward
     state = allocate_state(cfg, 1, MAX_SEQ, CHUNK)
-    rows = [deepseek_v4_decoder(weights, cfg, long_prompt[start:start + CHUNK], start, 0, state,
-                                forward_end=long_prompt.shape[0])
+    rows = [deepseek_v4_decoder(weights, cfg, long_prompt[start:start + CHUNK], start, 0, state)
             for start in range(0, long_prompt.shape[0], CHUNK)]
     ours = _logprobs(weights, torch.cat(rows))
     torch.testing.assert_close(ours, expected, atol=TOLERANCE, rtol=0)
 
 
-def test_last_row_score_against_first_generated_logprob(tiny, full_forward):
-    """Scoring sees the whole prompt at once; ordinary prefill in 128-row chunks is transformers' chunked
-    incremental forward, whose indexer ranks only the entries complete at each chunk's end. The difference of
-    the two at the prompt's last row (the logprob of the first generated token) is measured here and reported in
-    docs/api.md; transformers' own chunked forward with its cache gives the same number."""
+def test_last_row_score_against_first_generated_logprob(tiny, full_forward, tie_free):
+    """Scoring sees the whole prompt at once; ordinary prefill runs it in 128-row chunks. On a checkpoint whose
+    indexer never ties, transformers' chunked incremental forward gives the full forward's last row (its first
+    generated logprob equals the last-row score within 1e-5), and so do we: the two paths differ only where
+    ``topk`` meets a tie (``test_tie_rule_makes_the_choice_independent_of_chunking``). Measured and reported in
+    docs/api.md."""
     _, cfg, weights, model, long_prompt = tiny
     scored = full_forward[-1]
     with torch.no_grad():
@@ -113,9 +137,38 @@ def test_last_row_score_against_first_generated_logprob(tiny, full_forward):
     torch.testing.assert_close(ours, hf_generated, atol=TOLERANCE, rtol=0)
     token = int(ours.argmax())
     difference = float(ours[token] - scored[token])
-    print(f"last-row score vs first generated logprob (token {token}): {difference:+.6f} nats; "
-          f"max over the vocabulary {float((ours - scored).abs().max()):.6f}")
-    assert abs(float(hf_generated[token] - scored[token]) - difference) < TOLERANCE
+    print(f"last-row score vs first generated logprob (token {token}): {difference:+.7f} nats; "
+          f"max over the vocabulary {float((ours - scored).abs().max()):.7f}")
+    assert abs(difference) < TOLERANCE and float((hf_generated - scored).abs().max()) < TOLERANCE
+
+
+def test_keep_best_keeps_the_lowest_entries_among_equal_scores():
+    inf = float("inf")
+    total = torch.tensor([[0.0, 0.5, 0.0, 0.0, -inf, 0.5], [0.0] * 6, [1.0, -inf, -inf, -inf, -inf, -inf]])
+    kept = keep_best(total, 3)
+    assert kept[0].nonzero().flatten().tolist() == [0, 1, 5]  # both 0.5s, then the first of the three zeros
+    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2]
+    assert kept[2].nonzero().flatten().tolist()[0] == 0 and kept.sum(-1).tolist() == [3, 3, 3]
+    assert deepseek_v4_attention.INDEXER_TIE_RULE == "lowest entry first"
+
+
+def test_tie_rule_makes_the_choice_independent_of_chunking(tmp_path):
+    """With 2 indexer heads exact ties (rows whose best entries score 0) are common: transformers' chunked forward
+    and its full forward then keep different entries (its ``topk`` breaks ties by the vector's length), while
+    ours keeps the same whatever the steps (one 300-row step, 128-row or 16-row chunks), within rounding."""
+    path = make_tiny.make_checkpoint(tmp_path / "ties", index_heads=2)
+    cfg, weights = read_checkpoint(open_checkpoint(path), read_config(path))
+    prompt = torch.randint(1, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        full = model(prompt[None]).logits[0, -1].float().log_softmax(-1)
+        cache = transformers.DynamicCache(config=model.config)
+        for start in range(0, prompt.shape[0], CHUNK):
+            chunked = model(prompt[None, start:start + CHUNK], cache=cache, use_cache=True).logits[0, -1]
+    assert float((chunked.float().log_softmax(-1) - full).abs().max()) > 0.1  # the oracle depends on the cut
+    last_rows = [_generate(cfg, weights, prompt, 1, chunk)[0] for chunk in (300, CHUNK, 16)]
+    for other in last_rows[1:]:
+        torch.testing.assert_close(other, last_rows[0], atol=TOLERANCE, rtol=0)
 
 
 def test_cache_kinds_and_state_geometry(tiny):

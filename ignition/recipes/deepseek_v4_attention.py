@@ -65,20 +65,26 @@ def _ring_history(ring: torch.Tensor, start: torch.Tensor, count: int) -> torch.
     return ring.index_select(0, positions.remainder(ring.shape[0]))
 
 
-def _write_ring(ring: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
-    """``ring[q mod cells] = row`` for every row (a step's rows are fewer than the cells: distinct cells)."""
-    ring.index_copy_(0, positions.remainder(ring.shape[0]), rows.to(ring.dtype))
+def _write_ring(ring: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+    """``ring[q mod cells] = row`` for every row (a step's rows are fewer than the cells: distinct cells); an
+    invalid row (``valid`` False: a prompt chunk's padding) rewrites its cell's old value."""
+    cells = positions.remainder(ring.shape[0])
+    rows = rows.to(ring.dtype)
+    if valid is not None:
+        rows = torch.where(valid.view(-1, *([1] * (rows.dim() - 1))), rows, ring.index_select(0, cells))
+    ring.index_copy_(0, cells, rows)
 
 
-def window_keys(ring: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, window: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def window_keys(ring: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, window: int,
+                valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The window branch: keys ``[W - 1 + R, D]`` (the ring's last ``W - 1`` positions, then this step's rows) and
     the additive mask ``[R, W - 1 + R]`` of the positions ``(p - W, p]`` each row sees; writes the step's rows."""
     start = positions[:1]
     history = _ring_history(ring, start, window - 1)
     keys = torch.cat([history, kv], dim=0)
     key_positions = start - (window - 1) + torch.arange(keys.shape[0], device=kv.device)
-    _write_ring(ring, positions, kv)
+    _write_ring(ring, positions, kv, valid)
     seen = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - window) \
         & (key_positions[None, :] >= 0)
     return keys, additive_mask(seen, kv.dtype)
@@ -90,7 +96,8 @@ def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def compress_step(weights: Mapping[str, torch.Tensor], prefix: str, x: torch.Tensor, positions: torch.Tensor,
-                  source: torch.Tensor, entries: torch.Tensor, rate: int, overlap: bool, rope, eps: float) -> None:
+                  source: torch.Tensor, entries: torch.Tensor, rate: int, overlap: bool, rope, eps: float,
+                  valid: torch.Tensor | None = None) -> None:
     """Write every entry whose window closes in this step into ``entries [extent, d]``, from the step's hidden rows
     ``x [R, hidden]`` and the ``source`` ring ``[cells, 2, series, d]`` (kv and gate of each position, ``series``
     2 with ``overlap``: Ca and Cb; 1 without).
@@ -105,7 +112,7 @@ def compress_step(weights: Mapping[str, torch.Tensor], prefix: str, x: torch.Ten
     new = torch.stack([kv, gate], dim=1)  # [R, 2, series, d]
     history = series * rate - 1  # positions before the step a closing window may read
     src = torch.cat([_ring_history(source, start, history), new.to(source.dtype)], dim=0)  # [history + R, 2, series, d]
-    _write_ring(source, positions, new)
+    _write_ring(source, positions, new, valid)
     candidates = (rows - 1) // rate + 1  # windows that may close in a step of R rows
     window = start // rate + torch.arange(candidates, device=x.device)  # [C]
     offsets = torch.arange(rate, device=x.device)
@@ -133,15 +140,16 @@ def entries_seen(positions: torch.Tensor, extent: int, rate: int) -> torch.Tenso
 
 
 def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: torch.Tensor, q_residual: torch.Tensor,
-                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor, complete: int) -> torch.Tensor:
-    """The lightning indexer: ``[R, extent]`` True where a row attends to an entry, the ``index_topk`` complete
-    entries with the highest ``∑_h w_h ReLU(q_h · k) / sqrt(index_head_dim)`` (transformers'
-    ``DeepseekV4Indexer`` and ``DeepseekV4IndexerScorer``).
+                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer: ``[R, extent]`` True where a row attends to an entry, the ``index_topk`` entries it
+    sees with the highest ``∑_h w_h ReLU(q_h · k) / sqrt(index_head_dim)`` (transformers' ``DeepseekV4Indexer``
+    and ``DeepseekV4IndexerScorer``).
 
-    ``complete``: the entries complete at the step's end. The top-k runs over exactly those, as transformers runs
-    it over the entries its cache holds after the call: ReLU makes exact ties (several entries scoring 0) common
-    in a small model, and ``torch.topk`` breaks ties in a way that depends on the vector's length, so this is what
-    makes the choice transformers' (same steps, same device)."""
+    Tie rule (``INDEXER_TIE_RULE``): among entries of equal score the lowest entry index is kept first, a stable
+    descending sort over the whole entry table. ReLU makes exact ties (several entries scoring 0) common when a row
+    has few positive entries; ``torch.topk`` breaks them in a way that depends on the vector's length (transformers
+    ranks the entries its cache holds, so its choice depends on how the sequence was cut into forwards), while a
+    graph ranks a fixed-length table: this rule makes the choice a function of the scores alone."""
     rows = x.shape[0]
     cos, sin = rope_cos_sin(cfg.compress_rope, positions, x.dtype)
     query = F.linear(q_residual, weights[prefix + "wq_b"]).view(rows, cfg.index_heads, cfg.index_head_dim)
@@ -149,12 +157,24 @@ def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: tor
     scores = torch.matmul(query.float(), index_keys.float().transpose(0, 1))  # [R, heads, extent]
     scores = F.relu(scores) * cfg.index_head_dim ** -0.5
     head_weights = F.linear(x, weights[prefix + "weights_proj"]).float() * cfg.index_heads ** -0.5  # [R, heads]
-    total = (scores * head_weights.unsqueeze(-1)).sum(dim=1).masked_fill(~seen, float("-inf"))  # [R, extent]
-    chosen = torch.zeros_like(seen)
-    if complete > 0:
-        top = total[:, :complete].topk(min(cfg.index_topk, complete), dim=-1).indices  # [R, k]
-        chosen = chosen.scatter(-1, top, True)
-    return chosen & seen
+    total = index_scores(scores, head_weights, seen)
+    return seen & keep_best(total, cfg.index_topk)
+
+
+def index_scores(scores: torch.Tensor, head_weights: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """``∑_h w_h scores_h`` ``[R, extent]`` in FP32, ``-inf`` where a row does not see the entry."""
+    return (scores * head_weights.unsqueeze(-1)).sum(dim=1).masked_fill(~seen, float("-inf"))
+
+
+def keep_best(total: torch.Tensor, k: int) -> torch.Tensor:
+    """``[R, extent]`` True at each row's ``k`` highest scores, equal scores kept lowest entry first (a stable
+    descending sort: ``INDEXER_TIE_RULE``)."""
+    best = torch.sort(total, dim=-1, descending=True, stable=True).indices[:, :min(k, total.shape[-1])]
+    return torch.zeros(total.shape, dtype=torch.bool, device=total.device).scatter(-1, best, True)
+
+
+INDEXER_TIE_RULE = "lowest entry first"
+"""How the lightning indexer orders entries of equal score (``keep_best``); docs/api.md states it."""
 
 
 def attend(weights: Mapping[str, torch.Tensor], prefix: str, cfg, query: torch.Tensor, keys: torch.Tensor,

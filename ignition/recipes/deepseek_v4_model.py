@@ -10,7 +10,7 @@ SwiGLU experts and one shared expert. The state is ``STATE_BUFFERS``'s tensors f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -78,14 +78,12 @@ def _layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int)
     return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
 
 
-def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, start: int,
-              state: Mapping[str, torch.Tensor], forward_end: int | None = None) -> torch.Tensor:
-    """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` -> ``[R, hidden]``, reading and writing ``state``.
-    ``forward_end``: the position after the last row of the transformers forward this step is part of (the
-    indexer's top-k runs over the entries complete there); None: this step's own end."""
+def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, positions: torch.Tensor,
+              state: Mapping[str, torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` of one slot's consecutive ``positions`` ->
+    ``[R, hidden]``, reading and writing ``state``; ``valid``: the rows that write the rings (None: all)."""
     prefix, kind, eps = f"layers.{layer}.", cfg.layer_kinds[layer], cfg.rms_norm_eps
     rows = x.shape[0]
-    positions = start + torch.arange(rows, device=x.device)
     rope = cfg.main_rope if kind == "shared_window" else cfg.compress_rope
     cos, sin = rope_cos_sin(rope, positions, x.dtype)
     q_residual = rms_norm(F.linear(x, weights[prefix + "wq_a"]), weights[prefix + "q_norm"], eps)
@@ -93,19 +91,18 @@ def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Ten
     query = apply_rope(rms_norm(query, None, eps), cos, sin)  # [R, H, D]
     kv = rms_norm(F.linear(x, weights[prefix + "wkv"]), weights[prefix + "kv_norm"], eps)
     kv = apply_rope(kv.unsqueeze(1), cos, sin).squeeze(1)  # [R, D]: key and value
-    keys, mask = window_keys(state["window"], kv, positions, cfg.sliding_window)
+    keys, mask = window_keys(state["window"], kv, positions, cfg.sliding_window, valid)
     if kind != "shared_window":
         csa = kind == "compressed"
         rate = cfg.csa_rate if csa else cfg.hca_rate
         compress_step(weights, prefix + "compressor.", x, positions, state["source"], state["entries"], rate, csa,
-                      cfg.compress_rope, eps)
+                      cfg.compress_rope, eps, valid)
         seen = entries_seen(positions, state["entries"].shape[0], rate)  # [R, extent]
         if csa:
             compress_step(weights, prefix + "indexer.", x, positions, state["index_source"], state["index_entries"],
-                          rate, True, cfg.compress_rope, eps)
+                          rate, True, cfg.compress_rope, eps, valid)
             seen = indexer_choice(weights, prefix + "indexer.", cfg, x, q_residual, positions,
-                                  state["index_entries"], seen,
-                                  min((start + rows if forward_end is None else forward_end) // rate, seen.shape[1]))
+                                  state["index_entries"], seen)
         keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
         mask = torch.cat([mask, additive_mask(seen, mask.dtype)], dim=1)
     attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
@@ -166,23 +163,31 @@ def moe(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, t
 
 
 def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, start: int, slot: int,
-                        caches: Mapping[str, torch.Tensor], forward_end: int | None = None) -> torch.Tensor:
+                        caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """One step of slot ``slot``: rows at positions ``start ..``; the final-normed hidden ``[R, hidden]``.
 
-    Generation steps (``forward_end`` None) are transformers' incremental forward: a prompt chunk or decode step is
-    one call with its cache. Prompt scoring is transformers' full forward over the whole prompt: its chunks pass
-    ``forward_end`` = the prompt's length, so the indexer chooses as that single forward does."""
+    A prompt chunk or decode step is one call with its cache, as in transformers' incremental forward; with the
+    indexer's tie rule (``deepseek_v4_attention.keep_best``) the result does not depend on how a sequence is cut
+    into steps, so prompt scoring (transformers' full forward) runs the same steps."""
     rows = input_ids.shape[0]
     check_step(cfg, caches, start, rows, slot)
+    positions = start + torch.arange(rows, device=input_ids.device)
+    return decoder_rows(weights, cfg, input_ids, lambda layer, x: attention(
+        weights, cfg, layer, x, positions, _layer_state(cfg, caches, layer, slot)))
+
+
+def decoder_rows(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
+                 attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The decoder around its attention blocks: ``attention_of(layer, normed rows)`` -> ``[R, hidden]``; the
+    final-normed hidden ``[R, hidden]`` (hyper-connections, MoE and the head's stream collapse row by row)."""
+    rows = input_ids.shape[0]
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
     hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
     streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [R, n, hidden]
     for layer in range(cfg.num_layers):
         prefix = f"layers.{layer}."
-        state = _layer_state(cfg, caches, layer, slot)
         post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
-        out = attention(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps),
-                        start, state, forward_end)
+        out = attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps))
         streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
             + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
         post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
@@ -196,4 +201,4 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
     return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)
 
 
-__all__ = ["deepseek_v4_decoder", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
+__all__ = ["deepseek_v4_decoder", "decoder_rows", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
