@@ -1,7 +1,7 @@
 """Regenerate or check ``ignition/catalog/operators.py``: the operators the recipes' graphs call.
 
 ``python -m benchmarks.operator_table [--recipes R,...]`` exports tiny cores of every recipe (toy, qwen3, llama, gemma3,
-qwen3_moe, deepseek_v3, qwen3_5, gpt_oss) with generation and prompt logprobs, speculative verify and mixed
+qwen3_moe, deepseek_v3, qwen3_5, gpt_oss, deepseek_v4) with generation and prompt logprobs, speculative verify and mixed
 variants, and a tensor-parallel qwen3 core, reads every graph's ``models/model.json`` and prints
 the exact operators (``namespace.name.overload``) the graphs call that validate-core would refuse: neither in
 ``ALLOWED_OPERATORS`` (``EMITTED_OPERATORS`` and ``TENSOR_OPERATORS``) nor an ``_operator`` function on
@@ -54,7 +54,11 @@ EXAMPLES = {  # recipe -> (examples/ script, make_checkpoint keyword arguments)
     "gemma3": ("make_tiny_gemma3", {}),
     "qwen3_5": ("make_tiny_qwen3_5", {}),
     "gpt_oss": ("make_tiny_gpt_oss", {}),
+    "deepseek_v4": ("make_tiny_deepseek_v4", {}),
 }
+
+NO_VERIFY = ("deepseek_v4",)
+"""Recipes that refuse ``--speculative-tokens`` (recipes/deepseek_v4_export.py): exported without a verify family."""
 
 
 def _checkpoints(root: Path, recipes) -> dict[str, Path]:
@@ -97,7 +101,8 @@ def captured_packets(root: Path, recipes=tuple(EXAMPLES)) -> set[str]:
                       "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
     for family, checkpoint in checkpoints.items():
         configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
-                                               speculative_tokens=(2,), mixed=True, **small)
+                                               speculative_tokens=() if family in NO_VERIFY else (2,), mixed=True,
+                                               **small)
     if "qwen3" in checkpoints:
         configurations["qwen3-tp2"] = ExportOptions(recipe="qwen3", checkpoint=checkpoints["qwen3"],
                                                     prompt_logprobs=True, tensor_parallel=2, targets=("cuda:90",),

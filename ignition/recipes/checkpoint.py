@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (recipes/qwen3_5.py)
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 
 # Non-persistent buffers that some exporters still write; never part of the expected layout.

@@ -93,7 +93,10 @@ class DeepseekV4Config:
     rms_norm_eps: float = 1e-6
     dtype: torch.dtype = torch.float32
     top_names: str = "release"  # which TOP_LEVEL_NAMES column the checkpoint uses
+    step_rows: int | None = None  # an export's most rows a slot a step (with_steps): its rings' extra cells
+    max_seq_len: int | None = None  # an export's positions a slot (with_steps): its entry tables' extent
     family: str = field(default="deepseek_v4", init=False)
+    tie_word_embeddings = False  # the head is its own tensor (FIXED_FIELDS)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "rope_dim", "q_lora_rank",
@@ -127,6 +130,41 @@ class DeepseekV4Config:
     @property
     def hca_layers(self) -> tuple[int, ...]:
         return self.kind_layers("heavily_compressed")
+
+    def with_steps(self, step_rows: int, max_seq_len: int) -> DeepseekV4Config:
+        """This config bound to an export's steps of at most ``step_rows`` rows a slot and ``max_seq_len``."""
+        return replace(self, step_rows=step_rows, max_seq_len=max_seq_len)
+
+    @property
+    def cache_names(self) -> tuple[str, ...]:
+        """The state buffers of the layer kinds present, in argument order (``STATE_BUFFERS``)."""
+        from ignition.recipes.deepseek_v4_model import STATE_BUFFERS
+        return tuple(dict.fromkeys(name for kind, roles in STATE_BUFFERS.items() if kind in self.layer_kinds
+                                   for name in roles.values()))
+
+    def geometry(self, num_slots: int, max_seq_len: int) -> dict[str, int]:
+        """The manifest symbols of the state buffers (``deepseek_v4_model.state_geometry``)."""
+        from ignition.recipes.deepseek_v4_model import state_geometry
+        if self.step_rows is None:
+            raise ValueError("DeepseekV4Config: bind the export's step rows first (with_steps)")
+        return state_geometry(self, num_slots, max_seq_len, self.step_rows)
+
+    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
+        """Each state buffer's shape (``catalog.geometry.STATE_SHAPES``), in the model dtype."""
+        from ignition.catalog.geometry import state_shape
+        geometry = self.geometry(num_slots, max_seq_len)
+        return {name: tuple(state_shape(name, **geometry)) for name in self.cache_names}
+
+    def summary(self) -> dict:
+        """Model fields of the core manifest: the sizes, each layer's kind and the fields its kind needs
+        (``catalog.cache_kinds.CACHE_KINDS``)."""
+        from ignition.catalog.cache_kinds import CACHE_KINDS
+        geometry = self.geometry(1, self.max_seq_len) | {"sliding_window": self.sliding_window,
+                                                         "csa_rate": self.csa_rate, "hca_rate": self.hca_rate}
+        fields = dict.fromkeys(f for kind in self.layer_kinds for f in CACHE_KINDS[kind].fields)
+        return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
+                "num_kv_heads": 1, "head_dim": self.head_dim, "layer_kinds": list(self.layer_kinds),
+                **{f: geometry[f] for f in fields}}
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], source: str = "config.json",
@@ -306,15 +344,23 @@ def weight_layout(cfg: DeepseekV4Config) -> dict[str, tuple[str, tuple[int, ...]
 
 def read_checkpoint(checkpoint: Checkpoint, config: Mapping[str, Any], dtype: torch.dtype | None = None
                     ) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
-    """The config and every weight under our names; the layout is the one whose embedding name is present.
-    Multi-token-prediction tensors (``mtp.*``) are not read (no draft is built from them)."""
+    """The config and every weight under our names (``load_weights``)."""
     cfg = DeepseekV4Config.from_hf_config(config, str(checkpoint.directory / "config.json"), dtype)
+    cfg = replace(cfg, top_names="release" if TOP_LEVEL_NAMES["embed"][0] in checkpoint else "transformers")
+    return cfg, load_weights(checkpoint, cfg)
+
+
+def load_weights(checkpoint: Checkpoint, cfg: DeepseekV4Config, dtype: torch.dtype | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Every weight under our names, in ``dtype`` (the config's by default) where ``LAYER_WEIGHTS`` keeps none;
+    the layout is the one whose embedding name is present. Multi-token-prediction tensors (``mtp.*``) are not
+    read (no draft is built from them)."""
     cfg = replace(cfg, top_names="release" if TOP_LEVEL_NAMES["embed"][0] in checkpoint else "transformers")
     layout = weight_layout(cfg)
     mtp = {name: checkpoint.info(name).shape for name in checkpoint.names() if name.startswith(("mtp.", "model.mtp."))}
     checkpoint.validate({name: shape for name, (_, shape, _) in layout.items()}, optional=mtp)
-    weights = {ours: checkpoint.load(name).to(kept or cfg.dtype) for name, (ours, _, kept) in layout.items()}
-    return cfg, weights
+    return {ours: checkpoint.load(name).to(kept or dtype or cfg.dtype) for name, (ours, _, kept) in layout.items()}
 
 
-__all__ = ["DeepseekV4Config", "LAYER_TYPES", "TOP_LEVEL_NAMES", "LAYER_WEIGHTS", "weight_layout", "read_checkpoint"]
+__all__ = ["DeepseekV4Config", "LAYER_TYPES", "TOP_LEVEL_NAMES", "LAYER_WEIGHTS", "weight_layout", "read_checkpoint",
+           "load_weights"]

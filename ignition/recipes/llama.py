@@ -54,6 +54,8 @@ class DecoderFamily:
     # multimodal checkpoint's text model); None: the checkpoint and map as they are
     text_weights: Callable[[Checkpoint, Mapping[str, Any], Mapping[str, WeightSpec]], tuple] | None = None
     checkpoint: Callable[[Path], Checkpoint] = open_checkpoint  # opens the weights (gpt_oss: MXFP4 dequantized)
+    # (checkpoint, config, weight_map, dtype) -> the weights under the graphs' names (deepseek_v4: its own table)
+    load: Callable[[Checkpoint, Any, Mapping[str, WeightSpec], torch.dtype], dict] = load_weights
 
 
 _GQA = dict(parse=ModelConfig.from_hf_config, weight_map=WEIGHT_MAP, decoder=gqa_decoder, windowed=True)
@@ -87,7 +89,7 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     checkpoint, weight_map = family.checkpoint(directory), family.weight_map
     if family.text_weights is not None:
         checkpoint, weight_map = family.text_weights(checkpoint, config, weight_map)
-    weights = load_weights(checkpoint, cfg, weight_map, dtype)
+    weights = family.load(checkpoint, cfg, weight_map, dtype)
     if cfg.tie_word_embeddings:
         del weights["lm_head"]  # stored once, as "embed"; the graphs read it for both roles
     token_capacity = resolve_completion_token_capacity(options.completion_token_capacity)

@@ -17,6 +17,7 @@ RECIPES = {
     "gemma3": "ignition.recipes.gemma3",
     "qwen3_5": "ignition.recipes.qwen3_5",
     "gpt_oss": "ignition.recipes.gpt_oss",
+    "deepseek_v4": "ignition.recipes.deepseek_v4_export",
 }
 
 

@@ -1,0 +1,96 @@
+"""The ``deepseek_v4`` recipe (HF ``DeepseekV4ForCausalLM``): the shared decoder build over DeepSeek V4's forward.
+
+The build, variants and graphs are ``llama.build_decoder``'s: chunked prefill, decode, scored prefill and mixed
+graphs; its ``Decoder`` is ``deepseek_v4_graph_decoder``, which runs ``deepseek_v4_model``'s step forward over a
+graph's rows. Each attention group (a prompt chunk's rows, or one decode lane) is one step of its slot: the
+group's state (``deepseek_v4_model.STATE_BUFFERS``, per slot) is read, stepped and written back, a group with no
+valid row writing back what it read and a prompt chunk's padding rows writing no ring cell. Groups run one after
+another, so lanes that share a slot (idle ones repeat an active lane's) leave it as the active lane wrote it.
+
+What it refuses, naming why:
+
+- ``--onnx``: the indexer's tie rule is a stable sort (``deepseek_v4_attention.keep_best``); ONNX's ``TopK``
+  leaves the order of equal values unspecified, so an ONNX graph could keep other entries than the torch one.
+- ``--tensor-parallel``: no sharded layout (``catalog.parallel.SHARDABLE_RECIPES``; ``registry`` refuses it).
+- ``--speculative-tokens``: the checkpoint's multi-token-prediction layers are not exported as a draft, and the
+  verify family's rows would share one step's indexer ranking (not each row's own decode step's) only within
+  rounding, not bit for bit.
+- packed prefill: not declared (each prompt chunk runs alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from ignition.catalog.cache_kinds import kind_index
+from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
+from ignition.recipes.checkpoint import Checkpoint
+from ignition.recipes.deepseek_v4 import DeepseekV4Config, load_weights
+from ignition.recipes.deepseek_v4_model import STATE_BUFFERS, attention, check_step, decoder_rows
+from ignition.recipes.layers import Rows
+
+REFUSED_OPTIONS: dict[str, str] = {
+    "onnx": "--onnx: the DeepSeek V4 indexer keeps equal scores lowest entry first (a stable sort); ONNX TopK "
+            "leaves the order of ties unspecified, so the recipe has no ONNX export (run it with --runtime torch)",
+    "speculative_tokens": "--speculative-tokens: recipe deepseek_v4 exports no draft (its multi-token-prediction "
+                          "layers are not read) and no verify family; export it without --speculative-tokens",
+}
+"""``ExportOptions`` field -> the refusal when it is set."""
+
+
+def deepseek_v4_graph_decoder(weights: Mapping[str, torch.Tensor], cfg: DeepseekV4Config, input_ids: torch.Tensor,
+                              rows: Rows, caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """DeepSeek V4 over a graph's rows (``graphs.Decoder``): final-normed hidden ``[R, hidden]``.
+
+    The rows split into ``G = len(rows.read_slots)`` groups of ``R / G`` consecutive positions of one slot."""
+    groups = rows.read_slots.shape[0]
+    per_group = input_ids.shape[0] // groups
+    step_cfg = replace(cfg, dtype=weights["embed"].dtype)  # the export dtype (--dtype)
+    check_step(step_cfg, caches, 0, per_group, 0)  # static: every buffer, width, ring and table at trace time
+    positions = rows.positions.clamp(min=0)  # an idle lane's position may be anything
+    valid = rows.valid.view(groups, per_group)
+    live = valid.any(dim=1)  # [G]: groups that write their state
+    num_slots = caches[cfg.cache_names[0]].shape[1]
+    slots = rows.read_slots.clamp(0, num_slots - 1)
+
+    def attention_of(layer: int, x: torch.Tensor) -> torch.Tensor:
+        index, names = kind_index(cfg.layer_kinds, layer), STATE_BUFFERS[cfg.layer_kinds[layer]]
+        outputs = []
+        for group in range(groups):
+            slot, span = slots[group:group + 1], slice(group * per_group, (group + 1) * per_group)
+            before = {role: caches[name][index].index_select(0, slot)[0] for role, name in names.items()}
+            state = {role: cells.clone() for role, cells in before.items()}
+            outputs.append(attention(weights, step_cfg, layer, x[span], positions[span], state, valid[group]))
+            for role, name in names.items():
+                kept = torch.where(live[group], state[role], before[role])
+                caches[name][index].index_copy_(0, slot, kept.unsqueeze(0))
+        return outputs[0] if groups == 1 else torch.cat(outputs)
+
+    return decoder_rows(weights, step_cfg, input_ids, attention_of)
+
+
+def _load(checkpoint: Checkpoint, cfg: DeepseekV4Config, weight_map, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``DecoderFamily.load``: every weight (``deepseek_v4.load_weights``), the head under the graphs' name."""
+    weights = load_weights(checkpoint, cfg, dtype)
+    weights["lm_head"] = weights.pop("head")
+    return weights
+
+
+def _parse(config: Mapping, source: str) -> DeepseekV4Config:
+    return DeepseekV4Config.from_hf_config(config, source)
+
+
+def build(options: ExportOptions) -> RecipeBuild:
+    from ignition.recipes.llama import DecoderFamily, build_decoder
+
+    for option, refusal in REFUSED_OPTIONS.items():
+        if getattr(options, option):
+            raise RecipeError(refusal)
+    family = DecoderFamily("deepseek_v4", _parse, {}, deepseek_v4_graph_decoder, load=_load)
+    return build_decoder(options, family)
+
+
+__all__ = ["deepseek_v4_graph_decoder", "build", "REFUSED_OPTIONS"]

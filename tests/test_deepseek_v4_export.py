@@ -1,0 +1,218 @@
+"""The exported ``deepseek_v4`` recipe (recipes/deepseek_v4_export.py) against transformers.
+
+The tiny checkpoint (examples/make_tiny_deepseek_v4.py: HCA, CSA, sliding and CSA layers, window 8, hash MoE) is
+exported once with 16-row prompt chunks (over the window), a decode capacity of 2, prompt scoring and mixed
+graphs. Generation (K=20 and explicit ids) is transformers' incremental decode, prompt logprobs its full
+forward, each within 2e-5 in FP32 (``TOL``). ``ranking_gaps`` shows the indexer's tie rule cannot matter on these
+sequences (tests/test_deepseek_v4.py explains the rule and pins it on a tie-prone checkpoint).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import CoreCopy
+from ignition.catalog.rules import RULES
+from ignition.cli import app
+from ignition.exporter.export import export_core
+from ignition.recipes import deepseek_v4_attention
+from ignition.recipes.base import ExportOptions, RecipeError
+from ignition.recipes.checkpoint import open_checkpoint, read_config
+from ignition.recipes.deepseek_v4 import read_checkpoint
+from ignition.recipes.deepseek_v4_model import allocate_state, deepseek_v4_decoder
+from ignition.recipes.registry import build_recipe
+from ignition.runtime.core import load_core
+from ignition.runtime.engine import Engine
+from ignition.runtime.requests import Request
+from ignition.validate.core import validate_core
+
+transformers = pytest.importorskip("transformers")
+
+_SPEC = importlib.util.spec_from_file_location(
+    "make_tiny_deepseek_v4", Path(__file__).parents[1] / "examples" / "make_tiny_deepseek_v4.py")
+make_tiny = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(make_tiny)
+
+CHUNK, MAX_SEQ, STEPS = 16, 64, 12
+TOL = 2e-5  # FP32: measured up to 1.13e-5 from transformers (the step forward alone: 7.4e-6, within 1e-5 as
+# tests/test_deepseek_v4.py checks; the graphs' two-lane and blocked LM-head products round differently)
+TIE_MARGIN = 2e-5  # 20 times the rounding between us and transformers: a ranking this far apart cannot swap
+VOCAB = 300  # the tokenizer's ids
+PROMPTS = ([(5 * i + 1) % VOCAB for i in range(21)],  # two chunks, past the window
+           [(3 * i + 2) % VOCAB for i in range(5)],  # shorter than the window; decode goes past it
+           [(11 * i + 7) % VOCAB for i in range(40)])  # three chunks, four CSA entries of a chunk
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv4-export")
+    checkpoint = make_tiny.make_checkpoint(root / "ckpt")
+    export_core(ExportOptions(recipe="deepseek_v4", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
+                              max_seq_len=MAX_SEQ, prompt_logprobs=True, mixed=True), root / "core")
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return checkpoint, root / "core", load_core(root / "core"), hf
+
+
+def hf_incremental(hf, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ``generate`` with its cache: tokens and each step's logprobs (FP64)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), torch.log_softmax(torch.stack(out.logits)[:, 0].double(), -1)
+
+
+def hf_full(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].double(), dim=-1)
+
+
+def ranking_gaps(checkpoint, sequences: list[list[int]], monkeypatch) -> float:
+    """The smallest gap between a row's k-th and (k+1)-th indexer score over ``sequences`` (our step forward, one
+    step a sequence): above ``TIE_MARGIN``, no tie rule (ours or ``topk``'s) can choose differently."""
+    cfg, weights = read_checkpoint(open_checkpoint(checkpoint), read_config(checkpoint))
+    gaps = []
+    keep_best = deepseek_v4_attention.keep_best
+
+    def recorded(total, k):
+        ranked = torch.sort(total, dim=-1, descending=True).values
+        if ranked.shape[-1] > k:
+            gap = ranked[:, k - 1] - ranked[:, k]
+            gaps.append(float(torch.where(torch.isinf(ranked[:, k]), float("inf"), gap).min()))
+        return keep_best(total, k)
+
+    monkeypatch.setattr(deepseek_v4_attention, "keep_best", recorded)
+    for tokens in sequences:
+        deepseek_v4_decoder(weights, cfg, torch.tensor(tokens), 0, 0, allocate_state(cfg, 1, MAX_SEQ, len(tokens)))
+    return min(gaps)
+
+
+def assert_entries_match(result, rows: torch.Tensor, k: int) -> None:
+    for step, (token, entry) in enumerate(zip(result.token_ids, result.entries, strict=True)):
+        row = rows[step]
+        assert token == int(row.argmax()), step
+        assert abs(entry.logprob - row[token].item()) < TOL, step
+        values = torch.tensor([v for _, v in entry.top], dtype=torch.float64)
+        torch.testing.assert_close(values, torch.sort(row, descending=True).values[:k], atol=TOL, rtol=0)
+        torch.testing.assert_close(values, row[[i for i, _ in entry.top]], atol=TOL, rtol=0)
+
+
+def test_generation_matches_transformers_incremental_decode(exported, monkeypatch):
+    """Greedy tokens and K=20 logprobs: prompts of 21, 5 and 40 rows in 16-row chunks, decoding past the window,
+    two lanes at a time."""
+    checkpoint, _, core, hf = exported
+    results = Engine(core).generate([Request(p, max_tokens=STEPS, logprobs=20, ignore_eos=True) for p in PROMPTS])
+    expected = [hf_incremental(hf, prompt, STEPS) for prompt in PROMPTS]
+    assert ranking_gaps(checkpoint, [p + t for p, (t, _) in zip(PROMPTS, expected)], monkeypatch) > TIE_MARGIN
+    for result, (tokens, rows) in zip(results, expected):
+        assert result.error is None and result.token_ids == tokens
+        assert_entries_match(result, rows, 20)
+
+
+def test_explicit_ids_match_transformers(exported):
+    _, _, core, hf = exported
+    ids = [299, 0, 17, 3]
+    (result,) = Engine(core).generate([Request(PROMPTS[0], max_tokens=8, logprob_token_ids=ids, ignore_eos=True)])
+    rows = hf_full(hf, PROMPTS[0] + result.token_ids)
+    for step, entry in enumerate(result.entries):
+        assert [i for i, _ in entry.top] == ids
+        torch.testing.assert_close(torch.tensor([v for _, v in entry.top], dtype=torch.float64),
+                                   rows[len(PROMPTS[0]) + step - 1][ids], atol=TOL, rtol=0)
+
+
+def test_prompt_logprobs_match_the_full_forward(exported, monkeypatch):
+    """Scored prefill (all layers on all rows, every row's candidates stored) in 16-row chunks: transformers'
+    full forward over the prompt."""
+    checkpoint, _, core, hf = exported
+    prompt = PROMPTS[2] + PROMPTS[0]  # 61 rows: four chunks
+    assert ranking_gaps(checkpoint, [prompt], monkeypatch) > TIE_MARGIN
+    (result,) = Engine(core).generate([Request(prompt, max_tokens=1, prompt_logprobs=20, ignore_eos=True)])
+    rows = hf_full(hf, prompt)
+    assert result.error is None and result.prompt_entries[0] is None
+    for position in range(1, len(prompt)):
+        entry, row = result.prompt_entries[position], rows[position - 1]
+        assert entry["id"] == prompt[position] and abs(entry["logprob"] - row[prompt[position]].item()) < TOL
+        values = torch.tensor([t["logprob"] for t in entry["top_logprobs"]], dtype=torch.float64)
+        torch.testing.assert_close(values, torch.sort(row, descending=True).values[:20], atol=TOL, rtol=0)
+    assert abs(result.entries[0].logprob - rows[-1][result.token_ids[0]].item()) < TOL  # the last row's score
+
+
+def summary(results):
+    return [(r.token_ids, [[i for i, _ in e.top] for e in r.entries], r.error) for r in results]
+
+
+def test_mixed_serial_and_batch_invariant_rounds_agree(exported):
+    """Mixed rounds (a prompt chunk beside a decode lane), serial chunks and batch-invariant decode give the same
+    tokens and alternatives; the logprobs agree within rounding (batch-invariant ones bit for bit with alone)."""
+    _, _, core, _ = exported
+    requests = [Request(p, max_tokens=10, logprobs=3, ignore_eos=True) for p in (PROMPTS[1], PROMPTS[2])]
+    serial = Engine(core, mixed=False).generate(requests)
+    mixed_engine = Engine(core)
+    mixed = mixed_engine.generate(requests)
+    invariant = Engine(core, batch_invariant=True).generate(requests)
+    alone = [Engine(core, batch_invariant=True).generate([request])[0] for request in requests]
+    assert mixed_engine.stats["mixed_rounds"] >= 1
+    assert summary(serial) == summary(mixed) == summary(invariant) == summary(alone)
+    for a, b in zip(invariant, alone):
+        assert [e.logprob for e in a.entries] == [e.logprob for e in b.entries]
+    for a, b in zip(serial, mixed):
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.entries, b.entries)) < TOL
+
+
+def test_cli_run_prints_the_engines_tokens(exported):
+    _, root, core, _ = exported
+    prompt = PROMPTS[0]
+    result = CliRunner().invoke(app, ["run", str(root), "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens",
+                                      "4", "--logprobs", "2", "--ignore-eos", "--json", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    (expected,) = Engine(core).generate([Request(prompt, max_tokens=4, ignore_eos=True)])
+    assert json.loads(result.output)["token_ids"] == expected.token_ids
+
+
+def test_manifest_declares_every_v4_buffer(exported):
+    _, root, _, _ = exported
+    report = validate_core(root, check_graphs=False)  # the export checked every graph
+    assert report.violations == []
+    model = report.manifest["model"]
+    assert model["layer_kinds"] == ["heavily_compressed", "compressed", "shared_window", "compressed"]
+    assert (model["sliding_window"], model["window_cells"]) == (8, 8 + CHUNK - 1)
+    assert (model["csa_entries"], model["hca_entries"]) == (MAX_SEQ // 4 + 1, MAX_SEQ // 8 + 1)
+    state = {s["name"]: s["shape"] for s in report.manifest["state"]}
+    assert state["csa_source"] == [2, 2, 2 * 4 + CHUNK - 1, 2, 2, 32]
+    assert state["csa_index_cache"] == [2, 2, MAX_SEQ // 4 + 1, 16]
+    assert state["hca_source"] == [1, 2, 8 + CHUNK - 1, 2, 1, 32]
+    assert state["swa_kv_cache"] == [1, 2, 8 + CHUNK - 1, 32]
+
+
+@pytest.mark.parametrize("edit, rules", [
+    (lambda m: m["model"].update(csa_entries=MAX_SEQ // 4), {"GEOM-COMPRESS"}),
+    (lambda m: m["model"].update(hca_source_cells=8), {"GEOM-COMPRESS"}),
+    (lambda m: m["model"].update(window_cells=8), {"GEOM-WINDOW"}),
+    (lambda m: m["model"]["layer_kinds"].__setitem__(2, "sliding"), {"GEOM-KIND-BUFFERS"}),
+    (lambda m: m["model"].pop("csa_rate"), {"GEOM-KIND-BUFFERS"}),
+])
+def test_tampered_manifest_is_caught(exported, tmp_path, edit, rules):
+    _, root, _, _ = exported
+    shutil.copytree(root, tmp_path / "core")
+    copy = CoreCopy(tmp_path / "core")
+    copy.edit("manifest.json", edit)
+    found = {v.rule for v in validate_core(copy.root, check_graphs=False).violations}
+    assert rules <= found <= rules | {"GEOM-KIND-BUFFERS"} and rules <= set(RULES)
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(onnx=True), "ONNX TopK leaves the order of ties unspecified"),
+    (dict(speculative_tokens=(2,)), "recipe deepseek_v4 exports no draft"),
+    (dict(tensor_parallel=2), "recipe deepseek_v4 has no sharded layout"),
+])
+def test_unsupported_options_are_refused(exported, options, words):
+    checkpoint = exported[0]
+    with pytest.raises(RecipeError, match=words):
+        build_recipe(ExportOptions(recipe="deepseek_v4", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
+                                   max_seq_len=MAX_SEQ, **options))
