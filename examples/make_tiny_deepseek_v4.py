@@ -32,13 +32,14 @@ COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attentio
 
 
 def tiny_config(vocab_size: int, eos_token_id: int, window: int = 8, index_topk: int = 3,
-                index_heads: int = 8) -> DeepseekV4Config:
-    """The tiny architecture: 4 layers of width 64, every attention and MoE kind of DeepSeek V4."""
+                index_heads: int = 8, layers: int = 4) -> DeepseekV4Config:
+    """The tiny architecture: 4 layers of width 64, every attention and MoE kind of DeepSeek V4 (the first 3
+    layers have them all too)."""
     return DeepseekV4Config(
-        vocab_size=vocab_size, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=len(LAYER_TYPES),
+        vocab_size=vocab_size, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, qk_rope_head_dim=8,
         num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, routed_scaling_factor=1.5,
-        layer_types=LAYER_TYPES, mlp_layer_types=MLP_LAYER_TYPES, compress_rates=dict(COMPRESS_RATES),
+        layer_types=LAYER_TYPES[:layers], mlp_layer_types=MLP_LAYER_TYPES[:layers], compress_rates=dict(COMPRESS_RATES),
         hc_mult=2, hc_sinkhorn_iters=5, sliding_window=window, o_groups=2, o_lora_rank=16, index_n_heads=index_heads,
         index_head_dim=16, index_topk=index_topk, num_nextn_predict_layers=0, max_position_embeddings=1024,
         rope_theta=10_000.0, compress_rope_theta=160_000.0, swiglu_limit=10.0, tie_word_embeddings=False,
@@ -46,13 +47,13 @@ def tiny_config(vocab_size: int, eos_token_id: int, window: int = 8, index_topk:
 
 
 def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0, window: int = 8,
-                    index_topk: int = 3, index_heads: int = 8) -> Path:
+                    index_topk: int = 3, index_heads: int = 8, layers: int = 4) -> Path:
     """Write the tiny DeepSeek V4 (config.json, model.safetensors, tokenizer files) into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
     tokenizer = make_tiny_qwen3.build_tokenizer()
     vocab_size = -(-len(tokenizer) // make_tiny_qwen3.VOCAB_MULTIPLE) * make_tiny_qwen3.VOCAB_MULTIPLE
-    config = tiny_config(vocab_size, tokenizer.eos_token_id, window, index_topk, index_heads)
+    config = tiny_config(vocab_size, tokenizer.eos_token_id, window, index_topk, index_heads, layers)
     torch.manual_seed(seed)
     model = make_tiny_qwen3.seeded(DeepseekV4ForCausalLM(config), seed)
     generator = torch.Generator().manual_seed(seed + 1)
