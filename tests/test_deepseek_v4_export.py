@@ -193,6 +193,23 @@ def test_manifest_declares_every_v4_buffer(exported):
     assert state["swa_kv_cache"] == [1, 2, 8 + CHUNK - 1, 32]
 
 
+def test_scoring_cost_counts_the_compressed_entries(exported):
+    """``inspect-core --memory-budget``: a cached token costs its share of the entry tables (a CSA entry and an
+    indexer entry each 4 positions, an HCA entry each 8; the rings are per slot), and the flag's scored graphs and
+    buffers displace that many tokens of a budget."""
+    _, root, _, _ = exported
+    budget = 1 << 22
+    inspected = CliRunner().invoke(app, ["inspect-core", str(root), "--json", "--memory-budget", str(budget)])
+    assert inspected.exit_code == 0, inspected.output
+    memory = json.loads(inspected.output)["memory"]
+    per_token = (32 + 16) * 4 // 4 + 32 * 4 // 8
+    fixed = memory["prompt_scoring_buffer_bytes"] + memory["prompt_scoring_graph_bytes"]
+    assert memory["kv_bytes_per_token"] == per_token and memory["prompt_scoring_buffer_bytes"] > 0
+    assert memory["kv_tokens_without_scoring"] == budget // per_token
+    assert memory["kv_tokens_with_scoring"] == (budget - fixed) // per_token
+    print(f"scoring cost: {fixed} fixed bytes, {memory['kv_capacity_loss']:.1%} of a {budget}-byte budget")
+
+
 @pytest.mark.parametrize("edit, rules", [
     (lambda m: m["model"].update(csa_entries=MAX_SEQ // 4), {"GEOM-COMPRESS"}),
     (lambda m: m["model"].update(hca_source_cells=8), {"GEOM-COMPRESS"}),

@@ -16,7 +16,9 @@ _CLASSES = {"output": "completion frames and outputs", "state": "state (KV)", "w
 
 
 def kv_bytes_per_token(manifest: dict) -> int | None:
-    """Bytes one cached token costs: state buffers laid out [layers, slots, max_seq_len, ...]."""
+    """Bytes one cached token costs: state buffers laid out [layers, slots, max_seq_len, ...], and compressed entry
+    tables [layers, slots, entries, ...] at one entry per ``rate`` positions (``ENTRY_RATES``); rings and
+    recurrent states are per slot, whatever the sequence."""
     slots, seq = manifest["model"].get("num_slots"), manifest["model"].get("max_seq_len")
     if not slots or not seq:
         return None
@@ -25,7 +27,16 @@ def kv_bytes_per_token(manifest: dict) -> int | None:
     per_token = [BufferDecl.from_json(s).nbytes // (slots * seq) for s in manifest["state"]
                  if tuple(STATE_SHAPES.get(s["name"], ()))[1:3] == ("num_slots", "max_seq_len")
                  and s["shape"][1:3] == [slots, seq]]
+    for s in manifest["state"]:  # compressed entry tables: a cell per ``rate`` positions
+        symbols = tuple(STATE_SHAPES.get(s["name"], ()))[1:3]
+        rate = manifest["model"].get(ENTRY_RATES.get(symbols[-1] if len(symbols) == 2 else None, ""))
+        if symbols[:1] == ("num_slots",) and isinstance(rate, int) and rate > 0 and s["shape"][1] == slots:
+            per_token.append(BufferDecl.from_json(s).nbytes // (slots * s["shape"][2]) // rate)
     return sum(per_token) or None
+
+
+ENTRY_RATES = {"csa_entries": "csa_rate", "hca_entries": "hca_rate"}
+"""A compressed entry table's extent symbol -> the manifest field of positions per entry (DeepSeek V4)."""
 
 
 def kind_memory(manifest: dict) -> dict[str, dict]:
