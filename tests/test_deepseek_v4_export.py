@@ -178,6 +178,27 @@ def test_cli_run_prints_the_engines_tokens(exported):
     assert [token["id"] for token in printed["tokens"]] == expected.token_ids, printed
 
 
+def test_serve_answers_as_the_engine_does(exported):
+    """``ignition serve``'s app on the core: a completion's tokens and logprobs are the engine's."""
+    import httpx
+    from _served import serve_in_thread
+    from ignition.serve.app import create_app
+
+    _, root, core, _ = exported
+    server, thread, url = serve_in_thread(create_app(root, model_name="tiny-v4"))
+    try:
+        body = {"model": "tiny-v4", "prompt": PROMPTS[0], "max_tokens": 3, "logprobs": 2, "temperature": 0}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert response.status_code == 200, response.text
+    served = response.json()["choices"][0]["logprobs"]["token_logprobs"]
+    (expected,) = Engine(core).generate([Request(PROMPTS[0], max_tokens=3, logprobs=2)])
+    assert len(served) == len(expected.entries) >= 1
+    assert max(abs(a - e.logprob) for a, e in zip(served, expected.entries)) < 1e-6
+
+
 def test_manifest_declares_every_v4_buffer(exported):
     _, root, _, _ = exported
     report = validate_core(root, check_graphs=False)  # the export checked every graph
