@@ -261,7 +261,7 @@ def test_a_step_the_state_cannot_hold_is_refused(tiny):
     _, cfg, weights, _, long_prompt = tiny
     state = allocate_state(cfg, 1, MAX_SEQ, 16)
     with pytest.raises(ValueError, match=r"buffer 'hca_window_cache' must be \[1 layers, slots > 0, >= 24 cells"):
-        deepseek_v4_decoder(weights, cfg, long_prompt[:17], 0, 0, state)  # a ring of 8 + 16 - 1 cells
+        deepseek_v4_decoder(weights, cfg, long_prompt[:17], 16, 0, state)  # a ring of 8 + 16 - 1 cells
     with pytest.raises(ValueError, match="buffer 'hca_kv_cache' must be"):
         deepseek_v4_decoder(weights, cfg, long_prompt[:1], 330, 0, state)  # past the entry table
     with pytest.raises(ValueError, match="buffer 'csa_index_source' is required"):

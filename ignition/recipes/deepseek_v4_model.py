@@ -50,8 +50,9 @@ def allocate_state(cfg, num_slots: int, max_seq_len: int, step_rows: int,
 
 def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, slot: int) -> None:
     """Refuse a step the state cannot hold, naming the buffer: each kind's buffers present with its layer count,
-    ``head_dim`` wide, rings long enough for the positions a step reads before its own plus its rows (``rows``),
-    entry tables holding every window the step may close."""
+    ``head_dim`` wide, rings long enough for the positions a step reads before its own plus its rows (``rows``; a
+    window ring of ``max_seq_len`` cells holds every position, ``catalog.cache_kinds.window_cells``), entry tables
+    holding every window the step may close."""
     reads = {"window": cfg.sliding_window - 1, "source": 2 * cfg.csa_rate - 1, "index_source": 2 * cfg.csa_rate - 1}
     for kind in dict.fromkeys(cfg.layer_kinds):
         layers = cfg.layer_kinds.count(kind)
@@ -66,7 +67,9 @@ def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, s
             least = {"window": reads["window"] + rows, "index_source": reads["index_source"] + rows,
                      "source": (rate - 1 if kind == "heavily_compressed" else reads["source"]) + rows,
                      "entries": candidates, "index_entries": candidates}[role]
-            if cache.dim() < 4 or cache.shape[0] != layers or cache.shape[-1] != width or cache.shape[2] < least \
+            whole = role == "window" and start + rows <= cache.shape[2]  # a ring of every position: nothing wraps
+            if cache.dim() < 4 or cache.shape[0] != layers or cache.shape[-1] != width \
+                    or (cache.shape[2] < least and not whole) \
                     or not 0 <= slot < cache.shape[1] or cache.dtype != cfg.dtype:
                 raise ValueError(f"deepseek_v4 state: buffer {name!r} must be [{layers} layers, slots > {slot}, "
                                  f">= {least} cells, ..., {width}] of {cfg.dtype} for {rows} rows from position "
