@@ -155,7 +155,7 @@ def test_keep_best_keeps_the_lowest_entries_among_equal_scores():
 def test_tie_rule_makes_the_choice_independent_of_chunking(tmp_path):
     """With 2 indexer heads exact ties (rows whose best entries score 0) are common: transformers' chunked forward
     and its full forward then keep different entries (its ``topk`` breaks ties by the vector's length), while
-    ours keeps the same whatever the steps (one 300-row step, 128-row or 16-row chunks), within rounding."""
+    ours keeps the same whatever the steps (one 300-row step or 16-row chunks), within rounding."""
     path = make_tiny.make_checkpoint(tmp_path / "ties", index_heads=2)
     cfg, weights = read_checkpoint(open_checkpoint(path), read_config(path))
     prompt = torch.randint(1, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
@@ -166,9 +166,8 @@ def test_tie_rule_makes_the_choice_independent_of_chunking(tmp_path):
         for start in range(0, prompt.shape[0], CHUNK):
             chunked = model(prompt[None, start:start + CHUNK], cache=cache, use_cache=True).logits[0, -1]
     assert float((chunked.float().log_softmax(-1) - full).abs().max()) > 0.1  # the oracle depends on the cut
-    last_rows = [_generate(cfg, weights, prompt, 1, chunk)[0] for chunk in (300, CHUNK, 16)]
-    for other in last_rows[1:]:
-        torch.testing.assert_close(other, last_rows[0], atol=TOLERANCE, rtol=0)
+    one_step, chunked = (_generate(cfg, weights, prompt, 1, chunk)[0] for chunk in (300, 16))
+    torch.testing.assert_close(chunked, one_step, atol=TOLERANCE, rtol=0)
 
 
 def test_cache_kinds_and_state_geometry(tiny):
