@@ -57,9 +57,6 @@ EXAMPLES = {  # recipe -> (examples/ script, make_checkpoint keyword arguments)
     "deepseek_v4": ("make_tiny_deepseek_v4", {}),
 }
 
-NO_VERIFY = ("deepseek_v4",)
-"""Recipes that refuse ``--speculative-tokens`` (recipes/deepseek_v4_export.py): exported without a verify family."""
-
 
 def _checkpoints(root: Path, recipes) -> dict[str, Path]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -101,8 +98,7 @@ def captured_packets(root: Path, recipes=tuple(EXAMPLES)) -> set[str]:
                       "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
     for family, checkpoint in checkpoints.items():
         configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
-                                               speculative_tokens=() if family in NO_VERIFY else (2,), mixed=True,
-                                               **small)
+                                               speculative_tokens=(2,), mixed=True, **small)
     if "qwen3" in checkpoints:
         configurations["qwen3-tp2"] = ExportOptions(recipe="qwen3", checkpoint=checkpoints["qwen3"],
                                                     prompt_logprobs=True, tensor_parallel=2, targets=("cuda:90",),

@@ -3,7 +3,7 @@
 The tiny checkpoint (examples/make_tiny_deepseek_v4.py, its first 3 layers: HCA, CSA and sliding, window 8, hash
 and top-k MoE) is
 exported once with 16-row prompt chunks (over the window), a decode capacity of 2, prompt scoring and mixed
-graphs. Generation (K=20 and explicit ids) is transformers' incremental decode, prompt logprobs its full
+graphs and a verify family of 3 drafts. Generation (K=20 and explicit ids) is transformers' incremental decode, prompt logprobs its full
 forward, each within 2e-5 in FP32 (``TOL``). ``ranking_gaps`` shows the indexer's tie rule cannot matter on these
 sequences (tests/test_deepseek_v4.py explains the rule and pins it on a tie-prone checkpoint).
 """
@@ -56,7 +56,8 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("dsv4-export")
     checkpoint = make_tiny.make_checkpoint(root / "ckpt", layers=3)
     export_core(ExportOptions(recipe="deepseek_v4", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
-                              max_seq_len=MAX_SEQ, prompt_logprobs=True, mixed=True), root / "core")
+                              max_seq_len=MAX_SEQ, prompt_logprobs=True, mixed=True, speculative_tokens=(3,)),
+                root / "core")
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     return checkpoint, root / "core", load_core(root / "core"), hf
 
@@ -167,6 +168,41 @@ def test_mixed_serial_and_batch_invariant_rounds_agree(exported):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.entries, b.entries)) < TOL
 
 
+class ScriptedDrafter:
+    """Proposes each request's true continuation (transformers' greedy tokens) with its last proposal wrong, so
+    every verify round accepts some drafts and rejects one (``runtime/drafters.py``'s ``propose``/``release``)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+        self.continuations = continuations
+
+    def propose(self, requests: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        proposals = []
+        for _, tokens, limit in requests:
+            prompt = next(p for p in self.continuations if tuple(tokens[:len(p)]) == p)
+            truth = self.continuations[prompt][len(tokens) - len(prompt):][:limit]
+            proposals.append(truth[:-1] + [(truth[-1] + 1) % VOCAB] if truth else [])
+        return proposals
+
+    def release(self, request_id: str) -> None:
+        """Nothing is held per request."""
+
+
+def test_speculative_rounds_give_transformers_tokens(exported, monkeypatch):
+    """Verify rounds of 3 drafts (the last one wrong: rejected rows left in the rings and entry tables) emit
+    transformers' greedy tokens with its logprobs, as plain decode does."""
+    checkpoint, _, core, hf = exported
+    prompts = (PROMPTS[0], PROMPTS[1])
+    expected = [hf_incremental(hf, prompt, 10) for prompt in prompts]
+    drafter = ScriptedDrafter({tuple(p): tokens for p, (tokens, _) in zip(prompts, expected)})
+    engine = Engine(core, drafter=drafter, draft_tokens=3, mixed=False)
+    results = engine.generate([Request(p, max_tokens=10, logprobs=3, ignore_eos=True) for p in prompts])
+    assert engine.stats["proposed"] > engine.stats["accepted"] > 0
+    assert ranking_gaps(checkpoint, [p + t for p, (t, _) in zip(prompts, expected)], monkeypatch) > TIE_MARGIN
+    for result, (tokens, rows) in zip(results, expected):
+        assert result.error is None and result.token_ids == tokens
+        assert max(abs(e.logprob - rows[step][e.id].item()) for step, e in enumerate(result.entries)) < TOL
+
+
 def test_fresh_runs_repeat_bit_for_bit(exported):
     """Accuracy is compared with the spread across fresh runs: on these graphs (experts summed in expert order,
     one fixed product per step) two freshly loaded cores give the same bits, a spread of 0, so the comparisons
@@ -262,7 +298,6 @@ def test_tampered_manifest_is_caught(exported, tmp_path, edit, rules):
 
 @pytest.mark.parametrize("options, words", [
     (dict(onnx=True), "ONNX TopK leaves the order of ties unspecified"),
-    (dict(speculative_tokens=(2,)), "recipe deepseek_v4 exports no draft"),
     (dict(tensor_parallel=2), "recipe deepseek_v4 has no sharded layout"),
 ])
 def test_unsupported_options_are_refused(exported, options, words):

@@ -12,10 +12,13 @@ What it refuses, naming why:
 - ``--onnx``: the indexer's tie rule is a stable sort (``deepseek_v4_attention.keep_best``); ONNX's ``TopK``
   leaves the order of equal values unspecified, so an ONNX graph could keep other entries than the torch one.
 - ``--tensor-parallel``: no sharded layout (``catalog.parallel.SHARDABLE_RECIPES``; ``registry`` refuses it).
-- ``--speculative-tokens``: the checkpoint's multi-token-prediction layers are not exported as a draft, and the
-  verify family's rows would share one step's indexer ranking (not each row's own decode step's) only within
-  rounding, not bit for bit.
 - packed prefill: not declared (each prompt chunk runs alone).
+
+``--speculative-tokens`` builds the verify family for a runtime drafter (``runtime/drafters.py``): a lane's
+``S + 1`` rows are one step of its slot, each row attending and ranking entries as the decode step at its
+position does (the tie rule makes a row's choice its own scores' alone), equal to it within FP32 rounding. A
+rejected row's ring cells and entries are rewritten before any later row reads them (``catalog/cache_kinds.py``),
+so a round needs no rollback. The checkpoint's multi-token-prediction layers are not exported as a draft.
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ from ignition.recipes.layers import Rows
 REFUSED_OPTIONS: dict[str, str] = {
     "onnx": "--onnx: the DeepSeek V4 indexer keeps equal scores lowest entry first (a stable sort); ONNX TopK "
             "leaves the order of ties unspecified, so the recipe has no ONNX export (run it with --runtime torch)",
-    "speculative_tokens": "--speculative-tokens: recipe deepseek_v4 exports no draft (its multi-token-prediction "
-                          "layers are not read) and no verify family; export it without --speculative-tokens",
 }
 """``ExportOptions`` field -> the refusal when it is set."""
 
