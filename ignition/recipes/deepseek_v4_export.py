@@ -7,12 +7,10 @@ group's state (``deepseek_v4_model.STATE_BUFFERS``, per slot) is read, stepped a
 valid row writing back what it read and a prompt chunk's padding rows writing no ring cell. Groups run one after
 another, so lanes that share a slot (idle ones repeat an active lane's) leave it as the active lane wrote it.
 
-What it refuses, naming why:
-
-- ``--onnx``: the indexer's tie rule is a stable sort (``deepseek_v4_attention.keep_best``); ONNX's ``TopK``
-  leaves the order of equal values unspecified, so an ONNX graph could keep other entries than the torch one.
-- ``--tensor-parallel``: no sharded layout (``catalog.parallel.SHARDABLE_RECIPES``; ``registry`` refuses it).
-- packed prefill: not declared (each prompt chunk runs alone).
+``--tensor-parallel`` is refused (no sharded layout: ``catalog.parallel.SHARDABLE_RECIPES``, ``registry``), and no
+packed prefill is declared (each prompt chunk runs alone). ``--onnx`` writes ONNX graphs: the indexer's stable
+sort becomes one ``TopK`` (``components/onnx_standard.py``), whose specified tie-break (the lower index first)
+is the tie rule.
 
 ``--speculative-tokens`` builds the verify family for a runtime drafter (``runtime/drafters.py``): a lane's
 ``S + 1`` rows are one step of its slot, each row attending and ranking entries as the decode step at its
@@ -29,18 +27,11 @@ from dataclasses import replace
 import torch
 
 from ignition.catalog.cache_kinds import kind_index
-from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
+from ignition.recipes.base import ExportOptions, RecipeBuild
 from ignition.recipes.checkpoint import Checkpoint
 from ignition.recipes.deepseek_v4 import DeepseekV4Config, load_weights
 from ignition.recipes.deepseek_v4_model import STATE_BUFFERS, attention, check_step, decoder_rows
 from ignition.recipes.layers import Rows
-
-REFUSED_OPTIONS: dict[str, str] = {
-    "onnx": "--onnx: the DeepSeek V4 indexer keeps equal scores lowest entry first (a stable sort); ONNX TopK "
-            "leaves the order of ties unspecified, so the recipe has no ONNX export (run it with --runtime torch)",
-}
-"""``ExportOptions`` field -> the refusal when it is set."""
-
 
 def deepseek_v4_graph_decoder(weights: Mapping[str, torch.Tensor], cfg: DeepseekV4Config, input_ids: torch.Tensor,
                               rows: Rows, caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -87,11 +78,8 @@ def _parse(config: Mapping, source: str) -> DeepseekV4Config:
 def build(options: ExportOptions) -> RecipeBuild:
     from ignition.recipes.llama import DecoderFamily, build_decoder
 
-    for option, refusal in REFUSED_OPTIONS.items():
-        if getattr(options, option):
-            raise RecipeError(refusal)
     family = DecoderFamily("deepseek_v4", _parse, {}, deepseek_v4_graph_decoder, load=_load)
     return build_decoder(options, family)
 
 
-__all__ = ["deepseek_v4_graph_decoder", "build", "REFUSED_OPTIONS"]
+__all__ = ["deepseek_v4_graph_decoder", "build"]
