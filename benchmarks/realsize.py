@@ -20,6 +20,11 @@ the same checkpoint, prompts and threads:
   one with logprobs 20 and one without (``alternating_costs``);
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
   steps) at each batch, logprobs 5, and every other operator's self ms, ours and HF's own (``hf_step_profile``);
+- llama.cpp as a second anchor (``benchmarks/llama_cpp.py``; Qwen3 shape only): the same checkpoint converted to an
+  F32 GGUF (``--dtype float32``) or a BF16 one (``--dtype bfloat16``) and decoded by ``llama-batched-bench`` at the
+  same batches, prompt length, token count and threads, ``--decode-repeats`` runs, each batch's median beside our
+  logprobs-off rate; where llama.cpp is not built the rows say so, with the command that builds it
+  (``python -m benchmarks.llama_cpp build``), and its targets read not met; ``--no-llama-cpp`` skips them;
 - that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
   measured and whether it is met;
 - first, the machine (``benchmarks/machine.py``): the CPU model, the ISA flags its kernels rely on, the read
@@ -60,6 +65,7 @@ import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABL
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from benchmarks import llama_cpp
 from benchmarks.machine import (cpu_flags, cpu_model, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
                                 header, relied_flags, weight_bytes)
 from benchmarks.realsize_families import FAMILIES, Family, memory_rows
@@ -536,6 +542,8 @@ def main() -> None:
                         "--runtime onnxruntime")
     parser.add_argument("--compile", action="store_true", help="export with --compile inductor and also time every "
                         "decode row on the AOTInductor packages (loaded trusted)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp anchor rows (the checkpoint "
+                        "as an F32 or BF16 GGUF, decoded by llama-batched-bench; benchmarks/llama_cpp.py)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default=None,
                         help="transformers' attention implementation (default: sdpa for float32, its own default; "
                              "eager for bfloat16, the one whose rounding the cores' BF16 attention reproduces, so "
@@ -660,6 +668,12 @@ def main() -> None:
         prompts_for = {size: prompts(size, PROMPT) for size in batches}
         mismatches += decode_rows("", core)
         manifest = core.manifest
+        anchor_targets: list[tuple[str, str, bool]] = []
+        if not args.prefill_only and not args.no_llama_cpp and family.recipe == "qwen3":
+            anchor, anchor_targets = llama_cpp.anchor(
+                checkpoint, work, args.dtype, batches, PROMPT, DECODE_TOKENS, args.threads, args.decode_repeats,
+                {size: ours_rate for (size, logprobs), (ours_rate, _) in rates.items() if logprobs is None})
+            rows += anchor
         del core
         if not args.skip_prefill and not args.skip_long:
             long_export, _ = export(checkpoint, work / "core-long", args.dtype,
@@ -695,6 +709,7 @@ def main() -> None:
     verdicts = targets(export_s, [load_s, *(seconds for _, seconds, *_ in fresh)], load_rss / (weights_gib + state_gib),
                        prefill_ratio, rates, matrix_shares, mismatches, logprob_costs)
     verdicts += floor_targets(rates, streamed, bandwidth["best"])
+    verdicts += anchor_targets
     print(f"\n| target (issue 23; this run: {args.dtype}) | measured | met |\n|---|---|---|")
     for target, measured, met in verdicts:
         print(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
