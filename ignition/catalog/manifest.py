@@ -67,6 +67,7 @@ class ModelShape:
     layer_kinds: tuple[str, ...] = ()  # each layer's cache kind (catalog/cache_kinds.py), in layer order
     sliding_window: int | None = None  # sliding layers' window W
     window_cells: int | None = None  # sliding layers' ring cells a slot
+    softmax_short_row: int | None = None  # BF16/FP16: the softmax row length traced for (catalog/softmax_order.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,7 @@ class Manifest:
                                     int(model.get("num_layers", 0)),
                                     model.get("max_seq_len"), model.get("num_slots"),
                                     tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
-                                    model.get("window_cells")),
+                                    model.get("window_cells"), model.get("softmax_short_row")),
                    parallel=ParallelSection.from_json(section) if section else None,
                    token_capacity=manifest_token_capacity(manifest), catalog=manifest["catalog"],
                    tokenizer=manifest.get("tokenizer"), files=MappingProxyType(dict(manifest["files"])),
