@@ -98,13 +98,14 @@ def build(root: Path | None = None, jobs: int = BUILD_JOBS) -> dict[str, Path]:
     root = build_root() if root is None else root
     root.mkdir(parents=True, exist_ok=True)
     log = root / "build.log"
+    print(f"building llama.cpp {LLAMA_CPP_PYTHON} in {root} (output: {log})", file=sys.stderr)
     archive = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not archive.is_file():
         _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
               f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(root)], log)
     if not (source_dir(root) / "CMakeLists.txt").is_file():
         with tarfile.open(archive) as tar:
-            tar.extractall(root, filter="data")
+            tar.extractall(root, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run([*nice, "cmake", "-S", str(source_dir(root)), "-B", str(root / "build"), *generator,
