@@ -65,7 +65,7 @@ class Engine:
     def check(self, request: Request) -> None:
         """The admission check (AdmissionError naming the field): the request against the core and this engine's
         context and slots."""
-        check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
+        check_admission(request, self.core.spec, self.max_context)
 
     def submit(self, request: Request, *, checked: bool = False) -> str:
         """Admit a request (AdmissionError before any state changes) and return its id; an ``n > 1`` request's
