@@ -39,7 +39,7 @@ class Engine:
     def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
                  mixed: bool = True, packed: bool = True, max_context: int | None = None):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
-        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
+        tokens and logprob words are bit-identical however it is co-batched (see docs/serving.md, "Engine options").
         ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
         core's ``verify.s{S}`` variants (the smallest S >= draft_tokens). ``mixed``: use the core's ``mixed``
         variants when the rule of ``Scheduler._mixed_round`` allows (False: always serial rounds). ``packed``: use
