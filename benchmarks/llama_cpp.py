@@ -193,12 +193,31 @@ def decode_rates(model: Path, batches: list[int], prompt: int, tokens: int, thre
     command = batched_bench_command(model, batches, prompt, tokens, threads, root)
     runs: dict[int, list[float]] = {size: [] for size in batches}
     for _ in range(repeats):
+        for size, rate in _complete_run(command, batches).items():
+            runs[size].append(rate)
+    return runs
+
+
+RUN_ATTEMPTS = 4
+"""Runs of ``llama-batched-bench`` until one prints every batch's line. NOTE: its results go through llama.cpp's
+asynchronous log thread, which the process does not drain at exit, so a run now and then prints some or none of its
+lines (a tiny model's runs, which end milliseconds after their last line, lost them in one run of a few here)."""
+
+
+def _complete_run(command: list[str], batches: list[int]) -> dict[int, float]:
+    """One run's rates for every batch (``RUN_ATTEMPTS`` at most); SystemExit with the output when none has them."""
+    for _ in range(RUN_ATTEMPTS):
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-        for size, rate in parse_batched_bench(done.stdout).items():
-            runs[size].append(rate)
-    return runs
+        try:
+            rates = parse_batched_bench(done.stdout)
+        except ValueError:
+            continue
+        if set(batches) <= set(rates):
+            return rates
+    sys.exit(f"{' '.join(command)} printed no result for every batch in {RUN_ATTEMPTS} runs; the last:\n"
+             f"{done.stdout[-1000:]}{done.stderr[-1000:]}")
 
 
 def anchor_rows(dtype: str, runs: dict[int, list[float]],

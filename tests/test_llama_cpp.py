@@ -46,6 +46,20 @@ def test_batched_bench_output_is_read_per_batch():
         llama_cpp.parse_batched_bench("main: error: failed to load model\n")
 
 
+def test_a_run_that_lost_its_lines_is_run_again(monkeypatch):
+    """llama.cpp's log thread is not drained at exit, so a run may print none or some of its batches' lines."""
+    import subprocess
+    from types import SimpleNamespace
+
+    outputs = ["", SAMPLE.splitlines()[1] + "\n", SAMPLE]  # nothing, batch 1 only, both
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0, stdout=outputs.pop(0),
+                                                                            stderr=""))
+    assert llama_cpp._complete_run(["bench"], [1, 8]) == {1: 10.0, 8: 64.0} and not outputs
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0, stdout="", stderr="log"))
+    with pytest.raises(SystemExit, match=f"no result for every batch in {llama_cpp.RUN_ATTEMPTS} runs"):
+        llama_cpp._complete_run(["bench"], [1, 8])
+
+
 def test_batched_bench_command(tmp_path, monkeypatch):
     monkeypatch.setattr(llama_cpp, "tools", lambda root=None: {"llama-batched-bench": Path("/bin/bench")})
     command = llama_cpp.batched_bench_command(tmp_path / "m.gguf", [1, 8], 4, 16, 2)
