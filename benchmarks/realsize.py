@@ -30,7 +30,9 @@ the same checkpoint, prompts and threads:
 row on ``--runtime onnxruntime`` or the packages as well. ``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
 skips the decode rows; ``--compare-serial`` also times every prefill row with one prompt chunk per submission
 (``Engine(core, packed=False)``, the path of cores without a packed variant), the two interleaved ``--repeats``
-times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting.
+times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting. ``--csv FILE`` adds each
+decode row's steps (ours and HF's, per batch and logprobs setting) to a CSV of data rows. The step timing and
+profiling (``alternating_costs``, ``step_profile``, ``hf_step_profile``) live in ``benchmarks/_steps.py``.
 
 ``--family gemma3`` or ``--family qwen3_5`` builds a Gemma-3-1B-shaped or Qwen3.5-0.8B-shaped checkpoint instead
 (``benchmarks/realsize_families.py`` holds the shapes; ``qwen3``, the default, is the one above) and exports it with
@@ -46,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -57,12 +58,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABLE, precedes torch's allocations)
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from benchmarks._steps import (StepRow, alternating_costs, decode_rates, hf_step_profile, paired_costs, spread,
+                               step_profile, step_row, timed, write_rows)
 from benchmarks.machine import (cpu_flags, cpu_model, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
                                 header, relied_flags, weight_bytes)
 from benchmarks.realsize_families import FAMILIES, Family, memory_rows
@@ -130,12 +132,6 @@ def export_cell(stages: dict[str, float]) -> str:
         parts.append(f"longest variant {longest} {variants[longest]:.1f} s")
     parts += [f"{name} {stages[name]:.1f} s" for name in ("write:weights", "validate") if name in stages]
     return "; ".join(parts)
-
-
-def timed(fn) -> tuple[float, object]:
-    started = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - started, value
 
 
 def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None,
@@ -246,189 +242,6 @@ def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None,
     if steps is not None:
         steps.extend(later - earlier for earlier, later in zip(clock.times, clock.times[1:]))
     return seconds, sequences
-
-
-class Rate(NamedTuple):
-    """One logprobs setting's decode rows (``decode_rates``)."""
-
-    rate: float  # tokens/s: the lanes over the median of every decode step of the setting's runs
-    tokens: list[list[int]]  # its first run's generated tokens
-    rounds: list[float]  # each run's median decode step, seconds, round by round
-
-
-def decode_rates(side, prompts, settings, repeats: int = 1) -> dict[int | None, Rate]:
-    """Each logprobs setting's decode rate from its decode steps' median: ``side(prompts, tokens, logprobs, steps)``
-    generates DECODE_TOKENS + 1 tokens and appends the seconds of each step after the first token (the prefill's) to
-    ``steps``. The settings alternate ``repeats`` rounds, each round starting one setting later, so each sees the same
-    drift of the host and none always follows the same one; the median of every step of a setting's runs is robust
-    to a disturbed step (the host's speed moves by 10-20% between runs seconds apart)."""
-    steps: dict[int | None, list[float]] = {k: [] for k in settings}
-    rounds: dict[int | None, list[float]] = {k: [] for k in settings}
-    tokens: dict[int | None, list[list[int]]] = {}
-    for round_ in range(repeats):
-        turn = round_ % len(settings)  # each round starts one setting later: none always runs first or last
-        for logprobs in settings[turn:] + settings[:turn]:
-            run: list[float] = []
-            _, generated = side(prompts, DECODE_TOKENS + 1, logprobs, run)
-            tokens.setdefault(logprobs, generated)
-            steps[logprobs] += run
-            rounds[logprobs].append(statistics.median(run))
-    return {k: Rate(len(prompts) / max(statistics.median(steps[k]), 1e-9), tokens[k], rounds[k]) for k in settings}
-
-
-def paired_costs(rates: dict[int | None, Rate], setting: int | None, base: int | None = None) -> list[float]:
-    """``setting``'s cost over ``base`` round by round: its run's median step over the base's run of the same round.
-    The two runs of a round are at most a round's length apart, so the host's slower drift leaves their ratio alone
-    (a decode step's speed moved 10-20% between rounds; the runs of one round, far less)."""
-    return [mine / theirs for mine, theirs in zip(rates[setting].rounds, rates[base].rounds)]
-
-
-def alternating_costs(core, prompts: list[list[int]], logprobs: int, rounds: int,
-                      steps: int = DECODE_TOKENS) -> list[float]:
-    """``logprobs``' cost over logprobs off, step pair by step pair. Each of ``rounds`` rounds builds two engines on
-    ``prompts`` (``warmed_engine``), one over ``core`` and one over ``core.replica()`` (the weights and programs
-    shared, each its own KV cache and buffers), one with ``logprobs`` and one without (the core that has logprobs
-    alternates round by round), and steps them in turn ``steps`` times, the engine that goes first alternating pair
-    by pair. Returns every pair's ratio, the logprobs step's seconds over the other's. A pair's two steps run a
-    fraction of a second apart, so the host's drift, 10-20% between runs seconds apart, leaves the ratio alone."""
-    twin = core.replica()
-    ratios = []
-    for round_ in range(rounds):
-        owners = (core, twin) if round_ % 2 == 0 else (twin, core)
-        engines = {setting: warmed_engine(owner, decode_requests(prompts, setting, steps))
-                   for setting, owner in zip((logprobs, None), owners)}
-        for pair in range(steps):
-            seconds = {}
-            for setting in (logprobs, None) if pair % 2 == 0 else (None, logprobs):
-                seconds[setting], _ = timed(engines[setting].step)
-            ratios.append(seconds[logprobs] / seconds[None])
-    return ratios
-
-
-MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
-                   "aten::_scaled_dot_product_flash_attention_for_cpu")
-"""The profiler names of the matrix products: torch's GEMMs, oneDNN's packed linear and the attention kernel."""
-
-
-def decode_requests(prompts: list[list[int]], logprobs: int | None, steps: int) -> list:
-    """Greedy requests for ``prompts`` asking ``logprobs``, each with room for ``steps`` decode steps after
-    ``warmed_engine``'s prefill and warm-up rounds."""
-    from ignition.runtime.requests import Request
-
-    return [Request(prompt, max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True) for prompt in prompts]
-
-
-def spread(values: list[float]) -> tuple[float, float, float]:
-    """(median, lower quartile, upper quartile) of ``values``; a single value is all three."""
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    low, _, high = statistics.quantiles(values, n=4)
-    return statistics.median(values), low, high
-
-
-def warmed_engine(core, requests):
-    """An ``Engine`` over ``core`` with ``requests`` admitted, every prompt prefilled and 3 decode rounds run: the
-    next ``step`` is a steady decode round of every lane."""
-    from ignition.runtime.engine import Engine
-
-    engine = Engine(core)
-    for request in requests:
-        engine.submit(request)
-    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    return engine
-
-
-def operator_split(events) -> tuple[float, float]:
-    """A profile's operator self time in ms: (the matrix products', every other operator's)."""
-    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
-    return products / 1e3, (sum(e.self_cpu_time_total for e in events) - products) / 1e3
-
-
-def _keep_step(events, wall: float, shares: list[float], walls: list[float], others: list[float]) -> None:
-    """Append one profiled step's matrix share, wall ms and other operators' self ms (``operator_split``)."""
-    products, other = operator_split(events)
-    shares.append(products / (products + other))
-    walls.append(wall * 1e3)
-    others.append(other)
-
-
-def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, float]:
-    """One ``engine.step`` under torch.profiler: (its operator events, by input shape with ``record_shapes``; the
-    step's wall seconds; the matrix products' share of its operator self time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
-        wall, _ = timed(engine.step)
-    events = trace.key_averages(group_by_input_shape=record_shapes)
-    products, other = operator_split(events)
-    return events, wall, products / (products + other)
-
-
-PROFILED_STEPS = 5
-"""Decode steps profiled one after another for each batch's row: the row reports their medians (one step can catch
-the host's drift: single steps of one engine measured from 71% to 86%)."""
-
-
-def step_profile(core, prompts: list[list[int]], logprobs: int | None,
-                 steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[float]]:
-    """``steps`` engine decode steps of ``prompts`` (``warmed_engine``), each under its own torch.profiler: (the
-    matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
-    other operator)."""
-    engine = warmed_engine(core, decode_requests(prompts, logprobs, steps))
-    shares, walls, others = [], [], []
-    for _ in range(steps):
-        events, wall, _ = profiled_step(engine)
-        _keep_step(events, wall, shares, walls, others)
-    while engine.running:
-        engine.step()
-    return shares, walls, others
-
-
-def hf_step_profile(model, prompts: list[list[int]], logprobs: int, steps: int = PROFILED_STEPS,
-                    record_shapes: bool = False,
-                    events: list | None = None) -> tuple[list[float], list[float], list[float], list[list[int]]]:
-    """``steps`` of HF's own decode of ``prompts``, each under its own torch.profiler, as ``step_profile`` measures
-    ours: one forward of a token per sequence over its cache (with the attention mask and cache positions
-    ``generate`` passes), then ``log_softmax`` and ``topk``, after the prompt and 3 unprofiled steps. Returns the
-    matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
-    other operator, and the greedy tokens (the prompt's, then every step's: ``generate``'s first ``4 + steps``).
-    ``events``: each step's operator events are appended (by input shape with ``record_shapes``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.tensor(prompts)
-    batch, length = ids.shape
-    shares, walls, others = [], [], []
-    # transformers 5 names the cache argument and output ``cache``; 4.x (which pyproject allows) ``past_key_values``
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
-        cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens = [token]
-        for step in range(3 + steps):
-            position = length + step
-
-            def forward(token=token, position=position):
-                logits = model(token, **{name: cache}, use_cache=True, logits_to_keep=1,
-                               attention_mask=torch.ones(batch, position + 1, dtype=torch.long),
-                               cache_position=torch.tensor([position])).logits[:, -1]
-                torch.log_softmax(logits.float(), dim=-1).topk(logprobs, dim=-1)
-                return logits.argmax(-1, keepdim=True)
-
-            if step < 3:
-                token = forward()
-                tokens.append(token)
-                continue
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
-                wall, token = timed(forward)
-            tokens.append(token)
-            step_events = trace.key_averages(group_by_input_shape=record_shapes)
-            if events is not None:
-                events.append(step_events)
-            _keep_step(step_events, wall, shares, walls, others)
-    return shares, walls, others, torch.cat(tokens, dim=1).tolist()
 
 
 def stages(timings: dict[str, float]) -> str:
@@ -561,6 +374,8 @@ def main() -> None:
                         help="transformers' attention implementation (default: sdpa for float32, its own default; "
                              "eager for bfloat16, the one whose rounding the cores' BF16 attention reproduces, so "
                              "greedy tokens can be compared)")
+    parser.add_argument("--csv", type=Path, default=None, help="also add every decode row's steps to this CSV of "
+                        "data rows (benchmarks/_steps.py write_rows)")
     args = parser.parse_args()
     family = FAMILIES[args.family]
     args.layers = args.layers or family.layers
@@ -627,6 +442,9 @@ def main() -> None:
             rows += prefill
             prefill_ratio = ratios[PREFILL_ROWS[0]]
         hf_runs = {}  # batch -> logprobs -> HF's rate and tokens, measured once for every runtime's rows
+        data_rows: list[StepRow] = []  # every decode row's steps, for --csv
+        config = {"family": args.family, "layers": args.layers, "vocab": vocab, "dtype": args.dtype,
+                  "threads": args.threads, "decode_tokens": DECODE_TOKENS, "prompt": PROMPT}
 
         def decode_rows(label: str, loaded) -> int:
             differing = 0
@@ -639,21 +457,25 @@ def main() -> None:
                 if size not in hf_runs:  # HF's rates once, for every runtime's rows
                     hf(model, batch, DECODE_TOKENS + 1, None)
                     hf_runs[size] = decode_rates(lambda p, n, k, t: hf(model, p, n, k, t), batch, settings,
-                                                 args.decode_repeats)
+                                                 DECODE_TOKENS + 1, args.decode_repeats)
+                    data_rows.extend(step_row("realsize", "hf", "batch", size, hf_runs[size][k].steps,
+                                              config | {"logprobs": k or 0}) for k in settings)
                 measured = decode_rates(lambda p, n, k, t: ours(loaded, p, n, k, steps=t), batch, settings,
-                                       args.decode_repeats)
+                                       DECODE_TOKENS + 1, args.decode_repeats)
+                data_rows.extend(step_row("realsize", f"ours{label}", "batch", size, measured[k].steps,
+                                          config | {"logprobs": k or 0}) for k in settings)
                 print(f"decode batch {size}{label}: median step of each round, ms: " + "; ".join(
                     f"{side} logprobs {k or 'off'} " + ", ".join(f"{1e3 * step:.1f}" for step in runs[k].rounds)
                     for side, runs in (("ours", measured), ("hf", hf_runs[size])) for k in settings), file=sys.stderr)
                 if not label and None in settings and 20 in settings:
-                    logprob_costs[size] = alternating_costs(loaded, batch, 20, args.decode_repeats)
+                    logprob_costs[size] = alternating_costs(loaded, batch, 20, args.decode_repeats, DECODE_TOKENS)
                     print(f"decode batch {size}: logprobs 20 over off, the rounds' runs "
                           + ", ".join(f"{cost:.3f}" for cost in paired_costs(measured, 20))
                           + f"; {len(logprob_costs[size])} alternating step pairs, median "
                           f"{statistics.median(logprob_costs[size]):.3f}", file=sys.stderr)
                 for logprobs in settings:
-                    rate_hf, tokens_hf, _ = hf_runs[size][logprobs]
-                    rate_ours, tokens_ours, _ = measured[logprobs]
+                    rate_hf, tokens_hf = hf_runs[size][logprobs].rate, hf_runs[size][logprobs].tokens
+                    rate_ours, tokens_ours = measured[logprobs].rate, measured[logprobs].tokens
                     differ = sum(a != b for a, b in zip(tokens_ours, tokens_hf))
                     differing += differ
                     if not label:
@@ -726,6 +548,9 @@ def main() -> None:
     print(json.dumps({"cpu": cpu_model(), "isa": relied_flags(cpu_flags()), "read_bandwidth": bandwidth,
                       "weight_bytes": streamed, "rows": rows, "greedy_mismatches": mismatches,
                       "targets": [[t, m, bool(ok)] for t, m, ok in verdicts]}))
+    if args.csv is not None:
+        write_rows(args.csv, data_rows)
+        print(f"{len(data_rows)} decode step rows written to {args.csv}")
     if mismatches:
         sys.exit(1)
 

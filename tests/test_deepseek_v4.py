@@ -101,7 +101,7 @@ def test_last_row_score_against_first_generated_logprob(tiny, full_forward):
     """Scoring sees the whole prompt at once; ordinary prefill in 128-row chunks is transformers' chunked
     incremental forward, whose indexer ranks only the entries complete at each chunk's end. The difference of
     the two at the prompt's last row (the logprob of the first generated token) is measured here and reported in
-    docs/api.md; transformers' own chunked forward with its cache gives the same number."""
+    docs/recipes.md; transformers' own chunked forward with its cache gives the same number."""
     _, cfg, weights, model, long_prompt = tiny
     scored = full_forward[-1]
     with torch.no_grad():

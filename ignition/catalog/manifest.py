@@ -2,8 +2,8 @@
 
 The manifest JSON stays the artifact (its schema is ignition/schemas/manifest.schema.json and the
 validator checks every rule on it); this view is what code reads after validation, so that a fact
-derived from several fields is derived in exactly one place: the effective K a request may ask for
-(``Features.effective_k``), whether a core is sharded (``Manifest.sharded``), a rank's files.
+derived from several fields is derived in exactly one place: whether a core is sharded (``Manifest.sharded``), a
+rank's files. K, the natural alternatives a request may ask for (0 without logprob outputs), is ``Manifest.k``.
 """
 
 from __future__ import annotations
@@ -17,24 +17,18 @@ from ignition.catalog.contract import manifest_token_capacity
 @dataclass(frozen=True, slots=True)
 class Features:
     allow_logprobs: bool
-    max_logprobs: int
     explicit_ids: bool
     prompt_logprobs: bool
     structured_output: bool = False  # the token bitmask and logit-bias inputs; omitted by older cores
 
     @classmethod
     def from_json(cls, features: dict) -> "Features":
-        return cls(bool(features["allow_logprobs"]), int(features["max_logprobs"]), bool(features["explicit_ids"]),
-                   bool(features["prompt_logprobs"]), bool(features.get("structured_output", False)))
+        return cls(bool(features["allow_logprobs"]), bool(features["explicit_ids"]), bool(features["prompt_logprobs"]),
+                   bool(features.get("structured_output", False)))
 
     def as_json(self) -> dict:
         """The manifest's ``features`` object, every flag present (an older core's omitted ones at their default)."""
         return asdict(self)
-
-    @property
-    def effective_k(self) -> int:
-        """The most natural alternatives a request may ask for: K when the core reports logprobs, else 0."""
-        return self.max_logprobs if self.allow_logprobs else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +70,7 @@ class Manifest:
     recipe: str
     vocab_size: int
     vocab_padded: int
-    k: int
+    k: int  # K: natural alternatives per position a request may ask for (0: the core reports no logprobs)
     eos_token_id: int | None
     weights: str
     features: Features
