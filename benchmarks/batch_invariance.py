@@ -3,7 +3,7 @@
 ``python -m benchmarks.batch_invariance --threads 2`` prints, in one run:
 
 1. without the flag: whether 64 concurrent requests get the same tokens as each alone, and
-   the largest logprob difference (the bound docs/api.md states);
+   the largest logprob difference (docs/serving.md, "Engine options": the last bits may differ);
 2. with the flag: whether they are bit-identical;
 3. decode tokens/s with and without the flag at 1 and 8 concurrent requests (the cost).
 """

@@ -9,15 +9,17 @@ nothing. Export both cores with the same command at the two commits (``git workt
 otherwise idle. ``--new-logprobs K`` gives the NEW side's requests K logprobs instead of ``--logprobs``: with the same
 core twice it measures what logprobs cost (``OLD`` = ``NEW``, ``--logprobs 0 --new-logprobs 20``). ``--profiled N``
 then runs N more rounds of each, alternating, each under its own torch.profiler, and prints each core's median
-matrix-product share of a round's operator time (``benchmarks.realsize.profiled_step``) and its range.
+matrix-product share of a round's operator time (``benchmarks._steps.profiled_step``) and its range. ``--csv FILE``
+adds each core's rounds to a CSV of data rows (``benchmarks._steps.write_rows``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
+
+from benchmarks._steps import lane_prompts, profiled_step, step_row, timed, warmed_engine, write_rows
 
 
 def main() -> None:
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--new-logprobs", type=int, default=None, help="the NEW side's logprobs (default: --logprobs)")
     parser.add_argument("--profiled", type=int, default=0, help="rounds of each core under torch.profiler, after the "
                         "timed ones: the matrix products' share of each")
+    parser.add_argument("--csv", type=Path, default=None, help="also add each core's rounds to this CSV of data rows")
     args = parser.parse_args()
     if args.batch < 1 or args.steps < 1 or args.profiled < 0:
         parser.error("--batch and --steps must be at least 1, --profiled at least 0")
@@ -38,25 +41,28 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from benchmarks.realsize import profiled_step, warmed_engine
     from ignition.runtime.core import load_core
     from ignition.runtime.requests import Request
 
     settings = (args.logprobs, args.logprobs if args.new_logprobs is None else args.new_logprobs)
-    engines = [warmed_engine(load_core(path), [Request([lane + 1, 7, 9, 11], max_tokens=args.steps + args.profiled + 8,
+    engines = [warmed_engine(load_core(path), [Request(prompt, max_tokens=args.steps + args.profiled + 8,
                                                        logprobs=logprobs or None, ignore_eos=True)
-                                               for lane in range(args.batch)])
+                                               for prompt in lane_prompts(args.batch)])
                for path, logprobs in zip((args.old, args.new), settings)]
     rounds: list[list[float]] = [[], []]
     for _ in range(args.steps):
         for side, engine in enumerate(engines):
-            started = time.perf_counter()
-            engine.step()
-            rounds[side].append(time.perf_counter() - started)
+            rounds[side].append(timed(engine.step)[0])
     for path, logprobs, times in zip((args.old, args.new), settings, rounds):
         print(f"{path} (logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, "
               f"min {min(times) * 1e3:.1f} ms a round")
     print(f"new / old (medians): {statistics.median(rounds[1]) / statistics.median(rounds[0]):.3f}")
+    if args.csv is not None:
+        write_rows(args.csv, [step_row("core_ab", f"{name} {path}", "batch", args.batch, times,
+                                       {"logprobs": logprobs, "threads": args.threads, "steps": args.steps})
+                              for name, path, logprobs, times in zip(("old", "new"), (args.old, args.new), settings,
+                                                                     rounds)])
+        print(f"2 rows written to {args.csv}")
     if args.profiled:
         shares: list[list[float]] = [[], []]
         for _ in range(args.profiled):

@@ -10,10 +10,11 @@ torch's CPU allocator on transparent huge pages (``ignition.HUGE_PAGES_VARIABLE`
 against not (0). ``--compare logprobs --rounds R`` runs the two sides in one process instead, R rounds, and times the
 logprob reduction inside the graph (``in_process``); ``--compare logprobs --alternate R`` steps two engines in turn, one
 with logprobs and one without, for R rounds of ``--steps`` step pairs, and prints the median and quartiles of the pairs'
-ratios (``benchmarks.realsize.alternating_costs``, the issue command's logprobs cost). ``--profile TOP`` profiles one step instead and prints its TOP
-operators by self time and input shape, and the matrix products' share; with ``--hf CHECKPOINT`` (the core's source
-checkpoint) it then profiles transformers' own decode step of the same prompts (``benchmarks.realsize.hf_step_profile``,
-eager attention) and prints the same for it.
+ratios (``benchmarks._steps.alternating_costs``, the issue command's logprobs cost). ``--profile TOP`` profiles one
+step instead and prints its TOP operators by self time and input shape, and the matrix products' share; with ``--hf
+CHECKPOINT`` (the core's source checkpoint) it then profiles transformers' own decode step of the same prompts
+(``benchmarks._steps.hf_step_profile``, eager attention) and prints the same for it. ``--csv FILE`` adds each side's
+steps over its ``--pairs`` runs to a CSV of data rows (``benchmarks._steps.write_rows``).
 """
 
 from __future__ import annotations
@@ -27,28 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-
-def lane_prompts(batch: int) -> list[list[int]]:
-    """The 4-token prompt of each of ``batch`` lanes, one per lane."""
-    return [[lane + 1, 7, 9, 11] for lane in range(batch)]
+from benchmarks._steps import (alternating_costs, decode_requests, hf_step_profile, lane_prompts, operator_split,
+                               profiled_step, spread, step_row, timed_steps, warmed_engine, write_rows)
 
 
 def decoding_engine(loaded, batch: int, logprobs: int | None, steps: int):
     """An engine over ``loaded`` with ``batch`` greedy requests (``lane_prompts``) admitted, prefilled and 3 decode
-    rounds in (``benchmarks.realsize.warmed_engine``), each with room for ``steps`` more."""
-    from benchmarks.realsize import decode_requests, warmed_engine
-
+    rounds in (``warmed_engine``), each with room for ``steps`` more."""
     return warmed_engine(loaded, decode_requests(lane_prompts(batch), logprobs, steps))
-
-
-def timed_steps(engine, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` engine steps."""
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - started)
-    return times
 
 
 def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bool, threads: int,
@@ -60,7 +47,7 @@ def measure(core: Path, batch: int, logprobs: int | None, steps: int, retain: bo
 
     loaded = load_core(core, retain_host_memory=retain, pack_linears=pack)
     times = timed_steps(decoding_engine(loaded, batch, logprobs, steps), steps)
-    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3}
+    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "steps": times}
 
 
 def in_process(core: Path, batch: int, logprobs: int, steps: int, rounds: int, threads: int) -> None:
@@ -105,12 +92,11 @@ def in_process(core: Path, batch: int, logprobs: int, steps: int, rounds: int, t
 
 
 def alternating(core: Path, batch: int, logprobs: int, steps: int, rounds: int, threads: int) -> None:
-    """``benchmarks.realsize.alternating_costs`` on ``core``: ``batch`` 4-token prompts, ``rounds`` rounds of ``steps``
-    step pairs; prints the median and quartiles of the pairs' ratios (logprobs ``logprobs`` over off)."""
+    """``alternating_costs`` on ``core``: ``batch`` 4-token prompts, ``rounds`` rounds of ``steps`` step pairs;
+    prints the median and quartiles of the pairs' ratios (logprobs ``logprobs`` over off)."""
     import torch
 
     torch.set_num_threads(threads)
-    from benchmarks.realsize import alternating_costs, spread
     from ignition.runtime.core import load_core
 
     ratios = alternating_costs(load_core(core), lane_prompts(batch), logprobs, rounds, steps)
@@ -121,8 +107,6 @@ def alternating(core: Path, batch: int, logprobs: int, steps: int, rounds: int, 
 
 def _print_profile(events, wall: float, top: int) -> None:
     """The ``top`` operators of one profiled step by self time and input shape, then its totals."""
-    from benchmarks.realsize import operator_split
-
     for event in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"{event.key:48s} {event.self_cpu_time_total / 1e3:8.2f} ms  n={event.count:<5d} "
               f"{str(event.input_shapes)[:90]}")
@@ -135,11 +119,9 @@ def _print_profile(events, wall: float, top: int) -> None:
 def profile_shapes(core: Path, batch: int, logprobs: int | None, threads: int, top: int,
                    hf_checkpoint: Path | None = None) -> None:
     """One warmed decode step under torch.profiler with input shapes: the ``top`` operators by self time, by shape,
-    and the matrix products' share of the step's operator time (``benchmarks.realsize.MATRIX_PRODUCTS``); with
+    and the matrix products' share of the step's operator time (``benchmarks._steps.MATRIX_PRODUCTS``); with
     ``hf_checkpoint``, the same for transformers' own step (eager attention) of the same prompts."""
     import torch
-
-    from benchmarks.realsize import decode_requests, hf_step_profile, profiled_step, warmed_engine
 
     torch.set_num_threads(threads)
     from ignition.runtime.core import load_core
@@ -179,6 +161,7 @@ def main() -> None:
                         "this many rounds of the two sides in one process, and the reduction timed inside the graph")
     parser.add_argument("--alternate", type=int, default=0, metavar="R", help="with --compare logprobs: instead, R "
                         "rounds of --steps step pairs of two engines stepping in turn in one process")
+    parser.add_argument("--csv", type=Path, default=None, help="also add each side's steps to this CSV of data rows")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child run: JSON of its settings
     args = parser.parse_args()
     if args.hf is not None and not args.profile:
@@ -215,6 +198,7 @@ def main() -> None:
                             for name, flag in (("huge pages", "1"), ("4 KiB pages", "0"))]
              }[args.compare]
     print(f"{args.core}: batch {args.batch}, {args.steps} steps a run, threads {args.threads}")
+    steps: dict[str, list[float]] = {name: [] for name, _ in sides}
     for pair in range(1, args.pairs + 1):
         for name, settings in sides:
             command = [sys.executable, "-m", "benchmarks.decode_steps", "--core", str(args.core), "--threads",
@@ -224,7 +208,14 @@ def main() -> None:
             if done.returncode != 0:
                 sys.exit(f"{name}: failed:\n{done.stderr[-2000:]}")
             result = json.loads(done.stdout.strip().splitlines()[-1])
+            steps[name] += result["steps"]
             print(f"pair {pair}  {name:14s} median {result['median_ms']:7.1f} ms  min {result['min_ms']:7.1f} ms")
+    if args.csv is not None:
+        config = {"compare": args.compare, "logprobs": args.logprobs, "core": str(args.core), "threads": args.threads,
+                  "steps": args.steps, "pairs": args.pairs}
+        write_rows(args.csv, [step_row("decode_steps", name, "batch", args.batch, steps[name], config)
+                              for name, _ in sides])
+        print(f"{len(sides)} rows written to {args.csv}")
 
 
 if __name__ == "__main__":

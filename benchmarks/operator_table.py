@@ -95,7 +95,7 @@ def captured_packets(root: Path, recipes=tuple(EXAMPLES)) -> set[str]:
     configurations = {"toy": ExportOptions(recipe="toy", capacities=(1, 4)),
                       "toy-scored": ExportOptions(recipe="toy", capacities=(1, 4), prompt_logprobs=True),
                       "toy-nolp": ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False),
-                      "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), logprob_k=5, logprob_ids=False)}
+                      "toy-natural": ExportOptions(recipe="toy", capacities=(1, 4), k=5, logprob_ids=False)}
     for family, checkpoint in checkpoints.items():
         configurations[family] = ExportOptions(recipe=family, checkpoint=checkpoint, prompt_logprobs=True,
                                                speculative_tokens=(2,), mixed=True, **small)

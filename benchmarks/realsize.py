@@ -20,6 +20,11 @@ the same checkpoint, prompts and threads:
   one with logprobs 20 and one without (``alternating_costs``);
 - the matrix products' share of a decode step's operator time (torch.profiler; the median of ``PROFILED_STEPS``
   steps) at each batch, logprobs 5, and every other operator's self ms, ours and HF's own (``hf_step_profile``);
+- llama.cpp as a second anchor (``benchmarks/llama_cpp.py``; Qwen3 shape only): the same checkpoint converted to an
+  F32 GGUF (``--dtype float32``) or a BF16 one (``--dtype bfloat16``) and decoded by ``llama-batched-bench`` at the
+  same batches, prompt length, token count and threads, ``--decode-repeats`` runs, each batch's median beside our
+  logprobs-off rate; where llama.cpp is not built the rows say so, with the command that builds it
+  (``python -m benchmarks.llama_cpp build``), and its targets read not met; ``--no-llama-cpp`` skips them;
 - that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
   measured and whether it is met;
 - first, the machine (``benchmarks/machine.py``): the CPU model, the ISA flags its kernels rely on, the read
@@ -30,20 +35,24 @@ the same checkpoint, prompts and threads:
 row on ``--runtime onnxruntime`` or the packages as well. ``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
 skips the decode rows; ``--compare-serial`` also times every prefill row with one prompt chunk per submission
 (``Engine(core, packed=False)``, the path of cores without a packed variant), the two interleaved ``--repeats``
-times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting.
+times, and reports medians; ``--core DIR`` reuses an exported core instead of exporting. ``--csv FILE`` adds each
+decode row's steps (ours and HF's, per batch and logprobs setting) to a CSV of data rows. The step timing and
+profiling (``alternating_costs``, ``step_profile``, ``hf_step_profile``) live in ``benchmarks/_steps.py``.
 
 ``--family gemma3`` or ``--family qwen3_5`` builds a Gemma-3-1B-shaped or Qwen3.5-0.8B-shaped checkpoint instead
 (``benchmarks/realsize_families.py`` holds the shapes; ``qwen3``, the default, is the one above) and exports it with
-that recipe; the memory rows then give each cache kind's state (``inspect-core --memory``), and with the 1 x 2,048
-prefill's second core (max_seq_len 2,112), each kind's bytes per slot and layer at both lengths: a sliding layer's
-ring holds its window plus a step's rows - 1 (at most max_seq_len), a full layer's every position. ``--vocab N``
-replaces the vocabulary size (quick runs).
+that recipe; the memory rows then give each cache kind's state (``inspect-core --memory``), and with the second,
+one-slot core (max_seq_len 2,112; exported unless ``--skip-long``, also with ``--skip-prefill``), each kind's bytes
+per slot and layer at both lengths: a sliding layer's ring holds its window plus a step's rows - 1 (at most
+max_seq_len, so a family with sliding layers exports its decode core at ``decode_max_seq_len``, past the ring: 768
+for Gemma-3-1B's window of 512), a full layer's every position. ``--vocab N`` replaces the vocabulary size (quick
+runs).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import json
 import os
 import re
@@ -54,20 +63,38 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABLE, precedes torch's allocations)
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from benchmarks import llama_cpp
+from benchmarks._steps import (StepRow, alternating_costs, decode_rates, hf_step_profile, paired_costs, spread,
+                               step_profile, step_row, timed, write_rows)
 from benchmarks.machine import (cpu_flags, cpu_model, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
                                 header, relied_flags, weight_bytes)
 from benchmarks.realsize_families import FAMILIES, Family, memory_rows
 from benchmarks.realsize_families import make_checkpoint as make_family_checkpoint
+from ignition.recipes.base import ExportOptions
 
 SHAPE = FAMILIES["qwen3"].shape
 DECODE_TOKENS = 16
 PROMPT = 4  # decode runs start from short prompts, as the issue's first table row
+PREFILL_ROWS = ((8, 512), (8, 4), (8, 64))
+"""(prompts, tokens each) of the prefill rows; the first is the one the issue's prefill target judges."""
+MAX_SEQ_LEN, LONG_MAX_SEQ_LEN, LONG_PROMPT = 640, 2112, 2048
+"""The decode core's max_seq_len (raised past a sliding ring, ``decode_max_seq_len``), the second, one-slot core's
+and the prompt the 1 x 2,048 prefill row runs on it."""
+CHUNK_LIMIT = next(f.default for f in dataclasses.fields(ExportOptions) if f.name == "chunk_limit")
+"""export-core's default --chunk-limit: the rows a step writes, which a sliding ring holds beside its window."""
+
+
+def decode_max_seq_len(family: Family) -> int:
+    """The decode core's max_seq_len: ``MAX_SEQ_LEN``, or more where a sliding layer's ring (its window plus a
+    step's rows - 1) would otherwise be capped at max_seq_len, so the memory rows compare two lengths at which the
+    ring is the same."""
+    window = family.shape.get("sliding_window")
+    return MAX_SEQ_LEN if window is None else max(MAX_SEQ_LEN, window + CHUNK_LIMIT)
 
 
 def make_checkpoint(directory: Path, layers: int, dtype: str, family: Family = FAMILIES["qwen3"],
@@ -113,12 +140,6 @@ def export_cell(stages: dict[str, float]) -> str:
     return "; ".join(parts)
 
 
-def timed(fn) -> tuple[float, object]:
-    started = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - started, value
-
-
 def ours(core, prompts: list[list[int]], tokens: int, logprobs: int | None,
          packed: bool | None = None, steps: list[float] | None = None) -> tuple[float, list[list[int]]]:
     """``packed``: None leaves the engine's default (the packed prefill when the core has it); False: serial.
@@ -151,8 +172,9 @@ def prefill_rows(core, model, prompts, short_generator,
     interleaved runs, against HF; with ``--compare-serial`` the serial schedule too. Returns (rows, mismatches: the
     sequences whose greedy token differs from HF's, (count, length) -> our speed over HF's)."""
     rows, mismatches, ratios = [], 0, {}
-    for count, length in ((8, 512), (8, 4), (8, 64)):
-        batch = prompts(count, length) if length == 512 else prompts(count, length, short_generator)
+    for count, length in PREFILL_ROWS:
+        batch = prompts(count, length) if (count, length) == PREFILL_ROWS[0] else prompts(count, length,
+                                                                                          short_generator)
         sides = {"ours": lambda: ours(core, batch, 1, None), "hf": lambda: hf(model, batch, 1, None)}
         if args.compare_serial:
             sides["serial"] = lambda: ours(core, batch, 1, None, packed=False)
@@ -226,189 +248,6 @@ def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None,
     if steps is not None:
         steps.extend(later - earlier for earlier, later in zip(clock.times, clock.times[1:]))
     return seconds, sequences
-
-
-class Rate(NamedTuple):
-    """One logprobs setting's decode rows (``decode_rates``)."""
-
-    rate: float  # tokens/s: the lanes over the median of every decode step of the setting's runs
-    tokens: list[list[int]]  # its first run's generated tokens
-    rounds: list[float]  # each run's median decode step, seconds, round by round
-
-
-def decode_rates(side, prompts, settings, repeats: int = 1) -> dict[int | None, Rate]:
-    """Each logprobs setting's decode rate from its decode steps' median: ``side(prompts, tokens, logprobs, steps)``
-    generates DECODE_TOKENS + 1 tokens and appends the seconds of each step after the first token (the prefill's) to
-    ``steps``. The settings alternate ``repeats`` rounds, each round starting one setting later, so each sees the same
-    drift of the host and none always follows the same one; the median of every step of a setting's runs is robust
-    to a disturbed step (the host's speed moves by 10-20% between runs seconds apart)."""
-    steps: dict[int | None, list[float]] = {k: [] for k in settings}
-    rounds: dict[int | None, list[float]] = {k: [] for k in settings}
-    tokens: dict[int | None, list[list[int]]] = {}
-    for round_ in range(repeats):
-        turn = round_ % len(settings)  # each round starts one setting later: none always runs first or last
-        for logprobs in settings[turn:] + settings[:turn]:
-            run: list[float] = []
-            _, generated = side(prompts, DECODE_TOKENS + 1, logprobs, run)
-            tokens.setdefault(logprobs, generated)
-            steps[logprobs] += run
-            rounds[logprobs].append(statistics.median(run))
-    return {k: Rate(len(prompts) / max(statistics.median(steps[k]), 1e-9), tokens[k], rounds[k]) for k in settings}
-
-
-def paired_costs(rates: dict[int | None, Rate], setting: int | None, base: int | None = None) -> list[float]:
-    """``setting``'s cost over ``base`` round by round: its run's median step over the base's run of the same round.
-    The two runs of a round are at most a round's length apart, so the host's slower drift leaves their ratio alone
-    (a decode step's speed moved 10-20% between rounds; the runs of one round, far less)."""
-    return [mine / theirs for mine, theirs in zip(rates[setting].rounds, rates[base].rounds)]
-
-
-def alternating_costs(core, prompts: list[list[int]], logprobs: int, rounds: int,
-                      steps: int = DECODE_TOKENS) -> list[float]:
-    """``logprobs``' cost over logprobs off, step pair by step pair. Each of ``rounds`` rounds builds two engines on
-    ``prompts`` (``warmed_engine``), one over ``core`` and one over ``core.replica()`` (the weights and programs
-    shared, each its own KV cache and buffers), one with ``logprobs`` and one without (the core that has logprobs
-    alternates round by round), and steps them in turn ``steps`` times, the engine that goes first alternating pair
-    by pair. Returns every pair's ratio, the logprobs step's seconds over the other's. A pair's two steps run a
-    fraction of a second apart, so the host's drift, 10-20% between runs seconds apart, leaves the ratio alone."""
-    twin = core.replica()
-    ratios = []
-    for round_ in range(rounds):
-        owners = (core, twin) if round_ % 2 == 0 else (twin, core)
-        engines = {setting: warmed_engine(owner, decode_requests(prompts, setting, steps))
-                   for setting, owner in zip((logprobs, None), owners)}
-        for pair in range(steps):
-            seconds = {}
-            for setting in (logprobs, None) if pair % 2 == 0 else (None, logprobs):
-                seconds[setting], _ = timed(engines[setting].step)
-            ratios.append(seconds[logprobs] / seconds[None])
-    return ratios
-
-
-MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
-                   "aten::_scaled_dot_product_flash_attention_for_cpu")
-"""The profiler names of the matrix products: torch's GEMMs, oneDNN's packed linear and the attention kernel."""
-
-
-def decode_requests(prompts: list[list[int]], logprobs: int | None, steps: int) -> list:
-    """Greedy requests for ``prompts`` asking ``logprobs``, each with room for ``steps`` decode steps after
-    ``warmed_engine``'s prefill and warm-up rounds."""
-    from ignition.runtime.requests import Request
-
-    return [Request(prompt, max_tokens=steps + 8, logprobs=logprobs, ignore_eos=True) for prompt in prompts]
-
-
-def spread(values: list[float]) -> tuple[float, float, float]:
-    """(median, lower quartile, upper quartile) of ``values``; a single value is all three."""
-    if len(values) == 1:
-        return values[0], values[0], values[0]
-    low, _, high = statistics.quantiles(values, n=4)
-    return statistics.median(values), low, high
-
-
-def warmed_engine(core, requests):
-    """An ``Engine`` over ``core`` with ``requests`` admitted, every prompt prefilled and 3 decode rounds run: the
-    next ``step`` is a steady decode round of every lane."""
-    from ignition.runtime.engine import Engine
-
-    engine = Engine(core)
-    for request in requests:
-        engine.submit(request)
-    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    return engine
-
-
-def operator_split(events) -> tuple[float, float]:
-    """A profile's operator self time in ms: (the matrix products', every other operator's)."""
-    products = sum(e.self_cpu_time_total for e in events if e.key in MATRIX_PRODUCTS)
-    return products / 1e3, (sum(e.self_cpu_time_total for e in events) - products) / 1e3
-
-
-def _keep_step(events, wall: float, shares: list[float], walls: list[float], others: list[float]) -> None:
-    """Append one profiled step's matrix share, wall ms and other operators' self ms (``operator_split``)."""
-    products, other = operator_split(events)
-    shares.append(products / (products + other))
-    walls.append(wall * 1e3)
-    others.append(other)
-
-
-def profiled_step(engine, record_shapes: bool = False) -> tuple[object, float, float]:
-    """One ``engine.step`` under torch.profiler: (its operator events, by input shape with ``record_shapes``; the
-    step's wall seconds; the matrix products' share of its operator self time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
-        wall, _ = timed(engine.step)
-    events = trace.key_averages(group_by_input_shape=record_shapes)
-    products, other = operator_split(events)
-    return events, wall, products / (products + other)
-
-
-PROFILED_STEPS = 5
-"""Decode steps profiled one after another for each batch's row: the row reports their medians (one step can catch
-the host's drift: single steps of one engine measured from 71% to 86%)."""
-
-
-def step_profile(core, prompts: list[list[int]], logprobs: int | None,
-                 steps: int = PROFILED_STEPS) -> tuple[list[float], list[float], list[float]]:
-    """``steps`` engine decode steps of ``prompts`` (``warmed_engine``), each under its own torch.profiler: (the
-    matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
-    other operator)."""
-    engine = warmed_engine(core, decode_requests(prompts, logprobs, steps))
-    shares, walls, others = [], [], []
-    for _ in range(steps):
-        events, wall, _ = profiled_step(engine)
-        _keep_step(events, wall, shares, walls, others)
-    while engine.running:
-        engine.step()
-    return shares, walls, others
-
-
-def hf_step_profile(model, prompts: list[list[int]], logprobs: int, steps: int = PROFILED_STEPS,
-                    record_shapes: bool = False,
-                    events: list | None = None) -> tuple[list[float], list[float], list[float], list[list[int]]]:
-    """``steps`` of HF's own decode of ``prompts``, each under its own torch.profiler, as ``step_profile`` measures
-    ours: one forward of a token per sequence over its cache (with the attention mask and cache positions
-    ``generate`` passes), then ``log_softmax`` and ``topk``, after the prompt and 3 unprofiled steps. Returns the
-    matrix products' share of each step's operator self time, each step's wall ms, each step's self ms in every
-    other operator, and the greedy tokens (the prompt's, then every step's: ``generate``'s first ``4 + steps``).
-    ``events``: each step's operator events are appended (by input shape with ``record_shapes``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    ids = torch.tensor(prompts)
-    batch, length = ids.shape
-    shares, walls, others = [], [], []
-    # transformers 5 names the cache argument and output ``cache``; 4.x (which pyproject allows) ``past_key_values``
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        out = model(ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
-        cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens = [token]
-        for step in range(3 + steps):
-            position = length + step
-
-            def forward(token=token, position=position):
-                logits = model(token, **{name: cache}, use_cache=True, logits_to_keep=1,
-                               attention_mask=torch.ones(batch, position + 1, dtype=torch.long),
-                               cache_position=torch.tensor([position])).logits[:, -1]
-                torch.log_softmax(logits.float(), dim=-1).topk(logprobs, dim=-1)
-                return logits.argmax(-1, keepdim=True)
-
-            if step < 3:
-                token = forward()
-                tokens.append(token)
-                continue
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=record_shapes) as trace:
-                wall, token = timed(forward)
-            tokens.append(token)
-            step_events = trace.key_averages(group_by_input_shape=record_shapes)
-            if events is not None:
-                events.append(step_events)
-            _keep_step(step_events, wall, shares, walls, others)
-    return shares, walls, others, torch.cat(tokens, dim=1).tolist()
 
 
 def stages(timings: dict[str, float]) -> str:
@@ -523,7 +362,8 @@ def main() -> None:
     parser.add_argument("--logprobs", default="0,5,20", help="0 means logprobs off")
     parser.add_argument("--skip-prefill", action="store_true", help="skip the prefill rows (8 x 512, 8 x 4, 8 x 64, "
                         "1 x 2048)")
-    parser.add_argument("--skip-long", action="store_true", help="skip the 1 x 2048 prefill (a second export)")
+    parser.add_argument("--skip-long", action="store_true", help="skip the second, one-slot core at max_seq_len "
+                        "2112 (an export): its 1 x 2048 prefill row and the memory rows at two lengths")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the checkpoint and cores here")
     parser.add_argument("--repeats", type=int, default=3, help="prefill rows: median of this many interleaved runs")
     parser.add_argument("--decode-repeats", type=int, default=5, help="decode rows: the median step of this many runs "
@@ -536,10 +376,14 @@ def main() -> None:
                         "--runtime onnxruntime")
     parser.add_argument("--compile", action="store_true", help="export with --compile inductor and also time every "
                         "decode row on the AOTInductor packages (loaded trusted)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp anchor rows (the checkpoint "
+                        "as an F32 or BF16 GGUF, decoded by llama-batched-bench; benchmarks/llama_cpp.py)")
     parser.add_argument("--hf-attention", choices=("sdpa", "eager"), default=None,
                         help="transformers' attention implementation (default: sdpa for float32, its own default; "
                              "eager for bfloat16, the one whose rounding the cores' BF16 attention reproduces, so "
                              "greedy tokens can be compared)")
+    parser.add_argument("--csv", type=Path, default=None, help="also add every decode row's steps to this CSV of "
+                        "data rows (benchmarks/_steps.py write_rows)")
     args = parser.parse_args()
     family = FAMILIES[args.family]
     args.layers = args.layers or family.layers
@@ -561,7 +405,8 @@ def main() -> None:
         if args.core is None:
             args.core = work / "core"
             export_s, stages = export(checkpoint, args.core, args.dtype,
-                              ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len", "640",
+                              ["--capacities", ",".join(map(str, sorted({1, 8, *batches}))), "--max-seq-len",
+                               str(decode_max_seq_len(family)),
                                *(["--onnx"] if args.onnx else []), *(["--compile", "inductor"] if args.compile else [])],
                               family.recipe)
         else:
@@ -574,7 +419,8 @@ def main() -> None:
         weights_gib = streamed / 2**30
         state_gib = sum(t.numel() * t.element_size() for t in core.state.values()) / 2**30
         fresh = [fresh_load(args.core, args.threads) for _ in range(FRESH_LOADS)]
-        rows += [("export (default variants + capacities %s, max_seq_len 640)" % ",".join(map(str, batches)),
+        rows += [("export (default variants + capacities %s, max_seq_len %d)" % (",".join(map(str, batches)),
+                                                                                  decode_max_seq_len(family)),
                   "not run (--core)" if export_s != export_s else f"{export_s:.1f} s", "", export_cell(stages)),
                  ("load_core (this process, the first load after the export)", f"{load_s:.1f} s", "",
                   load_cell(core.timings, faulted, rate))]
@@ -602,8 +448,11 @@ def main() -> None:
         if not args.skip_prefill:
             prefill, mismatches, ratios = prefill_rows(core, model, prompts, short_generator, args)
             rows += prefill
-            prefill_ratio = ratios[8, 512]
+            prefill_ratio = ratios[PREFILL_ROWS[0]]
         hf_runs = {}  # batch -> logprobs -> HF's rate and tokens, measured once for every runtime's rows
+        data_rows: list[StepRow] = []  # every decode row's steps, for --csv
+        config = {"family": args.family, "layers": args.layers, "vocab": vocab, "dtype": args.dtype,
+                  "threads": args.threads, "decode_tokens": DECODE_TOKENS, "prompt": PROMPT}
 
         def decode_rows(label: str, loaded) -> int:
             differing = 0
@@ -616,21 +465,25 @@ def main() -> None:
                 if size not in hf_runs:  # HF's rates once, for every runtime's rows
                     hf(model, batch, DECODE_TOKENS + 1, None)
                     hf_runs[size] = decode_rates(lambda p, n, k, t: hf(model, p, n, k, t), batch, settings,
-                                                 args.decode_repeats)
+                                                 DECODE_TOKENS + 1, args.decode_repeats)
+                    data_rows.extend(step_row("realsize", "hf", "batch", size, hf_runs[size][k].steps,
+                                              config | {"logprobs": k or 0}) for k in settings)
                 measured = decode_rates(lambda p, n, k, t: ours(loaded, p, n, k, steps=t), batch, settings,
-                                       args.decode_repeats)
+                                       DECODE_TOKENS + 1, args.decode_repeats)
+                data_rows.extend(step_row("realsize", f"ours{label}", "batch", size, measured[k].steps,
+                                          config | {"logprobs": k or 0}) for k in settings)
                 print(f"decode batch {size}{label}: median step of each round, ms: " + "; ".join(
                     f"{side} logprobs {k or 'off'} " + ", ".join(f"{1e3 * step:.1f}" for step in runs[k].rounds)
                     for side, runs in (("ours", measured), ("hf", hf_runs[size])) for k in settings), file=sys.stderr)
                 if not label and None in settings and 20 in settings:
-                    logprob_costs[size] = alternating_costs(loaded, batch, 20, args.decode_repeats)
+                    logprob_costs[size] = alternating_costs(loaded, batch, 20, args.decode_repeats, DECODE_TOKENS)
                     print(f"decode batch {size}: logprobs 20 over off, the rounds' runs "
                           + ", ".join(f"{cost:.3f}" for cost in paired_costs(measured, 20))
                           + f"; {len(logprob_costs[size])} alternating step pairs, median "
                           f"{statistics.median(logprob_costs[size]):.3f}", file=sys.stderr)
                 for logprobs in settings:
-                    rate_hf, tokens_hf, _ = hf_runs[size][logprobs]
-                    rate_ours, tokens_ours, _ = measured[logprobs]
+                    rate_hf, tokens_hf = hf_runs[size][logprobs].rate, hf_runs[size][logprobs].tokens
+                    rate_ours, tokens_ours = measured[logprobs].rate, measured[logprobs].tokens
                     differ = sum(a != b for a, b in zip(tokens_ours, tokens_hf))
                     differing += differ
                     if not label:
@@ -660,17 +513,25 @@ def main() -> None:
         prompts_for = {size: prompts(size, PROMPT) for size in batches}
         mismatches += decode_rows("", core)
         manifest = core.manifest
+        anchor_targets: list[tuple[str, str, bool]] = []
+        if not args.prefill_only and not args.no_llama_cpp and family.recipe == "qwen3":
+            anchor, anchor_targets = llama_cpp.anchor(
+                checkpoint, work, args.dtype, batches, PROMPT, DECODE_TOKENS, args.threads, args.decode_repeats,
+                {size: ours_rate for (size, logprobs), (ours_rate, _) in rates.items() if logprobs is None})
+            rows += anchor
         del core
-        if not args.skip_prefill and not args.skip_long:
+        if not args.skip_long:  # the memory rows at two lengths, and the long prefill row unless --skip-prefill
             long_export, _ = export(checkpoint, work / "core-long", args.dtype,
-                                 ["--capacities", "1", "--max-seq-len", "2112"], family.recipe)
+                                 ["--capacities", "1", "--max-seq-len", str(LONG_MAX_SEQ_LEN)], family.recipe)
             long_core = load_core(work / "core-long")
             rows += memory_rows(manifest, long_core.manifest)
-            batch = prompts(1, 2048)
-            t_ours, _ = ours(long_core, batch, 1, None)
-            t_hf, _ = hf(model, batch, 1, None)
-            rows.append((f"prefill 1 x 2048 tokens (one-slot core, export {long_export:.0f} s)",
-                         f"{2048 / t_ours:.1f} tok/s", f"{2048 / t_hf:.1f} tok/s", f"{t_hf / t_ours:.2f}x"))
+            if not args.skip_prefill:
+                batch = prompts(1, LONG_PROMPT)
+                t_ours, _ = ours(long_core, batch, 1, None)
+                t_hf, _ = hf(model, batch, 1, None)
+                rows.append((f"prefill 1 x {LONG_PROMPT} tokens (one-slot core, export {long_export:.0f} s)",
+                             f"{LONG_PROMPT / t_ours:.1f} tok/s", f"{LONG_PROMPT / t_hf:.1f} tok/s",
+                             f"{t_hf / t_ours:.2f}x"))
             del long_core
         else:
             rows += memory_rows(manifest)
@@ -695,12 +556,16 @@ def main() -> None:
     verdicts = targets(export_s, [load_s, *(seconds for _, seconds, *_ in fresh)], load_rss / (weights_gib + state_gib),
                        prefill_ratio, rates, matrix_shares, mismatches, logprob_costs)
     verdicts += floor_targets(rates, streamed, bandwidth["best"])
+    verdicts += anchor_targets
     print(f"\n| target (issue 23; this run: {args.dtype}) | measured | met |\n|---|---|---|")
     for target, measured, met in verdicts:
         print(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
     print(json.dumps({"cpu": cpu_model(), "isa": relied_flags(cpu_flags()), "read_bandwidth": bandwidth,
                       "weight_bytes": streamed, "rows": rows, "greedy_mismatches": mismatches,
                       "targets": [[t, m, bool(ok)] for t, m, ok in verdicts]}))
+    if args.csv is not None:
+        write_rows(args.csv, data_rows)
+        print(f"{len(data_rows)} decode step rows written to {args.csv}")
     if mismatches:
         sys.exit(1)
 

@@ -69,10 +69,11 @@ FAMILIES: dict[str, Family] = {
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
         layers=26, layer_types=("sliding_attention",) * 5 + ("full_attention",), extra=_NO_IDS),
-    # Qwen/Qwen3.5-0.8B config.json text_config and its model card ("Model Overview"): hidden 1024, 24 layers laid
-    # out 6 x (3 Gated DeltaNet + 1 gated attention), gated attention 8 query / 2 KV heads of 256 with a 64-wide
-    # rotary part (partial_rotary_factor 0.25), Gated DeltaNet 16 key and 16 value heads of 128, conv kernel 4
-    # (Qwen3_5TextConfig's default), MLP 3584, vocabulary 248,320 tied, rope_theta 1e7
+    # Qwen/Qwen3.5-0.8B config.json text_config: hidden 1024, 24 layers laid out 6 x (3 Gated DeltaNet + 1 gated
+    # attention) (layer_types; full_attention_interval 4), gated attention 8 query / 2 KV heads of 256 with a
+    # 64-wide rotary part (partial_rotary_factor 0.25), Gated DeltaNet linear_num_key_heads 16 and
+    # linear_num_value_heads 16 of linear_key_head_dim = linear_value_head_dim = 128, linear_conv_kernel_dim 4, MLP
+    # 3584, vocabulary 248,320 tied, rope_theta 1e7 (its mrope_section only matters for image positions)
     "qwen3_5": Family("Qwen3.5-0.8B", "qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
         vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
         head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,

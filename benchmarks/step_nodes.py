@@ -5,7 +5,7 @@ requests (4-token prompts, logprobs 5), prefills them and runs 3 warm-up rounds,
 steps. Each top-level operator call of the step is matched to the decode graph's node that made it, in program
 order, and the table sums, per node kind (its operator; RMSNorm and similar nodes split by their normalized shape),
 the nodes, the operator calls they made (nested ones included) and their time (nested calls included), averaged over
-the steps. ``benchmarks.realsize`` reports the same steps' matrix-product share from the flat profile; this shows
+the steps. ``benchmarks.realsize`` (through ``benchmarks._steps.step_profile``) reports the same steps' matrix-product share from the flat profile; this shows
 which nodes the rest comes from (about 4 us an operator call between the GEMMs at Qwen3-0.6B's width, where a tight
 loop of the same call costs 0.7 us).
 """
@@ -27,12 +27,10 @@ def node_table(core, batch: int, steps: int) -> tuple[list[tuple[str, int, int, 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.realsize import warmed_engine
+    from benchmarks._steps import decode_requests, lane_prompts, warmed_engine
     from ignition.catalog.enums import Operation
-    from ignition.runtime.requests import Request
 
-    engine = warmed_engine(core, [Request([lane + 1, 7, 9, 11], max_tokens=steps + 8, logprobs=5, ignore_eos=True)
-                                  for lane in range(batch)])
+    engine = warmed_engine(core, decode_requests(lane_prompts(batch), 5, steps))
     variant = next(v for v in core.variants.values() if v.operation is Operation.DECODE and v.capacity == batch)
     nodes = [n for n in variant.runner.graph_module.graph.nodes
              if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -41,10 +42,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+SHARED_CORES: dict[Path, str] = {}
+"""Every shared core this process handed out -> its ``core_fingerprint`` then (``shared_cores_stay_unchanged``)."""
+
+
+def core_fingerprint(root: Path) -> str:
+    """sha256 over the relative path and the bytes of every file under ``root``: any file added, removed, renamed
+    or rewritten changes it, a rehashed manifest included."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_cores_stay_unchanged():
+    """After every other fixture of the session is torn down, each shared core this process handed out holds the
+    bytes it held then: a test or fixture that edits a core must edit a copy (``core_copy``), or every test that
+    runs after it, in this worker or another, reads the edited core."""
+    yield
+    changed = sorted(str(root) for root, fingerprint in SHARED_CORES.items() if core_fingerprint(root) != fingerprint)
+    assert not changed, f"shared cores changed in place by a test or fixture: {changed} (edit a copy: core_copy)"
+
+
 def shared_core(tmp_path_factory, name: str, export) -> Path:
     """The directory ``name`` that ``export(directory)`` fills, made once per run: under pytest-xdist the workers
     share it (the first to take its lock builds it; an export publishes its core whole, by one rename), so a
-    session core is exported once, not once per worker. The tests only read it: one that edits a core copies it."""
+    session core is exported once, not once per worker. The tests only read it: one that edits a core copies it
+    (``shared_cores_stay_unchanged`` checks at the end of the session)."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
@@ -55,6 +81,7 @@ def shared_core(tmp_path_factory, name: str, export) -> Path:
     with FileLock(f"{out}.lock"):
         if not out.exists():
             export(out)
+        SHARED_CORES.setdefault(out, core_fingerprint(out))
     return out
 
 

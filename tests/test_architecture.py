@@ -177,3 +177,63 @@ def test_only_catalog_and_validate_read_the_raw_manifest():
     assert RAW_READ.search('model = core.manifest["model"]') and RAW_READ.search('core.manifest.get("eos_token_id")')
     assert RAW_READ.search('if manifest["k"] == 0:')
     assert not RAW_READ.search('manifest["tensor_parallel"] = section') and not RAW_READ.search("core.spec.model")
+
+
+CONFTEST = Path(__file__).with_name("conftest.py")
+
+
+def _fixtures(tree: ast.Module, session_only: bool) -> dict[str, ast.FunctionDef]:
+    def fixture(decorator) -> bool:
+        call = decorator if isinstance(decorator, ast.Call) else None
+        name = ast.unparse(call.func if call else decorator)
+        if name not in ("pytest.fixture", "fixture"):
+            return False
+        return not session_only or call is not None and any(
+            k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value == "session" for k in call.keywords)
+    return {node.name: node for node in tree.body
+            if isinstance(node, ast.FunctionDef) and any(fixture(d) for d in node.decorator_list)}
+
+
+def test_every_session_core_is_shared_and_checked_unchanged():
+    """A session-scoped core is exported through ``shared_core``, which fingerprints it, and the autouse
+    ``shared_cores_stay_unchanged`` fails the session when a test or fixture changed one in place; a fixture that
+    takes a shared core and writes files (``served_eos`` sets an EOS id) writes into a copy."""
+    tree = ast.parse(CONFTEST.read_text())
+    fixtures = _fixtures(tree, session_only=False)
+    calls = {name: {n.func.id for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+             for name, body in fixtures.items()}
+    session = _fixtures(tree, session_only=True)
+    exporting = {name for name, called in calls.items() if "export_core" in called}
+    assert exporting <= set(session), exporting - set(session)
+    assert exporting and all("shared_core" in calls[name] for name in exporting), calls
+    guard = session["shared_cores_stay_unchanged"]
+    assert any(k.arg == "autouse" and getattr(k.value, "value", False) for d in guard.decorator_list
+               if isinstance(d, ast.Call) for k in d.keywords)
+    shared = {name for name, called in calls.items() if "shared_core" in called}
+    writes = re.compile(r"\.(write_text|write_bytes|unlink|rename|replace)\(|dump_json|shutil\.(rmtree|move)")
+    for name, body in fixtures.items():  # a fixture that takes a shared core and writes: into a copy only
+        uses = {a.arg for a in body.args.args} & shared
+        source = ast.get_source_segment(CONFTEST.read_text(), body)
+        if uses and writes.search(source):
+            assert "copytree" in source, f"{name} writes next to shared core(s) {uses} without copying one"
+
+
+def test_the_core_fingerprint_sees_every_edit(tmp_path):
+    from conftest import core_fingerprint
+
+    core = tmp_path / "core"
+    (core / "graphs").mkdir(parents=True)
+    (core / "manifest.json").write_text('{"eos_token_id": 3}\n')
+    (core / "graphs" / "decode.c1.pt2").write_bytes(b"\x00" * 16)
+    before = core_fingerprint(core)
+    assert core_fingerprint(core) == before
+    for edit, undo in ((lambda: (core / "manifest.json").write_text('{"eos_token_id": 4}\n'),  # same size
+                        lambda: (core / "manifest.json").write_text('{"eos_token_id": 3}\n')),
+                       (lambda: (core / "graphs" / "x.pt2").write_bytes(b""),
+                        lambda: (core / "graphs" / "x.pt2").unlink()),
+                       (lambda: (core / "graphs" / "decode.c1.pt2").rename(core / "graphs" / "decode.c2.pt2"),
+                        lambda: (core / "graphs" / "decode.c2.pt2").rename(core / "graphs" / "decode.c1.pt2"))):
+        edit()
+        assert core_fingerprint(core) != before
+        undo()
+        assert core_fingerprint(core) == before

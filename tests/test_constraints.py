@@ -17,6 +17,7 @@ import torch
 from _grammar_cases import byte_level_bpe, token_pieces
 from ignition.catalog.contract import MAX_LOGIT_BIAS, bitmask_words
 from ignition.catalog.enums import ValueSource as S
+from ignition.catalog.manifest import Features
 from ignition.runtime.bindings import Lane, fill_constraints
 from ignition.runtime.constraints import (ConstraintConflict, ConstraintError, LaneConstraints, bad_word_sequences,
                                           fill_mask_rows, vocabulary_row)
@@ -227,11 +228,12 @@ def test_fill_constraints_refuses_a_variant_without_the_inputs():
 
 
 def test_admission_refuses_constraints_on_a_core_without_the_feature():
-    features = {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True, "prompt_logprobs": False}
+    features = Features(allow_logprobs=True, explicit_ids=True, prompt_logprobs=False)
+    spec = SimpleNamespace(k=20, vocab_size=250, features=features)  # the typed Manifest's fields check_options reads
     request = Request([1, 2], constraints=LaneConstraints.build(250, min_tokens=1, stop_ids=[3], logit_bias={1: 2}))
     with pytest.raises(AdmissionError, match="cannot serve min_tokens, logit_bias; re-export") as raised:
-        check_options(request, features, 250)
+        check_options(request, spec)
     assert raised.value.param == "min_tokens"
-    check_options(request, features | {"structured_output": True}, 250)
-    check_options(Request([1, 2]), features, 250)  # an old core still serves unconstrained requests
-    check_options(Request([1, 2], constraints=LaneConstraints.build(250)), features, 250)  # and empty constraints
+    check_options(request, SimpleNamespace(k=20, vocab_size=250, features=Features(True, True, False, True)))
+    check_options(Request([1, 2]), spec)  # an old core still serves unconstrained requests
+    check_options(Request([1, 2], constraints=LaneConstraints.build(250)), spec)  # and empty constraints

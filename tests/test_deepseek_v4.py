@@ -125,7 +125,7 @@ def test_last_row_score_against_first_generated_logprob(tiny, full_forward, tie_
     indexer never ties, transformers' chunked incremental forward gives the full forward's last row (its first
     generated logprob equals the last-row score within 1e-5), and so do we: the two paths differ only where
     ``topk`` meets a tie (``test_tie_rule_makes_the_choice_independent_of_chunking``). Measured and reported in
-    docs/api.md."""
+    docs/recipes.md."""
     _, cfg, weights, model, long_prompt = tiny
     scored = full_forward[-1]
     with torch.no_grad():

@@ -173,7 +173,7 @@ def test_cli_inspect(toy_core):
     result = runner.invoke(app, ["inspect-core", str(toy_core), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["features"] == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True,
+    assert summary["features"] == {"allow_logprobs": True, "explicit_ids": True,
                                    "prompt_logprobs": False, "structured_output": True, "k": 20}
     assert [v["name"] for v in summary["variants"]] == ["decode.c1", "decode.c4", "prefill.t256"]
     assert summary["memory"]["completion_frame_bytes"] > 0

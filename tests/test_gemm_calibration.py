@@ -151,3 +151,59 @@ def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path
     assert _packed_weights(load_core(core, gemm=PACKED)) == shapes
     assert _packed_weights(load_core(core, gemm=ATEN)) == set()
     assert len(calls) == len(shapes)
+
+
+def test_every_shape_from_the_floor_up_is_timed_not_assumed(tmp_path, monkeypatch):
+    """The size at which oneDNN's packed product pays is the machine's: from ``PACK_MIN_ELEMENTS`` up, each shape's
+    path is what its timings say (a square 256 x 256, which one AMD EPYC ran faster on ``aten.linear``, packs where
+    the packed product times faster); under it nothing is timed."""
+    from ignition.runtime.backends import packed_linear
+
+    side = int(packed_linear.PACK_MIN_ELEMENTS ** 0.5)
+    calls = []
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({
+        (side, side): {"1": {PACKED: 1e-5, ATEN: 2e-5}, "8": {PACKED: 1e-5, ATEN: 2e-5}},
+        (2 * side, side): {"1": {PACKED: 3e-5, ATEN: 2e-5}, "8": {PACKED: 3e-5, ATEN: 2e-5}}}, calls))
+    packs = packed_linear.LinearPacks(gemm=GemmPlan("calibrate", allowed=lambda dtype: True, cache=tmp_path / "c.json"))
+    assert packs._packs((side, side), torch.float32) and not packs._packs((2 * side, side), torch.float32)
+    assert not packs._packs((side - 1, side), torch.float32)  # under the floor: aten.linear, untimed
+    assert calls == [(side, side), (2 * side, side)]
+    assert packed_linear.PACK_MIN_ELEMENTS <= 1 << 16  # no floor above a few hundred KiB: those sizes are timed
+
+
+def test_an_instruction_set_cap_is_another_machine(monkeypatch):
+    plain = machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert machine_key() == plain + " | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2"
+
+
+_EMULATED = """\
+import json, sys, torch
+from pathlib import Path
+from ignition.runtime.backends.gemm_calibration import GemmPlan, machine_key, quiet
+plan = GemmPlan("calibrate", cache=Path(sys.argv[1]))
+choice = plan.packs((512, 512), torch.float32)
+print(json.dumps([machine_key(), choice, plan.measured, quiet()]))
+"""
+
+
+def test_the_avx2_familys_kernels_calibrate_apart_on_a_wider_cpu(tmp_path):
+    """Under oneDNN's and MKL's AVX2 cap (what an AVX2 server runs) a calibration times its own products and keeps
+    them under its own key, beside this machine's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    caps = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", _EMULATED, str(tmp_path / "c.json")], capture_output=True,
+                          text=True, timeout=300, env=os.environ | caps | {"PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    key, choice, measured, quiet = json.loads(done.stdout.strip().splitlines()[-1])
+    assert key.endswith(" | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2") and key != machine_key()
+    assert measured == ["float32 512x512"]
+    if quiet:  # cached only where the host was quiet
+        saved = json.loads((tmp_path / "c.json").read_text())["machines"]
+        assert saved[key]["float32 512x512"]["choice"] == (PACKED if choice else ATEN)

@@ -8,12 +8,15 @@ boundaries), prompt scoring, a verify family and mixed graphs; the oracle is tra
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_gemma3 import PROMPTS, TOL, assert_entries_match, hf_incremental, hf_rows
+from test_gemma3 import PROMPTS, TOL, VOCAB, assert_entries_match, hf_incremental, hf_rows
 from transformers import GptOssForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -123,11 +126,88 @@ def test_mixed_serial_and_batch_invariant_rounds_agree(gpt_oss):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.entries, b.entries)) < TOL
 
 
+def test_packed_prompt_chunks_match_transformers_and_the_serial_rounds(gpt_oss):
+    """The packed prefill (its rows static, as the experts' capacity ladder needs; only valid rows are routed, and
+    only the segment window narrows): two prompts' chunks a submission, crossing window and chunk boundaries, give
+    transformers' tokens and K=5 logprobs, and the serial rounds' tokens and values."""
+    hf, root, core, _ = gpt_oss
+    catalog = json.loads((root / "catalog.json").read_text())
+    (packed,) = [v for v in catalog["variants"] if v["name"].startswith("packed.")]
+    assert packed["name"] == f"packed.t{CHUNK}.c2" and "segment_window" in packed["contract"]["layout"]["windows"]
+    assert "packed_input_ids" not in packed["contract"]["layout"]["windows"]
+    requests = [Request(p, max_tokens=8, logprobs=5, ignore_eos=True) for p in (PROMPTS[0], PROMPTS[2])]
+    engine = Engine(core, mixed=False)
+    results = engine.generate(requests)
+    assert engine.stats["packed_rounds"] >= 3  # 8+8, 8+8, 5+8 rows
+    serial = Engine(core, mixed=False, packed=False).generate(requests)
+    for prompt, result, alone in zip((PROMPTS[0], PROMPTS[2]), results, serial):
+        tokens, rows = hf_incremental(hf, prompt, 8)
+        assert result.error is None and result.token_ids == tokens == alone.token_ids
+        assert_entries_match(result, rows, 5)
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(result.entries, alone.entries)) < TOL
+
+
+def test_padding_rows_run_no_expert():
+    """Dispatch.sort with a validity mask: an invalid row's assignments are counted by no expert and sort after
+    every segment, so a static graph's padding rows never reach an expert's GEMM."""
+    from ignition.recipes.moe import Dispatch
+
+    experts = torch.tensor([[2, 0], [1, 2], [0, 1]])
+    weights = torch.arange(6, dtype=torch.float32).view(3, 2)
+    every = Dispatch.sort(experts, weights, 3)
+    some = Dispatch.sort(experts, weights, 3, valid=torch.tensor([True, False, True]))
+    assert every.counts.tolist() == [2, 2, 2] and some.counts.tolist() == [2, 1, 1]
+    assert some.starts.tolist() == [0, 2, 3] and some.rows[:4].tolist() == [0, 2, 2, 0]
+    assert some.weights[:4].tolist() == [1.0, 4.0, 5.0, 0.0] and some.rows[4:].tolist() == [1, 1]
+
+
 def test_manifest_declares_each_layers_kind(gpt_oss):
     _, root, _, _ = gpt_oss
     model = load_core(root).manifest["model"]
     assert model["layer_kinds"] == ["sliding", "full", "sliding"]
     assert (model["sliding_window"], model["window_cells"]) == (WINDOW, WINDOW + CHUNK - 1)
+
+
+def test_tensor_parallel_two_ranks_match_one(gpt_oss, tmp_path):
+    """--tensor-parallel 2 (query and KV heads with their sinks and biases, every expert's intermediate columns, the
+    vocabulary and both kinds' caches split by rank; router replicated): the same tokens, ids and order as the
+    single-rank core, logprobs within 1e-5 (the experts' partial sums are added in another order), decoding past the
+    window."""
+    from _tp_runner import as_json, requests
+
+    _, _, core, checkpoint = gpt_oss
+    export_core(ExportOptions(recipe="gpt_oss", checkpoint=checkpoint, capacities=(1,), chunk_limit=CHUNK,
+                              max_seq_len=32, tensor_parallel=2), tmp_path / "tp2")
+    manifest = json.loads((tmp_path / "tp2" / "manifest.json").read_text())
+    state = {s["name"]: s["shape"] for s in manifest["state"]}
+    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 1, 32, 1, 16]
+    shards = manifest["tensor_parallel"]["shards"]
+    assert (shards["layers.0.sinks"]["shard"], shards["layers.0.experts.gate_up"]["shard"]) == ([2], [4, 64, 64])
+    assert (shards["layers.0.experts.down"]["shard"], shards["layers.0.router"]["kind"]) == ([4, 32, 64],
+                                                                                             "replicated")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("_tp_runner.py")), str(tmp_path / "tp2"), "2"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (sharded,) = json.loads(done.stdout.splitlines()[-1])["results"]
+    single = [as_json(r) for r in Engine(core).generate(requests())]
+    for one, two in zip(single, sharded, strict=True):
+        assert two["error"] is None and two["tokens"] == one["tokens"]
+        for a, b in zip(one["entries"], two["entries"], strict=True):
+            assert [i for i, _ in a["top"]] == [i for i, _ in b["top"]] and abs(a["logprob"] - b["logprob"]) < TOL
+            assert max(abs(v - w) for (_, v), (_, w) in zip(a["top"], b["top"])) < TOL
+
+
+def test_onnx_graphs_replay_the_torch_core(checkpoint, tmp_path):
+    """--onnx: the sinks, the ring and the experts' conds translate; onnxruntime's replay gives the torch graphs'
+    tokens, ids in order and values (tests/test_onnx_runtime.py's tolerance), prompts longer than the window."""
+    pytest.importorskip("onnxruntime")
+    from test_onnx_runtime import assert_same_results, replay_both
+
+    export_core(ExportOptions(recipe="gpt_oss", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
+                              max_seq_len=MAX_SEQ, onnx=True), tmp_path / "onnx")
+    want, got, _ = replay_both(tmp_path / "onnx", VOCAB, scored=False)
+    assert_same_results(want, got)
+    assert max(len(r.token_ids) for r in got) > 1 and all(r.error is None for r in got)
 
 
 def test_mxfp4_experts_are_dequantized_as_transformers_does(checkpoint, tmp_path):

@@ -49,7 +49,7 @@ def test_natural_only_core_exports_and_validates(natural_core):
     report = validate_core(natural_core)
     assert report.ok, report.violations
     manifest = report.manifest
-    assert (manifest["k"], manifest["features"]) == (K, {"allow_logprobs": True, "max_logprobs": K,
+    assert (manifest["k"], manifest["features"]) == (K, {"allow_logprobs": True,
                                                          "explicit_ids": False, "prompt_logprobs": False,
                                                          "structured_output": True})
     for variant in report.catalog["variants"]:
@@ -105,10 +105,10 @@ def test_natural_only_rejections_are_400_before_admission(served_natural, monkey
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"logprob_k": 5}, "add --no-logprob-ids"),
-    ({"logprob_k": 0, "logprob_ids": False}, "between 1 and 20"),
-    ({"logprob_k": 21, "logprob_ids": False}, "between 1 and 20"),
-    ({"logprob_k": 5, "logprob_ids": False, "prompt_logprobs": True}, "requires the K=20"),
+    ({"k": 5}, "add --no-logprob-ids"),
+    ({"k": 0, "logprob_ids": False}, "between 1 and 20"),
+    ({"k": 21, "logprob_ids": False}, "between 1 and 20"),
+    ({"k": 5, "logprob_ids": False, "prompt_logprobs": True}, "requires the K=20"),
 ])
 def test_natural_only_options_are_checked(options, message):
     with pytest.raises(RecipeError, match=message):

@@ -319,3 +319,25 @@ def test_a_linear_attention_core_is_refused_as_a_draft_core(core) -> None:
 def test_unbuilt_options_are_refused_by_name(checkpoint, option: dict, words: str) -> None:
     with pytest.raises(RecipeError, match=words):
         build_recipe(ExportOptions(recipe="qwen3_5", checkpoint=checkpoint[0], capacities=(2,), **option))
+
+
+def test_packed_prompt_chunks_match_transformers_and_the_serial_rounds(core, checkpoint) -> None:
+    """The packed prefill (``packed.t8.c2``): two prompts' chunks a submission, each lane's linear layers one group
+    from its own slot's conv and recurrent states (``packed_groups``), crossing chunk boundaries and ending at
+    different rows; transformers' tokens and K=20 logprobs, and the serial rounds' values bit for bit."""
+    hf, (path, loaded) = checkpoint[1], core
+    catalog = json.loads((path / "catalog.json").read_text())
+    (packed,) = [v for v in catalog["variants"] if v["name"].startswith("packed.")]
+    assert packed["name"] == f"packed.t{CHUNK}.c2"
+    assert "windows" not in packed["contract"]["layout"]  # static rows, as every qwen3_5 graph's
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in (19, 13)]
+    requests = [Request(p, max_tokens=6, logprobs=20, ignore_eos=True) for p in prompts]
+    engine = Engine(loaded, mixed=False)
+    results = engine.generate(requests)
+    assert engine.stats["packed_rounds"] == 2  # 8 + 8 rows, then 8 + 5; the first prompt's last 3 rows alone
+    serial = Engine(loaded, mixed=False, packed=False).generate(requests)
+    for index, (prompt, result, alone) in enumerate(zip(prompts, results, serial)):
+        assert result.error is None and result.token_ids == alone.token_ids
+        assert_generation_matches(hf, prompt, result, 20, f"packed request {index}")
+        assert [(e.logprob, e.top) for e in result.entries] == [(e.logprob, e.top) for e in alone.entries]

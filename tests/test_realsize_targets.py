@@ -48,49 +48,6 @@ def test_rows_a_run_skipped_are_not_judged():
                           "greedy tokens equal HF's"}
 
 
-def test_decode_rates_alternate_the_settings_and_take_the_median_decode_step(monkeypatch):
-    monkeypatch.setattr(realsize, "DECODE_TOKENS", 4)
-    calls = []
-
-    def side(prompts, tokens, logprobs, steps):  # 0.05 s a decode step (0.1 s with logprobs 20); one step disturbed
-        calls.append((tokens, logprobs))
-        per_step = 0.1 if logprobs == 20 else 0.05
-        steps.extend([per_step] * (tokens - 2) + [per_step * (1 + len(calls))])
-        return 1.0, [[logprobs or 0, len(calls)]]
-
-    rates = realsize.decode_rates(side, [[1, 2], [3, 4]], [None, 5, 20], repeats=4)
-    # alternated, each round starting one setting later
-    assert [k for _, k in calls] == [None, 5, 20, 5, 20, None, 20, None, 5, None, 5, 20]
-    assert all(tokens == 5 for tokens, _ in calls)
-    # two lanes over the median of sixteen steps, of which four (the disturbed ones) are slower
-    assert abs(rates[None][0] - 2 / 0.05) < 1e-9 and abs(rates[20][0] - 2 / 0.1) < 1e-9
-    assert rates[20].tokens == [[20, 3]] and rates[None].tokens == [[0, 1]]  # each setting's first run's tokens
-    assert rates[20].rounds == [0.1] * 4  # each run's median step: its disturbed step is one of four
-    assert realsize.paired_costs(rates, 20) == [2.0] * 4  # logprobs 20's run over off's, round by round
-
-
-def test_alternating_costs_step_two_engines_in_turn(toy_core, monkeypatch):
-    from ignition.runtime.core import load_core
-
-    core = load_core(toy_core)
-    stepped = []  # (the engine's core, whether its lanes ask for logprobs) of each timed step, in order
-    timed = realsize.timed
-
-    def recording(fn):
-        engine = fn.__self__
-        stepped.append((engine.core, engine.running[0].request.logprobs))
-        return timed(fn)
-
-    monkeypatch.setattr(realsize, "timed", recording)
-    ratios = realsize.alternating_costs(core, [[3, 14, 15, 9], [2, 6, 5, 3, 5]], 5, rounds=2, steps=3)
-    assert len(ratios) == 6 and all(ratio > 0 for ratio in ratios)
-    # the engine that goes first alternates pair by pair; the core (not its replica) has logprobs in round 1 only
-    assert [k for _, k in stepped] == [5, None, None, 5, 5, None] * 2
-    first, second = stepped[0][0], stepped[1][0]
-    assert first is core and second is not core and second.weights is core.weights
-    assert [owner is core for owner, k in stepped if k == 5] == [True] * 3 + [False] * 3
-
-
 def test_ours_times_only_the_decode_steps(toy_core):
     from ignition.runtime.core import load_core
     from ignition.runtime.engine import Engine
@@ -147,24 +104,6 @@ def test_the_export_row_says_where_the_seconds_went():
     serial = {"capture:decode.c1": 2.0, "capture:prefill.t256": 3.5, "validate": 1.0}  # no workers: their sum
     assert realsize.export_cell(serial) == "capture 5.5 s; longest variant prefill.t256 3.5 s; validate 1.0 s"
     assert realsize.export_cell({}) == ""  # --core: nothing exported
-
-
-def test_hf_step_profile_profiles_the_steps_generate_takes():
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
-    model = Qwen3ForCausalLM(config).eval()
-    prompts = [[3, 14, 15, 92], [6, 5, 35, 89]]
-    shares, walls, others, tokens = realsize.hf_step_profile(model, prompts, logprobs=5, steps=2)
-    with torch.no_grad():
-        expected = model.generate(torch.tensor(prompts), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                  pad_token_id=0, eos_token_id=None)[:, 4:].tolist()
-    assert tokens == expected
-    assert len(shares) == len(walls) == len(others) == 2
-    assert all(0.0 < share < 1.0 for share in shares) and all(0.0 < other < wall for other, wall in zip(others, walls))
 
 
 def test_decode_steps_in_process_times_the_reduction_inside_the_graph(toy_core, capsys):
@@ -300,3 +239,44 @@ def test_memory_rows_give_a_linear_layer_its_fixed_state(family_cores):
     rows = {label: note for label, _, _, note in memory_rows(manifest)}
     assert rows == {"state, linear layers (1, 2 slots)": "a fixed state per slot, no positions",
                     "state, full layers (1, 2 slots)": "64 positions per slot (max_seq_len 64)"}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_a_family_has_prefill_rows(family_cores, name, monkeypatch):
+    """The prefill rows run on every family's core (tiny prompts here: 2 x 20 tokens, two chunks of 16, and 2 x 4)
+    against transformers, with the same greedy tokens; the first row is the one the targets judge."""
+    import argparse
+
+    import torch
+
+    from benchmarks.realsize_families import FAMILIES
+    from ignition.runtime.core import load_core
+
+    checkpoint, path = family_cores[name]
+    model = FAMILIES[name].pretrained(checkpoint, "float32", "sdpa")
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    monkeypatch.setattr(realsize, "PREFILL_ROWS", ((2, 20), (2, 4)))
+    generator = torch.Generator().manual_seed(3)
+
+    def prompts(count, length, source=generator):
+        return torch.randint(0, 256, (count, length), generator=source).tolist()
+
+    rows, mismatches, ratios = realsize.prefill_rows(load_core(path), model, prompts, torch.Generator().manual_seed(4),
+                                                     argparse.Namespace(repeats=1, compare_serial=True))
+    assert mismatches == 0 and sorted(ratios) == [(2, 4), (2, 20)]
+    assert [row[0] for row in rows] == ["prefill 2 x 20 tokens", "prefill 2 x 20 tokens, one chunk per submission",
+                                        "prefill 2 x 4 tokens", "prefill 2 x 4 tokens, one chunk per submission"]
+    assert all(row[1].endswith(" tok/s") for row in rows)
+
+
+def test_a_sliding_family_decodes_past_its_ring():
+    """The decode core's max_seq_len leaves a sliding ring uncapped (window + step rows - 1 < max_seq_len), so the
+    memory rows' two lengths hold the same ring: Gemma-3-1B's 512 + 256 - 1 = 767 cells under 768."""
+    from benchmarks.realsize_families import FAMILIES
+    from ignition.catalog.cache_kinds import window_cells
+
+    gemma3 = realsize.decode_max_seq_len(FAMILIES["gemma3"])
+    assert gemma3 == 768 and realsize.decode_max_seq_len(FAMILIES["qwen3_5"]) == realsize.MAX_SEQ_LEN == 640
+    assert window_cells(512, realsize.CHUNK_LIMIT, gemma3) == window_cells(512, realsize.CHUNK_LIMIT,
+                                                                            realsize.LONG_MAX_SEQ_LEN) == 767

@@ -47,8 +47,8 @@ def test_invalid_core_is_refused(core_copy):
 
 
 def test_features_and_memory(core):
-    assert core.features == {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": True, "prompt_logprobs": False,
-                             "structured_output": True}
+    assert core.features == {"allow_logprobs": True, "explicit_ids": True, "prompt_logprobs": False,
+                             "structured_output": True} and core.k == 20
     memory = core.memory_report()
     assert memory["weights_bytes"] == 2 * 256 * 32 * 4
     assert memory["completion_frame_bytes"] == sum(2 * c * 24 * 8 + 2 * c * 8 * 258 * 4 for c in (1, 4, 1))
@@ -190,8 +190,8 @@ def test_admission_on_cores_without_features(toy_core_no_logprobs):
     engine = Engine(core)
     with pytest.raises(AdmissionError, match=r"^this core was exported without logprob outputs \(allow_logprobs: false\)$"):
         engine.submit(Request([1], logprobs=0))
-    features = Features(allow_logprobs=True, max_logprobs=5, explicit_ids=False, prompt_logprobs=False)
-    engine = Engine(dataclasses.replace(core, _spec=dataclasses.replace(core.spec, features=features)))
+    features = Features(allow_logprobs=True, explicit_ids=False, prompt_logprobs=False)
+    engine = Engine(dataclasses.replace(core, _spec=dataclasses.replace(core.spec, features=features, k=5)))
     with pytest.raises(AdmissionError, match=r"^this core does not support logprob_token_ids \(no explicit-ID inputs\)$"):
         engine.submit(Request([1], logprob_token_ids=[1]))
     (result,) = engine.generate([Request([1], max_tokens=3)])

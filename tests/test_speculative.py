@@ -3,10 +3,14 @@ output without them (tokens, logprob ids and order), and every value matches tra
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from _decoder_cores import TinyCase, save_checkpoint
+from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
@@ -109,6 +113,29 @@ def test_speculative_option_errors(cores):
     with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[5\\]"):
         Engine(core, drafter=NgramDrafter(), draft_tokens=6)
     assert Engine(core, drafter=NgramDrafter(), draft_tokens=3).scheduler.proposer.verify_variants[0].name == "verify.s5.c2"
+
+
+def test_run_with_speculation_equals_run_without(cores):
+    """``ignition run --json`` with ``--speculative ngram:3`` and with the target as its own draft core, against
+    the same command without: the same tokens, logprob ids and order, and values within TOL (a verify round's GEMM
+    has S+1 rows a lane, so values may differ by a few ulps, as with co-batching)."""
+    path = str(cores[1].path)
+
+    def run(*speculative: str) -> dict:
+        result = CliRunner().invoke(app, ["run", path, "--prompt-ids", ",".join(map(str, PROMPTS[1])), "--max-tokens",
+                                          "10", "--logprobs", "5", "--json", *speculative])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    plain = run()
+    for value in ("ngram:3", f"draft:{path}:3"):
+        tokens = run("--speculative", value)["tokens"]
+        assert [t["id"] for t in tokens] == [t["id"] for t in plain["tokens"]], value
+        for got, want in zip(tokens, plain["tokens"], strict=True):
+            assert [t["id"] for t in got["top_logprobs"]] == [t["id"] for t in want["top_logprobs"]], value
+            values = [(got["logprob"], want["logprob"])] + [(a["logprob"], b["logprob"]) for a, b in
+                                                            zip(got["top_logprobs"], want["top_logprobs"])]
+            assert all(abs(a - b) < TOL for a, b in values), (value, values)
 
 
 def test_mixed_rounds_equal_serial_rounds(cores, plain):

@@ -220,7 +220,7 @@ def test_prepared_scoring_launcher_drives_the_kernels_exactly(tmp_path):
     plan = variant_plan(build, graph)
     table = prepare_kernels(plan[6:], ["cuda:90"], tmp_path)  # generation launches are not loaded here
     (tmp_path / "kernels.json").write_text(json.dumps(table))
-    features = {"allow_logprobs": True, "max_logprobs": 20, "explicit_ids": False, "prompt_logprobs": True}
+    features = {"allow_logprobs": True, "explicit_ids": False, "prompt_logprobs": True}
     section = {"ranks": 2, "vocab_shard": 912, "group": "0", "rank_files": []}
     (tmp_path / "manifest.json").write_text(json.dumps({  # what the launcher reads (the typed Manifest's fields)
         "recipe": "toy", "vocab_size": 1823, "vocab_padded": 1824, "k": 20, "weights": "weights.safetensors",

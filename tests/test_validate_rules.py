@@ -7,7 +7,9 @@ import shutil
 import pytest
 
 from ignition.catalog.buffers import CONSTRAINT_INPUTS
+from ignition.catalog.contract import FORMAT_VERSION
 from ignition.catalog.enums import Operation, ValueSource
+from ignition.runtime.core import CoreLoadError, load_core
 from ignition.validate.core import validate_core
 from ignition.catalog.rules import RULES
 
@@ -53,6 +55,18 @@ def test_schema_catalog_unknown_field(core_copy):
 def test_format_version(core_copy):
     core_copy.edit("manifest.json", lambda m: m.update(format_version=99))
     assert rules_of(core_copy.root) == {"FORMAT-VERSION"}
+
+
+def test_format_2_core_is_refused_with_the_reason(core_copy):
+    """A format-2 manifest stored K twice (``k`` and ``features.max_logprobs``): refused before its schema, by name."""
+    core_copy.edit("manifest.json", lambda m: m.update(format_version=2) or m["features"].update(max_logprobs=m["k"]))
+    (violation,) = validate_core(core_copy.root).violations
+    assert (violation.rule, violation.where) == ("FORMAT-VERSION", "manifest.json:format_version")
+    assert violation.message == (f"expected {FORMAT_VERSION}, found 2 (format 2 stores K twice, as k and as "
+                                 "features.max_logprobs; format 3 keeps k alone; re-export the core with this Ignition)")
+    with pytest.raises(CoreLoadError, match=r"\[FORMAT-VERSION\] manifest\.json:format_version: expected \d+, found 2 "
+                                            r"\(format 2 stores K twice"):
+        load_core(core_copy.root)
 
 
 def test_unknown_operation_code(core_copy):
@@ -199,7 +213,7 @@ def _natural_only(core_copy, width):
     core_copy.edit("catalog.json", change)
 
     def manifest(m):
-        m["k"] = m["features"]["max_logprobs"] = (width - 2) // 2
+        m["k"] = (width - 2) // 2
         m["features"]["explicit_ids"] = False
     core_copy.edit("manifest.json", manifest)
 
@@ -232,7 +246,7 @@ def test_k_is_twenty_with_id_inputs(core_copy):
         for v in catalog["variants"]:
             v["contract"]["layout"]["logprobs"]["k"] = 5
     core_copy.edit("catalog.json", change)
-    core_copy.edit("manifest.json", lambda m: m.update(k=5) or m["features"].update(max_logprobs=5))
+    core_copy.edit("manifest.json", lambda m: m.update(k=5))
     assert rules_of(core_copy.root, check_graphs=False) == {"LP-K"}
 
 

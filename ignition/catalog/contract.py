@@ -62,11 +62,11 @@ INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""
 
-FORMAT_VERSION = 2
-"""Core format version written into and required from every manifest (2: ``model.layer_kinds``, per-layer cache
-kinds, catalog/cache_kinds.py)."""
+FORMAT_VERSION = 3
+"""Core format version written into and required from every manifest (3: K is the manifest's ``k`` alone)."""
 
-FORMAT_CHANGES = {1: "format 1 predates per-layer cache kinds (model.layer_kinds)"}
+FORMAT_CHANGES = {1: "format 1 predates per-layer cache kinds (model.layer_kinds)",
+                  2: "format 2 stores K twice, as k and as features.max_logprobs; format 3 keeps k alone"}
 """Why a core of an older format is refused, by version."""
 
 

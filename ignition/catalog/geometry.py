@@ -77,7 +77,7 @@ ATTENTION_WEIGHTS: dict[str, tuple[str | int, ...]] = {
 }
 """Attention projections of the first layer (a rank: its heads' rows), whose rows are heads times head_dim."""
 
-ATTENTION_RECIPES = ("qwen3", "llama", "qwen3_moe", "gemma3")
+ATTENTION_RECIPES = ("qwen3", "llama", "qwen3_moe", "gemma3", "gpt_oss")
 """Recipes whose ``model.head_dim`` is the width of every attention head (MLA's heads are not)."""
 
 DERIVED: dict[str, tuple[str, str]] = {"query_width": ("num_heads", "head_dim"), "kv_width": ("num_kv_heads", "head_dim")}

@@ -2,8 +2,8 @@
 
 The manifest JSON stays the artifact (its schema is ignition/schemas/manifest.schema.json and the
 validator checks every rule on it); this view is what code reads after validation, so that a fact
-derived from several fields is derived in exactly one place: the effective K a request may ask for
-(``Features.effective_k``), whether a core is sharded (``Manifest.sharded``), a rank's files.
+derived from several fields is derived in exactly one place: whether a core is sharded (``Manifest.sharded``), a
+rank's files. K, the natural alternatives a request may ask for (0 without logprob outputs), is ``Manifest.k``.
 """
 
 from __future__ import annotations
@@ -17,24 +17,18 @@ from ignition.catalog.contract import manifest_token_capacity
 @dataclass(frozen=True, slots=True)
 class Features:
     allow_logprobs: bool
-    max_logprobs: int
     explicit_ids: bool
     prompt_logprobs: bool
     structured_output: bool = False  # the token bitmask and logit-bias inputs; omitted by older cores
 
     @classmethod
     def from_json(cls, features: dict) -> "Features":
-        return cls(bool(features["allow_logprobs"]), int(features["max_logprobs"]), bool(features["explicit_ids"]),
-                   bool(features["prompt_logprobs"]), bool(features.get("structured_output", False)))
+        return cls(bool(features["allow_logprobs"]), bool(features["explicit_ids"]), bool(features["prompt_logprobs"]),
+                   bool(features.get("structured_output", False)))
 
     def as_json(self) -> dict:
         """The manifest's ``features`` object, every flag present (an older core's omitted ones at their default)."""
         return asdict(self)
-
-    @property
-    def effective_k(self) -> int:
-        """The most natural alternatives a request may ask for: K when the core reports logprobs, else 0."""
-        return self.max_logprobs if self.allow_logprobs else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +61,7 @@ class ModelShape:
     layer_kinds: tuple[str, ...] = ()  # each layer's cache kind (catalog/cache_kinds.py), in layer order
     sliding_window: int | None = None  # sliding layers' window W
     window_cells: int | None = None  # sliding layers' ring cells a slot
+    softmax_short_row: int | None = None  # BF16/FP16: the softmax row length traced for (catalog/softmax_order.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +71,7 @@ class Manifest:
     recipe: str
     vocab_size: int
     vocab_padded: int
-    k: int
+    k: int  # K: natural alternatives per position a request may ask for (0: the core reports no logprobs)
     eos_token_id: int | None
     weights: str
     features: Features
@@ -100,7 +95,7 @@ class Manifest:
                                     int(model.get("num_layers", 0)),
                                     model.get("max_seq_len"), model.get("num_slots"),
                                     tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
-                                    model.get("window_cells")),
+                                    model.get("window_cells"), model.get("softmax_short_row")),
                    parallel=ParallelSection.from_json(section) if section else None,
                    token_capacity=manifest_token_capacity(manifest), catalog=manifest["catalog"],
                    tokenizer=manifest.get("tokenizer"), files=MappingProxyType(dict(manifest["files"])),

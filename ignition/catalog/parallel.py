@@ -19,9 +19,9 @@ from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, TILE_SORT_KEY
 MAX_TENSOR_PARALLEL = 64
 """Largest rank count ``--tensor-parallel`` accepts."""
 
-SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gemma3")
-"""Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE (gemma3's sliding
-rings split by KV head like its full caches), and MLA."""
+SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gemma3", "gpt_oss")
+"""Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE (gemma3's and
+gpt_oss's sliding rings split by KV head like their full caches, gpt_oss's sinks by query head), and MLA."""
 
 ROW_REDUCTION_BLOCKS = 8
 """Row-parallel layers (o_proj, down_proj) sum their input dimension as at most this many equal blocks, pairwise.
@@ -110,6 +110,11 @@ SHARD_RULES: tuple[ShardRule, ...] = (
     # MoE: every rank routes every row itself (bit-identical inputs, so identical choices); the experts'
     # gate/up/down (experts.{e}.*, shared.*) take the MLP rules above.
     ShardRule("router", None, "replicated"), ShardRule("router_bias", None, "replicated"),
+    # GPT-OSS: one sink logit per query head, split with its heads; the stacked experts ([E, d_model, 2I] with
+    # gate and up interleaved, so a contiguous split keeps each gate/up pair on one rank; [E, I, d_model]) split
+    # their intermediate columns like gate/up and down (their down_bias takes the rule above).
+    ShardRule("sinks", 0, "column"),
+    ShardRule("gate_up", 2, "column"), ShardRule("gate_up_bias", 1, "column"), ShardRule("down", 1, "row"),
     # MLA: the compressions and their norms are replicated (every rank caches the same latent and rope key);
     # q_b and kv_b split by heads (rows are head-major), o_proj (above) takes the heads' columns.
     ShardRule("q_a_proj", None, "replicated"), ShardRule("q_a_norm", None, "replicated"),

@@ -7,7 +7,8 @@ RULES = {
     "JSON-PARSE": f"Every metadata file is strict UTF-8 JSON (no NaN/Infinity, no object repeating a key), nested "
                   f"at most {MAX_JSON_DEPTH} levels deep.",
     "SCHEMA": "Every metadata file matches its JSON Schema (draft 2020-12); unknown fields are rejected.",
-    "FORMAT-VERSION": "The manifest's format_version is one this Ignition reads (format 2: per-layer cache kinds).",
+    "FORMAT-VERSION": "The manifest's format_version is the one this Ignition writes; an older format is refused "
+                      "with the change that retired it (catalog/contract.py FORMAT_CHANGES).",
     "ENUM-OPERATION": "A variant's operation is a known Operation code.",
     "ENUM-SOURCE": "A binding's value source is a known ValueSource code.",
     "ENUM-RESERVED": "A variant's operation is not a code reserved for a feature not built yet (DRAFT_PROPOSE).",

@@ -33,7 +33,7 @@ def export_core_cmd(
     completion_token_capacity: int = typer.Option(0, help="T: token positions per record (0 means 8)"),
     targets: str = typer.Option("", help="Kernel targets to prepare, e.g. cuda:90,cuda:120"),
     dtype: Optional[str] = typer.Option(None, help="Weight dtype: bfloat16, float16, float32"),
-    logprob_k: int = typer.Option(EXPORT_DEFAULTS["logprob_k"], "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
+    k: int = typer.Option(EXPORT_DEFAULTS["k"], "--logprob-k", help="Natural alternatives K (below 20 needs --no-logprob-ids)"),
     logprob_ids: bool = typer.Option(EXPORT_DEFAULTS["logprob_ids"], "--logprob-ids/--no-logprob-ids",
                                      help="Export the explicit-ID inputs (off: a natural-only core, packed width 2+2K)"),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Also export scored-prefill graphs"),
@@ -78,7 +78,7 @@ def export_core_cmd(
             recipe=recipe, checkpoint=checkpoint, capacities=int_list(capacities, "--capacities"),
             chunk_limit=chunk_limit, completion_token_capacity=completion_token_capacity,
             targets=tuple(t.strip() for t in targets.split(",") if t.strip()), dtype=dtype,
-            logprob_k=logprob_k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
+            k=k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
             tokenizer=tokenizer, onnx=onnx, tensor_parallel=tensor_parallel,
             speculative_tokens=int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed,
             packed_prefill=packed_prefill, capture_jobs=jobs)

@@ -139,9 +139,9 @@ def check_run_options(core: Path, request, text_prompt: bool) -> None:
         raise UsageError("this core has no tokenizer; pass --prompt-ids")
     try:
         if text_prompt:
-            check_options(request, spec.features.as_json(), spec.vocab_size)
+            check_options(request, spec)
         else:
-            check_admission(request, spec.features.as_json(), spec.vocab_size, spec.model.max_seq_len)
+            check_admission(request, spec, spec.model.max_seq_len)
     except AdmissionError as exc:
         option = "--" + {"prompt": "prompt_ids"}.get(exc.param, exc.param).replace("_", "-")
         raise UsageError(f"{option}: {exc}") from None

@@ -36,7 +36,7 @@ def run_cmd(
     logprob_token_ids: Optional[str] = typer.Option(None, "--logprob-token-ids", help="Comma-separated ids to report"),
     prompt_logprobs: Optional[int] = typer.Option(None, "--prompt-logprobs", help="Alternatives per prompt token"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos"),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/api.md)"),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (see docs/serving.md, ignition run)"),
     *,
     shared: loading.SharedOptions,
 ) -> None:

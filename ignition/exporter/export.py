@@ -28,6 +28,15 @@ from ignition.exporter.saving import ExportError, save_program  # noqa: F401 (re
 Progress = Callable[[str, str], None]  # (stage, item)
 
 
+def model_section(model: dict) -> dict:
+    """The manifest's ``model``: the recipe's summary, and for BF16/FP16 the softmax row length the attention was
+    traced for (``recipes/attention.SHORT_ROW``, measured here: ``catalog/softmax_order.py``), which a load checks
+    against its own CPU."""
+    from ignition.recipes.attention import SHORT_ROW
+
+    return model if model["dtype"] == "float32" else {**model, "softmax_short_row": SHORT_ROW}
+
+
 def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, str], kernels: bool) -> dict:
     has_ids = any(g.variant.layout.get("logprobs") and g.variant.layout["logprobs"]["explicit_ids"] for g in build.graphs)
     scored = any(g.variant.layout.get("prompt_logprobs") for g in build.graphs)
@@ -35,7 +44,7 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
     return {
         "format_version": FORMAT_VERSION,
         "recipe": build.recipe,
-        "model": build.model,
+        "model": model_section(build.model),
         "vocab_size": build.vocab_size,
         "vocab_padded": build.vocab_padded,
         "completion_token_capacity": build.token_capacity,
@@ -44,8 +53,8 @@ def manifest_for(build: RecipeBuild, options: ExportOptions, files: dict[str, st
         "chunk_limit": build.chunk_limit,
         "padding_rule": "smallest_capacity_at_least_batch",
         "eos_token_id": build.eos_token_id,
-        "features": {"allow_logprobs": build.k > 0, "max_logprobs": build.k,
-                     "explicit_ids": has_ids, "prompt_logprobs": scored, "structured_output": constrained},
+        "features": {"allow_logprobs": build.k > 0, "explicit_ids": has_ids, "prompt_logprobs": scored,
+                     "structured_output": constrained},
         "state": [s.to_json() for s in build.state],
         "weights": WEIGHTS_FILE,
         "catalog": CATALOG_FILE,

@@ -42,7 +42,7 @@ and ``scaled_dot_product_attention`` reads it in place.
   ``brief_keys`` rows, so each lane's first ``brief_keys`` rows also attend over the slot's first ``brief_keys``
   positions, and its packed rows take those; its other rows never pad, copy or select a window-wide score row
   (a BF16 prefill of 8 x 512 tokens at Qwen3-0.6B's width spent about 0.5 s of 13.5 s doing that for every row).
-  A prompt cut into chunks shorter than ``SHORT_ROW`` rows (``--chunk-limit`` below 16) is the exception: its first
+  A prompt cut into chunks shorter than ``SHORT_ROW`` rows (``--chunk-limit`` below it) is the exception: its first
   chunk ends before 16 keys and sums the short way, while transformers' rows span the whole prompt.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
+from ignition.catalog.softmax_order import short_row
 from ignition.recipes.layers import Rows
 
 
@@ -108,9 +109,10 @@ def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.T
     return torch.arange(max_seq_len, device=device)
 
 
-SHORT_ROW = 16
-"""ATen's CPU softmax sums rows shorter than this (its AVX-512 vector of FP32) one element after another; see the
-module's note on transformers' softmax order."""
+SHORT_ROW = short_row()
+"""ATen's CPU softmax sums rows shorter than this (its FP32 vector: 16 under AVX-512, 8 under AVX2) one element after
+another: measured on the exporting machine (``catalog/softmax_order.py``, recorded in the manifest); see the module's
+note on transformers' softmax order."""
 
 
 def short_forwards(extent: torch.Tensor) -> torch.Tensor:

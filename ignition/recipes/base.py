@@ -43,7 +43,7 @@ class ExportOptions:
     onnx: bool = False  # also write graphs/<variant>.onnx for onnxruntime
     seed: int = 0
     tokenizer: Path | None = None  # a directory with tokenizer.json (+ tokenizer_config.json) to ship in the core
-    logprob_k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)
+    k: int = NATURAL_K  # natural alternatives exported (below 20 only for natural-only cores)
     logprob_ids: bool = True  # export the explicit-ID inputs (False: a natural-only core, width 2+2K)
     tensor_parallel: int = 1  # rank shards in the core (recipes/sharding.py)
     speculative_tokens: tuple[int, ...] = ()  # S of each verify.s{S}.c{capacity} family (empty: none)
@@ -88,10 +88,10 @@ class ExportOptions:
             raise RecipeError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.compile not in (None, "inductor"):
             raise RecipeError(f"--compile must be 'inductor', got {self.compile!r}")
-        if isinstance(self.logprob_k, bool) or not isinstance(self.logprob_k, int) or not 1 <= self.logprob_k <= NATURAL_K:
-            raise RecipeError(f"--logprob-k must be between 1 and {NATURAL_K}, got {self.logprob_k!r}")
-        if self.logprob_ids and self.logprob_k != NATURAL_K:
-            raise RecipeError(f"--logprob-k {self.logprob_k}: cores with explicit-ID inputs export K={NATURAL_K}; "
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= NATURAL_K:
+            raise RecipeError(f"--logprob-k must be between 1 and {NATURAL_K}, got {self.k!r}")
+        if self.logprob_ids and self.k != NATURAL_K:
+            raise RecipeError(f"--logprob-k {self.k}: cores with explicit-ID inputs export K={NATURAL_K}; "
                               f"add --no-logprob-ids for a natural-only core")
         if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
                 or not 1 <= self.tensor_parallel <= MAX_TENSOR_PARALLEL:
@@ -100,9 +100,9 @@ class ExportOptions:
         if self.tensor_parallel > 1 and self.compile:
             raise RecipeError(f"--tensor-parallel {self.tensor_parallel} cannot be combined with --compile: sharded "
                               f"cores carry portable .pt2 graphs (and prepared kernels with --targets)")
-        if self.prompt_logprobs and (not self.logprobs or self.logprob_k != NATURAL_K):
+        if self.prompt_logprobs and (not self.logprobs or self.k != NATURAL_K):
             raise RecipeError(f"--prompt-logprobs requires the K={NATURAL_K} generation logprob outputs "
-                              f"(found K={self.logprob_k if self.logprobs else 0})")
+                              f"(found K={self.k if self.logprobs else 0})")
 
     @property
     def slots(self) -> int:
@@ -111,7 +111,7 @@ class ExportOptions:
     @property
     def outputs(self) -> "LogprobOutputs | None":
         """The logprob outputs every sampling variant declares; None only for benchmark records-only builds."""
-        return LogprobOutputs(self.logprob_k, self.logprob_ids) if self.logprobs else None
+        return LogprobOutputs(self.k, self.logprob_ids) if self.logprobs else None
 
 
 @dataclass(frozen=True, slots=True)

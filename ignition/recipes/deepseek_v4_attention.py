@@ -174,7 +174,7 @@ def keep_best(total: torch.Tensor, k: int) -> torch.Tensor:
 
 
 INDEXER_TIE_RULE = "lowest entry first"
-"""How the lightning indexer orders entries of equal score (``keep_best``); docs/api.md states it."""
+"""How the lightning indexer orders entries of equal score (``keep_best``); docs/recipes.md states it."""
 
 
 def attend(weights: Mapping[str, torch.Tensor], prefix: str, cfg, query: torch.Tensor, keys: torch.Tensor,

@@ -198,6 +198,6 @@ def build(options: ExportOptions) -> RecipeBuild:
     from ignition.recipes.llama import DecoderFamily, build_decoder
     from ignition.recipes.mxfp4 import open_gpt_oss_checkpoint
 
-    family = DecoderFamily("gpt_oss", parse, WEIGHT_MAP, gpt_oss_decoder, windowed=True,
+    family = DecoderFamily("gpt_oss", parse, WEIGHT_MAP, gpt_oss_decoder, windowed=True, packed=True,
                            checkpoint=open_gpt_oss_checkpoint)
     return build_decoder(options, family)

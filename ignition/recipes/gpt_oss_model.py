@@ -69,8 +69,10 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: tor
                       cfg.row_shard)  # [R, d_model]
 
 
-def _experts(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch.Tensor) -> torch.Tensor:
-    """The layer's routed experts, each reading its own row of the stacked expert tensors."""
+def _experts(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch.Tensor,
+             valid: torch.Tensor) -> torch.Tensor:
+    """The layer's routed experts, each reading its own row of the stacked expert tensors; only ``valid`` rows are
+    routed (a static-shape graph's padding rows run no expert)."""
     prefix = f"layers.{layer}."
 
     def expert_weights(expert: int) -> tuple[torch.Tensor, ...]:
@@ -78,26 +80,31 @@ def _experts(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: torch
                      for name in ("gate_up", "gate_up_bias", "down", "down_bias"))
 
     mlp = partial(clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
-    return routed_experts(weights, prefix, cfg.moe, normed, expert_weights, mlp)
+    return routed_experts(weights, prefix, cfg.moe, normed, expert_weights, mlp, valid)
 
 
 def gpt_oss_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, rows: Rows,
                     caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
-    """GPT-OSS: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``)."""
-    if parallel is not None:
-        raise ValueError("gpt_oss graphs are single-rank")
+    """GPT-OSS: final-normed hidden ``[R, d_model]`` (``graphs.Decoder``).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards (its query and KV heads
+    with their sinks and biases, its columns of every expert, its vocabulary rows); the embedding is
+    vocabulary-parallel and each attention and expert output is a partial sum that ``parallel.reduce`` adds over
+    the ranks before the residual add (the o and down biases are on rank 0 only)."""
     rows, input_ids, plans, lane_slots = planned_rows(cfg, weights, input_ids, rows, caches)
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
-    hidden = F.embedding(token_ids, weights["embed"])  # [R, d_model]
+    embed = weights["embed"]
+    hidden = F.embedding(token_ids, embed) if parallel is None else parallel.embed(token_ids, embed)  # [R, d_model]
+    reduce = (lambda partial: partial) if parallel is None else parallel.reduce
     cos, sin = rope_cos_sin(cfg.rope, rows.positions, hidden.dtype)  # [R, 1, head_dim] each
     rope = (cos, signed_sin(sin))
     eps = cfg.rms_norm_eps
     for layer in range(cfg.num_layers):
         prefix = f"layers.{layer}."
         normed = gpt_oss_rms_norm(hidden, weights[prefix + "attn_norm"], eps)
-        hidden = hidden + _attention(weights, cfg, layer, normed, rope, rows, plans, caches)
+        hidden = hidden + reduce(_attention(weights, cfg, layer, normed, rope, rows, plans, caches))
         normed = gpt_oss_rms_norm(hidden, weights[prefix + "mlp_norm"], eps)
-        hidden = hidden + _experts(weights, cfg, layer, normed)
+        hidden = hidden + reduce(_experts(weights, cfg, layer, normed, rows.valid))
     hidden = gpt_oss_rms_norm(hidden, weights["final_norm"], eps)
     return hidden if lane_slots is None else hidden.index_select(0, lane_slots)  # back in lane order
 

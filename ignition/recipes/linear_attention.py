@@ -179,10 +179,41 @@ def _keep_accepted(conv_state: torch.Tensor, recurrent_state: torch.Tensor, row:
     write_slot_states(recurrent_state, row, slots, live, every[lane, last])
 
 
+def packed_groups(rows: Rows) -> tuple[list[tuple[Rows, torch.Tensor]], torch.Tensor]:
+    """Packed prompt chunks (``rows.segments``, ``R = lanes * C`` rows) as one group of ``C`` rows a lane: lane b's
+    segment is its group's valid prefix, from position ``starts[b]`` of its slot, so the lane runs the shapes and
+    operations of a prefill chunk alone. Returns (per lane: its grouped rows and the packed row each of its ``C``
+    rows reads, and the row of the lanes' concatenated outputs ``[lanes * C]`` each packed row takes ``[R]``). A
+    grouped row past its segment reads another row (its output is dropped, its inputs change no state); a packed
+    padding row takes some lane's row (dropped too)."""
+    segments, packed_rows = rows.segments, rows.positions.shape[0]
+    lanes = segments.lengths.shape[0]
+    if packed_rows % lanes:
+        raise ValueError(f"packed linear attention needs lanes x C packed rows; found {packed_rows} rows for "
+                         f"{lanes} lanes")
+    per_lane = packed_rows // lanes
+    local = torch.arange(per_lane, device=rows.positions.device)
+    groups = []
+    for lane in range(lanes):  # a static count: the variant's lanes
+        slot = rows.read_slots[lane:lane + 1]
+        grouped = Rows(positions=segments.starts[lane] + local, write_slots=slot.expand(per_lane),
+                       valid=local < segments.lengths[lane], read_slots=slot)
+        groups.append((grouped, (segments.offsets[lane] + local).clamp(max=packed_rows - 1)))
+    inside = rows.positions - segments.starts.index_select(0, segments.row_lanes)  # [R]: the row's index in its lane
+    return groups, (segments.row_lanes * per_lane + inside).clamp(0, packed_rows - 1)
+
+
 def gated_delta_net(weights: Mapping[str, torch.Tensor], cfg, layer: int, row: int, normed: torch.Tensor,
                     rows: Rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
     """Layer ``layer``'s Gated DeltaNet over ``normed [R, d_model]``: its states are row ``row`` of the linear
-    layers' ``conv_state`` and ``recurrent_state`` (updated in place). Returns ``[R, d_model]``."""
+    layers' ``conv_state`` and ``recurrent_state`` (updated in place). Returns ``[R, d_model]``. Packed prompt
+    chunks run one lane after another, each as a prefill chunk alone (``packed_groups``) from its own slot's
+    states."""
+    if rows.segments is not None:
+        groups, scatter = packed_groups(rows)
+        out = torch.cat([gated_delta_net(weights, cfg, layer, row, normed.index_select(0, gather), grouped,
+                                         conv_state, recurrent_state) for grouped, gather in groups])
+        return out.index_select(0, scatter)
     prefix = f"layers.{layer}."
     num_rows = normed.shape[0]
     groups, per_group, slots, fresh = group_view(rows)

@@ -49,7 +49,8 @@ class DecoderFamily:
     decoder: Decoder  # (weights, cfg, input_ids, rows, caches) -> hidden
     windowed: bool = False  # the attention reads only the key window ``key_window`` (recipes/attention.py)
     dynamic_chunks: bool = False  # prefill rows are a window too (not for MoE: its capacity ladder fixes the rows)
-    packed: bool = False  # packed.t{C}.c{capacity}: several prompts' chunks per submission (GQA, dynamic chunks)
+    packed: bool = False  # packed.t{C}.c{capacity}: several prompts' chunks per submission (GQA; without dynamic
+    # chunks the packed rows are static and only the segment window narrows)
     # (checkpoint, config.json, weight_map) -> the tensors to export and the map under their stored names (a
     # multimodal checkpoint's text model); None: the checkpoint and map as they are
     text_weights: Callable[[Checkpoint, Mapping[str, Any], Mapping[str, WeightSpec]], tuple] | None = None
@@ -165,7 +166,7 @@ def packed_capacity(options: ExportOptions, family: DecoderFamily) -> int | None
     """Lanes of the ``packed.t{C}.c{capacity}`` variant: the widest decode capacity up to ``PACKED_LANES``, or
     None for no variant.
 
-    A default-catalog variant wherever it pays: the family packs (GQA attention, dynamic chunk rows), the widest
+    A default-catalog variant wherever it pays: the family packs (its decoder takes packed rows), the widest
     capacity holds two lanes, and the graphs keep their dynamic extents (no ``--compile``, whose graphs declare
     no windows, no ``--onnx``, whose graphs run at the full extents: a packed graph would always run every
     lane's C rows) on a single rank (``--tensor-parallel`` cores schedule prompt chunks one at a time)."""
@@ -199,13 +200,16 @@ def with_windows(variant: Variant, max_seq_len: int, vocab_padded: int, dynamic:
     the sample window (a round of greedy lanes sorts a short prefix of the row instead of the vocabulary) and, in the
     prefill and mixed graphs, a dynamic chunk extent (a short prompt runs as few rows as it has; the packed
     prefill's packed rows and segment window likewise): all named in ``layout["windows"]``
-    (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity."""
+    (``catalog.buffers.WINDOWS``). Scored prefill keeps its row capacity; without ``chunks`` (MoE families) the
+    prefill, mixed and packed graphs keep their row capacity (the packed one still narrows its segment window)."""
     window, bindings = spec_arguments(WINDOW_INPUTS, max_seq_len=max_seq_len, vocab_padded=vocab_padded)
     variant.arguments = variant.arguments + window
     variant.bindings = variant.bindings | bindings
     extents = {a.name: a.shape[WINDOWS[a.name].dim] for a in variant.arguments if a.name in WINDOWS}
     if not chunks or variant.operation not in (Operation.PREFILL, Operation.MIXED):
         extents.pop(CHUNK_TOKENS, None)
+    if not chunks:  # the packed rows are the graph's rows too (an MoE ladder sizes its rungs by them)
+        extents.pop(PACKED_TOKENS, None)
     variant.layout["windows"] = [name for name, extent in extents.items() if dynamic and extent >= SHORTEST_WINDOWED]
     return variant
 

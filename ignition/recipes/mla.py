@@ -14,7 +14,7 @@ heads * (qk_nope_head_dim + v_head_dim)`` FLOPs per slot. The absorbed form (``k
 folded into the query and the output) costs ~120x less per decode row at DeepSeek-V3 size, but
 rounds differently: measured on the tiny bf16 example over 22 decode steps, up to 1.05 on a
 logit (bf16 roundings amplified through the routing), 6e-6 in fp32. It is the next optimisation, for
-decode only, once its contract tolerance is agreed; see docs/api.md.
+decode only, once its contract tolerance is agreed; see docs/recipes.md.
 """
 
 from __future__ import annotations

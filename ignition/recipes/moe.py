@@ -171,13 +171,18 @@ class Dispatch:
     counts: torch.Tensor  # int64 [E]
 
     @classmethod
-    def sort(cls, top_experts: torch.Tensor, top_weights: torch.Tensor, num_experts: int) -> Dispatch:
+    def sort(cls, top_experts: torch.Tensor, top_weights: torch.Tensor, num_experts: int,
+             valid: torch.Tensor | None = None) -> Dispatch:
+        """``valid`` (bool ``[R]``): rows that are routed at all; the others' assignments sort after every
+        expert's segment and no expert counts them (padding rows of a static-shape graph run no expert)."""
         flat = top_experts.reshape(-1)  # [R*k]
+        if valid is not None:  # an unrouted row's assignments go to a bin past the last expert
+            flat = torch.where(valid.repeat_interleave(top_experts.shape[1]), flat, num_experts)
         position = torch.arange(flat.shape[0], device=flat.device)
         # NOTE: distinct keys make any sort stable; ONNX has no stable sort (aten.sort.stable)
         order = torch.argsort(flat * flat.shape[0] + position)
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add(
-            0, flat, torch.ones_like(flat))
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device).scatter_add(
+            0, flat, torch.ones_like(flat))[:num_experts]
         return cls(rows=order // top_experts.shape[1], weights=top_weights.reshape(-1)[order],
                    starts=torch.cumsum(counts, 0) - counts, counts=counts)
 
@@ -232,11 +237,12 @@ def moe_block(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig, 
 
 def routed_experts(weights: Mapping[str, torch.Tensor], prefix: str, moe: MoeConfig, hidden: torch.Tensor,
                    expert_weights: Callable[[int], tuple[torch.Tensor, ...]],
-                   mlp: Callable[..., torch.Tensor]) -> torch.Tensor:
+                   mlp: Callable[..., torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
     """The routed part of an MoE block: ``moe.router``'s choice, then each expert ``mlp(rows, *expert_weights(e))``
-    on the rows routed to it (sorted dispatch), weighted and added in ascending expert order; ``[R, d_model]``."""
+    on the rows routed to it (sorted dispatch), weighted and added in ascending expert order; ``[R, d_model]``.
+    ``valid`` (bool ``[R]``): only these rows run experts (``Dispatch.sort``); the others' outputs are zero."""
     top_experts, top_weights = ROUTERS[moe.router](weights, prefix, moe, hidden)  # [R, k] each
-    assigned = Dispatch.sort(top_experts, top_weights, moe.num_experts)
+    assigned = Dispatch.sort(top_experts, top_weights, moe.num_experts, valid)
     routed = _ladder(hidden.shape[0], mlp)
     out = torch.zeros_like(hidden)
     for expert in range(moe.num_experts):  # ascending, like HF's index_add_ per expert

@@ -11,8 +11,9 @@ MLP is SiLU-gated. The multimodal checkpoint's text model is read from ``text_co
 The build, variants and graphs are the shared decoder ones (``llama.build_decoder``). In a verify round a linear
 layer keeps its states after every verify row and, once the round has accepted its drafts, writes each lane's
 states after its last accepted row (``linear_attention.ACCEPTED_STATES``). Its chunked delta rule solves a
-triangular system, which ONNX has no operator for: it refuses ``--onnx``. Prompt chunks run one at a time (no
-packed prefill variant).
+triangular system, which ONNX has no operator for: it refuses ``--onnx``. Packed prompt chunks run their linear
+layers as one group a lane (``linear_attention.packed_groups``); the packed rows are static, as the chunked rule's
+blocks need.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
 from ignition.catalog.geometry import CONV_STATE, FP32_STATE, K_CACHE, RECURRENT_STATE, V_CACHE, state_shape
-from ignition.recipes.attention import cached_attention, plan_attention
+from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, read_field
 from ignition.recipes.config import CONFIG_DTYPES
@@ -296,7 +297,10 @@ def gated_attention(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, laye
     query, key = partial_rope(query, cos, sin_signed), partial_rope(key, cos, sin_signed)
     write_rows(k_cache, row, rows, key)
     write_rows(v_cache, row, rows, value)
-    attended = cached_attention(query, k_cache, v_cache, row, plan)  # [R, heads * head_dim]
+    if plan is None:  # packed prompt chunks (rows.segments)
+        attended = packed_attention(query, k_cache[row], v_cache[row], rows)
+    else:
+        attended = cached_attention(query, k_cache, v_cache, row, plan)  # [R, heads * head_dim]
     attended = attended * torch.sigmoid(gate.reshape(num_rows, heads * head_dim))
     return F.linear(attended, weights[prefix + "o_proj"])  # [R, d_model]
 
@@ -334,16 +338,13 @@ def qwen3_5_decoder(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, inpu
                     caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Embedding, pre-norm residual layers (linear or gated full attention by ``cfg.layer_kinds``, then the MLP),
     final norm: final-normed hidden ``[R, d_model]``. Every norm is zero-centered."""
-    if rows.segments is not None:
-        raise ValueError("qwen3_5_decoder: packed prompt chunks are not supported (the recipe declares no packed "
-                         "prefill)")
     _check_caches(cfg, weights, caches)
     hidden = F.embedding(input_ids.clamp(0, cfg.vocab_size - 1), weights["embed"])  # [R, d_model]
     plan = rope = None
     if cfg.full_layers:
         k_cache = caches[K_CACHE]
-        plan = plan_attention(rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads,
-                              k_cache.dtype)
+        plan = None if rows.segments is not None else plan_attention(  # packed rows plan per call
+            rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads, k_cache.dtype)
         cos, sin = rope_cos_sin(cfg.rotary, rows.positions, hidden.dtype)  # [R, 1, rotary_dim]
         rope = (cos, signed_sin(sin))
     for layer in range(cfg.num_layers):
@@ -351,7 +352,7 @@ def qwen3_5_decoder(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, inpu
     return zero_centered_rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)  # [R, d_model]
 
 
-FAMILY = DecoderFamily("qwen3_5", Qwen35Config.from_hf_config, WEIGHT_MAP, qwen3_5_decoder,
+FAMILY = DecoderFamily("qwen3_5", Qwen35Config.from_hf_config, WEIGHT_MAP, qwen3_5_decoder, packed=True,
                        text_weights=text_weights)
 
 

@@ -29,6 +29,7 @@ import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl, lane_count
+from ignition.catalog.softmax_order import short_row_mismatch
 from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.backends import backend_family
 from ignition.runtime.backends.select import select_backend
@@ -311,6 +312,10 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
                               options.drop_file_cache)
         try:
             backend = select_backend(options, root, manifest, catalog, report.trusted, reading.result, packs, spec=spec)
+            mismatch = None if options.cuda or not backend.aten_softmax else \
+                short_row_mismatch(spec.model.softmax_short_row)
+            if mismatch:
+                warnings.warn(f"{root}: {mismatch}", stacklevel=4)
             if packs is not None and not backend.packs_linears:  # AOTInductor packages run their own kernels
                 packs.decline()
                 packs = None

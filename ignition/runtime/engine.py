@@ -39,7 +39,7 @@ class Engine:
     def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
                  mixed: bool = True, packed: bool = True, max_context: int | None = None):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
-        tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
+        tokens and logprob words are bit-identical however it is co-batched (see docs/serving.md, "Engine options").
         ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
         core's ``verify.s{S}`` variants (the smallest S >= draft_tokens). ``mixed``: use the core's ``mixed``
         variants when the rule of ``Scheduler._mixed_round`` allows (False: always serial rounds). ``packed``: use
@@ -65,7 +65,7 @@ class Engine:
     def check(self, request: Request) -> None:
         """The admission check (AdmissionError naming the field): the request against the core and this engine's
         context and slots."""
-        check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
+        check_admission(request, self.core.spec, self.max_context)
 
     def submit(self, request: Request, *, checked: bool = False) -> str:
         """Admit a request (AdmissionError before any state changes) and return its id; an ``n > 1`` request's

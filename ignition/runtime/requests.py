@@ -8,7 +8,7 @@ from ignition.catalog.abi import TokenEntry
 from ignition.catalog.buffers import SAMPLING_DEFAULTS
 from ignition.catalog.contract import MAX_SELECTED_IDS
 from ignition.catalog.limits import check_limit
-from ignition.catalog.manifest import Features
+from ignition.catalog.manifest import Manifest
 from ignition.runtime.constraints import LaneConstraints
 
 
@@ -97,8 +97,9 @@ class RequestState:
         return self.request.prompt_logprobs is not None and len(self.prompt_entries) < len(self.request.prompt_ids)
 
 
-def check_admission(request: Request, features: dict, vocab_size: int, max_context: int | None) -> None:
-    """Raise AdmissionError with an exact message for anything this core cannot serve."""
+def check_admission(request: Request, spec: Manifest, max_context: int | None) -> None:
+    """Raise AdmissionError with an exact message for anything this core (its typed manifest) cannot serve."""
+    vocab_size = spec.vocab_size
     if not request.prompt_ids:
         raise AdmissionError("prompt must contain at least one token", "prompt")
     if request.n < 1:
@@ -112,20 +113,20 @@ def check_admission(request: Request, features: dict, vocab_size: int, max_conte
     if max_context is not None and len(request.prompt_ids) + request.max_tokens > max_context:
         raise AdmissionError(f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds "
                              f"the core's context of {max_context} tokens", "max_tokens")
-    check_options(request, features, vocab_size)
+    check_options(request, spec)
 
 
-def check_options(request: Request, features: dict, vocab_size: int) -> None:
+def check_options(request: Request, spec: Manifest) -> None:
     """The part of check_admission that needs no prompt: logprob options against the core's features
     (from its manifest alone, so ``ignition run`` refuses them before loading) and sampling ranges."""
-    k = Features.from_json(features).effective_k
-    if request.wants_logprobs and not features["allow_logprobs"]:
+    k, features, vocab_size = spec.k, spec.features, spec.vocab_size
+    if request.wants_logprobs and not features.allow_logprobs:
         raise AdmissionError("this core was exported without logprob outputs (allow_logprobs: false)", "logprobs")
     if request.logprobs is not None and not 0 <= request.logprobs <= k:
         raise AdmissionError(f"logprobs must be between 0 and {k}, got {request.logprobs}", "logprobs")
     if request.logprob_token_ids is not None:
         ids = request.logprob_token_ids
-        if not features["explicit_ids"]:
+        if not features.explicit_ids:
             raise AdmissionError("this core does not support logprob_token_ids (no explicit-ID inputs)", "logprob_token_ids")
         if request.logprobs not in (None, 0):
             raise AdmissionError("logprob_token_ids cannot be combined with logprobs > 0", "logprob_token_ids")
@@ -140,13 +141,12 @@ def check_options(request: Request, features: dict, vocab_size: int) -> None:
             raise AdmissionError(f"logprob_token_ids id {outside[0]} is outside the vocabulary [0, {vocab_size})",
                                  "logprob_token_ids")
     if request.prompt_logprobs is not None:
-        if not features["prompt_logprobs"]:
+        if not features.prompt_logprobs:
             raise AdmissionError("this core was exported without prompt scoring (--prompt-logprobs)", "prompt_logprobs")
         if not 0 <= request.prompt_logprobs <= k:
             raise AdmissionError(f"prompt_logprobs must be between 0 and {k}, got {request.prompt_logprobs}",
                                  "prompt_logprobs")
-    if request.constraints is not None and request.constraints.fields \
-            and not Features.from_json(features).structured_output:
+    if request.constraints is not None and request.constraints.fields and not features.structured_output:
         fields = request.constraints.fields
         raise AdmissionError(f"this core was exported without the structured-output inputs (token_bitmask, logit "
                              f"bias), so it cannot serve {', '.join(fields)}; re-export it", fields[0])

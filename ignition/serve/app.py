@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import ignition
 from ignition.catalog.contract import MAX_SELECTED_IDS
-from ignition.catalog.manifest import Features
 from ignition.runtime.core import LoadedCore, load_core
 from ignition.runtime.engine import ContextError, Engine
 from ignition.runtime.options import LoadOptions
@@ -252,7 +251,7 @@ def _model_card(ctx: ServerContext) -> ModelCard:
         id=ctx.model_name, root=str(loaded.path), max_model_len=ctx.max_context,
         permission=[ModelPermission(allow_logprobs=features["allow_logprobs"])],
         features=CoreFeatures(allow_logprobs=features["allow_logprobs"],
-                              max_logprobs=Features.from_json(features).effective_k,
+                              max_logprobs=loaded.k,
                               explicit_ids=features["explicit_ids"],
                               max_logprob_token_ids=MAX_SELECTED_IDS if features["explicit_ids"] else 0,
                               prompt_logprobs=features["prompt_logprobs"],

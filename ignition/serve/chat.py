@@ -106,8 +106,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     check_whole_vocabulary(ctx, body.top_logprobs, "top_logprobs")
     check_whole_vocabulary(ctx, body.prompt_logprobs, "prompt_logprobs")
     features = ctx.core.features
-    if body.logprobs and features["allow_logprobs"] and not 0 <= top <= features["max_logprobs"]:
-        raise ApiError(f"top_logprobs must be between 0 and {features['max_logprobs']}, got {top}", "top_logprobs")
+    if body.logprobs and features["allow_logprobs"] and not 0 <= top <= ctx.core.k:
+        raise ApiError(f"top_logprobs must be between 0 and {ctx.core.k}, got {top}", "top_logprobs")
     tools = chat_tool_use(ctx, body)
     if tools.parser_class is not None and tools.parser_class.keep_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})  # vLLM's hermes: delimiters may be special

@@ -151,7 +151,7 @@ async def attach_grammar(ctx: ServerContext, body: GenerationFields, request: Re
 def check_whole_vocabulary(ctx: ServerContext, value: int | None, param: str) -> None:
     """vLLM reads -1 as "the logprobs of every token"; a core reports at most K natural alternatives."""
     if value == -1:
-        k = Features.from_json(ctx.core.features).effective_k
+        k = ctx.core.k
         raise ApiError(f"{param}=-1 asks for the logprobs of the whole vocabulary ({ctx.core.vocab_size} tokens, as "
                        f"in vLLM); this core reports at most {k} alternatives per position: ask for 0 to {k}, or "
                        "name the tokens you need with `logprob_token_ids`", param)
@@ -231,6 +231,6 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
                       logprob_token_ids=body.logprob_token_ids, stop_token_ids=list(body.stop_token_ids or ()),
                       ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=request_id, n=drawn,
                       constraints=constraints)
-    check_admission(request, ctx.core.features, ctx.core.vocab_size, ctx.max_context)
+    check_admission(request, ctx.core.spec, ctx.max_context)
     check_server_request(request, ctx.core.vocab_size)
     return request

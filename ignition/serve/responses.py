@@ -179,8 +179,8 @@ def _check_request(ctx: ServerContext, body: ResponsesRequest) -> None:
             raise ApiError(f"`top_logprobs` = {top} needs include=['{LOGPROBS_INCLUDE}']", "top_logprobs")
         if body.logprob_token_ids is not None:
             raise ApiError(f"`logprob_token_ids` needs include=['{LOGPROBS_INCLUDE}']", "logprob_token_ids")
-    elif features["allow_logprobs"] and not 0 <= top <= features["max_logprobs"]:
-        raise ApiError(f"top_logprobs must be between 0 and {features['max_logprobs']}, got {top}", "top_logprobs")
+    elif features["allow_logprobs"] and not 0 <= top <= ctx.core.k:
+        raise ApiError(f"top_logprobs must be between 0 and {ctx.core.k}, got {top}", "top_logprobs")
 
 
 def _text_of(content, where: str) -> str:

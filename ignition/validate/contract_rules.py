@@ -335,8 +335,7 @@ def check_catalog(manifest: dict, catalog: dict) -> list[Violation]:
         if scored != expected:
             found.append(Violation("PROMPT-CAPACITIES", "catalog.json", f"scored capacities must be {expected} for chunk "
                                    f"limit {limit}, found {scored}"))
-    features = {"allow_logprobs": has_lp, "max_logprobs": manifest["k"] if has_lp else 0,
-                "explicit_ids": has_ids, "prompt_logprobs": bool(scored)}
+    features = {"allow_logprobs": has_lp, "explicit_ids": has_ids, "prompt_logprobs": bool(scored)}
     for key, value in features.items():
         if manifest["features"].get(key) != value:
             found.append(Violation("FEAT-MISMATCH", f"manifest.json:features.{key}", f"catalog implies {value!r}, "

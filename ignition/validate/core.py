@@ -115,18 +115,19 @@ def _validate(root: Path, report: ValidationReport, check_graphs: bool, expect_d
     provenance = check_provenance(root, manifest_bytes, manifest, expect_digest, trusted_key)
     report.violations += provenance.violations
     report.digest, report.signed_by, report.trusted = provenance.digest, provenance.signed_by, provenance.trusted
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if isinstance(version, int) and not isinstance(version, bool) and version != FORMAT_VERSION:
+        # before the schema: an older format's manifest need not match this format's schema
+        report.violations.append(Violation("FORMAT-VERSION", f"{MANIFEST_FILE}:format_version",
+                                           f"expected {FORMAT_VERSION}, found {version}"
+                                           + (f" ({FORMAT_CHANGES[version]}; re-export the core with this Ignition)"
+                                              if version in FORMAT_CHANGES else "")))
+        return
     schema_found = schema_violations(manifest, "manifest.schema.json", MANIFEST_FILE)
     report.violations += schema_found
     if schema_found:
         return
     report.manifest = manifest
-    if manifest["format_version"] != FORMAT_VERSION:
-        report.violations.append(Violation("FORMAT-VERSION", f"{MANIFEST_FILE}:format_version",
-                                           f"expected {FORMAT_VERSION}, found {manifest['format_version']}"
-                                           + (f" ({FORMAT_CHANGES[manifest['format_version']]}; re-export the core "
-                                              f"with this Ignition)" if manifest["format_version"] in FORMAT_CHANGES
-                                              else "")))
-        return
     catalog = _read_json(root, manifest["catalog"], f"{MANIFEST_FILE}:catalog", report)
     if catalog is None:
         return

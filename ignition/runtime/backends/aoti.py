@@ -33,6 +33,7 @@ class AotiBackend(Pt2Backend):
     needs_reduction = True
     supports_ranks = True
     packs_linears = False  # a package runs its own kernels
+    aten_softmax = False  # inductor generates its own softmax loops
     windowed = True
 
     def runner(self, entry: dict, arguments: list[BufferDecl], buffers) -> Runner:

@@ -61,9 +61,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+"""The variables that cap the instruction set ATen, oneDNN and MKL dispatch to (``ONEDNN_MAX_CPU_ISA=AVX2`` and
+``MKL_ENABLE_INSTRUCTIONS=AVX2`` run the AVX2 family's kernels on an AVX-512 CPU): a calibration under a cap is
+another machine's."""
+
+
 def machine_key() -> str:
-    """What a calibration is valid for: this CPU model under this torch (its oneDNN and MKL) and thread count."""
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    """What a calibration is valid for: this CPU model under this torch (its oneDNN and MKL), thread count and
+    instruction-set caps (``ISA_LIMITS`` that are set)."""
+    caps = "".join(f" | {name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name))
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps}"
 
 
 def shape_key(shape, dtype: torch.dtype) -> str:
@@ -182,5 +190,5 @@ class GemmPlan:
             pass
 
 
-__all__ = ["ATEN", "CALIBRATION_ROWS", "GEMM_MODES", "GemmPlan", "PACKED", "cache_path", "choose", "cpu_model",
-           "machine_key", "time_paths"]
+__all__ = ["ATEN", "CALIBRATION_ROWS", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED", "cache_path", "choose",
+           "cpu_model", "machine_key", "time_paths"]

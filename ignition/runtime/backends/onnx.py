@@ -20,6 +20,7 @@ class OnnxBackend:
     needs_reduction = False  # the ONNX graphs reduce in standard ops
     supports_ranks = False
     packs_linears = False
+    aten_softmax = False
     windowed = False  # the ONNX graphs are re-traced static: full extents
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, weights: dict[str, torch.Tensor],

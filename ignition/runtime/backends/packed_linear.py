@@ -42,10 +42,12 @@ from ignition.validate.program_reader import StaticProgram
 
 PACK_ROWS_HINT = 8
 """The row count oneDNN's packed layout is chosen for; measured as fast at 1 and 512 rows as a per-count pack."""
-PACK_MIN_ELEMENTS = 1 << 18
-"""Smaller weights keep ``aten.linear``: oneDNN's call costs 15-20 us more, which a weight under about 256 Ki
-elements does not win back (measured on this machine: 512 x 256 at 8 rows 26 us packed against 30 us; 256 x 256
-21 against 15; the tiny example's 300 x 32, 27 against 10)."""
+PACK_MIN_ELEMENTS = 1 << 16
+"""Smaller weights keep ``aten.linear`` untimed: a product over fewer than 64 Ki elements (256 KiB in FP32, inside
+every L2) takes microseconds, near the timer's noise and oneDNN's extra call cost. From this size up the
+choice is the machine's (``GemmPlan`` times each shape): where oneDNN's call overhead is won back depends on the CPU
+(on one AMD EPYC, 512 x 256 at 8 rows took 26 us packed against 30 us, 256 x 256 21 against 15, the tiny example's
+300 x 32 27 against 10)."""
 PACKED_DTYPES = (torch.float32,)
 """Packed wherever oneDNN is: the summation order is the only change (FP32 tolerances)."""
 BIT_EXACT_DTYPES = (torch.bfloat16,)

@@ -33,6 +33,7 @@ class Backend(Protocol):
     needs_reduction: ClassVar[bool]  # its graphs call ignition::reduce_logprobs, which CUDA serves with prepared kernels
     supports_ranks: ClassVar[bool]  # it replays the rank shards of a tensor-parallel core
     packs_linears: ClassVar[bool]  # its runners read linear weights packed for the CPU (packed_linear.LinearPacks)
+    aten_softmax: ClassVar[bool]  # on the CPU its graphs' softmax is ATen's (catalog/softmax_order.py)
     windowed: ClassVar[bool]  # its runners take windowed inputs narrowed to the submission's extent (bindings.Windowed)
     programs: dict[str, object]  # variant name -> the program a CUDA capture traces (empty where not capturable)
 

@@ -27,6 +27,7 @@ class Pt2Backend:
     needs_reduction = True
     supports_ranks = True
     packs_linears = True
+    aten_softmax = True
     windowed = True
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device,
