@@ -64,7 +64,7 @@ def run_cmd(
     loading.check_speculative(shared.speculative)
     options = shared.load_options()
     loaded = loading.load(core, options)
-    engine_options = loading.speculative(shared.speculative, loaded)
+    engine_options = shared.engine_options(loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise UsageError("this core has no tokenizer; pass --prompt-ids")

@@ -54,6 +54,12 @@ def block_manager_for(core, prefix_caching: bool) -> BlockManager | None:
                         host_blocks=pool.host_blocks, pool=pool)
 
 
+def kv_capacity_tokens(core) -> int | None:
+    """Tokens ``core``'s paged KV pool holds for requests (block 0, the null block, excluded); None without one."""
+    pool = getattr(core, "kv_pool", None)  # LoadedCore.kv_pool (runtime/kv_pool.py)
+    return (pool.num_blocks - 1) * pool.block_size if pool is not None and pool.paged else None
+
+
 def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[int]) -> None:
     """Make ``slot``'s ``penalty_counts`` what prefilling ``tokens`` from position 0 leaves: the tokens counted in
     the prompt plane, no emitted token (a prefix hit skips the chunks whose graphs would count them)."""
@@ -63,4 +69,5 @@ def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[
     counts[PROMPT_PLANE].index_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
 
 
-__all__ = ["PAGED_EXTENT", "block_manager_for", "paged_states", "prefix_reuse_refusal", "seed_penalty_counts"]
+__all__ = ["PAGED_EXTENT", "block_manager_for", "kv_capacity_tokens", "paged_states", "prefix_reuse_refusal",
+           "seed_penalty_counts"]

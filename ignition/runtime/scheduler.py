@@ -80,6 +80,8 @@ class Scheduler:
         self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
         self.blocks = block_manager_for(core, prefix_caching)  # None: a core without paged caches
         self.groups = SampleGroups(core, self.num_slots, stats, self.blocks)  # n > 1 requests
+        if self.blocks is not None:  # the positions a block table can hold
+            self.max_positions = min(self.blocks.capacity_tokens, core.spec.model.max_seq_len or 1 << 62)
 
     # -- admission and slots ---------------------------------------------------------------
     def add(self, states: list[RequestState]) -> None:
@@ -211,7 +213,7 @@ class Scheduler:
             for lane in round.lanes:
                 if lane.retire:
                     continue
-                end = _written_end(lane)
+                end = min(_written_end(lane), self.max_positions)  # draft rows past the end write block 0
                 if not self.blocks.may_grow(lane.state, end):
                     victim = next((s for s in reversed(self.running) if s.block_table), lane.state)
                     self.preempt(victim.request_id)
