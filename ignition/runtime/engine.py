@@ -64,8 +64,8 @@ class Engine:
         if blocks is not None and max_context is not None and max_context > blocks.capacity_tokens:
             raise ContextError(max_context, blocks.capacity_tokens, f"the KV cache's capacity: {blocks.num_blocks} "
                                                                     f"blocks of {blocks.block_size}")
-        if blocks is not None and context is not None:
-            context = min(context, blocks.capacity_tokens)  # one request never holds more than the whole pool
+        if blocks is not None:  # one request never holds more than the whole pool
+            context = blocks.capacity_tokens if context is None else min(context, blocks.capacity_tokens)
         self.max_context = max_context if max_context is not None else context
         self.runner = Runner(core)
         self.outputs = OutputProcessor(self.scheduler, self.stats)
