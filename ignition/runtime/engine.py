@@ -37,7 +37,7 @@ class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
     def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
-                 mixed: bool = True, packed: bool = True, max_context: int | None = None):
+                 mixed: bool = True, packed: bool = True, max_context: int | None = None, prefix_caching: bool = True):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
         tokens and logprob words are bit-identical however it is co-batched (see docs/api.md).
         ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
@@ -45,18 +45,20 @@ class Engine:
         variants when the rule of ``Scheduler._mixed_round`` allows (False: always serial rounds). ``packed``: use
         the core's ``packed`` variant when the rule of ``Scheduler._packed_prefill`` allows (False: one prompt chunk
         per round). ``max_context``: the context admission checks prompt + max_tokens against (default the core's
-        ``model.max_seq_len``; ContextError above it)."""
+        ``model.max_seq_len``; ContextError above it). ``prefix_caching``: on a core with a paged KV pool, requests
+        reuse the cached blocks of earlier requests' equal prefixes (ignition/runtime/block_manager.py)."""
         self.core = core
         context = core.spec.model.max_seq_len
         if max_context is not None and context is not None and max_context > context:
             raise ContextError(max_context, context)
         self.max_context = max_context if max_context is not None else context
         self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0,
-                      "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0, "packed_rounds": 0}
+                      "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0, "packed_rounds": 0,
+                      "preemptions": 0}
         proposer = Proposer.for_core(core, drafter, draft_tokens) if drafter is not None else None
         self.scheduler = Scheduler(core, self.stats, batch_invariant=batch_invariant, proposer=proposer,
                                    constraints=Constraints(core.spec.eos_token_id), mixed=mixed,
-                                   packed=packed)
+                                   packed=packed, prefix_caching=prefix_caching)
         self.runner = Runner(core)
         self.outputs = OutputProcessor(self.scheduler, self.stats)
         self._ids = itertools.count()
@@ -66,6 +68,12 @@ class Engine:
         """The admission check (AdmissionError naming the field): the request against the core and this engine's
         context and slots."""
         check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
+        blocks = self.scheduler.blocks
+        if blocks is not None and len(request.prompt_ids) + request.max_tokens > blocks.capacity_tokens:
+            raise AdmissionError(f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) "
+                                 f"exceeds the KV cache's capacity of {blocks.capacity_tokens} tokens "
+                                 f"({blocks.num_blocks} blocks of {blocks.block_size}; --kv-cache-memory sets it)",
+                                 "max_tokens")
 
     def submit(self, request: Request, *, checked: bool = False) -> str:
         """Admit a request (AdmissionError before any state changes) and return its id; an ``n > 1`` request's
@@ -113,6 +121,7 @@ class Engine:
         for round in rounds:
             self._execute(round)
             self.outputs.complete_chunks(round.lanes)
+            self.scheduler.cache_blocks(round.lanes)
 
     def _execute(self, round: ScheduledRound) -> None:
         """Submit ``round`` and interpret its records. Filling the inputs may fail for one lane (its constraints allow
