@@ -62,11 +62,13 @@ INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Core format version written into and required from every manifest (2: ``model.layer_kinds``, per-layer cache
-kinds, catalog/cache_kinds.py)."""
+kinds, catalog/cache_kinds.py; 3: the full layers' K/V caches are pools of blocks addressed through ``block_tables``,
+``model.block_size`` and ``model.kv_blocks``, catalog/geometry.py ``PAGED_STATE``)."""
 
-FORMAT_CHANGES = {1: "format 1 predates per-layer cache kinds (model.layer_kinds)"}
+FORMAT_CHANGES = {1: "format 1 predates per-layer cache kinds (model.layer_kinds)",
+                  2: "format 2 predates the paged KV caches (model.block_size, block_tables)"}
 """Why a core of an older format is refused, by version."""
 
 

@@ -30,7 +30,9 @@ def check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, 
     """Static (trace-time) check of every cache against ``cfg.cache_shapes`` and the weights' dtype."""
     for name in cfg.cache_names:
         cache = caches[name]
-        expected = cfg.cache_shapes(cache.shape[1], cache.shape[2] if name in (K_CACHE, V_CACHE) else 1)[name]
+        paged = name in (K_CACHE, V_CACHE)  # a pool: [layers, kv_blocks, block_size, ...]; a ring: [layers, slots, ...]
+        expected = cfg.cache_shapes(1, 1, cache.shape[2], cache.shape[1])[name] if paged else \
+            cfg.cache_shapes(cache.shape[1], 1)[name]
         if tuple(cache.shape) != expected or cache.dtype != weights["embed"].dtype:
             raise ValueError(f"{name} must have shape {expected} and dtype {weights['embed'].dtype}; "
                              f"found {tuple(cache.shape)} {cache.dtype}")

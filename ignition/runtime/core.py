@@ -20,7 +20,7 @@ import re
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from ignition.runtime.host_memory import retain_freed_memory
 from ignition.runtime.identify import NotACoreError, check_rank_count, identify_core, read_manifest  # noqa: F401
 from ignition.runtime.launchers.reduction import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.load_stages import Progress, Stages, collector_paused, short_switch_interval
+from ignition.runtime.kv_pool import KVPool, KVPoolError, plan_pool, pool_shape
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, CoreRunError, LoadOptionError, check_loaded_weights, load_tokenizer,
@@ -119,6 +120,7 @@ class LoadedCore:
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
     group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel/group.py)
+    kv_pool: KVPool | None = None  # the paged caches' pool (runtime/kv_pool.py; ``paged`` False for a core without)
     _spec: Manifest | None = None
 
     @property
@@ -162,6 +164,7 @@ class LoadedCore:
         if self.capture is not None:
             raise ValueError(f"core {self.path}: a CUDA-graph-captured core has no replica; load it again")
         state = {name: torch.zeros_like(tensor) for name, tensor in self.state.items()}
+        pool = None if self.kv_pool is None else KVPool.build(self.kv_pool.size, state)
         variants = {}
         for name, variant in self.variants.items():
             buffers = {a.name: self.weights[a.name] if a.role is Role.WEIGHT else state[a.name] if a.role is Role.STATE
@@ -174,7 +177,8 @@ class LoadedCore:
             variants[name] = replica
         return LoadedCore(path=self.path, manifest=self.manifest, weights=self.weights, state=state, variants=variants,
                           tokenizer=self.tokenizer, options=self.options, backend=self.backend,
-                          transfer=self.transfer, reduction=self.reduction, capture=None, _spec=self.spec)
+                          transfer=self.transfer, reduction=self.reduction, capture=None, kv_pool=pool,
+                          _spec=self.spec)
 
     def memory_report(self) -> dict[str, int]:
         """Physical bytes of weights, state (KV), completion frames and other owned buffers."""
@@ -329,7 +333,12 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     if packs is not None:  # on the worker threads, while the variants are bound and their code generated
         packs.start(weights)
     reduction = _device_reduction(root, spec, report, device) if options.cuda and backend.needs_reduction else None
-    state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in spec.state}
+    state_decls = [BufferDecl.from_json(d) for d in spec.state]
+    try:
+        pool_size = plan_pool(manifest["model"], state_decls, options.kv_cache_memory, options.kv_host_memory)
+    except KVPoolError as exc:
+        raise CoreLoadError(f"{root}: {exc}") from None
+    state = {decl.name: replace(decl, shape=pool_shape(decl, pool_size)).empty(device) for decl in state_decls}
     variants = {}
     for index, entry in enumerate(entries, 1):
         stages.start("runners", f"variant {index} of {len(entries)}: {entry['name']}")
@@ -368,4 +377,5 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, options=options, backend=backend.name, transfer=HostTransfer(device),
-                      reduction=reduction, capture=capture, timings=stages.timings, _spec=spec)
+                      reduction=reduction, capture=capture, timings=stages.timings,
+                      kv_pool=KVPool.build(pool_size, state), _spec=spec)
