@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -75,14 +75,27 @@ class SharedOptions:
     kv_host_memory: int = KV_HOST_MEMORY_OPTION
     gpu_memory_utilization: Optional[float] = GPU_MEMORY_UTILIZATION_OPTION
 
-    def load_options(self):
+    def load_options(self, core: Path):
+        """LoadOptions for ``core``; --gpu-memory-utilization becomes a KV byte budget here (CUDA only)."""
         check_cache_options(self.kv_cache_memory, self.kv_host_memory, self.gpu_memory_utilization)
         options = load_options(self.device, self.eager, self.trust_compiled, self.trusted_key, self.runtime,
-                               self.tensor_parallel, self.tp_host, self.pack_linears, self.drop_file_cache)
-        if self.gpu_memory_utilization is not None and not options.cuda:
+                               self.tensor_parallel, self.tp_host, self.pack_linears, self.drop_file_cache,
+                               self.kv_cache_memory, self.kv_host_memory)
+        if self.gpu_memory_utilization is None or self.kv_cache_memory is not None:
+            return options
+        if not options.cuda:
             raise UsageError(f"--gpu-memory-utilization sizes the KV cache from a CUDA device's memory, and this load "
                              f"runs on {options.device}; give the KV cache's size as --kv-cache-memory BYTES")
-        return options
+        import torch
+
+        from ignition.runtime.paging import kv_budget
+        free, total = torch.cuda.mem_get_info(options.device)
+        weights = sum(path.stat().st_size for path in core.glob("*.safetensors"))
+        try:
+            budget = kv_budget(self.gpu_memory_utilization, total, free, weights)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return replace(options, kv_cache_memory=budget)
 
     def engine_options(self, loaded) -> dict:
         """The Engine arguments of --speculative and --enable-prefix-caching."""
@@ -118,7 +131,7 @@ def with_shared_options(command):
 
 def load_options(device: str, eager: bool, trust_compiled: bool, trusted_key_path: Optional[Path],
                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True,
-                 drop_file_cache: bool = True):
+                 drop_file_cache: bool = True, kv_cache_memory: Optional[int] = None, kv_host_memory: int = 0):
     """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
     (--device, --runtime, --tensor-parallel, --trusted-key) is a usage error naming it."""
     from ignition.runtime.options import LoadOptions
@@ -127,7 +140,8 @@ def load_options(device: str, eager: bool, trust_compiled: bool, trusted_key_pat
     try:
         return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
                                   trusted_key=trusted_key(trusted_key_path), tp_host=tp_host,
-                                  pack_linears=pack_linears, drop_file_cache=drop_file_cache)
+                                  pack_linears=pack_linears, drop_file_cache=drop_file_cache,
+                                  kv_cache_memory=kv_cache_memory, kv_host_memory=kv_host_memory)
     except LoadOptionError as exc:
         raise UsageError(str(exc)) from None
 

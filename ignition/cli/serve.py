@@ -109,7 +109,7 @@ def serve_cmd(
                          structured_outputs_config=outputs_config)
     loading.check_speculative(shared.speculative)
     identify_core(core)
-    load_options = shared.load_options()
+    load_options = shared.load_options(core)
     if read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         loading.load(core, load_options)  # exits 1 with them
         raise UsageError(f"{core}/manifest.json changed while the server started")
