@@ -201,10 +201,12 @@ class Scheduler:
         largest capacity (a verify family when the drafter proposes), cancelled lanes riding where there is room."""
         self.groups.forget()
         self._assign_slots()
+        planned = {key: self.stats[key] for key in ("mixed_rounds", "packed_rounds")}
         while True:
             rounds = self._plan()
             if self.blocks is None or self._reserve(rounds):
                 return rounds
+            self.stats.update(planned)  # a preemption: those rounds never run
 
     def _reserve(self, rounds: list[ScheduledRound]) -> bool:
         """Grow every lane's block table to the positions its round writes; when the blocks run out, preempt the
