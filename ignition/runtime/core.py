@@ -27,6 +27,7 @@ import torch
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.geometry import DYNAMIC_BLOCKS
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl, lane_count
 from ignition.components.device_reduction import jit_opted_in
@@ -338,6 +339,13 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
         pool_size = plan_pool(manifest["model"], state_decls, options.kv_cache_memory, options.kv_host_memory)
     except KVPoolError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
+    fixed = [entry["name"] for entry in entries if not entry["contract"]["layout"].get(DYNAMIC_BLOCKS)]
+    if pool_size.num_blocks != pool_size.declared_blocks and (fixed or not backend.windowed):
+        raise CoreLoadError(f"{root}: a KV pool of {pool_size.num_blocks} blocks (--kv-cache-memory) needs graphs that "
+                            f"take any block count; the {backend.name} graphs of "
+                            f"{', '.join(fixed) or 'every variant'} fix it at model.kv_blocks = "
+                            f"{pool_size.declared_blocks} (load without --kv-cache-memory, or with at least "
+                            f"{pool_size.declared_blocks * pool_size.bytes_per_block} bytes)")
     state = {decl.name: replace(decl, shape=pool_shape(decl, pool_size)).empty(device) for decl in state_decls}
     variants = {}
     for index, entry in enumerate(entries, 1):
