@@ -105,3 +105,71 @@ def test_table_entries_past_a_slots_blocks_are_not_read(model) -> None:
     assert found_tokens == reference_tokens
     for ours, theirs in zip(found, reference):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def paged_core(tmp_path_factory):
+    """A tiny qwen3 core of 4 slots x 64 positions in blocks of 8: a pool of at most 32 blocks."""
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+
+    root = tmp_path_factory.mktemp("paged_core")
+    save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=96), root / "checkpoint", reload=False)
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2), chunk_limit=16,
+                              max_seq_len=MAX_SEQ_LEN, num_slots=4, block_size=BLOCK_SIZE), root / "core")
+    return root / "core"
+
+
+def generate(core, requests_tokens):
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    results = Engine(core).generate([Request(prompt_ids=prompt, max_tokens=6, ignore_eos=True)
+                                     for prompt in requests_tokens])
+    return [result.token_ids for result in results]
+
+
+def test_a_budgeted_pool_holds_fewer_blocks_and_serves_the_same_tokens(paged_core) -> None:
+    from ignition.runtime.core import load_core
+    from ignition.runtime.options import LoadOptions
+
+    full = load_core(paged_core)
+    assert (full.kv_pool.num_blocks, full.kv_pool.block_size, full.kv_pool.capacity_tokens) == (32, 8, 256)
+    bytes_per_block = full.kv_pool.bytes_per_block  # k and v: 2 layers x 8 positions x 2 heads x 16 x 4 bytes
+    assert bytes_per_block == 2 * 2 * 8 * 2 * 16 * 4
+    small = load_core(paged_core, LoadOptions.create(kv_cache_memory=12 * bytes_per_block + 5, kv_host_memory=0))
+    assert small.kv_pool.num_blocks == 12 and small.state["k_cache"].shape[1] == 12
+    prompts = [[5, 9, 3, 7, 1, 2, 8, 4, 6, 2, 11, 30, 31, 32, 1, 2, 3, 17, 9], [4, 4, 2], [60, 61, 62, 63, 1, 0, 9]]
+    assert generate(small, prompts) == generate(full, prompts)
+
+
+def test_a_pool_below_one_sequence_is_refused_by_name(paged_core) -> None:
+    from ignition.runtime.core import load_core
+    from ignition.runtime.options import LoadOptions
+    from ignition.runtime.verified import CoreLoadError
+
+    with pytest.raises(CoreLoadError, match=r"kv_cache_memory 32767 bytes holds 7 KV blocks of 4096 bytes; one "
+                                            r"sequence of max_seq_len 64 positions needs 8 \(32768 bytes\)"):
+        load_core(paged_core, LoadOptions.create(kv_cache_memory=32767))
+
+
+def test_block_moves_copy_every_paged_tensor(paged_core) -> None:
+    from ignition.runtime.core import load_core
+    from ignition.runtime.options import LoadOptions
+
+    core = load_core(paged_core, LoadOptions.create(kv_cache_memory=10 * 4096, kv_host_memory=3 * 4096 + 7))
+    pool = core.kv_pool
+    assert (pool.num_blocks, pool.host_blocks) == (10, 3)
+    for index, name in enumerate(("k_cache", "v_cache")):
+        core.state[name].copy_(torch.randn(core.state[name].shape, generator=torch.Generator().manual_seed(index)))
+    before = {name: core.state[name].clone() for name in ("k_cache", "v_cache")}
+    pool.copy_blocks([1, 7], [4, 2])
+    pool.to_host([4, 9], [2, 0])
+    pool.from_host([2, 0], [0, 5])
+    for name, old in before.items():
+        now = core.state[name]
+        assert torch.equal(now[:, 4], old[:, 1]) and torch.equal(now[:, 2], old[:, 7])
+        assert torch.equal(now[:, 0], old[:, 1]) and torch.equal(now[:, 5], old[:, 9])  # the round trip via host
+        assert torch.equal(now[:, 3], old[:, 3]) and torch.equal(now[:, 9], old[:, 9])  # untouched
+    with pytest.raises(ValueError, match="out of range"):
+        pool.copy_blocks([10], [0])

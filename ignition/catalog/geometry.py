@@ -52,6 +52,9 @@ p % block_size`` of its layer. ``kv_blocks`` (dim ``PAGED_DIM``) is a load-time 
 program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most that
 (runtime/kv_pool.py). Every other cache stays per slot (MLA's latents, sliding rings, linear and DeepSeek V4 state)."""
 PAGED_DIM = 1
+DYNAMIC_BLOCKS = "dynamic_blocks"
+"""``layout`` key of a variant whose graph takes any pool of ``[MIN_WINDOW, model.kv_blocks]`` blocks (exporter/
+tracing.py); a graph without it fixes the pool at the declared bound (compiled packages)."""
 BLOCK_SIZE = 16
 """``--block-size`` when the exporter is not told otherwise: positions per block."""
 

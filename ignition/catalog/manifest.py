@@ -67,6 +67,8 @@ class ModelShape:
     layer_kinds: tuple[str, ...] = ()  # each layer's cache kind (catalog/cache_kinds.py), in layer order
     sliding_window: int | None = None  # sliding layers' window W
     window_cells: int | None = None  # sliding layers' ring cells a slot
+    block_size: int | None = None  # positions per block of the paged caches (catalog/geometry.py PAGED_STATE)
+    kv_blocks: int | None = None  # the paged caches' declared block count, the pool's upper bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,7 @@ class Manifest:
                                     int(model.get("num_layers", 0)),
                                     model.get("max_seq_len"), model.get("num_slots"),
                                     tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
-                                    model.get("window_cells")),
+                                    model.get("window_cells"), model.get("block_size"), model.get("kv_blocks")),
                    parallel=ParallelSection.from_json(section) if section else None,
                    token_capacity=manifest_token_capacity(manifest), catalog=manifest["catalog"],
                    tokenizer=manifest.get("tokenizer"), files=MappingProxyType(dict(manifest["files"])),

@@ -173,7 +173,10 @@ def load(core: Path, options):
     except CoreLoadError as exc:
         raise CoreError(str(exc), label="cannot load core") from None
     stages = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in loaded.timings.items())
-    console.print(f"loaded {core} on {loaded.device} in {loaded.load_seconds:.2f} s ({stages})",
+    pool = getattr(loaded, "kv_pool", None)  # a tensor-parallel rank group has none of its own
+    kv = f"; KV capacity {pool.capacity_tokens:,} tokens ({pool.num_blocks:,} blocks of {pool.block_size})" \
+        if pool is not None and pool.paged else ""
+    console.print(f"loaded {core} on {loaded.device} in {loaded.load_seconds:.2f} s ({stages}){kv}",
                   markup=False, highlight=False, soft_wrap=True)
     return loaded
 

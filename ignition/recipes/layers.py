@@ -221,7 +221,9 @@ instead of one a layer) when they number at most this many (layers x rows: a dec
 def _plan_key(extents: torch.Size, ring: bool, paged: bool = False) -> tuple:
     """``rows.writes``' key of the cell plan for caches of ``extents`` (layers, slots, positions or ring cells; or
     layers, blocks, block positions)."""
-    return (*tuple(extents), "ring" if ring else "paged" if paged else "slots")
+    if paged:  # the block count is symbolic in an exported graph (unhashable); both pools share it
+        return extents[0], extents[2], "paged"
+    return (*tuple(extents), "ring" if ring else "slots")
 
 
 def page_cells(rows: Rows, slots: torch.Tensor, positions: torch.Tensor, kv_blocks, block_size: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import (CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_LANES, PACKED_TOKENS,
+from ignition.catalog.buffers import (MIN_WINDOW, CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_LANES, PACKED_TOKENS,
                                      SEGMENT_WINDOW, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
@@ -123,7 +123,9 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
         variants = [with_constraints(variant, vocab_padded) for variant in variants]
     pages = {}
     if paged(graph_cfg):  # the pools of blocks: every variant reads and writes them through the slots' tables
-        variants = [with_block_tables(variant, options.slots, options.max_seq_len, options.block_size)
+        bound = kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)
+        variants = [with_block_tables(variant, options.slots, options.max_seq_len, options.block_size,
+                                      dynamic=options.compile is None and bound >= MIN_WINDOW)
                     for variant in variants]
         pages = {"block_size": options.block_size,
                  "kv_blocks": kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)}

@@ -27,6 +27,7 @@ import torch
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.geometry import DYNAMIC_BLOCKS
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl, lane_count
 from ignition.components.device_reduction import jit_opted_in
@@ -164,7 +165,8 @@ class LoadedCore:
         if self.capture is not None:
             raise ValueError(f"core {self.path}: a CUDA-graph-captured core has no replica; load it again")
         state = {name: torch.zeros_like(tensor) for name, tensor in self.state.items()}
-        pool = None if self.kv_pool is None else KVPool.build(self.kv_pool.size, state)
+        on_cuda = self.options is not None and self.options.cuda
+        pool = None if self.kv_pool is None else KVPool.build(self.kv_pool.size, state, on_cuda)
         variants = {}
         for name, variant in self.variants.items():
             buffers = {a.name: self.weights[a.name] if a.role is Role.WEIGHT else state[a.name] if a.role is Role.STATE
@@ -335,9 +337,16 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     reduction = _device_reduction(root, spec, report, device) if options.cuda and backend.needs_reduction else None
     state_decls = [BufferDecl.from_json(d) for d in spec.state]
     try:
-        pool_size = plan_pool(manifest["model"], state_decls, options.kv_cache_memory, options.kv_host_memory)
+        pool_size = plan_pool(spec.model, state_decls, options.kv_cache_memory, options.kv_host_memory)
     except KVPoolError as exc:
         raise CoreLoadError(f"{root}: {exc}") from None
+    fixed = [entry["name"] for entry in entries if not entry["contract"]["layout"].get(DYNAMIC_BLOCKS)]
+    if pool_size.num_blocks != pool_size.declared_blocks and (fixed or not backend.windowed):
+        raise CoreLoadError(f"{root}: a KV pool of {pool_size.num_blocks} blocks (--kv-cache-memory) needs graphs that "
+                            f"take any block count; the {backend.name} graphs of "
+                            f"{', '.join(fixed) or 'every variant'} fix it at model.kv_blocks = "
+                            f"{pool_size.declared_blocks} (load without --kv-cache-memory, or with at least "
+                            f"{pool_size.declared_blocks * pool_size.bytes_per_block} bytes)")
     state = {decl.name: replace(decl, shape=pool_shape(decl, pool_size)).empty(device) for decl in state_decls}
     variants = {}
     for index, entry in enumerate(entries, 1):
@@ -378,4 +387,4 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, options=options, backend=backend.name, transfer=HostTransfer(device),
                       reduction=reduction, capture=capture, timings=stages.timings,
-                      kv_pool=KVPool.build(pool_size, state), _spec=spec)
+                      kv_pool=KVPool.build(pool_size, state, options.cuda), _spec=spec)

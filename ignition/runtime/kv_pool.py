@@ -43,17 +43,17 @@ def _block_bytes(decl) -> int:
     return numel * torch.empty((), dtype=getattr(torch, decl.dtype)).element_size()
 
 
-def plan_pool(model: dict, state_decls: list, kv_cache_memory: int | None = None,
-              kv_host_memory: int = 0) -> PoolSize:
-    """The pool for a core whose manifest ``model`` fields and state declarations are given.
+def plan_pool(model, state_decls: list, kv_cache_memory: int | None = None, kv_host_memory: int = 0) -> PoolSize:
+    """The pool for a core whose manifest ``model`` (``catalog.manifest.ModelShape``) and state declarations are
+    given.
 
     ``kv_cache_memory``: bytes for the device pool (every paged tensor), None for the declared upper bound; a budget
     past the bound is capped at it. KVPoolError when it cannot hold one sequence of ``max_seq_len`` positions."""
     paged = [decl for decl in state_decls if decl.name in PAGED_STATE]
     if not paged:
         return PoolSize(paged=False, num_blocks=0, block_size=0, bytes_per_block=0, max_blocks=0, declared_blocks=0)
-    block_size, declared = model["block_size"], model["kv_blocks"]
-    per_sequence = max_blocks(model["max_seq_len"], block_size)
+    block_size, declared = model.block_size, model.kv_blocks
+    per_sequence = max_blocks(model.max_seq_len, block_size)
     bytes_per_block = sum(_block_bytes(decl) for decl in paged)
     num_blocks = declared
     if kv_cache_memory is not None:
@@ -64,7 +64,7 @@ def plan_pool(model: dict, state_decls: list, kv_cache_memory: int | None = None
         if num_blocks < per_sequence:
             raise KVPoolError(
                 f"kv_cache_memory {kv_cache_memory} bytes holds {num_blocks} KV blocks of {bytes_per_block} bytes; "
-                f"one sequence of max_seq_len {model['max_seq_len']} positions needs {per_sequence} "
+                f"one sequence of max_seq_len {model.max_seq_len} positions needs {per_sequence} "
                 f"({per_sequence * bytes_per_block} bytes)")
     if isinstance(kv_host_memory, bool) or not isinstance(kv_host_memory, int) or kv_host_memory < 0:
         raise KVPoolError(f"kv_host_memory must be a byte count (a non-negative integer), found {kv_host_memory!r}")
@@ -89,14 +89,16 @@ class KVPool:
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [layers, host_blocks, block_size, ...]
 
     @classmethod
-    def build(cls, size: PoolSize, state: dict[str, torch.Tensor]) -> KVPool:
+    def build(cls, size: PoolSize, state: dict[str, torch.Tensor], on_cuda: bool = False) -> KVPool:
+        """The pool over the core's allocated ``state``; ``on_cuda``: the load's device is a GPU (the host tier is
+        then pinned, for asynchronous copies)."""
         tensors = {name: tensor for name, tensor in state.items() if name in PAGED_STATE} if size.paged else {}
         host = {}
         if size.host_blocks:
             for name, tensor in tensors.items():
                 shape = list(tensor.shape)
                 shape[PAGED_DIM] = size.host_blocks
-                host[name] = torch.zeros(shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                host[name] = torch.zeros(shape, dtype=tensor.dtype, pin_memory=on_cuda)
         return cls(size, tensors, host)
 
     paged = property(lambda self: self.size.paged)
