@@ -2,9 +2,8 @@
 
 Every test compares against the same core with ``prefix_caching=False``: a request whose prefix comes from the
 cache (device or host tier), a salted one, a scored one beside cached ones, and requests preempted from a pool
-too small for all of them get the tokens, logprobs and prompt logprobs they get without the cache. A small pool is
-the block manager's view of the loaded pool (``managed``: block ids below ``blocks`` only), so these tests pin the
-engine's bookkeeping whatever the load's ``kv_cache_memory`` sizing does."""
+too small for all of them get the tokens, logprobs and prompt logprobs they get without the cache. The small pools
+are loads of the same core with ``kv_cache_memory`` and ``kv_host_memory`` budgets."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 from ignition.exporter.export import export_core
-from ignition.runtime.block_manager import BlockManager
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
@@ -42,18 +40,22 @@ def core(core_dir):
     return load_core(core_dir)
 
 
+def budgeted(core_dir, core, blocks: int, host_blocks: int = 0):
+    """The core loaded with a pool of ``blocks`` device blocks (block 0 included) and ``host_blocks`` host blocks."""
+    per_block = core.kv_pool.bytes_per_block
+    return load_core(core_dir, LoadOptions.create("cpu", kv_cache_memory=blocks * per_block,
+                                                  kv_host_memory=host_blocks * per_block))
+
+
 @pytest.fixture(scope="module")
-def hosted(core_dir, core):
-    """The core with a host tier of 8 blocks."""
-    return load_core(core_dir, LoadOptions.create("cpu", kv_host_memory=8 * core.kv_pool.bytes_per_block))
+def small(core_dir, core):
+    """9 blocks: 64 positions for requests, one max_seq_len sequence."""
+    return budgeted(core_dir, core, 9)
 
 
-def managed(monkeypatch, core, blocks: int, host_blocks: int = 0, **options) -> Engine:
-    """An engine whose block manager hands out ``blocks`` of the core's pool (block 0 included) and ``host_blocks``
-    of its host tier."""
-    monkeypatch.setattr("ignition.runtime.scheduler.block_manager_for", lambda core, prefix_caching: BlockManager(
-        blocks, core.kv_pool.block_size, prefix_caching=prefix_caching, host_blocks=host_blocks, pool=core.kv_pool))
-    return Engine(core, **options)
+@pytest.fixture(scope="module")
+def small_hosted(core_dir, core):
+    return budgeted(core_dir, core, 9, host_blocks=8)
 
 
 def request(prompt, **fields) -> Request:
@@ -118,24 +120,25 @@ def test_prompt_logprobs_beside_cached_requests(core):
     assert_same(results[1:2], cold)
 
 
-def test_eviction_and_the_host_tier_round_trip(monkeypatch, core, hosted):
+def test_eviction_and_the_host_tier_round_trip(core, small, small_hosted):
     requests = [request(SHARED), request([(11 * j) % 280 + 2 for j in range(40)]), request(SHARED + [1])]
     cold = one_by_one(Engine(core, prefix_caching=False), requests)
     # 8 usable blocks: the first request leaves 5 cached; the second takes the 3 free ones and evicts 3 of them,
     # its tail first (vLLM's order), so the third finds only the first 2 of its 4 blocks
-    evicting = managed(monkeypatch, core, 9)
+    evicting = Engine(small)
     assert_same(one_by_one(evicting, requests), cold)
     assert evicting.kv_cache_stats()["prefix_cache_hits"] == 2 * BLOCK
-    engine = managed(monkeypatch, hosted, 9, host_blocks=8)  # the evicted 3 move to the host: 2 come back
+    engine = Engine(small_hosted)  # the evicted 3 move to the host: 2 come back
     assert_same(one_by_one(engine, requests), cold)
     assert engine.scheduler.blocks.host_hits == 2 and engine.kv_cache_stats()["prefix_cache_hits"] == 4 * BLOCK
 
 
-def test_preemption_and_readmission_in_a_pool_too_small_for_all(monkeypatch, core):
+def test_preemption_and_readmission_in_a_pool_too_small_for_all(core, small):
     requests = [request(SHARED[:10 + 3 * i] + [i + 1], max_tokens=12, prompt_logprobs=1 if i == 2 else None)
                 for i in range(4)]
     expected = Engine(core, prefix_caching=False).generate(requests)
-    engine = managed(monkeypatch, core, 9)  # 64 tokens: one request at a time at its longest
+    engine = Engine(small)  # 64 tokens: one request at a time at its longest
+    assert small.kv_pool.num_blocks == 9 and engine.kv_capacity_tokens == 64
     assert_same(engine.generate(requests), expected)
     assert engine.stats["preemptions"] > 0
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
