@@ -33,7 +33,10 @@ def test_cache_salt_is_a_non_empty_string(model, base):
         model.model_validate({**base, "cache_salt": 7})
 
 
-def test_an_empty_cache_salt_is_a_400_naming_it(served):
+def test_an_empty_cache_salt_is_a_400_naming_it(served, monkeypatch):
+    engine, salts = served.ctx.engine.engine, []
+    submit = engine.submit
+    monkeypatch.setattr(engine, "submit", lambda request, **kw: salts.append(request.cache_salt) or submit(request, **kw))
     response = served.post("/v1/completions", {"model": "toy", "prompt": [1, 2], "max_tokens": 1, "cache_salt": ""})
     assert response.status_code == 400
     error = response.json()["error"]
@@ -41,6 +44,7 @@ def test_an_empty_cache_salt_is_a_400_naming_it(served):
     salted = served.post("/v1/completions", {"model": "toy", "prompt": [1, 2], "max_tokens": 2, "cache_salt": "s"})
     plain = served.post("/v1/completions", {"model": "toy", "prompt": [1, 2], "max_tokens": 2})
     assert salted.status_code == plain.status_code == 200
+    assert salts == ["s", None]  # the field reaches the engine's request, whose block hashes it keys
     assert salted.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
 
 
