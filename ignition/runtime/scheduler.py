@@ -112,9 +112,11 @@ class Scheduler:
         self.constraints.prefetch(state)  # its first row fills while its prompt is prefilled
 
     def _free_blocks(self, state: RequestState) -> None:
-        """Cache ``state``'s written full blocks, then drop its references."""
+        """Cache ``state``'s written full blocks (not a failed request's: nothing it wrote is trusted), then drop its
+        references."""
         if self.blocks is not None:
-            self.blocks.cache(state, state.request.prompt_ids + state.generated)
+            if state.finish_reason != "error":
+                self.blocks.cache(state, state.request.prompt_ids + state.generated)
             self.blocks.free(state)
 
     def cache_blocks(self, lanes: list[Lane]) -> None:
