@@ -173,3 +173,12 @@ def test_block_moves_copy_every_paged_tensor(paged_core) -> None:
         assert torch.equal(now[:, 3], old[:, 3]) and torch.equal(now[:, 9], old[:, 9])  # untouched
     with pytest.raises(ValueError, match="out of range"):
         pool.copy_blocks([10], [0])
+
+
+def test_inspect_reports_the_pools_capacity_in_tokens(paged_core) -> None:
+    from ignition.catalog.inspect import inspect_core
+    from ignition.validate.core import validate_core
+
+    memory = inspect_core(validate_core(paged_core, check_graphs=False))["memory"]
+    assert (memory["kv_block_size"], memory["kv_blocks_max"], memory["kv_capacity_tokens_max"]) == (8, 32, 256)
+    assert memory["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, FP32

@@ -55,6 +55,14 @@ def test_format_version(core_copy):
     assert rules_of(core_copy.root) == {"FORMAT-VERSION"}
 
 
+def test_a_format_2_core_is_refused_with_the_reason(core_copy):
+    core_copy.edit("manifest.json", lambda m: m.update(format_version=2))
+    report = validate_core(core_copy.root, check_graphs=False)
+    assert [v.rule for v in report.violations] == ["FORMAT-VERSION"]
+    assert "format 2 predates the paged KV caches (model.block_size, block_tables); re-export the core" \
+        in str(report.violations[0])
+
+
 def test_unknown_operation_code(core_copy):
     core_copy.edit("catalog.json", lambda c: c["variants"][0].update(operation=99))
     assert "ENUM-OPERATION" in rules_of(core_copy.root)

@@ -1,7 +1,13 @@
-"""Grouped-query attention over the slot-indexed KV cache, with no copy of the cache.
+"""Grouped-query attention over the KV caches, with no copy of a whole cache.
 
-A step never clones, expands or gathers the cache (issue 23): every read is a strided view of
-``cache[layer]`` (``[num_slots, max_seq_len, kv_heads, head_dim]``) narrowed to the key window,
+- **Pools of blocks (full layers).** ``k_cache``/``v_cache`` are pools ``[layers, kv_blocks, block_size, kv_heads,
+  head_dim]`` (catalog/geometry.py ``PAGED_STATE``): each group's key window ``[0, W)`` is the cells its slot's block
+  table names (``layers.page_cells``), planned once a forward, and one gather a layer reads them for every group
+  (``[G, kv_heads, W, head_dim]``): the live blocks of the lanes, never the pool. The slot-indexed optimisations
+  below (in place, per lane, slot order) serve the sliding rings, which stay per slot.
+
+A step never clones, expands or gathers a whole cache (issue 23): every read of a ring is a strided view of
+``cache[layer]`` (``[num_slots, cells, kv_heads, head_dim]``) narrowed to the key window,
 and ``scaled_dot_product_attention`` reads it in place.
 
 - **FP32 through the fused kernel, BF16/FP16 as transformers' eager path** (scores rounded to the

@@ -320,10 +320,11 @@ def decoder_layer(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, layer:
 def _check_caches(cfg: Qwen35Config, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:
     """Static (trace-time) check that every cache matches ``cache_shapes`` and the weights' dtype."""
     state = caches[CONV_STATE] if cfg.linear_layers else None  # [layers, slots, ...]
-    pool = caches[K_CACHE] if cfg.full_layers and caches[K_CACHE].dim() == 5 else None  # [layers, kv_blocks, bs, ...]
-    expected = cfg.cache_shapes(state.shape[1] if state is not None and state.dim() > 1 else 1, 1,
-                                pool.shape[2] if pool is not None else 1, pool.shape[1] if pool is not None else 1)
-    for name, shape in expected.items():
+    slots = state.shape[1] if state is not None and state.dim() > 1 else 1
+    for name in cfg.cache_names:
+        pool = caches[name] if name in (K_CACHE, V_CACHE) and caches[name].dim() == 5 else None  # each its own extents
+        shape = cfg.cache_shapes(slots, 1, pool.shape[2] if pool is not None else 1,
+                                 pool.shape[1] if pool is not None else 1)[name]
         dtype = torch.float32 if name in FP32_STATE else weights["embed"].dtype
         if tuple(caches[name].shape) != shape or caches[name].dtype != dtype:
             raise ValueError(f"{name} must have shape {shape} and dtype {dtype}; "

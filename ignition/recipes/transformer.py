@@ -3,9 +3,10 @@
 The forward mirrors transformers' eager implementation op for op (fp32 RMSNorm cast back like HF,
 rotate_half RoPE, SiLU MLP or MoE block, Qwen3 per-head q/k norm before RoPE); attention reads the
 grouped KV heads in place from the cache (``recipes/attention.py``). ``decoder_stack`` (embedding, residual layers, final norm) is shared with DeepSeek-V3 (MLA).
-The KV cache is runtime-owned state that the graph mutates in place:
-``[num_layers, num_slots, max_seq_len, num_kv_heads, head_dim]`` in the model dtype, allocated with
-finite values (``torch.zeros``). Slots and positions are tensors; nothing branches on tensor values.
+The KV cache is runtime-owned state that the graph mutates in place: pools of blocks
+``[num_layers, kv_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, addressed through the rows'
+block tables (``Rows.block_tables``; without them, the slot layout ``[num_layers, num_slots, max_seq_len, ...]``),
+allocated with finite values (``torch.zeros``). Slots and positions are tensors; nothing branches on tensor values.
 """
 
 from __future__ import annotations

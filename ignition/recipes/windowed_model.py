@@ -1,5 +1,6 @@
 """The forward plumbing the decoders with sliding-window layers share (``gemma3_model``, ``gpt_oss_model``): the
-caches' trace-time check, each layer kind's attention plan, and the decode lanes put in slot order."""
+caches' trace-time check, each layer kind's attention plan, and the decode lanes put in slot order (a decoder of
+sliding layers alone: the full layers' pools are read through the block tables in lane order)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def planned_rows(cfg, weights: Mapping[str, torch.Tensor], input_ids: torch.Tens
     check_caches(cfg, weights, caches)
     plans = attention_plans(cfg, rows, caches)
     first = next(iter(plans.values()))
-    order = None if first is None else first.slot_order(rows)
+    # NOTE: never with a full layer's pool: rows in slot order write a stand-in cell for every slot, and the table row
+    # of a slot no lane owns may name any block, another lane's included (one cell, two values)
+    paged = any(plan is not None and plan.cells is not None for plan in plans.values())
+    order = None if first is None or paged else first.slot_order(rows)
     if order is None:
         return rows, input_ids, plans, None
     lane_slots = first.slots
