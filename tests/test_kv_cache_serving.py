@@ -122,3 +122,11 @@ def test_seeded_penalty_counts_are_what_a_prefill_from_zero_counts():
     expected[0, 3], expected[0, 7], expected[0, 0] = 2, 1, 1
     assert torch.equal(state["penalty_counts"][1], expected)
     assert (state["penalty_counts"][0] == 5).all() and (state["penalty_counts"][2] == 5).all()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_prefix_caching_flag_reaches_the_engine(enabled):
+    from ignition.cli.loading import SharedOptions
+
+    shared = SharedOptions(speculative=None, enable_prefix_caching=enabled)
+    assert shared.engine_options(loaded=None) == {"prefix_caching": enabled}
