@@ -125,7 +125,7 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if paged(graph_cfg):  # the pools of blocks: every variant reads and writes them through the slots' tables
         bound = kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)
         variants = [with_block_tables(variant, options.slots, options.max_seq_len, options.block_size,
-                                      dynamic=options.compile is None and bound >= MIN_WINDOW)
+                                      dynamic=options.compile is None and bound > MIN_WINDOW)
                     for variant in variants]
         pages = {"block_size": options.block_size,
                  "kv_blocks": kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)}

@@ -128,6 +128,12 @@ class LoadedCore:
     def load_seconds(self) -> float:
         return sum(self.timings.values())
 
+    def __post_init__(self):
+        if self.kv_pool is None:  # a LoadedCore assembled by hand (tests): the pool its state was allocated at
+            decls = [BufferDecl.from_json(dict(d)) for d in self.spec.state]
+            self.kv_pool = KVPool.build(plan_pool(self.spec.model, decls), self.state,
+                                        self.options is not None and self.options.cuda)
+
     @property
     def device(self) -> torch.device:
         return self.options.device if self.options is not None else torch.device("cpu")
