@@ -159,7 +159,9 @@ class CoreReplay:
                 buffers[arg_name] = self.state[arg_name]
             else:
                 tensor = torch.zeros(arg["shape"], dtype=getattr(torch, arg["dtype"]))
-                if role == "input":
+                if role == "input" and arg_name == "block_tables" and arg_name not in inputs:
+                    tensor[...] = torch.arange(tensor.numel()).view(tensor.shape)  # the slot layout: s's blocks in a row
+                elif role == "input":
                     tensor[...] = torch.as_tensor(inputs.pop(arg_name, INPUT_DEFAULTS.get(arg_name, 0)))
                 buffers[arg_name] = tensor
         if inputs:

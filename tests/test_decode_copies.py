@@ -1,13 +1,14 @@
-"""One decode step of a real-width core copies no KV cache and reads only the live key window (issue 23).
+"""One decode step of a real-width core copies no KV cache and reads only the live key window (issues 23, 52).
 
 A 4-layer checkpoint at Qwen3-0.6B's width (hidden 1024, 16 query and 8 KV heads, head_dim 128, MLP
 3072; a 4,096-word vocabulary keeps the export short: the vocabulary never touches the cache) is
 exported, loaded and driven through the engine. A dispatch mode watches every operator of one
-decode step at batch 4, 2 and 1: no operator may read the cache and produce a new tensor larger
-than one slot's cache of one layer (what a clone, an expansion of the grouped heads or a gather of the
-lanes' slots would do), and attention must read the live window, not all ``max_seq_len`` positions:
-four lanes every slot's window in place, two lanes (a variant with a slot limit of 2) the windows of slots 0
-and 1 in place, a single lane a copy of its own slot's window.
+decode step at batch 4, 2 and 1: the caches are pools of blocks (catalog/geometry.py ``PAGED_STATE``), and no
+operator may read a pool and produce a new tensor larger than the lanes' live key window of one layer (the
+one gather a layer makes through the block tables, ``[lanes, window, kv_heads, head_dim]``; a clone, an expansion
+of the grouped heads or a gather of whole slots or of the pool would be larger), the gathers of a step add up
+to at most that window for each layer's K and V, and attention must read the live window, not all
+``max_seq_len`` positions.
 """
 
 from __future__ import annotations
@@ -86,16 +87,18 @@ def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: 
         engine.submit(Request([lane + 1, 7, 9, 11, 13], max_tokens=8, logprobs=5, ignore_eos=True))
     while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
         engine.step()  # every prompt prefilled: the next step is one decode round of every lane
-    one_slot = MAX_SEQ_LEN * KV_HEADS * HEAD_DIM * 4  # one layer of one slot, fp32
-    watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, one_slot)
-    with watch:
+    window = WINDOWS[KEY_WINDOW].granule  # the prompts and their 8 tokens fit in one
+    live = lanes * window * KV_HEADS * HEAD_DIM * 4  # the lanes' live window of one layer's pool, fp32
+    watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, live)
+    gathered = CacheCopies(watch.cache_storages, 0)  # every fresh tensor read from a pool, whatever its size
+    with watch, gathered:
         engine.step()
     assert watch.attention_keys, "the decode step ran no attention"
-    assert watch.copies == [], f"operators copied more than one slot's cache: {watch.copies[:5]}"
-    # [batch, kv_heads, window, head_dim]: one key-window granule (32 positions), not the 256 cached; four lanes
-    # (decode.c4) read all four slots in place; two lanes (decode.c2, slot limit 2: the lanes hold slots 0 and 1)
-    # the two slots below its limit in place; one lane (decode.c1) a copy of its own slot's window
-    window = WINDOWS[KEY_WINDOW].granule  # the prompts and their 8 tokens fit in one
+    assert watch.copies == [], f"operators copied more than the lanes' live window of a layer: {watch.copies[:5]}"
+    copied = sum(torch.Size(shape).numel() * 4 for func, shape in gathered.copies if "index_select" in func)
+    # K and V of 4 layers: the live window's blocks, and the old values of the cells each lane writes (write_rows)
+    assert 0 < copied <= 2 * 4 * (live + lanes * KV_HEADS * HEAD_DIM * 4), gathered.copies
+    # [batch, kv_heads, window, head_dim]: one key-window granule (32 positions), not the 256 cached
     assert set(watch.attention_keys) == {(lanes, KV_HEADS, window, HEAD_DIM)}, watch.attention_keys
     assert len(watch.attention_keys) == 4  # one attention call a layer, 4 layers
 

@@ -165,7 +165,7 @@ def test_manifest_declares_each_layers_kind_and_the_ring(gemma):
     assert (model["sliding_window"], model["window_cells"]) == (WINDOW, WINDOW + CHUNK - 1)
     state = {s["name"]: s["shape"] for s in report.manifest["state"]}
     assert state["k_window_cache"] == state["v_window_cache"] == [2, 2, WINDOW + CHUNK - 1, 2, 16]
-    assert state["k_cache"] == state["v_cache"] == [1, 2, MAX_SEQ, 2, 16]
+    assert state["k_cache"] == state["v_cache"] == [1, 2 * MAX_SEQ // 16, 16, 2, 16]  # pools of 16-position blocks
     memory = kind_memory(report.manifest)
     assert memory["sliding"] == {"layers": 2, "state_bytes": 2 * 2 * 2 * 15 * 2 * 16 * 4, "positions_per_slot": 15,
                                  "buffers": ["k_window_cache", "v_window_cache"]}

@@ -79,11 +79,28 @@ def test_exported_cores_pass_every_geometry_rule(decoder_core, toy_with_tokenize
     (lambda m: m["model"].update(dtype="bfloat16"), "GEOM-MODEL"),
     (lambda m: m.update(eos_token_id=150), "GEOM-VOCAB"),
     (lambda m: m.update(chunk_limit=16), "CATALOG-PREFILL"),
+    # the pools [layers, kv_blocks, block_size, ...]: 2 slots x ceil(32 / 16) blocks of 16
+    (lambda m: m["model"].update(block_size=8), ("GEOM-BLOCK-SIZE", "GEOM-SEQ")),  # the tables' width is 2, not 4
+    (lambda m: m["model"].update(block_size=12), ("GEOM-BLOCK-SIZE", "GEOM-SEQ")),  # and 12 does not divide 32
+    (lambda m: m["model"].pop("block_size"), "GEOM-BLOCK-SIZE"),
+    (lambda m: m["model"].update(kv_blocks=64), "GEOM-KV-BLOCKS"),  # more blocks than the pools declare
+    (lambda m: m["model"].pop("kv_blocks"), "GEOM-KV-BLOCKS"),
 ])
 def test_manifest_geometry_edit_is_caught_by_its_rule(decoder_core, tmp_path, edit, rule):
     core = copy_of(decoder_core, tmp_path)
     core.edit("manifest.json", edit)
     assert rules_of(core.root) == ({rule} if isinstance(rule, str) else set(rule))
+
+
+def test_block_tables_are_declared_by_every_variant_of_a_paged_core(decoder_core, tmp_path):
+    core = copy_of(decoder_core, tmp_path)
+
+    def drop(catalog):
+        variant = catalog["variants"][-1]
+        variant["arguments"] = [a for a in variant["arguments"] if a["name"] != "block_tables"]
+        variant["contract"]["bindings"].pop("block_tables")
+    core.edit("catalog.json", drop)
+    assert "GEOM-BLOCK-TABLES" in rules_of(core.root)
 
 
 def test_num_slots_below_the_widest_decode(decoder_core, tmp_path):

@@ -102,22 +102,26 @@ def test_core_declares_linear_and_full_state(core) -> None:
             model["linear_value_dim"]) == (2 * 2 * 16 + 4 * 8, 4, 4, 16, 8)
     assert {s["name"]: s["dtype"] for s in manifest["state"]}["recurrent_state"] == "float32"
     assert {s["name"]: s["shape"] for s in manifest["state"]} == {
-        "k_cache": [1, 2, MAX_SEQ_LEN, 2, 16], "v_cache": [1, 2, MAX_SEQ_LEN, 2, 16], "conv_state": [3, 2, 96, 3],
+        # the full layer's pools: 2 slots x ceil(MAX_SEQ_LEN / 16) blocks of 16 positions
+        "k_cache": [1, 2 * -(-MAX_SEQ_LEN // 16), 16, 2, 16], "v_cache": [1, 2 * -(-MAX_SEQ_LEN // 16), 16, 2, 16],
+        "conv_state": [3, 2, 96, 3],
         "recurrent_state": [3, 2, 4, 16, 8], "penalty_counts": [2, 2, VOCAB]}
     inspected = CliRunner().invoke(app, ["inspect-core", str(out), "--memory", "--json"])
     assert inspected.exit_code == 0, inspected.output
     memory = json.loads(inspected.output)["memory"]
     assert memory["kv_bytes_per_token"] == 2 * 2 * 16 * 4  # the one full layer's K and V
     kinds = {kind: row["state_bytes"] for kind, row in json.loads(inspected.output)["cache_kinds"].items()}
-    assert kinds == {"linear": 3 * 2 * (96 * 3 + 4 * 16 * 8) * 4, "full": 2 * 2 * MAX_SEQ_LEN * 2 * 16 * 4}
+    assert kinds == {"linear": 3 * 2 * (96 * 3 + 4 * 16 * 8) * 4,
+                     "full": 2 * 2 * -(-MAX_SEQ_LEN // 16) * 16 * 2 * 16 * 4}
 
 
 def test_kv_bytes_per_token_counts_no_linear_state() -> None:
     """A conv state whose conv_dim equals max_seq_len is still per slot, not per token."""
     from ignition.catalog.inspect import kv_bytes_per_token
-    state = [{"name": "k_cache", "dtype": "float32", "shape": [1, 2, 96, 2, 16], "role": "state"},
+    state = [{"name": "k_cache", "dtype": "float32", "shape": [1, 12, 16, 2, 16], "role": "state"},
              {"name": "conv_state", "dtype": "float32", "shape": [3, 2, 96, 3], "role": "state"}]
-    assert kv_bytes_per_token({"model": {"num_slots": 2, "max_seq_len": 96}, "state": state}) == 2 * 16 * 4
+    model = {"num_slots": 2, "max_seq_len": 96, "kv_blocks": 12, "block_size": 16}
+    assert kv_bytes_per_token({"model": model, "state": state}) == 2 * 16 * 4
 
 
 @pytest.mark.parametrize("field, value, rule", [

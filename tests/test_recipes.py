@@ -247,12 +247,17 @@ def test_dtype_and_slots_options_shape_weights_and_state(exported) -> None:
                                        chunk_limit=8, max_seq_len=32, dtype="bfloat16", num_slots=3))
     assert {tensor.dtype for tensor in build.weights.values()} == {torch.bfloat16}
     state = {decl.name: decl for decl in build.state}
-    assert (state["k_cache"].dtype, state["k_cache"].shape) == ("bfloat16", [2, 3, 32, 2, 16])
+    # the pool at its declared bound: 3 slots x ceil(32 / 16) blocks of 16 positions
+    assert (state["k_cache"].dtype, state["k_cache"].shape) == ("bfloat16", [2, 6, 16, 2, 16])
     assert (state[PENALTY_COUNTS].dtype, state[PENALTY_COUNTS].shape) == ("int32", [3, 2, 150])
     assert (build.model["dtype"], build.model["num_slots"], build.chunk_limit) == ("bfloat16", 3, 8)
+    assert (build.model["block_size"], build.model["kv_blocks"]) == (16, 6)
     prefill = build.graphs[0].variant
     assert [a.name for a in prefill.arguments if a.role.name == "INPUT"][:3] == ["slot_ids", "slot_epochs",
                                                                                   "active_lanes"]
+    for graph in build.graphs:  # every variant reads and writes the pool through the slots' tables
+        (tables,) = [a for a in graph.variant.arguments if a.name == "block_tables"]
+        assert (tables.dtype, tables.shape) == ("int32", [3, 2])
 
 
 def test_minimal_loader_serves_the_core_like_transformers(exported) -> None:

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from ignition.catalog.buffers import CONSTRAINT_INPUTS
-from ignition.catalog.contract import FORMAT_VERSION
+from ignition.catalog.contract import FORMAT_CHANGES, FORMAT_VERSION
 from ignition.catalog.enums import Operation, ValueSource
 from ignition.runtime.core import CoreLoadError, load_core
 from ignition.validate.core import validate_core
@@ -58,12 +58,14 @@ def test_format_version(core_copy):
 
 
 def test_format_2_core_is_refused_with_the_reason(core_copy):
-    """A format-2 manifest stored K twice (``k`` and ``features.max_logprobs``): refused before its schema, by name."""
+    """A format-2 manifest stored K twice (``k`` and ``features.max_logprobs``) and had no paged caches: refused before
+    its schema, by name."""
     core_copy.edit("manifest.json", lambda m: m.update(format_version=2) or m["features"].update(max_logprobs=m["k"]))
     (violation,) = validate_core(core_copy.root).violations
     assert (violation.rule, violation.where) == ("FORMAT-VERSION", "manifest.json:format_version")
-    assert violation.message == (f"expected {FORMAT_VERSION}, found 2 (format 2 stores K twice, as k and as "
-                                 "features.max_logprobs; format 3 keeps k alone; re-export the core with this Ignition)")
+    assert violation.message == (f"expected {FORMAT_VERSION}, found 2 ({FORMAT_CHANGES[2]}; re-export the core with "
+                                 "this Ignition)")
+    assert "stores K twice" in FORMAT_CHANGES[2] and "paged KV caches" in FORMAT_CHANGES[2]
     with pytest.raises(CoreLoadError, match=r"\[FORMAT-VERSION\] manifest\.json:format_version: expected \d+, found 2 "
                                             r"\(format 2 stores K twice"):
         load_core(core_copy.root)

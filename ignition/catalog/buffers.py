@@ -175,8 +175,17 @@ lane's projection reads the whole 151,936 x 1,024 head (about 45 ms on 2 cores).
 packing 8 short prompts spent 1.4 s of its 2.4 s round on 24 idle lanes; more waiting prompts than
 this take another round."""
 
+PAGED_INPUTS = (
+    BufferSpec("block_tables", "int32", ("num_slots", "max_blocks"), Role.INPUT, ValueSource.BLOCK_TABLES,
+               "Row s: the pool blocks of slot s's positions [i * block_size, (i + 1) * block_size), in order; "
+               "entries past the slot's live blocks are unread (0)"),
+)
+"""The input of every variant of a core with paged caches (``catalog.geometry.PAGED_STATE``): each slot's block table
+(``max_blocks = ceil(max_seq_len / block_size)``)."""
+
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
-           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS + PACKED_INPUTS}
+           + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS + PACKED_INPUTS
+           + PAGED_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -189,6 +198,7 @@ KEY_WINDOW, SAMPLE_WINDOW, TRANSFORM_WINDOW = (spec.name for spec in WINDOW_INPU
 TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
 PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
+(BLOCK_TABLES,) = (spec.name for spec in PAGED_INPUTS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,7 @@ class ValueSource(IntEnum):
     TOKEN_BITMASK = 40  # int32[capacity, VOCAB_WORDS]: bit i of word w allows token 32*w+i; an all-zero row: no mask
     LOGIT_BIAS_IDS = 41  # int64[capacity, 300]: biased token ids, -1 for an empty entry
     LOGIT_BIAS_VALUES = 42  # float32[capacity, 300]: the bias added to each id's sampling logit
+    BLOCK_TABLES = 43  # int32[num_slots, max_blocks]: row s lists slot s's pool blocks in position order, 0 past them
 
 
 class Role(IntEnum):

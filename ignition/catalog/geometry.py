@@ -20,7 +20,7 @@ HCA_WINDOW_CACHE, HCA_KV_CACHE, HCA_SOURCE = "hca_window_cache", "hca_kv_cache",
 PENALTY_PLANES = 2
 """penalty_counts planes: prompt-token counts, emitted-token counts."""
 
-_KV_CACHE = ("full_layers", "num_slots", "max_seq_len", "num_kv_heads", "head_dim")
+_KV_CACHE = ("full_layers", "kv_blocks", "block_size", "num_kv_heads", "head_dim")
 _WINDOW_CACHE = ("sliding_layers", "num_slots", "window_cells", "num_kv_heads", "head_dim")
 STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     K_CACHE: _KV_CACHE,
@@ -44,6 +44,39 @@ STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
 }
 """Runtime-owned state tensors by name. The caches are in the model dtype (the recurrent state in FP32,
 ``FP32_STATE``); each cache's first extent counts the layers of its kind (``KIND_LAYERS``)."""
+
+PAGED_STATE = (K_CACHE, V_CACHE)
+"""The pools of blocks: ``[full_layers, kv_blocks, block_size, ...]``, addressed through the ``block_tables`` input
+(catalog/buffers.py): position ``p`` of slot ``s`` is cell ``block_tables[s, p // block_size] * block_size +
+p % block_size`` of its layer. ``kv_blocks`` (dim ``PAGED_DIM``) is a load-time extent: dynamic in every exported
+program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most that
+(runtime/kv_pool.py). Every other cache stays per slot (MLA's latents, sliding rings, linear and DeepSeek V4 state)."""
+PAGED_DIM = 1
+DYNAMIC_BLOCKS = "dynamic_blocks"
+"""``layout`` key of a variant whose graph takes any pool of ``[MIN_WINDOW, model.kv_blocks]`` blocks (exporter/
+tracing.py); a graph without it fixes the pool at the declared bound (compiled packages)."""
+BLOCK_SIZE = 16
+"""``--block-size`` when the exporter is not told otherwise: positions per block."""
+
+
+def max_blocks(max_seq_len: int, block_size: int) -> int:
+    """Blocks that hold one sequence of ``max_seq_len`` positions: the width of a block table row."""
+    return -(-max_seq_len // block_size)
+
+
+def kv_blocks_bound(num_slots: int, max_seq_len: int, block_size: int) -> int:
+    """The declared upper bound of ``kv_blocks``: every slot at ``max_seq_len`` (the slot-contiguous capacity)."""
+    return num_slots * max_blocks(max_seq_len, block_size)
+
+
+def block_size_problem(block_size, granule: int) -> str | None:
+    """Why ``block_size`` cannot page the caches, or None: a positive divisor of the key window's ``granule``, so a
+    replayed key window (a multiple of the granule) reads whole blocks."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or granule % block_size:
+        divisors = [size for size in range(1, granule + 1) if granule % size == 0]
+        return (f"the block size must divide the key window granule {granule} (one of {divisors}), "
+                f"found {block_size!r}")
+    return None
 
 MODEL_DTYPE_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE, K_WINDOW_CACHE, V_WINDOW_CACHE, CONV_STATE,
                      SWA_KV_CACHE, CSA_WINDOW_CACHE, CSA_KV_CACHE, CSA_SOURCE, CSA_INDEX_CACHE,
@@ -88,6 +121,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "num_layers": ("model", "num_layers"),
     "num_slots": ("model", "num_slots"),
     "max_seq_len": ("model", "max_seq_len"),
+    "kv_blocks": ("model", "kv_blocks"),
+    "block_size": ("model", "block_size"),
     "num_kv_heads": ("model", "num_kv_heads"),
     "head_dim": ("model", "head_dim"),
     "kv_lora_rank": ("model", "kv_lora_rank"),
@@ -108,7 +143,8 @@ FIELDS: dict[str, tuple[str, ...]] = {
 }
 """Symbol -> its path in manifest.json."""
 
-SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "vocab_padded": "GEOM-VOCAB-TENSOR",
+SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "kv_blocks": "GEOM-KV-BLOCKS",
+                "block_size": "GEOM-BLOCK-SIZE", "vocab_padded": "GEOM-VOCAB-TENSOR",
                 "window_cells": "GEOM-WINDOW", "csa_entries": "GEOM-COMPRESS", "csa_source_cells": "GEOM-COMPRESS",
                 "hca_entries": "GEOM-COMPRESS", "hca_source_cells": "GEOM-COMPRESS"} | {symbol: "GEOM-KIND-BUFFERS" for symbol in KIND_LAYERS}
 """The validator rule for a mismatched extent; every other symbol is GEOM-MODEL."""

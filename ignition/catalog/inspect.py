@@ -16,27 +16,41 @@ _CLASSES = {"output": "completion frames and outputs", "state": "state (KV)", "w
 
 
 def kv_bytes_per_token(manifest: dict) -> int | None:
-    """Bytes one cached token costs: state buffers laid out [layers, slots, max_seq_len, ...], and compressed entry
-    tables [layers, slots, entries, ...] at one entry per ``rate`` positions (``ENTRY_RATES``); rings and
-    recurrent states are per slot, whatever the sequence."""
-    slots, seq = manifest["model"].get("num_slots"), manifest["model"].get("max_seq_len")
-    if not slots or not seq:
-        return None
+    """Bytes one cached token costs: state buffers laid out [layers, slots, max_seq_len, ...] or paged
+    [layers, kv_blocks, block_size, ...] (catalog/geometry.py ``PAGED_STATE``), and compressed entry tables
+    [layers, slots, entries, ...] at one entry per ``rate`` positions (``ENTRY_RATES``); rings and recurrent states
+    are per slot, whatever the sequence."""
+    model = manifest["model"]
+    slots = model.get("num_slots")
+    layouts = {("num_slots", "max_seq_len"): (slots, model.get("max_seq_len")),
+               ("kv_blocks", "block_size"): (model.get("kv_blocks"), model.get("block_size"))}
     # by the geometry table, not by extents: a linear layer's conv_state [layers, slots, conv_dim, ...] is per slot
     # even where conv_dim equals max_seq_len
-    per_token = [BufferDecl.from_json(s).nbytes // (slots * seq) for s in manifest["state"]
-                 if tuple(STATE_SHAPES.get(s["name"], ()))[1:3] == ("num_slots", "max_seq_len")
-                 and s["shape"][1:3] == [slots, seq]]
-    for s in manifest["state"]:  # compressed entry tables: a cell per ``rate`` positions
+    per_token = []
+    for s in manifest["state"]:
         symbols = tuple(STATE_SHAPES.get(s["name"], ()))[1:3]
-        rate = manifest["model"].get(ENTRY_RATES.get(symbols[-1] if len(symbols) == 2 else None, ""))
+        extents = layouts.get(symbols)
+        if extents is not None and all(extents) and s["shape"][1:3] == list(extents):
+            per_token.append(BufferDecl.from_json(s).nbytes // (extents[0] * extents[1]))
+            continue
+        rate = model.get(ENTRY_RATES.get(symbols[-1] if len(symbols) == 2 else None, ""))
         if symbols[:1] == ("num_slots",) and isinstance(rate, int) and rate > 0 and s["shape"][1] == slots:
-            per_token.append(BufferDecl.from_json(s).nbytes // (slots * s["shape"][2]) // rate)
+            per_token.append(BufferDecl.from_json(s).nbytes // (slots * s["shape"][2]) // rate)  # an entry per rate
     return sum(per_token) or None
 
 
 ENTRY_RATES = {"csa_entries": "csa_rate", "hca_entries": "hca_rate"}
 """A compressed entry table's extent symbol -> the manifest field of positions per entry (DeepSeek V4)."""
+
+
+def kv_capacity(manifest: dict) -> dict:
+    """The paged pool a load of the core may hold (``model.kv_blocks``, its upper bound; ``--kv-cache-memory`` sizes
+    it below) in blocks and in tokens; empty for a core without paged caches."""
+    model = manifest["model"]
+    if not model.get("kv_blocks") or not model.get("block_size"):
+        return {}
+    return {"kv_block_size": model["block_size"], "kv_blocks_max": model["kv_blocks"],
+            "kv_capacity_tokens_max": model["kv_blocks"] * model["block_size"]}
 
 
 def kind_memory(manifest: dict) -> dict[str, dict]:
@@ -110,7 +124,8 @@ def inspect_core(report, budget: int | None = None) -> dict:
         "runtimes": ["torch"] + (["onnxruntime"] if variants and all("onnxruntime" in v["files"] for v in variants) else []),
         "variants": variants,
         "memory": {"weights_bytes": sum(weights.values()), "state_bytes": state,
-                   "completion_frame_bytes": sum(outputs.values())} | scoring_cost(report, budget),
+                   "completion_frame_bytes": sum(outputs.values())} | kv_capacity(manifest)
+                  | scoring_cost(report, budget),
         "cache_kinds": kind_memory(manifest),
     }
 

@@ -62,6 +62,8 @@ class ModelShape:
     sliding_window: int | None = None  # sliding layers' window W
     window_cells: int | None = None  # sliding layers' ring cells a slot
     softmax_short_row: int | None = None  # BF16/FP16: the softmax row length traced for (catalog/softmax_order.py)
+    block_size: int | None = None  # positions per block of the paged caches (catalog/geometry.py PAGED_STATE)
+    kv_blocks: int | None = None  # the paged caches' declared block count, the pool's upper bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +97,8 @@ class Manifest:
                                     int(model.get("num_layers", 0)),
                                     model.get("max_seq_len"), model.get("num_slots"),
                                     tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
-                                    model.get("window_cells"), model.get("softmax_short_row")),
+                                    model.get("window_cells"), model.get("softmax_short_row"),
+                                    model.get("block_size"), model.get("kv_blocks")),
                    parallel=ParallelSection.from_json(section) if section else None,
                    token_capacity=manifest_token_capacity(manifest), catalog=manifest["catalog"],
                    tokenizer=manifest.get("tokenizer"), files=MappingProxyType(dict(manifest["files"])),

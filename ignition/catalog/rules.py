@@ -21,9 +21,16 @@ RULES = {
                     "size cap (256 MiB for JSON, 16 GiB for a graph), checked before a byte is read.",
     "GEOM-T": "Resolved T (0 or omitted: 8) is at most 64: FORCED_MASK is one int64 record word, one bit per position.",
     "GEOM-VOCAB": "vocab_size <= vocab_padded, and eos_token_id < vocab_size.",
-    "GEOM-SLOTS": "model.num_slots is the slot extent of every slot-indexed state tensor (KV caches, penalty "
-                  "counts) and at least the widest decode capacity.",
-    "GEOM-SEQ": "model.max_seq_len is the position extent of the KV caches and holds a chunk_limit prefill chunk.",
+    "GEOM-SLOTS": "model.num_slots is the slot extent of every slot-indexed state tensor (per-slot caches, penalty "
+                  "counts, the rows of block_tables) and at least the widest decode capacity.",
+    "GEOM-SEQ": "model.max_seq_len is the position extent of the per-slot caches, sets the width of block_tables "
+                "(ceil(max_seq_len / block_size)) within model.kv_blocks, and holds a chunk_limit prefill chunk.",
+    "GEOM-BLOCK-SIZE": "model.block_size is the block extent of the paged caches (k_cache, v_cache) and divides the "
+                       "key window granule.",
+    "GEOM-KV-BLOCKS": "model.kv_blocks (the declared upper bound of the dynamic pool extent) is the block count of "
+                      "the paged caches.",
+    "GEOM-BLOCK-TABLES": "Every variant declares the input block_tables, int32 [num_slots, ceil(max_seq_len / "
+                         "block_size)] bound to BLOCK_TABLES, exactly when the core has paged caches.",
     "GEOM-VOCAB-TENSOR": "vocab_padded is the row count of the vocabulary weights (embedding, lm_head) in the "
                          "weights file and the last extent of penalty_counts.",
     "GEOM-VOCAB-GRAPH": "Every graph's calls to Ignition's reduction ops pass manifest.json:vocab_size (and a sharded "

@@ -37,7 +37,9 @@ def export_core_cmd(
     logprob_ids: bool = typer.Option(EXPORT_DEFAULTS["logprob_ids"], "--logprob-ids/--no-logprob-ids",
                                      help="Export the explicit-ID inputs (off: a natural-only core, packed width 2+2K)"),
     prompt_logprobs: bool = typer.Option(False, "--prompt-logprobs", help="Also export scored-prefill graphs"),
-    max_seq_len: int = typer.Option(EXPORT_DEFAULTS["max_seq_len"], help="KV capacity per slot (tokens)"),
+    max_seq_len: int = typer.Option(EXPORT_DEFAULTS["max_seq_len"], help="Longest sequence (tokens)"),
+    block_size: int = typer.Option(EXPORT_DEFAULTS["block_size"], "--block-size",
+                                   help="Positions per block of the paged KV caches (a divisor of the key window granule)"),
     compile: Optional[str] = typer.Option(None, "--compile", help="Additionally compile variants: inductor"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing core at --out"),
     seed: int = typer.Option(EXPORT_DEFAULTS["seed"], help="Seed for recipes that generate weights (toy)"),
@@ -81,7 +83,7 @@ def export_core_cmd(
             k=k, logprob_ids=logprob_ids, prompt_logprobs=prompt_logprobs, max_seq_len=max_seq_len, compile=compile, seed=seed,
             tokenizer=tokenizer, onnx=onnx, tensor_parallel=tensor_parallel,
             speculative_tokens=int_list(speculative_tokens, "--speculative-tokens"), mixed=mixed,
-            packed_prefill=packed_prefill, capture_jobs=jobs)
+            packed_prefill=packed_prefill, capture_jobs=jobs, block_size=block_size)
     except (RecipeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     if checkpoint is not None and (Path(checkpoint) / "config.json").is_file():

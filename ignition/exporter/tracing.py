@@ -12,6 +12,7 @@ import torch
 
 from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
 from ignition.catalog.enums import Role
+from ignition.catalog.geometry import DYNAMIC_BLOCKS, PAGED_DIM, PAGED_STATE
 
 
 def example_buffers(graph, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -19,26 +20,43 @@ def example_buffers(graph, weights: dict[str, torch.Tensor]) -> dict[str, torch.
     return {a.name: weights[a.name] if a.role is Role.WEIGHT else a.empty() for a in graph.variant.arguments}
 
 
-def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str]) -> tuple[dict, dict] | None:
-    """(tracing inputs, ``torch.export`` dynamic shapes) for a graph with windowed inputs, else None.
+def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str],
+                   paged: list[str] = ()) -> tuple[dict, dict] | None:
+    """(tracing inputs, ``torch.export`` dynamic shapes) for a graph with windowed inputs or paged caches, else None.
 
     Each input the variant's ``layout["windows"]`` names is traced at a prefix shorter than its declared
-    extent, so the extent stays symbolic over ``[MIN_WINDOW, declared]`` (``catalog.buffers.WINDOWS``)."""
-    if not windows:
+    extent, so the extent stays symbolic over ``[MIN_WINDOW, declared]`` (``catalog.buffers.WINDOWS``). The block
+    count of each paged cache ``paged`` is symbolic over ``[MIN_WINDOW, declared]`` too (the pool a load sizes,
+    runtime/kv_pool.py), traced at a count no window is traced at (equal hints would tie the symbols)."""
+    if not windows and not paged:
         return None
     traced, shapes = dict(example), {name: None for name in example}
     for name in windows:
         dim, extent = WINDOWS[name].dim, example[name].shape[WINDOWS[name].dim]
         traced[name] = example[name].narrow(dim, 0, extent // 2)
         shapes[name] = {dim: torch.export.Dim(f"{name}_extent", min=MIN_WINDOW, max=extent)}
+    if paged:
+        declared = example[paged[0]].shape[PAGED_DIM]
+        hints = {traced[name].shape[WINDOWS[name].dim] for name in windows}
+        hint = next(count for count in range(declared, MIN_WINDOW - 1, -1) if count not in hints)
+        for name in paged:  # NOTE: one symbol per pool: a shared one makes torch.export guard their equality
+            traced[name] = example[name].narrow(PAGED_DIM, 0, hint).contiguous()  # a pool is one contiguous tensor
+            shapes[name] = {PAGED_DIM: torch.export.Dim(f"{name}_blocks", min=MIN_WINDOW, max=declared)}
     return traced, shapes
+
+
+def paged_arguments(variant) -> list[str]:
+    """The paged caches a variant's graph takes with a dynamic block count (``DYNAMIC_BLOCKS``)."""
+    if not variant.layout.get(DYNAMIC_BLOCKS):
+        return []
+    return [a.name for a in variant.arguments if a.role is Role.STATE and a.name in PAGED_STATE]
 
 
 def capture(graph, weights) -> torch.export.ExportedProgram:
     """``torch.export`` of the graph, without a Python stack trace per node: 4% of a tiny export's time,
     and paths of this checkout that would make two checkouts' cores differ."""
     example = example_buffers(graph, weights)
-    windowed = dynamic_shapes(example, graph.variant.layout.get("windows", []))
+    windowed = dynamic_shapes(example, graph.variant.layout.get("windows", []), paged_arguments(graph.variant))
     with _no_stack_traces():
         if windowed is None:
             program = torch.export.export(graph.module, (example,), strict=False)

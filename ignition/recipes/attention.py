@@ -1,7 +1,13 @@
-"""Grouped-query attention over the slot-indexed KV cache, with no copy of the cache.
+"""Grouped-query attention over the KV caches, with no copy of a whole cache.
 
-A step never clones, expands or gathers the cache (issue 23): every read is a strided view of
-``cache[layer]`` (``[num_slots, max_seq_len, kv_heads, head_dim]``) narrowed to the key window,
+- **Pools of blocks (full layers).** ``k_cache``/``v_cache`` are pools ``[layers, kv_blocks, block_size, kv_heads,
+  head_dim]`` (catalog/geometry.py ``PAGED_STATE``): each group's key window ``[0, W)`` is the cells its slot's block
+  table names (``layers.page_cells``), planned once a forward, and one gather a layer reads them for every group
+  (``[G, kv_heads, W, head_dim]``): the live blocks of the lanes, never the pool. The slot-indexed optimisations
+  below (in place, per lane, slot order) serve the sliding rings, which stay per slot.
+
+A step never clones, expands or gathers a whole cache (issue 23): every read of a ring is a strided view of
+``cache[layer]`` (``[num_slots, cells, kv_heads, head_dim]``) narrowed to the key window,
 and ``scaled_dot_product_attention`` reads it in place.
 
 - **FP32 through the fused kernel, BF16/FP16 as transformers' eager path** (scores rounded to the
@@ -60,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.softmax_order import short_row
-from ignition.recipes.layers import Rows
+from ignition.recipes.layers import Rows, page_cells
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +88,8 @@ class AttentionPlan:
     views: dict = field(default_factory=dict, compare=False, repr=False)  # ``_windows``: each cache's, once a forward
     slot_ordered: bool = False  # the rows are in slot order (``in_slot_order``): row r attends at slot r, in place
     scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
+    # a pool of blocks (``_paged_plan``): int64 [G * W], the cell of one layer holding each group's key j at G * W + j
+    cells: torch.Tensor | None = None
 
     def slot_order(self, rows: Rows) -> torch.Tensor | None:
         """The row at each read slot (``placement``) when ``rows`` may run in slot order instead (``in_slot_order``):
@@ -136,15 +144,54 @@ Qwen3-0.6B's width a decode step of 8 lanes on a 32-slot cache spent 57-93 ms of
 slots' windows."""
 
 
+def position_extent(rows: Rows, block_size: int) -> int:
+    """The positions a slot's block table spans (``max_blocks * block_size``); without tables (the slot layout) a
+    slot's one block, ``block_size`` positions."""
+    return block_size if rows.block_tables is None else rows.block_tables.shape[1] * block_size
+
+
+def _paged_plan(rows: Rows, kv_blocks, block_size: int, share: int, dtype: torch.dtype,
+                scale: float | None) -> AttentionPlan:
+    """``plan_attention`` over a pool of ``kv_blocks`` blocks of ``block_size`` positions (``PAGED_STATE``): each group
+    reads the cells of its slot's key window ``[0, W)`` through the block tables (``page_cells``), one gather a layer
+    for every group (``[G, kv_heads, W, head_dim]``), never the pool."""
+    groups = rows.read_slots.shape[0]
+    per_group = rows.positions.shape[0] // groups
+    window = key_positions(rows, position_extent(rows, block_size), rows.positions.device)  # [W]
+    positions = rows.positions.view(groups, per_group)
+    mask = causal_mask(window, positions, share, dtype)
+    cells = page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size)  # [G, W]
+    short = None
+    if dtype != torch.float32:  # as plan_attention's copied windows
+        extent = positions + 1 if rows.row_forwards else \
+            rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1, keepdim=True) + 1
+        short = short_forwards(extent.expand(groups, per_group)).repeat(1, share).view(groups, 1, share * per_group, 1)
+    return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=rows.read_slots,
+                         placement=None, per_lane=False, mask=mask, short=short, scale=scale, cells=cells.reshape(-1))
+
+
+def _pages(cache: torch.Tensor, layer: int, cells: torch.Tensor, groups: int) -> torch.Tensor:
+    """Layer ``layer`` of the pool ``cache [layers, kv_blocks, block_size, kv_heads, head_dim]`` at ``cells [G * W]``:
+    ``[G, kv_heads, W, head_dim]`` (one gather, a strided view of it)."""
+    pool = cache[layer].flatten(0, 1)  # [kv_blocks * block_size, kv_heads, head_dim], a view
+    return pool.index_select(0, cells).view(groups, -1, *pool.shape[1:]).transpose(1, 2)
+
+
 def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dtype: torch.dtype,
                    sliding: int | None = None, scale: float | None = None) -> AttentionPlan:
     """Build the plan ``cached_attention`` reads for ``rows`` over a cache of ``num_slots x max_seq_len``
     positions, with ``share`` query heads per KV head and the model ``dtype``.
 
+    A full layer's cache is a pool of blocks (``catalog.geometry.PAGED_STATE``): ``num_slots`` and ``max_seq_len``
+    are then its first two extents, ``kv_blocks`` and ``block_size`` (``_paged_plan``). The slot-indexed paths below
+    (in place, per lane, slot order) serve the sliding rings.
+
     ``sliding``: the cache is a sliding layer's ring of ``max_seq_len`` cells (``catalog/cache_kinds.py``) and each
     row attends over the last ``sliding`` positions up to its own (``sliding_mask``); every cell is read (the key
     window bounds positions, not cells), and the BF16/FP16 short-forward order is not kept (the ring's cell order is
     not transformers' key order anyway). ``scale``: the scores' scale (None: ``head_dim ** -0.5``)."""
+    if not sliding:
+        return _paged_plan(rows, num_slots, max_seq_len, share, dtype, scale)
     groups = rows.read_slots.shape[0]
     per_group = rows.positions.shape[0] // groups
     device = rows.positions.device
@@ -197,14 +244,19 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     num_rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[3]
     groups, per_group, share = plan.groups, plan.per_group, heads // kv_heads
-    keys, values = _windows(key_cache, plan)[layer], _windows(value_cache, plan)[layer]  # [S, kv_heads, W, D] views
+    if plan.cells is None:
+        keys, values = _windows(key_cache, plan)[layer], _windows(value_cache, plan)[layer]  # [S, kv_heads, W, D] views
     # query: [G, R/G, kv_heads, share, D] -> [G, kv_heads, share * R/G, D]; row s * R/G + j is head (kv, s), row j
     if per_group == 1:  # a decode lane a group: the same order, one view
         grouped = query.view(groups, kv_heads, share, head_dim)
     else:
         grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
-    if plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
+    if plan.cells is not None:  # a pool: each group's window gathered through its block table, [G, kv_heads, W, D]
+        attended = _attend(grouped, _pages(key_cache, layer, plan.cells, groups),
+                           _pages(value_cache, layer, plan.cells, groups), plan.mask, short=plan.short,
+                           scale=plan.scale, sinks=sinks)
+    elif plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
         attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1],
                                       scale=plan.scale, sinks=sinks)
@@ -377,6 +429,10 @@ class PackedPlan:
     brief_keys: int = 0
     short: torch.Tensor | None = None  # FP16 [B, 1, 1, 1]: the lanes whose forward is short (``_softmax_in_order``)
     scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
+    # a pool of blocks: int64 [B * W], the cell holding each lane's key j at b * W + j (``page_cells``); with brief
+    # rows, [B * F] the cells of each lane's first F keys
+    cells: torch.Tensor | None = None
+    brief_cells: torch.Tensor | None = None
 
 
 def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
@@ -396,20 +452,25 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
     segments = rows.segments
     device = rows.positions.device
     extent = segments.extent.shape[0]
-    window = torch.arange(max_seq_len, device=device) if sliding else key_positions(rows, max_seq_len, device)
+    # a full layer's pool: ``num_slots`` and ``max_seq_len`` are its kv_blocks and block_size (``_paged_plan``)
+    kv_blocks, block_size = num_slots, max_seq_len
+    positions_read = block_size if sliding else position_extent(rows, block_size)
+    window = torch.arange(positions_read, device=device) if sliding else key_positions(rows, positions_read, device)
     local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
     source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
     row_positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
     mask = sliding_mask(window, row_positions, sliding, share, dtype) if sliding else \
         causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
-    slots = rows.read_slots.clamp(0, num_slots - 1)
+    slots = rows.read_slots.clamp(0, kv_blocks - 1) if sliding else rows.read_slots
+    cells = None if sliding else \
+        page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size).reshape(-1)
     ends = None if dtype == torch.float32 or sliding else segments.starts + segments.lengths  # [B]: forwards' keys
     if dtype != torch.bfloat16 or sliding:
         short = None if ends is None else short_forwards(ends).view(-1, 1, 1, 1)
         plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source,
-                          short=short, scale=scale)
+                          short=short, scale=scale, cells=cells)
     else:
-        first = brief_keys(max_seq_len)
+        first = brief_keys(positions_read)
         head = torch.arange(first, device=device)  # [F]: 0..F-1
         lane = segments.row_lanes  # [R]
         row = rows.positions - segments.starts.index_select(0, lane)  # [R]: each packed row's index in its segment
@@ -419,7 +480,9 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
                           gather=lane * (extent + first) + regrouped,
                           brief_source=(segments.offsets.unsqueeze(1) + head.unsqueeze(0)).clamp(0, num_rows - 1),
                           brief_mask=causal_mask(head, segments.starts.unsqueeze(1) + head.unsqueeze(0), share, dtype),
-                          brief_keys=first, scale=scale)
+                          brief_keys=first, scale=scale, cells=cells,
+                          brief_cells=page_cells(rows, rows.read_slots.unsqueeze(1), head.unsqueeze(0), kv_blocks,
+                                                 block_size).reshape(-1))
     rows.plans[key] = plan
     return plan
 
@@ -458,13 +521,17 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     num_slots, max_seq_len, kv_heads, _ = key_cache.shape
     share = heads // kv_heads
     plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype, sliding, scale)
-    keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
-    values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
+    lanes = plan.slots.shape[0]
+    if plan.cells is not None:  # a pool: each lane's window gathered through its block table, [B, kv_heads, W, D]
+        keys, values = (_pages(cache.unsqueeze(0), 0, plan.cells, lanes) for cache in (key_cache, value_cache))
+    else:
+        keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
+        values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
     attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True,
                        short=plan.short, scale=plan.scale, sinks=sinks)
     outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
     if plan.brief_source is not None:  # each lane's first F rows over its slot's first F keys: [B, F, kv, share, D]
-        first_keys, first_values = (cache.transpose(1, 2).narrow(2, 0, plan.brief_keys).index_select(0, plan.slots)
+        first_keys, first_values = (_pages(cache.unsqueeze(0), 0, plan.brief_cells, lanes)
                                      for cache in (key_cache, value_cache))  # [B, kv_heads, F, D]
         brief = _attend(_lane_rows(query, plan.brief_source, kv_heads, share), first_keys, first_values,
                         plan.brief_mask, per_head=True, scale=plan.scale, sinks=sinks)

@@ -9,8 +9,9 @@ import torch
 
 from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, CONSTRAINED_OPERATIONS,
                                      CONSTRAINT_INPUTS, DRAFT_TOKENS, ID_INPUTS, LANE_INPUTS, LOGPROBS, MIXED_BUFFERS,
-                                     PROMPT_LANE, RECORDS, REQUESTED, ROLE_FRAMES, SAMPLING_INPUTS, SPECULATIVE_INPUTS,
-                                     BufferSpec)
+                                     KEY_WINDOW, PROMPT_LANE, RECORDS, REQUESTED, ROLE_FRAMES, SAMPLING_INPUTS,
+                                     PAGED_INPUTS, SPECULATIVE_INPUTS, WINDOWS, BufferSpec)
+from ignition.catalog.geometry import BLOCK_SIZE, DYNAMIC_BLOCKS, block_size_problem, max_blocks
 from ignition.catalog.contract import NATURAL_K, bitmask_words, packed_width, resolve_completion_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
 from ignition.catalog.limits import check_limit
@@ -51,6 +52,7 @@ class ExportOptions:
     structured_output: bool = True  # token bitmask + logit bias inputs in every sampling variant but verify
     packed_prefill: bool = True  # packed.t{C}.c{widest capacity, at most PACKED_LANES} (llama.packed_capacity)
     capture_jobs: int | None = None  # worker processes capturing variants (None or 0: exporter/workers.capture_jobs)
+    block_size: int = BLOCK_SIZE  # positions per block of the paged caches (catalog.geometry.PAGED_STATE)
 
     def __post_init__(self):
         if not self.capacities or any(c < 1 for c in self.capacities) or len(set(self.capacities)) != len(self.capacities):
@@ -68,6 +70,9 @@ class ExportOptions:
             problem = None if value is None else check_limit(name, value, option)
             if problem:
                 raise RecipeError(problem)
+        block_problem = block_size_problem(self.block_size, WINDOWS[KEY_WINDOW].granule)
+        if block_problem:
+            raise RecipeError(f"--block-size: {block_problem}")
         if self.capture_jobs == 0:
             self.capture_jobs = None  # the CLI's 0: decided by the export's size
         if len(set(self.speculative_tokens)) != len(self.speculative_tokens):
@@ -208,6 +213,21 @@ def with_constraints(variant: Variant, vocab_padded: int) -> Variant:
     decls, bindings = spec_arguments(CONSTRAINT_INPUTS, capacity=lanes, VOCAB_WORDS=bitmask_words(vocab_padded))
     variant.arguments = variant.arguments + decls
     variant.bindings = variant.bindings | bindings
+    return variant
+
+
+def with_block_tables(variant: Variant, num_slots: int, max_seq_len: int, block_size: int,
+                      dynamic: bool = True) -> Variant:
+    """``variant`` with ``block_tables`` appended (``catalog.buffers.PAGED_INPUTS``): every variant of a core whose
+    caches include the pools of blocks takes every slot's table, ``[num_slots, ceil(max_seq_len / block_size)]``.
+    ``dynamic``: its graph takes a pool of any block count up to the declared one (``layout["dynamic_blocks"]``,
+    exporter/tracing.py); compiled packages fix it."""
+    decls, bindings = spec_arguments(PAGED_INPUTS, num_slots=num_slots,
+                                     max_blocks=max_blocks(max_seq_len, block_size))
+    variant.arguments = variant.arguments + decls
+    variant.bindings = variant.bindings | bindings
+    if dynamic:
+        variant.layout[DYNAMIC_BLOCKS] = True
     return variant
 
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ignition.catalog.geometry import K_CACHE, V_CACHE, state_shape
+from ignition.catalog.geometry import K_CACHE, V_CACHE, kv_blocks_bound, state_shape
 from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
 from ignition.recipes import weights as weight_tables
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, family_of, read_field
@@ -111,9 +111,10 @@ class ModelConfig(DecoderWidths):
         if self.dtype not in CONFIG_DTYPES.values():
             raise CheckpointError(f"ModelConfig.dtype must be one of {list(CONFIG_DTYPES)}; found {self.dtype}")
 
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(self, num_slots: int, max_seq_len: int, block_size: int | None = None,
+                     kv_blocks=None) -> dict[str, tuple[int, ...]]:
         """The KV cache state buffers, both ``kv_cache_shape``, in the model (export) dtype."""
-        shape = kv_cache_shape(self, num_slots, max_seq_len)
+        shape = kv_cache_shape(self, num_slots, max_seq_len, block_size, kv_blocks)
         return {name: shape for name in self.cache_names}
 
     def summary(self) -> dict:
@@ -251,11 +252,24 @@ def load_weights(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype | 
     return weight_tables.load_weights(checkpoint, cfg, WEIGHT_MAP, dtype)
 
 
-def kv_cache_shape(cfg: ModelConfig, num_slots: int, max_seq_len: int) -> tuple[int, int, int, int, int]:
-    """Shape of ``k_cache`` and ``v_cache``: ``[num_layers, num_slots, max_seq_len, num_kv_heads, head_dim]``."""
-    for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"kv_cache_shape: {name} must be a positive int; found {value!r}")
-    return tuple(state_shape(K_CACHE, full_layers=cfg.num_layers, num_slots=num_slots, max_seq_len=max_seq_len,
-                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim))
+def paged_geometry(num_slots: int, max_seq_len: int, block_size: int | None = None, kv_blocks=None) -> dict:
+    """The ``kv_blocks`` and ``block_size`` symbols of the paged caches (``catalog.geometry.PAGED_STATE``).
 
+    ``block_size`` None: the slot layout, each slot one block of ``max_seq_len`` positions (``kv_blocks =
+    num_slots``; a recipe-level forward without block tables, ``layers.page_cells``). ``kv_blocks`` None: the
+    declared upper bound, ``kv_blocks_bound``; else the pool's own (a symbolic extent while tracing)."""
+    for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len), ("block_size", block_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"kv_cache_shape: {name} must be a positive int; found {value!r}")
+    if block_size is None:
+        return dict(kv_blocks=num_slots if kv_blocks is None else kv_blocks, block_size=max_seq_len)
+    return dict(kv_blocks=kv_blocks_bound(num_slots, max_seq_len, block_size) if kv_blocks is None else kv_blocks,
+                block_size=block_size)
+
+
+def kv_cache_shape(cfg: ModelConfig, num_slots: int, max_seq_len: int, block_size: int | None = None,
+                   kv_blocks=None) -> tuple[int, int, int, int, int]:
+    """Shape of ``k_cache`` and ``v_cache``: ``[num_layers, kv_blocks, block_size, num_kv_heads, head_dim]``
+    (``paged_geometry``; without a ``block_size``, the slot layout ``[num_layers, num_slots, max_seq_len, ...]``)."""
+    return tuple(state_shape(K_CACHE, full_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                             **paged_geometry(num_slots, max_seq_len, block_size, kv_blocks)))

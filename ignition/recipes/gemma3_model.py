@@ -45,8 +45,8 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: tor
     cos, sin_signed = rope
     query, key = rotate_half_rope(query, cos, sin_signed), rotate_half_rope(key, cos, sin_signed)
     ring = kind == "sliding"
-    write_rows(k_cache, index, rows, key, ring=ring)
-    write_rows(v_cache, index, rows, value, ring=ring)
+    write_rows(k_cache, index, rows, key, ring=ring, paged=not ring)
+    write_rows(v_cache, index, rows, value, ring=ring, paged=not ring)
     sliding = cfg.sliding_window if ring else None
     if plans[kind] is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[index], v_cache[index], rows, sliding, cfg.scale)

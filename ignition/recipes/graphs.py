@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import (DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS,
+from ignition.catalog.buffers import (BLOCK_TABLES, DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS,
                                      SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW,
                                      TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, Role
-from ignition.catalog.geometry import FP32_STATE, PENALTY_COUNTS, state_shape
+from ignition.catalog.geometry import FP32_STATE, PAGED_STATE, PENALTY_COUNTS, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.constraints import sampling_logits
@@ -58,14 +58,21 @@ def penalty_history(penalty: torch.Tensor, slots: torch.Tensor, transform: torch
     return penalty[slots.view(-1, 1, 1), planes.view(1, -1, 1), columns.view(1, 1, -1)]  # one gather of the cells
 
 
+def paged(cfg) -> bool:
+    """Whether the config's caches include the pools of blocks (``catalog.geometry.PAGED_STATE``)."""
+    return any(name in PAGED_STATE for name in cfg.cache_names)
+
+
 def state_declarations(cfg, dtype: torch.dtype, num_slots: int, max_seq_len: int,
-                       vocab_padded: int) -> list[BufferDecl]:
+                       vocab_padded: int, block_size: int | None = None) -> list[BufferDecl]:
     """The runtime-owned state every decoder variant reads and updates, in argument order: the config's
-    caches (``[layers, num_slots, max_seq_len, ...]`` in the model dtype; ``FP32_STATE`` in FP32), then the penalty
-    counts."""
+    caches (``[layers, num_slots, max_seq_len, ...]``, the pools ``[layers, kv_blocks, block_size, ...]`` at the
+    declared upper bound, in the model dtype; ``FP32_STATE`` in FP32), then the penalty counts."""
     cache_dtype = str(dtype).removeprefix("torch.")
+    shapes = cfg.cache_shapes(num_slots, max_seq_len, block_size) if paged(cfg) else \
+        cfg.cache_shapes(num_slots, max_seq_len)
     caches = [BufferDecl(name, "float32" if name in FP32_STATE else cache_dtype, list(shape), Role.STATE)
-              for name, shape in cfg.cache_shapes(num_slots, max_seq_len).items()]
+              for name, shape in shapes.items()]
     penalty = state_shape(PENALTY_COUNTS, num_slots=num_slots, vocab_padded=vocab_padded)
     return caches + [BufferDecl(PENALTY_COUNTS, "int32", penalty, Role.STATE)]
 
@@ -133,7 +140,8 @@ class DecodeGraph(_DecoderGraph):
         weights = self.weights(buffers)
         positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
-        rows = Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW), self.slot_limit)
+        rows = Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW), self.slot_limit,
+                           buffers.get(BLOCK_TABLES))
         hidden = self.hidden(weights, buffers, buffers["input_ids"], rows)  # [capacity, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
         return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)
@@ -160,7 +168,8 @@ class PrefillGraph(_DecoderGraph):
         active = buffers["active_lanes"] != 0  # bool [1]
         valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
         hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(
-            chunk_ids.shape[0], chunk_start, valid_length, slot, buffers.get(KEY_WINDOW)))  # [C, d_model]
+            chunk_ids.shape[0], chunk_start, valid_length, slot, buffers.get(KEY_WINDOW),
+            buffers.get(BLOCK_TABLES)))  # [C, d_model]
         if score and self.parallel is not None:  # the same, over this rank's vocabulary shard
             score_hidden_rows_sharded(self.parallel.vocabulary, hidden, buffers[PROMPT_TARGETS],
                                       buffers[PROMPT_LOGPROBS], buffers["frame_index"],
@@ -220,7 +229,8 @@ class PackedPrefillGraph(PrefillGraph):
         starts, slots = buffers[SEGMENT_STARTS], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
         lengths = torch.where(active, buffers[SEGMENT_LENGTHS], 0)  # an inactive lane has no rows
-        rows = Rows.packed(packed.shape[0], starts, lengths, slots, buffers[SEGMENT_WINDOW], buffers.get(KEY_WINDOW))
+        rows = Rows.packed(packed.shape[0], starts, lengths, slots, buffers[SEGMENT_WINDOW], buffers.get(KEY_WINDOW),
+                           buffers.get(BLOCK_TABLES))
         hidden = self.hidden(weights, buffers, packed, rows)  # [R, d_model]
         last_rows = (rows.segments.offsets + lengths - 1).clamp(0, packed.shape[0] - 1)  # [capacity]
         # NOTE: the lanes' rows projected as prefill projects its one row (``sampled_row_logits``: the same product
@@ -266,7 +276,7 @@ class VerifyGraph(_DecoderGraph):
         slots = buffers["slot_ids"]  # int64 [capacity]
         rows = Rows(positions=positions.reshape(-1), write_slots=slots.repeat_interleave(width),
                     valid=valid.reshape(-1), read_slots=slots, key_window=buffers.get(KEY_WINDOW),
-                    row_forwards=True)  # one attention group of P rows per lane, each row a decode step's
+                    row_forwards=True, block_tables=buffers.get(BLOCK_TABLES))  # one attention group of P rows per lane, each row a decode step's
         hidden = self.hidden(weights, buffers, tokens.reshape(-1), rows)  # [capacity * P, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity * P, vocab_padded]
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
@@ -307,7 +317,8 @@ class MixedGraph(PrefillGraph):
         chunk_ids, start, length = buffers["chunk_input_ids"], buffers["chunk_start"], buffers["chunk_length"]
         valid_length = torch.where(prompt_active, length, 0)
         hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(chunk_ids.shape[0], start, valid_length, slot,
-                                                                      buffers.get(KEY_WINDOW)))
+                                                                      buffers.get(KEY_WINDOW),
+                                                                      buffers.get(BLOCK_TABLES)))
         last_row = (length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
         prompt_logits = sampled_row_logits(weights, self.cfg, hidden, last_row)  # [1, vocab_padded], as prefill's
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
@@ -315,7 +326,8 @@ class MixedGraph(PrefillGraph):
         decode_lanes = active & ~in_prompt
         decode_hidden = self.hidden(weights, buffers, buffers["input_ids"],
                                     Rows.decode(buffers["positions"], slots, decode_lanes,
-                                                buffers.get(KEY_WINDOW)))  # [capacity, d_model]
+                                                buffers.get(KEY_WINDOW),
+                                                block_tables=buffers.get(BLOCK_TABLES)))  # [capacity, d_model]
         decode_logits = lm_head_logits(weights, self.cfg, decode_hidden)  # [capacity, vocab_padded]
         prompt = self.sample_and_commit(role_buffers(buffers, "prompt", in_prompt),
                                         prompt_logits.expand(capacity, -1), slots, Operation.MIXED,

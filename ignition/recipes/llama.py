@@ -20,20 +20,21 @@ from typing import Any
 
 import torch
 
-from ignition.catalog.buffers import (CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_LANES, PACKED_TOKENS,
+from ignition.catalog.buffers import (MIN_WINDOW, CHUNK_TOKENS, LANE_INPUTS, PACKED_INPUTS, PACKED_LANES, PACKED_TOKENS,
                                      SEGMENT_WINDOW, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
+from ignition.catalog.geometry import kv_blocks_bound
 from ignition.catalog.model import BufferDecl, Variant, decode_slot_limit
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, ShardedBuild,
                                    chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
                                    next_tokens_return, prefill_family, sampling_arguments, spec_arguments,
-                                   verify_family, weight_arguments, with_constraints)
+                                   verify_family, weight_arguments, with_block_tables, with_constraints)
 from ignition.recipes.checkpoint import (ARCHITECTURES, CONFIG_FILE, Checkpoint, CheckpointError, family_of,
                                          open_checkpoint, read_config)
 from ignition.recipes.config import WEIGHT_MAP, ModelConfig
 from ignition.recipes.graphs import (Decoder, DecodeGraph, MixedGraph, PackedPrefillGraph, PrefillGraph,
-                                     ScoredPrefillGraph, VerifyGraph, state_declarations)
+                                     ScoredPrefillGraph, VerifyGraph, paged, state_declarations)
 from ignition.recipes.tokenizer import tokenizer_dir
 from ignition.recipes.transformer import gqa_decoder
 from ignition.recipes.weights import WeightSpec, load_weights
@@ -101,7 +102,7 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     if options.tensor_parallel > 1:  # rank 0's shards become the build's own weights and graphs
         parallel, graph_cfg, weights = _shard(options, cfg, k, family.decoder, weights)
         vocab_padded, modules = parallel.vocab_shard * parallel.ranks, parallel.rank_modules[0]
-    state = state_declarations(graph_cfg, dtype, options.slots, options.max_seq_len, vocab_padded)
+    state = state_declarations(graph_cfg, dtype, options.slots, options.max_seq_len, vocab_padded, options.block_size)
     fixed = weight_arguments(weights) + state
     variants = [prefill_variant(fixed, options.chunk_limit, token_capacity, options.outputs)]
     variants += [decode_variant(fixed, capacity, token_capacity, options.outputs,
@@ -123,11 +124,19 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
                                  chunks=family.dynamic_chunks) for variant in variants]
     if options.structured_output:  # appended last: every other argument keeps its position
         variants = [with_constraints(variant, vocab_padded) for variant in variants]
+    pages = {}
+    if paged(graph_cfg):  # the pools of blocks: every variant reads and writes them through the slots' tables
+        bound = kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)
+        variants = [with_block_tables(variant, options.slots, options.max_seq_len, options.block_size,
+                                      dynamic=options.compile is None and bound > MIN_WINDOW)
+                    for variant in variants]
+        pages = {"block_size": options.block_size,
+                 "kv_blocks": kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)}
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,
         model={"architecture": config["architectures"][0], "dtype": str(dtype).removeprefix("torch."),
-               **cfg.summary(), "max_seq_len": options.max_seq_len, "num_slots": options.slots},
+               **cfg.summary(), "max_seq_len": options.max_seq_len, "num_slots": options.slots, **pages},
         vocab_size=cfg.vocab_size,
         vocab_padded=vocab_padded,
         token_capacity=token_capacity,

@@ -31,7 +31,7 @@ from ignition.catalog.geometry import CONV_STATE, FP32_STATE, K_CACHE, RECURRENT
 from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, read_field
-from ignition.recipes.config import CONFIG_DTYPES
+from ignition.recipes.config import CONFIG_DTYPES, paged_geometry
 from ignition.recipes.layers import Rows, write_rows
 from ignition.recipes.linear_attention import gated_delta_net
 from ignition.recipes.llama import DecoderFamily, build_decoder
@@ -134,13 +134,12 @@ class Qwen35Config:
         return (((K_CACHE, V_CACHE) if self.full_layers else ())
                 + ((CONV_STATE, RECURRENT_STATE) if self.linear_layers else ()))
 
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(self, num_slots: int, max_seq_len: int, block_size: int | None = None,
+                     kv_blocks=None) -> dict[str, tuple[int, ...]]:
         """Each cache buffer's shape (``catalog.geometry.STATE_SHAPES``): in the model (export) dtype, the recurrent
-        state in FP32 (``catalog.geometry.FP32_STATE``)."""
-        for name, value in (("num_slots", num_slots), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Qwen35Config.cache_shapes: {name} must be a positive int; found {value!r}")
+        state in FP32 (``catalog.geometry.FP32_STATE``); the full layers' pools by ``config.paged_geometry``."""
         geometry = dict(full_layers=len(self.full_layers), linear_layers=len(self.linear_layers), num_slots=num_slots,
+                        **paged_geometry(num_slots, max_seq_len, block_size, kv_blocks),
                         max_seq_len=max_seq_len, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                         linear_conv_dim=self.linear_conv_dim, linear_conv_state=self.linear_conv_kernel - 1,
                         linear_heads=self.linear_heads, linear_key_dim=self.linear_key_dim,
@@ -295,8 +294,8 @@ def gated_attention(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, laye
     key = zero_centered_rms_norm(key, weights[prefix + "k_norm"], cfg.rms_norm_eps)
     value = F.linear(normed, weights[prefix + "v_proj"]).view(num_rows, kv_heads, head_dim)
     query, key = partial_rope(query, cos, sin_signed), partial_rope(key, cos, sin_signed)
-    write_rows(k_cache, row, rows, key)
-    write_rows(v_cache, row, rows, value)
+    write_rows(k_cache, row, rows, key, paged=True)
+    write_rows(v_cache, row, rows, value, paged=True)
     if plan is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[row], v_cache[row], rows)
     else:
@@ -324,10 +323,12 @@ def decoder_layer(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, layer:
 
 def _check_caches(cfg: Qwen35Config, weights: Mapping[str, torch.Tensor], caches: Mapping[str, torch.Tensor]) -> None:
     """Static (trace-time) check that every cache matches ``cache_shapes`` and the weights' dtype."""
-    first = caches[cfg.cache_names[0]]
-    max_seq_len = caches[K_CACHE].shape[2] if cfg.full_layers and caches[K_CACHE].dim() == 5 else 1
-    expected = cfg.cache_shapes(first.shape[1] if first.dim() > 1 else 1, max_seq_len)
-    for name, shape in expected.items():
+    state = caches[CONV_STATE] if cfg.linear_layers else None  # [layers, slots, ...]
+    slots = state.shape[1] if state is not None and state.dim() > 1 else 1
+    for name in cfg.cache_names:
+        pool = caches[name] if name in (K_CACHE, V_CACHE) and caches[name].dim() == 5 else None  # each its own extents
+        shape = cfg.cache_shapes(slots, 1, pool.shape[2] if pool is not None else 1,
+                                 pool.shape[1] if pool is not None else 1)[name]
         dtype = torch.float32 if name in FP32_STATE else weights["embed"].dtype
         if tuple(caches[name].shape) != shape or caches[name].dtype != dtype:
             raise ValueError(f"{name} must have shape {shape} and dtype {dtype}; "

@@ -3,9 +3,10 @@
 The forward mirrors transformers' eager implementation op for op (fp32 RMSNorm cast back like HF,
 rotate_half RoPE, SiLU MLP or MoE block, Qwen3 per-head q/k norm before RoPE); attention reads the
 grouped KV heads in place from the cache (``recipes/attention.py``). ``decoder_stack`` (embedding, residual layers, final norm) is shared with DeepSeek-V3 (MLA).
-The KV cache is runtime-owned state that the graph mutates in place:
-``[num_layers, num_slots, max_seq_len, num_kv_heads, head_dim]`` in the model dtype, allocated with
-finite values (``torch.zeros``). Slots and positions are tensors; nothing branches on tensor values.
+The KV cache is runtime-owned state that the graph mutates in place: pools of blocks
+``[num_layers, kv_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, addressed through the rows'
+block tables (``Rows.block_tables``; without them, the slot layout ``[num_layers, num_slots, max_seq_len, ...]``),
+allocated with finite values (``torch.zeros``). Slots and positions are tensors; nothing branches on tensor values.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, layer: int
         heads_qk = rms_norm(heads_qk, qk_scales[layer], cfg.rms_norm_eps, rows)  # [heads + kv_heads, head_dim] scale
     heads_qk = rotate_half_rope(heads_qk, cos, sin_signed)  # cos, sin_signed: [R, 1, head_dim]
     query, key = heads_qk[:, :heads], heads_qk[:, heads:]
-    write_rows(k_cache, layer, rows, key)
-    write_rows(v_cache, layer, rows, value)
+    write_rows(k_cache, layer, rows, key, paged=True)
+    write_rows(v_cache, layer, rows, value, paged=True)
 
     if plan is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[layer], v_cache[layer], rows)  # [R, q_width]
@@ -67,7 +68,7 @@ def _check_caches(cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Static (trace-time) check that both caches match ``kv_cache_shape`` and the weights' dtype."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        expected = kv_cache_shape(cfg, cache.shape[1], cache.shape[2]) if cache.dim() == 5 else "5-D"
+        expected = kv_cache_shape(cfg, 1, 1, cache.shape[2], cache.shape[1]) if cache.dim() == 5 else "5-D"
         if tuple(cache.shape) != expected or cache.dtype != weights["embed"].dtype:
             raise ValueError(
                 f"{name} must have shape {expected} and dtype {weights['embed'].dtype}; "

@@ -11,7 +11,7 @@ from typing import Any
 from ignition.catalog.cache_kinds import window_cells
 from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape
 from ignition.recipes.checkpoint import CheckpointError
-from ignition.recipes.config import DecoderWidths, check_positive_ints
+from ignition.recipes.config import DecoderWidths, check_positive_ints, paged_geometry
 
 LAYER_TYPES: dict[str, str] = {"full_attention": "full", "sliding_attention": "sliding"}
 """HF ``layer_types`` entry -> our cache kind (catalog/cache_kinds.py)."""
@@ -56,12 +56,15 @@ class WindowedLayers(DecoderWidths):
         """This config with its ring sized for steps of at most ``step_rows`` rows a slot."""
         return replace(self, window_cells=window_cells(self.sliding_window, step_rows, max_seq_len))
 
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
+    def cache_shapes(self, num_slots: int, max_seq_len: int, block_size: int | None = None,
+                     kv_blocks=None) -> dict[str, tuple[int, ...]]:
+        """The caches of the kinds present: the full layers' pools (``config.paged_geometry``), the sliding rings."""
         if self.window_cells is None and self.layers_of("sliding"):
             raise ValueError(f"{type(self).__name__}.cache_shapes: bind the ring's step rows first (with_steps)")
         geometry = dict(full_layers=len(self.layers_of("full")), sliding_layers=len(self.layers_of("sliding")),
                         num_slots=num_slots, max_seq_len=max_seq_len, window_cells=self.window_cells,
-                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                        **paged_geometry(num_slots, max_seq_len, block_size, kv_blocks))
         return {name: tuple(state_shape(name, **geometry)) for name in self.cache_names}
 
     def summary(self) -> dict:

@@ -1,5 +1,6 @@
 """The forward plumbing the decoders with sliding-window layers share (``gemma3_model``, ``gpt_oss_model``): the
-caches' trace-time check, each layer kind's attention plan, and the decode lanes put in slot order."""
+caches' trace-time check, each layer kind's attention plan, and the decode lanes put in slot order (a decoder of
+sliding layers alone: the full layers' pools are read through the block tables in lane order)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def check_caches(cfg, weights: Mapping[str, torch.Tensor], caches: Mapping[str, 
     """Static (trace-time) check of every cache against ``cfg.cache_shapes`` and the weights' dtype."""
     for name in cfg.cache_names:
         cache = caches[name]
-        expected = cfg.cache_shapes(cache.shape[1], cache.shape[2] if name in (K_CACHE, V_CACHE) else 1)[name]
+        paged = name in (K_CACHE, V_CACHE)  # a pool: [layers, kv_blocks, block_size, ...]; a ring: [layers, slots, ...]
+        expected = cfg.cache_shapes(1, 1, cache.shape[2], cache.shape[1])[name] if paged else \
+            cfg.cache_shapes(cache.shape[1], 1)[name]
         if tuple(cache.shape) != expected or cache.dtype != weights["embed"].dtype:
             raise ValueError(f"{name} must have shape {expected} and dtype {weights['embed'].dtype}; "
                              f"found {tuple(cache.shape)} {cache.dtype}")
@@ -44,7 +47,10 @@ def planned_rows(cfg, weights: Mapping[str, torch.Tensor], input_ids: torch.Tens
     check_caches(cfg, weights, caches)
     plans = attention_plans(cfg, rows, caches)
     first = next(iter(plans.values()))
-    order = None if first is None else first.slot_order(rows)
+    # NOTE: never with a full layer's pool: rows in slot order write a stand-in cell for every slot, and the table row
+    # of a slot no lane owns may name any block, another lane's included (one cell, two values)
+    paged = any(plan is not None and plan.cells is not None for plan in plans.values())
+    order = None if first is None or paged else first.slot_order(rows)
     if order is None:
         return rows, input_ids, plans, None
     lane_slots = first.slots

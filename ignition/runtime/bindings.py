@@ -105,6 +105,8 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                     raise RuntimeError(f"lane {index} proposes {len(lane.draft)} tokens; {variant.name} takes "
                                        f"{target.shape[1]}")
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
+        elif source is S.BLOCK_TABLES:  # every lane's slot row: its request's blocks (runtime/kv_pool.py)
+            core.kv_pool.fill_block_tables(target, {lane.state.slot: lane.state.block_table for lane in lanes})
         elif source in _SEGMENT_SOURCES:  # a packed prefill: every lane's chunk
             fill_segments(variant, target, source, lanes)
         elif source in _WINDOW_SOURCES:  # only the extent is read (Windowed)

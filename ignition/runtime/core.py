@@ -20,13 +20,14 @@ import re
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 import ignition  # noqa: F401  (registers the ops the graphs call)
 from ignition.catalog.enums import Operation, Role, ValueSource
+from ignition.catalog.geometry import DYNAMIC_BLOCKS
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl, lane_count
 from ignition.catalog.softmax_order import short_row_mismatch
@@ -41,6 +42,7 @@ from ignition.runtime.host_memory import retain_freed_memory
 from ignition.runtime.identify import NotACoreError, check_rank_count, identify_core, read_manifest  # noqa: F401
 from ignition.runtime.launchers.reduction import LauncherError, PreparedReduction, load_launcher
 from ignition.runtime.load_stages import Progress, Stages, collector_paused, short_switch_interval
+from ignition.runtime.kv_pool import KVPool, KVPoolError, plan_pool, pool_shape
 from ignition.runtime.options import LoadOptions
 from ignition.runtime.transfer import HostTransfer
 from ignition.runtime.verified import (CoreLoadError, CoreRunError, LoadOptionError, check_loaded_weights, load_tokenizer,
@@ -120,11 +122,18 @@ class LoadedCore:
     capture: CaptureReport | None = None  # CUDA graphs (None when eager)
     timings: dict[str, float] = field(default_factory=dict)  # load stage -> wall seconds, in order
     group: object | None = None  # rank 0 of a tensor-parallel run: its RankGroup (ignition/runtime/parallel/group.py)
+    kv_pool: KVPool | None = None  # the paged caches' pool (runtime/kv_pool.py; ``paged`` False for a core without)
     _spec: Manifest | None = None
 
     @property
     def load_seconds(self) -> float:
         return sum(self.timings.values())
+
+    def __post_init__(self):
+        if self.kv_pool is None:  # a LoadedCore assembled by hand (tests): the pool its state was allocated at
+            decls = [BufferDecl.from_json(dict(d)) for d in self.spec.state]
+            self.kv_pool = KVPool.build(plan_pool(self.spec.model, decls), self.state,
+                                        self.options is not None and self.options.cuda)
 
     @property
     def device(self) -> torch.device:
@@ -163,6 +172,8 @@ class LoadedCore:
         if self.capture is not None:
             raise ValueError(f"core {self.path}: a CUDA-graph-captured core has no replica; load it again")
         state = {name: torch.zeros_like(tensor) for name, tensor in self.state.items()}
+        on_cuda = self.options is not None and self.options.cuda
+        pool = None if self.kv_pool is None else KVPool.build(self.kv_pool.size, state, on_cuda)
         variants = {}
         for name, variant in self.variants.items():
             buffers = {a.name: self.weights[a.name] if a.role is Role.WEIGHT else state[a.name] if a.role is Role.STATE
@@ -175,7 +186,8 @@ class LoadedCore:
             variants[name] = replica
         return LoadedCore(path=self.path, manifest=self.manifest, weights=self.weights, state=state, variants=variants,
                           tokenizer=self.tokenizer, options=self.options, backend=self.backend,
-                          transfer=self.transfer, reduction=self.reduction, capture=None, _spec=self.spec)
+                          transfer=self.transfer, reduction=self.reduction, capture=None, kv_pool=pool,
+                          _spec=self.spec)
 
     def memory_report(self) -> dict[str, int]:
         """Physical bytes of weights, state (KV), completion frames and other owned buffers."""
@@ -334,7 +346,19 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     if packs is not None:  # on the worker threads, while the variants are bound and their code generated
         packs.start(weights)
     reduction = _device_reduction(root, spec, report, device) if options.cuda and backend.needs_reduction else None
-    state = {d["name"]: BufferDecl.from_json(d).empty(device) for d in spec.state}
+    state_decls = [BufferDecl.from_json(d) for d in spec.state]
+    try:
+        pool_size = plan_pool(spec.model, state_decls, options.kv_cache_memory, options.kv_host_memory)
+    except KVPoolError as exc:
+        raise CoreLoadError(f"{root}: {exc}") from None
+    fixed = [entry["name"] for entry in entries if not entry["contract"]["layout"].get(DYNAMIC_BLOCKS)]
+    if pool_size.num_blocks != pool_size.declared_blocks and (fixed or not backend.windowed):
+        raise CoreLoadError(f"{root}: a KV pool of {pool_size.num_blocks} blocks (--kv-cache-memory) needs graphs that "
+                            f"take any block count; the {backend.name} graphs of "
+                            f"{', '.join(fixed) or 'every variant'} fix it at model.kv_blocks = "
+                            f"{pool_size.declared_blocks} (load without --kv-cache-memory, or with at least "
+                            f"{pool_size.declared_blocks * pool_size.bytes_per_block} bytes)")
+    state = {decl.name: replace(decl, shape=pool_shape(decl, pool_size)).empty(device) for decl in state_decls}
     variants = {}
     for index, entry in enumerate(entries, 1):
         stages.start("runners", f"variant {index} of {len(entries)}: {entry['name']}")
@@ -373,4 +397,5 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     stages.stop()
     return LoadedCore(path=root, manifest=manifest, weights=weights, state=state, variants=variants,
                       tokenizer=tokenizer, options=options, backend=backend.name, transfer=HostTransfer(device),
-                      reduction=reduction, capture=capture, timings=stages.timings, _spec=spec)
+                      reduction=reduction, capture=capture, timings=stages.timings,
+                      kv_pool=KVPool.build(pool_size, state, options.cuda), _spec=spec)

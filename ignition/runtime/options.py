@@ -40,13 +40,16 @@ class LoadOptions:
     pack_linears: bool = True  # CPU: linear weights packed once for oneDNN (runtime/backends/packed_linear.py)
     drop_file_cache: bool = True  # the weights file's page cache dropped as it is read (runtime/verified.py)
     gemm: str = "calibrate"  # CPU: packed or aten.linear per weight shape, timed here (backends/gemm_calibration.py)
+    kv_cache_memory: int | None = None  # bytes of the paged KV pool (runtime/kv_pool.py); None: the core's upper bound
+    kv_host_memory: int = 0  # bytes of the host tier evicted KV blocks move to
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
                prefer_compiled: bool = True, trust_compiled: bool = False, trusted_key=None,
                tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
                retain_host_memory: bool = True, pack_linears: bool = True,
-               drop_file_cache: bool = True, gemm: str = "calibrate") -> "LoadOptions":
+               drop_file_cache: bool = True, gemm: str = "calibrate", kv_cache_memory: int | None = None,
+               kv_host_memory: int = 0) -> "LoadOptions":
         """Validate and resolve; LoadOptionError naming the option that cannot work here."""
         if runtime not in RUNTIMES:
             raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -72,9 +75,12 @@ class LoadOptions:
         pack_linears = bool(pack_linears) and not is_cuda(resolved) and packing_available()  # a CPU choice only
         if gemm not in GEMM_MODES:
             raise LoadOptionError(f"--gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
+        for option, value, least in (("--kv-cache-memory", kv_cache_memory, 1), ("--kv-host-memory", kv_host_memory, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise LoadOptionError(f"{option} must be a byte count of at least {least}, got {value!r}")
         options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
                       trusted_key, tp_host, float(timeout_s), bool(retain_host_memory), pack_linears,
-                      bool(drop_file_cache), gemm)
+                      bool(drop_file_cache), gemm, kv_cache_memory, kv_host_memory)
         options.rank_device(ranks - 1)  # every rank must get a device before anything starts
         return options
 

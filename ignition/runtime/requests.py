@@ -57,6 +57,7 @@ class Request:
     request_id: str = ""
     n: int = 1  # samples of this prompt (ignition/runtime/samples.py): the prompt is prefilled once for all
     constraints: LaneConstraints | None = None  # structured output and sampling controls (runtime/constraints.py)
+    cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only between equal salts (vLLM's)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -84,6 +85,9 @@ class RequestState:
     error_param: str | None = None  # the request field an "error" finish is due to (its constraints): a client error
     stop_token: int | None = None  # the EOS or stop_token_ids token that ended it "stop" (it has no entry)
     stop_by_eos: bool = False  # that token ended it as EOS (vLLM's stop_reason is then None, not the id)
+    block_table: list[int] = field(default_factory=list)  # paged KV: the pool block of each block_size positions
+    block_hashes: list[bytes] = field(default_factory=list)  # the hash chain of its full blocks (block_manager.py)
+    cached_blocks: int = 0  # leading block_table entries already looked up or registered in the prefix cache
 
     @property
     def done(self) -> bool:

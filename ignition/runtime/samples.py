@@ -10,7 +10,9 @@ leader's slot into each sibling's slot: cache positions ``[0, L)`` and the promp
 ``penalty_counts`` (its emitted-token counts start at zero). Each sibling then decodes its first
 token from the last prompt position: its first decode lane has input token ``prompt[-1]`` at
 position ``L - 1``, generated count 0, so the lane recomputes that cell in its own slot and samples
-with RNG offset 0, exactly where an ``n = 1`` request's emitting prefill samples.
+with RNG offset 0, exactly where an ``n = 1`` request's emitting prefill samples. On a core with a paged KV pool
+the samples share the leader's full prompt blocks by reference instead, and only the block holding position
+``L - 1`` is copied (``BlockManager.fork``).
 
 Seeds follow vLLM v1 (``ParentRequest._get_child_sampling_params``, vllm/v1/engine/parallel_sampling.py):
 sample ``i`` of a seeded request gets ``seed + i`` (wrapped into int64), so sample ``i`` reproduces an
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ignition.catalog.geometry import PENALTY_COUNTS, STATE_SHAPES
+from ignition.runtime.paging import PAGED_EXTENT
 from ignition.runtime.requests import AdmissionError, RequestState
 
 PROMPT_PLANE, OUTPUT_PLANE = 0, 1
@@ -72,13 +75,15 @@ class PromptCopier:
     ``shared`` is False where the copy cannot be made and each sample then prefills its own prompt: a state
     tensor whose layout ``catalog.geometry.STATE_SHAPES`` does not declare, or a tensor-parallel core (each
     rank holds its own state shard and replays only broadcast submissions, ignition/runtime/parallel/group.py).
+    A paged cache (a ``kv_blocks`` extent) is not copied here: its blocks are shared (``BlockManager.fork``).
     """
 
     def __init__(self, core):
         self.state: dict[str, torch.Tensor] = core.state
         layouts = {name: STATE_SHAPES.get(name) for name in self.state}
         self.shared = core.group is None and all(
-            layout is not None and "num_slots" in layout and (name == PENALTY_COUNTS or "max_seq_len" in layout)
+            layout is not None and (PAGED_EXTENT in layout or "num_slots" in layout and (
+                name == PENALTY_COUNTS or "max_seq_len" in layout))
             for name, layout in layouts.items())
         self.layouts = layouts if self.shared else {}
 
@@ -86,6 +91,8 @@ class PromptCopier:
         """Make slot ``target`` hold what slot ``source`` holds for prompt positions ``[0, length)``."""
         for name, tensor in self.state.items():
             layout = self.layouts[name]
+            if PAGED_EXTENT in layout:
+                continue
             slot_dim = layout.index("num_slots")
             src, dst = tensor.select(slot_dim, source), tensor.select(slot_dim, target)
             if name == PENALTY_COUNTS:  # [planes, vocab] per slot
@@ -100,8 +107,9 @@ class SampleGroups:
     """The engine's ``n > 1`` requests, by id, until every sample finished: admitted together, the prompt prefilled
     by the first sample (the leader) and copied into the others' slots."""
 
-    def __init__(self, core, num_slots: int, stats: dict):
+    def __init__(self, core, num_slots: int, stats: dict, blocks=None):
         self.num_slots, self.stats = num_slots, stats
+        self.blocks = blocks  # BlockManager of a paged core (None: slots alone)
         self.by_id: dict[str, SampleGroup] = {}
         self.copier = PromptCopier(core)
 
@@ -128,19 +136,23 @@ class SampleGroups:
 
     def admit(self, waiting, free_slots: int, take_slot) -> bool:
         """Give each of the group at the head of ``waiting`` a slot (``take_slot``), all at once (False, nothing
-        taken, while fewer than its samples are ``free_slots``). The first prefills the prompt; the others wait for
-        its state (``share_prompt``)."""
+        taken, while fewer than its samples are ``free_slots`` or, on a paged core, its blocks are not free). The
+        first prefills the prompt; the others wait for its state (``share_prompt``)."""
         group = waiting[0].group
         members = list(itertools.takewhile(lambda state: state.group is group, waiting))
         if len(members) > free_slots:
             return False
+        if self.blocks is not None:  # a sharing sample needs the one block it copies; another, its own context's
+            each = 1 if self.copier.shared else self.blocks.blocks_for(len(members[0].context()))
+            if not self.blocks.can_allocate(members[0], each * (len(members) - 1)):
+                return False
+        if self.copier.shared:
+            for state in members[1:]:
+                state.prompt_source = members[0]
         for state in members:
             waiting.popleft()
             take_slot(state)
         group.admitted = True
-        if self.copier.shared:
-            for state in members[1:]:
-                state.prompt_source = members[0]
         return True
 
     def share_prompt(self, leader: RequestState, finish) -> None:
@@ -160,6 +172,8 @@ class SampleGroups:
             if state.request.max_tokens == 0:
                 finish(state, "length")
                 continue
+            if self.blocks is not None and not self.blocks.fork(leader, state, len(prompt)):
+                continue  # no block free for the copy: this sample prefills the prompt itself
             self.copier.copy(leader.slot, state.slot, len(prompt))
             state.prefilled = len(prompt)  # the first decode lane recomputes position L - 1 in its own slot
             self.stats["prompt_copies"] += 1

@@ -8,6 +8,11 @@ into lane updates and finished requests. A request for ``n`` samples is a group 
 ignition/runtime/samples.py); a request with ``constraints`` (``Constraints``, ignition/runtime/constrained.py)
 never rides a speculative verify round; the drafter's proposals come from a ``Proposer``
 (ignition/runtime/drafters.py). All three work on the one lane-state type, ``RequestState``.
+
+On a core with a paged KV pool, a ``BlockManager`` (ignition/runtime/block_manager.py) holds each running request's
+blocks: a request is admitted when a slot and the blocks of its context are free, a prefix hit starts its prefill
+at the cached length, and before each round every lane's table grows to the positions the round writes; when blocks
+run out, the most recently admitted running request is preempted (``preempt``) and readmitted later.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ignition.catalog.enums import Operation
 from ignition.runtime.bindings import ChunkPlan, Lane, replayed_extent
 from ignition.runtime.constrained import Constraints
 from ignition.runtime.core import LoadedCore, LoadedVariant
+from ignition.runtime.paging import block_manager_for, seed_penalty_counts
 from ignition.runtime.requests import RequestState
 from ignition.runtime.runner import FreeSlots, smallest_fitting
 from ignition.runtime.samples import SampleGroups
@@ -49,7 +55,7 @@ class Scheduler:
     """Admission order, slots and the choice of each round. Not thread-safe."""
 
     def __init__(self, core: LoadedCore, stats: dict, *, batch_invariant: bool = False, proposer=None,
-                 constraints: Constraints, mixed: bool = True, packed: bool = True):
+                 constraints: Constraints, mixed: bool = True, packed: bool = True, prefix_caching: bool = True):
         self.core, self.stats = core, stats
         self.batch_invariant = batch_invariant
         self.proposer = proposer  # drafters.Proposer, or None: no speculative rounds
@@ -72,7 +78,10 @@ class Scheduler:
         self.retiring: list[RequestState] = []  # cancelled while running: slot held until a MAINTENANCE record
         self.finished: dict[str, RequestState] = {}
         self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
-        self.groups = SampleGroups(core, self.num_slots, stats)  # n > 1 requests
+        self.blocks = block_manager_for(core, prefix_caching)  # None: a core without paged caches
+        self.groups = SampleGroups(core, self.num_slots, stats, self.blocks)  # n > 1 requests
+        if self.blocks is not None:  # the positions a block table can hold
+            self.max_positions = min(self.blocks.capacity_tokens, core.spec.model.max_seq_len or 1 << 62)
 
     # -- admission and slots ---------------------------------------------------------------
     def add(self, states: list[RequestState]) -> None:
@@ -86,6 +95,8 @@ class Scheduler:
                 if not self.groups.admit(self.waiting, len(self.free_slots), self._take_slot):
                     break
                 continue
+            if self.blocks is not None and not self.blocks.can_allocate(self.waiting[0]):
+                break
             self._take_slot(self.waiting.popleft())
 
     def _take_slot(self, state: RequestState) -> None:
@@ -93,7 +104,27 @@ class Scheduler:
         self.epochs[state.slot] += 1  # a reused slot gets a new epoch: stale records cannot match
         state.epoch = self.epochs[state.slot]
         self.running.append(state)
+        if self.blocks is not None and state.prompt_source is None:  # a waiting sample's blocks come from its leader
+            cached = self.blocks.allocate(state)
+            if cached:  # its prefill starts after the cached blocks
+                state.prefilled = cached
+                seed_penalty_counts(self.core.state, state.slot, state.context()[:cached])
         self.constraints.prefetch(state)  # its first row fills while its prompt is prefilled
+
+    def _free_blocks(self, state: RequestState) -> None:
+        """Cache ``state``'s written full blocks (not a failed request's: nothing it wrote is trusted), then drop its
+        references."""
+        if self.blocks is not None:
+            if state.finish_reason != "error":
+                self.blocks.cache(state, state.request.prompt_ids + state.generated)
+            self.blocks.free(state)
+
+    def cache_blocks(self, lanes: list[Lane]) -> None:
+        """After a round: register the full blocks its lanes' requests have written in the prefix cache."""
+        if self.blocks is not None:
+            for lane in lanes:
+                if lane.state.block_table:
+                    self.blocks.cache(lane.state, lane.state.request.prompt_ids + lane.state.generated)
 
     def finish(self, state: RequestState, reason: str, error: str | None = None, param: str | None = None) -> None:
         """End a running request: its slot is free for the next admission."""
@@ -102,6 +133,7 @@ class Scheduler:
             self.proposer.release(state.request_id)
         self.running.remove(state)
         self.free_slots.give(state.slot)
+        self._free_blocks(state)
         self.finished[state.request_id] = state
 
     def release_retiring(self, states: list[RequestState]) -> None:
@@ -109,6 +141,7 @@ class Scheduler:
         for state in states:
             self.retiring.remove(state)
             self.free_slots.give(state.slot)
+            self._free_blocks(state)
 
     def release_idle(self) -> bool:
         """With no round to ride along with, nothing is in flight: free the cancelled lanes' slots directly; True
@@ -131,8 +164,10 @@ class Scheduler:
         self.groups.hand_over(state)
         self.running.remove(state)
         self.free_slots.give(state.slot)
+        self._free_blocks(state)
         state.slot, state.prefilled, state.prompt_source = -1, 0, None
         self.waiting.appendleft(state)
+        self.stats["preemptions"] += 1
 
     def cancel(self, request_id: str) -> None:
         """Abort a request (a client disconnect): its slot is freed at once. A group's id aborts every sample."""
@@ -168,6 +203,30 @@ class Scheduler:
         largest capacity (a verify family when the drafter proposes), cancelled lanes riding where there is room."""
         self.groups.forget()
         self._assign_slots()
+        planned = {key: self.stats[key] for key in ("mixed_rounds", "packed_rounds")}
+        while True:
+            rounds = self._plan()
+            if self.blocks is None or self._reserve(rounds):
+                return rounds
+            self.stats.update(planned)  # a preemption: those rounds never run
+
+    def _reserve(self, rounds: list[ScheduledRound]) -> bool:
+        """Grow every lane's block table to the positions its round writes; when the blocks run out, preempt the
+        most recently admitted running request that holds blocks (False: plan the step again without it)."""
+        for round in rounds:
+            for lane in round.lanes:
+                if lane.retire:
+                    continue
+                end = min(_written_end(lane), self.max_positions)  # draft rows past the end write block 0
+                if not self.blocks.may_grow(lane.state, end):
+                    victim = next((s for s in reversed(self.running) if s.block_table), lane.state)
+                    self.preempt(victim.request_id)
+                    return False
+                self.blocks.grow(lane.state, end)
+        return True
+
+    def _plan(self) -> list[ScheduledRound]:
+        """This step's rounds over the running requests (``schedule``)."""
         ready = [s for s in self.running if s.prompt_source is None]  # not a sample waiting for its prompt state
         prefilling = [s for s in ready if s.prefilled < len(s.context())]
         decoding = [s for s in ready if not s.done and not self._backlogged(s) and s not in prefilling]
@@ -288,6 +347,16 @@ def _chunk_lane(state: RequestState, chunk: int, scored: bool = False) -> Lane:
     if scored:
         targets = [prompt[p] if p < len(prompt) else -1 for p in range(start + 1, start + length + 1)]
     return Lane(state=state, chunk=ChunkPlan(start, context[start:start + length], emits, targets))
+
+
+def _written_end(lane: Lane) -> int:
+    """The position after the last one ``lane``'s round writes: its chunk's end, else its input token's position
+    (bindings.py: the newest token's, or the last prompt token's for a sample whose prompt was copied) plus one
+    and its draft."""
+    if lane.chunk is not None:
+        return lane.chunk.start + len(lane.chunk.tokens)
+    state = lane.state
+    return len(state.request.prompt_ids) + max(len(state.generated), 1) + len(lane.draft)
 
 
 def _chunk_end(state: RequestState, chunk: int) -> int:

@@ -20,6 +20,7 @@ from ignition.catalog.enums import Operation
 from ignition.catalog.geometry import (ATTENTION_RECIPES, ATTENTION_WEIGHTS, FP32_STATE, MODEL_DTYPE_STATE,
                                        STATE_SHAPES, SYMBOL_RULES, VOCAB_WEIGHTS, field_name, manifest_value)
 from ignition.validate.files import METADATA_MAX_BYTES, read_core_file, safe_path
+from ignition.validate.paging import check_paging
 from ignition.validate.parallel import rank_view
 from ignition.validate.report import Violation
 from ignition.validate.schema import parse_json
@@ -171,7 +172,7 @@ def check_geometry(root: Path, manifest: dict, catalog: dict) -> list[Violation]
     """Every GEOM-*, CATALOG-PREFILL/-DECODE and TOKENIZER-PARSE finding of a schema-valid core."""
     variants = catalog["variants"]
     found = check_state(rank_view(manifest, "state")) + check_limits(manifest, variants) \
-        + check_operations(manifest, variants)
+        + check_operations(manifest, variants) + check_paging(manifest, variants)
     weights_path, _ = safe_path(root, manifest["weights"], "manifest.json:weights")
     header = weight_shapes(weights_path) if weights_path is not None and weights_path.is_file() else None
     if header is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
+from ignition.catalog.geometry import DYNAMIC_BLOCKS, PAGED_DIM, PAGED_STATE
 from ignition.validate import schema_reader
 from ignition.validate.allocations import allocation_violations
 from ignition.validate.archive import accept_archive
@@ -25,18 +26,19 @@ from ignition.validate.report import Violation
 _WRITES_EXPECTED = {"output", "state"}
 
 
-def _extents(facts: ProgramFacts, shape, name: str, windows) -> list:
+def _extents(facts: ProgramFacts, shape, name: str, windows, paged: bool = False) -> list:
     """The argument's extents as declared: an int per static dim; the upper bound of the dim of a window the
     variant names (``layout["windows"]``, ``catalog.buffers.WINDOWS``) whose range is ``[MIN_WINDOW, bound]``;
-    anything else symbolic as its text, which no declaration matches."""
+    likewise the block count of a paged cache of a ``layout["dynamic_blocks"]`` variant (``paged``); anything else
+    symbolic as its text, which no declaration matches."""
     extents = []
     for dim, extent in enumerate(shape):
         if isinstance(extent, int):
             extents.append(extent)
             continue
         bounds = facts.bounds.get(extent)
-        windowed = name in windows and name in WINDOWS and WINDOWS[name].dim == dim and bounds is not None \
-            and bounds[0] == MIN_WINDOW
+        windowed = (name in windows and name in WINDOWS and WINDOWS[name].dim == dim or paged and name in PAGED_STATE
+                    and dim == PAGED_DIM) and bounds is not None and bounds[0] == MIN_WINDOW
         extents.append(bounds[1] if windowed and bounds[1] is not None else f"dynamic {extent}")
     return extents
 
@@ -230,6 +232,7 @@ def check_program(program, variant: dict, where: str) -> list[Violation]:
         found.append(Violation("GRAPH-SIGNATURE", where, f"expected arguments {[d['name'] for d in declared]}, found {names}"))
         return found
     windows = variant["contract"]["layout"].get("windows") or ()
+    paged = bool(variant["contract"]["layout"].get(DYNAMIC_BLOCKS))
     inputs = {d["name"] for d in declared if d["role"] == "input"}
     for name in windows:
         if name not in WINDOWS or name not in inputs:
@@ -243,7 +246,8 @@ def check_program(program, variant: dict, where: str) -> list[Violation]:
                 found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {name}",
                                        f"layout.windows names it, but the graph fixes its extent at {extent}"))
     for decl, (_, tensor) in zip(declared, facts.inputs):
-        found_sig = (str(tensor.dtype).removeprefix("torch."), _extents(facts, tensor.shape, decl["name"], windows)) \
+        found_sig = (str(tensor.dtype).removeprefix("torch."),
+                     _extents(facts, tensor.shape, decl["name"], windows, paged)) \
             if tensor is not None else None
         if found_sig != (decl["dtype"], decl["shape"]):
             found.append(Violation("GRAPH-SIGNATURE", f"{where}: argument {decl['name']}",
