@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +16,7 @@ from ignition.cli.checks import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_
 from ignition.cli.console import StageLog, console
 from ignition.cli.errors import CoreError, UsageError
 from ignition.runtime.parallel.rendezvous import LOOPBACK
+from ignition.serve.defaults import GPU_MEMORY_UTILIZATION, KV_CACHE_MEMORY, KV_HOST_MEMORY, PREFIX_CACHING
 
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
 EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
@@ -40,6 +41,18 @@ SPECULATIVE_OPTION = typer.Option(None, "--speculative",
                                   help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
 
 
+def _cache_option(option):
+    """The typer option of a KV cache option (serve/defaults.py ``KV_CACHE_OPTIONS``)."""
+    return typer.Option(option.default, option.flag, help=option.meaning.replace("`", "") +
+                        f" (default: {option.shown_default})")
+
+
+PREFIX_CACHING_OPTION = _cache_option(PREFIX_CACHING)
+KV_CACHE_MEMORY_OPTION = _cache_option(KV_CACHE_MEMORY)
+KV_HOST_MEMORY_OPTION = _cache_option(KV_HOST_MEMORY)
+GPU_MEMORY_UTILIZATION_OPTION = _cache_option(GPU_MEMORY_UTILIZATION)
+
+
 
 @dataclass(frozen=True)
 class SharedOptions:
@@ -57,10 +70,47 @@ class SharedOptions:
     tensor_parallel: int = TENSOR_PARALLEL_OPTION
     tp_host: str = TP_HOST_OPTION
     speculative: Optional[str] = SPECULATIVE_OPTION
+    enable_prefix_caching: bool = PREFIX_CACHING_OPTION
+    kv_cache_memory: Optional[int] = KV_CACHE_MEMORY_OPTION
+    kv_host_memory: int = KV_HOST_MEMORY_OPTION
+    gpu_memory_utilization: Optional[float] = GPU_MEMORY_UTILIZATION_OPTION
 
-    def load_options(self):
-        return load_options(self.device, self.eager, self.trust_compiled, self.trusted_key, self.runtime,
-                            self.tensor_parallel, self.tp_host, self.pack_linears, self.drop_file_cache)
+    def load_options(self, core: Path):
+        """LoadOptions for ``core``; --gpu-memory-utilization becomes a KV byte budget here (CUDA only)."""
+        check_cache_options(self.kv_cache_memory, self.kv_host_memory, self.gpu_memory_utilization)
+        options = load_options(self.device, self.eager, self.trust_compiled, self.trusted_key, self.runtime,
+                               self.tensor_parallel, self.tp_host, self.pack_linears, self.drop_file_cache,
+                               self.kv_cache_memory, self.kv_host_memory)
+        if self.gpu_memory_utilization is None or self.kv_cache_memory is not None:
+            return options
+        if not options.cuda:
+            raise UsageError(f"--gpu-memory-utilization sizes the KV cache from a CUDA device's memory, and this load "
+                             f"runs on {options.device}; give the KV cache's size as --kv-cache-memory BYTES")
+        import torch
+
+        from ignition.runtime.paging import kv_budget
+        free, total = torch.cuda.mem_get_info(options.device)
+        weights = sum(path.stat().st_size for path in core.glob("*.safetensors"))
+        try:
+            budget = kv_budget(self.gpu_memory_utilization, total, free, weights)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return replace(options, kv_cache_memory=budget)
+
+    def engine_options(self, loaded) -> dict:
+        """The Engine arguments of --speculative and --enable-prefix-caching."""
+        return speculative(self.speculative, loaded) | {"prefix_caching": self.enable_prefix_caching}
+
+
+def check_cache_options(kv_cache_memory: Optional[int], kv_host_memory: int,
+                        gpu_memory_utilization: Optional[float]) -> None:
+    """The KV cache options' ranges, as usage errors naming the option."""
+    if kv_cache_memory is not None and kv_cache_memory < 1:
+        raise UsageError(f"--kv-cache-memory must be a positive number of bytes, got {kv_cache_memory}")
+    if kv_host_memory < 0:
+        raise UsageError(f"--kv-host-memory must be 0 (no host tier) or a positive number of bytes, got {kv_host_memory}")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {gpu_memory_utilization}")
 
 
 def with_shared_options(command):
@@ -81,7 +131,7 @@ def with_shared_options(command):
 
 def load_options(device: str, eager: bool, trust_compiled: bool, trusted_key_path: Optional[Path],
                  runtime: str = "torch", tensor_parallel: int = 1, tp_host: str = LOOPBACK, pack_linears: bool = True,
-                 drop_file_cache: bool = True):
+                 drop_file_cache: bool = True, kv_cache_memory: Optional[int] = None, kv_host_memory: int = 0):
     """The one LoadOptions of run and serve, validated before anything loads; a choice that cannot work here
     (--device, --runtime, --tensor-parallel, --trusted-key) is a usage error naming it."""
     from ignition.runtime.options import LoadOptions
@@ -90,7 +140,8 @@ def load_options(device: str, eager: bool, trust_compiled: bool, trusted_key_pat
     try:
         return LoadOptions.create(device, runtime, tensor_parallel, eager=eager, trust_compiled=trust_compiled,
                                   trusted_key=trusted_key(trusted_key_path), tp_host=tp_host,
-                                  pack_linears=pack_linears, drop_file_cache=drop_file_cache)
+                                  pack_linears=pack_linears, drop_file_cache=drop_file_cache,
+                                  kv_cache_memory=kv_cache_memory, kv_host_memory=kv_host_memory)
     except LoadOptionError as exc:
         raise UsageError(str(exc)) from None
 

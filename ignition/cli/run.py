@@ -62,9 +62,9 @@ def run_cmd(
                       logprob_token_ids=selected, ignore_eos=ignore_eos, sampling=sampling)
     loading.check_run_options(core, request, text_prompt=prompt is not None)
     loading.check_speculative(shared.speculative)
-    options = shared.load_options()
+    options = shared.load_options(core)
     loaded = loading.load(core, options)
-    engine_options = loading.speculative(shared.speculative, loaded)
+    engine_options = shared.engine_options(loaded)
     if prompt is not None:
         if loaded.tokenizer is None:
             raise UsageError("this core has no tokenizer; pass --prompt-ids")

@@ -66,6 +66,7 @@ def serve_cmd(
 ) -> None:
     """Serve a core over a vLLM-compatible HTTP API (Completions, Chat, Responses, tokenizer, metrics)."""
     from ignition.runtime.parallel.group import ParallelError
+    from ignition.runtime.paging import kv_capacity_tokens
     from ignition.runtime.parallel.rendezvous import torchrun_follower
     from ignition.serve.app import ServeSetupError, serve
     from ignition.serve.config import ChatTemplateError, ServeConfig, api_keys_from, read_chat_template
@@ -108,7 +109,7 @@ def serve_cmd(
                          structured_outputs_config=outputs_config)
     loading.check_speculative(shared.speculative)
     identify_core(core)
-    load_options = shared.load_options()
+    load_options = shared.load_options(core)
     if read_manifest(core) is None:  # a core whose manifest does not parse: its findings, not the port, first
         loading.load(core, load_options)  # exits 1 with them
         raise UsageError(f"{core}/manifest.json changed while the server started")
@@ -119,11 +120,14 @@ def serve_cmd(
     name = model_name or str(core)
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
 
+    capacity = kv_capacity_tokens(loaded)
+    kv = f", KV cache {capacity} tokens" if capacity is not None else ""
+
     def ready() -> None:
-        console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s)",
+        console.print(f"ready: serving {core} as {name} on {url} (loaded in {loaded.load_seconds:.1f} s{kv})",
                       markup=False, highlight=False, soft_wrap=True)
 
-    options = loading.speculative(shared.speculative, loaded)
+    options = shared.engine_options(loaded)
     try:
         serve(loaded, host=host, port=port, model_name=name, batch_invariant=shared.batch_invariant, config=config,
               sock=sock, on_ready=ready, engine_options=options, allowed_origins=origins,

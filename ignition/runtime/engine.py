@@ -26,11 +26,12 @@ from ignition.runtime.scheduler import ScheduledRound, Scheduler
 
 
 class ContextError(ValueError):
-    """A ``max_context`` beyond the core's own context; ``context`` is the core's (``model.max_seq_len``)."""
+    """A ``max_context`` beyond the core's own context; ``context`` is the core's, ``source`` where it comes from
+    (``model.max_seq_len``, or the KV cache's capacity)."""
 
-    def __init__(self, max_context: int, context: int):
-        super().__init__(f"max_context {max_context} exceeds the core's context of {context} tokens (model.max_seq_len)")
-        self.context = context
+    def __init__(self, max_context: int, context: int, source: str = "model.max_seq_len"):
+        super().__init__(f"max_context {max_context} exceeds the core's context of {context} tokens ({source})")
+        self.context, self.source = context, source
 
 
 class Engine:
@@ -45,13 +46,13 @@ class Engine:
         variants when the rule of ``Scheduler._mixed_round`` allows (False: always serial rounds). ``packed``: use
         the core's ``packed`` variant when the rule of ``Scheduler._packed_prefill`` allows (False: one prompt chunk
         per round). ``max_context``: the context admission checks prompt + max_tokens against (default the core's
-        ``model.max_seq_len``; ContextError above it). ``prefix_caching``: on a core with a paged KV pool, requests
+        ``model.max_seq_len``, or the KV cache's capacity in tokens when that is smaller; ContextError above
+        either). ``prefix_caching``: on a core with a paged KV pool, requests
         reuse the cached blocks of earlier requests' equal prefixes (ignition/runtime/block_manager.py)."""
         self.core = core
         context = core.spec.model.max_seq_len
         if max_context is not None and context is not None and max_context > context:
             raise ContextError(max_context, context)
-        self.max_context = max_context if max_context is not None else context
         self.stats = {"verify_rounds": 0, "proposed": 0, "accepted": 0, "mixed_rounds": 0,
                       "prefill_chunks": 0, "prompt_tokens_prefilled": 0, "prompt_copies": 0, "packed_rounds": 0,
                       "preemptions": 0}
@@ -59,6 +60,13 @@ class Engine:
         self.scheduler = Scheduler(core, self.stats, batch_invariant=batch_invariant, proposer=proposer,
                                    constraints=Constraints(core.spec.eos_token_id), mixed=mixed,
                                    packed=packed, prefix_caching=prefix_caching)
+        blocks = self.scheduler.blocks
+        if blocks is not None and max_context is not None and max_context > blocks.capacity_tokens:
+            raise ContextError(max_context, blocks.capacity_tokens, f"the KV cache's capacity: {blocks.num_blocks} "
+                                                                    f"blocks of {blocks.block_size}")
+        if blocks is not None:  # one request never holds more than the whole pool
+            context = blocks.capacity_tokens if context is None else min(context, blocks.capacity_tokens)
+        self.max_context = max_context if max_context is not None else context
         self.runner = Runner(core)
         self.outputs = OutputProcessor(self.scheduler, self.stats)
         self._ids = itertools.count()
@@ -68,12 +76,6 @@ class Engine:
         """The admission check (AdmissionError naming the field): the request against the core and this engine's
         context and slots."""
         check_admission(request, self.core.features, self.core.vocab_size, self.max_context)
-        blocks = self.scheduler.blocks
-        if blocks is not None and len(request.prompt_ids) + request.max_tokens > blocks.capacity_tokens:
-            raise AdmissionError(f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) "
-                                 f"exceeds the KV cache's capacity of {blocks.capacity_tokens} tokens "
-                                 f"({blocks.num_blocks} blocks of {blocks.block_size}; --kv-cache-memory sets it)",
-                                 "max_tokens")
 
     def submit(self, request: Request, *, checked: bool = False) -> str:
         """Admit a request (AdmissionError before any state changes) and return its id; an ``n > 1`` request's
@@ -159,6 +161,20 @@ class Engine:
         return Result.of(self.scheduler.finished[request_id])
 
     # -- the scheduler's and runner's state, as callers read it ----------------------------
+    def kv_cache_stats(self) -> dict:
+        """The paged KV cache's counters as vLLM names them: prefix-cache queries and hits in tokens, and the
+        fraction of blocks requests hold (all 0 for a core without a paged pool)."""
+        blocks = self.scheduler.blocks
+        if blocks is None:
+            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "kv_cache_usage_perc": 0.0}
+        return {"prefix_cache_queries": blocks.queries, "prefix_cache_hits": blocks.hits,
+                "kv_cache_usage_perc": blocks.usage()}
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the paged KV pool holds (None: a core without one)."""
+        return self.scheduler.blocks.capacity_tokens if self.scheduler.blocks is not None else None
+
     @property
     def num_slots(self) -> int:
         return self.scheduler.num_slots

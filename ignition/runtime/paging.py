@@ -1,6 +1,6 @@
 """The engine's side of a paged KV pool: its block manager, and whether a prefix hit can resume a request.
 
-A core's paged caches (catalog/geometry.py ``STATE_SHAPES`` layouts with a ``kv_blocks`` extent) hold a context's
+A core's paged caches (catalog/geometry.py ``PAGED_STATE``, layouts with a ``kv_blocks`` extent) hold a context's
 keys by block, so a request whose context starts with cached blocks can start its prefill after them. Everything
 else a core keeps per slot must then be rebuilt for the skipped positions too: ``penalty_counts`` is (its prompt
 plane counts the skipped tokens, ``seed_penalty_counts``); sliding-window rings, linear-attention states and
@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from ignition.catalog.geometry import PENALTY_COUNTS, STATE_SHAPES
+from ignition.catalog.geometry import PAGED_STATE, PENALTY_COUNTS
 from ignition.runtime.block_manager import BlockManager
 
 log = logging.getLogger("ignition.runtime")
@@ -28,8 +28,9 @@ PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 
 
 def paged_states() -> set[str]:
-    """The state tensors that are pools of blocks."""
-    return {name for name, layout in STATE_SHAPES.items() if PAGED_EXTENT in layout}
+    """The state tensors that are pools of blocks (catalog/geometry.py ``PAGED_STATE``, whose layouts have the
+    ``kv_blocks`` extent)."""
+    return set(PAGED_STATE)
 
 
 def prefix_reuse_refusal(core) -> str | None:
@@ -44,7 +45,7 @@ def prefix_reuse_refusal(core) -> str | None:
 
 def block_manager_for(core, prefix_caching: bool) -> BlockManager | None:
     """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then)."""
-    pool = getattr(core, "kv_pool", None)  # LoadedCore.kv_pool (runtime/kv_pool.py)
+    pool = core.kv_pool
     if pool is None or not pool.paged:
         return None
     refusal = prefix_reuse_refusal(core) if prefix_caching else None
@@ -52,6 +53,24 @@ def block_manager_for(core, prefix_caching: bool) -> BlockManager | None:
         log.info("prefix caching is off for %s: %s", core.path.name, refusal)
     return BlockManager(pool.num_blocks, pool.block_size, prefix_caching=prefix_caching and refusal is None,
                         host_blocks=pool.host_blocks, pool=pool)
+
+
+def kv_budget(fraction: float, total: int, free: int, weights_bytes: int) -> int:
+    """Bytes for the KV pool when this process may use ``fraction`` of a GPU's ``total`` memory (vLLM's
+    ``--gpu-memory-utilization``): that share, less what others already use (``total - free``) and the weights.
+    ValueError when nothing is left."""
+    budget = int(fraction * total) - (total - free) - weights_bytes
+    if budget <= 0:
+        raise ValueError(f"--gpu-memory-utilization {fraction} allows {int(fraction * total)} of the GPU's {total} "
+                         f"bytes; {total - free} are in use already and the weights take {weights_bytes}, which "
+                         f"leaves nothing for the KV cache: raise it, or give --kv-cache-memory BYTES")
+    return budget
+
+
+def kv_capacity_tokens(core) -> int | None:
+    """Tokens ``core``'s paged KV pool holds for requests (block 0, the null block, excluded); None without one."""
+    pool = core.kv_pool
+    return (pool.num_blocks - 1) * pool.block_size if pool is not None and pool.paged else None
 
 
 def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[int]) -> None:
@@ -63,4 +82,5 @@ def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[
     counts[PROMPT_PLANE].index_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
 
 
-__all__ = ["PAGED_EXTENT", "block_manager_for", "paged_states", "prefix_reuse_refusal", "seed_penalty_counts"]
+__all__ = ["PAGED_EXTENT", "block_manager_for", "kv_budget", "kv_capacity_tokens", "paged_states", "prefix_reuse_refusal",
+           "seed_penalty_counts"]

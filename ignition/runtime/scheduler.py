@@ -80,6 +80,8 @@ class Scheduler:
         self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
         self.blocks = block_manager_for(core, prefix_caching)  # None: a core without paged caches
         self.groups = SampleGroups(core, self.num_slots, stats, self.blocks)  # n > 1 requests
+        if self.blocks is not None:  # the positions a block table can hold
+            self.max_positions = min(self.blocks.capacity_tokens, core.spec.model.max_seq_len or 1 << 62)
 
     # -- admission and slots ---------------------------------------------------------------
     def add(self, states: list[RequestState]) -> None:
@@ -110,9 +112,11 @@ class Scheduler:
         self.constraints.prefetch(state)  # its first row fills while its prompt is prefilled
 
     def _free_blocks(self, state: RequestState) -> None:
-        """Cache ``state``'s written full blocks, then drop its references."""
+        """Cache ``state``'s written full blocks (not a failed request's: nothing it wrote is trusted), then drop its
+        references."""
         if self.blocks is not None:
-            self.blocks.cache(state, state.request.prompt_ids + state.generated)
+            if state.finish_reason != "error":
+                self.blocks.cache(state, state.request.prompt_ids + state.generated)
             self.blocks.free(state)
 
     def cache_blocks(self, lanes: list[Lane]) -> None:
@@ -199,10 +203,12 @@ class Scheduler:
         largest capacity (a verify family when the drafter proposes), cancelled lanes riding where there is room."""
         self.groups.forget()
         self._assign_slots()
+        planned = {key: self.stats[key] for key in ("mixed_rounds", "packed_rounds")}
         while True:
             rounds = self._plan()
             if self.blocks is None or self._reserve(rounds):
                 return rounds
+            self.stats.update(planned)  # a preemption: those rounds never run
 
     def _reserve(self, rounds: list[ScheduledRound]) -> bool:
         """Grow every lane's block table to the positions its round writes; when the blocks run out, preempt the
@@ -211,7 +217,7 @@ class Scheduler:
             for lane in round.lanes:
                 if lane.retire:
                     continue
-                end = _written_end(lane)
+                end = min(_written_end(lane), self.max_positions)  # draft rows past the end write block 0
                 if not self.blocks.may_grow(lane.state, end):
                     victim = next((s for s in reversed(self.running) if s.block_table), lane.state)
                     self.preempt(victim.request_id)

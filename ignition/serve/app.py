@@ -95,7 +95,7 @@ def _context(loaded: LoadedCore, model_name: str, config: ServeConfig, queue_cap
                          **(engine_options or {}))
     except ContextError as exc:
         raise ServeSetupError(f"--max-model-len {config.max_model_len} exceeds the core's context of {exc.context} "
-                              "tokens (model.max_seq_len)") from None
+                              f"tokens ({exc.source})") from None
     engine = AsyncEngine(runtime, queue_capacity=queue_capacity, health=loaded.group.check if loaded.group else None)
     try:
         files = load_tokenizer_files(config.tokenizer or loaded.path / "tokenizer", loaded.tokenizer,

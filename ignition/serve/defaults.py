@@ -1,6 +1,7 @@
-"""How many tokens a request generates when it names no limit: one row per route, read by the routes and by
-docs/serving.md (``python -m ignition.serve.defaults`` rewrites the table there; ``--check`` exits 1 when the
-file is stale, and a test runs it)."""
+"""How many tokens a request generates when it names no limit (one row per route, read by the routes), and the KV
+cache options of ``serve`` and ``run`` (read by the CLI): both tables are written into docs/serving.md
+(``python -m ignition.serve.defaults`` rewrites them there; ``--check`` exits 1 when the file is stale, and a test
+runs it)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ignition.runtime.requests import DEFAULT_MAX_TOKENS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 BLOCK = "request-defaults"
+KV_BLOCK = "kv-cache-options"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,41 @@ RESPONSES = TokenLimit("/v1/responses", ("max_output_tokens",), None, FILL_WITHO
 TOKEN_LIMITS = (COMPLETIONS, CHAT, RESPONSES)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheOption:
+    """A KV cache option of ``serve`` and ``run``: its flag (typer's spelling), default and meaning."""
+
+    flag: str
+    default: object
+    shown_default: str
+    meaning: str
+
+
+PREFIX_CACHING = CacheOption(
+    "--enable-prefix-caching/--no-enable-prefix-caching", True, "on",
+    "reuse the KV blocks of earlier requests' equal prefixes (vLLM's automatic prefix caching); a request's "
+    "`cache_salt` keeps tenants apart, requests with `prompt_logprobs` never read the cache")
+KV_CACHE_MEMORY = CacheOption(
+    "--kv-cache-memory", None, "the core's declared capacity",
+    "bytes of the paged KV pool; requests are admitted while its blocks last and preempted when they run out")
+KV_HOST_MEMORY = CacheOption(
+    "--kv-host-memory", 0, "0 (no host tier)",
+    "bytes of the host tier evicted prefix blocks move to (pinned on CUDA); looked up after the device blocks")
+GPU_MEMORY_UTILIZATION = CacheOption(
+    "--gpu-memory-utilization", None, "none",
+    "CUDA: the fraction of the GPU's memory this server may use, as vLLM's option; the KV pool gets what the "
+    "weights leave of it (refused on CPU; `--kv-cache-memory` is the exact size)")
+KV_CACHE_OPTIONS = (PREFIX_CACHING, KV_CACHE_MEMORY, KV_HOST_MEMORY, GPU_MEMORY_UTILIZATION)
+
+
+def kv_table() -> str:
+    """The markdown table of ``KV_CACHE_OPTIONS`` in docs/serving.md."""
+    rows = ["| option | default | what |", "|---|---|---|"]
+    rows += [f"| `{' / '.join(option.flag.split('/'))}` | {option.shown_default} | {option.meaning} |"
+             for option in KV_CACHE_OPTIONS]
+    return "\n".join(rows) + "\n"
+
+
 def table() -> str:
     """The markdown table of ``TOKEN_LIMITS`` in docs/serving.md."""
     rows = ["| route | limit fields (the first given wins) | default |", "|---|---|---|"]
@@ -61,7 +98,7 @@ def table() -> str:
 
 def render(text: str) -> str:
     """``text`` with the generated block ``request-defaults`` rewritten from ``TOKEN_LIMITS``."""
-    return render_blocks(text, {BLOCK: table}, str(DOC))
+    return render_blocks(text, {BLOCK: table, KV_BLOCK: kv_table}, str(DOC))
 
 
 def main(argv: list[str]) -> int:

@@ -286,4 +286,4 @@ class AsyncEngine:
         return {"running": len(engine.running), "waiting": len(engine.waiting),
                 "free_slots": len(engine.free_slots), "num_slots": engine.num_slots, "tracked": len(self._tracked),
                 "prefill_chunks": engine.stats["prefill_chunks"],
-                "prompt_tokens_prefilled": engine.stats["prompt_tokens_prefilled"]}
+                "prompt_tokens_prefilled": engine.stats["prompt_tokens_prefilled"]} | engine.kv_cache_stats()

@@ -26,7 +26,9 @@ TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 ENGINE_COUNTERS = (("prefill_chunks", "Prompt chunks the engine prefilled (every prefill, scored or mixed submission "
                     "of a prompt chunk)."),
                    ("prompt_tokens_prefilled", "Prompt tokens the engine prefilled: a prompt shared by n samples "
-                    "counts once, where prompt_tokens counts it per sample."))
+                    "counts once, where prompt_tokens counts it per sample."),
+                   ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
+                   ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."))
 """Ignition's own counters, read from the engine's ``stats`` when scraped (``AsyncEngine.load``)."""
 
 
@@ -53,7 +55,9 @@ class ServerMetrics:
         self.model_name, self.log_requests = model_name, log_requests
         model = ["model_name"]
         for name, key, doc in (("num_requests_running", "running", "Requests in engine lanes."),
-                               ("num_requests_waiting", "waiting", "Requests waiting for a lane.")):
+                               ("num_requests_waiting", "waiting", "Requests waiting for a lane."),
+                               ("kv_cache_usage_perc", "kv_cache_usage_perc",
+                                "KV-cache usage. 1 means 100 percent usage.")):
             gauge = Gauge(f"ignition:{name}", doc, model, registry=registry)
             gauge.labels(model_name).set_function(lambda key=key: load()[key])
         registry.register(_EngineCounters(model_name, load))

@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 log = logging.getLogger("ignition.serve")
 
@@ -122,6 +122,14 @@ class GenerationFields(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     min_tokens: int = 0
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM's): blocks are shared only between equal salts
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
+        return value
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

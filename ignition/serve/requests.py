@@ -230,7 +230,7 @@ def build_request(ctx: ServerContext, body: GenerationFields, prompt_ids: list[i
                       logprobs=None if body.logprob_token_ids else logprobs,
                       logprob_token_ids=body.logprob_token_ids, stop_token_ids=list(body.stop_token_ids or ()),
                       ignore_eos=body.ignore_eos, prompt_logprobs=prompt_logprobs, request_id=request_id, n=drawn,
-                      constraints=constraints)
+                      constraints=constraints, cache_salt=body.cache_salt)
     check_admission(request, ctx.core.features, ctx.core.vocab_size, ctx.max_context)
     check_server_request(request, ctx.core.vocab_size)
     return request
