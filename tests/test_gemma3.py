@@ -258,7 +258,7 @@ def test_tensor_parallel_two_ranks_match_one(gemma, tmp_path):
     export_core(ExportOptions(recipe="gemma3", checkpoint=checkpoint, capacities=(1,), chunk_limit=CHUNK,
                               max_seq_len=32, tensor_parallel=2), tmp_path / "tp2")
     state = {s["name"]: s["shape"] for s in json.loads((tmp_path / "tp2" / "manifest.json").read_text())["state"]}
-    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 1, 32, 1, 16]
+    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 2, 16, 1, 16]  # a rank's pool: its KV head
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("_tp_runner.py")), str(tmp_path / "tp2"), "2"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

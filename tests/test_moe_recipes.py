@@ -50,7 +50,8 @@ TOL, NEAR = 1e-4, 5e-5
 BF16_TOL = 2 * 2**-5
 # cache bytes per token, fp32: qwen3_moe K and V [3 layers, 2 kv heads, 16]; MLA latent 16 + rope key 8 per layer
 KV_BYTES_PER_TOKEN = {"qwen3_moe": 2 * 3 * 2 * 16 * 4, "deepseek_v3": 3 * (16 + 8) * 4}
-STATE = {"qwen3_moe": {"k_cache": [3, 2, MAX_SEQ_LEN, 2, 16], "v_cache": [3, 2, MAX_SEQ_LEN, 2, 16]},
+STATE = {"qwen3_moe": {"k_cache": [3, 2 * MAX_SEQ_LEN // 16, 16, 2, 16],  # pools: 2 slots of 16-position blocks
+                       "v_cache": [3, 2 * MAX_SEQ_LEN // 16, 16, 2, 16]},
          "deepseek_v3": {"latent_cache": [3, 2, MAX_SEQ_LEN, 16], "rope_key_cache": [3, 2, MAX_SEQ_LEN, 8]}}
 
 
