@@ -230,7 +230,7 @@ def test_a_bf16_prompt_is_as_close_to_fp32_as_transformers_bf16_eager_prefill(pa
     """A prompt of 2 to 40 tokens in one chunk of 48 rows (a prefill chunk's rows, or one lane of packed prompt
     chunks), through the key window the loader passes, against transformers' eager prefill of the whole prompt (its
     causal mask, rows as long as the prompt): ``_assert_bf16_fidelity`` over every prompt row."""
-    from ignition.recipes.attention import packed_attention
+    from ignition.recipes.packed_attention import packed_attention
 
     w = BF16_WIDTH
     chunk_rows = 48

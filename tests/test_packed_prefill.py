@@ -24,7 +24,8 @@ from ignition.catalog.buffers import (KEY_WINDOW, PACKED_TOKENS, SAMPLE_WINDOW, 
                                      TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, RoundKind
 from ignition.exporter.export import export_core
-from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
+from ignition.recipes.attention import cached_attention, plan_attention
+from ignition.recipes.packed_attention import packed_attention
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.layers import Rows
 from ignition.catalog.buffers import PACKED_LANES, WINDOWS

@@ -134,7 +134,7 @@ def test_a_budgeted_pool_holds_fewer_blocks_and_serves_the_same_tokens(paged_cor
     from ignition.runtime.options import LoadOptions
 
     full = load_core(paged_core)
-    assert (full.kv_pool.num_blocks, full.kv_pool.block_size, full.kv_pool.capacity_tokens) == (32, 8, 256)
+    assert (full.kv_pool.num_blocks, full.kv_pool.block_size, full.kv_pool.capacity_tokens) == (32, 8, 248)
     bytes_per_block = full.kv_pool.bytes_per_block  # k and v: 2 layers x 8 positions x 2 heads x 16 x 4 bytes
     assert bytes_per_block == 2 * 2 * 8 * 2 * 16 * 4
     small = load_core(paged_core, LoadOptions.create(kv_cache_memory=12 * bytes_per_block + 5, kv_host_memory=0))
@@ -148,9 +148,11 @@ def test_a_pool_below_one_sequence_is_refused_by_name(paged_core) -> None:
     from ignition.runtime.options import LoadOptions
     from ignition.runtime.verified import CoreLoadError
 
-    with pytest.raises(CoreLoadError, match=r"kv_cache_memory 32767 bytes holds 7 KV blocks of 4096 bytes; one "
-                                            r"sequence of max_seq_len 64 positions needs 8 \(32768 bytes\)"):
-        load_core(paged_core, LoadOptions.create(kv_cache_memory=32767))
+    with pytest.raises(CoreLoadError, match=r"kv_cache_memory 36863 bytes holds 8 KV blocks of 4096 bytes; one "
+                                            r"sequence of max_seq_len 64 positions needs 8 and the null block "
+                                            r"\(36864 bytes\)"):
+        load_core(paged_core, LoadOptions.create(kv_cache_memory=36863))
+    assert load_core(paged_core, LoadOptions.create(kv_cache_memory=36864)).kv_pool.capacity_tokens == 64
 
 
 def test_block_moves_copy_every_paged_tensor(paged_core) -> None:
@@ -180,5 +182,5 @@ def test_inspect_reports_the_pools_capacity_in_tokens(paged_core) -> None:
     from ignition.validate.core import validate_core
 
     memory = inspect_core(validate_core(paged_core, check_graphs=False))["memory"]
-    assert (memory["kv_block_size"], memory["kv_blocks_max"], memory["kv_capacity_tokens_max"]) == (8, 32, 256)
+    assert (memory["kv_block_size"], memory["kv_blocks_max"], memory["kv_capacity_tokens_max"]) == (8, 32, 248)
     assert memory["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 16, FP32

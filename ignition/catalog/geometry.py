@@ -59,6 +59,17 @@ BLOCK_SIZE = 16
 """``--block-size`` when the exporter is not told otherwise: positions per block."""
 
 
+NULL_BLOCK = 0
+"""The pool block no sequence holds: ``block_tables`` entries past a slot's live blocks name it, so the writes a graph
+makes there (padding rows, a records-only lane) land where no request reads. A pool of ``n`` blocks holds ``n - 1``
+blocks of requests (``usable_blocks``)."""
+
+
+def usable_blocks(kv_blocks: int) -> int:
+    """Blocks of a pool of ``kv_blocks`` that requests can hold: every block but ``NULL_BLOCK``."""
+    return max(kv_blocks - 1, 0)
+
+
 def max_blocks(max_seq_len: int, block_size: int) -> int:
     """Blocks that hold one sequence of ``max_seq_len`` positions: the width of a block table row."""
     return -(-max_seq_len // block_size)

@@ -9,7 +9,7 @@ from ignition.catalog.buffers import PROMPT_BUFFERS
 from ignition.catalog.cache_kinds import CACHE_KINDS
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation
-from ignition.catalog.geometry import STATE_SHAPES
+from ignition.catalog.geometry import STATE_SHAPES, usable_blocks
 from ignition.catalog.model import BufferDecl
 
 _CLASSES = {"output": "completion frames and outputs", "state": "state (KV)", "weight": "weights", "input": "inputs"}
@@ -50,7 +50,7 @@ def kv_capacity(manifest: dict) -> dict:
     if not model.get("kv_blocks") or not model.get("block_size"):
         return {}
     return {"kv_block_size": model["block_size"], "kv_blocks_max": model["kv_blocks"],
-            "kv_capacity_tokens_max": model["kv_blocks"] * model["block_size"]}
+            "kv_capacity_tokens_max": usable_blocks(model["kv_blocks"]) * model["block_size"]}
 
 
 def kind_memory(manifest: dict) -> dict[str, dict]:

@@ -170,7 +170,7 @@ def _paged_plan(rows: Rows, kv_blocks, block_size: int, share: int, dtype: torch
                          placement=None, per_lane=False, mask=mask, short=short, scale=scale, cells=cells.reshape(-1))
 
 
-def _pages(cache: torch.Tensor, layer: int, cells: torch.Tensor, groups: int) -> torch.Tensor:
+def gather_pages(cache: torch.Tensor, layer: int, cells: torch.Tensor, groups: int) -> torch.Tensor:
     """Layer ``layer`` of the pool ``cache [layers, kv_blocks, block_size, kv_heads, head_dim]`` at ``cells [G * W]``:
     ``[G, kv_heads, W, head_dim]`` (one gather, a strided view of it)."""
     pool = cache[layer].flatten(0, 1)  # [kv_blocks * block_size, kv_heads, head_dim], a view
@@ -239,7 +239,7 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
     Row ``i`` of group ``g`` (``R // G`` rows per group, ``G = len(rows.read_slots)``) attends over the
     positions ``<= rows.positions[i]`` of slot ``rows.read_slots[g]`` (``plan`` holds the rows' part).
-    ``sinks [heads]``: each head's learned sink logit (``_attend``). Returns ``[R, heads * head_dim]``.
+    ``sinks [heads]``: each head's learned sink logit (``attend``). Returns ``[R, heads * head_dim]``.
     """
     num_rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[3]
@@ -253,22 +253,22 @@ def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
     if plan.cells is not None:  # a pool: each group's window gathered through its block table, [G, kv_heads, W, D]
-        attended = _attend(grouped, _pages(key_cache, layer, plan.cells, groups),
-                           _pages(value_cache, layer, plan.cells, groups), plan.mask, short=plan.short,
+        attended = attend(grouped, gather_pages(key_cache, layer, plan.cells, groups),
+                           gather_pages(value_cache, layer, plan.cells, groups), plan.mask, short=plan.short,
                            scale=plan.scale, sinks=sinks)
     elif plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
-        attended = torch.cat([_attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
+        attended = torch.cat([attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
                                       values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1],
                                       scale=plan.scale, sinks=sinks)
                               for g in range(groups)])
     elif plan.slot_ordered:  # group r is slot r's: in place over the first read slots, nothing placed or picked
-        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks)
+        attended = attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks)
     elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
-        attended = _attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
+        attended = attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
                            short=plan.short, scale=plan.scale, sinks=sinks)
     else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
         grouped = grouped.index_select(0, plan.placement)  # the keys and values: the first read slots (_windows)
-        attended = _attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks).index_select(
+        attended = attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks).index_select(
             0, plan.slots)  # [G, ...]
     if per_group > 1:
         attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
@@ -299,20 +299,20 @@ def sliding_mask(cells: torch.Tensor, positions: torch.Tensor, window: int, shar
     return torch.zeros(hidden.shape, dtype=dtype, device=cells.device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
-def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
             per_head: bool = False, short: torch.Tensor | None = None, scale: float | None = None,
             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``short``: see
     ``_eager_low_precision``); ``mask`` from ``causal_mask`` or ``sliding_mask``; ``scale``: the scores' scale
-    (None: ``head_dim ** -0.5``); ``sinks [heads]``: learned sink logits (``_sink_attention``)."""
+    (None: ``head_dim ** -0.5``); ``sinks [heads]``: learned sink logits (``sink_attention``)."""
     if sinks is not None:
-        return _sink_attention(query, keys, values, mask, sinks, scale)
+        return sink_attention(query, keys, values, mask, sinks, scale)
     if query.dtype == torch.float32:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
     return _eager_low_precision(query, keys, values, mask, per_head, short, scale)
 
 
-def _sink_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def sink_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                     sinks: torch.Tensor, scale: float | None) -> torch.Tensor:
     """Attention with a learned sink logit per head (GPT-OSS; transformers' ``eager_attention_forward`` there): each
     row's scores get one more column, its head's sink, the row is softmaxed in the scores' dtype after subtracting
@@ -410,130 +410,3 @@ def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
     source = torch.where(live, torch.arange(groups, device=slots.device), first_live)  # [G]
     empty = slots.new_zeros((num_slots,)) + first_live  # [num_slots]: the stand-in group
     return empty.index_put_((slots.index_select(0, source),), source)
-
-
-@dataclass(frozen=True, slots=True)
-class PackedPlan:
-    """The layer-independent part of ``packed_attention`` for one forward's packed rows, made once a forward
-    (``_packed_plan``): lane b's segment regrouped as rows ``b * E + j`` (E: the segment window's extent)."""
-
-    slots: torch.Tensor  # int64 [B]: each lane's read slot, clamped into range
-    window: int  # W keys read, [0, W)
-    source: torch.Tensor  # int64 [B, E]: the packed row of each lane's row j (clamped: rows past a segment are junk)
-    mask: torch.Tensor  # [B, 1, share * E, W]: ``causal_mask`` of each lane's rows
-    gather: torch.Tensor  # int64 [R]: each packed row's row in the regrouped rows (then the brief ones, BF16)
-    # BF16: each lane's first ``brief_keys`` rows (``source``'s form) and their mask over the slot's first
-    # ``brief_keys`` positions, which a short forward's rows attend over instead (the module's note)
-    brief_source: torch.Tensor | None = None
-    brief_mask: torch.Tensor | None = None
-    brief_keys: int = 0
-    short: torch.Tensor | None = None  # FP16 [B, 1, 1, 1]: the lanes whose forward is short (``_softmax_in_order``)
-    scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
-    # a pool of blocks: int64 [B * W], the cell holding each lane's key j at b * W + j (``page_cells``); with brief
-    # rows, [B * F] the cells of each lane's first F keys
-    cells: torch.Tensor | None = None
-    brief_cells: torch.Tensor | None = None
-
-
-def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
-                 dtype: torch.dtype, sliding: int | None = None, scale: float | None = None) -> PackedPlan:
-    """``packed_attention``'s plan for ``rows``, made by the forward's first layer and kept in ``rows.plans``.
-
-    A packed row's regrouped row is ``b * E + j`` (lane b, its row j). With BF16 each lane's regrouped rows are
-    followed by its ``brief_keys`` brief rows (``b * (E + F) + E + j``), which a row of a short forward (a lane whose
-    segment ends before ``SHORT_ROW`` keys: its rows are at most its first F) takes instead. FP16 lanes softmax
-    every row of a short forward in order over the window, as ``cached_attention`` does: FP16 products over 15 keys
-    rounded some rows differently from the chunk's over the window (``tests/test_packed_prefill.py``), so the packed
-    rows would not be the serial ones. ``sliding``, ``scale``: as ``plan_attention``'s (a sliding layer's ring: no
-    brief rows, no short-forward order)."""
-    key = ("packed", sliding, scale)
-    if key in rows.plans:
-        return rows.plans[key]
-    segments = rows.segments
-    device = rows.positions.device
-    extent = segments.extent.shape[0]
-    # a full layer's pool: ``num_slots`` and ``max_seq_len`` are its kv_blocks and block_size (``_paged_plan``)
-    kv_blocks, block_size = num_slots, max_seq_len
-    positions_read = block_size if sliding else position_extent(rows, block_size)
-    window = torch.arange(positions_read, device=device) if sliding else key_positions(rows, positions_read, device)
-    local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
-    source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
-    row_positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    mask = sliding_mask(window, row_positions, sliding, share, dtype) if sliding else \
-        causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
-    slots = rows.read_slots.clamp(0, kv_blocks - 1) if sliding else rows.read_slots
-    cells = None if sliding else \
-        page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size).reshape(-1)
-    ends = None if dtype == torch.float32 or sliding else segments.starts + segments.lengths  # [B]: forwards' keys
-    if dtype != torch.bfloat16 or sliding:
-        short = None if ends is None else short_forwards(ends).view(-1, 1, 1, 1)
-        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source,
-                          short=short, scale=scale, cells=cells)
-    else:
-        first = brief_keys(positions_read)
-        head = torch.arange(first, device=device)  # [F]: 0..F-1
-        lane = segments.row_lanes  # [R]
-        row = rows.positions - segments.starts.index_select(0, lane)  # [R]: each packed row's index in its segment
-        take = short_forwards(ends).index_select(0, lane) & (row < first)
-        regrouped = torch.where(take, row + extent, row.clamp(0, extent - 1))  # past a segment: junk, in range
-        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask,
-                          gather=lane * (extent + first) + regrouped,
-                          brief_source=(segments.offsets.unsqueeze(1) + head.unsqueeze(0)).clamp(0, num_rows - 1),
-                          brief_mask=causal_mask(head, segments.starts.unsqueeze(1) + head.unsqueeze(0), share, dtype),
-                          brief_keys=first, scale=scale, cells=cells,
-                          brief_cells=page_cells(rows, rows.read_slots.unsqueeze(1), head.unsqueeze(0), kv_blocks,
-                                                 block_size).reshape(-1))
-    rows.plans[key] = plan
-    return plan
-
-
-def _lane_rows(query: torch.Tensor, source: torch.Tensor, kv_heads: int, share: int) -> torch.Tensor:
-    """The packed ``query [R, heads, D]`` rows ``source [B, E]`` as ``[B, kv_heads, share * E, D]``: row
-    ``s * E + j`` is head (kv, s) of lane b's row j."""
-    lanes, extent = source.shape
-    grouped = query.index_select(0, source.reshape(-1)).view(lanes, extent, kv_heads, share, query.shape[-1])
-    return grouped.permute(0, 2, 3, 1, 4).reshape(lanes, kv_heads, share * extent, query.shape[-1])
-
-
-def _lane_outputs(attended: torch.Tensor, share: int, extent: int) -> torch.Tensor:
-    """``attended [B, kv_heads, share * E, D]`` (``_lane_rows``' order) as a ``[B, E, kv_heads, share, D]`` view."""
-    lanes, kv_heads, _, head_dim = attended.shape
-    return attended.view(lanes, kv_heads, share, extent, head_dim).permute(0, 3, 1, 2, 4)
-
-
-def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     rows: Rows, sliding: int | None = None, scale: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
-
-    Lane b's segment (``rows.segments``) attends over the positions ``<=`` each row's of slot
-    ``rows.read_slots[b]``, exactly as a prefill chunk does: its slot's window is copied once for all its rows
-    (one slot's cells per lane, never the cache), its rows are regrouped as ``[lanes, kv_heads, groups * E,
-    head_dim]`` (E: the segment window's extent) and one batched attention call runs every lane with the same
-    per-row mask and kernel as ``cached_attention``'s chunk path. With BF16 each lane's first ``brief_keys``
-    rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
-    (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
-    (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
-    order. ``sliding``, ``scale``: as ``plan_attention``'s (``key_cache`` is then a sliding layer's ring);
-    ``sinks [heads]``: learned sink logits (``_sink_attention``).
-    """
-    num_rows, heads, head_dim = query.shape
-    num_slots, max_seq_len, kv_heads, _ = key_cache.shape
-    share = heads // kv_heads
-    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype, sliding, scale)
-    lanes = plan.slots.shape[0]
-    if plan.cells is not None:  # a pool: each lane's window gathered through its block table, [B, kv_heads, W, D]
-        keys, values = (_pages(cache.unsqueeze(0), 0, plan.cells, lanes) for cache in (key_cache, value_cache))
-    else:
-        keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
-        values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
-    attended = _attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True,
-                       short=plan.short, scale=plan.scale, sinks=sinks)
-    outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]
-    if plan.brief_source is not None:  # each lane's first F rows over its slot's first F keys: [B, F, kv, share, D]
-        first_keys, first_values = (_pages(cache.unsqueeze(0), 0, plan.brief_cells, lanes)
-                                     for cache in (key_cache, value_cache))  # [B, kv_heads, F, D]
-        brief = _attend(_lane_rows(query, plan.brief_source, kv_heads, share), first_keys, first_values,
-                        plan.brief_mask, per_head=True, scale=plan.scale, sinks=sinks)
-        outputs = torch.cat([outputs, _lane_outputs(brief, share, plan.brief_keys)], dim=1)  # [B, E + F, kv, share, D]
-    return outputs.reshape(-1, heads * head_dim).index_select(0, plan.gather)  # [R, heads * head_dim]

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
-from ignition.recipes.attention import cached_attention, packed_attention
+from ignition.recipes.attention import cached_attention
+from ignition.recipes.packed_attention import packed_attention
 from ignition.recipes.layers import Rows, row_linear, write_rows
 from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin
 from ignition.recipes.windowed_model import CACHES, planned_rows

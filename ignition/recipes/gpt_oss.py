@@ -4,7 +4,7 @@ learned attention sinks, routed experts with a clamped SwiGLU.
 ``GptOssConfig.from_hf_config`` reads ``config.json`` and refuses what transformers would run differently from
 this forward, naming the field. Each layer's cache kind comes from ``layer_types`` (default: even layers sliding,
 odd ones full, as transformers derives it) through ``windowed.LAYER_TYPES``; every layer, of either kind, has a sink
-logit per head (``recipes/attention.py`` ``_sink_attention``). RoPE is one YaRN rotation for every layer
+logit per head (``recipes/attention.py`` ``sink_attention``). RoPE is one YaRN rotation for every layer
 (``rope_parameters``). The experts are the checkpoint's stacked tensors (``[experts, hidden, 2 * intermediate]``
 with gate and up interleaved), each routed expert reading its own row of them; experts stored in MXFP4
 (``quantization_config.quant_method == "mxfp4"``) are dequantized when read (``recipes/mxfp4.py``). The build,

@@ -2,7 +2,7 @@
 
 Pre-norm layers (RMSNorm normalized in FP32, ``weight * x`` then cast back), biased q/k/v/o projections, one YaRN
 RoPE for every layer, attention with a learned sink logit per head on both layer kinds (``recipes/attention.py``
-``_sink_attention``): full layers over ``k_cache``/``v_cache``, sliding ones over their ring ``k_window_cache`` /
+``sink_attention``): full layers over ``k_cache``/``v_cache``, sliding ones over their ring ``k_window_cache`` /
 ``v_window_cache`` as ``gemma3_model`` does (plans and slot order from ``windowed_model``). The MLP is routed experts
 (``moe.routed_experts`` with the ``topk_softmax`` router) whose expert is a clamped SwiGLU over the checkpoint's
 stacked, interleaved ``gate_up`` (``clamped_swiglu``).
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
-from ignition.recipes.attention import cached_attention, packed_attention
+from ignition.recipes.attention import cached_attention
+from ignition.recipes.packed_attention import packed_attention
 from ignition.recipes.layers import Rows, row_linear, write_rows
 from ignition.recipes.moe import routed_experts
 from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin

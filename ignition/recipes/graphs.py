@@ -217,7 +217,7 @@ class PackedPrefillGraph(PrefillGraph):
     Lane b's chunk (its segment, at most C rows) is ``segment_lengths[b]`` rows of ``packed_input_ids`` after the
     chunks of lanes ``< b``, at positions ``segment_starts[b]..`` of its slot. Each lane's round is the one
     ``prefill.t{C}`` runs for that chunk, with the same FP32 ops per row: every row writes its cache cell,
-    attends over its own slot's window only (``recipes/attention.py`` ``packed_attention``), the lm_head
+    attends over its own slot's window only (``recipes/packed_attention.py``), the lm_head
     projects each lane's last valid row as prefill projects its one (``sampled_row_logits``), the slot's penalty state
     is reset at ``segment_starts == 0`` and counts the chunk's tokens, and the lane samples (SAMPLING) when
     ``segment_emits != 0`` or writes its ADMISSION or PROMPT record. Records carry operation PREFILL.

@@ -122,7 +122,7 @@ class Rows:
     valid: torch.Tensor  # bool [R]: rows that may write the cache
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
-    segments: Segments | None = None  # packed prompt chunks (recipes/attention.py ``packed_attention``)
+    segments: Segments | None = None  # packed prompt chunks (recipes/packed_attention.py)
     slot_limit: int | None = None  # every group's slot is below this (a decode variant's ``layout["slot_limit"]``)
     row_forwards: bool = False  # each row stands for its own forward (a verify row: the decode step at its position)
     slot_ordered: bool = False  # row r is slot r's (``in_slot_order``): every row, valid or not, its own cell

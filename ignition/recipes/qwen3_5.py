@@ -28,13 +28,14 @@ import torch.nn.functional as F
 
 from ignition.catalog.cache_kinds import kind_index
 from ignition.catalog.geometry import CONV_STATE, FP32_STATE, K_CACHE, RECURRENT_STATE, V_CACHE, state_shape
-from ignition.recipes.attention import cached_attention, packed_attention, plan_attention
+from ignition.recipes.attention import cached_attention, plan_attention
 from ignition.recipes.base import ExportOptions, RecipeBuild, RecipeError
 from ignition.recipes.checkpoint import CONFIG_FILE, Checkpoint, CheckpointError, read_field
 from ignition.recipes.config import CONFIG_DTYPES, paged_geometry
 from ignition.recipes.layers import Rows, write_rows
 from ignition.recipes.linear_attention import gated_delta_net
 from ignition.recipes.llama import DecoderFamily, build_decoder
+from ignition.recipes.packed_attention import packed_attention
 from ignition.recipes.rope import RopeScaling, rope_cos_sin, rotate_half_rope, signed_sin
 from ignition.recipes.weights import WeightSpec, load_weights
 

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from ignition.recipes.config import ModelConfig, kv_cache_shape
-from ignition.recipes.attention import AttentionPlan, cached_attention, packed_attention, plan_attention
+from ignition.recipes.attention import AttentionPlan, cached_attention, plan_attention
 from ignition.recipes.layers import Rows, rms_norm, row_linear, write_rows
 from ignition.recipes.moe import feed_forward
+from ignition.recipes.packed_attention import packed_attention
 from ignition.recipes.rope import rope_cos_sin, rotate_half_rope, signed_sin
 
 K_CACHE, V_CACHE = ModelConfig.cache_names

@@ -28,8 +28,7 @@ import pickle
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-NULL_BLOCK = 0
-"""The block no request owns (see the module docstring)."""
+from ignition.catalog.geometry import NULL_BLOCK
 
 ROOT_HASH = hashlib.sha256(b"ignition prefix cache").digest()
 """The parent hash of a context's first block."""

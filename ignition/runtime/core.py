@@ -131,9 +131,8 @@ class LoadedCore:
 
     def __post_init__(self):
         if self.kv_pool is None:  # a LoadedCore assembled by hand (tests): the pool its state was allocated at
-            decls = [BufferDecl.from_json(dict(d)) for d in self.spec.state]
-            self.kv_pool = KVPool.build(plan_pool(self.spec.model, decls), self.state,
-                                        self.options is not None and self.options.cuda)
+            size = plan_pool(self.spec.model, [BufferDecl.from_json(dict(d)) for d in self.spec.state])
+            self.kv_pool = KVPool.build(size, self.state, self.options is not None and self.options.cuda)
 
     @property
     def device(self) -> torch.device:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ignition.catalog.geometry import PAGED_DIM, PAGED_STATE, max_blocks
+from ignition.catalog.geometry import PAGED_DIM, PAGED_STATE, max_blocks, usable_blocks
 
 
 class KVPoolError(ValueError):
@@ -48,7 +48,8 @@ def plan_pool(model, state_decls: list, kv_cache_memory: int | None = None, kv_h
     given.
 
     ``kv_cache_memory``: bytes for the device pool (every paged tensor), None for the declared upper bound; a budget
-    past the bound is capped at it. KVPoolError when it cannot hold one sequence of ``max_seq_len`` positions."""
+    past the bound is capped at it. KVPoolError when it cannot hold one sequence of ``max_seq_len`` positions besides
+    the null block."""
     paged = [decl for decl in state_decls if decl.name in PAGED_STATE]
     if not paged:
         return PoolSize(paged=False, num_blocks=0, block_size=0, bytes_per_block=0, max_blocks=0, declared_blocks=0)
@@ -61,11 +62,11 @@ def plan_pool(model, state_decls: list, kv_cache_memory: int | None = None, kv_h
             raise KVPoolError(f"kv_cache_memory must be a byte count (a non-negative integer), "
                               f"found {kv_cache_memory!r}")
         num_blocks = min(declared, kv_cache_memory // bytes_per_block)
-        if num_blocks < per_sequence:
+        if usable_blocks(num_blocks) < per_sequence:
             raise KVPoolError(
                 f"kv_cache_memory {kv_cache_memory} bytes holds {num_blocks} KV blocks of {bytes_per_block} bytes; "
-                f"one sequence of max_seq_len {model.max_seq_len} positions needs {per_sequence} "
-                f"({per_sequence * bytes_per_block} bytes)")
+                f"one sequence of max_seq_len {model.max_seq_len} positions needs {per_sequence} and the null block "
+                f"({(per_sequence + 1) * bytes_per_block} bytes)")
     if isinstance(kv_host_memory, bool) or not isinstance(kv_host_memory, int) or kv_host_memory < 0:
         raise KVPoolError(f"kv_host_memory must be a byte count (a non-negative integer), found {kv_host_memory!r}")
     return PoolSize(paged=True, num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
@@ -110,8 +111,8 @@ class KVPool:
 
     @property
     def capacity_tokens(self) -> int:
-        """Positions the device pool holds: ``num_blocks * block_size``."""
-        return self.num_blocks * self.block_size
+        """Positions the device pool holds for requests: every block but the null one (``catalog.geometry.NULL_BLOCK``)."""
+        return usable_blocks(self.num_blocks) * self.block_size
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Device block ``src[i]`` to device block ``dst[i]``, every paged tensor, every layer."""

@@ -70,7 +70,7 @@ def kv_budget(fraction: float, total: int, free: int, weights_bytes: int) -> int
 def kv_capacity_tokens(core) -> int | None:
     """Tokens ``core``'s paged KV pool holds for requests (block 0, the null block, excluded); None without one."""
     pool = core.kv_pool
-    return (pool.num_blocks - 1) * pool.block_size if pool is not None and pool.paged else None
+    return pool.capacity_tokens if pool is not None and pool.paged else None
 
 
 def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[int]) -> None:
