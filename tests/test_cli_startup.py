@@ -84,7 +84,7 @@ def test_export_into_an_existing_out_fails_at_once(no_heavy_work, toy_core):
 
 
 @pytest.mark.parametrize("options, message", [
-    (["--recipe", "qwen4"], "error: unknown recipe 'qwen4'; available: deepseek_v3, gemma3, gpt_oss, llama, qwen3, qwen3_5, qwen3_moe, toy"),
+    (["--recipe", "qwen4"], "error: unknown recipe 'qwen4'; available: deepseek_v3, deepseek_v4, gemma3, gpt_oss, llama, qwen3, qwen3_5, qwen3_moe, toy"),
     (["--recipe", "toy", "--targets", "cuda:90,sm_75"],
      "error: --targets: unknown kernel target(s) 'sm_75'; known targets: cuda:90, cuda:120"),
     (["--recipe", "toy", "--tokenizer", "{tmp}"], "error: --tokenizer: tokenizer directory {tmp}: expected "

@@ -81,7 +81,7 @@ def test_bias_declaration(core_copy):
     assert rules_of(core_copy.root) >= {"BUF-ROLE", "BIND-OUTPUT"}
 
 
-@pytest.mark.parametrize("code,rule", [(int(ValueSource.LOGIT_BIAS_IDS), "BIND-SOURCE"), (43, "ENUM-SOURCE"),
+@pytest.mark.parametrize("code,rule", [(int(ValueSource.LOGIT_BIAS_IDS), "BIND-SOURCE"), (max(ValueSource) + 1, "ENUM-SOURCE"),
                                        (None, "BIND-MISSING")])
 def test_bitmask_binding(core_copy, code, rule):
     def change(catalog):

@@ -180,7 +180,7 @@ def test_tensor_parallel_two_ranks_match_one(gpt_oss, tmp_path):
                               max_seq_len=32, tensor_parallel=2), tmp_path / "tp2")
     manifest = json.loads((tmp_path / "tp2" / "manifest.json").read_text())
     state = {s["name"]: s["shape"] for s in manifest["state"]}
-    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 1, 32, 1, 16]
+    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 2, 16, 1, 16]  # a rank's pool: its KV head
     shards = manifest["tensor_parallel"]["shards"]
     assert (shards["layers.0.sinks"]["shard"], shards["layers.0.experts.gate_up"]["shard"]) == ([2], [4, 64, 64])
     assert (shards["layers.0.experts.down"]["shard"], shards["layers.0.router"]["kind"]) == ([4, 32, 64],
