@@ -58,7 +58,7 @@ def core_fingerprint(root: Path) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_cores_stay_unchanged():
-    """After every other fixture of the session is torn down, each shared core this process handed out holds the
+    """After every other fixture of the test run is torn down, each shared core this process handed out holds the
     bytes it held then: a test or fixture that edits a core must edit a copy (``core_copy``), or every test that
     runs after it, in this worker or another, reads the edited core."""
     yield
@@ -69,8 +69,8 @@ def shared_cores_stay_unchanged():
 def shared_core(tmp_path_factory, name: str, export) -> Path:
     """The directory ``name`` that ``export(directory)`` fills, made once per run: under pytest-xdist the workers
     share it (the first to take its lock builds it; an export publishes its core whole, by one rename), so a
-    session core is exported once, not once per worker. The tests only read it: one that edits a core copies it
-    (``shared_cores_stay_unchanged`` checks at the end of the session)."""
+    session-scoped core is exported once, not once per worker. The tests only read it: one that edits a core copies it
+    (``shared_cores_stay_unchanged`` checks at the end of the test run)."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()

@@ -182,27 +182,27 @@ def test_only_catalog_and_validate_read_the_raw_manifest():
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 
-def _fixtures(tree: ast.Module, session_only: bool) -> dict[str, ast.FunctionDef]:
+def _fixtures(tree: ast.Module, run_scoped: bool) -> dict[str, ast.FunctionDef]:
     def fixture(decorator) -> bool:
         call = decorator if isinstance(decorator, ast.Call) else None
         name = ast.unparse(call.func if call else decorator)
         if name not in ("pytest.fixture", "fixture"):
             return False
-        return not session_only or call is not None and any(
+        return not run_scoped or call is not None and any(
             k.arg == "scope" and isinstance(k.value, ast.Constant) and k.value.value == "session" for k in call.keywords)
     return {node.name: node for node in tree.body
             if isinstance(node, ast.FunctionDef) and any(fixture(d) for d in node.decorator_list)}
 
 
-def test_every_session_core_is_shared_and_checked_unchanged():
+def test_every_shared_core_is_checked_unchanged():
     """A session-scoped core is exported through ``shared_core``, which fingerprints it, and the autouse
-    ``shared_cores_stay_unchanged`` fails the session when a test or fixture changed one in place; a fixture that
+    ``shared_cores_stay_unchanged`` fails the test run when a test or fixture changed one in place; a fixture that
     takes a shared core and writes files (``served_eos`` sets an EOS id) writes into a copy."""
     tree = ast.parse(CONFTEST.read_text())
-    fixtures = _fixtures(tree, session_only=False)
+    fixtures = _fixtures(tree, run_scoped=False)
     calls = {name: {n.func.id for n in ast.walk(body) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
              for name, body in fixtures.items()}
-    session = _fixtures(tree, session_only=True)
+    session = _fixtures(tree, run_scoped=True)
     exporting = {name for name, called in calls.items() if "export_core" in called}
     assert exporting <= set(session), exporting - set(session)
     assert exporting and all("shared_core" in calls[name] for name in exporting), calls
