@@ -17,8 +17,9 @@ SWA_KV_CACHE = "swa_kv_cache"
 CSA_WINDOW_CACHE, CSA_KV_CACHE, CSA_SOURCE = "csa_window_cache", "csa_kv_cache", "csa_source"
 CSA_INDEX_CACHE, CSA_INDEX_SOURCE = "csa_index_cache", "csa_index_source"
 HCA_WINDOW_CACHE, HCA_KV_CACHE, HCA_SOURCE = "hca_window_cache", "hca_kv_cache", "hca_source"
+PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 PENALTY_PLANES = 2
-"""penalty_counts planes: prompt-token counts, emitted-token counts."""
+"""penalty_counts planes: prompt-token counts (``PROMPT_PLANE``), emitted-token counts (``OUTPUT_PLANE``)."""
 
 _KV_CACHE = ("full_layers", "kv_blocks", "block_size", "num_kv_heads", "head_dim")
 _WINDOW_CACHE = ("sliding_layers", "num_slots", "window_cells", "num_kv_heads", "head_dim")
@@ -52,6 +53,8 @@ p % block_size`` of its layer. ``kv_blocks`` (dim ``PAGED_DIM``) is a load-time 
 program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most that
 (runtime/kv_pool.py). Every other cache stays per slot (MLA's latents, sliding rings, linear and DeepSeek V4 state)."""
 PAGED_DIM = 1
+PAGED_EXTENT = _KV_CACHE[PAGED_DIM]
+"""The symbol of a paged cache's layout that counts the pool's blocks (``kv_blocks``)."""
 DYNAMIC_BLOCKS = "dynamic_blocks"
 """``layout`` key of a variant whose graph takes any pool of ``[MIN_WINDOW, model.kv_blocks]`` blocks (exporter/
 tracing.py); a graph without it fixes the pool at the declared bound (compiled packages)."""

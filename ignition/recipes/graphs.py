@@ -27,7 +27,7 @@ from ignition.catalog.buffers import (BLOCK_TABLES, DRAFT_TOKENS, KEY_WINDOW, PA
                                      SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW,
                                      TRANSFORM_WINDOW)
 from ignition.catalog.enums import Operation, Role
-from ignition.catalog.geometry import FP32_STATE, PAGED_STATE, PENALTY_COUNTS, state_shape
+from ignition.catalog.geometry import FP32_STATE, OUTPUT_PLANE, PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE, state_shape
 from ignition.catalog.model import BufferDecl
 from ignition.components.commit import commit_sampling_round, prompt_round_kind
 from ignition.components.constraints import sampling_logits
@@ -41,8 +41,6 @@ from ignition.components.speculative import (accept_draft, commit_speculative_ro
 from ignition.recipes.layers import Rows
 from ignition.recipes.linear_attention import ACCEPTED_STATES
 from ignition.recipes.transformer import gqa_decoder, lm_head_logits, sampled_row_logits
-
-PROMPT_PLANE, OUTPUT_PLANE = 0, 1
 
 Decoder = Callable[[Mapping[str, torch.Tensor], Any, torch.Tensor, Rows, Mapping[str, torch.Tensor]], torch.Tensor]
 """``(weights, cfg, input_ids [R], rows, caches by name) -> final-normed hidden [R, d_model]``."""

@@ -15,16 +15,10 @@ import logging
 
 import torch
 
-from ignition.catalog.geometry import PAGED_STATE, PENALTY_COUNTS
+from ignition.catalog.geometry import PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE
 from ignition.runtime.block_manager import BlockManager
 
 log = logging.getLogger("ignition.runtime")
-
-PAGED_EXTENT = "kv_blocks"
-"""The extent of a paged cache's layout that counts the pool's blocks."""
-
-PROMPT_PLANE, OUTPUT_PLANE = 0, 1
-"""``penalty_counts`` planes (catalog/geometry.py: prompt-token counts, then emitted-token counts)."""
 
 
 def paged_states() -> set[str]:
@@ -82,5 +76,5 @@ def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[
     counts[PROMPT_PLANE].index_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
 
 
-__all__ = ["PAGED_EXTENT", "block_manager_for", "kv_budget", "kv_capacity_tokens", "paged_states", "prefix_reuse_refusal",
+__all__ = ["block_manager_for", "kv_budget", "kv_capacity_tokens", "paged_states", "prefix_reuse_refusal",
            "seed_penalty_counts"]

@@ -28,12 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ignition.catalog.geometry import PENALTY_COUNTS, STATE_SHAPES
-from ignition.runtime.paging import PAGED_EXTENT
+from ignition.catalog.geometry import OUTPUT_PLANE, PAGED_EXTENT, PENALTY_COUNTS, PROMPT_PLANE, STATE_SHAPES
 from ignition.runtime.requests import AdmissionError, RequestState
-
-PROMPT_PLANE, OUTPUT_PLANE = 0, 1
-"""``penalty_counts`` planes (catalog/geometry.py: prompt-token counts, then emitted-token counts)."""
 
 _INT64 = 1 << 64
 

@@ -116,7 +116,7 @@ class Scheduler:
         references."""
         if self.blocks is not None:
             if state.finish_reason != "error":
-                self.blocks.cache(state, state.request.prompt_ids + state.generated)
+                self._cache(state)
             self.blocks.free(state)
 
     def cache_blocks(self, lanes: list[Lane]) -> None:
@@ -124,7 +124,11 @@ class Scheduler:
         if self.blocks is not None:
             for lane in lanes:
                 if lane.state.block_table:
-                    self.blocks.cache(lane.state, lane.state.request.prompt_ids + lane.state.generated)
+                    self._cache(lane.state)
+
+    def _cache(self, state: RequestState) -> None:
+        """Register the full blocks of ``state``'s written tokens (its prompt and every generated token)."""
+        self.blocks.cache(state, state.request.prompt_ids + state.generated)
 
     def finish(self, state: RequestState, reason: str, error: str | None = None, param: str | None = None) -> None:
         """End a running request: its slot is free for the next admission."""
