@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ignition.recipes.checkpoint import CheckpointError, open_checkpoint, read_config
+from ignition.recipes.checkpoint import CheckpointError, TensorInfo, open_checkpoint, read_config
 from ignition.recipes.deepseek_v4 import DeepseekV4Config, read_checkpoint
 from ignition.recipes.deepseek_v4_model import allocate_state, collapse_streams, deepseek_v4_streams
 from ignition.recipes.deepseek_v4_mtp import MTP_WEIGHTS, MtpDraft, allocate_mtp_state, load_mtp_weights, mtp_step
@@ -234,6 +234,14 @@ def test_mtp_config_weights_and_step_refusals(tiny):
         load_mtp_weights(open_checkpoint(path), bare)
     with pytest.raises(CheckpointError, match="no multi-token-prediction layers"):
         load_mtp_weights(open_checkpoint(path), replace(cfg, mtp_layers=0, mtp_kinds=None))
+    checkpoint, name = open_checkpoint(path), "mtp.0.e_proj.weight"
+    info = checkpoint.info(name)
+    misshapen = replace(checkpoint, tensors={**checkpoint.tensors, name: TensorInfo(info.file, info.dtype, (3, 3))})
+    with pytest.raises(CheckpointError, match=r"MTP tensor 'mtp.0.e_proj.weight' must have shape \[64, 64\]; found \[3, 3\]"):
+        load_mtp_weights(misshapen, cfg)
+    missing = replace(checkpoint, tensors={k: v for k, v in checkpoint.tensors.items() if k != name})
+    with pytest.raises(CheckpointError, match="declares 1 MTP layer.*tensor 'mtp.0.e_proj.weight' is required"):
+        load_mtp_weights(missing, cfg)
     with pytest.raises(CheckpointError, match="'layer_types' must be among"):
         DeepseekV4Config.from_hf_config({**config, "compress_ratios": config["compress_ratios"][:-1] + [7]})
     state = allocate_mtp_state(cfg, 1, MAX_SEQ, CHUNK)

@@ -376,14 +376,10 @@ def load_weights(checkpoint: Checkpoint, cfg: DeepseekV4Config, dtype: torch.dty
                  ) -> dict[str, torch.Tensor]:
     """Every decoder weight under our names, in ``dtype`` (the config's by default) where ``LAYER_WEIGHTS`` keeps
     none; the layout is the one whose embedding name is present. Multi-token-prediction tensors (``mtp.*``) are
-    not read here (``deepseek_v4_mtp.load_mtp_weights`` reads them): those of the MTP layers the config lists
-    must have their table's shapes, others (a quantized release's scales) are let through."""
-    from ignition.recipes.deepseek_v4_mtp import mtp_weight_layout
+    let through unread (``deepseek_v4_mtp.load_mtp_weights`` reads and shape-checks them)."""
     cfg = replace(cfg, top_names="release" if TOP_LEVEL_NAMES["embed"][0] in checkpoint else "transformers")
     layout = weight_layout(cfg)
     mtp = {name: checkpoint.info(name).shape for name in checkpoint.names() if name.startswith(("mtp.", "model.mtp."))}
-    if mtp and cfg.mtp_kinds is not None:
-        mtp |= {name: shape for name, (_, shape, _) in mtp_weight_layout(cfg).items()}
     checkpoint.validate({name: shape for name, (_, shape, _) in layout.items()}, optional=mtp)
     return {ours: checkpoint.load(name).to(kept or dtype or cfg.dtype) for name, (ours, _, kept) in layout.items()}
 
