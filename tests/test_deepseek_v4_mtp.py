@@ -227,6 +227,10 @@ def test_mtp_config_weights_and_step_refusals(tiny):
     path, cfg, weights, _, _ = tiny
     config = read_config(path)
     assert cfg.mtp_layers == 1 and cfg.mtp_kinds == ("shared_window",)
+    release = {k: v for k, v in config.items() if k not in ("layer_types", "mlp_layer_types")}
+    for ratios in (config["compress_ratios"], config["compress_ratios"] + [0, 4]):  # V4-Flash-0731 lists 2 more
+        parsed = DeepseekV4Config.from_hf_config({**release, "compress_ratios": ratios})
+        assert (parsed.layer_kinds, parsed.mtp_kinds) == (cfg.layer_kinds, ("shared_window",))
     short = {**config, "compress_ratios": config["compress_ratios"][:cfg.num_layers]}
     bare = DeepseekV4Config.from_hf_config(short)
     assert bare.mtp_layers == 1 and bare.mtp_kinds is None
