@@ -196,7 +196,7 @@ def _speculative(cfg, weights, prompt, new_tokens, draft_tokens, agreeing=None):
     return tokens, torch.stack(rows), accepted, proposed, torch.cat(consumed)
 
 
-NEW_TOKENS = 13
+NEW_TOKENS = 9
 
 
 def test_mtp_speculation_gives_plain_decoding_tokens_and_logprobs(tiny):

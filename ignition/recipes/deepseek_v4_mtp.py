@@ -151,8 +151,9 @@ def mtp_step(weights: Mapping[str, torch.Tensor], cfg: DeepseekV4Config, streams
 
 
 class MtpDraft:
-    """Greedy MTP proposals for one sequence (slot 0 of its own state), the target's streams fed in as the target
-    verifies positions: ``consume`` every verified position once, in order, then ``propose``."""
+    """Greedy MTP proposals for one sequence (slot 0 of its own state) from MTP layer 0 (every released V4
+    checkpoint has one), the target's streams fed in as the target verifies positions: ``consume`` every verified
+    position once, in order, then ``propose``."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], cfg: DeepseekV4Config, max_seq_len: int, step_rows: int,
                  head: str = "head"):
