@@ -38,7 +38,8 @@ TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", min=1, help="Ranks
 TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-parallel store and ranks listen on "
                               "(loopback unless set; another one is warned about)")
 SPECULATIVE_OPTION = typer.Option(None, "--speculative",
-                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
+                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core); "
+                                  "mtp:S is refused (no core carries multi-token-prediction draft graphs)")
 
 
 def _cache_option(option):

@@ -16,7 +16,8 @@ is the tie rule.
 ``S + 1`` rows are one step of its slot, each row attending and ranking entries as the decode step at its
 position does (the tie rule makes a row's choice its own scores' alone), equal to it within FP32 rounding. A
 rejected row's ring cells and entries are rewritten before any later row reads them (``catalog/cache_kinds.py``),
-so a round needs no rollback. The checkpoint's multi-token-prediction layers are not exported as a draft.
+so a round needs no rollback. The checkpoint's multi-token-prediction layers are not exported as a draft (their
+forward and greedy draft are ``deepseek_v4_mtp``'s reference).
 """
 
 from __future__ import annotations

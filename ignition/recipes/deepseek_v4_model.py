@@ -76,7 +76,7 @@ def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, s
                                  f"{start}; found {list(cache.shape)} {cache.dtype}")
 
 
-def _layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
+def layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
     index = kind_index(cfg.layer_kinds, layer)
     return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
 
@@ -172,36 +172,65 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
     A prompt chunk or decode step is one call with its cache, as in transformers' incremental forward; with the
     indexer's tie rule (``deepseek_v4_attention.keep_best``) the result does not depend on how a sequence is cut
     into steps, so prompt scoring (transformers' full forward) runs the same steps."""
+    return collapse_streams(weights, cfg, deepseek_v4_streams(weights, cfg, input_ids, start, slot, caches))
+
+
+def deepseek_v4_streams(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, start: int, slot: int,
+                        caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``deepseek_v4_decoder``'s step before the head: the last layer's streams ``[R, hc_mult, hidden]`` (what a
+    multi-token-prediction layer reads, ``deepseek_v4_mtp``)."""
     rows = input_ids.shape[0]
     check_step(cfg, caches, start, rows, slot)
     positions = start + torch.arange(rows, device=input_ids.device)
-    return decoder_rows(weights, cfg, input_ids, lambda layer, x: attention(
-        weights, cfg, layer, x, positions, _layer_state(cfg, caches, layer, slot)))
+    return decoder_streams(weights, cfg, input_ids, lambda layer, x: attention(
+        weights, cfg, layer, x, positions, layer_state(cfg, caches, layer, slot)))
 
 
 def decoder_rows(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
                  attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The decoder around its attention blocks: ``attention_of(layer, normed rows)`` -> ``[R, hidden]``; the
     final-normed hidden ``[R, hidden]`` (hyper-connections, MoE and the head's stream collapse row by row)."""
-    rows = input_ids.shape[0]
+    return collapse_streams(weights, cfg, decoder_streams(weights, cfg, input_ids, attention_of))
+
+
+def decoder_streams(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
+                    attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``decoder_rows`` before the head: the last layer's streams ``[R, hc_mult, hidden]``."""
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
     hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
     streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [R, n, hidden]
     for layer in range(cfg.num_layers):
-        prefix = f"layers.{layer}."
-        post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
-        out = attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps))
-        streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
-            + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
-        post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
-        out = moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps), token_ids)
-        streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
-            + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
-    flat = rms_norm(streams.reshape(rows, -1).float(), None, cfg.rms_norm_eps)
-    pre = torch.sigmoid(F.linear(flat, weights["hc_head_fn"].float()) * weights["hc_head_scale"].float()
-                        + weights["hc_head_base"].float()) + cfg.hc_eps
+        streams = block(weights, cfg, layer, streams, token_ids, attention_of)
+    return streams
+
+
+def block(weights: Mapping[str, torch.Tensor], cfg, layer: int, streams: torch.Tensor, token_ids: torch.Tensor,
+          attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """transformers' ``DeepseekV4DecoderLayer`` (the reference's ``Block``): streams ``[R, n, hidden]`` in and out,
+    attention and then the MoE, each read through and written back by its hyper-connection."""
+    prefix = f"layers.{layer}."
+    post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
+    out = attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps))
+    streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
+        + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+    post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
+    out = moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps), token_ids)
+    return post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
+        + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+
+
+def collapse_streams(weights: Mapping[str, torch.Tensor], cfg, streams: torch.Tensor, prefix: str = "") -> torch.Tensor:
+    """transformers' ``DeepseekV4HyperHead`` and the final norm: streams ``[R, n, hidden]`` -> the hidden the head
+    projects ``[R, hidden]``, with the model's ``hc_head_*`` and ``final_norm`` (``prefix`` "": the decoder's;
+    ``mtp.{k}.``: a multi-token-prediction layer's own)."""
+    flat = rms_norm(streams.reshape(streams.shape[0], -1).float(), None, cfg.rms_norm_eps)
+    mixes = F.linear(flat, weights[prefix + "hc_head_fn"].float())
+    pre = torch.sigmoid(mixes * weights[prefix + "hc_head_scale"].float() + weights[prefix + "hc_head_base"].float()) \
+        + cfg.hc_eps
     hidden = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)
+    return rms_norm(hidden, weights[prefix + "final_norm"], cfg.rms_norm_eps)
 
 
-__all__ = ["deepseek_v4_decoder", "decoder_rows", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
+__all__ = ["deepseek_v4_decoder", "deepseek_v4_streams", "decoder_rows", "decoder_streams", "block",
+           "collapse_streams", "layer_state", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state",
+           "attention", "hyper_connection", "moe"]
