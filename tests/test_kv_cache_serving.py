@@ -131,5 +131,5 @@ def test_seeded_penalty_counts_are_what_a_prefill_from_zero_counts():
 def test_the_prefix_caching_flag_reaches_the_engine(enabled):
     from ignition.cli.loading import SharedOptions
 
-    shared = SharedOptions(speculative=None, enable_prefix_caching=enabled)
-    assert shared.engine_options(loaded=None) == {"prefix_caching": enabled, "state_snapshot_memory": 1 << 30}
+    shared = SharedOptions(speculative=None, enable_prefix_caching=enabled, state_snapshot_memory=4096)
+    assert shared.engine_options(loaded=None) == {"prefix_caching": enabled, "state_snapshot_memory": 4096}

@@ -85,7 +85,8 @@ class StateSnapshots:
     def for_core(cls, core, budget: int, block_size: int, chunk: int) -> StateSnapshots:
         """The store of ``core``'s resumable states: its grid the multiples of ``block_size`` and of the prefill
         ``chunk``, its host memory pinned when the core runs on CUDA."""
-        return cls(core.state, budget, math.lcm(block_size, chunk), pinned=core.device.type == "cuda")
+        on_cuda = core.options is not None and core.options.cuda
+        return cls(core.state, budget, math.lcm(block_size, chunk), pinned=on_cuda)
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.entries
