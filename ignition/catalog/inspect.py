@@ -147,6 +147,12 @@ def inspect_core(report, budget: int | None = None) -> dict:
     }
 
 
+_RANK_COLUMNS = {"rank": "rank", "prompt_scoring_buffer_bytes": "buffer bytes",
+                 "prompt_scoring_graph_bytes": "graph bytes", "kv_tokens_without_scoring": "KV tokens without",
+                 "kv_tokens_with_scoring": "KV tokens with", "kv_capacity_loss": "KV capacity loss"}
+"""The per-rank scoring cost's columns (``scoring_cost``) and their headings."""
+
+
 def render_inspection(summary: dict, console: Console, memory: bool = False) -> None:
     features = Table(title=f"core {summary['core']} ({summary['recipe']})")
     for column in ("allow_logprobs", "K", "explicit IDs", "prompt scoring", "structured output", "T", "vocab",
@@ -192,9 +198,9 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
         console.print(table)
         if summary["memory"].get("ranks"):
             ranks = Table(title="--prompt-logprobs cost per rank")
-            columns = [c for c in summary["memory"]["ranks"][0] if c != "memory_budget_bytes"]
+            columns = [c for c in _RANK_COLUMNS if c in summary["memory"]["ranks"][0]]
             for column in columns:
-                ranks.add_column(column, justify="right")
+                ranks.add_column(_RANK_COLUMNS[column], justify="right")
             for row in summary["memory"]["ranks"]:
                 ranks.add_row(*(f"{row[c]:,}" if isinstance(row[c], int) else str(row[c]) for c in columns))
             console.print(ranks)
