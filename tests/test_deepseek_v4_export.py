@@ -309,7 +309,7 @@ def test_onnx_graphs_replay_as_the_torch_ones(exported, tmp_path):
 
 
 @pytest.mark.parametrize("options, words", [
-    (dict(tensor_parallel=2), "recipe deepseek_v4 has no sharded layout"),
+    (dict(tensor_parallel=2, mixed=True), "--speculative-tokens and --mixed are single-rank variants"),
 ])
 def test_unsupported_options_are_refused(exported, options, words):
     checkpoint = exported[0]

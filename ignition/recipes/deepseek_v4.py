@@ -314,9 +314,9 @@ LAYER_WEIGHTS: tuple[LayerWeight, ...] = (
     LayerWeight("attn.compressor.wgate.weight", "compressor.wgate", ("head_dim", "hidden_size"), "heavily_compressed"),
     LayerWeight("attn.compressor.ape", "compressor.ape", ("hca_rate", "head_dim"), "heavily_compressed", torch.float32),
     LayerWeight("attn.compressor.norm.weight", "compressor.norm", ("head_dim",), "heavily_compressed"),
-    LayerWeight("ffn.gate.weight", "gate", ("num_experts", "hidden_size")),
+    LayerWeight("ffn.gate.weight", "router", ("num_experts", "hidden_size")),
     LayerWeight("ffn.gate.tid2eid", "tid2eid", ("vocab_size", "top_k"), "hash", torch.int64),
-    LayerWeight("ffn.gate.bias", "gate_bias", ("num_experts",), "topk", torch.float32),
+    LayerWeight("ffn.gate.bias", "router_bias", ("num_experts",), "topk", torch.float32),
     *(LayerWeight(f"ffn.shared_experts.{w}.weight", f"shared.{w}", shape) for w, shape in
       (("w1", ("moe_width", "hidden_size")), ("w2", ("hidden_size", "moe_width")), ("w3", ("moe_width", "hidden_size")))),
     *(LayerWeight(f"ffn.experts.{{expert}}.{w}.weight", f"experts.{{expert}}.{w}", shape) for w, shape in

@@ -140,10 +140,14 @@ def entries_seen(positions: torch.Tensor, extent: int, rate: int) -> torch.Tenso
 
 
 def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: torch.Tensor, q_residual: torch.Tensor,
-                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor, parallel=None) -> torch.Tensor:
     """The lightning indexer: ``[R, extent]`` True where a row attends to an entry, the ``index_topk`` entries it
     sees with the highest ``∑_h w_h ReLU(q_h · k) / sqrt(index_head_dim)`` (transformers' ``DeepseekV4Indexer``
     and ``DeepseekV4IndexerScorer``).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): ``cfg.index_heads`` and the weights are this rank's share of
+    the heads (``w_h`` keeps the whole model's ``1 / sqrt(heads)``); the ranks' head sums are added by
+    ``parallel.reduce`` (the same FP32 total on every rank), and every rank ranks the entries itself.
 
     Tie rule (``INDEXER_TIE_RULE``): among entries of equal score the lowest entry index is kept first, a stable
     descending sort over the whole entry table. ReLU makes exact ties (several entries scoring 0) common when a row
@@ -156,14 +160,12 @@ def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: tor
     query = apply_rope(query, cos, sin)
     scores = torch.matmul(query.float(), index_keys.float().transpose(0, 1))  # [R, heads, extent]
     scores = F.relu(scores) * cfg.index_head_dim ** -0.5
-    head_weights = F.linear(x, weights[prefix + "weights_proj"]).float() * cfg.index_heads ** -0.5  # [R, heads]
-    total = index_scores(scores, head_weights, seen)
-    return seen & keep_best(total, cfg.index_topk)
-
-
-def index_scores(scores: torch.Tensor, head_weights: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """``∑_h w_h scores_h`` ``[R, extent]`` in FP32, ``-inf`` where a row does not see the entry."""
-    return (scores * head_weights.unsqueeze(-1)).sum(dim=1).masked_fill(~seen, float("-inf"))
+    heads = cfg.index_heads * (1 if parallel is None else parallel.ranks)  # the model's, not this rank's
+    head_weights = F.linear(x, weights[prefix + "weights_proj"]).float() * heads ** -0.5  # [R, heads]
+    total = (scores * head_weights.unsqueeze(-1)).sum(dim=1)  # [R, extent] in FP32: this rank's heads
+    if parallel is not None:
+        total = parallel.reduce(total)
+    return seen & keep_best(total.masked_fill(~seen, float("-inf")), cfg.index_topk)
 
 
 def keep_best(total: torch.Tensor, k: int) -> torch.Tensor:

@@ -7,8 +7,11 @@ group's state (``deepseek_v4_model.STATE_BUFFERS``, per slot) is read, stepped a
 valid row writing back what it read and a prompt chunk's padding rows writing no ring cell. Groups run one after
 another, so lanes that share a slot (idle ones repeat an active lane's) leave it as the active lane wrote it.
 
-``--tensor-parallel`` is refused (no sharded layout: ``catalog.parallel.SHARDABLE_RECIPES``, ``registry``), and no
-packed prefill is declared (each prompt chunk runs alone). ``--onnx`` writes ONNX graphs: the indexer's stable
+``--tensor-parallel N`` splits the query heads, the output projection's groups (``wo_a`` rows, ``wo_b`` columns),
+the attention sinks, the lightning indexer's heads and every expert's width over the ranks (``recipes/sharding.py``,
+``catalog.parallel.SHARD_RULES``); the one K=V head, the compressors, the router and the hyper-connections are
+replicated, so every rank holds the whole state and writes the same values into it. No packed prefill is declared
+(each prompt chunk runs alone). ``--onnx`` writes ONNX graphs: the indexer's stable
 sort becomes one ``TopK`` (``components/onnx_standard.py``), whose specified tie-break (the lower index first)
 is the tie rule.
 
@@ -35,10 +38,11 @@ from ignition.recipes.deepseek_v4_model import STATE_BUFFERS, attention, check_s
 from ignition.recipes.layers import Rows
 
 def deepseek_v4_graph_decoder(weights: Mapping[str, torch.Tensor], cfg: DeepseekV4Config, input_ids: torch.Tensor,
-                              rows: Rows, caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+                              rows: Rows, caches: Mapping[str, torch.Tensor], parallel=None) -> torch.Tensor:
     """DeepSeek V4 over a graph's rows (``graphs.Decoder``): final-normed hidden ``[R, hidden]``.
 
-    The rows split into ``G = len(rows.read_slots)`` groups of ``R / G`` consecutive positions of one slot."""
+    The rows split into ``G = len(rows.read_slots)`` groups of ``R / G`` consecutive positions of one slot.
+    ``parallel``: this graph is one rank of a sharded core (``deepseek_v4_model.decoder_rows``)."""
     groups = rows.read_slots.shape[0]
     per_group = input_ids.shape[0] // groups
     step_cfg = replace(cfg, dtype=weights["embed"].dtype)  # the export dtype (--dtype)
@@ -56,13 +60,14 @@ def deepseek_v4_graph_decoder(weights: Mapping[str, torch.Tensor], cfg: Deepseek
             slot, span = slots[group:group + 1], slice(group * per_group, (group + 1) * per_group)
             before = {role: caches[name][index].index_select(0, slot)[0] for role, name in names.items()}
             state = {role: cells.clone() for role, cells in before.items()}
-            outputs.append(attention(weights, step_cfg, layer, x[span], positions[span], state, valid[group]))
+            outputs.append(attention(weights, step_cfg, layer, x[span], positions[span], state, valid[group],
+                                     parallel))
             for role, name in names.items():
                 kept = torch.where(live[group], state[role], before[role])
                 caches[name][index].index_copy_(0, slot, kept.unsqueeze(0))
         return outputs[0] if groups == 1 else torch.cat(outputs)
 
-    return decoder_rows(weights, step_cfg, input_ids, attention_of)
+    return decoder_rows(weights, step_cfg, input_ids, attention_of, parallel)
 
 
 def _load(checkpoint: Checkpoint, cfg: DeepseekV4Config, weight_map, dtype: torch.dtype) -> dict[str, torch.Tensor]:

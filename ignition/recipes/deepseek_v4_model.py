@@ -82,9 +82,13 @@ def layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) 
 
 
 def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, positions: torch.Tensor,
-              state: Mapping[str, torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
+              state: Mapping[str, torch.Tensor], valid: torch.Tensor | None = None, parallel=None) -> torch.Tensor:
     """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` of one slot's consecutive ``positions`` ->
-    ``[R, hidden]``, reading and writing ``state``; ``valid``: the rows that write the rings (None: all)."""
+    ``[R, hidden]``, reading and writing ``state``; ``valid``: the rows that write the rings (None: all).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): ``cfg`` and ``weights`` are one rank's (its query heads,
+    sinks, output groups and index heads); the K=V rows, compressors and state are whole on every rank, and the
+    result is this rank's partial sum of ``wo_b`` (the caller reduces it)."""
     prefix, kind, eps = f"layers.{layer}.", cfg.layer_kinds[layer], cfg.rms_norm_eps
     rows = x.shape[0]
     rope = cfg.main_rope if kind == "shared_window" else cfg.compress_rope
@@ -105,7 +109,7 @@ def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Ten
             compress_step(weights, prefix + "indexer.", x, positions, state["index_source"], state["index_entries"],
                           rate, True, cfg.compress_rope, eps, valid)
             seen = indexer_choice(weights, prefix + "indexer.", cfg, x, q_residual, positions,
-                                  state["index_entries"], seen)
+                                  state["index_entries"], seen, parallel)
         keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
         mask = torch.cat([mask, additive_mask(seen, mask.dtype)], dim=1)
     attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
@@ -145,13 +149,16 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tenso
 
 
 def moe(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' ``DeepseekV4SparseMoeBlock``: routed experts (summed in expert order) plus the shared one."""
+    """transformers' ``DeepseekV4SparseMoeBlock``: routed experts (summed in expert order) plus the shared one.
+
+    On one rank of a sharded core the experts' weights are its slices of their widths (``w1``/``w3`` rows, ``w2``
+    columns): the router, replicated, routes every row as every other rank does, and the result is a partial sum."""
     prefix, experts = f"layers.{layer}.", cfg.moe
-    scores = F.softplus(F.linear(x, weights[prefix + "gate"])).sqrt()  # [R, E]
+    scores = F.softplus(F.linear(x, weights[prefix + "router"])).sqrt()  # [R, E]
     if layer in cfg.hash_layers:
         chosen = weights[prefix + "tid2eid"].index_select(0, token_ids).long()  # [R, k]
     else:
-        chosen = torch.topk(scores + weights[prefix + "gate_bias"], experts.top_k, dim=-1, sorted=False).indices
+        chosen = torch.topk(scores + weights[prefix + "router_bias"], experts.top_k, dim=-1, sorted=False).indices
     routed_weights = scores.gather(1, chosen)
     routed_weights = routed_weights / (routed_weights.sum(dim=-1, keepdim=True) + 1e-20) * experts.routed_scaling_factor
     routed = torch.zeros_like(x)
@@ -187,34 +194,44 @@ def deepseek_v4_streams(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
 
 
 def decoder_rows(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
-                 attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                 attention_of: Callable[[int, torch.Tensor], torch.Tensor], parallel=None) -> torch.Tensor:
     """The decoder around its attention blocks: ``attention_of(layer, normed rows)`` -> ``[R, hidden]``; the
-    final-normed hidden ``[R, hidden]`` (hyper-connections, MoE and the head's stream collapse row by row)."""
-    return collapse_streams(weights, cfg, decoder_streams(weights, cfg, input_ids, attention_of))
+    final-normed hidden ``[R, hidden]`` (hyper-connections, MoE and the head's stream collapse row by row).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards; the embedding is
+    vocabulary-parallel, and each attention and MoE output is a partial sum that ``parallel.reduce`` adds over the
+    ranks before the hyper-connections (replicated) take it."""
+    return collapse_streams(weights, cfg, decoder_streams(weights, cfg, input_ids, attention_of, parallel))
 
 
 def decoder_streams(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
-                    attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    attention_of: Callable[[int, torch.Tensor], torch.Tensor], parallel=None) -> torch.Tensor:
     """``decoder_rows`` before the head: the last layer's streams ``[R, hc_mult, hidden]``."""
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
-    hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
+    if parallel is None:
+        hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
+    else:
+        hidden = parallel.embed(token_ids, weights["embed"])
     streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [R, n, hidden]
     for layer in range(cfg.num_layers):
-        streams = block(weights, cfg, layer, streams, token_ids, attention_of)
+        streams = block(weights, cfg, layer, streams, token_ids, attention_of, parallel)
     return streams
 
 
 def block(weights: Mapping[str, torch.Tensor], cfg, layer: int, streams: torch.Tensor, token_ids: torch.Tensor,
-          attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+          attention_of: Callable[[int, torch.Tensor], torch.Tensor], parallel=None) -> torch.Tensor:
     """transformers' ``DeepseekV4DecoderLayer`` (the reference's ``Block``): streams ``[R, n, hidden]`` in and out,
-    attention and then the MoE, each read through and written back by its hyper-connection."""
+    attention and then the MoE, each read through and written back by its hyper-connection (``parallel``: each
+    output is a rank's partial sum, added over the ranks first)."""
+    reduce = (lambda partial: partial) if parallel is None else parallel.reduce
     prefix = f"layers.{layer}."
     post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
-    out = attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps))
+    out = reduce(attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps)))
     streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
         + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
     post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
-    out = moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps), token_ids)
+    out = reduce(moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps),
+                     token_ids))
     return post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
         + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
 
