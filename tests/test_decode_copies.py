@@ -9,6 +9,10 @@ one gather a layer makes through the block tables, ``[lanes, window, kv_heads, h
 of the grouped heads or a gather of whole slots or of the pool would be larger), the gathers of a step add up
 to at most that window for each layer's K and V, and attention must read the live window, not all
 ``max_seq_len`` positions.
+
+DeepSeek V4's state (rings and entry tables per slot, recipes/deepseek_v4_attention.py) obeys the same rule: a
+decode step of the tiny checkpoint gathers from each buffer only the ring cells its rows read, the slot's entry
+tables and the old values of the cells it writes, never a slot's whole ring.
 """
 
 from __future__ import annotations
@@ -204,6 +208,8 @@ def deepseek_v4_reads(manifest: dict) -> dict[str, tuple[int, int]]:
                   "hca_kv_cache": [model["hca_entries"], 1]}
     allowed = {}
     for name, shape in state.items():
+        if name not in cells_read:  # not a DeepSeek V4 buffer (the sampling state)
+            continue
         row = torch.Size(shape[3:]).numel()  # [layers, slots, cells, ...]
         allowed[name] = (shape[0] * sum(cells_read[name]) * row, max(cells_read[name]) * row)
     return allowed
