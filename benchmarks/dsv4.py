@@ -50,9 +50,10 @@ FLASH = dict(hidden_size=4096, num_attention_heads=64, num_key_value_heads=1, he
              compress_rope_theta=160_000.0, max_position_embeddings=1048576, tie_word_embeddings=False)
 """DeepSeek-V4-Flash's published width (transformers' ``DeepseekV4Config`` defaults)."""
 FLASH_HASH_LAYERS = 3
-FLASH_PATTERN = ("sliding_attention", "sliding_attention") + ("compressed_sparse_attention",
-                                                              "heavily_compressed_attention") * 21
-"""``compress_ratios`` [0, 0, 4, 128, 4, 128, ...] of the 43 layers."""
+FLASH_PATTERN = (("sliding_attention",) * 2 + ("compressed_sparse_attention", "heavily_compressed_attention") * 20
+                 + ("compressed_sparse_attention",))
+"""``compress_ratios`` [0, 0, 4, 128, 4, ..., 128, 4] of the 43 layers (the checkpoint's 44th entry, 0, is its
+multi-token-prediction layer's)."""
 REDUCED = {"vocab_size": 4096, "n_routed_experts": 8}
 """What the benchmark's checkpoint changes from ``FLASH`` (module docstring: why)."""
 TINY = dict(hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8, q_lora_rank=32, o_groups=2,

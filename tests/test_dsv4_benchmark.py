@@ -22,7 +22,7 @@ def test_the_checkpoint_is_flash_width_with_only_the_stated_reductions():
     assert config.layer_types == ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
                                   "heavily_compressed_attention"]  # compress_ratios [0, 0, 4, 128]
     assert config.mlp_layer_types == ["hash_moe", "hash_moe", "hash_moe", "moe"]
-    assert dsv4.reductions(config) == ["vocab_size 129280 -> 4096", "n_routed_experts 256 -> 8"]
+    assert dsv4.reductions(config) == ["n_routed_experts 256 -> 8", "vocab_size 129280 -> 4096"]
     assert len(dsv4.FLASH_PATTERN) == 43
 
 
