@@ -59,11 +59,23 @@ def tiny_config(vocab_size: int, eos_token_id: int, window: int = 8, index_topk:
 def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0, window: int = 8,
                     index_topk: int = 3, index_heads: int = 8, layers: int = 4, mtp_layers: int = 0) -> Path:
     """Write the tiny DeepSeek V4 (config.json, model.safetensors, tokenizer files) into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    hf_logging.disable_progress_bar()
     tokenizer = make_tiny_qwen3.build_tokenizer()
     vocab_size = -(-len(tokenizer) // make_tiny_qwen3.VOCAB_MULTIPLE) * make_tiny_qwen3.VOCAB_MULTIPLE
     config = tiny_config(vocab_size, tokenizer.eos_token_id, window, index_topk, index_heads, layers, mtp_layers)
+    write_checkpoint(config, out, dtype, seed, tokenizer)
+    if mtp_layers:
+        _as_mtp_layers(out, layers, mtp_layers, dtype, torch.Generator().manual_seed(seed + 2))
+    return out
+
+
+def write_checkpoint(config: DeepseekV4Config, out: Path, dtype: torch.dtype = torch.float32, seed: int = 0,
+                     tokenizer=None) -> Path:
+    """A seeded random ``DeepseekV4ForCausalLM`` of ``config`` (O(1) logits, a random token -> experts table on the
+    hash layers, small score corrections on the others) written into ``out`` by ``save_pretrained``, with
+    ``tokenizer`` (default: make_tiny_qwen3.py's) beside it."""
+    out.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
+    tokenizer = tokenizer if tokenizer is not None else make_tiny_qwen3.build_tokenizer()
     torch.manual_seed(seed)
     model = make_tiny_qwen3.seeded(DeepseekV4ForCausalLM(config), seed)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -72,14 +84,12 @@ def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0
             gate = layer.mlp.gate
             if hasattr(gate, "tid2eid"):
                 experts = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)
-                                       [:config.num_experts_per_tok] for _ in range(vocab_size)])
+                                       [:config.num_experts_per_tok] for _ in range(config.vocab_size)])
                 gate.tid2eid.copy_(experts)
             else:
                 gate.e_score_correction_bias.copy_(0.1 * torch.randn(config.n_routed_experts, generator=generator))
     model.to(dtype).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    if mtp_layers:
-        _as_mtp_layers(out, layers, mtp_layers, dtype, generator)
     return out
 
 

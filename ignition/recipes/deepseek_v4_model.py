@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from ignition.catalog.cache_kinds import compressed_entries, kind_index, layer_counts, source_cells, window_cells
 from ignition.catalog.geometry import (CSA_INDEX_CACHE, CSA_INDEX_SOURCE, CSA_KV_CACHE, CSA_SOURCE, CSA_WINDOW_CACHE,
                                        HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, SWA_KV_CACHE, state_shape)
-from ignition.recipes.deepseek_v4_attention import (additive_mask, apply_rope, attend, compress_step, entries_seen, indexer_choice,
-                                                    rms_norm, rope_cos_sin, window_keys)
+from ignition.recipes.deepseek_v4_attention import (SlotCells, additive_mask, apply_rope, attend, compress_step,
+                                                    entries_seen, indexer_choice, rms_norm, rope_cos_sin, window_keys)
 
 STATE_BUFFERS: dict[str, dict[str, str]] = {
     "shared_window": {"window": SWA_KV_CACHE},
@@ -76,15 +76,17 @@ def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, s
                                  f"{start}; found {list(cache.shape)} {cache.dtype}")
 
 
-def layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
+def layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: torch.Tensor | int) -> dict[str, SlotCells]:
+    """Layer ``layer``'s state buffers of slot ``slot`` by role, read and written in place cell by cell."""
     index = kind_index(cfg.layer_kinds, layer)
-    return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
+    return {role: SlotCells(caches[name][index], slot) for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
 
 
 def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, positions: torch.Tensor,
-              state: Mapping[str, torch.Tensor], valid: torch.Tensor | None = None, parallel=None) -> torch.Tensor:
+              state: Mapping[str, SlotCells], valid: torch.Tensor | None = None, parallel=None) -> torch.Tensor:
     """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` of one slot's consecutive ``positions`` ->
-    ``[R, hidden]``, reading and writing ``state``; ``valid``: the rows that write the rings (None: all).
+    ``[R, hidden]``, reading and writing ``state`` (``layer_state``); ``valid``: the rows that write the rings
+    (None: all; no valid row: the step writes nothing).
 
     ``parallel`` (a ``recipes.sharding.TensorParallel``): ``cfg`` and ``weights`` are one rank's (its query heads,
     sinks, output groups and index heads); the K=V rows, compressors and state are whole on every rank, and the
@@ -104,13 +106,13 @@ def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Ten
         rate = cfg.csa_rate if csa else cfg.hca_rate
         compress_step(weights, prefix + "compressor.", x, positions, state["source"], state["entries"], rate, csa,
                       cfg.compress_rope, eps, valid)
-        seen = entries_seen(positions, state["entries"].shape[0], rate)  # [R, extent]
+        seen = entries_seen(positions, state["entries"].cells, rate)  # [R, extent]
         if csa:
             compress_step(weights, prefix + "indexer.", x, positions, state["index_source"], state["index_entries"],
                           rate, True, cfg.compress_rope, eps, valid)
             seen = indexer_choice(weights, prefix + "indexer.", cfg, x, q_residual, positions,
-                                  state["index_entries"], seen, parallel)
-        keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
+                                  state["index_entries"].whole(), seen, parallel)
+        keys = torch.cat([keys, state["entries"].whole().to(keys.dtype)], dim=0)
         mask = torch.cat([mask, additive_mask(seen, mask.dtype)], dim=1)
     attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
     attended = apply_rope(attended, cos, -sin)  # V = K carries the keys' rotation: undo it at the query position
