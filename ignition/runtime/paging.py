@@ -3,9 +3,9 @@
 A core's paged caches (catalog/geometry.py ``PAGED_STATE``, layouts with a ``kv_blocks`` extent) hold a context's
 keys by block, so a request whose context starts with cached blocks can start its prefill after them. Everything
 else a core keeps per slot must then be rebuilt for the skipped positions too: ``penalty_counts`` is (its prompt
-plane counts the skipped tokens, ``seed_penalty_counts``); sliding-window rings, linear-attention states and
-DeepSeek V4's compressed state are not, so prefix reuse is refused for such a core, with one log line at load
-(its requests still page their blocks). A tensor-parallel core's ranks hold their own ``penalty_counts`` shards,
+plane counts the skipped tokens, ``seed_penalty_counts``); linear-attention states and DeepSeek V4's compressed
+state are not, so prefix reuse is refused for such a core, with one log line at load (its requests still page their
+blocks). Sliding-window layers page their own group of blocks (``KVGroups``), whose hits need the window's blocks. A tensor-parallel core's ranks hold their own ``penalty_counts`` shards,
 which only broadcast submissions change, so it is refused too.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from ignition.catalog.geometry import PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE
 from ignition.runtime.block_manager import BlockManager
+from ignition.runtime.kv_groups import KVGroups
 
 log = logging.getLogger("ignition.runtime")
 
@@ -37,16 +38,22 @@ def prefix_reuse_refusal(core) -> str | None:
     return None
 
 
-def block_manager_for(core, prefix_caching: bool) -> BlockManager | None:
-    """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then)."""
+def block_manager_for(core, prefix_caching: bool) -> BlockManager | KVGroups | None:
+    """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then); with sliding
+    pools, one a KV-cache group (``KVGroups``)."""
     pool = core.kv_pool
     if pool is None or not pool.paged:
         return None
     refusal = prefix_reuse_refusal(core) if prefix_caching else None
     if refusal is not None:
         log.info("prefix caching is off for %s: %s", core.path.name, refusal)
-    return BlockManager(pool.num_blocks, pool.block_size, prefix_caching=prefix_caching and refusal is None,
-                        host_blocks=pool.host_blocks, pool=pool)
+    caching = prefix_caching and refusal is None
+    full = BlockManager(pool.num_blocks, pool.block_size, prefix_caching=caching, host_blocks=pool.host_blocks,
+                        pool=pool)
+    if pool.window is None:
+        return full
+    window = BlockManager(pool.window.num_blocks, pool.block_size, prefix_caching=caching, pool=pool.window)
+    return KVGroups(full, window, core.spec.model.sliding_window, pool.window.max_blocks)
 
 
 def kv_budget(fraction: float, total: int, free: int, weights_bytes: int) -> int:
