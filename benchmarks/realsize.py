@@ -43,9 +43,9 @@ profiling (``alternating_costs``, ``step_profile``, ``hf_step_profile``) live in
 (``benchmarks/realsize_families.py`` holds the shapes; ``qwen3``, the default, is the one above) and exports it with
 that recipe; the memory rows then give each cache kind's state (``inspect-core --memory``), and with the second,
 one-slot core (max_seq_len 2,112; exported unless ``--skip-long``, also with ``--skip-prefill``), each kind's bytes
-per slot and layer at both lengths: a sliding layer's ring holds its window plus a step's rows - 1 (at most
-max_seq_len, so a family with sliding layers exports its decode core at ``decode_max_seq_len``, past the ring: 768
-for Gemma-3-1B's window of 512), a full layer's every position. ``--vocab N`` replaces the vocabulary size (quick
+per slot and layer at both lengths: a sliding layer's pools hold the blocks of its window plus a step's rows - 1
+(at most max_seq_len, so a family with sliding layers exports its decode core at ``decode_max_seq_len``, past that:
+768 for Gemma-3-1B's window of 512), a full layer's every position. ``--vocab N`` replaces the vocabulary size (quick
 runs).
 """
 
@@ -90,9 +90,9 @@ CHUNK_LIMIT = next(f.default for f in dataclasses.fields(ExportOptions) if f.nam
 
 
 def decode_max_seq_len(family: Family) -> int:
-    """The decode core's max_seq_len: ``MAX_SEQ_LEN``, or more where a sliding layer's ring (its window plus a
-    step's rows - 1) would otherwise be capped at max_seq_len, so the memory rows compare two lengths at which the
-    ring is the same."""
+    """The decode core's max_seq_len: ``MAX_SEQ_LEN``, or more where a sliding layer's window (its window plus a
+    step's rows - 1 positions) would otherwise be capped at max_seq_len, so the memory rows compare two lengths at
+    which the window is the same."""
     window = family.shape.get("sliding_window")
     return MAX_SEQ_LEN if window is None else max(MAX_SEQ_LEN, window + CHUNK_LIMIT)
 

@@ -112,8 +112,8 @@ def memory_rows(manifest: dict, longer: dict | None = None) -> list[tuple[str, s
     for kind, entry in kinds.items():
         kept = entry["positions_per_slot"]
         note = {"full": f"{kept} positions per slot (max_seq_len {model.get('max_seq_len')})",
-                "sliding": f"{kept} positions per slot (a ring of window {model.get('sliding_window')} + a step's "
-                           f"rows - 1, at most max_seq_len {model.get('max_seq_len')})"}.get(
+                "sliding": f"{kept} positions per slot (the blocks of window {model.get('sliding_window')} + a "
+                           f"step's rows - 1 positions, at most max_seq_len {model.get('max_seq_len')})"}.get(
             kind, "a fixed state per slot, no positions")
         rows.append((f"state, {kind} layers ({entry['layers']}, {model.get('num_slots')} slots)",
                      _mib(entry["state_bytes"]), "", note))

@@ -2,7 +2,8 @@
 
 One tiny random checkpoint (examples/make_tiny_gemma3.py: window 8, layers sliding/full/sliding) is exported once
 with chunks of 8 rows (every prompt here crosses window and chunk boundaries), prompt scoring, a verify family
-and mixed graphs; its sliding layers keep a ring of 8 + 8 - 1 = 15 cells a slot.
+and mixed graphs; its sliding layers page their own pools: a step reads 8 + 8 - 1 = 15 positions, two blocks of 16,
+and the blocks a request's window has left go back to the pool.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ import torch
 from transformers import Gemma3ForCausalLM
 
 from conftest import CoreCopy
-from ignition.catalog.cache_kinds import CACHE_KINDS, kind_index, window_cells
+from ignition.catalog.cache_kinds import CACHE_KINDS, kind_index
+from ignition.catalog.geometry import NULL_BLOCK
 from ignition.catalog.inspect import kind_memory
 from ignition.catalog.rules import RULES
 from ignition.exporter.export import export_core
-from ignition.recipes.attention import sliding_mask
 from ignition.recipes.base import ExportOptions
 from ignition.recipes.checkpoint import CheckpointError, read_config
 from ignition.recipes.gemma3 import Gemma3Config
 from ignition.runtime.core import load_core
 from ignition.runtime.drafters import NgramDrafter
+from ignition.runtime.options import LoadOptions
 from ignition.runtime.requests import Request
 from ignition.runtime.engine import Engine
 from ignition.validate.core import validate_core
@@ -133,7 +135,7 @@ def summary(results):
 
 def test_mixed_serial_batch_invariant_and_speculative_rounds_agree(gemma):
     """Mixed rounds (a prompt chunk beside a decode lane), serial chunks, batch-invariant decode and speculative
-    verify rounds (rejected rows written into the ring, then rolled back) all give transformers' tokens."""
+    verify rounds (rejected rows written, rewritten by the next round) all give transformers' tokens."""
     hf, _, core, _ = gemma
     requests = [Request(p, max_tokens=16, logprobs=3, ignore_eos=True) for p in (PROMPTS[1], PROMPTS[0])]
     serial = Engine(core, mixed=False, packed=False).generate(requests)
@@ -156,7 +158,7 @@ def test_mixed_serial_batch_invariant_and_speculative_rounds_agree(gemma):
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.entries, b.entries)) < TOL
 
 
-def test_manifest_declares_each_layers_kind_and_the_ring(gemma):
+def test_manifest_declares_each_layers_kind_and_the_sliding_pools(gemma):
     _, root, _, _ = gemma
     report = validate_core(root, check_graphs=False)  # the export checked every graph
     assert report.violations == []
@@ -164,16 +166,20 @@ def test_manifest_declares_each_layers_kind_and_the_ring(gemma):
     assert model["layer_kinds"] == ["sliding", "full", "sliding"]
     assert (model["sliding_window"], model["window_cells"]) == (WINDOW, WINDOW + CHUNK - 1)
     state = {s["name"]: s["shape"] for s in report.manifest["state"]}
-    assert state["k_window_cache"] == state["v_window_cache"] == [2, 2, WINDOW + CHUNK - 1, 2, 16]
+    # every slot's window (15 positions from anywhere in a block: 2 blocks) and the null block, whatever max_seq_len
+    assert model["window_kv_blocks"] == 2 * 2 + 1
+    assert state["k_window_cache"] == state["v_window_cache"] == [2, 5, 16, 2, 16]
     assert state["k_cache"] == state["v_cache"] == [1, 2 * MAX_SEQ // 16, 16, 2, 16]  # pools of 16-position blocks
     memory = kind_memory(report.manifest)
-    assert memory["sliding"] == {"layers": 2, "state_bytes": 2 * 2 * 2 * 15 * 2 * 16 * 4, "positions_per_slot": 15,
+    assert memory["sliding"] == {"layers": 2, "state_bytes": 2 * 2 * 5 * 16 * 2 * 16 * 4, "positions_per_slot": 32,
                                  "buffers": ["k_window_cache", "v_window_cache"]}
     assert memory["full"]["positions_per_slot"] == MAX_SEQ and memory["full"]["layers"] == 1
 
 
 @pytest.mark.parametrize("edit, rules", [
-    (lambda m: m["model"].update(window_cells=16), {"GEOM-WINDOW"}),  # also the rings' position extent
+    (lambda m: m["model"].update(window_cells=16), {"GEOM-WINDOW"}),
+    (lambda m: m["model"].update(window_kv_blocks=9), {"GEOM-WINDOW-BLOCKS"}),  # also the sliding pools' extent
+    (lambda m: m["model"].pop("window_kv_blocks"), {"GEOM-WINDOW-BLOCKS"}),
     (lambda m: m["model"].update(sliding_window=4), {"GEOM-WINDOW"}),
     (lambda m: m["model"]["layer_kinds"].__setitem__(1, "compressed"), {"GEOM-KIND-BUFFERS"}),  # no CSA buffers
     (lambda m: m["model"]["layer_kinds"].__setitem__(1, "sliding"), {"GEOM-KIND-BUFFERS"}),  # k_cache has no layers
@@ -188,21 +194,18 @@ def test_cache_kind_edits_are_caught(gemma, tmp_path, edit, rules):
     assert found == rules and rules <= set(RULES)
 
 
-def test_the_ring_holds_every_position_a_row_reads():
-    """Simulate chunked writes (and a verify round's rejected rows) into a ring sized by ``window_cells``: every
-    row's visible cells (``sliding_mask``) hold exactly the positions (p - W, p]."""
-    for window, rows_per_step in ((3, 1), (4, 5), (8, 8), (5, 2)):
-        cells = window_cells(window, rows_per_step, 1000)
-        ring = torch.full((cells,), -1)
-        start = 0
-        while start < 40:
-            step = torch.arange(start, start + rows_per_step)
-            ring[step % cells] = step  # every row writes before any reads
-            hidden = sliding_mask(torch.arange(cells), step.view(1, -1), window, 1, torch.bool)[0, 0]  # [R, cells]
-            for row, position in enumerate(step.tolist()):
-                seen = sorted(ring[~hidden[row]].tolist())
-                assert seen == list(range(max(0, position - window + 1), position + 1)), (window, position)
-            start += 1 if rows_per_step > 1 and start % 3 == 0 else rows_per_step  # a rollback: accept one row
+def test_window_block_tables_are_declared_by_every_variant(gemma, tmp_path):
+    _, root, _, _ = gemma
+    shutil.copytree(root, tmp_path / "core")
+    copy = CoreCopy(tmp_path / "core")
+
+    def drop(catalog):
+        variant = catalog["variants"][-1]
+        variant["arguments"] = [a for a in variant["arguments"] if a["name"] != "window_block_tables"]
+        variant["contract"]["bindings"].pop("window_block_tables")
+    copy.edit("catalog.json", drop)
+    found = {v.rule for v in validate_core(copy.root, check_graphs=False).violations}
+    assert found == {"GEOM-WINDOW-TABLES"}
 
 
 def test_kind_table_and_config_refusals(gemma):
@@ -258,7 +261,7 @@ def test_tensor_parallel_two_ranks_match_one(gemma, tmp_path):
     export_core(ExportOptions(recipe="gemma3", checkpoint=checkpoint, capacities=(1,), chunk_limit=CHUNK,
                               max_seq_len=32, tensor_parallel=2), tmp_path / "tp2")
     state = {s["name"]: s["shape"] for s in json.loads((tmp_path / "tp2" / "manifest.json").read_text())["state"]}
-    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 2, 16, 1, 16]  # a rank's pool: its KV head
+    assert state["k_window_cache"] == [2, 3, 16, 1, 16] and state["k_cache"] == [1, 2, 16, 1, 16]  # a rank's pools: its KV head
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("_tp_runner.py")), str(tmp_path / "tp2"), "2"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -272,10 +275,10 @@ def test_tensor_parallel_two_ranks_match_one(gemma, tmp_path):
 
 
 @pytest.mark.parametrize("lanes", [2, 1])
-def test_a_decode_step_copies_no_ring(gemma, lanes):
-    """A decode step reads the sliding layers' rings in place (two lanes over both slots) or copies one slot's
-    ring (one lane), never more; its sliding layers attend over the ring's cells, its full layer over the live
-    key window (tests/test_decode_copies.py's watch)."""
+def test_a_decode_step_copies_no_pool(gemma, lanes):
+    """A decode step gathers each lane's window blocks from the sliding layers' pools (two blocks of 16: the 15
+    positions a step reads from anywhere in a block) and its full layer's live key window, never a pool
+    (tests/test_decode_copies.py's watch)."""
     from test_decode_copies import CacheCopies
 
     from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
@@ -286,10 +289,83 @@ def test_a_decode_step_copies_no_ring(gemma, lanes):
         engine.submit(Request(PROMPTS[0][:12 + lane], max_tokens=8, ignore_eos=True))
     while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
         engine.step()  # every prompt prefilled: the next step is one decode round of every lane
-    rings = [core.state[name] for name in ("k_window_cache", "v_window_cache")]
-    watch = CacheCopies({t.untyped_storage().data_ptr() for t in rings}, rings[0][0, 0].nbytes)  # a layer's slot
+    pools = [core.state[name] for name in ("k_window_cache", "v_window_cache", "k_cache", "v_cache")]
+    window = lanes * 2 * 16 * pools[0][0, 0, 0].nbytes  # a layer's gather: the lanes' two blocks
+    watch = CacheCopies({t.untyped_storage().data_ptr() for t in pools}, window)
     with watch:
         engine.step()
     assert watch.copies == [], watch.copies[:5]
-    cells, window = WINDOW + CHUNK - 1, WINDOWS[KEY_WINDOW].granule
-    assert sorted(keys[2] for keys in watch.attention_keys) == [cells, cells, window]  # sliding, sliding, full
+    granule = WINDOWS[KEY_WINDOW].granule
+    assert sorted(keys[2] for keys in watch.attention_keys) == sorted([32, 32, granule])  # sliding, sliding, full
+
+
+def test_a_long_requests_sliding_blocks_stay_bounded_while_its_full_blocks_grow(gemma):
+    """Prompt past the window, decode past it: after every step the request holds at most ceil((W + chunk) / bs)
+    + 1 live sliding blocks (the rest of its window table the null block), while its full table covers the whole
+    context; the tokens stay transformers'."""
+    hf, _, core, _ = gemma
+    engine = Engine(core, prefix_caching=False)
+    prompt = PROMPTS[2] + PROMPTS[0][:11]  # 40 tokens
+    engine.submit(Request(prompt, max_tokens=20, ignore_eos=True))
+    live, full = [], []
+    for _ in range(100):  # every step a round: its chunk or its decode
+        engine.step()
+        if not engine.running:
+            break
+        (state,) = engine.running
+        table = list(state.window_table)
+        live.append(sum(block != NULL_BLOCK for block in table))
+        full.append(len(state.block_table))
+    assert table[:2] == [NULL_BLOCK] * 2  # the blocks the window left (positions 0-31) were released
+    assert max(live) <= -(-(WINDOW + CHUNK) // 16) + 1 and max(full) == -(-(40 + 19) // 16) == 4
+    tokens, _ = hf_incremental(hf, prompt, 20)
+    (state,) = engine.scheduler.finished.values()
+    assert state.generated == tokens
+    assert engine.scheduler.blocks.window.num_free == engine.scheduler.blocks.window.num_blocks
+
+
+def test_prefix_reuse_resumes_the_windows_blocks(gemma):
+    """A shared prefix longer than the window is resumed (its full blocks, and the sliding blocks of the window
+    before the hit) with the tokens and logprobs of a cold prefill."""
+    _, _, core, _ = gemma
+    shared = PROMPTS[0] + PROMPTS[2][:16]  # 37 tokens: two full blocks of 16
+    requests = [Request(shared + tail, max_tokens=6, logprobs=2, ignore_eos=True) for tail in ([], [9, 10, 11])]
+    cold = [Engine(core, prefix_caching=False).generate([r])[0] for r in requests]
+    engine = Engine(core)
+    warm = [engine.generate([r])[0] for r in requests]
+    assert engine.kv_cache_stats()["prefix_cache_hits"] == 2 * 16
+    assert engine.stats["prompt_tokens_prefilled"] == 37 + (40 - 32)
+    for got, want in zip(warm, cold, strict=True):
+        assert got.token_ids == want.token_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.entries, want.entries)) < TOL
+
+
+def test_preemption_and_readmission_with_a_small_pool(gemma):
+    """A budget of the sliding pools and four full blocks (one max_seq_len sequence): requests are preempted and
+    readmitted, and every one gets the tokens of the unbudgeted core."""
+    _, root, core, _ = gemma
+    sliding = core.kv_pool.window.num_blocks * core.kv_pool.window.bytes_per_block
+    small = load_core(root, LoadOptions.create("cpu", kv_cache_memory=sliding + 5 * core.kv_pool.bytes_per_block))
+    assert small.kv_pool.num_blocks == 5 and small.kv_pool.window.num_blocks == 5
+    requests = [Request(PROMPTS[0][:14 + 3 * i] + [i + 1], max_tokens=20, logprobs=1, ignore_eos=True)
+                for i in range(2)]  # 3 blocks each at their longest
+    expected = Engine(core).generate(requests)
+    engine = Engine(small)
+    results = engine.generate(requests)
+    assert engine.stats["preemptions"] > 0
+    for got, want in zip(results, expected, strict=True):
+        assert got.error is None and got.token_ids == want.token_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(got.entries, want.entries)) < TOL
+
+
+def test_a_sliding_core_drafts_for_itself(gemma):
+    """A draft core's lanes hold no block tables: the sliding pools give each slot a ring of its window's blocks
+    (``KVPool.slot_layout``), and the core drafting for itself proposes transformers' tokens, all accepted."""
+    from ignition.runtime.drafters import DraftCoreDrafter
+
+    hf, _, core, _ = gemma
+    engine = Engine(core, drafter=DraftCoreDrafter(core.replica(), core), draft_tokens=3, mixed=False)
+    (result,) = engine.generate([Request(PROMPTS[0], max_tokens=16, logprobs=1, ignore_eos=True)])
+    tokens, _ = hf_incremental(hf, PROMPTS[0], 16)
+    assert result.token_ids == tokens
+    assert engine.stats["proposed"] == engine.stats["accepted"] > 0

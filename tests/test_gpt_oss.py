@@ -96,7 +96,7 @@ def test_the_sinks_and_the_window_change_transformers_logits(gpt_oss):
 
 
 def test_speculative_rounds_give_transformers_tokens(gpt_oss):
-    """Verify rounds write rejected rows into the ring and roll back; tokens and logprobs stay transformers'."""
+    """Verify rounds write rejected rows, which the next round rewrites; tokens and logprobs stay transformers'."""
     hf, _, core, _ = gpt_oss
     engine = Engine(core, drafter=NgramDrafter(), draft_tokens=3)
     results = engine.generate([Request(p, max_tokens=12, logprobs=3, ignore_eos=True) for p in PROMPTS[1:]])
@@ -180,7 +180,7 @@ def test_tensor_parallel_two_ranks_match_one(gpt_oss, tmp_path):
                               max_seq_len=32, tensor_parallel=2), tmp_path / "tp2")
     manifest = json.loads((tmp_path / "tp2" / "manifest.json").read_text())
     state = {s["name"]: s["shape"] for s in manifest["state"]}
-    assert state["k_window_cache"] == [2, 1, WINDOW + CHUNK - 1, 1, 16] and state["k_cache"] == [1, 2, 16, 1, 16]  # a rank's pool: its KV head
+    assert state["k_window_cache"] == [2, 3, 16, 1, 16] and state["k_cache"] == [1, 2, 16, 1, 16]  # a rank's pools: its KV head
     shards = manifest["tensor_parallel"]["shards"]
     assert (shards["layers.0.sinks"]["shard"], shards["layers.0.experts.gate_up"]["shard"]) == ([2], [4, 64, 64])
     assert (shards["layers.0.experts.down"]["shard"], shards["layers.0.router"]["kind"]) == ([4, 32, 64],

@@ -92,6 +92,7 @@ def test_the_options_table_holds_the_cli_defaults():
 
 class Pool:
     num_blocks, block_size, host_blocks, paged = 9, 4, 0, True
+    window = None  # no sliding layers: one KV-cache group
 
 
 def fake_core(state_names, group=None, pool=Pool()):

@@ -145,7 +145,7 @@ TINY = {"gemma3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, nu
                         num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2,
                         linear_key_head_dim=16, linear_value_head_dim=16, initializer_range=0.1,
                         layer_types=["linear_attention", "full_attention"])}
-TINY_EXPORT = ["--chunk-limit", "16", "--no-packed-prefill"]  # step rows of 16: a ring of 8 + 16 - 1 cells
+TINY_EXPORT = ["--chunk-limit", "16", "--no-packed-prefill"]  # step rows of 16: a window of 8 + 16 - 1 positions
 
 
 @pytest.fixture(scope="module")
@@ -219,15 +219,16 @@ def test_memory_rows_show_sliding_layers_grow_with_the_window(family_cores):
     manifest = json.loads((path / "manifest.json").read_text())
     longer = json.loads((path.with_name("core-long") / "manifest.json").read_text())
     rows = {label: (value, note) for label, value, _, note in memory_rows(manifest, longer)}
+    # the sliding pools: 23 positions from anywhere in a block of 16 take 3 blocks a slot, and the null block
     assert rows["state, sliding layers (1, 2 slots)"][1] == (
-        "23 positions per slot (a ring of window 8 + a step's rows - 1, at most max_seq_len 64)")
+        "48 positions per slot (the blocks of window 8 + a step's rows - 1 positions, at most max_seq_len 64)")
     assert rows["state, full layers (1, 2 slots)"][1] == "64 positions per slot (max_seq_len 64)"
-    # per slot and layer: K and V of 1 head x 16 FP32 values a position
+    # per slot and layer: K and V of 1 head x 16 FP32 values a position; the null block shared by 2 slots, or by 1
     assert rows["state per slot and sliding layer: max_seq_len 64 -> 128"] == (
-        "2.9 KiB -> 2.9 KiB", "1.00x; 23 positions -> 23 positions")
+        "7.0 KiB -> 8.0 KiB", "1.14x; 48 positions -> 48 positions")
     assert rows["state per slot and full layer: max_seq_len 64 -> 128"] == (
         "8.0 KiB -> 16.0 KiB", "2.00x; 64 positions -> 128 positions")
-    assert rows["state, sliding layers (1, 2 slots)"][0] == "5.8 KiB"  # 2 slots x 23 cells x K and V x 16 x 4 B
+    assert rows["state, sliding layers (1, 2 slots)"][0] == "14.0 KiB"  # (2 x 3 + 1) blocks x 16 x K and V x 16 x 4 B
 
 
 def test_memory_rows_give_a_linear_layer_its_fixed_state(family_cores):
@@ -270,9 +271,9 @@ def test_a_family_has_prefill_rows(family_cores, name, monkeypatch):
     assert all(row[1].endswith(" tok/s") for row in rows)
 
 
-def test_a_sliding_family_decodes_past_its_ring():
-    """The decode core's max_seq_len leaves a sliding ring uncapped (window + step rows - 1 < max_seq_len), so the
-    memory rows' two lengths hold the same ring: Gemma-3-1B's 512 + 256 - 1 = 767 cells under 768."""
+def test_a_sliding_family_decodes_past_its_window():
+    """The decode core's max_seq_len leaves a sliding window uncapped (window + step rows - 1 < max_seq_len), so the
+    memory rows' two lengths hold the same window: Gemma-3-1B's 512 + 256 - 1 = 767 positions under 768."""
     from benchmarks.realsize_families import FAMILIES
     from ignition.catalog.cache_kinds import window_cells
 

@@ -183,9 +183,20 @@ PAGED_INPUTS = (
 """The input of every variant of a core with paged caches (``catalog.geometry.PAGED_STATE``): each slot's block table
 (``max_blocks = ceil(max_seq_len / block_size)``)."""
 
+WINDOW_PAGED_INPUTS = (
+    BufferSpec("window_block_tables", "int32", ("num_slots", "max_blocks"), Role.INPUT,
+               ValueSource.WINDOW_BLOCK_TABLES,
+               "Row s: the sliding layers' pool blocks of slot s's positions [i * block_size, (i + 1) * block_size), "
+               "in order; entries of blocks outside every row's window, and past the slot's live blocks, are the "
+               "null block (unread)"),
+)
+"""The second table of every variant of a core with sliding-window pools (``catalog.geometry.WINDOW_PAGED_STATE``):
+each slot's blocks in the sliding layers' own pool, a KV-cache group of its own (its block count is
+``model.window_kv_blocks``)."""
+
 BUFFERS = {spec.name: spec for spec in COMPLETION_BUFFERS + PROMPT_BUFFERS + LANE_INPUTS + CHUNK_INPUTS
            + SAMPLING_INPUTS + SPECULATIVE_INPUTS + MIXED_BUFFERS + CONSTRAINT_INPUTS + WINDOW_INPUTS + PACKED_INPUTS
-           + PAGED_INPUTS}
+           + PAGED_INPUTS + WINDOW_PAGED_INPUTS}
 RECORDS, LOGPROBS, REQUESTED, TOKEN_IDS, TOKEN_ID_COUNTS = (spec.name for spec in COMPLETION_BUFFERS)
 PROMPT_LOGPROBS, PROMPT_TARGETS = (spec.name for spec in PROMPT_BUFFERS)
 (DRAFT_TOKENS,) = (spec.name for spec in SPECULATIVE_INPUTS)
@@ -199,6 +210,7 @@ TOKEN_BITMASK, BIAS_IDS, BIAS_VALUES = (spec.name for spec in CONSTRAINT_INPUTS)
 CHUNK_TOKENS = CHUNK_INPUTS[0].name
 PACKED_TOKENS, SEGMENT_STARTS, SEGMENT_LENGTHS, SEGMENT_EMITS, SEGMENT_WINDOW = (spec.name for spec in PACKED_INPUTS)
 (BLOCK_TABLES,) = (spec.name for spec in PAGED_INPUTS)
+(WINDOW_BLOCK_TABLES,) = (spec.name for spec in WINDOW_PAGED_INPUTS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,20 +10,21 @@ validate-core resolves them, the GEOM rules); this table says which buffers belo
   ...]`` addressed through ``block_tables`` (catalog/geometry.py ``PAGED_STATE``), MLA's latent and rope key per slot
   ``[layers, num_slots, max_seq_len, ...]``.
 - ``sliding``: a window of ``W = model.sliding_window`` positions (a recipe with attention sinks adds them as
-  weights; they change no buffer). The cache is a ring of ``model.window_cells`` cells a slot:
-  position ``p`` lives in cell ``p mod window_cells``. A step writes all its rows before any row attends, so
-  a step of ``R`` rows (a prompt chunk, or a verify round's ``S + 1`` rows) starting at position ``s`` must not
-  overwrite a position its first row still reads, ``s - W + 1``: the ring holds ``W + R - 1`` cells
-  (``window_cells``), or ``max_seq_len`` when that is fewer (then nothing wraps). A rejected verify row's cell
-  holds a position at most ``p + S``, which displaced ``p + S - window_cells <= p - W``: out of every later
-  row's window, so rolling back needs no copy. A row at ``p`` reads cell ``c`` where ``d = (p - c) mod
-  window_cells`` is below ``W`` and at most ``p`` (the cell then holds position ``p - d``, written by this step
-  or an earlier one; ``recipes/attention.py`` ``sliding_mask``).
+  weights; they change no buffer). K and V are pools of blocks of their own ``[layers, window_kv_blocks,
+  block_size, ...]`` (catalog/geometry.py ``WINDOW_PAGED_STATE``), a KV-cache group addressed through
+  ``window_block_tables`` as vLLM's hybrid allocator gives each attention kind its own block table. A step writes
+  all its rows before any row attends; a group of ``R`` rows (a prompt chunk, or a verify round's ``S + 1`` rows)
+  whose first row is at ``s`` reads the positions ``[s - W + 1, s + R)``, at most ``window_cells = W + R - 1``
+  (or ``max_seq_len`` when that is fewer), from the block holding ``s - W + 1`` on (``recipes/window_pages.py``).
+  A block wholly below ``s - W + 1`` is read by no later row: every later step starts at or after ``s`` (a
+  rejected verify row's position is rewritten by a later step, never read below its window), so the runtime may
+  release it and name the null block in its place.
 - ``linear``: linear attention with a recurrent state (Qwen3.5 Gated DeltaNet): no KV cache; per slot a
   causal-convolution state of the last ``conv_kernel - 1`` inputs and a ``[heads, key_dim, value_dim]``
   recurrent state. Declared here; built by the recipe that needs it.
 - DeepSeek V4's three kinds share one design (``recipes/deepseek_v4_attention.py``): every attention block keeps a
-  ring of one K=V head over ``window_cells`` cells like ``sliding`` (its window ``W = model.sliding_window``), and
+  ring of one K=V head over ``window_cells`` cells, position ``p`` in cell ``p mod window_cells`` (its window ``W =
+  model.sliding_window``; a step's rows never overwrite a position its first row still reads), and
   a compressed layer adds a table of compressed entries and its compressor's source ring. Entry ``w`` compresses
   the positions ``[w m, (w + 1) m)`` and is written by the step holding position ``(w + 1) m - 1``; the table has
   ``max_seq_len // m + 1`` entries (the last one takes the stand-in writes of windows a step cannot close). The
@@ -54,7 +55,7 @@ class CacheKind(IntEnum):
     """What a layer keeps between steps (codes fixed once; ``CACHE_KINDS`` holds each one's buffers)."""
 
     FULL = 1  # every position: pools [layers, kv_blocks, block_size, ...] (MLA: [layers, num_slots, max_seq_len, ...])
-    SLIDING = 2  # a ring of window_cells positions (window W, optional sinks)
+    SLIDING = 2  # pools [layers, window_kv_blocks, block_size, ...] through window_block_tables (window W, sinks)
     LINEAR = 3  # a convolution state and a recurrent state per slot, no KV
     COMPRESSED = 4  # DeepSeek V4 CSA: a K=V window ring, compressed entries, the indexer's entries
     HEAVILY_COMPRESSED = 5  # DeepSeek V4 HCA: a K=V window ring and compressed entries
@@ -88,7 +89,8 @@ CACHE_KINDS: dict[str, CacheKindSpec] = {spec.name: spec for spec in (
                           "MLA per slot [layers, num_slots, max_seq_len, ...]"),
     CacheKindSpec("sliding", CacheKind.SLIDING, (K_WINDOW_CACHE, V_WINDOW_CACHE),
                   ("sliding_window", "window_cells"),
-                  summary="a ring of window_cells positions: [layers, num_slots, window_cells, kv_heads, head_dim]"),
+                  summary="K/V pools [layers, window_kv_blocks, block_size, kv_heads, head_dim] through "
+                          "window_block_tables; a step reads window_cells positions"),
     CacheKindSpec("linear", CacheKind.LINEAR, (CONV_STATE, RECURRENT_STATE),
                   ("linear_conv_dim", "linear_conv_kernel", "linear_heads", "linear_key_dim", "linear_value_dim"),
                   summary="conv [layers, num_slots, conv_dim, conv_kernel - 1] and recurrent "
@@ -114,8 +116,8 @@ KIND_OF_BUFFER: dict[str, str] = {buffer: spec.name for spec in CACHE_KINDS.valu
 
 
 def window_cells(window: int, step_rows: int, max_seq_len: int) -> int:
-    """Cells of a sliding layer's ring: ``W + R - 1`` for a window of ``W`` positions and steps of at most ``R``
-    rows (the widest prompt chunk or verify round), or ``max_seq_len`` when that is fewer (nothing wraps)."""
+    """Positions a sliding step reads (a DeepSeek V4 ring's cells): ``W + R - 1`` for a window of ``W`` positions and
+    steps of at most ``R`` rows (the widest prompt chunk or verify round), or ``max_seq_len`` when that is fewer."""
     for name, value in (("window", window), ("step_rows", step_rows), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"window_cells: {name} must be a positive int; found {value!r}")

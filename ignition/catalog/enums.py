@@ -64,6 +64,7 @@ class ValueSource(IntEnum):
     LOGIT_BIAS_IDS = 41  # int64[capacity, 300]: biased token ids, -1 for an empty entry
     LOGIT_BIAS_VALUES = 42  # float32[capacity, 300]: the bias added to each id's sampling logit
     BLOCK_TABLES = 43  # int32[num_slots, max_blocks]: row s lists slot s's pool blocks in position order, 0 past them
+    WINDOW_BLOCK_TABLES = 44  # int32[num_slots, max_blocks]: the sliding layers' pool blocks, 0 outside the window
 
 
 class Role(IntEnum):

@@ -22,7 +22,7 @@ PENALTY_PLANES = 2
 """penalty_counts planes: prompt-token counts (``PROMPT_PLANE``), emitted-token counts (``OUTPUT_PLANE``)."""
 
 _KV_CACHE = ("full_layers", "kv_blocks", "block_size", "num_kv_heads", "head_dim")
-_WINDOW_CACHE = ("sliding_layers", "num_slots", "window_cells", "num_kv_heads", "head_dim")
+_WINDOW_CACHE = ("sliding_layers", "window_kv_blocks", "block_size", "num_kv_heads", "head_dim")
 STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     K_CACHE: _KV_CACHE,
     V_CACHE: _KV_CACHE,
@@ -46,12 +46,19 @@ STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
 """Runtime-owned state tensors by name. The caches are in the model dtype (the recurrent state in FP32,
 ``FP32_STATE``); each cache's first extent counts the layers of its kind (``KIND_LAYERS``)."""
 
-PAGED_STATE = (K_CACHE, V_CACHE)
+WINDOW_PAGED_STATE = (K_WINDOW_CACHE, V_WINDOW_CACHE)
+"""The sliding layers' pools ``[sliding_layers, window_kv_blocks, block_size, ...]``: a KV-cache group of their own,
+addressed through the ``window_block_tables`` input (vLLM's hybrid allocator: one block table a group), whose entries
+for blocks that left every row's window are ``NULL_BLOCK`` (catalog/cache_kinds.py). Their block count is static,
+``window_blocks_bound``: the runtime releases the blocks a request's window has left, so every slot's window fits."""
+PAGED_STATE = (K_CACHE, V_CACHE) + WINDOW_PAGED_STATE
 """The pools of blocks: ``[full_layers, kv_blocks, block_size, ...]``, addressed through the ``block_tables`` input
 (catalog/buffers.py): position ``p`` of slot ``s`` is cell ``block_tables[s, p // block_size] * block_size +
-p % block_size`` of its layer. ``kv_blocks`` (dim ``PAGED_DIM``) is a load-time extent: dynamic in every exported
-program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most that
-(runtime/kv_pool.py). Every other cache stays per slot (MLA's latents, sliding rings, linear and DeepSeek V4 state)."""
+p % block_size`` of its layer; the sliding layers' pools (``WINDOW_PAGED_STATE``) the same way through
+``window_block_tables``. The full pools' block count (dim ``PAGED_DIM``) is a load-time extent: dynamic in every
+exported program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most
+that (runtime/kv_pool.py); the sliding pools' is ``model.window_kv_blocks``, fixed. Every other cache stays per slot (MLA's latents, linear and
+DeepSeek V4 state)."""
 PAGED_DIM = 1
 PAGED_EXTENT = _KV_CACHE[PAGED_DIM]
 """The symbol of a paged cache's layout that counts the pool's blocks (``kv_blocks``)."""
@@ -76,6 +83,19 @@ def usable_blocks(kv_blocks: int) -> int:
 def max_blocks(max_seq_len: int, block_size: int) -> int:
     """Blocks that hold one sequence of ``max_seq_len`` positions: the width of a block table row."""
     return -(-max_seq_len // block_size)
+
+
+def window_read_blocks(window_cells: int, block_size: int) -> int:
+    """Blocks a sliding layer's step reads (recipes/window_pages.py): ``window_cells`` positions starting anywhere
+    inside a block. A request holds at most these many of its sliding pools' blocks at once (runtime/kv_groups.py)."""
+    return (window_cells + block_size - 2) // block_size + 1
+
+
+def window_blocks_bound(num_slots: int, window_cells: int, max_seq_len: int, block_size: int) -> int:
+    """``window_kv_blocks``, the sliding pools' block count: every slot holding the most blocks one request holds
+    (``window_read_blocks``, or a whole sequence's when fewer), and the null block. It grows with the window and
+    the slots, not with ``max_seq_len``."""
+    return num_slots * min(window_read_blocks(window_cells, block_size), max_blocks(max_seq_len, block_size)) + 1
 
 
 def kv_blocks_bound(num_slots: int, max_seq_len: int, block_size: int) -> int:
@@ -136,6 +156,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "num_slots": ("model", "num_slots"),
     "max_seq_len": ("model", "max_seq_len"),
     "kv_blocks": ("model", "kv_blocks"),
+    "window_kv_blocks": ("model", "window_kv_blocks"),
     "block_size": ("model", "block_size"),
     "num_kv_heads": ("model", "num_kv_heads"),
     "head_dim": ("model", "head_dim"),
@@ -158,6 +179,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
 """Symbol -> its path in manifest.json."""
 
 SYMBOL_RULES = {"num_slots": "GEOM-SLOTS", "max_seq_len": "GEOM-SEQ", "kv_blocks": "GEOM-KV-BLOCKS",
+                "window_kv_blocks": "GEOM-WINDOW-BLOCKS",
                 "block_size": "GEOM-BLOCK-SIZE", "vocab_padded": "GEOM-VOCAB-TENSOR",
                 "window_cells": "GEOM-WINDOW", "csa_entries": "GEOM-COMPRESS", "csa_source_cells": "GEOM-COMPRESS",
                 "hca_entries": "GEOM-COMPRESS", "hca_source_cells": "GEOM-COMPRESS"} | {symbol: "GEOM-KIND-BUFFERS" for symbol in KIND_LAYERS}

@@ -9,7 +9,7 @@ from ignition.catalog.buffers import PROMPT_BUFFERS
 from ignition.catalog.cache_kinds import CACHE_KINDS
 from ignition.catalog.contract import manifest_token_capacity
 from ignition.catalog.enums import Operation
-from ignition.catalog.geometry import STATE_SHAPES, usable_blocks
+from ignition.catalog.geometry import STATE_SHAPES, max_blocks, usable_blocks, window_read_blocks
 from ignition.catalog.model import BufferDecl
 
 _CLASSES = {"output": "completion frames and outputs", "state": "state (KV)", "weight": "weights", "input": "inputs"}
@@ -55,17 +55,27 @@ def kv_capacity(manifest: dict) -> dict:
 
 def kind_memory(manifest: dict) -> dict[str, dict]:
     """Each cache kind present: its layers, the state bytes of its buffers, and the positions a slot keeps per
-    layer (``max_seq_len`` for full layers, ``window_cells`` for sliding ones, none for a recurrent state)."""
-    kinds = manifest["model"].get("layer_kinds") or []
+    layer (``max_seq_len`` for full layers; for sliding ones the blocks of their pools a request holds at most,
+    ``window_read_blocks`` of ``window_cells`` positions; none for a recurrent state)."""
+    model = manifest["model"]
+    kinds = model.get("layer_kinds") or []
     report = {}
     for kind in dict.fromkeys(kinds):
         spec = CACHE_KINDS.get(kind)
         buffers = [s for s in manifest["state"] if spec is not None and s["name"] in spec.buffers]
-        positions = {"full": manifest["model"].get("max_seq_len"),
-                     "sliding": manifest["model"].get("window_cells")}.get(kind)
+        positions = {"full": model.get("max_seq_len"), "sliding": _window_positions(model)}.get(kind)
         report[kind] = {"layers": kinds.count(kind), "state_bytes": sum(BufferDecl.from_json(s).nbytes for s in buffers),
                         "positions_per_slot": positions, "buffers": [s["name"] for s in buffers]}
     return report
+
+
+def _window_positions(model: dict) -> int | None:
+    """Positions of the sliding pools' blocks one request holds at most (catalog/geometry.py ``window_read_blocks``,
+    or a whole sequence's blocks when fewer)."""
+    cells, size, seq = model.get("window_cells"), model.get("block_size"), model.get("max_seq_len")
+    if not all(isinstance(value, int) and value > 0 for value in (cells, size, seq)):
+        return cells
+    return min(window_read_blocks(cells, size), max_blocks(seq, size)) * size
 
 
 def scoring_cost(report, budget: int | None) -> dict:

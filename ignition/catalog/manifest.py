@@ -64,6 +64,7 @@ class ModelShape:
     softmax_short_row: int | None = None  # BF16/FP16: the softmax row length traced for (catalog/softmax_order.py)
     block_size: int | None = None  # positions per block of the paged caches (catalog/geometry.py PAGED_STATE)
     kv_blocks: int | None = None  # the paged caches' declared block count, the pool's upper bound
+    window_kv_blocks: int | None = None  # the sliding pools' declared block count (catalog/geometry.py WINDOW_PAGED_STATE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,8 @@ class Manifest:
                                     model.get("max_seq_len"), model.get("num_slots"),
                                     tuple(model.get("layer_kinds", ())), model.get("sliding_window"),
                                     model.get("window_cells"), model.get("softmax_short_row"),
-                                    model.get("block_size"), model.get("kv_blocks")),
+                                    model.get("block_size"), model.get("kv_blocks"),
+                                    model.get("window_kv_blocks")),
                    parallel=ParallelSection.from_json(section) if section else None,
                    token_capacity=manifest_token_capacity(manifest), catalog=manifest["catalog"],
                    tokenizer=manifest.get("tokenizer"), files=MappingProxyType(dict(manifest["files"])),

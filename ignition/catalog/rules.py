@@ -31,6 +31,12 @@ RULES = {
                       "the paged caches.",
     "GEOM-BLOCK-TABLES": "Every variant declares the input block_tables, int32 [num_slots, ceil(max_seq_len / "
                          "block_size)] bound to BLOCK_TABLES, exactly when the core has paged caches.",
+    "GEOM-WINDOW-BLOCKS": "model.window_kv_blocks is the block count of the sliding pools (k_window_cache, "
+                          "v_window_cache), stated exactly when they are declared: num_slots x min(ceil((window_cells "
+                          "+ block_size - 1) / block_size), ceil(max_seq_len / block_size)) + 1 (every slot's window "
+                          "and the null block).",
+    "GEOM-WINDOW-TABLES": "Every variant declares the input window_block_tables, int32 [num_slots, ceil(max_seq_len / "
+                          "block_size)] bound to WINDOW_BLOCK_TABLES, exactly when the core has sliding-window pools.",
     "GEOM-VOCAB-TENSOR": "vocab_padded is the row count of the vocabulary weights (embedding, lm_head) in the "
                          "weights file and the last extent of penalty_counts.",
     "GEOM-VOCAB-GRAPH": "Every graph's calls to Ignition's reduction ops pass manifest.json:vocab_size (and a sharded "
@@ -43,10 +49,10 @@ RULES = {
     "GEOM-KIND-BUFFERS": "The state declares each cache kind's buffers exactly when some layer has that kind, with "
                          "that kind's layer count as their first extent, and states the kind's model fields "
                          "(sliding: sliding_window, window_cells).",
-    "GEOM-WINDOW": "A sliding layer's ring holds its window plus a step's rows: window_cells = min(sliding_window + "
-                   "R - 1, max_seq_len), R the most rows one slot writes in a step (the chunk limit, a verify "
-                   "round's S+1); window_cells is the position extent of the window caches (sliding, and DeepSeek "
-                   "V4's shared_window, compressed and heavily_compressed K=V rings).",
+    "GEOM-WINDOW": "A sliding layer's step reads its window plus the step's rows: window_cells = min(sliding_window "
+                   "+ R - 1, max_seq_len), R the most rows one slot writes in a step (the chunk limit, a verify "
+                   "round's S+1); window_cells is the position extent of DeepSeek V4's window rings (shared_window, "
+                   "compressed and heavily_compressed K=V rings) and the positions a sliding pool's read spans.",
     "GEOM-COMPRESS": "A compressed layer's extents follow its rate m (csa_rate, hca_rate): an entry table of "
                      "max_seq_len // m + 1 entries (csa_entries, hca_entries) and a source ring of 2m + R - 1 (CSA) or "
                      "m + R - 1 (HCA) cells (csa_source_cells, hca_source_cells), R a step's most rows.",

@@ -185,6 +185,10 @@ def load(core: Path, options):
     pool = getattr(loaded, "kv_pool", None)  # a tensor-parallel rank group has none of its own
     kv = f"; KV capacity {pool.capacity_tokens:,} tokens ({pool.num_blocks:,} blocks of {pool.block_size})" \
         if pool is not None and pool.paged else ""
+    window = getattr(pool, "window", None)
+    if window is not None:  # the sliding layers' group: every slot's window, whatever max_seq_len
+        kv += (f"; sliding-window KV {window.num_blocks:,} blocks "
+               f"({window.num_blocks * window.bytes_per_block:,} bytes, {window.max_blocks} a request)")
     console.print(f"loaded {core} on {loaded.device} in {loaded.load_seconds:.2f} s ({stages}){kv}",
                   markup=False, highlight=False, soft_wrap=True)
     return loaded

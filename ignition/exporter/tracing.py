@@ -12,7 +12,7 @@ import torch
 
 from ignition.catalog.buffers import MIN_WINDOW, WINDOWS
 from ignition.catalog.enums import Role
-from ignition.catalog.geometry import DYNAMIC_BLOCKS, PAGED_DIM, PAGED_STATE
+from ignition.catalog.geometry import DYNAMIC_BLOCKS, PAGED_DIM, PAGED_STATE, WINDOW_PAGED_STATE
 
 
 def example_buffers(graph, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -46,10 +46,12 @@ def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str],
 
 
 def paged_arguments(variant) -> list[str]:
-    """The paged caches a variant's graph takes with a dynamic block count (``DYNAMIC_BLOCKS``)."""
+    """The paged caches a variant's graph takes with a dynamic block count (``DYNAMIC_BLOCKS``): the full layers'
+    pools (the sliding layers' hold a fixed count, ``catalog.geometry.window_blocks_bound``)."""
     if not variant.layout.get(DYNAMIC_BLOCKS):
         return []
-    return [a.name for a in variant.arguments if a.role is Role.STATE and a.name in PAGED_STATE]
+    return [a.name for a in variant.arguments
+            if a.role is Role.STATE and a.name in PAGED_STATE and a.name not in WINDOW_PAGED_STATE]
 
 
 def capture(graph, weights) -> torch.export.ExportedProgram:

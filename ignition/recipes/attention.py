@@ -67,6 +67,7 @@ import torch.nn.functional as F
 
 from ignition.catalog.softmax_order import short_row
 from ignition.recipes.layers import Rows, page_cells
+from ignition.recipes.window_pages import window_keys, window_mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +178,23 @@ def gather_pages(cache: torch.Tensor, layer: int, cells: torch.Tensor, groups: i
     return pool.index_select(0, cells).view(groups, -1, *pool.shape[1:]).transpose(1, 2)
 
 
+def _window_plan(rows: Rows, kv_blocks, block_size: int, share: int, dtype: torch.dtype, sliding: int,
+                 window_cells: int, scale: float | None) -> AttentionPlan:
+    """``plan_attention`` over a sliding layer's pool (``catalog.geometry.WINDOW_PAGED_STATE``): each group reads the
+    window's live blocks through ``rows.window_tables`` (``recipes/window_pages.py``), one gather a layer for every
+    group, and each row sees the last ``sliding`` positions up to its own."""
+    groups = rows.read_slots.shape[0]
+    per_group = rows.positions.shape[0] // groups
+    positions = rows.positions.view(groups, per_group)
+    keys, cells = window_keys(rows, positions[:, :1], rows.read_slots, sliding, window_cells, kv_blocks, block_size)
+    return AttentionPlan(groups=groups, per_group=per_group, window=keys.shape[1], slots=rows.read_slots,
+                         placement=None, per_lane=False, mask=window_mask(keys, positions, sliding, share, dtype),
+                         scale=scale, cells=cells)
+
+
 def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dtype: torch.dtype,
-                   sliding: int | None = None, scale: float | None = None) -> AttentionPlan:
+                   sliding: int | None = None, scale: float | None = None,
+                   window_cells: int | None = None) -> AttentionPlan:
     """Build the plan ``cached_attention`` reads for ``rows`` over a cache of ``num_slots x max_seq_len``
     positions, with ``share`` query heads per KV head and the model ``dtype``.
 
@@ -186,12 +202,16 @@ def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dty
     are then its first two extents, ``kv_blocks`` and ``block_size`` (``_paged_plan``). The slot-indexed paths below
     (in place, per lane, slot order) serve the sliding rings.
 
-    ``sliding``: the cache is a sliding layer's ring of ``max_seq_len`` cells (``catalog/cache_kinds.py``) and each
+    ``sliding`` with ``window_cells``: the cache is a sliding layer's pool of blocks (``_window_plan``: the positions a
+    step of the export's widest rows reads, ``catalog.cache_kinds.window_cells``). ``sliding`` alone: the cache is
+    a sliding layer's ring of ``max_seq_len`` cells (``catalog/cache_kinds.py``) and each
     row attends over the last ``sliding`` positions up to its own (``sliding_mask``); every cell is read (the key
     window bounds positions, not cells), and the BF16/FP16 short-forward order is not kept (the ring's cell order is
     not transformers' key order anyway). ``scale``: the scores' scale (None: ``head_dim ** -0.5``)."""
     if not sliding:
         return _paged_plan(rows, num_slots, max_seq_len, share, dtype, scale)
+    if window_cells is not None:  # a sliding layer's pool of blocks
+        return _window_plan(rows, num_slots, max_seq_len, share, dtype, sliding, window_cells, scale)
     groups = rows.read_slots.shape[0]
     per_group = rows.positions.shape[0] // groups
     device = rows.positions.device

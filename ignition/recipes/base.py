@@ -10,7 +10,7 @@ import torch
 from ignition.catalog.buffers import (BUFFERS, CHUNK_INPUTS, COMPLETION_BUFFERS, CONSTRAINED_OPERATIONS,
                                      CONSTRAINT_INPUTS, DRAFT_TOKENS, ID_INPUTS, LANE_INPUTS, LOGPROBS, MIXED_BUFFERS,
                                      KEY_WINDOW, PROMPT_LANE, RECORDS, REQUESTED, ROLE_FRAMES, SAMPLING_INPUTS,
-                                     PAGED_INPUTS, SPECULATIVE_INPUTS, WINDOWS, BufferSpec)
+                                     PAGED_INPUTS, SPECULATIVE_INPUTS, WINDOW_PAGED_INPUTS, WINDOWS, BufferSpec)
 from ignition.catalog.geometry import BLOCK_SIZE, DYNAMIC_BLOCKS, block_size_problem, max_blocks
 from ignition.catalog.contract import NATURAL_K, bitmask_words, packed_width, resolve_completion_token_capacity
 from ignition.catalog.enums import Operation, Role, ValueSource
@@ -217,12 +217,13 @@ def with_constraints(variant: Variant, vocab_padded: int) -> Variant:
 
 
 def with_block_tables(variant: Variant, num_slots: int, max_seq_len: int, block_size: int,
-                      dynamic: bool = True) -> Variant:
+                      dynamic: bool = True, window: bool = False) -> Variant:
     """``variant`` with ``block_tables`` appended (``catalog.buffers.PAGED_INPUTS``): every variant of a core whose
-    caches include the pools of blocks takes every slot's table, ``[num_slots, ceil(max_seq_len / block_size)]``.
+    caches include the pools of blocks takes every slot's table, ``[num_slots, ceil(max_seq_len / block_size)]``;
+    ``window``: the core has sliding-window pools too, whose tables follow (``WINDOW_PAGED_INPUTS``).
     ``dynamic``: its graph takes a pool of any block count up to the declared one (``layout["dynamic_blocks"]``,
     exporter/tracing.py); compiled packages fix it."""
-    decls, bindings = spec_arguments(PAGED_INPUTS, num_slots=num_slots,
+    decls, bindings = spec_arguments(PAGED_INPUTS + (WINDOW_PAGED_INPUTS if window else ()), num_slots=num_slots,
                                      max_blocks=max_blocks(max_seq_len, block_size))
     variant.arguments = variant.arguments + decls
     variant.bindings = variant.bindings | bindings

@@ -3,8 +3,8 @@
 
 ``Gemma3Config.from_hf_config`` reads ``config.json`` and refuses what transformers would run differently from
 this forward, naming the field. Each layer's cache kind comes from ``layer_types`` (or the legacy
-``sliding_window_pattern``) through ``LAYER_TYPES``: ``sliding`` layers keep a ring of ``window_cells`` cells a slot
-(``catalog/cache_kinds.py``), ``full`` layers every position. Global layers rotate with ``rope_parameters
+``sliding_window_pattern``) through ``LAYER_TYPES``: ``sliding`` layers page pools of their own, a step reading
+``window_cells`` positions (``catalog/cache_kinds.py``), ``full`` layers every position. Global layers rotate with ``rope_parameters
 .full_attention`` (legacy: ``rope_theta``, ``rope_scaling``), sliding ones with ``rope_parameters
 .sliding_attention`` (legacy: ``rope_local_base_freq``). The build, variants and graphs are the shared decoder
 ones (``llama.build_decoder``); the model is ``gemma3_model.gemma3_decoder``.
@@ -74,7 +74,7 @@ class Gemma3Config(WindowedLayers):
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     dtype: torch.dtype = torch.float32
-    window_cells: int | None = None  # a sliding ring's cells, bound to the export's step rows (``with_steps``)
+    window_cells: int | None = None  # the positions a sliding step reads, bound to the export's step rows (``with_steps``)
     row_blocks: int = ROW_REDUCTION_BLOCKS  # o/down reduction blocks this graph holds (layers.row_linear)
     row_shard: bool = False  # this graph is one rank's share of the o/down sums (layers.row_linear)
     family: str = field(default="gemma3", init=False)

@@ -3,9 +3,9 @@
 Scaled embeddings (``sqrt(hidden_size)`` rounded to the model dtype), four Gemma RMSNorms a layer (``(1 + w)``
 scales, normalized in FP32 and cast back after the scale), q/k norms before RoPE, each layer kind's own RoPE base,
 scores scaled by ``query_pre_attn_scalar ** -0.5``, a GeGLU MLP (``gelu_pytorch_tanh``). Full layers attend over
-``k_cache``/``v_cache`` like ``transformer.gqa_decoder``; sliding layers over their ring ``k_window_cache`` /
-``v_window_cache`` (``recipes/attention.py`` ``sliding_mask``, ``layers.write_rows(ring=True)``). Both kinds' plans
-are made once a forward; decode lanes attending in place run the forward in slot order as ``gqa_decoder`` does.
+``k_cache``/``v_cache`` like ``transformer.gqa_decoder``; sliding layers over the window's blocks of their pools
+``k_window_cache`` / ``v_window_cache`` (``recipes/window_pages.py``, ``layers.write_rows(window=True)``). Both
+kinds' plans are made once a forward.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: tor
     cos, sin_signed = rope
     query, key = rotate_half_rope(query, cos, sin_signed), rotate_half_rope(key, cos, sin_signed)
     ring = kind == "sliding"
-    write_rows(k_cache, index, rows, key, ring=ring, paged=not ring)
-    write_rows(v_cache, index, rows, value, ring=ring, paged=not ring)
+    write_rows(k_cache, index, rows, key, paged=True, window=ring)  # the sliding layers' pool: their own tables
+    write_rows(v_cache, index, rows, value, paged=True, window=ring)
     sliding = cfg.sliding_window if ring else None
     if plans[kind] is None:  # packed prompt chunks (rows.segments)
-        attended = packed_attention(query, k_cache[index], v_cache[index], rows, sliding, cfg.scale)
+        attended = packed_attention(query, k_cache[index], v_cache[index], rows, sliding, cfg.scale,
+                                    window_cells=cfg.window_cells if ring else None)
     else:
         attended = cached_attention(query, k_cache, v_cache, index, plans[kind])  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], None, cfg.row_blocks, cfg.row_shard)  # [R, d_model]
@@ -71,7 +72,7 @@ def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Te
     ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards (its heads, its MLP
     columns, its vocabulary rows); the embedding is vocabulary-parallel and each attention and MLP output is a
     partial sum that ``parallel.reduce`` adds over the ranks before its post-norm."""
-    rows, input_ids, plans, lane_slots = planned_rows(cfg, weights, input_ids, rows, caches)
+    plans = planned_rows(cfg, weights, rows, caches)
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
     embed = weights["embed"]
     # HF's embed_scale: sqrt(hidden_size) as an FP32 scalar, rounded to the model dtype
@@ -94,7 +95,7 @@ def gemma3_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Te
         mlp = reduce(_mlp(weights, cfg, layer, normed))
         hidden = hidden + gemma_rms_norm(mlp, weights[prefix + "post_mlp_norm"], eps)
     hidden = gemma_rms_norm(hidden, weights["final_norm"], eps)
-    return hidden if lane_slots is None else hidden.index_select(0, lane_slots)  # back in lane order
+    return hidden
 
 
 __all__ = ["gemma3_decoder", "gemma_rms_norm"]

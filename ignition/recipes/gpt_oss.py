@@ -65,7 +65,7 @@ class GptOssConfig(WindowedLayers):
     tie_word_embeddings: bool = False
     dtype: torch.dtype = torch.float32
     mxfp4: bool = False  # the checkpoint stores its experts as MXFP4 blocks and scales
-    window_cells: int | None = None  # a sliding ring's cells, bound to the export's step rows (``with_steps``)
+    window_cells: int | None = None  # the positions a sliding step reads, bound to the export's step rows (``with_steps``)
     row_blocks: int = ROW_REDUCTION_BLOCKS  # o reduction blocks this graph holds (layers.row_linear)
     row_shard: bool = False  # this graph is one rank's share of the o sums (layers.row_linear)
     family: str = field(default="gpt_oss", init=False)

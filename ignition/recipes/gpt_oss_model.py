@@ -2,8 +2,8 @@
 
 Pre-norm layers (RMSNorm normalized in FP32, ``weight * x`` then cast back), biased q/k/v/o projections, one YaRN
 RoPE for every layer, attention with a learned sink logit per head on both layer kinds (``recipes/attention.py``
-``sink_attention``): full layers over ``k_cache``/``v_cache``, sliding ones over their ring ``k_window_cache`` /
-``v_window_cache`` as ``gemma3_model`` does (plans and slot order from ``windowed_model``). The MLP is routed experts
+``sink_attention``): full layers over ``k_cache``/``v_cache``, sliding ones over the window's blocks of their pools
+``k_window_cache`` / ``v_window_cache`` as ``gemma3_model`` does (plans from ``windowed_model``). The MLP is routed experts
 (``moe.routed_experts`` with the ``topk_softmax`` router) whose expert is a clamped SwiGLU over the checkpoint's
 stacked, interleaved ``gate_up`` (``clamped_swiglu``).
 """
@@ -58,12 +58,13 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: tor
     cos, sin_signed = rope
     query, key = rotate_half_rope(query, cos, sin_signed), rotate_half_rope(key, cos, sin_signed)
     ring = kind == "sliding"
-    write_rows(k_cache, index, rows, key, ring=ring, paged=not ring)
-    write_rows(v_cache, index, rows, value, ring=ring, paged=not ring)
+    write_rows(k_cache, index, rows, key, paged=True, window=ring)  # the sliding layers' pool: their own tables
+    write_rows(v_cache, index, rows, value, paged=True, window=ring)
     sinks = weights[prefix + "sinks"]
     if plans[kind] is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[index], v_cache[index], rows,
-                                    cfg.sliding_window if ring else None, cfg.scale, sinks)
+                                    cfg.sliding_window if ring else None, cfg.scale, sinks,
+                                    cfg.window_cells if ring else None)
     else:
         attended = cached_attention(query, k_cache, v_cache, index, plans[kind], sinks)  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], weights[prefix + "o_bias"], cfg.row_blocks,
@@ -92,7 +93,7 @@ def gpt_oss_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.T
     with their sinks and biases, its columns of every expert, its vocabulary rows); the embedding is
     vocabulary-parallel and each attention and expert output is a partial sum that ``parallel.reduce`` adds over
     the ranks before the residual add (the o and down biases are on rank 0 only)."""
-    rows, input_ids, plans, lane_slots = planned_rows(cfg, weights, input_ids, rows, caches)
+    plans = planned_rows(cfg, weights, rows, caches)
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)  # padding ids may be anything
     embed = weights["embed"]
     hidden = F.embedding(token_ids, embed) if parallel is None else parallel.embed(token_ids, embed)  # [R, d_model]
@@ -107,7 +108,7 @@ def gpt_oss_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.T
         normed = gpt_oss_rms_norm(hidden, weights[prefix + "mlp_norm"], eps)
         hidden = hidden + reduce(_experts(weights, cfg, layer, normed, rows.valid))
     hidden = gpt_oss_rms_norm(hidden, weights["final_norm"], eps)
-    return hidden if lane_slots is None else hidden.index_select(0, lane_slots)  # back in lane order
+    return hidden
 
 
 __all__ = ["clamped_swiglu", "gpt_oss_decoder", "gpt_oss_rms_norm"]

@@ -25,7 +25,7 @@ import torch
 
 from ignition.catalog.buffers import (BLOCK_TABLES, DRAFT_TOKENS, KEY_WINDOW, PACKED_TOKENS, PROMPT_LOGPROBS, PROMPT_TARGETS,
                                      SAMPLE_WINDOW, SEGMENT_EMITS, SEGMENT_LENGTHS, SEGMENT_STARTS, SEGMENT_WINDOW,
-                                     TRANSFORM_WINDOW)
+                                     TRANSFORM_WINDOW, WINDOW_BLOCK_TABLES)
 from ignition.catalog.enums import Operation, Role
 from ignition.catalog.geometry import FP32_STATE, OUTPUT_PLANE, PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE, state_shape
 from ignition.catalog.model import BufferDecl
@@ -139,7 +139,7 @@ class DecodeGraph(_DecoderGraph):
         positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
         rows = Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW), self.slot_limit,
-                           buffers.get(BLOCK_TABLES))
+                           buffers.get(BLOCK_TABLES), buffers.get(WINDOW_BLOCK_TABLES))
         hidden = self.hidden(weights, buffers, buffers["input_ids"], rows)  # [capacity, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
         return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)
@@ -167,7 +167,7 @@ class PrefillGraph(_DecoderGraph):
         valid_length = torch.where(active, chunk_length, 0)  # an inactive lane writes nothing
         hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(
             chunk_ids.shape[0], chunk_start, valid_length, slot, buffers.get(KEY_WINDOW),
-            buffers.get(BLOCK_TABLES)))  # [C, d_model]
+            buffers.get(BLOCK_TABLES), buffers.get(WINDOW_BLOCK_TABLES)))  # [C, d_model]
         if score and self.parallel is not None:  # the same, over this rank's vocabulary shard
             score_hidden_rows_sharded(self.parallel.vocabulary, hidden, buffers[PROMPT_TARGETS],
                                       buffers[PROMPT_LOGPROBS], buffers["frame_index"],
@@ -228,7 +228,7 @@ class PackedPrefillGraph(PrefillGraph):
         active = buffers["active_lanes"] != 0
         lengths = torch.where(active, buffers[SEGMENT_LENGTHS], 0)  # an inactive lane has no rows
         rows = Rows.packed(packed.shape[0], starts, lengths, slots, buffers[SEGMENT_WINDOW], buffers.get(KEY_WINDOW),
-                           buffers.get(BLOCK_TABLES))
+                           buffers.get(BLOCK_TABLES), buffers.get(WINDOW_BLOCK_TABLES))
         hidden = self.hidden(weights, buffers, packed, rows)  # [R, d_model]
         last_rows = (rows.segments.offsets + lengths - 1).clamp(0, packed.shape[0] - 1)  # [capacity]
         # NOTE: the lanes' rows projected as prefill projects its one row (``sampled_row_logits``: the same product
@@ -274,7 +274,8 @@ class VerifyGraph(_DecoderGraph):
         slots = buffers["slot_ids"]  # int64 [capacity]
         rows = Rows(positions=positions.reshape(-1), write_slots=slots.repeat_interleave(width),
                     valid=valid.reshape(-1), read_slots=slots, key_window=buffers.get(KEY_WINDOW),
-                    row_forwards=True, block_tables=buffers.get(BLOCK_TABLES))  # one attention group of P rows per lane, each row a decode step's
+                    row_forwards=True, block_tables=buffers.get(BLOCK_TABLES),
+                    window_tables=buffers.get(WINDOW_BLOCK_TABLES))  # one attention group of P rows per lane, each row a decode step's
         hidden = self.hidden(weights, buffers, tokens.reshape(-1), rows)  # [capacity * P, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity * P, vocab_padded]
         penalty = buffers[PENALTY_COUNTS]  # int32 [S, 2, V]
@@ -316,7 +317,8 @@ class MixedGraph(PrefillGraph):
         valid_length = torch.where(prompt_active, length, 0)
         hidden = self.hidden(weights, buffers, chunk_ids, Rows.prefill(chunk_ids.shape[0], start, valid_length, slot,
                                                                       buffers.get(KEY_WINDOW),
-                                                                      buffers.get(BLOCK_TABLES)))
+                                                                      buffers.get(BLOCK_TABLES),
+                                                                      buffers.get(WINDOW_BLOCK_TABLES)))
         last_row = (length - 1).clamp(0, chunk_ids.shape[0] - 1)  # [1]
         prompt_logits = sampled_row_logits(weights, self.cfg, hidden, last_row)  # [1, vocab_padded], as prefill's
         self.count_prompt_tokens(buffers[PENALTY_COUNTS], slot, chunk_ids, valid_length,
@@ -325,7 +327,8 @@ class MixedGraph(PrefillGraph):
         decode_hidden = self.hidden(weights, buffers, buffers["input_ids"],
                                     Rows.decode(buffers["positions"], slots, decode_lanes,
                                                 buffers.get(KEY_WINDOW),
-                                                block_tables=buffers.get(BLOCK_TABLES)))  # [capacity, d_model]
+                                                block_tables=buffers.get(BLOCK_TABLES),
+                                                window_tables=buffers.get(WINDOW_BLOCK_TABLES)))  # [capacity, d_model]
         decode_logits = lm_head_logits(weights, self.cfg, decode_hidden)  # [capacity, vocab_padded]
         prompt = self.sample_and_commit(role_buffers(buffers, "prompt", in_prompt),
                                         prompt_logits.expand(capacity, -1), slots, Operation.MIXED,

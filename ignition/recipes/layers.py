@@ -128,6 +128,8 @@ class Rows:
     slot_ordered: bool = False  # row r is slot r's (``in_slot_order``): every row, valid or not, its own cell
     # int32 [num_slots, max_blocks]: each slot's blocks of the paged caches (``page_cells``); None: the slot layout
     block_tables: torch.Tensor | None = None
+    # int32 [num_slots, max_blocks]: each slot's blocks of the sliding layers' pools (``page_cells(window=True)``)
+    window_tables: torch.Tensor | None = None
     writes: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # write_rows' cell plans
     scalars: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # ``scalar``'s tensors
     plans: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # attention's, once a forward
@@ -140,16 +142,17 @@ class Rows:
 
     @classmethod
     def prefill(cls, chunk_rows: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, slot: torch.Tensor,
-                key_window: torch.Tensor | None = None, block_tables: torch.Tensor | None = None) -> Rows:
+                key_window: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+                window_tables: torch.Tensor | None = None) -> Rows:
         """One request's chunk: row j is position ``chunk_start + j`` of ``slot``, valid below ``chunk_len``."""
         row = torch.arange(chunk_rows, device=chunk_start.device)
         return cls(positions=chunk_start + row, write_slots=slot.expand(chunk_rows), valid=row < chunk_len,
-                   read_slots=slot, key_window=key_window, block_tables=block_tables)
+                   read_slots=slot, key_window=key_window, block_tables=block_tables, window_tables=window_tables)
 
     @classmethod
     def packed(cls, packed_rows: int, starts: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor,
                segment_window: torch.Tensor, key_window: torch.Tensor | None = None,
-               block_tables: torch.Tensor | None = None) -> Rows:
+               block_tables: torch.Tensor | None = None, window_tables: torch.Tensor | None = None) -> Rows:
         """Lane b's chunk of ``lengths[b]`` rows (0: an idle lane), concatenated in lane order: its row j is packed row
         ``offsets[b] + j``, position ``starts[b] + j`` of ``slots[b]``. Rows past the last segment are padding."""
         lanes = lengths.shape[0]
@@ -165,16 +168,17 @@ class Rows:
         segments = Segments(offsets=offsets, starts=starts, lengths=lengths, row_lanes=lane, row_source=source,
                             extent=segment_window)
         return cls(positions=starts.index_select(0, lane) + local, write_slots=slots.index_select(0, lane),
-                   valid=valid, read_slots=slots, key_window=key_window, segments=segments, block_tables=block_tables)
+                   valid=valid, read_slots=slots, key_window=key_window, segments=segments, block_tables=block_tables,
+                   window_tables=window_tables)
 
     @classmethod
     def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor,
                key_window: torch.Tensor | None = None, slot_limit: int | None = None,
-               block_tables: torch.Tensor | None = None) -> Rows:
+               block_tables: torch.Tensor | None = None, window_tables: torch.Tensor | None = None) -> Rows:
         """One row per lane, each its own group; active lanes must use distinct slots (below ``slot_limit``, when
         the variant has one)."""
         return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots, key_window=key_window,
-                   slot_limit=slot_limit, block_tables=block_tables)
+                   slot_limit=slot_limit, block_tables=block_tables, window_tables=window_tables)
 
     def in_slot_order(self, order: torch.Tensor) -> Rows:
         """These decode rows (one a group) rearranged so that row r belongs to slot r: ``order [S]`` holds the row at
@@ -184,16 +188,18 @@ class Rows:
         owns = self.write_slots.index_select(0, order) == slot
         return Rows(positions=self.positions.index_select(0, order), write_slots=slot,
                     valid=self.valid.index_select(0, order) & owns, read_slots=slot, key_window=self.key_window,
-                    slot_limit=self.slot_limit, slot_ordered=True, block_tables=self.block_tables)
+                    slot_limit=self.slot_limit, slot_ordered=True, block_tables=self.block_tables,
+                    window_tables=self.window_tables)
 
 
 def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor, ring: bool = False,
-               paged: bool = False) -> None:
+               paged: bool = False, window: bool = False) -> None:
     """``cache[layer, slot_i, position_i] = values[i]`` for valid rows; invalid rows leave it bit-identical.
 
     ``ring``: ``cache`` is a sliding layer's ring (``catalog/cache_kinds.py``): position ``p`` goes to cell
     ``p mod cells`` instead. ``paged``: ``cache`` is a pool of blocks ``[layers, kv_blocks, block_size, ...]``
-    (``catalog.geometry.PAGED_STATE``): position ``p`` of slot ``s`` goes to the cell ``page_cells`` names.
+    (``catalog.geometry.PAGED_STATE``): position ``p`` of slot ``s`` goes to the cell ``page_cells`` names;
+    ``window``: through the sliding layers' tables (``Rows.window_tables``).
 
     One ``index_copy_`` into the cache's cells (its first three dims flattened, a view) writes every row. An
     invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
@@ -205,8 +211,8 @@ def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor
     every layer's old cell values in one gather at the cache's first write (``_cache_cells``); each write then adds
     its gather of the rows (none in slot order), a ``where`` and the copy.
     """
-    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim(), ring, paged)
-    flat, old = _cache_cells(rows, cache, ring, paged)
+    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim(), ring, paged, window)
+    flat, old = _cache_cells(rows, cache, ring, paged, window)
     old_values = old[layer] if old is not None else flat.index_select(0, cells)
     new_values = values if source is None else values.index_select(0, source)
     flat.index_copy_(0, cells, torch.where(keep_new, new_values, old_values))
@@ -218,22 +224,24 @@ instead of one a layer) when they number at most this many (layers x rows: a dec
 (a symbolic count, or past the limit) read theirs layer by layer, so its forward holds one layer's copy at a time."""
 
 
-def _plan_key(extents: torch.Size, ring: bool, paged: bool = False) -> tuple:
+def _plan_key(extents: torch.Size, ring: bool, paged: bool = False, window: bool = False) -> tuple:
     """``rows.writes``' key of the cell plan for caches of ``extents`` (layers, slots, positions or ring cells; or
-    layers, blocks, block positions)."""
-    if paged:  # the block count is symbolic in an exported graph (unhashable); both pools share it
-        return extents[0], extents[2], "paged"
+    layers, blocks, block positions, and which tables address them)."""
+    if paged:  # the block count is symbolic in an exported graph (unhashable); a group's pools share it
+        return extents[0], extents[2], "window" if window else "paged"
     return (*tuple(extents), "ring" if ring else "slots")
 
 
-def page_cells(rows: Rows, slots: torch.Tensor, positions: torch.Tensor, kv_blocks, block_size: int) -> torch.Tensor:
+def page_cells(rows: Rows, slots: torch.Tensor, positions: torch.Tensor, kv_blocks, block_size: int,
+               window: bool = False) -> torch.Tensor:
     """The cell of one layer of a pool of ``kv_blocks`` blocks of ``block_size`` positions (the pool's first two
     extents flattened) that holds each ``positions`` entry of the matching ``slots`` entry (broadcast together):
     ``block_tables[slot, position // block_size] * block_size + position % block_size``. Without block tables
     (``rows.block_tables`` None: the slot layout, each slot one block of every position) it is
     ``slot * block_size + position``. Slots, positions and block ids are clamped into range, so whatever a table
-    holds past a slot's live blocks, every cell exists."""
-    tables = rows.block_tables
+    holds past a slot's live blocks, every cell exists. ``window``: the sliding layers' pool, through
+    ``rows.window_tables``."""
+    tables = rows.window_tables if window else rows.block_tables
     if tables is None:
         return slots.clamp(0, kv_blocks - 1) * block_size + positions.clamp(0, block_size - 1)
     max_blocks = tables.shape[1]
@@ -242,8 +250,8 @@ def page_cells(rows: Rows, slots: torch.Tensor, positions: torch.Tensor, kv_bloc
     return blocks.clamp(0, kv_blocks - 1) * block_size + positions.remainder(block_size)
 
 
-def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False,
-                 paged: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False, paged: bool = False,
+                 window: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(``cache`` with its first three dims flattened, a view; the values before this forward's writes of every
     layer's target cells ``[layers, R, ...]``, or None past OLD_CELLS_AHEAD), made at the cache's first write of the
     forward. Only a forward without a valid row writes those old values back (``write_rows``), so reading them
@@ -251,7 +259,7 @@ def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False,
     key = ("cells", id(cache))
     if key not in rows.writes:
         flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
-        cells = rows.writes[_plan_key(cache.shape[:3], ring, paged)].cells  # [layers, R]
+        cells = rows.writes[_plan_key(cache.shape[:3], ring, paged, window)].cells  # [layers, R]
         old = None
         numel = cells.numel()  # a symbolic count (a prompt chunk's rows) never reads ahead: no guard on it
         if isinstance(numel, int) and numel <= OLD_CELLS_AHEAD:
@@ -270,12 +278,12 @@ class _RowWrites(NamedTuple):
 
 
 def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int, ring: bool = False,
-                paged: bool = False) -> tuple[torch.Tensor, ...]:
+                paged: bool = False, window: bool = False) -> tuple[torch.Tensor, ...]:
     """(source row ``[R]``, the layer's cell of each row ``[R]``, keep-new shaped for ``dims``-D values) of each
     row's write into a cache of ``extents`` (layers, slots, positions). The rows' part is built on the first call
     for these extents, a layer's cells on its first write; every later layer and cache reuses them
     (``rows.writes``)."""
-    key = _plan_key(extents, ring, paged)
+    key = _plan_key(extents, ring, paged, window)
     if key not in rows.writes:
         layers, num_slots, max_seq_len = tuple(extents)
         if rows.slot_ordered:  # every row its own slot's cell
@@ -286,7 +294,7 @@ def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int, ring: bo
             source = torch.where(rows.valid, row, first_valid)  # [R]
             slots, positions, keep_new = rows.write_slots[source], rows.positions[source], rows.valid[source]
         if paged:  # extents: layers, kv_blocks, block_size
-            cell = page_cells(rows, slots, positions, num_slots, max_seq_len)  # [R]: in one layer
+            cell = page_cells(rows, slots, positions, num_slots, max_seq_len, window)  # [R]: in one layer
         else:
             position_cells = positions.remainder(max_seq_len) if ring else positions.clamp(0, max_seq_len - 1)
             cell = slots.clamp(0, num_slots - 1) * max_seq_len + position_cells  # [R]: in one layer

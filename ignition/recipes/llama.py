@@ -24,7 +24,7 @@ from ignition.catalog.buffers import (MIN_WINDOW, CHUNK_TOKENS, LANE_INPUTS, PAC
                                      SEGMENT_WINDOW, SHORTEST_WINDOWED, WINDOW_INPUTS, WINDOWS)
 from ignition.catalog.contract import resolve_completion_token_capacity, scored_capacities
 from ignition.catalog.enums import Operation
-from ignition.catalog.geometry import kv_blocks_bound
+from ignition.catalog.geometry import WINDOW_PAGED_STATE, kv_blocks_bound, window_blocks_bound
 from ignition.catalog.model import BufferDecl, Variant, decode_slot_limit
 from ignition.recipes.base import (ExportOptions, GraphBuild, LogprobOutputs, RecipeBuild, RecipeError, ShardedBuild,
                                    chunk_arguments, completion_arguments, mixed_capacities, mixed_family,
@@ -127,11 +127,14 @@ def build_decoder(options: ExportOptions, family: DecoderFamily) -> RecipeBuild:
     pages = {}
     if paged(graph_cfg):  # the pools of blocks: every variant reads and writes them through the slots' tables
         bound = kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)
+        window = any(name in WINDOW_PAGED_STATE for name in graph_cfg.cache_names)  # sliding layers' own tables
         variants = [with_block_tables(variant, options.slots, options.max_seq_len, options.block_size,
-                                      dynamic=options.compile is None and bound > MIN_WINDOW)
+                                      dynamic=options.compile is None and bound > MIN_WINDOW, window=window)
                     for variant in variants]
-        pages = {"block_size": options.block_size,
-                 "kv_blocks": kv_blocks_bound(options.slots, options.max_seq_len, options.block_size)}
+        pages = {"block_size": options.block_size, "kv_blocks": bound}
+        if window:
+            pages["window_kv_blocks"] = window_blocks_bound(options.slots, graph_cfg.window_cells, options.max_seq_len,
+                                                            options.block_size)
     graphs = [GraphBuild(variant, module) for variant, module in zip(variants, modules, strict=True)]
     return RecipeBuild(
         recipe=options.recipe,

@@ -14,6 +14,7 @@ import torch
 from ignition.recipes.attention import (attend, brief_keys, causal_mask, gather_pages, key_positions,
                                         position_extent, short_forwards, sliding_mask)
 from ignition.recipes.layers import Rows, page_cells
+from ignition.recipes.window_pages import window_keys, window_mask
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,8 @@ class PackedPlan:
 
 
 def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
-                 dtype: torch.dtype, sliding: int | None = None, scale: float | None = None) -> PackedPlan:
+                 dtype: torch.dtype, sliding: int | None = None, scale: float | None = None,
+                 window_cells: int | None = None) -> PackedPlan:
     """``packed_attention``'s plan for ``rows``, made by the forward's first layer and kept in ``rows.plans``.
 
     A packed row's regrouped row is ``b * E + j`` (lane b, its row j). With BF16 each lane's regrouped rows are
@@ -48,9 +50,9 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
     segment ends before ``SHORT_ROW`` keys: its rows are at most its first F) takes instead. FP16 lanes softmax
     every row of a short forward in order over the window, as ``cached_attention`` does: FP16 products over 15 keys
     rounded some rows differently from the chunk's over the window (``tests/test_packed_prefill.py``), so the packed
-    rows would not be the serial ones. ``sliding``, ``scale``: as ``plan_attention``'s (a sliding layer's ring: no
-    brief rows, no short-forward order)."""
-    key = ("packed", sliding, scale)
+    rows would not be the serial ones. ``sliding``, ``scale``, ``window_cells``: as ``plan_attention``'s (a sliding
+    layer's pool or ring: no brief rows, no short-forward order)."""
+    key = ("packed", sliding, scale, window_cells)
     if key in rows.plans:
         return rows.plans[key]
     segments = rows.segments
@@ -63,11 +65,16 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
     local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
     source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
     row_positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    mask = sliding_mask(window, row_positions, sliding, share, dtype) if sliding else \
-        causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
-    slots = rows.read_slots.clamp(0, kv_blocks - 1) if sliding else rows.read_slots
-    cells = None if sliding else \
-        page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size).reshape(-1)
+    slots = rows.read_slots.clamp(0, kv_blocks - 1) if sliding and window_cells is None else rows.read_slots
+    if sliding and window_cells is not None:  # a sliding layer's pool: the window's blocks of each lane (window_pages)
+        keys, cells = window_keys(rows, segments.starts.unsqueeze(1), rows.read_slots, sliding, window_cells,
+                                  kv_blocks, block_size)
+        window, mask = keys[0], window_mask(keys, row_positions, sliding, share, dtype)  # [B, 1, share*E, K]
+    else:
+        mask = sliding_mask(window, row_positions, sliding, share, dtype) if sliding else \
+            causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
+        cells = None if sliding else \
+            page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size).reshape(-1)
     ends = None if dtype == torch.float32 or sliding else segments.starts + segments.lengths  # [B]: forwards' keys
     if dtype != torch.bfloat16 or sliding:
         short = None if ends is None else short_forwards(ends).view(-1, 1, 1, 1)
@@ -107,7 +114,7 @@ def _lane_outputs(attended: torch.Tensor, share: int, extent: int) -> torch.Tens
 
 def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      rows: Rows, sliding: int | None = None, scale: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, window_cells: int | None = None) -> torch.Tensor:
     """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
 
     Lane b's segment (``rows.segments``) attends over the positions ``<=`` each row's of slot
@@ -118,13 +125,14 @@ def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
     (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
     (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
-    order. ``sliding``, ``scale``: as ``plan_attention``'s (``key_cache`` is then a sliding layer's ring);
+    order. ``sliding``, ``scale``, ``window_cells``: as ``plan_attention``'s (``key_cache`` is then a sliding
+    layer's pool, or without ``window_cells`` its ring);
     ``sinks [heads]``: learned sink logits (``sink_attention``).
     """
     num_rows, heads, head_dim = query.shape
     num_slots, max_seq_len, kv_heads, _ = key_cache.shape
     share = heads // kv_heads
-    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype, sliding, scale)
+    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype, sliding, scale, window_cells)
     lanes = plan.slots.shape[0]
     if plan.cells is not None:  # a pool: each lane's window gathered through its block table, [B, kv_heads, W, D]
         keys, values = (gather_pages(cache.unsqueeze(0), 0, plan.cells, lanes) for cache in (key_cache, value_cache))

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from ignition.catalog.cache_kinds import window_cells
-from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape
+from ignition.catalog.geometry import K_CACHE, K_WINDOW_CACHE, V_CACHE, V_WINDOW_CACHE, state_shape, window_blocks_bound
 from ignition.recipes.checkpoint import CheckpointError
 from ignition.recipes.config import DecoderWidths, check_positive_ints, paged_geometry
 
@@ -48,23 +48,28 @@ class WindowedLayers(DecoderWidths):
 
     @property
     def cache_names(self) -> tuple[str, ...]:
-        """The state caches in argument order: the full layers' K and V, then the sliding layers' rings."""
+        """The state caches in argument order: the full layers' K and V, then the sliding layers' pools."""
         return (((K_CACHE, V_CACHE) if self.layers_of("full") else ())
                 + ((K_WINDOW_CACHE, V_WINDOW_CACHE) if self.layers_of("sliding") else ()))
 
     def with_steps(self, step_rows: int, max_seq_len: int):
-        """This config with its ring sized for steps of at most ``step_rows`` rows a slot."""
+        """This config with its window's read span sized for steps of at most ``step_rows`` rows a slot."""
         return replace(self, window_cells=window_cells(self.sliding_window, step_rows, max_seq_len))
 
     def cache_shapes(self, num_slots: int, max_seq_len: int, block_size: int | None = None,
-                     kv_blocks=None) -> dict[str, tuple[int, ...]]:
-        """The caches of the kinds present: the full layers' pools (``config.paged_geometry``), the sliding rings."""
+                     kv_blocks=None, window_kv_blocks: int | None = None) -> dict[str, tuple[int, ...]]:
+        """The caches of the kinds present: the full layers' pools (``config.paged_geometry``; ``kv_blocks``: the
+        pool's own, a symbolic extent while tracing) and the sliding layers' pools (``window_kv_blocks``, None:
+        ``catalog.geometry.window_blocks_bound``)."""
         if self.window_cells is None and self.layers_of("sliding"):
-            raise ValueError(f"{type(self).__name__}.cache_shapes: bind the ring's step rows first (with_steps)")
+            raise ValueError(f"{type(self).__name__}.cache_shapes: bind the window's step rows first (with_steps)")
+        pages = paged_geometry(num_slots, max_seq_len, block_size, kv_blocks)
+        if window_kv_blocks is None and self.layers_of("sliding"):
+            window_kv_blocks = window_blocks_bound(num_slots, self.window_cells, max_seq_len, pages["block_size"])
         geometry = dict(full_layers=len(self.layers_of("full")), sliding_layers=len(self.layers_of("sliding")),
                         num_slots=num_slots, max_seq_len=max_seq_len, window_cells=self.window_cells,
-                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                        **paged_geometry(num_slots, max_seq_len, block_size, kv_blocks))
+                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, window_kv_blocks=window_kv_blocks,
+                        **pages)
         return {name: tuple(state_shape(name, **geometry)) for name in self.cache_names}
 
     def summary(self) -> dict:

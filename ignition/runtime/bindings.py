@@ -19,6 +19,7 @@ from ignition.catalog.buffers import (BUFFERS, CHUNK_TOKENS, PACKED_TOKENS, PENA
 from ignition.catalog.enums import ValueSource as S
 from ignition.components.sampling import GREEDY_TEMPERATURE
 from ignition.runtime.constraints import fill_mask_rows
+from ignition.runtime.kv_groups import window_tables_of
 
 
 @dataclass(slots=True)
@@ -107,6 +108,8 @@ def fill_inputs(variant, lanes: list[Lane], frame: int, core) -> tuple[np.ndarra
                 target[index, :len(lane.draft)] = torch.tensor(lane.draft, dtype=target.dtype)
         elif source is S.BLOCK_TABLES:  # every lane's slot row: its request's blocks (runtime/kv_pool.py)
             core.kv_pool.fill_block_tables(target, {lane.state.slot: lane.state.block_table for lane in lanes})
+        elif source is S.WINDOW_BLOCK_TABLES:  # the sliding pools' group (runtime/kv_groups.py)
+            core.kv_pool.window.fill_block_tables(target, window_tables_of(lanes))
         elif source in _SEGMENT_SOURCES:  # a packed prefill: every lane's chunk
             fill_segments(variant, target, source, lanes)
         elif source in _WINDOW_SOURCES:  # only the extent is read (Windowed)

@@ -109,9 +109,10 @@ class BlockManager:
             hashes.append(hash_block(parent, tokens[i * size:(i + 1) * size], extra))
         return hashes[:count]
 
-    def _lookup(self, state) -> list[tuple[str, int]]:
-        """The cached run of ``state``'s context: ("device", block) or ("host", host block) per block, in order."""
-        if not self.prefix_caching or state.request.prompt_logprobs is not None:
+    def _lookup(self, state, limit: int | None = None) -> list[tuple[str, int]]:
+        """The cached run of ``state``'s context: ("device", block) or ("host", host block) per block, in order;
+        ``limit``: at most that many blocks (another KV-cache group holds no more, runtime/kv_groups.py)."""
+        if not self.prefix_caching or state.request.prompt_logprobs is not None or limit == 0:
             return []
         context = state.context()
         found = []
@@ -122,28 +123,30 @@ class BlockManager:
                 found.append(("host", self.host_cached[block_hash]))
             else:
                 break
+        found = found[:limit]
         if self.states is not None:  # a hit resumes the layers' state, so it ends where a snapshot was kept
             while found and state.block_hashes[len(found) - 1] not in self.states:
                 found.pop()
         return found
 
     # -- allocation -------------------------------------------------------------------------
-    def can_allocate(self, state, extra_blocks: int = 0) -> bool:
-        """Whether ``allocate(state)`` succeeds with ``extra_blocks`` more free (the samples of a group)."""
-        found = self._lookup(state)
+    def can_allocate(self, state, extra_blocks: int = 0, limit: int | None = None) -> bool:
+        """Whether ``allocate(state, limit)`` succeeds with ``extra_blocks`` more free (the samples of a group)."""
+        found = self._lookup(state, limit)
         pinned = [b for tier, b in found if tier == "device"]
         needed = self.blocks_for(len(state.context())) - len(pinned) + extra_blocks
         return needed <= self.num_free - sum(b in self.evictable for b in pinned)
 
-    def allocate(self, state) -> int:
-        """Give ``state`` the blocks of its whole context, the cached run first; the number of context tokens the
-        cache holds (``state.prefilled`` starts there). Counts the lookup as vLLM does: its context's tokens
-        queried, the cached ones hit. RuntimeError when the blocks are not there (``can_allocate`` first)."""
+    def allocate(self, state, limit: int | None = None) -> int:
+        """Give ``state`` the blocks of its whole context, the cached run first (at most ``limit`` blocks of it); the
+        number of context tokens the cache holds (``state.prefilled`` starts there). Counts the lookup as vLLM does:
+        its context's tokens queried, the cached ones hit. RuntimeError when the blocks are not there
+        (``can_allocate`` first)."""
         if state.block_table:
             raise RuntimeError(f"request {state.request_id} already holds {len(state.block_table)} blocks")
-        if not self.can_allocate(state):
+        if not self.can_allocate(state, limit=limit):
             raise RuntimeError(f"request {state.request_id} needs more KV blocks than are free ({self.num_free})")
-        found = self._lookup(state)
+        found = self._lookup(state, limit)
         for tier, block in found:  # pinned first: nothing below may evict them
             if tier == "device":
                 self._ref(block)
@@ -168,11 +171,16 @@ class BlockManager:
             self.hits += len(found) * self.block_size
         return len(found) * self.block_size
 
-    def may_grow(self, state, positions: int) -> bool:
-        """Whether ``state``'s table can cover its first ``positions`` positions."""
+    def cached_run(self, state) -> int:
+        """Blocks of ``state``'s context the lookup finds cached (device or host), in a row from the first."""
+        return len(self._lookup(state))
+
+    def may_grow(self, state, positions: int, first: int | None = None) -> bool:
+        """Whether ``state``'s table can cover its first ``positions`` positions (``first``: the round's first row,
+        which only a sliding group reads, runtime/kv_groups.py)."""
         return self.blocks_for(positions) - len(state.block_table) <= self.num_free
 
-    def grow(self, state, positions: int) -> None:
+    def grow(self, state, positions: int, first: int | None = None) -> None:
         """Extend ``state``'s table to cover its first ``positions`` positions (``may_grow`` first)."""
         needed = self.blocks_for(positions) - len(state.block_table)
         if needed > self.num_free:
@@ -188,7 +196,8 @@ class BlockManager:
         if target.block_table or not self.num_free:
             return False
         for block in source.block_table[:shared]:
-            self._ref(block)
+            if block != NULL_BLOCK:  # a sliding group's block that left the window (``release``)
+                self._ref(block)
         copy = self._take()
         self.pool.copy_blocks([source.block_table[shared]], [copy])
         target.block_table = source.block_table[:shared] + [copy]
@@ -207,23 +216,53 @@ class BlockManager:
         hashes = self._chain(state, tokens, full)
         for i in range(state.cached_blocks, full):
             block = self.blocks[state.block_table[i]]
-            if block.hash is None and hashes[i] not in self.cached:
+            if block.block_id != NULL_BLOCK and block.hash is None and hashes[i] not in self.cached:
                 self._register(block.block_id, hashes[i])
         state.cached_blocks = full
 
     def free(self, state) -> None:
         """Drop ``state``'s references; its tail blocks become the first evicted (vLLM's order)."""
         for block_id in reversed(state.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:
-                    self.free_ids.append(block_id)
-                else:
-                    self.evictable[block_id] = None
+            self._unref(block_id)
         state.block_table, state.cached_blocks = [], 0
 
+    def release(self, state, below: int) -> None:
+        """Drop ``state``'s references to the blocks wholly below position ``below`` and name the null block in their
+        place (a sliding group's blocks that every later row's window has left; cached ones stay cached)."""
+        i = min(below // self.block_size, len(state.block_table)) - 1
+        while i >= 0 and state.block_table[i] != NULL_BLOCK:
+            self._unref(state.block_table[i])
+            state.block_table[i] = NULL_BLOCK
+            i -= 1
+
+    def adopt(self, state, first: int, count: int) -> None:
+        """Give ``state`` the device-cached blocks ``[first, count)`` of its hash chain, the null block below
+        ``first`` (a sliding group's prefix hit: the blocks of the window before position ``count * block_size``);
+        ``state.block_hashes`` must hold them, all cached (``holds``)."""
+        if state.block_table:
+            raise RuntimeError(f"request {state.request_id} already holds {len(state.block_table)} blocks")
+        table = [NULL_BLOCK] * first
+        for block_hash in state.block_hashes[first:count]:
+            table.append(self.cached[block_hash])
+            self._ref(table[-1])
+        state.block_table, state.cached_blocks = table, count
+
+    def holds(self, hashes) -> bool:
+        """Whether every block of ``hashes`` is cached on the device."""
+        return all(block_hash in self.cached for block_hash in hashes)
+
     # -- blocks -----------------------------------------------------------------------------
+    def _unref(self, block_id: int) -> None:
+        if block_id == NULL_BLOCK:  # a released entry (``release``): never held
+            return
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None:
+                self.free_ids.append(block_id)
+            else:
+                self.evictable[block_id] = None
+
     def _ref(self, block_id: int) -> None:
         self.evictable.pop(block_id, None)
         self.blocks[block_id].ref_count += 1

@@ -6,7 +6,9 @@ graph. The load sizes the pool from ``LoadOptions.kv_cache_memory`` (bytes for e
 the upper bound), refusing a budget below one sequence (``max_blocks`` blocks). A host tier of
 ``LoadOptions.kv_host_memory`` bytes holds evicted blocks (pinned on CUDA; a separate tensor on the CPU, so the path
 runs everywhere). The graphs address the pool through ``block_tables`` (``fill_block_tables``): row ``s`` lists slot
-``s``'s blocks, in position order.
+``s``'s blocks, in position order. The sliding layers' pools (``WINDOW_PAGED_STATE``) are a group of their own,
+``KVPool.window``, at their declared ``model.window_kv_blocks`` (every slot's window; no host tier), addressed through
+``window_block_tables``; a budget pays for them first and the full layers' pool takes the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ignition.catalog.geometry import PAGED_DIM, PAGED_STATE, max_blocks, usable_blocks
+from ignition.catalog.geometry import (NULL_BLOCK, PAGED_DIM, PAGED_STATE, WINDOW_PAGED_STATE, max_blocks,
+                                       usable_blocks, window_read_blocks)
 
 
 class KVPoolError(ValueError):
@@ -33,6 +36,8 @@ class PoolSize:
     max_blocks: int  # blocks one sequence of max_seq_len positions takes (a block table row)
     declared_blocks: int  # the core's upper bound, model.kv_blocks
     host_blocks: int = 0
+    window: PoolSize | None = None  # the sliding layers' pools (WINDOW_PAGED_STATE), a KV-cache group of their own
+    ring: bool = False  # a sliding group: a slot without a table cycles over its own max_blocks blocks (slot_layout)
 
 
 def _block_bytes(decl) -> int:
@@ -43,39 +48,60 @@ def _block_bytes(decl) -> int:
     return numel * torch.empty((), dtype=getattr(torch, decl.dtype)).element_size()
 
 
+def window_pool(model, decls: list) -> PoolSize | None:
+    """The sliding layers' pools (``WINDOW_PAGED_STATE`` in ``decls``), None without them: their declared
+    ``model.window_kv_blocks`` (``catalog.geometry.window_blocks_bound``: every slot's window at once, since the
+    runtime releases the blocks every later row's window has left, runtime/kv_groups.py)."""
+    window = [decl for decl in decls if decl.name in WINDOW_PAGED_STATE]
+    if not window:
+        return None
+    per_sequence = min(window_read_blocks(model.window_cells, model.block_size),
+                       max_blocks(model.max_seq_len, model.block_size))
+    return PoolSize(paged=True, num_blocks=model.window_kv_blocks, block_size=model.block_size,
+                    bytes_per_block=sum(_block_bytes(decl) for decl in window), max_blocks=per_sequence,
+                    declared_blocks=model.window_kv_blocks, ring=True)
+
+
 def plan_pool(model, state_decls: list, kv_cache_memory: int | None = None, kv_host_memory: int = 0) -> PoolSize:
     """The pool for a core whose manifest ``model`` (``catalog.manifest.ModelShape``) and state declarations are
     given.
 
-    ``kv_cache_memory``: bytes for the device pool (every paged tensor), None for the declared upper bound; a budget
-    past the bound is capped at it. KVPoolError when it cannot hold one sequence of ``max_seq_len`` positions besides
-    the null block."""
+    ``kv_cache_memory``: bytes for the device pools (every paged tensor), None for the declared upper bound; a
+    budget past the bound is capped at it. The sliding layers' pools take what every slot's window needs first
+    (``window_pool``), the full layers' the rest. KVPoolError when it cannot hold one sequence of ``max_seq_len``
+    positions besides the null block."""
     paged = [decl for decl in state_decls if decl.name in PAGED_STATE]
     if not paged:
         return PoolSize(paged=False, num_blocks=0, block_size=0, bytes_per_block=0, max_blocks=0, declared_blocks=0)
     block_size, declared = model.block_size, model.kv_blocks
+    window = window_pool(model, paged)
+    window_bytes = 0 if window is None else window.num_blocks * window.bytes_per_block
     per_sequence = max_blocks(model.max_seq_len, block_size)
-    bytes_per_block = sum(_block_bytes(decl) for decl in paged)
+    bytes_per_block = sum(_block_bytes(decl) for decl in paged if decl.name not in WINDOW_PAGED_STATE)
     num_blocks = declared
     if kv_cache_memory is not None:
         if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) or kv_cache_memory < 0:
             raise KVPoolError(f"kv_cache_memory must be a byte count (a non-negative integer), "
                               f"found {kv_cache_memory!r}")
-        num_blocks = min(declared, kv_cache_memory // bytes_per_block)
-        if usable_blocks(num_blocks) < per_sequence:
+        rest = kv_cache_memory - window_bytes  # a core of sliding layers alone has no full pool (0 bytes a block)
+        num_blocks = min(declared, max(rest, 0) // bytes_per_block) if bytes_per_block else declared
+        if rest < 0 or usable_blocks(num_blocks) < per_sequence:
+            windows = "" if window is None else f" besides the sliding pools' {window_bytes} bytes"
             raise KVPoolError(
-                f"kv_cache_memory {kv_cache_memory} bytes holds {num_blocks} KV blocks of {bytes_per_block} bytes; "
-                f"one sequence of max_seq_len {model.max_seq_len} positions needs {per_sequence} and the null block "
-                f"({(per_sequence + 1) * bytes_per_block} bytes)")
+                f"kv_cache_memory {kv_cache_memory} bytes holds {num_blocks} KV blocks of {bytes_per_block} bytes"
+                f"{windows}; one sequence of max_seq_len {model.max_seq_len} positions needs {per_sequence} and the "
+                f"null block ({(per_sequence + 1) * bytes_per_block + window_bytes} bytes)")
     if isinstance(kv_host_memory, bool) or not isinstance(kv_host_memory, int) or kv_host_memory < 0:
         raise KVPoolError(f"kv_host_memory must be a byte count (a non-negative integer), found {kv_host_memory!r}")
+    host_blocks = kv_host_memory // bytes_per_block if bytes_per_block else 0
     return PoolSize(paged=True, num_blocks=num_blocks, block_size=block_size, bytes_per_block=bytes_per_block,
-                    max_blocks=per_sequence, declared_blocks=declared, host_blocks=kv_host_memory // bytes_per_block)
+                    max_blocks=per_sequence, declared_blocks=declared, host_blocks=host_blocks, window=window)
 
 
 def pool_shape(decl, size: PoolSize) -> list[int]:
-    """The shape to allocate for state declaration ``decl``: a paged cache at the pool's block count."""
-    if decl.name not in PAGED_STATE or not size.paged:
+    """The shape to allocate for state declaration ``decl``: a full layers' pool at the pool's block count (the
+    sliding layers' pools at their declared one)."""
+    if decl.name not in PAGED_STATE or decl.name in WINDOW_PAGED_STATE or not size.paged:
         return list(decl.shape)
     return [size.num_blocks if axis == PAGED_DIM else extent for axis, extent in enumerate(decl.shape)]
 
@@ -88,19 +114,24 @@ class KVPool:
     size: PoolSize
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     host: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [layers, host_blocks, block_size, ...]
+    window: KVPool | None = None  # the sliding layers' pools, their own group of blocks (no host tier)
 
     @classmethod
     def build(cls, size: PoolSize, state: dict[str, torch.Tensor], on_cuda: bool = False) -> KVPool:
         """The pool over the core's allocated ``state``; ``on_cuda``: the load's device is a GPU (the host tier is
         then pinned, for asynchronous copies)."""
-        tensors = {name: tensor for name, tensor in state.items() if name in PAGED_STATE} if size.paged else {}
+        window = None
+        if size.window is not None:
+            window = cls(size.window, {name: state[name] for name in WINDOW_PAGED_STATE if name in state})
+        tensors = {name: tensor for name, tensor in state.items()
+                   if name in PAGED_STATE and name not in WINDOW_PAGED_STATE} if size.paged else {}
         host = {}
         if size.host_blocks:
             for name, tensor in tensors.items():
                 shape = list(tensor.shape)
                 shape[PAGED_DIM] = size.host_blocks
                 host[name] = torch.zeros(shape, dtype=tensor.dtype, pin_memory=on_cuda)
-        return cls(size, tensors, host)
+        return cls(size, tensors, host, window)
 
     paged = property(lambda self: self.size.paged)
     num_blocks = property(lambda self: self.size.num_blocks)
@@ -153,7 +184,14 @@ class KVPool:
             target[slot, :len(blocks)] = torch.tensor(blocks, dtype=target.dtype)
 
     def slot_layout(self, slot: int, width: int) -> list[int]:
-        """Slot ``slot``'s blocks when every slot owns ``width`` consecutive ones (a request without a table)."""
+        """Slot ``slot``'s blocks when every slot owns ``width`` consecutive ones (a request without a table: a draft
+        core's lanes). The sliding pools' (``PoolSize.ring``): the slot owns the ``max_blocks`` blocks after the null
+        block's and its predecessors', cycled over the table (block ``i`` of the sequence in its ``i mod
+        max_blocks``-th): a step's window spans at most ``max_blocks`` consecutive blocks, so none of them is
+        overwritten while read, and a draft rewinds by fewer positions than a step's rows."""
+        if self.size.ring:
+            per = self.max_blocks
+            return [NULL_BLOCK + 1 + slot * per + i % per for i in range(width)]
         if (slot + 1) * width > self.num_blocks:
             raise RuntimeError(f"slot {slot} has no block table and the pool of {self.num_blocks} blocks is below its "
                                f"declared {self.size.declared_blocks}: the scheduler must assign the slot's blocks")

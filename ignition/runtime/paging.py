@@ -5,10 +5,11 @@ keys by block, so a request whose context starts with cached blocks can start it
 else a core keeps per slot must then be rebuilt for the skipped positions too: ``penalty_counts`` is (its prompt
 plane counts the skipped tokens, ``seed_penalty_counts``), and so are the states of cache kinds that do not rewind
 (linear attention): they are restored from a snapshot kept at the hit's last block (``resume_prefix``,
-ignition/runtime/state_snapshots.py). Sliding-window rings and DeepSeek V4's compressed state are not, so prefix
-reuse is refused for such a core, with one log line at load (its requests still page their blocks), as it is for a
-linear core whose snapshot budget holds no snapshot. A tensor-parallel core's ranks hold their own
-``penalty_counts`` shards, which only broadcast submissions change, so it is refused too.
+ignition/runtime/state_snapshots.py). Sliding-window layers page their own group of blocks (``KVGroups``), whose
+hits need the window's blocks. DeepSeek V4's compressed state cannot be resumed, so prefix reuse is refused for such
+a core, with one log line at load (its requests still page their blocks), as it is for a linear core whose snapshot
+budget holds no snapshot. A tensor-parallel core's ranks hold their own ``penalty_counts`` shards, which only
+broadcast submissions change, so it is refused too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from ignition.catalog.geometry import PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE
 from ignition.runtime.block_manager import BlockManager
+from ignition.runtime.kv_groups import KVGroups
 from ignition.runtime.state_snapshots import (STATE_SNAPSHOT_MEMORY, StateSnapshots, check_snapshot_memory,
                                               snapshot_bytes, snapshot_states)
 
@@ -48,10 +50,11 @@ def prefix_reuse_refusal(core, snapshot_memory: int = STATE_SNAPSHOT_MEMORY) -> 
 
 
 def block_manager_for(core, prefix_caching: bool, snapshot_memory: int = STATE_SNAPSHOT_MEMORY,
-                      chunk: int = 1) -> BlockManager | None:
-    """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then); a core
-    with states that do not rewind gets a store of their snapshots of ``snapshot_memory`` bytes, kept at the
-    multiples of the block size and of the prefill ``chunk`` (ValueError for a budget that is no byte count)."""
+                      chunk: int = 1) -> BlockManager | KVGroups | None:
+    """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then; with
+    sliding pools, one a KV-cache group, ``KVGroups``); a core with states that do not rewind gets a store of their
+    snapshots of ``snapshot_memory`` bytes, kept at the multiples of the block size and of the prefill ``chunk``
+    (ValueError for a budget that is no byte count)."""
     check_snapshot_memory(snapshot_memory)
     pool = core.kv_pool
     if pool is None or not pool.paged:
@@ -63,11 +66,15 @@ def block_manager_for(core, prefix_caching: bool, snapshot_memory: int = STATE_S
     states = None
     if reuse and snapshot_states(core.state):
         states = StateSnapshots.for_core(core, snapshot_memory, pool.block_size, chunk)
-    return BlockManager(pool.num_blocks, pool.block_size, prefix_caching=reuse, host_blocks=pool.host_blocks,
+    full = BlockManager(pool.num_blocks, pool.block_size, prefix_caching=reuse, host_blocks=pool.host_blocks,
                         pool=pool, states=states)
+    if pool.window is None:
+        return full
+    window = BlockManager(pool.window.num_blocks, pool.block_size, prefix_caching=reuse, pool=pool.window)
+    return KVGroups(full, window, core.spec.model.sliding_window, pool.window.max_blocks)
 
 
-def resume_prefix(core, blocks: BlockManager, state, cached: int) -> None:
+def resume_prefix(core, blocks: BlockManager | KVGroups, state, cached: int) -> None:
     """Make ``state``'s slot what prefilling its first ``cached`` context tokens leaves (a prefix hit skips them):
     ``penalty_counts`` reseeded, the states that do not rewind restored from the hit's last block's snapshot."""
     seed_penalty_counts(core.state, state.slot, state.context()[:cached])

@@ -88,6 +88,8 @@ class RequestState:
     block_table: list[int] = field(default_factory=list)  # paged KV: the pool block of each block_size positions
     block_hashes: list[bytes] = field(default_factory=list)  # the hash chain of its full blocks (block_manager.py)
     cached_blocks: int = 0  # leading block_table entries already looked up or registered in the prefix cache
+    window_table: list[int] = field(default_factory=list)  # the sliding pools' blocks (kv_groups.py), null once released
+    window_cached_blocks: int = 0  # leading window_table entries looked up or registered in the sliding group's cache
 
     @property
     def done(self) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ignition.catalog.geometry import OUTPUT_PLANE, PAGED_EXTENT, PENALTY_COUNTS, PROMPT_PLANE, STATE_SHAPES
+from ignition.catalog.geometry import OUTPUT_PLANE, PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE, STATE_SHAPES
 from ignition.runtime.requests import AdmissionError, RequestState
 
 _INT64 = 1 << 64
@@ -71,14 +71,14 @@ class PromptCopier:
     ``shared`` is False where the copy cannot be made and each sample then prefills its own prompt: a state
     tensor whose layout ``catalog.geometry.STATE_SHAPES`` does not declare, or a tensor-parallel core (each
     rank holds its own state shard and replays only broadcast submissions, ignition/runtime/parallel/group.py).
-    A paged cache (a ``kv_blocks`` extent) is not copied here: its blocks are shared (``BlockManager.fork``).
+    A paged cache (``PAGED_STATE``) is not copied here: its blocks are shared (``BlockManager.fork``).
     """
 
     def __init__(self, core):
         self.state: dict[str, torch.Tensor] = core.state
         layouts = {name: STATE_SHAPES.get(name) for name in self.state}
         self.shared = core.group is None and all(
-            layout is not None and (PAGED_EXTENT in layout or "num_slots" in layout and (
+            layout is not None and (name in PAGED_STATE or "num_slots" in layout and (
                 name == PENALTY_COUNTS or "max_seq_len" in layout))
             for name, layout in layouts.items())
         self.layouts = layouts if self.shared else {}
@@ -87,7 +87,7 @@ class PromptCopier:
         """Make slot ``target`` hold what slot ``source`` holds for prompt positions ``[0, length)``."""
         for name, tensor in self.state.items():
             layout = self.layouts[name]
-            if PAGED_EXTENT in layout:
+            if name in PAGED_STATE:
                 continue
             slot_dim = layout.index("num_slots")
             src, dst = tensor.select(slot_dim, source), tensor.select(slot_dim, target)

@@ -220,18 +220,20 @@ class Scheduler:
             self.stats.update(planned)  # a preemption: those rounds never run
 
     def _reserve(self, rounds: list[ScheduledRound]) -> bool:
-        """Grow every lane's block table to the positions its round writes; when the blocks run out, preempt the
-        most recently admitted running request that holds blocks (False: plan the step again without it)."""
+        """Grow every lane's block table to the positions its round writes (a sliding group releasing what the round's
+        windows have left); when the blocks run out, preempt the most recently admitted running request that holds
+        blocks (False: plan the step again without it)."""
         for round in rounds:
             for lane in round.lanes:
                 if lane.retire:
                     continue
-                end = min(_written_end(lane), self.max_positions)  # draft rows past the end write block 0
-                if not self.blocks.may_grow(lane.state, end):
+                first, end = _written_span(lane)
+                end = min(end, self.max_positions)  # draft rows past the end write block 0
+                if not self.blocks.may_grow(lane.state, end, first):
                     victim = next((s for s in reversed(self.running) if s.block_table), lane.state)
                     self.preempt(victim.request_id)
                     return False
-                self.blocks.grow(lane.state, end)
+                self.blocks.grow(lane.state, end, first)
         return True
 
     def _plan(self) -> list[ScheduledRound]:
@@ -358,14 +360,15 @@ def _chunk_lane(state: RequestState, chunk: int, scored: bool = False) -> Lane:
     return Lane(state=state, chunk=ChunkPlan(start, context[start:start + length], emits, targets))
 
 
-def _written_end(lane: Lane) -> int:
-    """The position after the last one ``lane``'s round writes: its chunk's end, else its input token's position
-    (bindings.py: the newest token's, or the last prompt token's for a sample whose prompt was copied) plus one
-    and its draft."""
+def _written_span(lane: Lane) -> tuple[int, int]:
+    """The positions ``[first, end)`` ``lane``'s round writes: its chunk's, else from its input token's position
+    (bindings.py: the newest token's, or the last prompt token's for a sample whose prompt was copied) through its
+    draft (``end`` one past the newest token's position at least)."""
     if lane.chunk is not None:
-        return lane.chunk.start + len(lane.chunk.tokens)
+        return lane.chunk.start, lane.chunk.start + len(lane.chunk.tokens)
     state = lane.state
-    return len(state.request.prompt_ids) + max(len(state.generated), 1) + len(lane.draft)
+    prompt = len(state.request.prompt_ids)
+    return prompt + len(state.generated) - 1, prompt + max(len(state.generated), 1) + len(lane.draft)
 
 
 def _chunk_end(state: RequestState, chunk: int) -> int:

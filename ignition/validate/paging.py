@@ -5,12 +5,15 @@ A core whose state holds the pools of blocks (catalog/geometry.py ``PAGED_STATE`
 rules check what the extents alone cannot: the block size divides the key window granule, the bound holds one
 sequence of ``max_seq_len`` (GEOM-SEQ), and every variant takes ``block_tables`` as ``catalog.buffers.PAGED_INPUTS``
 declares it (no variant of a core without pools does; a wrong row count is GEOM-SLOTS, a wrong width GEOM-SEQ).
+A core with sliding-window pools (``WINDOW_PAGED_STATE``) states ``model.window_kv_blocks`` (GEOM-WINDOW-BLOCKS) and
+every variant takes ``window_block_tables`` too (GEOM-WINDOW-TABLES).
 """
 
 from __future__ import annotations
 
-from ignition.catalog.buffers import BLOCK_TABLES, BUFFERS, KEY_WINDOW, WINDOWS, resolve_shape
-from ignition.catalog.geometry import PAGED_STATE, block_size_problem, max_blocks
+from ignition.catalog.buffers import BLOCK_TABLES, BUFFERS, KEY_WINDOW, WINDOW_BLOCK_TABLES, WINDOWS, resolve_shape
+from ignition.catalog.geometry import (PAGED_STATE, WINDOW_PAGED_STATE, block_size_problem, max_blocks,
+                                       window_blocks_bound)
 from ignition.validate.report import Violation
 
 
@@ -34,28 +37,51 @@ def check_paging(manifest: dict, variants: list[dict]) -> list[Violation]:
         found.append(Violation("GEOM-SEQ", "manifest.json:model.max_seq_len", f"a sequence of {seq} positions takes "
                                f"{max_blocks(seq, block_size)} blocks of {block_size}; model.kv_blocks holds "
                                f"{kv_blocks}"))
-    expected = None
-    if paged and all(isinstance(v, int) and v > 0 for v in (block_size, seq, model.get("num_slots"))):
-        spec = BUFFERS[BLOCK_TABLES]
+    windowed = any(s["name"] in WINDOW_PAGED_STATE for s in manifest["state"])
+    window_blocks = model.get("window_kv_blocks")
+    if windowed != (window_blocks is not None):
+        found.append(Violation("GEOM-WINDOW-BLOCKS", "manifest.json:model.window_kv_blocks",
+                               "stated, but the state declares no sliding pools" if window_blocks is not None else
+                               f"the sliding pools {list(WINDOW_PAGED_STATE)} need their declared block count"))
+    elif windowed and all(isinstance(model.get(f), int) and model[f] > 0
+                          for f in ("block_size", "max_seq_len", "num_slots", "window_cells")):
+        expected = window_blocks_bound(model["num_slots"], model["window_cells"], seq, block_size)
+        if window_blocks != expected:
+            found.append(Violation("GEOM-WINDOW-BLOCKS", "manifest.json:model.window_kv_blocks", f"expected "
+                                   f"num_slots {model['num_slots']} x {(expected - 1) // model['num_slots']} blocks "
+                                   f"(a window of window_cells {model['window_cells']} positions in blocks of "
+                                   f"{block_size}) + the null block = {expected}, found {window_blocks}"))
+    for table, present, rule in ((BLOCK_TABLES, paged, "GEOM-BLOCK-TABLES"),
+                                 (WINDOW_BLOCK_TABLES, windowed, "GEOM-WINDOW-TABLES")):
+        found += _check_tables(model, variants, table, present, rule)
+    return found
+
+
+def _check_tables(model: dict, variants: list[dict], table: str, present: bool, rule: str) -> list[Violation]:
+    """Every variant declares the input ``table`` as ``catalog.buffers`` does exactly when ``present`` (``rule``)."""
+    block_size, seq = model.get("block_size"), model.get("max_seq_len")
+    expected, found = None, []
+    if present and all(isinstance(v, int) and v > 0 for v in (block_size, seq, model.get("num_slots"))):
+        spec = BUFFERS[table]
         expected = (spec.dtype, resolve_shape(spec, num_slots=model["num_slots"],
                                               max_blocks=max_blocks(seq, block_size)), spec.source)
     for variant in variants:
-        where = f"variant {variant['name']}: {BLOCK_TABLES}"
-        declared = [a for a in variant["arguments"] if a["name"] == BLOCK_TABLES]
-        if not paged:
+        where = f"variant {variant['name']}: {table}"
+        declared = [a for a in variant["arguments"] if a["name"] == table]
+        if not present:
             if declared:
-                found.append(Violation("GEOM-BLOCK-TABLES", where, "declared, but the core has no paged caches"))
+                found.append(Violation(rule, where, "declared, but the core has no caches it addresses"))
             continue
-        binding = variant["contract"]["bindings"].get(BLOCK_TABLES)
+        binding = variant["contract"]["bindings"].get(table)
         found_decl = (declared[0]["dtype"], declared[0]["shape"], binding) if declared else None
         if expected is None or found_decl == (expected[0], expected[1], int(expected[2])) \
                 and declared[0]["role"] == "input":
             continue
-        rule = "GEOM-BLOCK-TABLES"  # a wrong row count or width: the slot count or the context bound is what lies
+        broken = rule  # a wrong row count or width: the slot count or the context bound is what lies
         if found_decl is not None and found_decl[0] == expected[0] and len(found_decl[1]) == 2:
-            rule = "GEOM-SLOTS" if found_decl[1][0] != expected[1][0] else \
+            broken = "GEOM-SLOTS" if found_decl[1][0] != expected[1][0] else \
                 "GEOM-SEQ" if found_decl[1][1] != expected[1][1] else rule
-        found.append(Violation(rule, where, f"expected an input {expected[0]} {expected[1]} ([num_slots, "
+        found.append(Violation(broken, where, f"expected an input {expected[0]} {expected[1]} ([num_slots, "
                                f"ceil(max_seq_len / block_size)]) bound to {expected[2].name} ({int(expected[2])}), "
                                f"found {found_decl or 'none'}"))
     return found
