@@ -2,8 +2,9 @@
 
 ``python tests/_tp_runner.py CORE[,CORE...] RANKS [--kill]`` starts each core's ranks in turn (one
 process start for every core), runs ``requests()`` and prints one JSON line: a list of results per
-core, in the order given; with ``--kill`` it then kills rank 1 of the last core and reports how the
-next submission fails.
+core, in the order given, and per core the ``prefix_requests()`` run one at a time with prefix caching off and
+on (``prefix``: both results and the cached tokens); with ``--kill`` it then kills rank 1 of the last core and
+reports how the next submission fails.
 """
 
 from __future__ import annotations
@@ -26,6 +27,23 @@ def requests() -> list[Request]:
             Request(prompt_ids=PROMPT[:3], max_tokens=3, logprob_token_ids=SELECTED, ignore_eos=True)]
 
 
+def prefix_requests() -> list[Request]:
+    """The same 20-token prompt twice (one full block of 16 cached for the second), with penalties: the second's
+    prefill starts after the cached block on every rank, its penalty counts seeded from the prompt."""
+    prompt = [(7 * j + 3) % 140 + 1 for j in range(20)]
+    return [Request(prompt_ids=prompt, max_tokens=4, logprobs=3, ignore_eos=True, repetition_penalty=1.3,
+                    presence_penalty=0.5) for _ in range(2)]
+
+
+def prefix_run(loaded) -> dict:
+    """``prefix_requests()`` one at a time on an engine without prefix caching, then on one with it."""
+    cold = Engine(loaded, prefix_caching=False)
+    cold_results = [as_json(cold.generate([r])[0]) for r in prefix_requests()]
+    warm = Engine(loaded)
+    warm_results = [as_json(warm.generate([r])[0]) for r in prefix_requests()]
+    return {"cold": cold_results, "warm": warm_results, "hits": warm.kv_cache_stats()["prefix_cache_hits"]}
+
+
 def as_json(result) -> dict:
     return {"tokens": list(result.token_ids), "error": result.error,
             "entries": [{"id": e.id, "logprob": e.logprob, "top": [list(pair) for pair in e.top]}
@@ -36,11 +54,12 @@ def as_json(result) -> dict:
 def run(cores: list[str], ranks: int, kill: bool) -> dict:
     from ignition.runtime.parallel.group import ParallelError, tensor_parallel
 
-    report = {"results": []}
+    report = {"results": [], "prefix": []}
     for index, core in enumerate(cores):
         with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
             engine = Engine(loaded)
             report["results"].append([as_json(r) for r in engine.generate(requests())])
+            report["prefix"].append(prefix_run(loaded))
             if kill and index == len(cores) - 1:
                 group = loaded.group
                 os.kill(group.workers[0].pid, signal.SIGKILL)

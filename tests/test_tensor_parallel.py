@@ -133,7 +133,7 @@ def test_moe_and_mla_cores_declare_their_shards(cores):
     assert mla["layers.0.o_proj"] == {"kind": "row", "dim": 1, "full": [32, 48], "shard": [32, 24]}
     state = {s["name"]: s["shape"] for s in
              json.loads((cores["deepseek_v3"][2] / "manifest.json").read_text())["state"]}
-    assert state["latent_cache"] == [2, 1, 32, 16] and state["rope_key_cache"] == [2, 1, 32, 8]  # whole per rank
+    assert state["latent_cache"] == [2, 2, 16, 16] and state["rope_key_cache"] == [2, 2, 16, 8]  # whole pools per rank
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -152,6 +152,20 @@ def test_tp2_matches_tp1(cores, sharded, recipe):
     print(f"{recipe}: {len(worst)} values, max {max(u for u, _ in worst):.0f} ulp, max abs {max(a for _, a in worst):.3g}")
     explicit = results[1]["entries"][0]["top"]
     assert [i for i, _ in explicit] == [0, 150, 7, 75, 76, 3]  # caller order, across the shard boundary
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tp2_prefix_hits_give_the_uncached_results(sharded, recipe):
+    """A TP=2 core reuses prefixes (runtime/paging.py): the second request's first block comes from the cache on
+    both ranks, and its tokens and logprobs are the uncached ones (the cached keys are the ones its own chunks
+    write: bit-identical here, FP32's chunk-split tolerance allowed)."""
+    prefix = sharded[1]["prefix"][RECIPES.index(recipe)]
+    assert prefix["hits"] == 16  # the 20-token prompt's one full block, found by the second request
+    for warm, cold in zip(prefix["warm"], prefix["cold"], strict=True):
+        assert warm["error"] is None and warm["tokens"] == cold["tokens"]
+        for got, want in zip(warm["entries"], cold["entries"], strict=True):
+            assert got["id"] == want["id"] and [i for i, _ in got["top"]] == [i for i, _ in want["top"]]
+            assert abs(got["logprob"] - want["logprob"]) <= 2e-5, (got, want)
 
 
 def test_tp4_matches_tp1(tmp_path_factory):

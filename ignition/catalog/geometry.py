@@ -26,8 +26,8 @@ _WINDOW_CACHE = ("sliding_layers", "num_slots", "window_cells", "num_kv_heads", 
 STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     K_CACHE: _KV_CACHE,
     V_CACHE: _KV_CACHE,
-    LATENT_CACHE: ("full_layers", "num_slots", "max_seq_len", "kv_lora_rank"),
-    ROPE_KEY_CACHE: ("full_layers", "num_slots", "max_seq_len", "qk_rope_head_dim"),
+    LATENT_CACHE: ("full_layers", "kv_blocks", "block_size", "kv_lora_rank"),
+    ROPE_KEY_CACHE: ("full_layers", "kv_blocks", "block_size", "qk_rope_head_dim"),
     K_WINDOW_CACHE: _WINDOW_CACHE,
     V_WINDOW_CACHE: _WINDOW_CACHE,
     CONV_STATE: ("linear_layers", "num_slots", "linear_conv_dim", "linear_conv_state"),
@@ -46,12 +46,12 @@ STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
 """Runtime-owned state tensors by name. The caches are in the model dtype (the recurrent state in FP32,
 ``FP32_STATE``); each cache's first extent counts the layers of its kind (``KIND_LAYERS``)."""
 
-PAGED_STATE = (K_CACHE, V_CACHE)
-"""The pools of blocks: ``[full_layers, kv_blocks, block_size, ...]``, addressed through the ``block_tables`` input
+PAGED_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE)
+"""The pools of blocks (GQA's K and V, MLA's latent and rope key): ``[full_layers, kv_blocks, block_size, ...]``, addressed through the ``block_tables`` input
 (catalog/buffers.py): position ``p`` of slot ``s`` is cell ``block_tables[s, p // block_size] * block_size +
 p % block_size`` of its layer. ``kv_blocks`` (dim ``PAGED_DIM``) is a load-time extent: dynamic in every exported
 program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most that
-(runtime/kv_pool.py). Every other cache stays per slot (MLA's latents, sliding rings, linear and DeepSeek V4 state)."""
+(runtime/kv_pool.py). Every other cache stays per slot (sliding rings, linear and DeepSeek V4 state)."""
 PAGED_DIM = 1
 PAGED_EXTENT = _KV_CACHE[PAGED_DIM]
 """The symbol of a paged cache's layout that counts the pool's blocks (``kv_blocks``)."""

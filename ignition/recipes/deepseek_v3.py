@@ -103,8 +103,9 @@ class DeepseekV3Config:
             scale *= (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
         return scale
 
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
-        return mla_cache_shapes(self, num_slots, max_seq_len)
+    def cache_shapes(self, num_slots: int, max_seq_len: int, block_size: int | None = None,
+                     kv_blocks=None) -> dict[str, tuple[int, ...]]:
+        return mla_cache_shapes(self, num_slots, max_seq_len, block_size, kv_blocks)
 
     def summary(self) -> dict:
         return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,

@@ -5,8 +5,12 @@ keys by block, so a request whose context starts with cached blocks can start it
 else a core keeps per slot must then be rebuilt for the skipped positions too: ``penalty_counts`` is (its prompt
 plane counts the skipped tokens, ``seed_penalty_counts``); sliding-window rings, linear-attention states and
 DeepSeek V4's compressed state are not, so prefix reuse is refused for such a core, with one log line at load
-(its requests still page their blocks). A tensor-parallel core's ranks hold their own ``penalty_counts`` shards,
-which only broadcast submissions change, so it is refused too.
+(its requests still page their blocks).
+
+A tensor-parallel core's other ranks hold their own ``penalty_counts`` and pools, which graphs change through
+broadcast submissions: what rank 0 changes outside a graph (a prefix hit's seeded counts, ``seed_prefix``; a block
+moved by the block manager, ``RankPool``) each rank repeats before the next submission
+(``RankGroup.replay``, ignition/runtime/parallel/group.py, then ``replay_operations`` on the rank).
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ def paged_states() -> set[str]:
 
 def prefix_reuse_refusal(core) -> str | None:
     """Why a prefix hit cannot resume a request of ``core`` (None: it can)."""
-    if core.group is not None:
-        return "tensor-parallel ranks keep their own penalty_counts shards"
     per_slot = sorted(name for name in core.state if name not in paged_states() and name != PENALTY_COUNTS)
     if per_slot:
         return f"its layers keep per-slot state ({', '.join(per_slot)}) that a prefix hit cannot resume"
@@ -46,7 +48,32 @@ def block_manager_for(core, prefix_caching: bool) -> BlockManager | None:
     if refusal is not None:
         log.info("prefix caching is off for %s: %s", core.path.name, refusal)
     return BlockManager(pool.num_blocks, pool.block_size, prefix_caching=prefix_caching and refusal is None,
-                        host_blocks=pool.host_blocks, pool=pool)
+                        host_blocks=pool.host_blocks, pool=pool if core.group is None else RankPool(pool, core.group))
+
+
+POOL_MOVES = ("copy_blocks", "to_host", "from_host")
+"""``KVPool``'s moves of whole blocks, the ones a block manager makes (runtime/kv_pool.py)."""
+
+
+class RankPool:
+    """Rank 0's ``KVPool`` of a tensor-parallel core, as its block manager sees it: each move of blocks runs here and
+    on every other rank, before the next submission (``RankGroup.replay``)."""
+
+    def __init__(self, pool, group):
+        self.pool, self.group = pool, group
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        self._move("copy_blocks", src, dst)
+
+    def to_host(self, device: list[int], host: list[int]) -> None:
+        self._move("to_host", device, host)
+
+    def from_host(self, host: list[int], device: list[int]) -> None:
+        self._move("from_host", host, device)
+
+    def _move(self, name: str, src: list[int], dst: list[int]) -> None:
+        getattr(self.pool, name)(src, dst)
+        self.group.replay(name, [int(block) for block in src], [int(block) for block in dst])
 
 
 def kv_budget(fraction: float, total: int, free: int, weights_bytes: int) -> int:
@@ -67,6 +94,27 @@ def kv_capacity_tokens(core) -> int | None:
     return pool.capacity_tokens if pool is not None and pool.paged else None
 
 
+def seed_prefix(core, slot: int, tokens: list[int]) -> None:
+    """``seed_penalty_counts`` of ``core``'s ``slot`` for a prefix hit of ``tokens``, on every rank of a
+    tensor-parallel core."""
+    seed_penalty_counts(core.state, slot, tokens)
+    if core.group is not None:
+        core.group.replay("seed_penalty_counts", int(slot), [int(token) for token in tokens])
+
+
+def replay_operations(core, operations: list) -> None:
+    """On a tensor-parallel rank other than 0: repeat what rank 0 changed outside a graph, in order (``operations``:
+    ``[name, *arguments]`` each, ``RankGroup.replay``): ``seed_penalty_counts`` or one of ``POOL_MOVES``."""
+    for name, *arguments in operations:
+        if name == "seed_penalty_counts":
+            seed_penalty_counts(core.state, *arguments)
+        elif name in POOL_MOVES and core.kv_pool is not None:
+            getattr(core.kv_pool, name)(*arguments)
+        else:
+            raise ValueError(f"rank 0 asked for {name!r}; expected seed_penalty_counts or one of {POOL_MOVES} "
+                             f"(a core with a KV pool)")
+
+
 def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[int]) -> None:
     """Make ``slot``'s ``penalty_counts`` what prefilling ``tokens`` from position 0 leaves: the tokens counted in
     the prompt plane, no emitted token (a prefix hit skips the chunks whose graphs would count them)."""
@@ -76,5 +124,5 @@ def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[
     counts[PROMPT_PLANE].index_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
 
 
-__all__ = ["block_manager_for", "kv_budget", "kv_capacity_tokens", "paged_states", "prefix_reuse_refusal",
-           "seed_penalty_counts"]
+__all__ = ["POOL_MOVES", "RankPool", "block_manager_for", "kv_budget", "kv_capacity_tokens", "paged_states",
+           "prefix_reuse_refusal", "replay_operations", "seed_penalty_counts", "seed_prefix"]

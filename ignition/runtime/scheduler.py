@@ -25,7 +25,7 @@ from ignition.catalog.enums import Operation
 from ignition.runtime.bindings import ChunkPlan, Lane, replayed_extent
 from ignition.runtime.constrained import Constraints
 from ignition.runtime.core import LoadedCore, LoadedVariant
-from ignition.runtime.paging import block_manager_for, seed_penalty_counts
+from ignition.runtime.paging import block_manager_for, seed_prefix
 from ignition.runtime.requests import RequestState
 from ignition.runtime.runner import FreeSlots, smallest_fitting
 from ignition.runtime.samples import SampleGroups
@@ -108,7 +108,7 @@ class Scheduler:
             cached = self.blocks.allocate(state)
             if cached:  # its prefill starts after the cached blocks
                 state.prefilled = cached
-                seed_penalty_counts(self.core.state, state.slot, state.context()[:cached])
+                seed_prefix(self.core, state.slot, state.context()[:cached])
         self.constraints.prefetch(state)  # its first row fills while its prompt is prefilled
 
     def _free_blocks(self, state: RequestState) -> None:
