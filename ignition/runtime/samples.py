@@ -84,9 +84,10 @@ class PromptCopier:
     def copy(self, source: int, target: int, length: int) -> None:
         """Make slot ``target`` hold what slot ``source`` holds for prompt positions ``[0, length)``: the prompt
         plane of ``penalty_counts`` (the pools' blocks are shared, not copied)."""
-        counts = self.state[PENALTY_COUNTS]  # [num_slots, planes, vocab]
-        counts[target, PROMPT_PLANE].copy_(counts[source, PROMPT_PLANE])
-        counts[target, OUTPUT_PLANE].zero_()
+        counts = self.state.get(PENALTY_COUNTS)  # [num_slots, planes, vocab]; none in a stateless (toy) core
+        if counts is not None:
+            counts[target, PROMPT_PLANE].copy_(counts[source, PROMPT_PLANE])
+            counts[target, OUTPUT_PLANE].zero_()
 
 
 class SampleGroups:
