@@ -16,7 +16,7 @@ import sys
 import time
 
 from ignition.runtime.engine import Engine
-from ignition.runtime.requests import Request
+from ignition.runtime.requests import Request, SamplingParams
 
 PROMPT = [5, 17, 33, 2, 140, 9]
 SELECTED = [0, 150, 7, 75, 76, 3]  # both sides of the TP=2 shard boundary (76) and the last token
@@ -31,8 +31,8 @@ def prefix_requests() -> list[Request]:
     """The same 20-token prompt twice (one full block of 16 cached for the second), with penalties: the second's
     prefill starts after the cached block on every rank, its penalty counts seeded from the prompt."""
     prompt = [(7 * j + 3) % 140 + 1 for j in range(20)]
-    return [Request(prompt_ids=prompt, max_tokens=4, logprobs=3, ignore_eos=True, repetition_penalty=1.3,
-                    presence_penalty=0.5) for _ in range(2)]
+    return [Request(prompt_ids=prompt, max_tokens=4, logprobs=3, ignore_eos=True,
+                    sampling=SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)) for _ in range(2)]
 
 
 def prefix_run(loaded) -> dict:

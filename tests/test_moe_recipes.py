@@ -35,7 +35,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.present import run_json
 from ignition.validate.core import validate_core
-from ignition.runtime.requests import Request
+from ignition.runtime.requests import Request, SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_moe.py"
 RECIPES = ("qwen3_moe", "deepseek_v3")
@@ -222,8 +222,8 @@ def test_deepseek_v3_reuses_prefixes_from_its_mla_pools(cores) -> None:
     assert (loaded.kv_pool.num_blocks, loaded.kv_pool.block_size, loaded.kv_pool.capacity_tokens) == (8, 16, 112)
     shared = [(5 * j + 3) % 300 + 1 for j in range(37)]  # two full blocks of 16 and 5 tokens
     requests = [Request(shared, max_tokens=5, logprobs=2, ignore_eos=True),
-                Request(shared + [9, 10, 11], max_tokens=5, logprobs=2, ignore_eos=True, repetition_penalty=1.3,
-                        presence_penalty=0.5),
+                Request(shared + [9, 10, 11], max_tokens=5, logprobs=2, ignore_eos=True,
+                sampling=SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)),
                 Request(shared + [7, 8], max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True)]
     cold_engine, warm_engine = Engine(loaded, prefix_caching=False), Engine(loaded)
     cold = [cold_engine.generate([r])[0] for r in requests]
