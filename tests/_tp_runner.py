@@ -3,7 +3,7 @@
 ``python tests/_tp_runner.py CORE[,CORE...] RANKS [--kill]`` starts each core's ranks in turn (one
 process start for every core), runs ``requests()`` and prints one JSON line: a list of results per
 core, in the order given, and per core the ``prefix_requests()`` run one at a time with prefix caching off and
-on (``prefix``: both results and the cached tokens); with ``--kill`` it then kills rank 1 of the last core and
+on (``prefix``: both results and the cached tokens; None for a pool too small for them); with ``--kill`` it then kills rank 1 of the last core and
 reports how the next submission fails.
 """
 
@@ -27,21 +27,26 @@ def requests() -> list[Request]:
             Request(prompt_ids=PROMPT[:3], max_tokens=3, logprob_token_ids=SELECTED, ignore_eos=True)]
 
 
-def prefix_requests() -> list[Request]:
-    """The same 20-token prompt twice (one full block of 16 cached for the second), with penalties: the second's
-    prefill starts after the cached block on every rank, its penalty counts seeded from the prompt."""
-    prompt = [(7 * j + 3) % 140 + 1 for j in range(20)]
+def prefix_requests(block_size: int) -> list[Request]:
+    """The same prompt of one full block and 2 tokens twice (the block cached for the second), with penalties: the
+    second's prefill starts after the cached block on every rank, its penalty counts seeded from the prompt."""
+    prompt = [(7 * j + 3) % 140 + 1 for j in range(block_size + 2)]
     return [Request(prompt_ids=prompt, max_tokens=4, logprobs=3, ignore_eos=True,
                     sampling=SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)) for _ in range(2)]
 
 
-def prefix_run(loaded) -> dict:
-    """``prefix_requests()`` one at a time on an engine without prefix caching, then on one with it."""
+def prefix_run(loaded) -> dict | None:
+    """``prefix_requests()`` one at a time on an engine without prefix caching, then on one with it; None when the
+    core's pool cannot hold a request that long."""
+    block_size = loaded.kv_pool.block_size
+    if loaded.kv_pool.capacity_tokens < block_size + 6:
+        return None
     cold = Engine(loaded, prefix_caching=False)
-    cold_results = [as_json(cold.generate([r])[0]) for r in prefix_requests()]
+    cold_results = [as_json(cold.generate([r])[0]) for r in prefix_requests(block_size)]
     warm = Engine(loaded)
-    warm_results = [as_json(warm.generate([r])[0]) for r in prefix_requests()]
-    return {"cold": cold_results, "warm": warm_results, "hits": warm.kv_cache_stats()["prefix_cache_hits"]}
+    warm_results = [as_json(warm.generate([r])[0]) for r in prefix_requests(block_size)]
+    return {"cold": cold_results, "warm": warm_results, "hits": warm.kv_cache_stats()["prefix_cache_hits"],
+            "block_size": block_size}
 
 
 def as_json(result) -> dict:

@@ -177,6 +177,11 @@ def test_validator_checks_the_latent_cache_against_the_manifest(cores, tmp_path)
     (core / "manifest.json").write_bytes(dump_json(manifest))
     report = validate_core(core, check_graphs=False)
     assert any(v.rule == "GEOM-MODEL" and "latent_cache" in v.where for v in report.violations), report.violations
+    manifest["model"]["kv_lora_rank"], manifest["model"]["kv_blocks"] = 16, 9  # the pools hold 8 blocks
+    (core / "manifest.json").write_bytes(dump_json(manifest))
+    lies = {v.where for v in validate_core(core, check_graphs=False).violations if v.rule == "GEOM-KV-BLOCKS"}
+    assert {"latent_cache", "rope_key_cache"} <= {name for name in ("latent_cache", "rope_key_cache")
+                                                  if any(name in where for where in lies)}, lies
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
