@@ -4,7 +4,8 @@
 model would not run or that we do not implement, naming the field. ``WEIGHT_MAP`` maps the HF
 tensor names (per-expert tensors as stored) to ours; the router and its score-correction bias
 stay fp32 like HF keeps them. The build, variants and graphs are the shared decoder ones
-(``llama.build_decoder``); the model is ``mla.mla_decoder`` over the compressed latent cache.
+(``llama.build_decoder``); the model is ``mla.mla_decoder`` over the compressed latent pools, reading the key
+window only (``windowed``; its prompt chunks keep their rows, the MoE capacity ladder's).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ WEIGHT_MAP: dict[str, WeightSpec] = {
                                                          ("hidden_size", "moe.shared_intermediate_size"), layers=_SPARSE),
 }
 
-FAMILY = DecoderFamily("deepseek_v3", DeepseekV3Config.from_hf_config, WEIGHT_MAP, mla_decoder)
+FAMILY = DecoderFamily("deepseek_v3", DeepseekV3Config.from_hf_config, WEIGHT_MAP, mla_decoder, windowed=True)
 
 
 def build(options: ExportOptions) -> RecipeBuild:

@@ -7,11 +7,12 @@ in the model dtype (catalog/geometry.py ``PAGED_STATE``, addressed through the r
 V): ``latent_cache`` (width ``kv_lora_rank``) and ``rope_key_cache`` (width ``qk_rope_head_dim``). Without block
 tables (a recipe-level forward) each slot is one block of ``max_seq_len`` positions (``layers.page_cells``).
 
-Attention gathers each group's cells of its slot's key positions through the block table (planned once a forward,
-``_cells``; one gather a layer and pool: the lanes' own positions, never the pool), expands the latents into
+Attention gathers each group's cells of its slot's key window ``[0, W)`` (``Rows.key_window``: the live context, the
+``key_window`` input of every deepseek_v3 graph) through the block table (planned once a forward, ``_cells``; one
+gather a layer and pool: the lanes' live positions, never the pool), expands the latents into
 per-head keys and values with ``kv_b_proj`` (once per call and layer), then attends as usual: exactly what
 transformers computes, bit-identical to it in bf16 on CPU. The cache stays compressed; the
-compute does not: per call and layer the expansion costs ``2 * positions * kv_lora_rank *
+compute does not: per call and layer the expansion costs ``2 * W * kv_lora_rank *
 heads * (qk_nope_head_dim + v_head_dim)`` FLOPs per slot. The absorbed form (``kv_b_proj``
 folded into the query and the output) costs ~120x less per decode row at DeepSeek-V3 size, but
 rounds differently: measured on the tiny bf16 example over 22 decode steps, up to 1.05 on a
