@@ -42,12 +42,14 @@ def build_core(root: Path) -> Path:
     return root / "core"
 
 
-def start_server(core: Path) -> tuple[subprocess.Popen, str]:
+def start_server(core: Path, name: str = "toy") -> tuple[subprocess.Popen, str]:
+    """``ignition serve CORE`` on a free port in its own process, serving ``name``: (the process, its URL) once
+    /health answers."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-c", "from ignition.cli import main; main()", "serve", str(core),
-                                "--port", str(port), "--served-model-name", "toy"],
+                                "--port", str(port), "--served-model-name", name],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
     while True:

@@ -1,10 +1,10 @@
 """Rank 0 of a tensor-parallel run, as its own process (tests/test_tensor_parallel.py).
 
-``python tests/_tp_runner.py CORE[,CORE...] RANKS [--kill]`` starts each core's ranks in turn (one
-process start for every core), runs ``requests()`` and prints one JSON line: a list of results per
-core, in the order given, and per core the ``prefix_requests()`` run one at a time with prefix caching off and
-on (``prefix``: both results and the cached tokens; None for a pool too small for them); with ``--kill`` it then kills rank 1 of the last core and
-reports how the next submission fails.
+``python tests/_tp_runner.py CORE[,CORE...] RANKS [--kill] [--requests FILE]`` starts each core's ranks in turn
+(one process start for every core), runs ``requests()`` (or FILE's: a JSON list of ``Request`` fields) and prints
+one JSON line: a list of results per core, in the order given, and per core the ``prefix_requests()`` run one at a
+time with prefix caching off and on (``prefix``: both results and the cached tokens; None for a pool too small for
+them); with ``--kill`` it then kills rank 1 of the last core and reports how the next submission fails.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request, SamplingParams
@@ -22,7 +23,9 @@ PROMPT = [5, 17, 33, 2, 140, 9]
 SELECTED = [0, 150, 7, 75, 76, 3]  # both sides of the TP=2 shard boundary (76) and the last token
 
 
-def requests() -> list[Request]:
+def requests(path: str | None = None) -> list[Request]:
+    if path is not None:
+        return [Request(**fields) for fields in json.loads(Path(path).read_text())]
     return [Request(prompt_ids=PROMPT, max_tokens=5, logprobs=20, ignore_eos=True),
             Request(prompt_ids=PROMPT[:3], max_tokens=3, logprob_token_ids=SELECTED, ignore_eos=True)]
 
@@ -56,14 +59,14 @@ def as_json(result) -> dict:
             "prompt": result.prompt_entries}
 
 
-def run(cores: list[str], ranks: int, kill: bool) -> dict:
+def run(cores: list[str], ranks: int, kill: bool, path: str | None = None) -> dict:
     from ignition.runtime.parallel.group import ParallelError, tensor_parallel
 
     report = {"results": [], "prefix": []}
     for index, core in enumerate(cores):
         with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
             engine = Engine(loaded)
-            report["results"].append([as_json(r) for r in engine.generate(requests())])
+            report["results"].append([as_json(r) for r in engine.generate(requests(path))])
             report["prefix"].append(prefix_run(loaded))
             if kill and index == len(cores) - 1:
                 group = loaded.group
@@ -79,4 +82,6 @@ def run(cores: list[str], ranks: int, kill: bool) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1].split(","), int(sys.argv[2]), "--kill" in sys.argv[3:])))
+    options = sys.argv[3:]
+    path = options[options.index("--requests") + 1] if "--requests" in options else None
+    print(json.dumps(run(sys.argv[1].split(","), int(sys.argv[2]), "--kill" in options, path)))

@@ -218,3 +218,37 @@ def test_allocation_beyond_the_free_blocks_is_refused():
         manager.allocate(state)
     with pytest.raises(ValueError, match="at least 2 blocks"):
         BlockManager(1, SIZE, prefix_caching=False)
+
+
+class Snapshots(set):
+    """The hashes whose blocks end with a state snapshot (``StateSnapshots``' ``__contains__`` and ``drop``)."""
+
+    def drop(self, block_hash):
+        self.discard(block_hash)
+
+
+def test_a_hit_ends_at_the_last_cached_block_with_a_state_snapshot():
+    pool, states = TensorPool(12), Snapshots()
+    manager = BlockManager(12, SIZE, prefix_caching=True, pool=pool, states=states)
+    first = make(range(13), rid="a")  # 3 full blocks cached
+    run_prefill(manager, pool, first)
+    manager.free(first)
+    states.update(first.block_hashes[:2])  # the states after positions 4 and 8 were kept, not after 12
+    second = make(list(range(13)) + [99], rid="b")
+    assert manager.can_allocate(second) and run_prefill(manager, pool, second) == 2 * SIZE
+    manager.free(second)
+    states.clear()
+    assert run_prefill(manager, pool, make(list(range(13)) + [98], rid="c")) == 0
+    assert manager.hits == 2 * SIZE
+
+
+def test_a_snapshot_leaves_when_its_block_leaves_both_tiers():
+    pool, states = TensorPool(5, host_blocks=1), Snapshots()  # 4 usable device blocks, 1 host block
+    manager = BlockManager(5, SIZE, prefix_caching=True, host_blocks=1, pool=pool, states=states)
+    first = make(range(13), rid="a")
+    run_prefill(manager, pool, first)
+    manager.free(first)
+    states.update(first.block_hashes)
+    run_prefill(manager, pool, make(range(100, 116), rid="b"))  # all 4 device blocks: a's 3 cached ones evicted
+    # the tail went first; the one host block keeps the last evicted (a's first), the other two left both tiers
+    assert set(manager.host_cached) == {first.block_hashes[0]} and states == {first.block_hashes[0]}

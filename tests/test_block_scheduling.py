@@ -27,7 +27,7 @@ def core(tmp_path_factory):
 
 def engine_with_blocks(core, monkeypatch, num_blocks: int, block_size: int = 4) -> Engine:
     monkeypatch.setattr("ignition.runtime.scheduler.block_manager_for",
-                        lambda core, prefix_caching: BlockManager(num_blocks, block_size, prefix_caching=False))
+                        lambda core, prefix_caching, *sizes: BlockManager(num_blocks, block_size, prefix_caching=False))
     return Engine(core)
 
 
@@ -73,7 +73,7 @@ def test_the_kv_capacity_bounds_the_context(core, monkeypatch):
     with pytest.raises(ValueError, match="exceeds the KV cache's capacity|exceeds the core's context of 16"):
         engine.check(Request([1] * 10, max_tokens=7))
     monkeypatch.setattr("ignition.runtime.scheduler.block_manager_for",
-                        lambda core, prefix_caching: BlockManager(5, 4, prefix_caching=False))
+                        lambda core, prefix_caching, *sizes: BlockManager(5, 4, prefix_caching=False))
     with pytest.raises(ValueError, match=r"max_context 17 exceeds the core's context of 16 tokens \(the KV cache's "
                                          r"capacity: 4 blocks of 4\)"):
         Engine(core, max_context=17)

@@ -58,8 +58,9 @@ USAGE_ERRORS = [  # (arguments after the command's own, message fragment); {core
     (["run", "{core}", "caf\udce9"], "the prompt is not valid UTF-8"),  # argv byte 0xE9 under surrogateescape
     (["serve", "{core}", "--port", "70000"], "--port must be <= 65535, got 70000"),
     (EXPORT + ["--speculative-tokens", "8"], "a verify round emits up to S+1 = 9 positions, more than T=8"),
-    (["run", "{core}", *RUN, "--speculative", "ngram"], "expected ngram:S or draft:CORE:S"),
+    (["run", "{core}", *RUN, "--speculative", "ngram"], "expected ngram:S, mtp:S or draft:CORE:S"),
     (["serve", "{core}", "--speculative", "ngram:2"], "has no verify variants for 2 draft tokens"),
+    (["serve", "{core}", "--speculative", "mtp:2"], "has no multi-token-prediction draft graphs"),
     (["inspect-core", "{core}", "--memory-budget", "-5"], "--memory-budget must be >= 0, got -5"),
 ]
 

@@ -9,6 +9,10 @@ one gather a layer makes through the block tables, ``[lanes, window, kv_heads, h
 of the grouped heads or a gather of whole slots or of the pool would be larger), the gathers of a step add up
 to at most that window for each layer's K and V, and attention must read the live window, not all
 ``max_seq_len`` positions.
+
+DeepSeek V4's state (rings and entry tables per slot, recipes/deepseek_v4_attention.py) obeys the same rule: a
+decode step of the tiny checkpoint gathers from each buffer only the ring cells its rows read, the slot's entry
+tables and the old values of the cells it writes, never a slot's whole ring.
 """
 
 from __future__ import annotations
@@ -150,3 +154,90 @@ def test_a_greedy_decode_step_makes_one_vocabulary_wide_row_per_lane(loaded, lan
     with watch:
         engine.step()
     assert [shape for _, shape in watch.made] == [(lanes, core.manifest["vocab_size"])], watch.made
+
+
+V4_WINDOW, V4_CHUNK, V4_MAX_SEQ_LEN, V4_LANES = 8, 16, 64, 2
+
+
+@pytest.fixture(scope="module")
+def deepseek_v4_core(tmp_path_factory):
+    """The tiny DeepSeek V4 (examples/make_tiny_deepseek_v4.py, its first 3 layers: HCA, CSA and sliding) exported
+    with 16-row prompt chunks, so every ring holds a step's 16 rows beside the positions a decode step reads."""
+    import importlib.util
+    from pathlib import Path
+
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_deepseek_v4", Path(__file__).parents[1] / "examples" / "make_tiny_deepseek_v4.py")
+    make_tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_tiny)
+    root = tmp_path_factory.mktemp("dsv4-copies")
+    checkpoint = make_tiny.make_checkpoint(root / "checkpoint", layers=3, window=V4_WINDOW)
+    export_core(ExportOptions(recipe="deepseek_v4", checkpoint=checkpoint, capacities=(V4_LANES,),
+                              chunk_limit=V4_CHUNK, max_seq_len=V4_MAX_SEQ_LEN), root / "core")
+    return root / "core"
+
+
+class StateReads(TorchDispatchMode):
+    """Each operator's fresh outputs read from a state buffer: (buffer name, output elements)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        super().__init__()
+        self.names = {t.untyped_storage().data_ptr(): name for name, t in state.items()}
+        self.reads: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        read, fresh = storages_read_and_fresh_outputs(args, kwargs, out)
+        self.reads += [(self.names[ptr], t.numel()) for ptr in read if ptr in self.names for t in fresh]
+        return out
+
+
+def deepseek_v4_reads(manifest: dict) -> dict[str, tuple[int, int]]:
+    """State buffer -> (elements a decode step of one lane may gather from it over all its layers, the largest one
+    read): a window ring its ``W - 1`` previous positions and the old value of the cell it writes, a compressor's
+    source ring the ``2m - 1`` (CSA) or ``m - 1`` (HCA) positions a window mixes and its written cell, an entry
+    table the whole slot table (the attention's keys, the indexer's candidates) and the one entry it may write."""
+    model, state = manifest["model"], {s["name"]: s["shape"] for s in manifest["state"]}
+    window, csa, hca = model["sliding_window"], model["csa_rate"], model["hca_rate"]
+    cells_read = {"swa_kv_cache": [window], "csa_window_cache": [window], "hca_window_cache": [window],
+                  "csa_source": [2 * csa - 1, 1], "csa_index_source": [2 * csa - 1, 1], "hca_source": [hca - 1, 1],
+                  "csa_kv_cache": [model["csa_entries"], 1], "csa_index_cache": [model["csa_entries"], 1],
+                  "hca_kv_cache": [model["hca_entries"], 1]}
+    allowed = {}
+    for name, shape in state.items():
+        if name not in cells_read:  # not a DeepSeek V4 buffer (the sampling state)
+            continue
+        row = torch.Size(shape[3:]).numel()  # [layers, slots, cells, ...]
+        allowed[name] = (shape[0] * sum(cells_read[name]) * row, max(cells_read[name]) * row)
+    return allowed
+
+
+@pytest.mark.parametrize("lanes", [V4_LANES, 1])
+def test_a_deepseek_v4_decode_step_gathers_only_the_cells_it_reads(deepseek_v4_core, lanes: int):
+    """The DeepSeek V4 graphs step each lane's state in place (``deepseek_v4_attention.SlotCells``): a decode step
+    gathers the ring cells its rows read, the slot's entry tables and the old values of the cells it writes, and
+    copies only its new rows in, never a slot's whole state (every lane of the graph's capacity steps: an idle one
+    rewrites its cells' old values)."""
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    core = load_core(deepseek_v4_core)
+    engine = Engine(core)
+    for lane in range(lanes):
+        engine.submit(Request([lane + 1, 7, 9, 11, 13, 15, 17, 19, 21, 23], max_tokens=4, logprobs=5, ignore_eos=True))
+    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
+        engine.step()
+    allowed = deepseek_v4_reads(core.manifest)
+    watch = StateReads(core.state)
+    with watch:
+        engine.step()
+    assert watch.reads, "the decode step read no state"
+    for name, (per_lane, largest) in allowed.items():
+        sizes = [size for read, size in watch.reads if read == name]
+        if "window" in name or "source" in name:  # a ring: one slot's whole ring is larger than a step's reads
+            assert largest < torch.Size(core.state[name].shape[2:]).numel(), name
+        assert sizes and max(sizes) <= largest and sum(sizes) <= V4_LANES * per_lane, (name, sizes, per_lane)

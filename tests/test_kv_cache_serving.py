@@ -75,6 +75,8 @@ def no_load(monkeypatch):
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be a fraction in (0, 1], got 1.5"),
     (["--kv-cache-memory", "0"], "--kv-cache-memory must be a positive number of bytes, got 0"),
     (["--kv-host-memory", "-1"], "--kv-host-memory must be 0 (no host tier) or a positive number of bytes, got -1"),
+    (["--state-snapshot-memory", "-1"], "--state-snapshot-memory must be 0 (no snapshots) or a positive number of "
+                                        "bytes, got -1"),
 ])
 def test_cache_options_are_refused_before_loading(no_load, toy_core, command, option, message):
     args = [command, str(toy_core)] + (["--prompt-ids", "1,2"] if command == "run" else [])
@@ -86,7 +88,8 @@ def test_cache_options_are_refused_before_loading(no_load, toy_core, command, op
 def test_the_options_table_holds_the_cli_defaults():
     assert PREFIX_CACHING.default is True
     flags = [option.flag.split("/")[0] for option in KV_CACHE_OPTIONS]
-    assert flags == ["--enable-prefix-caching", "--kv-cache-memory", "--kv-host-memory", "--gpu-memory-utilization"]
+    assert flags == ["--enable-prefix-caching", "--kv-cache-memory", "--kv-host-memory", "--state-snapshot-memory",
+                     "--gpu-memory-utilization"]
     result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"})
     for flag in flags + ["--no-enable-prefix-caching"]:
         assert flag in result.output
@@ -107,12 +110,12 @@ def test_prefix_reuse_is_refused_with_one_log_line_for_per_slot_state(caplog, mo
     assert prefix_reuse_refusal(paged) is None
     with caplog.at_level(logging.INFO, logger="ignition.runtime"):
         assert block_manager_for(paged, True).prefix_caching
-        hybrid = block_manager_for(fake_core(["k_cache", "v_cache", "conv_state", "recurrent_state"]), True)
+        hybrid = block_manager_for(fake_core(["k_cache", "v_cache", "k_window_cache", "v_window_cache"]), True)
         parallel = block_manager_for(fake_core(["k_cache", "v_cache", "penalty_counts"], group=object()), True)
         assert block_manager_for(fake_core(["k_cache"]), False).prefix_caching is False
     assert not hybrid.prefix_caching and parallel.prefix_caching and isinstance(parallel.pool, RankPool)
     assert [r.getMessage() for r in caplog.records] == [
-        "prefix caching is off for core: its layers keep per-slot state (conv_state, recurrent_state) that a "
+        "prefix caching is off for core: its layers keep per-slot state (k_window_cache, v_window_cache) that a "
         "prefix hit cannot resume"]
     slot_only = SimpleNamespace(num_blocks=0, block_size=4, host_blocks=0, paged=False)
     assert block_manager_for(fake_core(["k_cache"], pool=slot_only), True) is None
@@ -176,5 +179,5 @@ def test_what_rank_0_changes_outside_a_graph_every_rank_repeats():
 def test_the_prefix_caching_flag_reaches_the_engine(enabled):
     from ignition.cli.loading import SharedOptions
 
-    shared = SharedOptions(speculative=None, enable_prefix_caching=enabled)
-    assert shared.engine_options(loaded=None) == {"prefix_caching": enabled}
+    shared = SharedOptions(speculative=None, enable_prefix_caching=enabled, state_snapshot_memory=4096)
+    assert shared.engine_options(loaded=None) == {"prefix_caching": enabled, "state_snapshot_memory": 4096}

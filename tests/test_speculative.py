@@ -14,7 +14,8 @@ from ignition.cli import app
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
-from ignition.runtime.drafters import DraftCoreDrafter, NgramDrafter, SpeculativeError, parse_speculative
+from ignition.runtime.drafters import (DraftCoreDrafter, NgramDrafter, SpeculativeError, engine_options,
+                                       parse_speculative)
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request, SamplingParams
 
@@ -107,9 +108,13 @@ def test_speculative_option_errors(cores):
     _, core, draft, _ = cores
     assert parse_speculative("ngram:4").draft_tokens == 4
     assert parse_speculative("draft:/a:b/core:3").draft_core.as_posix() == "/a:b/core"
-    for bad in ("ngram", "ngram:0", "ngram:x", "draft:4", "medusa:2", "ngram:c:2"):
-        with pytest.raises(SpeculativeError, match="expected ngram:S or draft:CORE:S"):
+    for bad in ("ngram", "ngram:0", "ngram:x", "draft:4", "medusa:2", "ngram:c:2", "mtp:c:2", "mtp:0"):
+        with pytest.raises(SpeculativeError, match="expected ngram:S, mtp:S or draft:CORE:S"):
             parse_speculative(bad)
+    mtp = parse_speculative("mtp:2")
+    assert (mtp.kind, mtp.draft_tokens, mtp.draft_core) == ("mtp", 2, None)
+    with pytest.raises(SpeculativeError, match=f"mtp:2: core {core.path} has no multi-token-prediction draft graphs"):
+        engine_options(mtp, core, load_core)
     with pytest.raises(ValueError, match="no verify variants for 6 draft tokens .*S = \\[5\\]"):
         Engine(core, drafter=NgramDrafter(), draft_tokens=6)
     assert Engine(core, drafter=NgramDrafter(), draft_tokens=3).scheduler.proposer.verify_variants[0].name == "verify.s5.c2"

@@ -69,21 +69,38 @@ def kind_memory(manifest: dict) -> dict[str, dict]:
 
 
 def scoring_cost(report, budget: int | None) -> dict:
-    """Fixed bytes the --prompt-logprobs flag adds, and the KV capacity it displaces under a budget."""
+    """Fixed bytes the --prompt-logprobs flag adds, and the KV capacity it displaces under a budget.
+
+    Per rank: every rank allocates the scored variants' prompt buffers and holds its own scored graphs, and the state
+    the manifest declares is one rank's (KV heads split, or whole on every rank: ``catalog.parallel.split_state``), so
+    ``budget`` is one device's. A sharded core reports each rank (``ranks``) and, at the top level, its tightest rank:
+    the most fixed bytes and so the fewest tokens, which every rank then holds."""
     scored = [v for v in report.catalog["variants"] if v["operation"] == Operation.SCORED_PREFILL]
     buffers = sum(BufferDecl.from_json(a).nbytes for v in scored for a in v["arguments"]
                   if a["name"] in {spec.name for spec in PROMPT_BUFFERS})
-    graphs = sum((report.path / v["graph"]).stat().st_size for v in scored if (report.path / v["graph"]).is_file())
-    cost = {"prompt_scoring_buffer_bytes": buffers, "prompt_scoring_graph_bytes": graphs,
-            "kv_bytes_per_token": kv_bytes_per_token(report.manifest)}
-    if budget is not None and cost["kv_bytes_per_token"]:
-        per_token = cost["kv_bytes_per_token"]
-        without = budget // per_token
-        with_flag = max(0, budget - buffers - graphs) // per_token
-        cost |= {"memory_budget_bytes": budget, "kv_tokens_without_scoring": without,
-                 "kv_tokens_with_scoring": with_flag,
-                 "kv_capacity_loss": round(1 - with_flag / without, 6) if without else None}
+    rank_files = (report.manifest.get("tensor_parallel") or {}).get("rank_files") \
+        or [{"rank": 0, "graphs": {v["name"]: v["graph"] for v in scored}}]
+    rank_graphs = [sum((report.path / path).stat().st_size for name, path in entry["graphs"].items()
+                       if name in {v["name"] for v in scored} and (report.path / path).is_file())
+                   for entry in rank_files]
+    per_token = kv_bytes_per_token(report.manifest)
+    ranks = [{"rank": entry["rank"], "prompt_scoring_buffer_bytes": buffers, "prompt_scoring_graph_bytes": graphs}
+             | _displaced(budget, per_token, buffers + graphs) for entry, graphs in zip(rank_files, rank_graphs)]
+    tightest = max(ranks, key=lambda rank: rank["prompt_scoring_graph_bytes"])
+    cost = {"prompt_scoring_buffer_bytes": buffers, "prompt_scoring_graph_bytes": tightest["prompt_scoring_graph_bytes"],
+            "kv_bytes_per_token": per_token} | _displaced(budget, per_token, buffers + tightest["prompt_scoring_graph_bytes"])
+    if "tensor_parallel" in report.manifest:
+        cost["ranks"] = ranks
     return cost
+
+
+def _displaced(budget: int | None, per_token: int | None, fixed: int) -> dict:
+    """The KV tokens a ``budget`` holds without and with ``fixed`` bytes taken first, and the fraction lost."""
+    if budget is None or not per_token:
+        return {}
+    without, with_flag = budget // per_token, max(0, budget - fixed) // per_token
+    return {"memory_budget_bytes": budget, "kv_tokens_without_scoring": without, "kv_tokens_with_scoring": with_flag,
+            "kv_capacity_loss": round(1 - with_flag / without, 6) if without else None}
 
 
 def variant_files(root, variant: dict) -> dict[str, dict]:
@@ -130,6 +147,12 @@ def inspect_core(report, budget: int | None = None) -> dict:
     }
 
 
+_RANK_COLUMNS = {"rank": "rank", "prompt_scoring_buffer_bytes": "buffer bytes",
+                 "prompt_scoring_graph_bytes": "graph bytes", "kv_tokens_without_scoring": "KV tokens without",
+                 "kv_tokens_with_scoring": "KV tokens with", "kv_capacity_loss": "KV capacity loss"}
+"""The per-rank scoring cost's columns (``scoring_cost``) and their headings."""
+
+
 def render_inspection(summary: dict, console: Console, memory: bool = False) -> None:
     features = Table(title=f"core {summary['core']} ({summary['recipe']})")
     for column in ("allow_logprobs", "K", "explicit IDs", "prompt scoring", "structured output", "T", "vocab",
@@ -170,8 +193,17 @@ def render_inspection(summary: dict, console: Console, memory: bool = False) -> 
         table.add_column("class")
         table.add_column("bytes", justify="right")
         for name, value in summary["memory"].items():
-            table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
+            if name != "ranks":
+                table.add_row(name, f"{value:,}" if isinstance(value, int) else str(value))
         console.print(table)
+        if summary["memory"].get("ranks"):
+            ranks = Table(title="--prompt-logprobs cost per rank")
+            columns = [c for c in _RANK_COLUMNS if c in summary["memory"]["ranks"][0]]
+            for column in columns:
+                ranks.add_column(_RANK_COLUMNS[column], justify="right")
+            for row in summary["memory"]["ranks"]:
+                ranks.add_row(*(f"{row[c]:,}" if isinstance(row[c], int) else str(row[c]) for c in columns))
+            console.print(ranks)
         kinds = Table(title="state per cache kind")
         for column in ("kind", "layers", "positions per slot", "buffers", "bytes"):
             kinds.add_column(column, justify="right" if column in ("layers", "bytes") else "left")

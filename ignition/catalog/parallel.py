@@ -5,7 +5,8 @@ A sharded core holds N rank shards of one model (Megatron layout): column-parall
 added by the single-rank tree, ``ROW_REDUCTION_BLOCKS``; BF16/FP16 partial sums all-reduced),
 vocabulary-parallel embedding and LM head (rows of the padded vocabulary split evenly); MoE
 routers replicated and each expert split like an MLP; MLA's q_a/kv_a compressions replicated and
-q_b/kv_b split by heads. ``SPLIT_FIELDS`` lists the model sizes that must divide by N. The
+q_b/kv_b split by heads; DeepSeek V4's query heads, output groups and index heads split, its one K=V head
+replicated. ``SPLIT_FIELDS`` lists the model sizes that must divide by N. The
 logprob reduction and prompt scoring never move a vocabulary matrix: each exchange is an
 all-gather of a fixed number of 32-bit words per row per rank, listed in ``EXCHANGES``.
 """
@@ -15,13 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ignition.catalog.contract import MAX_SELECTED_IDS, NATURAL_K, TILE_SORT_KEYS
+from ignition.catalog.geometry import STATE_SHAPES
 
 MAX_TENSOR_PARALLEL = 64
 """Largest rank count ``--tensor-parallel`` accepts."""
 
-SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gemma3", "gpt_oss")
+SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gemma3", "gpt_oss", "deepseek_v4")
 """Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE (gemma3's and
-gpt_oss's sliding rings split by KV head like their full caches, gpt_oss's sinks by query head), and MLA."""
+gpt_oss's sliding rings split by KV head like their full caches, gpt_oss's sinks by query head), MLA, and
+DeepSeek V4 (query heads, output groups and index heads split; its state, one K=V head, whole on every rank)."""
 
 ROW_REDUCTION_BLOCKS = 8
 """Row-parallel layers (o_proj, down_proj) sum their input dimension as at most this many equal blocks, pairwise.
@@ -120,6 +123,14 @@ SHARD_RULES: tuple[ShardRule, ...] = (
     ShardRule("q_a_proj", None, "replicated"), ShardRule("q_a_norm", None, "replicated"),
     ShardRule("kv_a_proj", None, "replicated"), ShardRule("kv_a_norm", None, "replicated"),
     ShardRule("q_b_proj", 0, "column"), ShardRule("kv_b_proj", 0, "column"),
+    # DeepSeek V4 (its release names): wq_a, wkv, the compressors and hyper-connections are replicated (every rank
+    # writes the same K=V ring and entry tables); wq_b (the attention's and the indexer's) and weights_proj split by
+    # query or index heads, attn_sink with its heads, wo_a by output groups (each group's rows are its heads'), wo_b
+    # takes the groups' columns; the router (ffn.gate) and router_bias replicated, experts' w1/w3 rows and w2 columns
+    # split like gate/up/down.
+    ShardRule("wq_b", 0, "column"), ShardRule("weights_proj", 0, "column"), ShardRule("attn_sink", 0, "column"),
+    ShardRule("wo_a", 0, "column"), ShardRule("wo_b", 1, "row"),
+    ShardRule("w1", 0, "column"), ShardRule("w3", 0, "column"), ShardRule("w2", 1, "row"),
 )
 """Weights not matched by a suffix here (norms, q/k norms) are replicated on every rank."""
 
@@ -142,8 +153,22 @@ SPLIT_FIELDS: tuple[SplitField, ...] = (
     SplitField("intermediate_size", "intermediate_size", "the dense MLP width", "dense_mlp_layers"),
     SplitField("moe.intermediate_size", "moe_intermediate_size", "each routed and shared expert's width",
                "moe_layers"),
+    SplitField("o_groups", "o_groups", "DeepSeek V4's output-projection groups (each rank holds whole groups)"),
+    SplitField("index_heads", "index_n_heads", "DeepSeek V4's lightning-indexer heads"),
 )
 """What must divide by N for ``--tensor-parallel N``; a config without the field (MLA has no KV heads) skips it."""
+
+
+KV_HEADS_SYMBOL = "num_kv_heads"
+"""A state buffer whose shape (``catalog.geometry.STATE_SHAPES``) names this symbol is split by KV heads over the
+ranks (each rank holds its heads' slice); every other state buffer is whole on every rank, each rank writing the same
+values: MLA's latent and rope key, DeepSeek V4's K=V rings, entry tables and compressor sources, the linear
+recurrent states and the penalty counts."""
+
+
+def split_state(name: str) -> bool:
+    """Whether state buffer ``name`` is split by KV heads over the ranks (``KV_HEADS_SYMBOL``)."""
+    return KV_HEADS_SYMBOL in STATE_SHAPES.get(name, ())
 
 
 def shard_rule(name: str) -> ShardRule:

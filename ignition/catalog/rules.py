@@ -109,7 +109,8 @@ RULES = {
     "FEAT-MISMATCH": "The manifest's features equal what the catalog declares (an omitted structured_output is false).",
     "STATE-DECL": "State arguments match a manifest state declaration (dtype, shape).",
     "WEIGHT-DECL": "Weight arguments exist in the weights file with the declared dtype and shape.",
-    "TP-RANKS": "A sharded core's rank count divides its query and KV heads and its padded vocabulary "
+    "TP-RANKS": "A sharded core's rank count divides its query heads, the KV heads its state is split by "
+                "(none for one K=V head, whole on every rank) and its padded vocabulary "
                 "(vocab_shard * ranks = vocab_padded), names one file entry per rank, and every collective in "
                 "its graphs runs over that many ranks of the recorded group; an unsharded core runs none.",
     "TP-SHARD": "Every weight argument has a shard entry whose shard shape is the declared argument and whose full "

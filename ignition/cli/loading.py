@@ -16,7 +16,8 @@ from ignition.cli.checks import (RUNTIME_HELP, TRUST_COMPILED_HELP, TRUSTED_KEY_
 from ignition.cli.console import StageLog, console
 from ignition.cli.errors import CoreError, UsageError
 from ignition.runtime.parallel.rendezvous import LOOPBACK
-from ignition.serve.defaults import GPU_MEMORY_UTILIZATION, KV_CACHE_MEMORY, KV_HOST_MEMORY, PREFIX_CACHING
+from ignition.serve.defaults import (GPU_MEMORY_UTILIZATION, KV_CACHE_MEMORY, KV_HOST_MEMORY, PREFIX_CACHING,
+                                     STATE_SNAPSHOT_MEMORY)
 
 DEVICE_OPTION = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N")
 EAGER_OPTION = typer.Option(False, "--eager", help="CUDA: replay variants eagerly instead of as CUDA graphs")
@@ -38,7 +39,8 @@ TENSOR_PARALLEL_OPTION = typer.Option(1, "--tensor-parallel", min=1, help="Ranks
 TP_HOST_OPTION = typer.Option(LOOPBACK, "--tp-host", help="Address the tensor-parallel store and ranks listen on "
                               "(loopback unless set; another one is warned about)")
 SPECULATIVE_OPTION = typer.Option(None, "--speculative",
-                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core)")
+                                  help="Speculative decoding: ngram:S (prompt lookup) or draft:CORE:S (a draft core); "
+                                  "mtp:S is refused (no core carries multi-token-prediction draft graphs)")
 
 
 def _cache_option(option):
@@ -50,6 +52,7 @@ def _cache_option(option):
 PREFIX_CACHING_OPTION = _cache_option(PREFIX_CACHING)
 KV_CACHE_MEMORY_OPTION = _cache_option(KV_CACHE_MEMORY)
 KV_HOST_MEMORY_OPTION = _cache_option(KV_HOST_MEMORY)
+STATE_SNAPSHOT_MEMORY_OPTION = _cache_option(STATE_SNAPSHOT_MEMORY)
 GPU_MEMORY_UTILIZATION_OPTION = _cache_option(GPU_MEMORY_UTILIZATION)
 
 
@@ -73,11 +76,13 @@ class SharedOptions:
     enable_prefix_caching: bool = PREFIX_CACHING_OPTION
     kv_cache_memory: Optional[int] = KV_CACHE_MEMORY_OPTION
     kv_host_memory: int = KV_HOST_MEMORY_OPTION
+    state_snapshot_memory: int = STATE_SNAPSHOT_MEMORY_OPTION
     gpu_memory_utilization: Optional[float] = GPU_MEMORY_UTILIZATION_OPTION
 
     def load_options(self, core: Path):
         """LoadOptions for ``core``; --gpu-memory-utilization becomes a KV byte budget here (CUDA only)."""
-        check_cache_options(self.kv_cache_memory, self.kv_host_memory, self.gpu_memory_utilization)
+        check_cache_options(self.kv_cache_memory, self.kv_host_memory, self.gpu_memory_utilization,
+                            self.state_snapshot_memory)
         options = load_options(self.device, self.eager, self.trust_compiled, self.trusted_key, self.runtime,
                                self.tensor_parallel, self.tp_host, self.pack_linears, self.drop_file_cache,
                                self.kv_cache_memory, self.kv_host_memory)
@@ -98,17 +103,21 @@ class SharedOptions:
         return replace(options, kv_cache_memory=budget)
 
     def engine_options(self, loaded) -> dict:
-        """The Engine arguments of --speculative and --enable-prefix-caching."""
-        return speculative(self.speculative, loaded) | {"prefix_caching": self.enable_prefix_caching}
+        """The Engine arguments of --speculative, --enable-prefix-caching and --state-snapshot-memory."""
+        return speculative(self.speculative, loaded) | {"prefix_caching": self.enable_prefix_caching,
+                                                        "state_snapshot_memory": self.state_snapshot_memory}
 
 
 def check_cache_options(kv_cache_memory: Optional[int], kv_host_memory: int,
-                        gpu_memory_utilization: Optional[float]) -> None:
+                        gpu_memory_utilization: Optional[float], state_snapshot_memory: int = 0) -> None:
     """The KV cache options' ranges, as usage errors naming the option."""
     if kv_cache_memory is not None and kv_cache_memory < 1:
         raise UsageError(f"--kv-cache-memory must be a positive number of bytes, got {kv_cache_memory}")
     if kv_host_memory < 0:
         raise UsageError(f"--kv-host-memory must be 0 (no host tier) or a positive number of bytes, got {kv_host_memory}")
+    if state_snapshot_memory < 0:
+        raise UsageError(f"--state-snapshot-memory must be 0 (no snapshots) or a positive number of bytes, got "
+                         f"{state_snapshot_memory}")
     if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
         raise UsageError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {gpu_memory_utilization}")
 

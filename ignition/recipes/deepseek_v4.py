@@ -95,6 +95,8 @@ class DeepseekV4Config:
     top_names: str = "release"  # which TOP_LEVEL_NAMES column the checkpoint uses
     step_rows: int | None = None  # an export's most rows a slot a step (with_steps): its rings' extra cells
     max_seq_len: int | None = None  # an export's positions a slot (with_steps): its entry tables' extent
+    mtp_layers: int = 0  # num_nextn_predict_layers: the multi-token-prediction layers declared (deepseek_v4_mtp)
+    mtp_kinds: tuple[str, ...] | None = None  # their cache kinds; None where the config lists none for them
     family: str = field(default="deepseek_v4", init=False)
     tie_word_embeddings = False  # the head is its own tensor (FIXED_FIELDS)
 
@@ -217,7 +219,27 @@ class DeepseekV4Config:
             main_rope=_rope(config, "main", "rope_theta", rope_dim, max_positions, source),
             compress_rope=_rope(config, "compress", "compress_rope_theta", rope_dim, max_positions, source),
             max_position_embeddings=max_positions, rms_norm_eps=read_field(config, "rms_norm_eps", float, source, 1e-6),
-            dtype=dtype or CONFIG_DTYPES[dtype_name])
+            dtype=dtype or CONFIG_DTYPES[dtype_name], **_mtp_fields(config, layers, source))
+
+
+def _mtp_fields(config: Mapping[str, Any], layers: int, source: str) -> dict[str, Any]:
+    """``mtp_layers`` (``num_nextn_predict_layers``, 0 when absent) and ``mtp_kinds``: the types listed for them
+    after the decoder's layers in ``layer_types`` or, in a release config, ``compress_ratios`` (None: unlisted)."""
+    count = read_field(config, "num_nextn_predict_layers", int, source, 0)
+    if count < 0:
+        raise CheckpointError(f"{source}: field 'num_nextn_predict_layers' must be >= 0; found {count}")
+    types, ratios = config.get("layer_types"), config.get("compress_ratios")
+    if isinstance(types, list) and len(types) >= layers + count:
+        named = types[layers:layers + count]
+    elif isinstance(ratios, list) and len(ratios) >= layers + count:
+        named = [LEGACY_RATIOS.get(ratio, ratio) for ratio in ratios[layers:layers + count]]
+    else:
+        return {"mtp_layers": count}
+    if set(named) - set(LAYER_TYPES):
+        raise CheckpointError(f"{source}: the multi-token-prediction layers' entries of 'layer_types' must be among "
+                              f"{sorted(LAYER_TYPES)} (of 'compress_ratios' among {sorted(LEGACY_RATIOS)}); found "
+                              f"{named}")
+    return {"mtp_layers": count, "mtp_kinds": tuple(LAYER_TYPES[kind] for kind in named)}
 
 
 def _rope(config: Mapping[str, Any], label: str, theta_field: str, rope_dim: int, max_positions: int,
@@ -292,9 +314,9 @@ LAYER_WEIGHTS: tuple[LayerWeight, ...] = (
     LayerWeight("attn.compressor.wgate.weight", "compressor.wgate", ("head_dim", "hidden_size"), "heavily_compressed"),
     LayerWeight("attn.compressor.ape", "compressor.ape", ("hca_rate", "head_dim"), "heavily_compressed", torch.float32),
     LayerWeight("attn.compressor.norm.weight", "compressor.norm", ("head_dim",), "heavily_compressed"),
-    LayerWeight("ffn.gate.weight", "gate", ("num_experts", "hidden_size")),
+    LayerWeight("ffn.gate.weight", "router", ("num_experts", "hidden_size")),
     LayerWeight("ffn.gate.tid2eid", "tid2eid", ("vocab_size", "top_k"), "hash", torch.int64),
-    LayerWeight("ffn.gate.bias", "gate_bias", ("num_experts",), "topk", torch.float32),
+    LayerWeight("ffn.gate.bias", "router_bias", ("num_experts",), "topk", torch.float32),
     *(LayerWeight(f"ffn.shared_experts.{w}.weight", f"shared.{w}", shape) for w, shape in
       (("w1", ("moe_width", "hidden_size")), ("w2", ("hidden_size", "moe_width")), ("w3", ("moe_width", "hidden_size")))),
     *(LayerWeight(f"ffn.experts.{{expert}}.{w}.weight", f"experts.{{expert}}.{w}", shape) for w, shape in
@@ -316,7 +338,7 @@ def extents(cfg: DeepseekV4Config) -> dict[str, int]:
             "num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k, "moe_width": cfg.moe.intermediate_size}
 
 
-def _holds(cfg: DeepseekV4Config, which: str, layer: int) -> bool:
+def holds(cfg: DeepseekV4Config, which: str, layer: int) -> bool:
     if which == "all":
         return True
     if which in ("hash", "topk"):
@@ -332,7 +354,7 @@ def weight_layout(cfg: DeepseekV4Config) -> dict[str, tuple[str, tuple[int, ...]
               for ours, names in TOP_LEVEL_NAMES.items()}
     for layer in range(cfg.num_layers):
         for weight in LAYER_WEIGHTS:
-            if not _holds(cfg, weight.layers, layer):
+            if not holds(cfg, weight.layers, layer):
                 continue
             experts = range(cfg.moe.num_experts) if "{expert}" in weight.name else (0,)
             for expert in experts:
@@ -352,9 +374,9 @@ def read_checkpoint(checkpoint: Checkpoint, config: Mapping[str, Any], dtype: to
 
 def load_weights(checkpoint: Checkpoint, cfg: DeepseekV4Config, dtype: torch.dtype | None = None
                  ) -> dict[str, torch.Tensor]:
-    """Every weight under our names, in ``dtype`` (the config's by default) where ``LAYER_WEIGHTS`` keeps none;
-    the layout is the one whose embedding name is present. Multi-token-prediction tensors (``mtp.*``) are not
-    read (no draft is built from them)."""
+    """Every decoder weight under our names, in ``dtype`` (the config's by default) where ``LAYER_WEIGHTS`` keeps
+    none; the layout is the one whose embedding name is present. Multi-token-prediction tensors (``mtp.*``) are
+    let through unread (``deepseek_v4_mtp.load_mtp_weights`` reads and shape-checks them)."""
     cfg = replace(cfg, top_names="release" if TOP_LEVEL_NAMES["embed"][0] in checkpoint else "transformers")
     layout = weight_layout(cfg)
     mtp = {name: checkpoint.info(name).shape for name in checkpoint.names() if name.startswith(("mtp.", "model.mtp."))}

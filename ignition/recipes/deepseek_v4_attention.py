@@ -58,31 +58,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated], dim=-1)
 
 
-def _ring_history(ring: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
+class SlotCells:
+    """One slot's cells of one layer's state buffer ``[slots, cells, ...]`` (a ring or an entry table), read and
+    written in place by cell: a step gathers the cells it reads and copies only the rows it produces into their
+    cells, never the slot's whole state (``catalog/cache_kinds.py``; ``recipes/layers.py`` ``write_rows`` does the
+    same for the other recipes' caches). ``slot``: an int64 tensor ``[1]`` (a graph's lane) or an int."""
+
+    __slots__ = ("flat", "base", "cells")
+
+    def __init__(self, buffer: torch.Tensor, slot: torch.Tensor | int):
+        self.cells = buffer.shape[1]
+        self.flat = buffer.view(-1, *buffer.shape[2:])  # [slots * cells, ...]: a view, so writes reach the buffer
+        slot = torch.as_tensor(slot, dtype=torch.int64, device=buffer.device).reshape(1)
+        self.base = slot * self.cells
+
+    def read(self, cells: torch.Tensor) -> torch.Tensor:
+        """The slot's rows at ``cells`` ``[n]``: ``[n, ...]``."""
+        return self.flat.index_select(0, self.base + cells)
+
+    def whole(self) -> torch.Tensor:
+        """Every cell of the slot (an entry table the attention reads whole): ``[cells, ...]``."""
+        return self.read(torch.arange(self.cells, device=self.flat.device))
+
+    def write(self, cells: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """``cell[cells[i]] = rows[i]``; a row whose ``keep`` is False rewrites its cell's old value (one gather of
+        the written cells, never of the slot)."""
+        index = self.base + cells
+        rows = rows.to(self.flat.dtype)
+        if keep is not None:
+            keep = keep.expand(rows.shape[0]).view(-1, *([1] * (rows.dim() - 1)))
+            rows = torch.where(keep, rows, self.flat.index_select(0, index))
+        self.flat.index_copy_(0, index, rows)
+
+
+def _ring_history(ring: SlotCells, start: torch.Tensor, count: int) -> torch.Tensor:
     """The ring's rows of positions ``start - count .. start - 1`` (cells ``q mod cells``; negative positions read
     some cell, and every reader masks them)."""
-    positions = start - count + torch.arange(count, device=ring.device)
-    return ring.index_select(0, positions.remainder(ring.shape[0]))
+    positions = start - count + torch.arange(count, device=start.device)
+    return ring.read(positions.remainder(ring.cells))
 
 
-def _write_ring(ring: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+def _write_ring(ring: SlotCells, positions: torch.Tensor, rows: torch.Tensor,
                 valid: torch.Tensor | None = None) -> None:
     """``ring[q mod cells] = row`` for every row (a step's rows are fewer than the cells: distinct cells); an
-    invalid row (``valid`` False: a prompt chunk's padding) rewrites its cell's old value."""
-    cells = positions.remainder(ring.shape[0])
-    rows = rows.to(ring.dtype)
-    if valid is not None:
-        rows = torch.where(valid.view(-1, *([1] * (rows.dim() - 1))), rows, ring.index_select(0, cells))
-    ring.index_copy_(0, cells, rows)
+    invalid row (``valid`` False: a prompt chunk's padding, an idle lane) rewrites its cell's old value."""
+    ring.write(positions.remainder(ring.cells), rows, valid)
 
 
-def window_keys(ring: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, window: int,
+def window_keys(ring: SlotCells, kv: torch.Tensor, positions: torch.Tensor, window: int,
                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The window branch: keys ``[W - 1 + R, D]`` (the ring's last ``W - 1`` positions, then this step's rows) and
     the additive mask ``[R, W - 1 + R]`` of the positions ``(p - W, p]`` each row sees; writes the step's rows."""
     start = positions[:1]
     history = _ring_history(ring, start, window - 1)
-    keys = torch.cat([history, kv], dim=0)
+    keys = torch.cat([history.to(kv.dtype), kv], dim=0)
     key_positions = start - (window - 1) + torch.arange(keys.shape[0], device=kv.device)
     _write_ring(ring, positions, kv, valid)
     seen = (key_positions[None, :] <= positions[:, None]) & (key_positions[None, :] > positions[:, None] - window) \
@@ -96,22 +125,22 @@ def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def compress_step(weights: Mapping[str, torch.Tensor], prefix: str, x: torch.Tensor, positions: torch.Tensor,
-                  source: torch.Tensor, entries: torch.Tensor, rate: int, overlap: bool, rope, eps: float,
+                  source: SlotCells, entries: SlotCells, rate: int, overlap: bool, rope, eps: float,
                   valid: torch.Tensor | None = None) -> None:
-    """Write every entry whose window closes in this step into ``entries [extent, d]``, from the step's hidden rows
-    ``x [R, hidden]`` and the ``source`` ring ``[cells, 2, series, d]`` (kv and gate of each position, ``series``
-    2 with ``overlap``: Ca and Cb; 1 without).
+    """Write every entry whose window closes in this step into ``entries`` (``[extent, d]`` a slot), from the step's
+    hidden rows ``x [R, hidden]`` and the ``source`` ring (``[cells, 2, series, d]`` a slot: kv and gate of each
+    position, ``series`` 2 with ``overlap``: Ca and Cb; 1 without). A step with no valid row writes no entry.
 
     transformers' ``DeepseekV4CSACompressor`` / ``DeepseekV4HCACompressor`` / the indexer's compressor: the gate
     plus ``ape`` softmaxed in FP32 over the window's rows, the weighted kv summed, RMS-normed, rotated at the
     window's first position ``w m``. Window 0 has no previous window: its Ca rows weigh 0."""
-    rows, series, dim = x.shape[0], 2 if overlap else 1, entries.shape[-1]
+    rows, series, dim = x.shape[0], 2 if overlap else 1, entries.flat.shape[-1]
     start = positions[:1]
     kv = F.linear(x, weights[prefix + "wkv"]).view(rows, series, dim)
     gate = F.linear(x, weights[prefix + "wgate"]).view(rows, series, dim)
     new = torch.stack([kv, gate], dim=1)  # [R, 2, series, d]
     history = series * rate - 1  # positions before the step a closing window may read
-    src = torch.cat([_ring_history(source, start, history), new.to(source.dtype)], dim=0)  # [history + R, 2, series, d]
+    src = torch.cat([_ring_history(source, start, history), new.to(source.flat.dtype)])  # [history + R, 2, series, d]
     _write_ring(source, positions, new, valid)
     candidates = (rows - 1) // rate + 1  # windows that may close in a step of R rows
     window = start // rate + torch.arange(candidates, device=x.device)  # [C]
@@ -131,7 +160,7 @@ def compress_step(weights: Mapping[str, torch.Tensor], prefix: str, x: torch.Ten
     cos, sin = rope_cos_sin(rope, window * rate, compressed.dtype)
     compressed = apply_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
     # a window that does not close in this step writes a stand-in its closing step overwrites before any row reads it
-    entries.index_copy_(0, window.clamp(max=entries.shape[0] - 1), compressed.to(entries.dtype))
+    entries.write(window.clamp(max=entries.cells - 1), compressed, None if valid is None else valid.any().view(1))
 
 
 def entries_seen(positions: torch.Tensor, extent: int, rate: int) -> torch.Tensor:
@@ -140,10 +169,14 @@ def entries_seen(positions: torch.Tensor, extent: int, rate: int) -> torch.Tenso
 
 
 def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: torch.Tensor, q_residual: torch.Tensor,
-                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+                   positions: torch.Tensor, index_keys: torch.Tensor, seen: torch.Tensor, parallel=None) -> torch.Tensor:
     """The lightning indexer: ``[R, extent]`` True where a row attends to an entry, the ``index_topk`` entries it
     sees with the highest ``∑_h w_h ReLU(q_h · k) / sqrt(index_head_dim)`` (transformers' ``DeepseekV4Indexer``
     and ``DeepseekV4IndexerScorer``).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): ``cfg.index_heads`` and the weights are this rank's share of
+    the heads (``w_h`` keeps the whole model's ``1 / sqrt(heads)``); the ranks' head sums are added by
+    ``parallel.reduce`` (the same FP32 total on every rank), and every rank ranks the entries itself.
 
     Tie rule (``INDEXER_TIE_RULE``): among entries of equal score the lowest entry index is kept first, a stable
     descending sort over the whole entry table. ReLU makes exact ties (several entries scoring 0) common when a row
@@ -156,14 +189,12 @@ def indexer_choice(weights: Mapping[str, torch.Tensor], prefix: str, cfg, x: tor
     query = apply_rope(query, cos, sin)
     scores = torch.matmul(query.float(), index_keys.float().transpose(0, 1))  # [R, heads, extent]
     scores = F.relu(scores) * cfg.index_head_dim ** -0.5
-    head_weights = F.linear(x, weights[prefix + "weights_proj"]).float() * cfg.index_heads ** -0.5  # [R, heads]
-    total = index_scores(scores, head_weights, seen)
-    return seen & keep_best(total, cfg.index_topk)
-
-
-def index_scores(scores: torch.Tensor, head_weights: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """``∑_h w_h scores_h`` ``[R, extent]`` in FP32, ``-inf`` where a row does not see the entry."""
-    return (scores * head_weights.unsqueeze(-1)).sum(dim=1).masked_fill(~seen, float("-inf"))
+    heads = cfg.index_heads * (1 if parallel is None else parallel.ranks)  # the model's, not this rank's
+    head_weights = F.linear(x, weights[prefix + "weights_proj"]).float() * heads ** -0.5  # [R, heads]
+    total = (scores * head_weights.unsqueeze(-1)).sum(dim=1)  # [R, extent] in FP32: this rank's heads
+    if parallel is not None:
+        total = parallel.reduce(total)
+    return seen & keep_best(total.masked_fill(~seen, float("-inf")), cfg.index_topk)
 
 
 def keep_best(total: torch.Tensor, k: int) -> torch.Tensor:

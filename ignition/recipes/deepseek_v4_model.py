@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from ignition.catalog.cache_kinds import compressed_entries, kind_index, layer_counts, source_cells, window_cells
 from ignition.catalog.geometry import (CSA_INDEX_CACHE, CSA_INDEX_SOURCE, CSA_KV_CACHE, CSA_SOURCE, CSA_WINDOW_CACHE,
                                        HCA_KV_CACHE, HCA_SOURCE, HCA_WINDOW_CACHE, SWA_KV_CACHE, state_shape)
-from ignition.recipes.deepseek_v4_attention import (additive_mask, apply_rope, attend, compress_step, entries_seen, indexer_choice,
-                                                    rms_norm, rope_cos_sin, window_keys)
+from ignition.recipes.deepseek_v4_attention import (SlotCells, additive_mask, apply_rope, attend, compress_step,
+                                                    entries_seen, indexer_choice, rms_norm, rope_cos_sin, window_keys)
 
 STATE_BUFFERS: dict[str, dict[str, str]] = {
     "shared_window": {"window": SWA_KV_CACHE},
@@ -76,15 +76,21 @@ def check_step(cfg, caches: Mapping[str, torch.Tensor], start: int, rows: int, s
                                  f"{start}; found {list(cache.shape)} {cache.dtype}")
 
 
-def _layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: int) -> dict[str, torch.Tensor]:
+def layer_state(cfg, caches: Mapping[str, torch.Tensor], layer: int, slot: torch.Tensor | int) -> dict[str, SlotCells]:
+    """Layer ``layer``'s state buffers of slot ``slot`` by role, read and written in place cell by cell."""
     index = kind_index(cfg.layer_kinds, layer)
-    return {role: caches[name][index, slot] for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
+    return {role: SlotCells(caches[name][index], slot) for role, name in STATE_BUFFERS[cfg.layer_kinds[layer]].items()}
 
 
 def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, positions: torch.Tensor,
-              state: Mapping[str, torch.Tensor], valid: torch.Tensor | None = None) -> torch.Tensor:
+              state: Mapping[str, SlotCells], valid: torch.Tensor | None = None, parallel=None) -> torch.Tensor:
     """transformers' ``DeepseekV4Attention``: ``x [R, hidden]`` of one slot's consecutive ``positions`` ->
-    ``[R, hidden]``, reading and writing ``state``; ``valid``: the rows that write the rings (None: all)."""
+    ``[R, hidden]``, reading and writing ``state`` (``layer_state``); ``valid``: the rows that write the rings
+    (None: all; no valid row: the step writes nothing).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): ``cfg`` and ``weights`` are one rank's (its query heads,
+    sinks, output groups and index heads); the K=V rows, compressors and state are whole on every rank, and the
+    result is this rank's partial sum of ``wo_b`` (the caller reduces it)."""
     prefix, kind, eps = f"layers.{layer}.", cfg.layer_kinds[layer], cfg.rms_norm_eps
     rows = x.shape[0]
     rope = cfg.main_rope if kind == "shared_window" else cfg.compress_rope
@@ -100,13 +106,13 @@ def attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Ten
         rate = cfg.csa_rate if csa else cfg.hca_rate
         compress_step(weights, prefix + "compressor.", x, positions, state["source"], state["entries"], rate, csa,
                       cfg.compress_rope, eps, valid)
-        seen = entries_seen(positions, state["entries"].shape[0], rate)  # [R, extent]
+        seen = entries_seen(positions, state["entries"].cells, rate)  # [R, extent]
         if csa:
             compress_step(weights, prefix + "indexer.", x, positions, state["index_source"], state["index_entries"],
                           rate, True, cfg.compress_rope, eps, valid)
             seen = indexer_choice(weights, prefix + "indexer.", cfg, x, q_residual, positions,
-                                  state["index_entries"], seen)
-        keys = torch.cat([keys, state["entries"].to(keys.dtype)], dim=0)
+                                  state["index_entries"].whole(), seen, parallel)
+        keys = torch.cat([keys, state["entries"].whole().to(keys.dtype)], dim=0)
         mask = torch.cat([mask, additive_mask(seen, mask.dtype)], dim=1)
     attended = attend(weights, prefix, cfg, query, keys, mask)  # [R, H, D]
     attended = apply_rope(attended, cos, -sin)  # V = K carries the keys' rotation: undo it at the query position
@@ -145,13 +151,16 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tenso
 
 
 def moe(weights: Mapping[str, torch.Tensor], cfg, layer: int, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """transformers' ``DeepseekV4SparseMoeBlock``: routed experts (summed in expert order) plus the shared one."""
+    """transformers' ``DeepseekV4SparseMoeBlock``: routed experts (summed in expert order) plus the shared one.
+
+    On one rank of a sharded core the experts' weights are its slices of their widths (``w1``/``w3`` rows, ``w2``
+    columns): the router, replicated, routes every row as every other rank does, and the result is a partial sum."""
     prefix, experts = f"layers.{layer}.", cfg.moe
-    scores = F.softplus(F.linear(x, weights[prefix + "gate"])).sqrt()  # [R, E]
+    scores = F.softplus(F.linear(x, weights[prefix + "router"])).sqrt()  # [R, E]
     if layer in cfg.hash_layers:
         chosen = weights[prefix + "tid2eid"].index_select(0, token_ids).long()  # [R, k]
     else:
-        chosen = torch.topk(scores + weights[prefix + "gate_bias"], experts.top_k, dim=-1, sorted=False).indices
+        chosen = torch.topk(scores + weights[prefix + "router_bias"], experts.top_k, dim=-1, sorted=False).indices
     routed_weights = scores.gather(1, chosen)
     routed_weights = routed_weights / (routed_weights.sum(dim=-1, keepdim=True) + 1e-20) * experts.routed_scaling_factor
     routed = torch.zeros_like(x)
@@ -172,36 +181,75 @@ def deepseek_v4_decoder(weights: Mapping[str, torch.Tensor], cfg, input_ids: tor
     A prompt chunk or decode step is one call with its cache, as in transformers' incremental forward; with the
     indexer's tie rule (``deepseek_v4_attention.keep_best``) the result does not depend on how a sequence is cut
     into steps, so prompt scoring (transformers' full forward) runs the same steps."""
+    return collapse_streams(weights, cfg, deepseek_v4_streams(weights, cfg, input_ids, start, slot, caches))
+
+
+def deepseek_v4_streams(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor, start: int, slot: int,
+                        caches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``deepseek_v4_decoder``'s step before the head: the last layer's streams ``[R, hc_mult, hidden]`` (what a
+    multi-token-prediction layer reads, ``deepseek_v4_mtp``)."""
     rows = input_ids.shape[0]
     check_step(cfg, caches, start, rows, slot)
     positions = start + torch.arange(rows, device=input_ids.device)
-    return decoder_rows(weights, cfg, input_ids, lambda layer, x: attention(
-        weights, cfg, layer, x, positions, _layer_state(cfg, caches, layer, slot)))
+    return decoder_streams(weights, cfg, input_ids, lambda layer, x: attention(
+        weights, cfg, layer, x, positions, layer_state(cfg, caches, layer, slot)))
 
 
 def decoder_rows(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
-                 attention_of: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                 attention_of: Callable[[int, torch.Tensor], torch.Tensor], parallel=None) -> torch.Tensor:
     """The decoder around its attention blocks: ``attention_of(layer, normed rows)`` -> ``[R, hidden]``; the
-    final-normed hidden ``[R, hidden]`` (hyper-connections, MoE and the head's stream collapse row by row)."""
-    rows = input_ids.shape[0]
+    final-normed hidden ``[R, hidden]`` (hyper-connections, MoE and the head's stream collapse row by row).
+
+    ``parallel`` (a ``recipes.sharding.TensorParallel``): the weights are one rank's shards; the embedding is
+    vocabulary-parallel, and each attention and MoE output is a partial sum that ``parallel.reduce`` adds over the
+    ranks before the hyper-connections (replicated) take it."""
+    return collapse_streams(weights, cfg, decoder_streams(weights, cfg, input_ids, attention_of, parallel))
+
+
+def decoder_streams(weights: Mapping[str, torch.Tensor], cfg, input_ids: torch.Tensor,
+                    attention_of: Callable[[int, torch.Tensor], torch.Tensor], parallel=None) -> torch.Tensor:
+    """``decoder_rows`` before the head: the last layer's streams ``[R, hc_mult, hidden]``."""
     token_ids = input_ids.clamp(0, cfg.vocab_size - 1)
-    hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
+    if parallel is None:
+        hidden = F.embedding(token_ids, weights["embed"])  # [R, hidden]
+    else:
+        hidden = parallel.embed(token_ids, weights["embed"])
     streams = hidden.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [R, n, hidden]
     for layer in range(cfg.num_layers):
-        prefix = f"layers.{layer}."
-        post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
-        out = attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps))
-        streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
-            + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
-        post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
-        out = moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps), token_ids)
-        streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
-            + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
-    flat = rms_norm(streams.reshape(rows, -1).float(), None, cfg.rms_norm_eps)
-    pre = torch.sigmoid(F.linear(flat, weights["hc_head_fn"].float()) * weights["hc_head_scale"].float()
-                        + weights["hc_head_base"].float()) + cfg.hc_eps
+        streams = block(weights, cfg, layer, streams, token_ids, attention_of, parallel)
+    return streams
+
+
+def block(weights: Mapping[str, torch.Tensor], cfg, layer: int, streams: torch.Tensor, token_ids: torch.Tensor,
+          attention_of: Callable[[int, torch.Tensor], torch.Tensor], parallel=None) -> torch.Tensor:
+    """transformers' ``DeepseekV4DecoderLayer`` (the reference's ``Block``): streams ``[R, n, hidden]`` in and out,
+    attention and then the MoE, each read through and written back by its hyper-connection (``parallel``: each
+    output is a rank's partial sum, added over the ranks first)."""
+    reduce = (lambda partial: partial) if parallel is None else parallel.reduce
+    prefix = f"layers.{layer}."
+    post, comb, collapsed = hyper_connection(weights, prefix + "hc_attn_", cfg, streams)
+    out = reduce(attention_of(layer, rms_norm(collapsed, weights[prefix + "attn_norm"], cfg.rms_norm_eps)))
+    streams = post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
+        + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+    post, comb, collapsed = hyper_connection(weights, prefix + "hc_ffn_", cfg, streams)
+    out = reduce(moe(weights, cfg, layer, rms_norm(collapsed, weights[prefix + "ffn_norm"], cfg.rms_norm_eps),
+                     token_ids))
+    return post.to(streams.dtype).unsqueeze(-1) * out.unsqueeze(-2) \
+        + torch.matmul(comb.to(streams.dtype).transpose(-1, -2), streams)
+
+
+def collapse_streams(weights: Mapping[str, torch.Tensor], cfg, streams: torch.Tensor, prefix: str = "") -> torch.Tensor:
+    """transformers' ``DeepseekV4HyperHead`` and the final norm: streams ``[R, n, hidden]`` -> the hidden the head
+    projects ``[R, hidden]``, with the model's ``hc_head_*`` and ``final_norm`` (``prefix`` "": the decoder's;
+    ``mtp.{k}.``: a multi-token-prediction layer's own)."""
+    flat = rms_norm(streams.reshape(streams.shape[0], -1).float(), None, cfg.rms_norm_eps)
+    mixes = F.linear(flat, weights[prefix + "hc_head_fn"].float())
+    pre = torch.sigmoid(mixes * weights[prefix + "hc_head_scale"].float() + weights[prefix + "hc_head_base"].float()) \
+        + cfg.hc_eps
     hidden = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)
+    return rms_norm(hidden, weights[prefix + "final_norm"], cfg.rms_norm_eps)
 
 
-__all__ = ["deepseek_v4_decoder", "decoder_rows", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state", "attention", "hyper_connection", "moe"]
+__all__ = ["deepseek_v4_decoder", "deepseek_v4_streams", "decoder_rows", "decoder_streams", "block",
+           "collapse_streams", "layer_state", "check_step", "STATE_BUFFERS", "state_geometry", "allocate_state",
+           "attention", "hyper_connection", "moe"]

@@ -1,4 +1,5 @@
-"""Tensor parallelism for the decoder recipes (qwen3, llama, qwen3_moe, deepseek_v3): rank shards and collectives.
+"""Tensor parallelism for the decoder recipes (qwen3, llama, qwen3_moe, deepseek_v3, gemma3, gpt_oss, deepseek_v4):
+rank shards and collectives.
 
 ``--tensor-parallel N`` splits one checkpoint into N rank shards by the table in
 ``ignition.catalog.parallel.SHARD_RULES`` (Megatron layout): q/k/v/gate/up split their output
@@ -17,6 +18,11 @@ their norms are replicated (every rank caches the same latent and rope key), q_b
 split by heads, o_proj is row-parallel. The sizes that must divide by N are ``SPLIT_FIELDS``. Each rank's graphs
 run ``TensorParallel``'s collectives as traceable functional collectives on the default process
 group, so every rank's ``.pt2`` holds them and binds them to the group the runtime starts.
+
+DeepSeek V4 (``recipes/deepseek_v4_export.py``): query heads, the grouped output projection's groups, the attention
+sinks and the lightning indexer's heads are split; its one K=V head, compressors, hyper-connections and router are
+replicated, so every rank writes the same state. The indexer's per-rank head sums are added by ``reduce`` before
+every rank ranks the entries, so all ranks keep the same ones.
 """
 
 from __future__ import annotations
@@ -127,14 +133,15 @@ def check_tensor_parallel(recipe: str, cfg, ranks: int) -> None:
 
 
 def shard_config(cfg, ranks: int):
-    """The per-rank model config: every applicable ``SPLIT_FIELDS`` size and the o/down reduction blocks
-    (``layers.row_linear``) divided by ``ranks``."""
+    """The per-rank model config: every applicable ``SPLIT_FIELDS`` size and, where the config keeps the fixed
+    reduction order, the o/down reduction blocks (``layers.row_linear``) divided by ``ranks``."""
     nested: dict[str, dict[str, int]] = {}
     for split in split_fields(cfg):
         owner, _, name = split.field.rpartition(".")
         nested.setdefault(owner, {})[name] = _field(cfg, split.field) // ranks
-    top = nested.pop("", {}) | {"row_blocks": max(1, cfg.row_blocks // ranks),
-                                "row_shard": ranks > 1}
+    top = nested.pop("", {})
+    if hasattr(cfg, "row_blocks"):  # DeepSeek V4 has none: one GEMM per rank and ``TensorParallel.reduce``
+        top |= {"row_blocks": max(1, cfg.row_blocks // ranks), "row_shard": ranks > 1}
     top |= {owner: dataclasses.replace(getattr(cfg, owner), **fields) for owner, fields in nested.items()}
     return dataclasses.replace(cfg, **top)
 

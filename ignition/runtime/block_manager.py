@@ -17,6 +17,10 @@ A block whose last reference goes is kept, still cached, until its memory is nee
 cached block is evicted, moving to the host tier when that has room (``pool.to_host``). The lookup checks the
 device blocks, then the host tier (``pool.from_host`` brings a hit back) before anything is recomputed.
 
+A core whose layers keep a state that cannot be rebuilt from KV blocks (linear attention) gives the manager its
+``states`` (``StateSnapshots``, ignition/runtime/state_snapshots.py): a hit then ends at the last block of the cached
+run that has a state snapshot, and a hash that leaves both tiers takes its snapshot with it.
+
 Block 0 is never handed out: a lane's table entries past its live blocks are 0, so writes the graph makes there
 (padding rows, a cancelled lane's records-only round) land in a block nobody reads.
 """
@@ -50,13 +54,15 @@ class BlockManager:
     """Allocation, reference counts, the hash chain, LRU eviction and the host tier of one paged KV pool.
 
     ``pool`` moves block contents (``copy_blocks``, ``to_host``, ``from_host``); it may be None only without a
-    host tier and without copies (tests of the bookkeeping alone). Not thread-safe."""
+    host tier and without copies (tests of the bookkeeping alone). ``states``: the state snapshots a hit must end
+    at (None: every cached block can end one). Not thread-safe."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool, host_blocks: int = 0, pool=None):
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool, host_blocks: int = 0, pool=None,
+                 states=None):
         if num_blocks < 2 or block_size < 1:
             raise ValueError(f"a paged KV pool needs at least 2 blocks of at least 1 position (block 0 is the "
                              f"null block), got {num_blocks} blocks of {block_size}")
-        self.block_size, self.prefix_caching, self.pool = block_size, prefix_caching, pool
+        self.block_size, self.prefix_caching, self.pool, self.states = block_size, prefix_caching, pool, states
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(1, num_blocks))  # unreferenced, not cached: taken first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, least recent first
@@ -116,6 +122,9 @@ class BlockManager:
                 found.append(("host", self.host_cached[block_hash]))
             else:
                 break
+        if self.states is not None:  # a hit resumes the layers' state, so it ends where a snapshot was kept
+            while found and state.block_hashes[len(found) - 1] not in self.states:
+                found.pop()
         return found
 
     # -- allocation -------------------------------------------------------------------------
@@ -235,16 +244,23 @@ class BlockManager:
         return block_id
 
     def _evict(self, block: Block) -> None:
-        del self.cached[block.hash]
-        if self.host_blocks and block.hash not in self.host_cached:
+        block_hash, block.hash = block.hash, None
+        del self.cached[block_hash]
+        if self.host_blocks and block_hash not in self.host_cached:
             if not self.host_free and self.host_cached:
-                _, dropped = self.host_cached.popitem(last=False)
+                dropped_hash, dropped = self.host_cached.popitem(last=False)
                 self.host_free.append(dropped)
+                self._forget(dropped_hash)
             if self.host_free:
                 host_block = self.host_free.pop()
                 self.pool.to_host([block.block_id], [host_block])
-                self.host_cached[block.hash] = host_block
-        block.hash = None
+                self.host_cached[block_hash] = host_block
+        self._forget(block_hash)
+
+    def _forget(self, block_hash: bytes) -> None:
+        """A hash that left both tiers takes its state snapshot with it."""
+        if self.states is not None and block_hash not in self.cached and block_hash not in self.host_cached:
+            self.states.drop(block_hash)
 
 
 __all__ = ["Block", "BlockManager", "NULL_BLOCK", "ROOT_HASH", "hash_block"]

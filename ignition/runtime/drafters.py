@@ -2,7 +2,10 @@
 
 Both drafters propose deterministically (the n-gram continuation; the draft core's greedy tokens),
 so the target's rejection rule needs no draft probabilities (components/speculative.py), and no
-draft probability ever reaches reporting. ``parse_speculative`` reads the CLI/server option.
+draft probability ever reaches reporting. ``parse_speculative`` reads the CLI/server option; ``mtp:S`` (a
+checkpoint's multi-token-prediction layers as the draft) parses and is refused at load (``MTP_REFUSAL``): a core
+carries no MTP draft graph family (the layers' forward and greedy draft are the deepseek_v4 recipe's reference,
+``recipes/deepseek_v4_mtp.py``).
 
 * ``NgramDrafter`` (prompt lookup): the longest suffix of the request's tokens (``max_ngram``
   down to ``min_ngram`` tokens) that occurred earlier; the tokens after its latest earlier
@@ -34,19 +37,25 @@ class SpeculativeError(ValueError):
 class Speculation:
     """What ``--speculative`` asked for: a drafter kind, its draft core (``draft`` only) and S."""
 
-    kind: str  # "ngram" | "draft"
+    kind: str  # "ngram" | "draft" | "mtp"
     draft_tokens: int
     draft_core: Path | None = None
 
 
+MTP_REFUSAL = ("--speculative mtp:{S}: core {core} has no multi-token-prediction draft graphs, and no recipe exports "
+               "them (the deepseek_v4 recipe reads a checkpoint's MTP layers into its reference draft only, "
+               "recipes/deepseek_v4_mtp.py); use ngram:{S} or draft:CORE:{S}")
+"""Why ``mtp:S`` cannot run: the draft graph family and the target's hidden streams it would read are not in cores."""
+
+
 def parse_speculative(text: str) -> Speculation:
-    """``ngram:S`` or ``draft:CORE:S`` (CORE may itself contain ':')."""
+    """``ngram:S``, ``mtp:S`` or ``draft:CORE:S`` (CORE may itself contain ':')."""
     kind, _, rest = text.partition(":")
     core, _, count = rest.rpartition(":")
-    usage = f"--speculative {text!r}: expected ngram:S or draft:CORE:S with S a positive integer"
-    if kind not in ("ngram", "draft") or not count.isdigit() or int(count) < 1:
+    usage = f"--speculative {text!r}: expected ngram:S, mtp:S or draft:CORE:S with S a positive integer"
+    if kind not in ("ngram", "draft", "mtp") or not count.isdigit() or int(count) < 1:
         raise SpeculativeError(usage)
-    if (kind == "ngram") != (core == ""):
+    if (kind == "draft") == (core == ""):
         raise SpeculativeError(usage)
     return Speculation(kind, int(count), Path(core) if core else None)
 
@@ -59,6 +68,8 @@ def engine_options(speculation: Speculation | None, target_core, load_draft) -> 
     """
     if speculation is None:
         return {}
+    if speculation.kind == "mtp":
+        raise SpeculativeError(MTP_REFUSAL.format(S=speculation.draft_tokens, core=target_core.path))
     try:
         select_verify_variants(target_core, speculation.draft_tokens)
     except ValueError as exc:

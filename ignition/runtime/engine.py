@@ -23,6 +23,7 @@ from ignition.runtime.outputs import OutputProcessor, Result
 from ignition.runtime.requests import AdmissionError, Request, RequestState, check_admission
 from ignition.runtime.runner import Runner
 from ignition.runtime.scheduler import ScheduledRound, Scheduler
+from ignition.runtime.state_snapshots import STATE_SNAPSHOT_MEMORY
 
 
 class ContextError(ValueError):
@@ -38,7 +39,8 @@ class Engine:
     """Runs requests through a loaded core. Not thread-safe; one submission at a time."""
 
     def __init__(self, core: LoadedCore, batch_invariant: bool = False, drafter=None, draft_tokens: int = 0,
-                 mixed: bool = True, packed: bool = True, max_context: int | None = None, prefix_caching: bool = True):
+                 mixed: bool = True, packed: bool = True, max_context: int | None = None, prefix_caching: bool = True,
+                 state_snapshot_memory: int = STATE_SNAPSHOT_MEMORY):
         """``batch_invariant``: every decode round replays the largest-capacity variant, so a request's
         tokens and logprob words are bit-identical however it is co-batched (see docs/serving.md, "Engine options").
         ``drafter`` (ignition.runtime.drafters) proposes up to ``draft_tokens`` tokens per request for the
@@ -48,7 +50,9 @@ class Engine:
         per round). ``max_context``: the context admission checks prompt + max_tokens against (default the core's
         ``model.max_seq_len``, or the KV cache's capacity in tokens when that is smaller; ContextError above
         either). ``prefix_caching``: on a core with a paged KV pool, requests
-        reuse the cached blocks of earlier requests' equal prefixes (ignition/runtime/block_manager.py)."""
+        reuse the cached blocks of earlier requests' equal prefixes (ignition/runtime/block_manager.py).
+        ``state_snapshot_memory``: host bytes for the snapshots of linear-attention states a prefix hit resumes
+        (ignition/runtime/state_snapshots.py; a budget below one snapshot turns prefix reuse off for such a core)."""
         self.core = core
         context = core.spec.model.max_seq_len
         if max_context is not None and context is not None and max_context > context:
@@ -59,7 +63,8 @@ class Engine:
         proposer = Proposer.for_core(core, drafter, draft_tokens) if drafter is not None else None
         self.scheduler = Scheduler(core, self.stats, batch_invariant=batch_invariant, proposer=proposer,
                                    constraints=Constraints(core.spec.eos_token_id), mixed=mixed,
-                                   packed=packed, prefix_caching=prefix_caching)
+                                   packed=packed, prefix_caching=prefix_caching,
+                                   snapshot_memory=state_snapshot_memory)
         blocks = self.scheduler.blocks
         if blocks is not None and max_context is not None and max_context > blocks.capacity_tokens:
             raise ContextError(max_context, blocks.capacity_tokens, f"the KV cache's capacity: {blocks.num_blocks} "
@@ -163,12 +168,15 @@ class Engine:
     # -- the scheduler's and runner's state, as callers read it ----------------------------
     def kv_cache_stats(self) -> dict:
         """The paged KV cache's counters as vLLM names them: prefix-cache queries and hits in tokens, and the
-        fraction of blocks requests hold (all 0 for a core without a paged pool)."""
+        fraction of blocks requests hold (all 0 for a core without a paged pool); ``state_snapshot_bytes``: the
+        host bytes the linear-attention state snapshots hold (0 for a core without them)."""
         blocks = self.scheduler.blocks
         if blocks is None:
-            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "kv_cache_usage_perc": 0.0}
+            return {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "kv_cache_usage_perc": 0.0,
+                    "state_snapshot_bytes": 0}
         return {"prefix_cache_queries": blocks.queries, "prefix_cache_hits": blocks.hits,
-                "kv_cache_usage_perc": blocks.usage()}
+                "kv_cache_usage_perc": blocks.usage(),
+                "state_snapshot_bytes": blocks.states.nbytes if blocks.states is not None else 0}
 
     @property
     def kv_capacity_tokens(self) -> int | None:

@@ -3,14 +3,17 @@
 A core's paged caches (catalog/geometry.py ``PAGED_STATE``, layouts with a ``kv_blocks`` extent) hold a context's
 keys by block, so a request whose context starts with cached blocks can start its prefill after them. Everything
 else a core keeps per slot must then be rebuilt for the skipped positions too: ``penalty_counts`` is (its prompt
-plane counts the skipped tokens, ``seed_penalty_counts``); sliding-window rings, linear-attention states and
-DeepSeek V4's compressed state are not, so prefix reuse is refused for such a core, with one log line at load
-(its requests still page their blocks).
+plane counts the skipped tokens, ``seed_penalty_counts``), and so are the states of cache kinds that do not rewind
+(linear attention): they are restored from a snapshot kept at the hit's last block (``resume_prefix``,
+ignition/runtime/state_snapshots.py). Sliding-window rings and DeepSeek V4's compressed state are not, so prefix
+reuse is refused for such a core, with one log line at load (its requests still page their blocks), as it is for a
+linear core whose snapshot budget holds no snapshot.
 
 A tensor-parallel core's other ranks hold their own ``penalty_counts`` and pools, which graphs change through
 broadcast submissions: what rank 0 changes outside a graph (a prefix hit's seeded counts, ``seed_prefix``; a block
 moved by the block manager, ``RankPool``) each rank repeats before the next submission
-(``RankGroup.replay``, ignition/runtime/parallel/group.py, then ``replay_operations`` on the rank).
+(``RankGroup.replay``, ignition/runtime/parallel/group.py, then ``replay_operations`` on the rank). Snapshots of
+states that do not rewind are rank 0's alone, so such a tensor-parallel core is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 
 from ignition.catalog.geometry import PAGED_STATE, PENALTY_COUNTS, PROMPT_PLANE
 from ignition.runtime.block_manager import BlockManager
+from ignition.runtime.state_snapshots import (STATE_SNAPSHOT_MEMORY, StateSnapshots, check_snapshot_memory,
+                                              snapshot_bytes, snapshot_states)
 
 log = logging.getLogger("ignition.runtime")
 
@@ -31,24 +36,49 @@ def paged_states() -> set[str]:
     return set(PAGED_STATE)
 
 
-def prefix_reuse_refusal(core) -> str | None:
-    """Why a prefix hit cannot resume a request of ``core`` (None: it can)."""
-    per_slot = sorted(name for name in core.state if name not in paged_states() and name != PENALTY_COUNTS)
+def prefix_reuse_refusal(core, snapshot_memory: int = STATE_SNAPSHOT_MEMORY) -> str | None:
+    """Why a prefix hit cannot resume a request of ``core`` (None: it can) when ``snapshot_memory`` host bytes hold
+    the snapshots of its states that do not rewind."""
+    snapshotted = snapshot_states(core.state)
+    if core.group is not None and snapshotted:
+        return "tensor-parallel ranks keep their own states, which rank 0's snapshots do not restore"
+    per_slot = sorted(name for name in core.state
+                      if name not in paged_states() and name != PENALTY_COUNTS and name not in snapshotted)
     if per_slot:
         return f"its layers keep per-slot state ({', '.join(per_slot)}) that a prefix hit cannot resume"
+    if snapshotted and snapshot_memory < snapshot_bytes(core.state):
+        return (f"--state-snapshot-memory {snapshot_memory} bytes holds no snapshot of its per-slot state "
+                f"({', '.join(snapshotted)}: {snapshot_bytes(core.state)} bytes a snapshot)")
     return None
 
 
-def block_manager_for(core, prefix_caching: bool) -> BlockManager | None:
-    """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then)."""
+def block_manager_for(core, prefix_caching: bool, snapshot_memory: int = STATE_SNAPSHOT_MEMORY,
+                      chunk: int = 1) -> BlockManager | None:
+    """The block manager of ``core``'s KV pool (None for a core without paged caches: slots alone then); a core
+    with states that do not rewind gets a store of their snapshots of ``snapshot_memory`` bytes, kept at the
+    multiples of the block size and of the prefill ``chunk`` (ValueError for a budget that is no byte count)."""
+    check_snapshot_memory(snapshot_memory)
     pool = core.kv_pool
     if pool is None or not pool.paged:
         return None
-    refusal = prefix_reuse_refusal(core) if prefix_caching else None
+    refusal = prefix_reuse_refusal(core, snapshot_memory) if prefix_caching else None
     if refusal is not None:
         log.info("prefix caching is off for %s: %s", core.path.name, refusal)
-    return BlockManager(pool.num_blocks, pool.block_size, prefix_caching=prefix_caching and refusal is None,
-                        host_blocks=pool.host_blocks, pool=pool if core.group is None else RankPool(pool, core.group))
+    reuse = prefix_caching and refusal is None
+    states = None
+    if reuse and snapshot_states(core.state):
+        states = StateSnapshots.for_core(core, snapshot_memory, pool.block_size, chunk)
+    return BlockManager(pool.num_blocks, pool.block_size, prefix_caching=reuse, host_blocks=pool.host_blocks,
+                        pool=pool if core.group is None else RankPool(pool, core.group), states=states)
+
+
+def resume_prefix(core, blocks: BlockManager, state, cached: int) -> None:
+    """Make ``state``'s slot what prefilling its first ``cached`` context tokens leaves (a prefix hit skips them):
+    ``penalty_counts`` reseeded (on every rank, ``seed_prefix``), the states that do not rewind restored from the
+    hit's last block's snapshot."""
+    seed_prefix(core, state.slot, state.context()[:cached])
+    if blocks.states is not None:
+        blocks.states.restore(state.block_hashes[cached // blocks.block_size - 1], state.slot)
 
 
 POOL_MOVES = ("copy_blocks", "to_host", "from_host")
@@ -125,4 +155,4 @@ def seed_penalty_counts(state: dict[str, torch.Tensor], slot: int, tokens: list[
 
 
 __all__ = ["POOL_MOVES", "RankPool", "block_manager_for", "kv_budget", "kv_capacity_tokens", "paged_states",
-           "prefix_reuse_refusal", "replay_operations", "seed_penalty_counts", "seed_prefix"]
+           "prefix_reuse_refusal", "replay_operations", "resume_prefix", "seed_penalty_counts", "seed_prefix"]

@@ -25,10 +25,11 @@ from ignition.catalog.enums import Operation
 from ignition.runtime.bindings import ChunkPlan, Lane, replayed_extent
 from ignition.runtime.constrained import Constraints
 from ignition.runtime.core import LoadedCore, LoadedVariant
-from ignition.runtime.paging import block_manager_for, seed_prefix
+from ignition.runtime.paging import block_manager_for, resume_prefix
 from ignition.runtime.requests import RequestState
 from ignition.runtime.runner import FreeSlots, smallest_fitting
 from ignition.runtime.samples import SampleGroups
+from ignition.runtime.state_snapshots import STATE_SNAPSHOT_MEMORY
 
 
 @dataclass(slots=True)
@@ -55,7 +56,8 @@ class Scheduler:
     """Admission order, slots and the choice of each round. Not thread-safe."""
 
     def __init__(self, core: LoadedCore, stats: dict, *, batch_invariant: bool = False, proposer=None,
-                 constraints: Constraints, mixed: bool = True, packed: bool = True, prefix_caching: bool = True):
+                 constraints: Constraints, mixed: bool = True, packed: bool = True, prefix_caching: bool = True,
+                 snapshot_memory: int = STATE_SNAPSHOT_MEMORY):
         self.core, self.stats = core, stats
         self.batch_invariant = batch_invariant
         self.proposer = proposer  # drafters.Proposer, or None: no speculative rounds
@@ -78,7 +80,7 @@ class Scheduler:
         self.retiring: list[RequestState] = []  # cancelled while running: slot held until a MAINTENANCE record
         self.finished: dict[str, RequestState] = {}
         self.entry_limit: int | None = None  # undelivered entries at which a request stops being scheduled
-        self.blocks = block_manager_for(core, prefix_caching)  # None: a core without paged caches
+        self.blocks = block_manager_for(core, prefix_caching, snapshot_memory, self.chunk)  # None: no paged caches
         self.groups = SampleGroups(core, self.num_slots, stats, self.blocks)  # n > 1 requests
         if self.blocks is not None:  # the positions a block table can hold
             self.max_positions = min(self.blocks.capacity_tokens, core.spec.model.max_seq_len or 1 << 62)
@@ -108,7 +110,7 @@ class Scheduler:
             cached = self.blocks.allocate(state)
             if cached:  # its prefill starts after the cached blocks
                 state.prefilled = cached
-                seed_prefix(self.core, state.slot, state.context()[:cached])
+                resume_prefix(self.core, self.blocks, state, cached)
         self.constraints.prefetch(state)  # its first row fills while its prompt is prefilled
 
     def _free_blocks(self, state: RequestState) -> None:
@@ -120,11 +122,14 @@ class Scheduler:
             self.blocks.free(state)
 
     def cache_blocks(self, lanes: list[Lane]) -> None:
-        """After a round: register the full blocks its lanes' requests have written in the prefix cache."""
+        """After a round: register the full blocks its lanes' requests have written in the prefix cache (and
+        snapshot the states a later hit resumes)."""
         if self.blocks is not None:
             for lane in lanes:
                 if lane.state.block_table:
                     self._cache(lane.state)
+            if self.blocks.states is not None:
+                self.blocks.states.after_round(lanes, self.blocks)
 
     def _cache(self, state: RequestState) -> None:
         """Register the full blocks of ``state``'s written tokens (its prompt and every generated token)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ignition.catalog.docs import regenerate, render_blocks
 from ignition.runtime.requests import DEFAULT_MAX_TOKENS
+from ignition.runtime.state_snapshots import STATE_SNAPSHOT_MEMORY as DEFAULT_STATE_SNAPSHOT_MEMORY
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "serving.md"
 BLOCK = "request-defaults"
@@ -73,11 +74,15 @@ KV_CACHE_MEMORY = CacheOption(
 KV_HOST_MEMORY = CacheOption(
     "--kv-host-memory", 0, "0 (no host tier)",
     "bytes of the host tier evicted prefix blocks move to (pinned on CUDA); looked up after the device blocks")
+STATE_SNAPSHOT_MEMORY = CacheOption(
+    "--state-snapshot-memory", DEFAULT_STATE_SNAPSHOT_MEMORY, f"{DEFAULT_STATE_SNAPSHOT_MEMORY} (1 GiB)",
+    "host bytes for the linear-attention states kept where a prefix hit can resume them (Qwen3.5; taken as they "
+    "are made, least recently used evicted); below one snapshot, such a core reuses no prefix")
 GPU_MEMORY_UTILIZATION = CacheOption(
     "--gpu-memory-utilization", None, "none",
     "CUDA: the fraction of the GPU's memory this server may use, as vLLM's option; the KV pool gets what the "
     "weights leave of it (refused on CPU; `--kv-cache-memory` is the exact size)")
-KV_CACHE_OPTIONS = (PREFIX_CACHING, KV_CACHE_MEMORY, KV_HOST_MEMORY, GPU_MEMORY_UTILIZATION)
+KV_CACHE_OPTIONS = (PREFIX_CACHING, KV_CACHE_MEMORY, KV_HOST_MEMORY, STATE_SNAPSHOT_MEMORY, GPU_MEMORY_UTILIZATION)
 
 
 def kv_table() -> str:

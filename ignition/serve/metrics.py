@@ -57,7 +57,9 @@ class ServerMetrics:
         for name, key, doc in (("num_requests_running", "running", "Requests in engine lanes."),
                                ("num_requests_waiting", "waiting", "Requests waiting for a lane."),
                                ("kv_cache_usage_perc", "kv_cache_usage_perc",
-                                "KV-cache usage. 1 means 100 percent usage.")):
+                                "KV-cache usage. 1 means 100 percent usage."),
+                               ("state_snapshot_bytes", "state_snapshot_bytes",
+                                "Host bytes of the linear-attention state snapshots prefix hits resume.")):
             gauge = Gauge(f"ignition:{name}", doc, model, registry=registry)
             gauge.labels(model_name).set_function(lambda key=key: load()[key])
         registry.register(_EngineCounters(model_name, load))

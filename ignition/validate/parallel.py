@@ -16,8 +16,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from ignition.catalog.parallel import (EXCHANGES, RANK_METADATA, RANKS_DIR, RANKS_METADATA, SPLIT_FIELDS,
-                                       padded_vocabulary)
+from ignition.catalog.parallel import (EXCHANGES, KV_HEADS_SYMBOL, RANK_METADATA, RANKS_DIR, RANKS_METADATA,
+                                       SPLIT_FIELDS, padded_vocabulary, split_state)
 from ignition.validate.files import check_weights, safe_path
 from ignition.validate.report import Violation
 
@@ -34,17 +34,23 @@ _COLLECTIVES = ("_c10d_functional.all_reduce.default", "_c10d_functional.all_gat
 def rank_view(manifest: dict, what: str) -> dict:
     """The manifest as one rank sees it: KV heads per rank (``state``) or the vocabulary shard (``weights``).
 
-    Unchanged for an unsharded core or when the numbers do not divide (TP-RANKS reports that).
+    Unchanged for an unsharded core or when the numbers do not divide (TP-RANKS reports that). State that no KV head
+    splits (``catalog.parallel.split_state``: MLA's latents, DeepSeek V4's one K=V head) is whole on every rank.
     """
     section = manifest.get("tensor_parallel")
     if not section:
         return manifest
     ranks, view = section["ranks"], copy.deepcopy(manifest)
-    if what == "state" and "num_kv_heads" in view["model"] and view["model"]["num_kv_heads"] % ranks == 0:
-        view["model"]["num_kv_heads"] //= ranks  # MLA caches (no KV heads) are whole on every rank
+    if what == "state" and _splits_kv_heads(manifest) and view["model"]["num_kv_heads"] % ranks == 0:
+        view["model"]["num_kv_heads"] //= ranks
     if what == "weights":
         view["vocab_padded"] = section["vocab_shard"]
     return view
+
+
+def _splits_kv_heads(manifest: dict) -> bool:
+    """Whether the core has KV heads and state split by them (``catalog.parallel.split_state``)."""
+    return KV_HEADS_SYMBOL in manifest["model"] and any(split_state(s["name"]) for s in manifest.get("state", []))
 
 
 def rank_graph_files(manifest: dict, rank: int) -> dict[str, str]:
@@ -69,7 +75,9 @@ def check_section(root: Path, manifest: dict, variants: list[dict]) -> list[Viol
         return []
     ranks, found = section["ranks"], []
     model = manifest["model"]
-    for split in SPLIT_FIELDS:  # the ones the manifest's model section records (heads)
+    for split in SPLIT_FIELDS:  # the ones the manifest's model section records (heads; KV heads that split state)
+        if split.field == KV_HEADS_SYMBOL and not _splits_kv_heads(manifest):
+            continue  # one K=V head shared by every query head (DeepSeek V4): every rank holds it whole
         if split.field in model and model[split.field] % ranks:
             found.append(Violation("TP-RANKS", f"manifest.json:model.{split.field}", f"{model[split.field]} "
                                    f"({split.what}) cannot be divided over {ranks} ranks"))
