@@ -1,9 +1,11 @@
 """The KV cache's server side: ``cache_salt`` as vLLM takes it, the options of ``serve`` and ``run`` (refused
-before any load), the Prometheus metrics, and the prefix-reuse refusal for per-slot state. The live server and
-the toy core are conftest's (the toy core has no paged pool: its KV metrics read 0)."""
+before any load), the Prometheus metrics, the prefix-reuse refusal for per-slot state, and what a tensor-parallel
+rank 0 changes outside a graph, which its other ranks repeat. The live server and the toy core are conftest's (the
+toy core has no paged pool: its KV metrics read 0)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from types import SimpleNamespace
 
@@ -15,7 +17,10 @@ from typer.testing import CliRunner
 
 import ignition.runtime.core as runtime_core
 from ignition.cli import app
-from ignition.runtime.paging import block_manager_for, prefix_reuse_refusal, seed_penalty_counts
+from ignition.runtime.kv_pool import KVPool, PoolSize
+from ignition.runtime.paging import (RankPool, block_manager_for, prefix_reuse_refusal, replay_operations,
+                                     seed_penalty_counts, seed_prefix)
+from ignition.runtime.parallel.group import RankGroup
 from ignition.serve.defaults import KV_CACHE_OPTIONS, PREFIX_CACHING
 from ignition.serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -107,13 +112,12 @@ def test_prefix_reuse_is_refused_with_one_log_line_for_per_slot_state(caplog, mo
     with caplog.at_level(logging.INFO, logger="ignition.runtime"):
         assert block_manager_for(paged, True).prefix_caching
         hybrid = block_manager_for(fake_core(["k_cache", "v_cache", "k_window_cache", "v_window_cache"]), True)
-        parallel = block_manager_for(fake_core(["k_cache", "v_cache"], group=object()), True)
+        parallel = block_manager_for(fake_core(["k_cache", "v_cache", "penalty_counts"], group=object()), True)
         assert block_manager_for(fake_core(["k_cache"]), False).prefix_caching is False
-    assert not hybrid.prefix_caching and not parallel.prefix_caching
+    assert not hybrid.prefix_caching and parallel.prefix_caching and isinstance(parallel.pool, RankPool)
     assert [r.getMessage() for r in caplog.records] == [
         "prefix caching is off for core: its layers keep per-slot state (k_window_cache, v_window_cache) that a "
-        "prefix hit cannot resume",
-        "prefix caching is off for core: tensor-parallel ranks keep their own penalty_counts shards"]
+        "prefix hit cannot resume"]
     slot_only = SimpleNamespace(num_blocks=0, block_size=4, host_blocks=0, paged=False)
     assert block_manager_for(fake_core(["k_cache"], pool=slot_only), True) is None
     assert block_manager_for(fake_core(["k_cache"], pool=None), True) is None
@@ -126,6 +130,50 @@ def test_seeded_penalty_counts_are_what_a_prefill_from_zero_counts():
     expected[0, 3], expected[0, 7], expected[0, 0] = 2, 1, 1
     assert torch.equal(state["penalty_counts"][1], expected)
     assert (state["penalty_counts"][0] == 5).all() and (state["penalty_counts"][2] == 5).all()
+
+
+class RecordingGroup:
+    """Rank 0's side of a group whose submissions are not sent: the operations of the next one."""
+
+    def __init__(self):
+        self.pending = []
+
+    def replay(self, name, *arguments):
+        RankGroup.replay(self, name, *arguments)
+
+
+def test_what_rank_0_changes_outside_a_graph_every_rank_repeats():
+    """A prefix hit's seeded counts and the block manager's moves run on rank 0 and, replayed from the JSON of the
+    next wake line, leave another rank's state the same; an unknown operation is refused by name."""
+    def state():
+        torch.manual_seed(0)
+        return {"penalty_counts": torch.full((3, 2, 10), 5, dtype=torch.int32), "k_cache": torch.randn(1, 6, 2, 3)}
+
+    cores = []
+    for _ in range(2):
+        tensors = state()
+        pool = KVPool(PoolSize(paged=True, num_blocks=6, block_size=2, bytes_per_block=24, max_blocks=2,
+                               declared_blocks=6, host_blocks=2), {"k_cache": tensors["k_cache"]},
+                      {"k_cache": torch.zeros(1, 2, 2, 3)})
+        cores.append(SimpleNamespace(state=tensors, kv_pool=pool, group=None))
+    rank0, peer = cores
+    rank0.group = group = RecordingGroup()
+    seed_prefix(rank0, 2, [3, 3, 9])
+    moved = RankPool(rank0.kv_pool, group)
+    moved.to_host([4], [1])
+    moved.copy_blocks([1], [4])
+    moved.from_host([1], [5])
+    line = RankGroup.submission(group, 7)
+    index, _, operations = line.partition(" ")
+    assert index == "7" and group.pending == [] and RankGroup.submission(group, 3) == "3"
+    replay_operations(peer, json.loads(operations))
+    for name in rank0.state:
+        assert torch.equal(peer.state[name], rank0.state[name]), name
+    assert torch.equal(peer.kv_pool.host["k_cache"], rank0.kv_pool.host["k_cache"])
+    assert peer.state["penalty_counts"][2, 0, 3] == 2 and torch.equal(peer.state["k_cache"][0, 5],
+                                                                      state()["k_cache"][0, 4])
+    with pytest.raises(ValueError, match="rank 0 asked for 'reset'; expected seed_penalty_counts"):
+        replay_operations(peer, [["reset", 1]])
 
 
 @pytest.mark.parametrize("enabled", [True, False])

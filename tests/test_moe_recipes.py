@@ -35,7 +35,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.present import run_json
 from ignition.validate.core import validate_core
-from ignition.runtime.requests import Request
+from ignition.runtime.requests import Request, SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_moe.py"
 RECIPES = ("qwen3_moe", "deepseek_v3")
@@ -52,7 +52,8 @@ BF16_TOL = 2 * 2**-5
 KV_BYTES_PER_TOKEN = {"qwen3_moe": 2 * 3 * 2 * 16 * 4, "deepseek_v3": 3 * (16 + 8) * 4}
 STATE = {"qwen3_moe": {"k_cache": [3, 2 * MAX_SEQ_LEN // 16, 16, 2, 16],  # pools: 2 slots of 16-position blocks
                        "v_cache": [3, 2 * MAX_SEQ_LEN // 16, 16, 2, 16]},
-         "deepseek_v3": {"latent_cache": [3, 2, MAX_SEQ_LEN, 16], "rope_key_cache": [3, 2, MAX_SEQ_LEN, 8]}}
+         "deepseek_v3": {"latent_cache": [3, 2 * MAX_SEQ_LEN // 16, 16, 16],  # MLA's pools: the latent, the rope key
+                         "rope_key_cache": [3, 2 * MAX_SEQ_LEN // 16, 16, 8]}}
 
 
 def load_example():
@@ -157,7 +158,9 @@ def test_core_declares_its_cache_and_stores_experts_once(cores, checkpoints, rec
     assert manifest["features"]["prompt_logprobs"] and manifest["capacities"] == [2]
     inspected = CliRunner().invoke(app, ["inspect-core", str(core), "--memory", "--json"])
     assert inspected.exit_code == 0, inspected.output
-    assert json.loads(inspected.output)["memory"]["kv_bytes_per_token"] == KV_BYTES_PER_TOKEN[recipe]
+    memory = json.loads(inspected.output)["memory"]
+    assert memory["kv_bytes_per_token"] == KV_BYTES_PER_TOKEN[recipe]
+    assert memory["kv_capacity_tokens_max"] == (2 * MAX_SEQ_LEN // 16 - 1) * 16  # every block but the null one
     with safe_open(str(core / "weights.safetensors"), framework="pt") as stored, \
             safe_open(str(checkpoints[recipe][0] / "model.safetensors"), framework="pt") as original:
         assert len(set(stored.keys())) == len(set(original.keys()))  # every tensor once, experts as stored
@@ -174,6 +177,11 @@ def test_validator_checks_the_latent_cache_against_the_manifest(cores, tmp_path)
     (core / "manifest.json").write_bytes(dump_json(manifest))
     report = validate_core(core, check_graphs=False)
     assert any(v.rule == "GEOM-MODEL" and "latent_cache" in v.where for v in report.violations), report.violations
+    manifest["model"]["kv_lora_rank"], manifest["model"]["kv_blocks"] = 16, 9  # the pools hold 8 blocks
+    (core / "manifest.json").write_bytes(dump_json(manifest))
+    lies = {v.where for v in validate_core(core, check_graphs=False).violations if v.rule == "GEOM-KV-BLOCKS"}
+    assert {"latent_cache", "rope_key_cache"} <= {name for name in ("latent_cache", "rope_key_cache")
+                                                  if any(name in where for where in lies)}, lies
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -206,6 +214,32 @@ def test_batched_decode_matches_transformers(cores, checkpoints, recipe: str) ->
         assert result.error is None and len(result.token_ids) == requests[index].max_tokens
         assert_generation_matches(hf, prompt, result.token_ids, [e.logprob for e in result.entries],
                                   [e.top for e in result.entries], 20, f"{recipe} request {index}")
+
+
+def test_deepseek_v3_reuses_prefixes_from_its_mla_pools(cores) -> None:
+    """MLA's latent and rope key are pools of blocks (catalog/geometry.py ``PAGED_STATE``), so deepseek_v3 serves
+    prefix hits: a cached request (with penalties, whose prompt counts the hit seeds) gets the tokens and logprobs it
+    gets with prefix caching off, and a scored request beside it the same prompt logprobs, bit for bit."""
+    from ignition.runtime.paging import prefix_reuse_refusal
+
+    loaded = cores("deepseek_v3")[1]
+    assert prefix_reuse_refusal(loaded) is None
+    assert (loaded.kv_pool.num_blocks, loaded.kv_pool.block_size, loaded.kv_pool.capacity_tokens) == (8, 16, 112)
+    shared = [(5 * j + 3) % 300 + 1 for j in range(37)]  # two full blocks of 16 and 5 tokens
+    requests = [Request(shared, max_tokens=5, logprobs=2, ignore_eos=True),
+                Request(shared + [9, 10, 11], max_tokens=5, logprobs=2, ignore_eos=True,
+                sampling=SamplingParams(repetition_penalty=1.3, presence_penalty=0.5)),
+                Request(shared + [7, 8], max_tokens=3, logprobs=2, prompt_logprobs=2, ignore_eos=True)]
+    cold_engine, warm_engine = Engine(loaded, prefix_caching=False), Engine(loaded)
+    cold = [cold_engine.generate([r])[0] for r in requests]
+    warm = [warm_engine.generate([r])[0] for r in requests]
+    assert warm_engine.kv_cache_stats()["prefix_cache_hits"] == 2 * 16  # the second's; the scored one never looks
+    for got, want in zip(warm, cold, strict=True):
+        assert got.error is None and got.token_ids == want.token_ids
+        for a, b in zip(got.entries, want.entries, strict=True):
+            assert a.id == b.id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) <= 2e-5  # FP32: the cached latents come from another chunk split
+        assert got.prompt_entries == want.prompt_entries
 
 
 def reference_cases(recipe: str, checkpoints, dtype: str = "float32"):

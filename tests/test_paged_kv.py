@@ -1,5 +1,6 @@
 """The paged KV layout (catalog/geometry.py ``PAGED_STATE``) at the recipe level: a pool of blocks addressed through
-hand-made block tables gives the slot layout's logits and tokens, whatever blocks a slot holds."""
+hand-made block tables gives the slot layout's logits and tokens, whatever blocks a slot holds: GQA's K and V
+(qwen3), and MLA's latent and rope key (deepseek_v3)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
 from ignition.catalog.geometry import max_blocks
 from ignition.recipes.checkpoint import open_checkpoint, read_config
 from ignition.recipes.config import ModelConfig, kv_cache_shape, load_weights
+from ignition.recipes.deepseek_v3 import WEIGHT_MAP as MLA_WEIGHT_MAP
+from ignition.recipes.deepseek_v3 import DeepseekV3Config
 from ignition.recipes.layers import Rows
+from ignition.recipes.mla import mla_decoder
 from ignition.recipes.transformer import gqa_decoder, lm_head_logits
+from ignition.recipes.weights import load_weights as load_mapped_weights
 
 SLOTS, MAX_SEQ_LEN, BLOCK_SIZE = 3, 64, 8
 BLOCKS = max_blocks(MAX_SEQ_LEN, BLOCK_SIZE)
@@ -38,7 +43,7 @@ def window(needed: int) -> torch.Tensor:
     return torch.zeros(WINDOWS[KEY_WINDOW].covering(needed, MAX_SEQ_LEN), dtype=torch.int64)
 
 
-def run(cfg, weights, caches, tables, steps):
+def run(cfg, weights, caches, tables, steps, decoder=gqa_decoder):
     """Prefill three prompts (two chunks for the longest), then decode all three lanes (one inactive lane aimed at
     lane 0's cell) for ``steps`` greedy steps: every step's logits and the tokens."""
     generator = torch.Generator().manual_seed(3)
@@ -51,14 +56,14 @@ def run(cfg, weights, caches, tables, steps):
             rows = Rows.prefill(16, torch.tensor([start]), torch.tensor([chunk.shape[0]]), torch.tensor([slot]),
                                 window(start + 16), tables)
             padded = torch.cat([chunk, torch.full((16 - chunk.shape[0],), 7)])
-            logits.append(lm_head_logits(weights, cfg, gqa_decoder(weights, cfg, padded, rows, caches))[:chunk.shape[0]])
+            logits.append(lm_head_logits(weights, cfg, decoder(weights, cfg, padded, rows, caches))[:chunk.shape[0]])
     lengths = [prompt.shape[0] for prompt in prompts]
     current = [int(logits[index].argmax(-1)[-1]) for index in (0, 1, 3)]
     for step in range(steps):
         positions = [length + step for length in lengths]
         rows = Rows.decode(torch.tensor(positions + [positions[0]]), torch.tensor(slots + [slots[0]]),
                            torch.tensor([True, True, True, False]), window(max(positions) + 1), block_tables=tables)
-        step_logits = lm_head_logits(weights, cfg, gqa_decoder(weights, cfg, torch.tensor(current + [3]), rows, caches))
+        step_logits = lm_head_logits(weights, cfg, decoder(weights, cfg, torch.tensor(current + [3]), rows, caches))
         logits.append(step_logits[:3])
         current = step_logits[:3].argmax(-1).tolist()
         tokens.append(current)
@@ -105,6 +110,41 @@ def test_table_entries_past_a_slots_blocks_are_not_read(model) -> None:
     assert found_tokens == reference_tokens
     for ours, theirs in zip(found, reference):
         torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("paged-mla")
+    save_checkpoint(TinyCase("deepseek_v3", torch.float32, tie=False, vocab_size=96), directory, reload=False)
+    cfg = DeepseekV3Config.from_hf_config(read_config(directory), "config.json")
+    return cfg, load_mapped_weights(open_checkpoint(directory), cfg, MLA_WEIGHT_MAP, torch.float32)
+
+
+def test_mla_pools_through_permuted_tables_give_the_slot_layouts_logits(mla_model) -> None:
+    """deepseek_v3's latent and rope key pools read and written through scattered block tables: the slot layout's
+    tokens and logits, the slot layout's cells in each slot's blocks, and nothing in the blocks no table names."""
+    cfg, weights = mla_model
+    slot_caches = {name: torch.zeros(shape) for name, shape in cfg.cache_shapes(SLOTS, MAX_SEQ_LEN).items()}
+    expected, expected_tokens = run(cfg, weights, slot_caches, None, steps=8, decoder=mla_decoder)
+    tables, pool = permuted_tables(seed=6)
+    shapes = cfg.cache_shapes(SLOTS, MAX_SEQ_LEN, BLOCK_SIZE, pool)
+    assert shapes == {"latent_cache": (cfg.num_layers, pool, BLOCK_SIZE, cfg.kv_lora_rank),
+                      "rope_key_cache": (cfg.num_layers, pool, BLOCK_SIZE, cfg.qk_rope_head_dim)}
+    paged_caches = {name: torch.full(shape, 1e4) for name, shape in shapes.items()}  # junk: never read unmasked
+    found, found_tokens = run(cfg, weights, paged_caches, tables, steps=8, decoder=mla_decoder)
+    assert found_tokens == expected_tokens
+    for ours, theirs in zip(found, expected):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    used = torch.zeros(pool, dtype=torch.bool)
+    used[tables.flatten().long()] = True
+    for name in shapes:
+        assert (paged_caches[name][:, ~used] == 1e4).all(), name
+        for slot in range(SLOTS):
+            cells = paged_caches[name][:, tables[slot].long()].flatten(1, 2)  # [layers, positions, width]
+            written = slot_caches[name][:, slot]
+            live = written.abs().sum((0, 2)) > 0
+            assert live.any()
+            torch.testing.assert_close(cells[:, live], written[:, live], atol=0, rtol=0)
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,9 @@ MOE_CASES = {"qwen3_moe": TinyCase("qwen3_moe", torch.float32, True, VOCAB),
 
 
 def options_for(recipe: str, checkpoint: Path, ranks: int) -> ExportOptions:
+    """Blocks of 8: the pool (4 blocks, the null one included) holds 24 tokens, room for a prefix hit."""
     return ExportOptions(recipe=recipe, checkpoint=checkpoint, capacities=(1,), chunk_limit=8, max_seq_len=32,
-                         tensor_parallel=ranks)
+                         tensor_parallel=ranks, block_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,7 @@ def test_moe_and_mla_cores_declare_their_shards(cores):
     assert mla["layers.0.o_proj"] == {"kind": "row", "dim": 1, "full": [32, 48], "shard": [32, 24]}
     state = {s["name"]: s["shape"] for s in
              json.loads((cores["deepseek_v3"][2] / "manifest.json").read_text())["state"]}
-    assert state["latent_cache"] == [2, 1, 32, 16] and state["rope_key_cache"] == [2, 1, 32, 8]  # whole per rank
+    assert state["latent_cache"] == [2, 4, 8, 16] and state["rope_key_cache"] == [2, 4, 8, 8]  # whole pools per rank
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -152,6 +153,22 @@ def test_tp2_matches_tp1(cores, sharded, recipe):
     print(f"{recipe}: {len(worst)} values, max {max(u for u, _ in worst):.0f} ulp, max abs {max(a for _, a in worst):.3g}")
     explicit = results[1]["entries"][0]["top"]
     assert [i for i, _ in explicit] == [0, 150, 7, 75, 76, 3]  # caller order, across the shard boundary
+
+
+def test_tp2_prefix_hits_give_the_uncached_results(sharded):
+    """A TP=2 core reuses prefixes (runtime/paging.py): the second request's first block comes from the cache on
+    both ranks, its penalty counts seeded on both, and its tokens and logprobs are the uncached ones (FP32's
+    chunk-split tolerance allowed). DeepSeek-V3's MLA pools, blocks of 8; the shared Qwen3 core's pool (blocks of
+    16, 16 tokens) has no room for a hit."""
+    prefixes = dict(zip(RECIPES, sharded[1]["prefix"], strict=True))
+    assert prefixes["qwen3"] is None
+    prefix = prefixes["deepseek_v3"]
+    assert prefix["block_size"] == 8 and prefix["hits"] == 8  # the prompt's one full block, found by the second
+    for warm, cold in zip(prefix["warm"], prefix["cold"], strict=True):
+        assert warm["error"] is None and warm["tokens"] == cold["tokens"]
+        for got, want in zip(warm["entries"], cold["entries"], strict=True):
+            assert got["id"] == want["id"] and [i for i, _ in got["top"]] == [i for i, _ in want["top"]]
+            assert abs(got["logprob"] - want["logprob"]) <= 2e-5, (got, want)
 
 
 def test_tp4_matches_tp1(tmp_path_factory):

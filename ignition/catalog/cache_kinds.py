@@ -6,9 +6,8 @@ order). A kind's layers share its state buffers, stacked on their first extent i
 manifest symbols in ``catalog.geometry.STATE_SHAPES`` (the recipes build their declarations from them and
 validate-core resolves them, the GEOM rules); this table says which buffers belong to which kind.
 
-- ``full``: every position of the sequence: GQA's K and V as pools of blocks ``[layers, kv_blocks, block_size,
-  ...]`` addressed through ``block_tables`` (catalog/geometry.py ``PAGED_STATE``), MLA's latent and rope key per slot
-  ``[layers, num_slots, max_seq_len, ...]``.
+- ``full``: every position of the sequence: GQA's K and V, or MLA's latent and rope key, as pools of blocks
+  ``[layers, kv_blocks, block_size, ...]`` addressed through ``block_tables`` (catalog/geometry.py ``PAGED_STATE``).
 - ``sliding``: a window of ``W = model.sliding_window`` positions (a recipe with attention sinks adds them as
   weights; they change no buffer). K and V are pools of blocks of their own ``[layers, window_kv_blocks,
   block_size, ...]`` (catalog/geometry.py ``WINDOW_PAGED_STATE``), a KV-cache group addressed through
@@ -54,7 +53,7 @@ from ignition.catalog.geometry import (CONV_STATE, CSA_INDEX_CACHE, CSA_INDEX_SO
 class CacheKind(IntEnum):
     """What a layer keeps between steps (codes fixed once; ``CACHE_KINDS`` holds each one's buffers)."""
 
-    FULL = 1  # every position: pools [layers, kv_blocks, block_size, ...] (MLA: [layers, num_slots, max_seq_len, ...])
+    FULL = 1  # every position: pools [layers, kv_blocks, block_size, ...] (GQA's K/V, MLA's latent/rope key)
     SLIDING = 2  # pools [layers, window_kv_blocks, block_size, ...] through window_block_tables (window W, sinks)
     LINEAR = 3  # a convolution state and a recurrent state per slot, no KV
     COMPRESSED = 4  # DeepSeek V4 CSA: a K=V window ring, compressed entries, the indexer's entries
@@ -85,8 +84,8 @@ class CacheKindSpec:
 
 CACHE_KINDS: dict[str, CacheKindSpec] = {spec.name: spec for spec in (
     CacheKindSpec("full", CacheKind.FULL, (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE),
-                  summary="every position: K/V pools [layers, kv_blocks, block_size, ...] through block_tables; "
-                          "MLA per slot [layers, num_slots, max_seq_len, ...]"),
+                  summary="every position: K/V (MLA: latent/rope key) pools [layers, kv_blocks, block_size, ...] "
+                          "through block_tables"),
     CacheKindSpec("sliding", CacheKind.SLIDING, (K_WINDOW_CACHE, V_WINDOW_CACHE),
                   ("sliding_window", "window_cells"),
                   summary="K/V pools [layers, window_kv_blocks, block_size, kv_heads, head_dim] through "

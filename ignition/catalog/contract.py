@@ -62,14 +62,17 @@ INVALID_TOKEN_ID = -1
 NAN_BITS = 0x7FC00000
 """FP32 quiet NaN as int32 bits: the value of an unused or invalid pair."""
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Core format version written into and required from every manifest (3: K is the manifest's ``k`` alone; the
 full layers' K/V caches are pools of blocks addressed through ``block_tables``, ``model.block_size`` and
-``model.kv_blocks``, catalog/geometry.py ``PAGED_STATE``)."""
+``model.kv_blocks``, catalog/geometry.py ``PAGED_STATE``; 4: MLA's latent and rope key caches are pools too, and
+the sliding layers' K/V are pools of their own through ``window_block_tables``)."""
 
 FORMAT_CHANGES = {1: "format 1 predates per-layer cache kinds (model.layer_kinds)",
                   2: "format 2 stores K twice (k and features.max_logprobs) and predates the paged KV caches "
-                     "(model.block_size, block_tables); format 3 keeps k alone and pages the full layers' caches"}
+                     "(model.block_size, block_tables); format 3 keeps k alone and pages the full layers' caches",
+                  3: "format 3 keeps MLA's latent_cache and rope_key_cache and the sliding layers' K/V rings per slot; "
+                     "format 4 pages them (block_tables, window_block_tables)"}
 """Why a core of an older format is refused, by version."""
 
 

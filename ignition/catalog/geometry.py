@@ -26,8 +26,8 @@ _WINDOW_CACHE = ("sliding_layers", "window_kv_blocks", "block_size", "num_kv_hea
 STATE_SHAPES: dict[str, tuple[str | int, ...]] = {
     K_CACHE: _KV_CACHE,
     V_CACHE: _KV_CACHE,
-    LATENT_CACHE: ("full_layers", "num_slots", "max_seq_len", "kv_lora_rank"),
-    ROPE_KEY_CACHE: ("full_layers", "num_slots", "max_seq_len", "qk_rope_head_dim"),
+    LATENT_CACHE: ("full_layers", "kv_blocks", "block_size", "kv_lora_rank"),
+    ROPE_KEY_CACHE: ("full_layers", "kv_blocks", "block_size", "qk_rope_head_dim"),
     K_WINDOW_CACHE: _WINDOW_CACHE,
     V_WINDOW_CACHE: _WINDOW_CACHE,
     CONV_STATE: ("linear_layers", "num_slots", "linear_conv_dim", "linear_conv_state"),
@@ -51,14 +51,14 @@ WINDOW_PAGED_STATE = (K_WINDOW_CACHE, V_WINDOW_CACHE)
 addressed through the ``window_block_tables`` input (vLLM's hybrid allocator: one block table a group), whose entries
 for blocks that left every row's window are ``NULL_BLOCK`` (catalog/cache_kinds.py). Their block count is static,
 ``window_blocks_bound``: the runtime releases the blocks a request's window has left, so every slot's window fits."""
-PAGED_STATE = (K_CACHE, V_CACHE) + WINDOW_PAGED_STATE
-"""The pools of blocks: ``[full_layers, kv_blocks, block_size, ...]``, addressed through the ``block_tables`` input
-(catalog/buffers.py): position ``p`` of slot ``s`` is cell ``block_tables[s, p // block_size] * block_size +
-p % block_size`` of its layer; the sliding layers' pools (``WINDOW_PAGED_STATE``) the same way through
-``window_block_tables``. The full pools' block count (dim ``PAGED_DIM``) is a load-time extent: dynamic in every
-exported program, the manifest's ``model.kv_blocks`` its upper bound (``kv_blocks_bound``), the runtime's pool at most
-that (runtime/kv_pool.py); the sliding pools' is ``model.window_kv_blocks``, fixed. Every other cache stays per slot (MLA's latents, linear and
-DeepSeek V4 state)."""
+PAGED_STATE = (K_CACHE, V_CACHE, LATENT_CACHE, ROPE_KEY_CACHE) + WINDOW_PAGED_STATE
+"""The pools of blocks (GQA's K and V, MLA's latent and rope key): ``[full_layers, kv_blocks, block_size, ...]``,
+addressed through the ``block_tables`` input (catalog/buffers.py): position ``p`` of slot ``s`` is cell
+``block_tables[s, p // block_size] * block_size + p % block_size`` of its layer; the sliding layers' pools
+(``WINDOW_PAGED_STATE``) the same way through ``window_block_tables``. The full pools' block count (dim
+``PAGED_DIM``) is a load-time extent: dynamic in every exported program, the manifest's ``model.kv_blocks`` its upper
+bound (``kv_blocks_bound``), the runtime's pool at most that (runtime/kv_pool.py); the sliding pools' is
+``model.window_kv_blocks``, fixed. Every other cache stays per slot (linear and DeepSeek V4 state)."""
 PAGED_DIM = 1
 PAGED_EXTENT = _KV_CACHE[PAGED_DIM]
 """The symbol of a paged cache's layout that counts the pool's blocks (``kv_blocks``)."""

@@ -25,8 +25,8 @@ RULES = {
                   "counts, the rows of block_tables) and at least the widest decode capacity.",
     "GEOM-SEQ": "model.max_seq_len is the position extent of the per-slot caches, sets the width of block_tables "
                 "(ceil(max_seq_len / block_size)) within model.kv_blocks, and holds a chunk_limit prefill chunk.",
-    "GEOM-BLOCK-SIZE": "model.block_size is the block extent of the paged caches (k_cache, v_cache) and divides the "
-                       "key window granule.",
+    "GEOM-BLOCK-SIZE": "model.block_size is the block extent of the paged caches (catalog/geometry.py PAGED_STATE: "
+                       "k_cache, v_cache; MLA's latent_cache, rope_key_cache) and divides the key window granule.",
     "GEOM-KV-BLOCKS": "model.kv_blocks (the declared upper bound of the dynamic pool extent) is the block count of "
                       "the paged caches.",
     "GEOM-BLOCK-TABLES": "Every variant declares the input block_tables, int32 [num_slots, ceil(max_seq_len / "

@@ -4,7 +4,8 @@
 model would not run or that we do not implement, naming the field. ``WEIGHT_MAP`` maps the HF
 tensor names (per-expert tensors as stored) to ours; the router and its score-correction bias
 stay fp32 like HF keeps them. The build, variants and graphs are the shared decoder ones
-(``llama.build_decoder``); the model is ``mla.mla_decoder`` over the compressed latent cache.
+(``llama.build_decoder``); the model is ``mla.mla_decoder`` over the compressed latent pools, reading the key
+window only (``windowed``; its prompt chunks keep their rows, the MoE capacity ladder's).
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ class DeepseekV3Config:
             scale *= (0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0) ** 2
         return scale
 
-    def cache_shapes(self, num_slots: int, max_seq_len: int) -> dict[str, tuple[int, ...]]:
-        return mla_cache_shapes(self, num_slots, max_seq_len)
+    def cache_shapes(self, num_slots: int, max_seq_len: int, block_size: int | None = None,
+                     kv_blocks=None) -> dict[str, tuple[int, ...]]:
+        return mla_cache_shapes(self, num_slots, max_seq_len, block_size, kv_blocks)
 
     def summary(self) -> dict:
         return {"hidden_size": self.hidden_size, "num_layers": self.num_layers, "num_heads": self.num_heads,
@@ -202,7 +204,7 @@ WEIGHT_MAP: dict[str, WeightSpec] = {
                                                          ("hidden_size", "moe.shared_intermediate_size"), layers=_SPARSE),
 }
 
-FAMILY = DecoderFamily("deepseek_v3", DeepseekV3Config.from_hf_config, WEIGHT_MAP, mla_decoder)
+FAMILY = DecoderFamily("deepseek_v3", DeepseekV3Config.from_hf_config, WEIGHT_MAP, mla_decoder, windowed=True)
 
 
 def build(options: ExportOptions) -> RecipeBuild:

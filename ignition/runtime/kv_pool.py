@@ -29,7 +29,7 @@ class KVPoolError(ValueError):
 class PoolSize:
     """The pool's extents, decided before the state is allocated (``plan_pool``)."""
 
-    paged: bool  # the core has paged caches (False: a toy core, MLA, DeepSeek V4: every cache per slot)
+    paged: bool  # the core has paged caches (False: a toy core, DeepSeek V4: every cache per slot)
     num_blocks: int  # device blocks (0 without paged caches)
     block_size: int
     bytes_per_block: int  # one block of every paged tensor, every layer

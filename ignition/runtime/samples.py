@@ -5,14 +5,13 @@ together: the group waits at the head of the queue until it has a free slot for 
 (``SampleGroups.admit``), so no sample ever waits for a slot whose prompt state must come from
 a sibling that may already be gone. The first sample (the *leader*) prefills the prompt as any
 request does, scored prefill and its emitted first token included. Right after the submission that
-completes the prompt, ``PromptCopier`` copies the prompt's rows of every state tensor from the
-leader's slot into each sibling's slot: cache positions ``[0, L)`` and the prompt-token counts of
-``penalty_counts`` (its emitted-token counts start at zero). Each sibling then decodes its first
+completes the prompt, ``PromptCopier`` copies the prompt-token counts of ``penalty_counts`` from the
+leader's slot into each sibling's slot (its emitted-token counts start at zero). Each sibling then decodes its first
 token from the last prompt position: its first decode lane has input token ``prompt[-1]`` at
 position ``L - 1``, generated count 0, so the lane recomputes that cell in its own slot and samples
-with RNG offset 0, exactly where an ``n = 1`` request's emitting prefill samples. On a core with a paged KV pool
-the samples share the leader's full prompt blocks by reference instead, and only the block holding position
-``L - 1`` is copied (``BlockManager.fork``).
+with RNG offset 0, exactly where an ``n = 1`` request's emitting prefill samples. The samples share the leader's
+full prompt blocks of the paged KV pool by reference, and only the block holding position ``L - 1`` is copied
+(``BlockManager.fork``).
 
 Seeds follow vLLM v1 (``ParentRequest._get_child_sampling_params``, vllm/v1/engine/parallel_sampling.py):
 sample ``i`` of a seeded request gets ``seed + i`` (wrapped into int64), so sample ``i`` reproduces an
@@ -69,34 +68,26 @@ class PromptCopier:
     core's device, in stream order with the replays).
 
     ``shared`` is False where the copy cannot be made and each sample then prefills its own prompt: a state
-    tensor whose layout ``catalog.geometry.STATE_SHAPES`` does not declare, or a tensor-parallel core (each
-    rank holds its own state shard and replays only broadcast submissions, ignition/runtime/parallel/group.py).
-    A paged cache (``PAGED_STATE``) is not copied here: its blocks are shared (``BlockManager.fork``).
+    tensor that is neither a pool of blocks (``catalog.geometry.PAGED_STATE``, whose blocks the samples share,
+    ``BlockManager.fork``) nor ``penalty_counts`` (a per-slot ring or recurrent state),
+    or a tensor-parallel core (each rank holds its own state shard and replays only broadcast submissions,
+    ignition/runtime/parallel/group.py).
     """
 
     def __init__(self, core):
         self.state: dict[str, torch.Tensor] = core.state
         layouts = {name: STATE_SHAPES.get(name) for name in self.state}
         self.shared = core.group is None and all(
-            layout is not None and (name in PAGED_STATE or "num_slots" in layout and (
-                name == PENALTY_COUNTS or "max_seq_len" in layout))
+            layout is not None and (name in PAGED_STATE or name == PENALTY_COUNTS)
             for name, layout in layouts.items())
-        self.layouts = layouts if self.shared else {}
 
     def copy(self, source: int, target: int, length: int) -> None:
-        """Make slot ``target`` hold what slot ``source`` holds for prompt positions ``[0, length)``."""
-        for name, tensor in self.state.items():
-            layout = self.layouts[name]
-            if name in PAGED_STATE:
-                continue
-            slot_dim = layout.index("num_slots")
-            src, dst = tensor.select(slot_dim, source), tensor.select(slot_dim, target)
-            if name == PENALTY_COUNTS:  # [planes, vocab] per slot
-                dst[PROMPT_PLANE].copy_(src[PROMPT_PLANE])
-                dst[OUTPUT_PLANE].zero_()
-            else:  # a cache: the prompt's positions
-                seq_dim = layout.index("max_seq_len") - (layout.index("max_seq_len") > slot_dim)
-                dst.narrow(seq_dim, 0, length).copy_(src.narrow(seq_dim, 0, length))
+        """Make slot ``target`` hold what slot ``source`` holds for prompt positions ``[0, length)``: the prompt
+        plane of ``penalty_counts`` (the pools' blocks are shared, not copied)."""
+        counts = self.state.get(PENALTY_COUNTS)  # [num_slots, planes, vocab]; none in a stateless (toy) core
+        if counts is not None:
+            counts[target, PROMPT_PLANE].copy_(counts[source, PROMPT_PLANE])
+            counts[target, OUTPUT_PLANE].zero_()
 
 
 class SampleGroups:

@@ -28,7 +28,7 @@ def check_paging(manifest: dict, variants: list[dict]) -> list[Violation]:
             found.append(Violation("GEOM-BLOCK-SIZE", "manifest.json:model.block_size", problem))
     if not paged and (block_size is not None or kv_blocks is not None):
         found.append(Violation("GEOM-BLOCK-SIZE", "manifest.json:model", "block_size and kv_blocks describe paged "
-                               "caches (k_cache, v_cache); the state declares none"))
+                               f"caches ({', '.join(PAGED_STATE)}); the state declares none"))
     if paged and seq is None:
         found.append(Violation("GEOM-SEQ", "manifest.json:model.max_seq_len", "a paged core states its context "
                                "bound (the width of its block tables), found none"))

@@ -6,7 +6,9 @@ shard of the core and replay the same submissions: before each graph run rank 0 
 worker with the variant's index over its stdin pipe, then broadcasts the variant's input
 buffers over the default process group; every rank then runs its graph, whose in-graph
 collectives join the ranks. State (KV shards, penalty counts) evolves identically on every
-rank, so nothing else travels. Peers never read frames back.
+rank: what rank 0 changes outside a graph (a prefix hit's penalty counts, the block manager's moves of blocks,
+ignition/runtime/paging.py) travels on the next submission's line (``RankGroup.replay``), and every rank repeats it
+before that graph runs. Peers never read frames back.
 
 Where ranks meet and how they prove they belong is ignition/runtime/parallel/rendezvous.py: the store and
 the transports on 127.0.0.1 unless ``host`` (``--tp-host``) says otherwise, a per-launch secret
@@ -28,6 +30,7 @@ from ``LoadOptions.rank_device``.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import subprocess
 import sys
@@ -85,7 +88,7 @@ class _Replicated:
     def __call__(self, buffers):
         import torch.distributed as dist
 
-        self.group.wake(str(self.index))
+        self.group.wake(self.group.submission(self.index))
         try:
             for tensor in self.inputs:
                 dist.broadcast(tensor, src=0)
@@ -100,6 +103,7 @@ class RankGroup:
     def __init__(self, workers: list[subprocess.Popen], timeout_s: float, channel=None, port: int | None = None):
         self.workers, self.timeout_s, self.closed, self.port = workers, timeout_s, False, port  # port: the store's
         self.channel = channel or PipeChannel(workers)  # torchrun: a StoreChannel, and no worker processes
+        self.pending: list[list] = []  # ``replay``'s operations, sent with the next submission
         self._watchdog = threading.Thread(target=self._watch, name="ignition-tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -119,6 +123,17 @@ class RankGroup:
             raise ParallelError("tensor-parallel group failed: its ranks were already stopped")
         if self.dead():
             raise self.failure(when)
+
+    def replay(self, name: str, *arguments) -> None:
+        """Every other rank repeats operation ``name`` with JSON ``arguments`` on its own core before the next
+        submission (ignition/runtime/paging.py ``replay_operations``): a change rank 0 made outside a graph."""
+        self.pending.append([name, *arguments])
+
+    def submission(self, index: int) -> str:
+        """The wake line of variant ``index``: its index, then the pending ``replay`` operations as JSON, if any."""
+        line = str(index) if not self.pending else f"{index} {json.dumps(self.pending, separators=(',', ':'))}"
+        self.pending = []
+        return line
 
     def wake(self, line: str) -> None:
         self.check("found before a submission")

@@ -1,7 +1,8 @@
 """Ranks 1..N-1 of a tensor-parallel run: load this rank's shard, join the group, replay rank 0's submissions.
 
 Started either by rank 0 (``python -m ignition.runtime.parallel.rank_worker CORE --rank R``; stdin carries the launch
-secret, the store's port and rank 0's LoadOptions, one line each, then one line per submission) or by torchrun
+secret, the store's port and rank 0's LoadOptions, one line each, then one line per submission: the variant's
+index, then the operations to repeat before it as JSON when rank 0 has any, ``RankGroup.submission``) or by torchrun
 (``torchrun_worker``; the secret comes from IGNITION_TP_SECRET and the submissions through the store, sealed
 under it). ignition/runtime/parallel/group.py is rank 0's side.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +32,7 @@ def _replay(core, options: LoadOptions, connect, lines) -> int:
     import torch.distributed as dist
 
     from ignition.runtime.core import load_core
+    from ignition.runtime.paging import replay_operations
 
     warnings.simplefilter("ignore")  # rank 0 reports the same load warnings once
     rank = options.rank
@@ -41,7 +44,10 @@ def _replay(core, options: LoadOptions, connect, lines) -> int:
         for line in lines(store):
             if line.strip() == STOP:
                 break
-            variant = variants[int(line)]
+            index, _, operations = line.strip().partition(" ")
+            if operations:  # what rank 0 changed outside a graph since the last submission
+                replay_operations(loaded, json.loads(operations))
+            variant = variants[int(index)]
             for tensor in _input_tensors(variant):
                 dist.broadcast(tensor, src=0)
             variant.run(variant.buffers)
