@@ -15,19 +15,37 @@ from ignition.catalog.enums import Role
 from ignition.catalog.geometry import DYNAMIC_BLOCKS, PAGED_DIM, PAGED_STATE, WINDOW_PAGED_STATE
 
 
-def example_buffers(graph, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tracing inputs: real weights, zeros for everything the runtime binds or owns."""
-    return {a.name: weights[a.name] if a.role is Role.WEIGHT else a.empty() for a in graph.variant.arguments}
+EXAMPLE_BLOCKS = 64
+"""The most blocks a paged cache with a dynamic block count is traced with: its declared bound (``slots x
+max_seq_len`` positions) can be far larger than the exporting machine's memory (a Qwen3-0.6B shape at 32,768
+positions and 8 slots declares 60 GiB of FP32 K/V), and the traced program is the same at any count."""
 
 
-def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str],
-                   paged: list[str] = ()) -> tuple[dict, dict] | None:
+def example_buffers(graph, weights: dict[str, torch.Tensor], paged: list[str] = ()) -> dict[str, torch.Tensor]:
+    """Tracing inputs: real weights, zeros for everything the runtime binds or owns; each cache in ``paged``
+    (``paged_arguments``) with at most ``EXAMPLE_BLOCKS`` blocks."""
+    example = {}
+    for a in graph.variant.arguments:
+        if a.role is Role.WEIGHT:
+            example[a.name] = weights[a.name]
+        elif a.name in paged:
+            shape = list(a.shape)
+            shape[PAGED_DIM] = min(shape[PAGED_DIM], EXAMPLE_BLOCKS)
+            example[a.name] = torch.zeros(shape, dtype=a.torch_dtype)
+        else:
+            example[a.name] = a.empty()
+    return example
+
+
+def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str], paged: list[str] = (),
+                   declared: int | None = None) -> tuple[dict, dict] | None:
     """(tracing inputs, ``torch.export`` dynamic shapes) for a graph with windowed inputs or paged caches, else None.
 
     Each input the variant's ``layout["windows"]`` names is traced at a prefix shorter than its declared
     extent, so the extent stays symbolic over ``[MIN_WINDOW, declared]`` (``catalog.buffers.WINDOWS``). The block
     count of each paged cache ``paged`` is symbolic over ``[MIN_WINDOW, declared]`` too (the pool a load sizes,
-    runtime/kv_pool.py), traced at a count no window is traced at (equal hints would tie the symbols)."""
+    runtime/kv_pool.py; ``declared``: that bound, by default the example pools' count), traced at a count no window
+    is traced at (equal hints would tie the symbols), at most the example pools' own."""
     if not windows and not paged:
         return None
     traced, shapes = dict(example), {name: None for name in example}
@@ -36,9 +54,10 @@ def dynamic_shapes(example: dict[str, torch.Tensor], windows: list[str],
         traced[name] = example[name].narrow(dim, 0, extent // 2)
         shapes[name] = {dim: torch.export.Dim(f"{name}_extent", min=MIN_WINDOW, max=extent)}
     if paged:
-        declared = example[paged[0]].shape[PAGED_DIM]
+        held = example[paged[0]].shape[PAGED_DIM]
+        declared = held if declared is None else declared
         hints = {traced[name].shape[WINDOWS[name].dim] for name in windows}
-        hint = next(count for count in range(declared, MIN_WINDOW - 1, -1) if count not in hints)
+        hint = next(count for count in range(held, MIN_WINDOW - 1, -1) if count not in hints)
         for name in paged:  # NOTE: one symbol per pool: a shared one makes torch.export guard their equality
             traced[name] = example[name].narrow(PAGED_DIM, 0, hint).contiguous()  # a pool is one contiguous tensor
             shapes[name] = {PAGED_DIM: torch.export.Dim(f"{name}_blocks", min=MIN_WINDOW, max=declared)}
@@ -57,8 +76,10 @@ def paged_arguments(variant) -> list[str]:
 def capture(graph, weights) -> torch.export.ExportedProgram:
     """``torch.export`` of the graph, without a Python stack trace per node: 4% of a tiny export's time,
     and paths of this checkout that would make two checkouts' cores differ."""
-    example = example_buffers(graph, weights)
-    windowed = dynamic_shapes(example, graph.variant.layout.get("windows", []), paged_arguments(graph.variant))
+    paged = paged_arguments(graph.variant)
+    example = example_buffers(graph, weights, paged)
+    declared = next((a.shape[PAGED_DIM] for a in graph.variant.arguments if a.name in paged), None)
+    windowed = dynamic_shapes(example, graph.variant.layout.get("windows", []), paged, declared)
     with _no_stack_traces():
         if windowed is None:
             program = torch.export.export(graph.module, (example,), strict=False)
