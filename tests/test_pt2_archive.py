@@ -209,6 +209,11 @@ def test_program_must_be_static_and_plain(members, change, message):
     ("Symbol('os', positive=True, integer=True)", False),
     ("Mul(Integer(2))", False),
     ("Pow(Integer(2), Integer(99999999))", False),
+    ("Mul(Integer(4), Pow(Symbol('s88', positive=True, integer=True), Integer(2)))", True),
+    ("Pow(Add(Integer(2), Symbol('s1', positive=True, integer=True)), Integer(2))", True),
+    ("Integer(2)", True),
+    ("Pow(Symbol('s88', positive=True, integer=True), Integer(3))", False),
+    ("Pow(Integer(2), Symbol('s88', positive=True, integer=True))", False),
     ("Integer(1) + Integer(2)", False),
     ("Mul(" * 300 + "Integer(1)", False),
 ])

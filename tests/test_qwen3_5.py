@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 from typer.testing import CliRunner
 
+from ignition.catalog.buffers import PACKED_TOKENS, SEGMENT_WINDOW
 from ignition.catalog.hashing import dump_json
 from ignition.cli import app
 from ignition.exporter.export import export_core
@@ -327,13 +328,13 @@ def test_unbuilt_options_are_refused_by_name(checkpoint, option: dict, words: st
 
 def test_packed_prompt_chunks_match_transformers_and_the_serial_rounds(core, checkpoint) -> None:
     """The packed prefill (``packed.t8.c2``): two prompts' chunks a submission, each lane's linear layers one group
-    from its own slot's conv and recurrent states (``packed_groups``), crossing chunk boundaries and ending at
+    from its own slot's conv and recurrent states (``packed_lanes``), crossing chunk boundaries and ending at
     different rows; transformers' tokens and K=20 logprobs, and the serial rounds' values bit for bit."""
     hf, (path, loaded) = checkpoint[1], core
     catalog = json.loads((path / "catalog.json").read_text())
     (packed,) = [v for v in catalog["variants"] if v["name"].startswith("packed.")]
     assert packed["name"] == f"packed.t{CHUNK}.c2"
-    assert "windows" not in packed["contract"]["layout"]  # static rows, as every qwen3_5 graph's
+    assert {PACKED_TOKENS, SEGMENT_WINDOW} <= set(packed["contract"]["layout"]["windows"])  # dynamic rows
     generator = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in (19, 13)]
     requests = [Request(p, max_tokens=6, logprobs=20, ignore_eos=True) for p in prompts]
@@ -345,3 +346,31 @@ def test_packed_prompt_chunks_match_transformers_and_the_serial_rounds(core, che
         assert result.error is None and result.token_ids == alone.token_ids
         assert_generation_matches(hf, prompt, result, 20, f"packed request {index}")
         assert [(e.logprob, e.top) for e in result.entries] == [(e.logprob, e.top) for e in alone.entries]
+
+
+@pytest.mark.parametrize("lane_rows, other_rows, chunk_rows, segment_rows, packed_rows",
+                         [(3, 20, 16, 32, 32), (50, 100, 64, 112, 160)])
+def test_packed_lanes_are_their_prefill_chunk_bit_for_bit(checkpoint, lane_rows: int, other_rows: int,
+                                                          chunk_rows: int, segment_rows: int, packed_rows: int) -> None:
+    """A lane packed after a longer one (``packed_lanes``: all lanes' conv and rule in one call, over the segment
+    window's extent, wider than the lane's own chunk extent) writes the states and hidden rows of its chunk alone,
+    bit for bit, from non-zero states (the packed prefill's contract with the serial rounds)."""
+    directory = checkpoint[0]
+    cfg = FAMILY.parse(read_config(directory), "config.json")
+    weights = load_qwen3_5_weights(open_checkpoint(directory), read_config(directory), cfg, torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    start = {name: torch.randn(shape, generator=generator) for name, shape in cfg.cache_shapes(3, 192).items()}
+    ids = torch.randint(0, VOCAB, (lane_rows,), generator=generator)
+    alone = {name: state.clone() for name, state in start.items()}
+    chunk = Rows.prefill(chunk_rows, torch.tensor(16), torch.tensor(lane_rows), torch.tensor([1]))
+    hidden = FAMILY.decoder(weights, cfg, torch.cat([ids, ids.new_zeros(chunk_rows - lane_rows)]), chunk, alone)
+    packed = {name: state.clone() for name, state in start.items()}
+    packed_ids = torch.cat([torch.randint(0, VOCAB, (other_rows,), generator=generator), ids,
+                            ids.new_zeros(packed_rows - other_rows - lane_rows)])
+    rows = Rows.packed(packed_rows, torch.tensor([0, 16]), torch.tensor([other_rows, lane_rows]),
+                       torch.tensor([2, 1]), torch.zeros(segment_rows, dtype=torch.int64))
+    packed_hidden = FAMILY.decoder(weights, cfg, packed_ids, rows, packed)
+    assert torch.equal(hidden[:lane_rows], packed_hidden[other_rows:other_rows + lane_rows])
+    for name in ("conv_state", "recurrent_state"):
+        assert torch.equal(alone[name][:, 1], packed[name][:, 1]), name
+        assert not torch.equal(packed[name][:, 1], start[name][:, 1]), name  # the chunk moved the state

@@ -5,15 +5,17 @@ inputs of its causal depthwise convolution (``conv_state [linear_layers, num_slo
 the delta rule's ``[heads, key_dim, value_dim]`` matrix (``recurrent_state [linear_layers, num_slots, heads, key_dim,
 value_dim]``), the first in the model dtype, the second in FP32 as transformers keeps it. A forward's rows are G
 groups of ``R // G`` rows, each group one slot's consecutive positions (``Rows``: a prompt chunk is one group, a
-decode step one group a lane); valid rows are a prefix of their group. For each group the layer:
+decode step one group a lane, packed prompt chunks one group a lane: ``packed_lanes``); valid rows are a prefix of
+their group. For each group the layer:
 
 1. reads its slot's two states (one slot's cells, a copy of ``G`` slots' states, never the whole state), or zeros
    when the group's first row is position 0 (a new sequence starts from nothing, as transformers' fresh cache);
 2. convolves the slot's conv state followed by the group's inputs (transformers' ``causal_conv1d_update`` form);
 3. runs the gated delta rule from the slot's recurrent state: the recurrent form for one row a group (a decode
    step, transformers' ``torch_recurrent_gated_delta_rule``), the chunked form for more
-   (``torch_chunk_gated_delta_rule``, its triangular system solved by ``torch.linalg.solve_triangular``). Rows past
-   a group's valid prefix get a decay of 1 and a learning rate of 0, so they leave the state as it was;
+   (``torch_chunk_gated_delta_rule``, its triangular system solved by ``torch.linalg.solve_triangular``; blocks of
+   ``CHUNK_ROWS``, or one block where the rows are a dynamic window). Rows past a group's valid prefix get a decay
+   of 1 and a learning rate of 0, so they leave the state as it was;
 4. writes the new states of groups with a valid row back in place (``write_slot_states``): the conv state holds the
    last ``conv_kernel - 1`` valid inputs, the recurrent state the rule's final matrix. Verify rows (each a decode
    step) run the recurrent form keeping the states after every row; the verify graph writes, once the round has
@@ -34,7 +36,8 @@ import torch.nn.functional as F
 from ignition.recipes.layers import Rows
 
 CHUNK_ROWS = 64
-"""Rows of one block of the chunked delta rule (transformers' ``chunk_size``); a shorter group is one block."""
+"""Rows of one block of the chunked delta rule at a static row count (transformers' ``chunk_size``); a shorter group
+is one block, and so is a dynamic row count."""
 
 L2_EPS = 1e-6
 """The epsilon of the delta rule's query and key L2 norms (transformers' ``l2norm``, matching the FLA library)."""
@@ -52,7 +55,9 @@ def _prepare(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay:
     if key_heads != value_heads:  # each query/key head serves value_heads // key_heads consecutive value heads
         query = query.repeat_interleave(value_heads // key_heads, dim=2)
         key = key.repeat_interleave(value_heads // key_heads, dim=2)
-    query, key, value, beta, decay = (x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    # NOTE: contiguous, not ``to(memory_format=...)`` (a no-op on an FP32 view): a batched product of strided
+    # operands rounds differently with the batch's size, and a lane must not depend on the lanes packed with it
+    query, key, value, beta, decay = (x.transpose(1, 2).to(torch.float32).contiguous()
                                       for x in (query, key, value, beta, decay))
     query, key = l2_normalize(query), l2_normalize(key)
     return query * query.shape[-1] ** -0.5, key, value, decay, beta
@@ -80,17 +85,17 @@ def recurrent_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: to
 
 def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, decay: torch.Tensor,
                            beta: torch.Tensor, state: torch.Tensor,
-                           chunk_rows: int = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                           chunk_rows: int | None = CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule over blocks of ``chunk_rows`` rows from ``state [G, heads, key_dim, value_dim]`` (FP32):
     within a block the rows' updates are one triangular solve (the UT transform), across blocks a scan.
 
     ``query``/``key [G, P, key_heads, key_dim]``, ``value [G, P, heads, value_dim]``, ``decay``/``beta [G, P,
-    heads]`` (log-space decay <= 0, learning rate). Returns (``[G, P, heads, value_dim]`` in the query's dtype, the
-    final state)."""
+    heads]`` (log-space decay <= 0, learning rate); ``chunk_rows`` None: one block of all P rows (a symbolic P has
+    no static block count). Returns (``[G, P, heads, value_dim]`` in the query's dtype, the final state)."""
     dtype, rows = query.dtype, query.shape[1]
     query, key, value, decay, beta = _prepare(query, key, value, decay, beta)
-    block = min(chunk_rows, rows)
-    pad = (block - rows % block) % block
+    block = rows if chunk_rows is None else min(chunk_rows, rows)
+    pad = 0 if chunk_rows is None else (block - rows % block) % block
     query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
     beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
     groups, heads = query.shape[:2]
@@ -179,53 +184,56 @@ def _keep_accepted(conv_state: torch.Tensor, recurrent_state: torch.Tensor, row:
     write_slot_states(recurrent_state, row, slots, live, every[lane, last])
 
 
-def packed_groups(rows: Rows) -> tuple[list[tuple[Rows, torch.Tensor]], torch.Tensor]:
-    """Packed prompt chunks (``rows.segments``, ``R = lanes * C`` rows) as one group of ``C`` rows a lane: lane b's
-    segment is its group's valid prefix, from position ``starts[b]`` of its slot, so the lane runs the shapes and
-    operations of a prefill chunk alone. Returns (per lane: its grouped rows and the packed row each of its ``C``
-    rows reads, and the row of the lanes' concatenated outputs ``[lanes * C]`` each packed row takes ``[R]``). A
-    grouped row past its segment reads another row (its output is dropped, its inputs change no state); a packed
-    padding row takes some lane's row (dropped too)."""
+def packed_lanes(rows: Rows) -> tuple[Rows, torch.Tensor]:
+    """Packed prompt chunks (``rows.segments``) regrouped as one group of ``E`` rows a lane, ``E`` the segment
+    window's extent (at least the longest segment): lane b's segment is its group's valid prefix, from position
+    ``starts[b]`` of its slot, so each lane runs the operations of a prefill chunk alone and all lanes run in one
+    call. Returns (the grouped rows, the packed row each of the ``lanes * E`` grouped rows reads); the packed rows
+    take theirs back through ``segments.row_source``. A grouped row past its segment reads another row (its output
+    is dropped, its inputs change no state)."""
     segments, packed_rows = rows.segments, rows.positions.shape[0]
-    lanes = segments.lengths.shape[0]
-    if packed_rows % lanes:
-        raise ValueError(f"packed linear attention needs lanes x C packed rows; found {packed_rows} rows for "
-                         f"{lanes} lanes")
-    per_lane = packed_rows // lanes
-    local = torch.arange(per_lane, device=rows.positions.device)
-    groups = []
-    for lane in range(lanes):  # a static count: the variant's lanes
-        slot = rows.read_slots[lane:lane + 1]
-        grouped = Rows(positions=segments.starts[lane] + local, write_slots=slot.expand(per_lane),
-                       valid=local < segments.lengths[lane], read_slots=slot)
-        groups.append((grouped, (segments.offsets[lane] + local).clamp(max=packed_rows - 1)))
-    inside = rows.positions - segments.starts.index_select(0, segments.row_lanes)  # [R]: the row's index in its lane
-    return groups, (segments.row_lanes * per_lane + inside).clamp(0, packed_rows - 1)
+    extent = segments.extent.shape[0]
+    local = torch.arange(extent, device=rows.positions.device)
+    slots = rows.read_slots.unsqueeze(1).expand(-1, extent).reshape(-1)  # [lanes * E]
+    grouped = Rows(positions=(segments.starts.unsqueeze(1) + local).reshape(-1), write_slots=slots,
+                   valid=(local < segments.lengths.unsqueeze(1)).reshape(-1), read_slots=rows.read_slots)
+    return grouped, (segments.offsets.unsqueeze(1) + local).clamp(max=packed_rows - 1).reshape(-1)
 
 
 def gated_delta_net(weights: Mapping[str, torch.Tensor], cfg, layer: int, row: int, normed: torch.Tensor,
                     rows: Rows, conv_state: torch.Tensor, recurrent_state: torch.Tensor) -> torch.Tensor:
     """Layer ``layer``'s Gated DeltaNet over ``normed [R, d_model]``: its states are row ``row`` of the linear
-    layers' ``conv_state`` and ``recurrent_state`` (updated in place). Returns ``[R, d_model]``. Packed prompt
-    chunks run one lane after another, each as a prefill chunk alone (``packed_groups``) from its own slot's
-    states."""
-    if rows.segments is not None:
-        groups, scatter = packed_groups(rows)
-        out = torch.cat([gated_delta_net(weights, cfg, layer, row, normed.index_select(0, gather), grouped,
-                                         conv_state, recurrent_state) for grouped, gather in groups])
-        return out.index_select(0, scatter)
+    layers' ``conv_state`` and ``recurrent_state`` (updated in place). Returns ``[R, d_model]``. The projections,
+    the gated norm and the output projection run over the R rows; packed prompt chunks run the convolution and the
+    rule as one group a lane (``packed_lanes``), each from its own slot's states, all lanes in one call."""
     prefix = f"layers.{layer}."
-    num_rows = normed.shape[0]
+    num_rows, heads, value_dim = normed.shape[0], cfg.linear_heads, cfg.linear_value_dim
+    mixed = F.linear(normed, weights[prefix + "in_proj_qkv"])  # [R, conv_dim]
+    gate = F.linear(normed, weights[prefix + "in_proj_z"]).view(num_rows, heads, value_dim)
+    b = F.linear(normed, weights[prefix + "in_proj_b"])  # [R, heads]
+    a = F.linear(normed, weights[prefix + "in_proj_a"])
+    if rows.segments is None:
+        attended = _mix(weights, cfg, prefix, row, rows, mixed, b, a, conv_state, recurrent_state)
+    else:  # packed rows -> [lanes * E] grouped rows -> back
+        grouped, gather = packed_lanes(rows)
+        mixed, b, a = (x.index_select(0, gather) for x in (mixed, b, a))
+        attended = _mix(weights, cfg, prefix, row, grouped, mixed, b, a, conv_state, recurrent_state)
+        attended = attended.index_select(0, rows.segments.row_source)
+    attended = gated_rms_norm(attended, gate, weights[prefix + "norm"], cfg.rms_norm_eps)
+    return F.linear(attended.reshape(num_rows, heads * value_dim), weights[prefix + "out_proj"])  # [R, d_model]
+
+
+def _mix(weights: Mapping[str, torch.Tensor], cfg, prefix: str, row: int, rows: Rows, mixed: torch.Tensor,
+         b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+         recurrent_state: torch.Tensor) -> torch.Tensor:
+    """The convolution and the delta rule of ``rows``' G groups over their projected rows (``mixed [R, conv_dim]``,
+    ``b``/``a [R, heads]``), from and to the groups' slot states: ``[R, heads, value_dim]``."""
+    num_rows = mixed.shape[0]
     groups, per_group, slots, fresh = group_view(rows)
     slots = slots.clamp(0, conv_state.shape[1] - 1)
     valid = rows.valid.view(groups, per_group)
     key_heads, key_dim = cfg.linear_key_heads, cfg.linear_key_dim
     heads, value_dim = cfg.linear_heads, cfg.linear_value_dim
-    mixed = F.linear(normed, weights[prefix + "in_proj_qkv"])  # [R, conv_dim]
-    gate = F.linear(normed, weights[prefix + "in_proj_z"]).view(num_rows, heads, value_dim)
-    b = F.linear(normed, weights[prefix + "in_proj_b"])  # [R, heads]
-    a = F.linear(normed, weights[prefix + "in_proj_a"])
-
     conv_in = conv_state[row].index_select(0, slots)  # [G, conv_dim, kernel - 1]
     conv_in = torch.where(fresh.view(-1, 1, 1), torch.zeros_like(conv_in), conv_in)
     mixed, joined = causal_conv(mixed.view(groups, per_group, -1), conv_in, weights[prefix + "conv"])
@@ -252,11 +260,12 @@ def gated_delta_net(weights: Mapping[str, torch.Tensor], cfg, layer: int, row: i
         conv_every = joined[:, :, after].permute(0, 2, 1, 3)  # [G, P, conv_dim, kernel - 1]
         rows.plans.setdefault(ACCEPTED_STATES, []).append(lambda emitted: _keep_accepted(
             conv_state, recurrent_state, row, slots, live & (emitted > 0), emitted, conv_every, every))
-    else:
-        rule = recurrent_gated_delta_rule if per_group == 1 else chunk_gated_delta_rule
-        attended, final = rule(query, key, value, decay, beta, start)  # [G, P, heads, value_dim]
-        write_slot_states(conv_state, row, slots, live, conv_next)
-        write_slot_states(recurrent_state, row, slots, live, final)
-    attended = gated_rms_norm(attended.reshape(num_rows, heads, value_dim), gate, weights[prefix + "norm"],
-                              cfg.rms_norm_eps)
-    return F.linear(attended.reshape(num_rows, heads * value_dim), weights[prefix + "out_proj"])  # [R, d_model]
+        return attended.reshape(num_rows, heads, value_dim)
+    if per_group == 1:  # a decode step
+        attended, final = recurrent_gated_delta_rule(query, key, value, decay, beta, start)
+    else:  # NOTE: a dynamic row count (a windowed chunk) has no static block count to scan: one block of them all
+        chunk_rows = CHUNK_ROWS if isinstance(per_group, int) else None
+        attended, final = chunk_gated_delta_rule(query, key, value, decay, beta, start, chunk_rows)
+    write_slot_states(conv_state, row, slots, live, conv_next)
+    write_slot_states(recurrent_state, row, slots, live, final)
+    return attended.reshape(num_rows, heads, value_dim)

@@ -12,8 +12,9 @@ The build, variants and graphs are the shared decoder ones (``llama.build_decode
 layer keeps its states after every verify row and, once the round has accepted its drafts, writes each lane's
 states after its last accepted row (``linear_attention.ACCEPTED_STATES``). Its chunked delta rule solves a
 triangular system, which ONNX has no operator for: it refuses ``--onnx``. Packed prompt chunks run their linear
-layers as one group a lane (``linear_attention.packed_groups``); the packed rows are static, as the chunked rule's
-blocks need.
+layers as one group a lane (``linear_attention.packed_lanes``). The graphs read the live windows (the full layers'
+key window, the sample window) and the prompt and packed rows are dynamic extents, as the Llama family's
+(``DecoderFamily.windowed``, ``dynamic_chunks``); a windowed chunk runs its delta rule as one block.
 """
 
 from __future__ import annotations
@@ -354,8 +355,8 @@ def qwen3_5_decoder(weights: Mapping[str, torch.Tensor], cfg: Qwen35Config, inpu
     return zero_centered_rms_norm(hidden, weights["final_norm"], cfg.rms_norm_eps)  # [R, d_model]
 
 
-FAMILY = DecoderFamily("qwen3_5", Qwen35Config.from_hf_config, WEIGHT_MAP, qwen3_5_decoder, packed=True,
-                       text_weights=text_weights)
+FAMILY = DecoderFamily("qwen3_5", Qwen35Config.from_hf_config, WEIGHT_MAP, qwen3_5_decoder, windowed=True,
+                       dynamic_chunks=True, packed=True, text_weights=text_weights)
 
 
 def build(options: ExportOptions) -> RecipeBuild:

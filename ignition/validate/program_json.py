@@ -6,7 +6,7 @@ Three fields of that JSON become code when torch deserializes or unlifts the pro
 placeholder holding a string constant is pasted into generated guard code. Our graphs take
 one dict of tensors of fixed shapes, except the windowed inputs (``catalog.buffers.WINDOWS``),
 whose extent is one symbol: so no guards code may appear, every expression must be integer
-arithmetic (sum, product, min, max, floor division, modulo) of literals and shape symbols, which
+arithmetic (sum, product, min, max, floor division, modulo, square) of literals and shape symbols, which
 sympify can only build, never run code from, and range constraints must be integer bounds of such
 symbols. Node targets are limited to operator namespaces we emit (PT2-PROGRAM), plus a fixed list
 of ``_operator`` functions on shape symbols and bounded integer literals, and within them to the exact
@@ -28,7 +28,8 @@ _SPEC_TYPES = {None, "builtins.tuple", "builtins.list", "builtins.dict"}
 _REPORT_AT_MOST = 5
 _SYMBOL_NAME = re.compile(r"s[0-9]{1,6}")
 _ATOM = re.compile(r"Symbol\('s[0-9]{1,6}', positive=True, integer=True\)|Integer\(-?[0-9]{1,12}\)")
-_NODE = re.compile(r"(?:(?:Mul|Add|Min|Max)\(X(?:, X)+\))|(?:(?:FloorDiv|Mod)\(X, X\))")
+_SQUARE_EXPONENT = "Integer(2)"  # reduced to "2": an operand anywhere, and the only exponent of a power
+_NODE = re.compile(r"(?:(?:Mul|Add|Min|Max)\([X2](?:, [X2])+\))|(?:(?:FloorDiv|Mod)\([X2], [X2]\))|(?:Pow\([X2], 2\))")
 SYMBOLIC_OPERATORS = ("add", "sub", "mul", "floordiv", "mod", "neg", "lt", "le", "gt", "ge", "eq", "ne")
 """``_operator`` functions a graph may call on shape symbols (torch maps the names to functions; nothing is evaluated)."""
 _SYMBOLIC_TARGET = re.compile(rf"_operator\.({'|'.join(SYMBOLIC_OPERATORS)})")
@@ -38,15 +39,17 @@ SHAPE_LITERAL_BOUND = INT32_MAX
 
 
 def symbolic_expression_allowed(text) -> bool:
-    """True when ``text`` is a tree of ``Add``/``Mul``/``Min``/``Max``/``FloorDiv``/``Mod`` over ``Integer(n)`` and
-    ``Symbol('sN', positive=True, integer=True)``."""
+    """True when ``text`` is a tree of ``Add``/``Mul``/``Min``/``Max``/``FloorDiv``/``Mod`` and squares (``Pow(e,
+    Integer(2))``: a square block of a windowed extent, as the delta rule's one block of a dynamic chunk) over
+    ``Integer(n)`` and ``Symbol('sN', positive=True, integer=True)``. No other power: sympify would evaluate
+    ``Pow(Integer(2), Integer(99999999))``."""
     if not isinstance(text, str) or len(text) > _MAX_EXPRESSION:
         return False
-    reduced = _ATOM.sub("X", text)
+    reduced = _ATOM.sub(lambda atom: "2" if atom.group(0) == _SQUARE_EXPONENT else "X", text)
     while True:
         shorter = _NODE.sub("X", reduced)
         if shorter == reduced:
-            return reduced == "X"
+            return reduced in ("X", "2")
         reduced = shorter
 
 
