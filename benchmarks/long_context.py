@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,35 +28,17 @@ import torch
 
 from benchmarks._common import export
 from benchmarks.realsize_families import FAMILIES, make_checkpoint
+from benchmarks.serve import start_server
 
 SLOTS, BLOCK_SIZE = 8, 16
 READY = re.compile(r"KV capacity [\d,]+ tokens \([\d,]+ blocks of \d+\)")  # the load line's pool
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve(core: Path, budget: int, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """``ignition serve`` on ``core`` with ``--kv-cache-memory budget``, once its health check answers."""
-    port = _port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))  # the server's torch threads
-    process = subprocess.Popen([sys.executable, "-m", "ignition", "serve", str(core), "--port", str(port),
-                                "--kv-cache-memory", str(budget)],
-                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
-    while True:
-        try:
-            if httpx.get(url + "/health").status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise SystemExit(f"ignition serve did not start; its output:\n{log.read_text()}")
-        time.sleep(0.5)
+    """``ignition serve`` on ``core`` with ``--kv-cache-memory budget`` and ``threads`` torch threads, once its health
+    check answers."""
+    return start_server(core, "long-context", ("--kv-cache-memory", str(budget)), log,
+                        dict(os.environ, OMP_NUM_THREADS=str(threads)), timeout=600)
 
 
 def peak_rss(pid: int) -> int:

@@ -42,23 +42,27 @@ def build_core(root: Path) -> Path:
     return root / "core"
 
 
-def start_server(core: Path, name: str = "toy") -> tuple[subprocess.Popen, str]:
-    """``ignition serve CORE`` on a free port in its own process, serving ``name``: (the process, its URL) once
-    /health answers."""
+def start_server(core: Path, name: str = "toy", options: tuple[str, ...] = (), log: Path | None = None,
+                 env: dict | None = None, timeout: float = 120) -> tuple[subprocess.Popen, str]:
+    """``ignition serve CORE [options]`` on a free port in its own process, serving ``name``: (the process, its URL)
+    once /health answers. ``log``: its output goes there (else nowhere), and is shown if it does not start."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    output = log.open("w") if log is not None else subprocess.DEVNULL
     process = subprocess.Popen([sys.executable, "-c", "from ignition.cli import main; main()", "serve", str(core),
-                                "--port", str(port), "--served-model-name", name],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+                                "--port", str(port), "--served-model-name", name, *options],
+                               stdout=output, stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
     while True:
         try:
             if httpx.get(url + "/health").status_code == 200:
                 return process, url
         except httpx.TransportError:
             if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("ignition serve did not start")
+                process.kill()
+                said = f"; its output:\n{log.read_text()}" if log is not None else ""
+                raise SystemExit(f"ignition serve did not start{said}")
             time.sleep(0.2)
 
 
