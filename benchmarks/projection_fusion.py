@@ -24,9 +24,9 @@ GROUPS = (("q", "k", "v"), ("gate", "up"))
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
-    from ignition.runtime.backends.packed_linear import PACK_ROWS_HINT
+    from ignition.runtime.backends.gemm_calibration import FORCED_LAYOUT
 
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+    return torch.ops.mkldnn._reorder_linear_weight(weight, FORCED_LAYOUT)
 
 
 def _product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 ``python -m benchmarks.row_layouts --threads 2`` times ``mkldnn._linear_pointwise`` at 1, 8 and 32 rows over the
 weights of a 28-layer Qwen3-0.6B-shaped model, by shape (each shape's weights together, so no product runs from
-cache): once on each weight reordered for ``PACK_ROWS_HINT`` rows (what ``runtime/backends/packed_linear.py``
-packs), once on the raw row-major weight, and through ``aten.linear`` (what transformers calls: MKL's ``sgemm``
+cache): once on each weight reordered for each row count of ``gemm_calibration.PACK_LAYOUTS`` (the layouts
+``runtime/backends/packed_linear.py`` chooses among at load), once on the raw row-major weight, and through ``aten.linear`` (what transformers calls: MKL's ``sgemm``
 for FP32, oneDNN for BF16). The best of ``--repeats`` passes, in milliseconds per pass. ``--dtype bfloat16`` times
 the BF16 weights. It is the measurement behind ``packed_linear.PACKED_DTYPES`` and ``BIT_EXACT_DTYPES``.
 """
@@ -27,7 +27,7 @@ def main() -> None:
 
     import torch
 
-    from ignition.runtime.backends.packed_linear import PACK_ROWS_HINT
+    from ignition.runtime.backends.gemm_calibration import PACK_LAYOUTS
 
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -45,13 +45,17 @@ def main() -> None:
         return min(times) * 1e3
 
     print(f"torch {torch.__version__}, {args.dtype}, threads {args.threads}, ms per pass over the shape's weights")
-    print("| weights | " + " | ".join(f"{r} rows packed | {r} rows plain | {r} rows aten.linear" for r in rows) + " |")
-    print("|---|" + "---|---|---|" * len(rows))
+    def packed_heads(r: int) -> str:
+        return " | ".join(f"{r} rows packed@{layout}" for layout in PACK_LAYOUTS)
+
+    print("| weights | " + " | ".join(f"{packed_heads(r)} | {r} rows plain | {r} rows aten.linear" for r in rows) + " |")
+    print("|---|" + "---|" * ((len(PACK_LAYOUTS) + 2) * len(rows)))
     for label, (shape, count) in SHAPES.items():
         raw = [torch.randn(*shape).to(dtype) for _ in range(count)]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT) for weight in raw]
-        cells = [f"{best(packed, r):.1f} | {best(raw, r):.1f} | {best(raw, r, torch.nn.functional.linear):.1f}"
-                 for r in rows]
+        packed = {layout: [torch.ops.mkldnn._reorder_linear_weight(weight, layout) for weight in raw]
+                  for layout in PACK_LAYOUTS}
+        cells = [" | ".join(f"{best(packed[layout], r):.1f}" for layout in PACK_LAYOUTS)
+                 + f" | {best(raw, r):.1f} | {best(raw, r, torch.nn.functional.linear):.1f}" for r in rows]
         print(f"| {label} x{count} | " + " | ".join(cells) + " |")
         del raw, packed
 

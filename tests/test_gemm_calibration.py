@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from ignition.runtime.backends import gemm_calibration
-from ignition.runtime.backends.gemm_calibration import ATEN, PACKED, GemmPlan, choose, machine_key, time_paths
+from ignition.runtime.backends.gemm_calibration import (ATEN, FORCED_LAYOUT, PACK_LAYOUTS, PACKED, GemmPlan, choose,
+                                                        machine_key, packed_path, path_layout, time_paths)
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.options import LoadOptionError, LoadOptions
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
 ANY = staticmethod(lambda dtype: True)
+P1, P8 = packed_path(1), packed_path(8)
 
 
 def _timed(per_shape: dict[tuple, dict[str, dict[str, float]]], calls: list):
@@ -26,23 +28,34 @@ def _timed(per_shape: dict[tuple, dict[str, dict[str, float]]], calls: list):
 
 
 def test_the_faster_path_summed_over_row_counts_relative_to_the_best_wins():
-    assert choose({"1": {PACKED: 1.0, ATEN: 2.0}, "8": {PACKED: 3.0, ATEN: 2.5}}) == PACKED  # 1 + 1.2 < 2 + 1
-    assert choose({"1": {PACKED: 2.0, ATEN: 1.0}, "8": {PACKED: 1.0, ATEN: 1.1}}) == ATEN  # 2 + 1 > 1 + 1.1
-    assert choose({"1": {PACKED: 1.0, ATEN: 1.0}}) == ATEN  # a tie keeps aten.linear
+    assert choose({"1": {P8: 1.0, ATEN: 2.0}, "8": {P8: 3.0, ATEN: 2.5}}) == P8  # 1 + 1.2 < 2 + 1
+    assert choose({"1": {P8: 2.0, ATEN: 1.0}, "8": {P8: 1.0, ATEN: 1.1}}) == ATEN  # 2 + 1 > 1 + 1.1
+    assert choose({"1": {P8: 1.0, ATEN: 1.0}}) == ATEN  # a tie keeps aten.linear
+    # each layout is a path of its own: the one reordered for a row competes at every row count
+    assert choose({"1": {P1: 1.0, P8: 1.3, ATEN: 2.0}, "8": {P1: 1.1, P8: 1.0, ATEN: 2.0}}) == P1  # 2.1 < 2.3
+    assert choose({"1": {P1: 1.0, P8: 1.1, ATEN: 2.0}, "8": {P1: 2.0, P8: 1.0, ATEN: 2.0}}) == P8  # 3 > 2.1
+
+
+def test_a_path_names_its_layout():
+    assert [path_layout(path) for path in (ATEN, PACKED, P1, P8)] == [None, FORCED_LAYOUT, 1, 8]
+    assert PACK_LAYOUTS == gemm_calibration.CALIBRATION_ROWS and FORCED_LAYOUT in PACK_LAYOUTS
+    for bad in ("packed@0", "packed@x", "mkl", "aten@1"):
+        with pytest.raises(ValueError, match=f"unknown GEMM path '{bad}'; expected aten, packed or packed@<rows>"):
+            path_layout(bad)
 
 
 def test_measured_choices_are_honoured_cached_and_reused(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(gemm_calibration, "time_paths", _timed({
-        (512, 1024): {"1": {PACKED: 1e-3, ATEN: 2e-3}, "8": {PACKED: 1e-3, ATEN: 2e-3}},
-        (1024, 512): {"1": {PACKED: 3e-3, ATEN: 2e-3}, "8": {PACKED: 3e-3, ATEN: 2e-3}}}, calls))
+        (512, 1024): {"1": {P8: 1e-3, ATEN: 2e-3}, "8": {P8: 1e-3, ATEN: 2e-3}},
+        (1024, 512): {"1": {P8: 3e-3, ATEN: 2e-3}, "8": {P8: 3e-3, ATEN: 2e-3}}}, calls))
     cache = tmp_path / "cache" / "gemm.json"
     plan = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)
     assert plan.packs((512, 1024), torch.float32) and not plan.packs((1024, 512), torch.float32)
     assert plan.packs((512, 1024), torch.float32)  # decided once a load
     assert calls == [(512, 1024), (1024, 512)] and plan.measured == ["float32 512x1024", "float32 1024x512"]
     saved = json.loads(cache.read_text())
-    assert saved["machines"][machine_key()]["float32 512x1024"]["choice"] == PACKED
+    assert saved["machines"][machine_key()]["float32 512x1024"]["choice"] == P8
     assert saved["machines"][machine_key()]["float32 1024x512"]["seconds"]["8"][ATEN] == 2e-3
     again = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)  # the next load reads the cache
     assert again.packs((512, 1024), torch.float32) and not again.packs((1024, 512), torch.float32)
@@ -61,7 +74,7 @@ def quiet_host(monkeypatch):
 
 def test_a_busy_hosts_timings_serve_the_load_and_are_not_cached(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({(64, 64): {"1": {PACKED: 1.0, ATEN: 2.0}}}, calls))
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({(64, 64): {"1": {P8: 1.0, ATEN: 2.0}}}, calls))
     monkeypatch.setattr(gemm_calibration, "quiet", lambda: False)
     assert GemmPlan("calibrate", cache=tmp_path / "c.json").packs((64, 64), torch.float32)
     assert not (tmp_path / "c.json").exists()
@@ -77,7 +90,7 @@ def test_a_busy_hosts_timings_serve_the_load_and_are_not_cached(tmp_path, monkey
 def test_a_corrupt_or_unwritable_cache_only_means_timing_again(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(gemm_calibration, "time_paths", _timed(
-        {(64, 64): {"1": {PACKED: 1.0, ATEN: 2.0}}}, calls))
+        {(64, 64): {"1": {P8: 1.0, ATEN: 2.0}}}, calls))
     (tmp_path / "bad.json").write_text("{not json")
     assert GemmPlan("calibrate", allowed=lambda dtype: True, cache=tmp_path / "bad.json").packs((64, 64), torch.float32)
     (tmp_path / "file").write_text("")
@@ -95,11 +108,11 @@ def test_forced_modes_and_disallowed_dtypes_time_nothing(tmp_path, monkeypatch):
         GemmPlan("fast")
 
 
-def test_both_products_are_timed_on_this_machine():
-    timings = time_paths((256, 512), torch.float32, (PACKED, ATEN), rows=(1, 8))
+def test_every_products_layout_is_timed_on_this_machine():
+    timings = time_paths((256, 512), torch.float32, (P1, P8, ATEN), rows=(1, 8))
     assert set(timings) == {"1", "8"}
-    assert all(set(per) == {PACKED, ATEN} and all(0 < s < 1 for s in per.values()) for per in timings.values())
-    assert choose(timings) in (PACKED, ATEN)
+    assert all(set(per) == {P1, P8, ATEN} and all(0 < s < 1 for s in per.values()) for per in timings.values())
+    assert choose(timings) in (P1, P8, ATEN)
 
 
 def test_the_load_option_is_validated_and_travels_to_worker_ranks():
@@ -137,18 +150,29 @@ def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path
     monkeypatch.setenv("IGNITION_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):  # packed wins on square weights only
+    def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):
+        """Square weights stream fastest reordered for one row, up to 4x taller ones for eight, others on aten."""
         calls.append(tuple(shape))
-        return {"1": {PACKED: 1.0 if shape[0] == shape[1] else 3.0, ATEN: 2.0}}
+        assert set(paths) == {P1, P8, ATEN}
+        best = P1 if shape[0] == shape[1] else P8 if shape[0] < 4 * shape[1] else ATEN
+        return {"1": {path: 1.0 if path == best else 2.0 for path in paths}}
 
+    reorders = {}  # weight shape -> the rows its packed copy was reordered for
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight",
+                        lambda weight, rows: reorders.setdefault(tuple(weight.shape), rows) and reorder(weight, rows))
     monkeypatch.setattr(gemm_calibration, "time_paths", fake)
     calibrated = _packed_weights(load_core(core))
     shapes = set(calls)
     assert len(calls) == len(shapes) > 1  # each shape timed once
-    assert calibrated == {shape for shape in shapes if shape[0] == shape[1]}
+    assert calibrated == {shape for shape in shapes if shape[0] < 4 * shape[1]}
     assert calibrated and calibrated != shapes
+    assert reorders == {shape: 1 if shape[0] == shape[1] else 8 for shape in calibrated}  # packed in its layout
+    assert {1, 8} <= set(reorders.values())
     assert _packed_weights(load_core(core)) == calibrated and len(calls) == len(shapes)  # from the cache
+    reorders.clear()
     assert _packed_weights(load_core(core, gemm=PACKED)) == shapes
+    assert set(reorders.values()) == {FORCED_LAYOUT}
     assert _packed_weights(load_core(core, gemm=ATEN)) == set()
     assert len(calls) == len(shapes)
 
@@ -162,8 +186,8 @@ def test_every_shape_from_the_floor_up_is_timed_not_assumed(tmp_path, monkeypatc
     side = int(packed_linear.PACK_MIN_ELEMENTS ** 0.5)
     calls = []
     monkeypatch.setattr(gemm_calibration, "time_paths", _timed({
-        (side, side): {"1": {PACKED: 1e-5, ATEN: 2e-5}, "8": {PACKED: 1e-5, ATEN: 2e-5}},
-        (2 * side, side): {"1": {PACKED: 3e-5, ATEN: 2e-5}, "8": {PACKED: 3e-5, ATEN: 2e-5}}}, calls))
+        (side, side): {"1": {P8: 1e-5, ATEN: 2e-5}, "8": {P8: 1e-5, ATEN: 2e-5}},
+        (2 * side, side): {"1": {P8: 3e-5, ATEN: 2e-5}, "8": {P8: 3e-5, ATEN: 2e-5}}}, calls))
     packs = packed_linear.LinearPacks(gemm=GemmPlan("calibrate", allowed=lambda dtype: True, cache=tmp_path / "c.json"))
     assert packs._packs((side, side), torch.float32) and not packs._packs((2 * side, side), torch.float32)
     assert not packs._packs((side - 1, side), torch.float32)  # under the floor: aten.linear, untimed
@@ -206,4 +230,4 @@ def test_the_avx2_familys_kernels_calibrate_apart_on_a_wider_cpu(tmp_path):
     assert measured == ["float32 512x512"]
     if quiet:  # cached only where the host was quiet
         saved = json.loads((tmp_path / "c.json").read_text())["machines"]
-        assert saved[key]["float32 512x512"]["choice"] == (PACKED if choice else ATEN)
+        assert (saved[key]["float32 512x512"]["choice"] != ATEN) is choice

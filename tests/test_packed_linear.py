@@ -15,7 +15,7 @@ import torch
 
 from ignition.catalog.enums import Role
 from ignition.runtime.backends import packed_linear
-from ignition.runtime.backends.gemm_calibration import GemmPlan
+from ignition.runtime.backends.gemm_calibration import PACK_LAYOUTS, GemmPlan
 from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
 from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
@@ -58,7 +58,8 @@ def pack_tiny(monkeypatch):
     """The tiny cores' weights packed as a real model's are where the packed product is allowed: under no size
     floor, and as ``gemm="packed"`` forces, whatever this CPU's calibration would pick for their tiny shapes."""
     monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setattr(GemmPlan, "packs", lambda self, shape, dtype: self.mode != "aten")
+    monkeypatch.setattr(GemmPlan, "layout", lambda self, shape, dtype, layouts=PACK_LAYOUTS:
+                        max(layouts) if self.mode != "aten" and layouts else None)
 
 
 def _dtype(core) -> str:
@@ -76,8 +77,10 @@ def test_bf16_weights_are_packed_only_where_the_packed_product_keeps_atens_bits(
         pytest.skip("FP32 weights are packed wherever oneDNN is")
     packed = any(target == PACKED_TARGET for targets in _linears(load_core(decoder_core)).values()
                  for target in targets)
-    assert packed is packed_linear.keeps_bits(torch.bfloat16)
-    monkeypatch.setattr(packed_linear, "keeps_bits", lambda dtype: False)  # a machine whose kernels round otherwise
+    assert packed is bool(packed_linear.pack_layouts(torch.bfloat16))
+    assert packed_linear.pack_layouts(torch.bfloat16) == tuple(
+        layout for layout in PACK_LAYOUTS if packed_linear.keeps_bits(torch.bfloat16, layout))
+    monkeypatch.setattr(packed_linear, "keeps_bits", lambda dtype, layout: False)  # kernels that round otherwise
     assert all(set(targets) == {"aten.linear.default"} for targets in _linears(load_core(decoder_core)).values())
 
 
@@ -91,7 +94,7 @@ def test_the_bit_probe_fails_a_product_summed_in_another_order(monkeypatch, orde
              "strided": lambda x, w: sum(x.float()[:, i::4] @ w.float()[:, i::4].t() for i in range(4))}[order]
     monkeypatch.setattr(torch.nn.functional, "linear",
                         lambda x, w, b=None: (other(x, w) + (0 if b is None else b.float())).to(x.dtype))
-    assert packed_linear.keeps_bits.__wrapped__(torch.bfloat16) is False
+    assert not any(packed_linear.keeps_bits.__wrapped__(torch.bfloat16, layout) for layout in PACK_LAYOUTS)
     monkeypatch.setattr(torch.nn.functional, "linear", plain)
     assert packed_linear.keeps_bits.__wrapped__(torch.bfloat16) is packed_linear.keeps_bits(torch.bfloat16)
 

@@ -12,6 +12,12 @@ the CPU's best BF16 kernels (AMX where present); it is a candidate only where it
 per row count: a weight used both ways would be held twice (its raw and its packed copy), so the shape takes the
 path whose times, each relative to the faster path at that row count, sum lowest.
 
+The packed path is several paths: oneDNN reorders a weight for a row count (``_reorder_linear_weight``'s batch-size
+hint), and which layout streams fastest at decode's rows is the machine's too. On one AMD EPYC host a weight
+reordered for one row read 12-25% faster at one row than the same weight reordered for eight, while at eight rows
+the eight-row layout won; so each layout of ``PACK_LAYOUTS`` is a path of its own (``packed@1``, ``packed@8``),
+timed beside ``aten.linear``, and the weight is packed once, in the chosen layout.
+
 ``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``aten`` to force
 one path everywhere; ``LinearPacks`` asks ``GemmPlan.packs`` once per weight as it rewrites the graphs, and nothing
 re-decides while a core runs.
@@ -32,13 +38,18 @@ PACKED, ATEN = "packed", "aten"
 GEMM_MODES = ("calibrate", PACKED, ATEN)
 CALIBRATION_ROWS = (1, 8)
 """Decode at one lane and at eight: the row counts whose weight streaming the decode targets are set against."""
+PACK_LAYOUTS = CALIBRATION_ROWS
+"""The row counts a packed weight's layout may be reordered for: each is a path of its own (``packed_path``)."""
+FORCED_LAYOUT = max(PACK_LAYOUTS)
+"""The layout ``gemm="packed"`` (nothing timed) reorders for, where the dtype allows it."""
 CALIBRATION_BYTES = 64 << 20
 """A larger weight is timed on its first rows up to this size: past every L2 and most L3 caches, so the product
 streams from memory as the real one does, while a shape takes tens of milliseconds, not seconds, to time."""
 CALIBRATION_REPEATS = 7
 """Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
 wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+"""2: the packed paths name their layout (``packed@R``); a version-1 cache timed one layout only."""
 _lock = threading.Lock()
 
 
@@ -102,21 +113,42 @@ def _best_seconds(products: dict, repeats: int = CALIBRATION_REPEATS) -> dict[st
     return best
 
 
+def packed_path(layout: int) -> str:
+    """The path of oneDNN's product on a weight reordered for ``layout`` rows."""
+    return f"{PACKED}@{layout}"
+
+
+def path_layout(path: str) -> int | None:
+    """The row count a path's weight is reordered for: None for ``aten.linear``; ``packed`` alone is
+    ``FORCED_LAYOUT``'s."""
+    if path == ATEN:
+        return None
+    if path == PACKED:
+        return FORCED_LAYOUT
+    family, _, rows = path.partition("@")
+    if family != PACKED or not rows.isdigit() or int(rows) < 1:
+        raise ValueError(f"unknown GEMM path {path!r}; expected {ATEN}, {PACKED} or {PACKED}@<rows>")
+    return int(rows)
+
+
 def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[str, dict[str, float]]:
-    """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` and each row count, on a random weight of
-    ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``): ``{str(rows): {path: seconds}}``."""
+    """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` (``aten``, ``packed@R``) and each row count, on a
+    random weight of ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``):
+    ``{str(rows): {path: seconds}}``."""
     out_features, in_features = shape
     element = torch.empty((), dtype=dtype).element_size()
     kept = max(1, min(out_features, CALIBRATION_BYTES // (element * in_features)))
     generator = torch.Generator().manual_seed(0)
     weight = torch.empty(kept, in_features, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows)) if PACKED in paths else None
+    packs = {path: torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path)) for path in paths
+             if path != ATEN}
     timings = {}
     for count in rows:
         x = torch.randn(count, in_features, generator=generator).to(dtype)
-        products = {ATEN: lambda: torch.nn.functional.linear(x, weight),
-                    PACKED: lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")}
-        timings[str(count)] = _best_seconds({path: products[path] for path in paths})
+        products = {path: (lambda: torch.nn.functional.linear(x, weight)) if path == ATEN else
+                    (lambda packed=packs[path]: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+                    for path in paths}
+        timings[str(count)] = _best_seconds(products)
     return timings
 
 
@@ -128,11 +160,11 @@ def choose(timings: dict[str, dict[str, float]]) -> str:
 
 
 class GemmPlan:
-    """The path of each weight shape's linear on this machine, decided once per shape at load (``packs``).
+    """The path of each weight shape's linear on this machine, decided once per shape at load (``layout``).
 
     ``mode``: ``calibrate`` (time, or read the cache), ``packed`` or ``aten`` (forced). ``allowed(dtype)``: whether
     the packed product may run a weight of that dtype at all here (``LinearPacks`` also asks
-    ``packed_linear.packs_dtype`` first; default: every dtype)."""
+    ``packed_linear.packs_dtype`` first, and passes the layouts whose product it may use; default: every dtype)."""
 
     def __init__(self, mode: str = "calibrate", allowed=None, cache: Path | None = None):
         if mode not in GEMM_MODES:
@@ -143,24 +175,31 @@ class GemmPlan:
         self.choices: dict[str, str] = {}  # shape key -> path, as decided for this load
         self.measured: list[str] = []  # the shape keys this load timed (not found in the cache)
 
-    def packs(self, shape, dtype: torch.dtype) -> bool:
-        """Whether a linear on a weight of ``shape`` and ``dtype`` runs packed on this machine."""
-        if self.mode == ATEN or not self.allowed(dtype):
-            return False
+    def layout(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS) -> int | None:
+        """The row count a weight of ``shape`` and ``dtype`` is packed for on this machine, one of ``layouts`` (the
+        ones whose product may run it); None: it stays on ``aten.linear``."""
+        layouts = tuple(layouts)
+        if self.mode == ATEN or not layouts or not self.allowed(dtype):
+            return None
         if self.mode == PACKED:
-            return True
+            return FORCED_LAYOUT if FORCED_LAYOUT in layouts else max(layouts)
         key = shape_key(shape, dtype)
         if key not in self.choices:
-            self.choices[key] = self._calibrated(tuple(shape), dtype, key)
-        return self.choices[key] == PACKED
+            self.choices[key] = self._calibrated(tuple(shape), dtype, key, layouts)
+        return path_layout(self.choices[key])
 
-    def _calibrated(self, shape, dtype: torch.dtype, key: str) -> str:
+    def packs(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS) -> bool:
+        """Whether a linear on a weight of ``shape`` and ``dtype`` runs packed on this machine."""
+        return self.layout(shape, dtype, layouts) is not None
+
+    def _calibrated(self, shape, dtype: torch.dtype, key: str, layouts: tuple[int, ...]) -> str:
+        paths = (*(packed_path(rows) for rows in layouts), ATEN)
         with _lock:  # one load times at a time: two would share the memory bandwidth they measure
             machine = machine_key()
             entries = self._read().get(machine, {})
-            if key in entries and entries[key].get("choice") in (PACKED, ATEN):
+            if key in entries and entries[key].get("choice") in paths:
                 return entries[key]["choice"]
-            timings = time_paths(shape, dtype, (PACKED, ATEN))
+            timings = time_paths(shape, dtype, paths)
             choice = choose(timings)
             self.measured.append(key)
             if quiet():  # a busy host's timings serve this load only: the next one times again
@@ -190,5 +229,5 @@ class GemmPlan:
             pass
 
 
-__all__ = ["ATEN", "CALIBRATION_ROWS", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED", "cache_path", "choose",
-           "cpu_model", "machine_key", "time_paths"]
+__all__ = ["ATEN", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED", "PACK_LAYOUTS",
+           "cache_path", "choose", "cpu_model", "machine_key", "packed_path", "path_layout", "time_paths"]

@@ -7,8 +7,8 @@ machines this project has run on. oneDNN's matmul on a weight reordered once int
 (``benchmarks.row_layouts``). It accumulates in FP32, as ``aten.linear`` does, so only the summation order changes
 (logprobs within 3e-6 of the unpacked core's on that checkpoint). BF16's ``aten.linear`` already calls oneDNN, on the
 plain layout; on the Zen 5 machine the blocked one is 1.1-2.4x faster (the LM head at one row: 8.7 ms against 21)
-and returns the same bits, so BF16 weights are packed where a probe finds those bits (``keeps_bits``): a BF16 core
-keeps transformers' rounding either way.
+and returns the same bits, so BF16 weights are packed where a probe finds those bits (``keeps_bits``, per layout): a
+BF16 core keeps transformers' rounding either way.
 
 ``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is a weight argument of a
 packed dtype with at least ``PACK_MIN_ELEMENTS`` elements into ``mkldnn._linear_pointwise(x, packed(w), b)``, the
@@ -19,7 +19,8 @@ the weights stay in memory once. The weights the first graph reads only packed a
 from a reused scratch buffer (``runtime/weights.py``: their raw bytes never get memory of their own); any other
 packed weight is packed from its raw copy once every graph is read, and that copy released (``finish``).
 ``LoadOptions.pack_linears`` makes the choice, at load, and ``LoadOptions.gemm`` which weights: each weight shape's
-faster path on this machine (``gemm_calibration.GemmPlan``: timed once per CPU model and cached), or one forced.
+faster path on this machine, ``aten.linear`` or the packed product in the layout oneDNN reorders for one or for eight
+rows (``gemm_calibration.GemmPlan``: timed once per CPU model and cached), or one forced.
 The same pass folds what a graph computes from weights alone
 (views of them, the q/k norm scales' concatenation) into constants computed once (``weight_constants.py``).
 """
@@ -34,14 +35,12 @@ from functools import cache
 import torch
 
 from ignition.catalog.model import BufferDecl, Role
-from ignition.runtime.backends.gemm_calibration import GemmPlan
+from ignition.runtime.backends.gemm_calibration import PACK_LAYOUTS, GemmPlan
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.weights import TensorEntry
 from ignition.validate.program_reader import StaticProgram
 
-PACK_ROWS_HINT = 8
-"""The row count oneDNN's packed layout is chosen for; measured as fast at 1 and 512 rows as a per-count pack."""
 PACK_MIN_ELEMENTS = 1 << 16
 """Smaller weights keep ``aten.linear`` untimed: a product over fewer than 64 Ki elements (256 KiB in FP32, inside
 every L2) takes microseconds, near the timer's noise and oneDNN's extra call cost. From this size up the
@@ -76,8 +75,9 @@ row counts, the projections' reduction lengths of a Qwen3-0.6B-sized layer, and 
 
 
 @cache
-def keeps_bits(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's product on a packed ``dtype`` weight returns ``aten.linear``'s bits on this machine.
+def keeps_bits(dtype: torch.dtype, layout: int = max(PACK_LAYOUTS)) -> bool:
+    """Whether oneDNN's product on a ``dtype`` weight packed for ``layout`` rows returns ``aten.linear``'s bits on
+    this machine.
 
     Probed once a process on seeded normal values (``PROBE_SHAPES``): a kernel that sums in another order rounds
     some of the 20,992 outputs differently (FP32 products in three other orders, rounded to BF16, differed from
@@ -89,7 +89,7 @@ def keeps_bits(dtype: torch.dtype) -> bool:
             weight = torch.randn(512, width, generator=generator).to(dtype)
             x = torch.randn(rows, width, generator=generator).to(dtype)
             bias = torch.randn(512, generator=generator).to(dtype) if biased else None
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, layout)
             if not torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""),
                                torch.nn.functional.linear(x, weight, bias)):
                 return False
@@ -98,10 +98,19 @@ def keeps_bits(dtype: torch.dtype) -> bool:
     return True
 
 
+def pack_layouts(dtype: torch.dtype) -> tuple[int, ...]:
+    """The layouts (``gemm_calibration.PACK_LAYOUTS``) a ``dtype`` weight may be packed in on this machine: every one
+    for ``PACKED_DTYPES``, those that ``keeps_bits`` for ``BIT_EXACT_DTYPES``, none for any other dtype."""
+    if dtype in PACKED_DTYPES:
+        return PACK_LAYOUTS
+    if dtype in BIT_EXACT_DTYPES:
+        return tuple(layout for layout in PACK_LAYOUTS if keeps_bits(dtype, layout))
+    return ()
+
+
 def packs_dtype(dtype: torch.dtype) -> bool:
-    """Whether weights of ``dtype`` are packed on this machine (``PACKED_DTYPES``, or ``BIT_EXACT_DTYPES`` that
-    ``keeps_bits``)."""
-    return dtype in PACKED_DTYPES or (dtype in BIT_EXACT_DTYPES and keeps_bits(dtype))
+    """Whether weights of ``dtype`` are packed on this machine, in some layout (``pack_layouts``)."""
+    return bool(pack_layouts(dtype))
 
 
 class LinearPacks:
@@ -118,8 +127,7 @@ class LinearPacks:
     (oneDNN's reorder undone: ``to_dense``) of a streamed weight that a later graph also reads raw; ``finish`` puts the
     packed tensors in the graphs' empty stand-ins and drops the raw copies no graph reads."""
 
-    def __init__(self, rows_hint: int = PACK_ROWS_HINT, min_elements: int | None = None, gemm: GemmPlan | None = None):
-        self.rows_hint = rows_hint
+    def __init__(self, min_elements: int | None = None, gemm: GemmPlan | None = None):
         self.gemm = GemmPlan() if gemm is None else gemm  # which weight shapes run packed on this machine
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
         self.attributes: dict[str, str] = {}  # weight name -> the graph attribute of its packed copy
@@ -137,7 +145,14 @@ class LinearPacks:
     def _packs(self, shape, dtype: torch.dtype) -> bool:
         """Whether a weight of this shape and dtype is packed where a graph multiplies by it (``GemmPlan.packs``:
         decided once per shape, the first time a graph or the weights' reader asks)."""
-        return self._may_pack(shape, dtype) and self.gemm.packs(shape, dtype)
+        return self._layout(shape, dtype) is not None
+
+    def _layout(self, shape, dtype: torch.dtype) -> int | None:
+        """The row count a weight of this shape and dtype is packed for (``GemmPlan.layout``), None where it is not
+        packed."""
+        if not self._may_pack(shape, dtype):
+            return None
+        return self.gemm.layout(shape, dtype, pack_layouts(dtype))
 
     def _may_pack(self, shape, dtype: torch.dtype) -> bool:
         """Whether a weight of this shape and dtype could be packed at all (nothing timed)."""
@@ -236,7 +251,7 @@ class LinearPacks:
                 self.reorders[name] = self._worker.submit(self._pack, weights[name], name not in self.raw_readers)
 
     def _pack(self, weight: torch.Tensor, release: bool) -> torch.Tensor:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.rows_hint)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, self._layout(weight.shape, weight.dtype))
         if release:  # nothing reads it until ``finish`` swaps the packed tensor in
             release_pages(weight)
         return packed
@@ -261,5 +276,5 @@ class LinearPacks:
         return released
 
 
-__all__ = ["BIT_EXACT_DTYPES", "LinearPacks", "PACK_MIN_ELEMENTS", "PACK_ROWS_HINT", "PACKED_DTYPES", "PACKED_TARGET",
-           "STREAM_MAX_BYTES", "keeps_bits", "packing_available", "packs_dtype"]
+__all__ = ["BIT_EXACT_DTYPES", "LinearPacks", "PACK_MIN_ELEMENTS", "PACKED_DTYPES", "PACKED_TARGET", "STREAM_MAX_BYTES",
+           "keeps_bits", "pack_layouts", "packing_available", "packs_dtype"]
