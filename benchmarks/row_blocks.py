@@ -4,7 +4,10 @@
 pairwise tree, so tensor-parallel cores are bit-identical to TP=1. This times, per layer, over 28 distinct
 weights (as a decode step reads them: none stays in cache), the plain ``F.linear``, the earlier form (B
 ``F.linear`` calls on contiguous copies of the input slices) and ``row_linear`` (one ``bmm`` over strided
-views), at 1, 8 and 32 rows; and checks that the batched leaves equal the B separate GEMMs' leaves.
+views), at 1, 8 and 32 rows; and checks that the batched leaves equal the B separate GEMMs' leaves. It also times
+the one GEMM on oneDNN's packed weight (``runtime/backends/packed_linear.py``, the layout a load packs for eight
+rows), the path an unblocked layer's linear takes at load, and each form's weight read rate: the row blocks' price
+in decode speed on this machine.
 
     python -m benchmarks.row_blocks --threads 2
 """
@@ -18,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.parallel import ROW_REDUCTION_BLOCKS
+from ignition.runtime.backends.gemm_calibration import FORCED_LAYOUT
+from ignition.runtime.backends.packed_linear import packing_available
 from ignition.recipes.layers import pairwise_sum, row_linear
 
 LAYERS, D_MODEL = 28, 1024
@@ -53,18 +58,26 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     blocks = ROW_REDUCTION_BLOCKS
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {LAYERS} weights each, best of {args.repeats}")
-    print("| layer | rows | one GEMM ms | B GEMMs ms | batched leaves ms | B GEMMs / one | batched / one |")
-    print("|---|---|---|---|---|---|---|")
+    print("| layer | rows | one GEMM ms | B GEMMs ms | batched leaves ms | one packed GEMM ms | B GEMMs / one | "
+          "batched / one | batched / packed | weight read, batched / packed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, width in WIDTHS.items():
         weights = [torch.randn(D_MODEL, width, generator=g) / width**0.5 for _ in range(LAYERS)]
+        packs = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, FORCED_LAYOUT) for w in weights} \
+            if packing_available() else {}
+        gigabytes = D_MODEL * width * 4 / 1e9
         for rows in (1, 8, 32):
             x = torch.randn(rows, width, generator=g)
             one = per_layer_ms(lambda a, w: F.linear(a, w), weights, x, args.repeats)
             old = per_layer_ms(lambda a, w: separate(a, w, blocks), weights, x, args.repeats)
             new = per_layer_ms(lambda a, w: row_linear(a, w, None, blocks), weights, x, args.repeats)
+            packed = per_layer_ms(lambda a, w: torch.ops.mkldnn._linear_pointwise(a, packs[id(w)], None, "none", [],
+                                                                                    ""), weights, x, args.repeats) \
+                if packs else float("nan")
             same = torch.equal(row_linear(x, weights[0], None, blocks), separate(x, weights[0], blocks))
-            print(f"| {name} (K {width}) | {rows} | {one:.3f} | {old:.3f} | {new:.3f} | {old / one:.2f}x | "
-                  f"{new / one:.2f}x{'' if same else ' (leaves round differently)'} |")
+            print(f"| {name} (K {width}) | {rows} | {one:.3f} | {old:.3f} | {new:.3f} | {packed:.3f} | "
+                  f"{old / one:.2f}x | {new / one:.2f}x{'' if same else ' (leaves round differently)'} | "
+                  f"{new / packed:.2f}x | {gigabytes / new * 1e3:.1f} / {gigabytes / packed * 1e3:.1f} GB/s |")
 
 
 if __name__ == "__main__":
