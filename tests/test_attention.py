@@ -80,7 +80,7 @@ class _Operators(TorchDispatchMode):
 
 @pytest.mark.parametrize("case", ["decode lanes", "prefill chunk"])
 def test_a_layer_reuses_the_plan_and_builds_no_mask(case: str) -> None:
-    """The rows' part (window, mask, placement) is planned once per forward; a layer only moves its
+    """The rows' part (window, mask, cells) is planned once per forward; a layer only moves its
     queries and runs its products, so a deeper model does not rebuild the mask per layer."""
     rows = _rows(case)
     plan = plan_attention(rows, SLOTS, MAX_SEQ_LEN, SHARE, torch.float32)
@@ -96,11 +96,10 @@ def test_a_layer_reuses_the_plan_and_builds_no_mask(case: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bf16_cached_attention_runs_two_products_a_window_copy_not_two_a_kv_head(case: str) -> None:
     """BF16 attention over cached windows: one product of queries and keys and one of probabilities and values
-    over the batch and KV heads of the lanes' copied windows, not two per KV head on strided views, whose every
+    over the batch and KV heads of the lanes' gathered windows, not two per KV head on strided views, whose every
     product copied its operand first."""
     rows = _rows(case)
     plan = plan_attention(rows, SLOTS, MAX_SEQ_LEN, SHARE, torch.bfloat16)
-    assert plan.placement is None and not plan.per_lane  # one copy of the lanes' windows, never the cache's
     key_cache = value_cache = torch.zeros(SLOTS, MAX_SEQ_LEN, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     query = torch.zeros(rows.positions.shape[0], KV_HEADS * SHARE, HEAD_DIM, dtype=torch.bfloat16)
     with _Operators() as layer:

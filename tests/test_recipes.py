@@ -277,8 +277,8 @@ def test_minimal_loader_serves_the_core_like_transformers(exported) -> None:
 
 
 def test_a_slot_limited_decode_variant_matches_transformers(tmp_path) -> None:
-    """``decode.c2`` of a 4-slot core declares slot limit 2 and attends over slots 0-1 in place; lanes it cannot
-    serve (a slot of 2 or more) run in ``decode.c4``. Both give transformers' greedy tokens and logprobs."""
+    """``decode.c2`` of a 4-slot core declares slot limit 2; lanes it cannot serve (a slot of 2 or more) run in
+    ``decode.c4``. Both give transformers' greedy tokens and logprobs."""
     from ignition.runtime.core import load_core
     from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request

@@ -1,7 +1,6 @@
 """Decode variants with a slot limit (``layout["slot_limit"]``, docs/api.md "Slot limit"): the rule that allows one,
 the validator's SLOT-LIMIT, and the runtime's side: free slots taken lowest first and rounds submitted to the smallest
-variant whose capacity and limit fit. ``tests/test_recipes.py`` checks the limited graphs against transformers and
-``tests/test_decode_copies.py`` that they attend in place."""
+variant whose capacity and limit fit. ``tests/test_recipes.py`` checks the limited graphs against transformers."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class ModelShape:
     num_slots: int | None
     layer_kinds: tuple[str, ...] = ()  # each layer's cache kind (catalog/cache_kinds.py), in layer order
     sliding_window: int | None = None  # sliding layers' window W
-    window_cells: int | None = None  # sliding layers' ring cells a slot
+    window_cells: int | None = None  # positions a sliding step reads (catalog/cache_kinds.py ``window_cells``)
     softmax_short_row: int | None = None  # BF16/FP16: the softmax row length traced for (catalog/softmax_order.py)
     block_size: int | None = None  # positions per block of the paged caches (catalog/geometry.py PAGED_STATE)
     kv_blocks: int | None = None  # the paged caches' declared block count, the pool's upper bound

@@ -45,10 +45,10 @@ def decode_slot_limit(capacity: int, decode_capacities, num_slots: int) -> int |
     """The ``layout["slot_limit"]`` a decode variant of ``capacity`` may declare (None: it may not): its capacity,
     when it has two lanes or more, fewer than the cache's ``num_slots`` and fewer than the widest decode variant's.
 
-    A variant with a slot limit serves only lanes whose slots are all below it (its graph attends over those slots in
-    place); the widest decode variant never has one, so every slot can decode. The recipe declares a limit where its
-    graph reads it (``recipes/attention.py``), the validator refuses any other (CONTRACT-SLOT-LIMIT), and the
-    scheduler submits a round to the smallest variant that fits both its lane count and its highest slot."""
+    A variant with a slot limit serves only lanes whose slots are all below it (its graph may attend over those slots
+    in place); the widest decode variant never has one, so every slot can decode. The recipe declares a limit on
+    grouped-query FP32 decode variants (``recipes/llama.py`` ``slot_limit``), the validator refuses any other
+    (CONTRACT-SLOT-LIMIT), and the scheduler submits a round to the smallest variant that fits both its lane count and its highest slot."""
     if 1 < capacity < num_slots and capacity < max(decode_capacities):
         return capacity
     return None

@@ -83,7 +83,7 @@ TENSOR_OPERATORS = frozenset({
     "aten.scatter_add_.default", "aten.select_scatter.default", "aten.slice_scatter.default", "aten.split.Tensor",
     "aten.split.default", "aten.split.sizes", "aten.squeeze.default", "aten.squeeze.dims", "aten.t.default",
     "aten.unflatten.int", "aten.view.dtype", "aten.view_as.default", "aten.zero_.default",
-    # sliding-window layers (recipes/attention.py ``sliding_mask``, layers.py ring writes) and GeGLU MLPs (gemma3)
+    # pools' cells (layers.py ``page_cells``), DeepSeek V4's rings (deepseek_v4_attention.py) and GeGLU MLPs (gemma3)
     "aten.remainder.Scalar", "aten.remainder.Tensor", "aten.gelu.default", "aten.tanh.default",
     "aten.pow.Tensor_Scalar",
     # Gated DeltaNet linear attention (recipes/linear_attention.py: causal conv, decay, chunked delta rule; qwen3_5)

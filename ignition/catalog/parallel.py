@@ -23,7 +23,7 @@ MAX_TENSOR_PARALLEL = 64
 
 SHARDABLE_RECIPES = ("qwen3", "llama", "qwen3_moe", "deepseek_v3", "gemma3", "gpt_oss", "deepseek_v4")
 """Recipes with a tensor-parallel layout (recipes/sharding.py): the GQA decoders, dense and MoE (gemma3's and
-gpt_oss's sliding rings split by KV head like their full caches, gpt_oss's sinks by query head), MLA, and
+gpt_oss's sliding pools split by KV head like their full caches, gpt_oss's sinks by query head), MLA, and
 DeepSeek V4 (query heads, output groups and index heads split; its state, one K=V head, whole on every rank)."""
 
 ROW_REDUCTION_BLOCKS = 8

@@ -1,40 +1,16 @@
-"""Grouped-query attention over the KV caches, with no copy of a whole cache.
+"""Grouped-query attention over the KV caches' pools of blocks, with no copy of a whole cache.
 
-- **Pools of blocks (full layers).** ``k_cache``/``v_cache`` are pools ``[layers, kv_blocks, block_size, kv_heads,
-  head_dim]`` (catalog/geometry.py ``PAGED_STATE``): each group's key window ``[0, W)`` is the cells its slot's block
-  table names (``layers.page_cells``), planned once a forward, and one gather a layer reads them for every group
-  (``[G, kv_heads, W, head_dim]``): the live blocks of the lanes, never the pool. The slot-indexed optimisations
-  below (in place, per lane, slot order) serve the sliding rings, which stay per slot.
-
-A step never clones, expands or gathers a whole cache (issue 23): every read of a ring is a strided view of
-``cache[layer]`` (``[num_slots, cells, kv_heads, head_dim]``) narrowed to the key window,
-and ``scaled_dot_product_attention`` reads it in place.
-
+- **Pools of blocks.** ``k_cache``/``v_cache`` are pools ``[layers, kv_blocks, block_size, kv_heads, head_dim]``
+  (catalog/geometry.py ``PAGED_STATE``): each group's key window ``[0, W)`` is the cells its slot's block table names
+  (``layers.page_cells``), planned once a forward, and one gather a layer reads them for every group (``[G, kv_heads,
+  W, head_dim]``): the live blocks of the lanes, never the pool (``tests/test_decode_copies``). A sliding layer's pool
+  is read the same way through its own tables, over the window's live blocks (``recipes/window_pages.py``).
 - **FP32 through the fused kernel, BF16/FP16 as transformers' eager path** (scores rounded to the
-  model dtype, softmax in FP32): one batched product over the batch and KV heads of the copied windows (a
-  BF16 product on a strided view copies its operand anyway, one head at a time), one per KV head in packed
-  prefill.
+  model dtype, softmax in FP32): one batched product over the groups and KV heads of the gathered windows, one per
+  KV head in packed prefill.
 - **Grouped heads without repetition.** Query head ``h`` belongs to KV head ``h // groups`` (HF
   ``repeat_kv``), so the ``groups`` query heads of one KV head become extra query rows of that KV
   head: ``[batch, kv_heads, groups * rows, head_dim]`` against ``[batch, kv_heads, window, head_dim]``.
-- **Slots without a gather of the cache.** A single group (a prefill chunk, or a variant of one decode or verify
-  lane) copies its slot's window once for all its rows: one slot's cells, the only copy a step makes,
-  and far less than reading every slot (one lane of Qwen3-0.6B's width on 32 slots, per layer: 0.13 ms
-  against 2.8 ms at a 64-position window, 2.0 ms against 26 ms at 640; ``tests/test_decode_copies``).
-  Two or more lanes read at most the first ``read`` slots: every slot, or the slot limit of a decode variant
-  whose lanes all sit below it (``Rows.slot_limit``, ``layout["slot_limit"]``: a ``decode.c8`` of a 32-slot cache
-  reads slots 0-7). When ``read`` is at least ``LANE_WINDOWS`` times the lanes they do as one lane does, one
-  lane at a time (one slot's cells per copy). Otherwise they place their queries at their slots' batch
-  index and attend over the read slots' windows at once, in place: no copy at all, and one attention call a
-  layer instead of one a lane (at Qwen3-0.6B's width, 8 lanes over 8 slots' 64-position windows: 12 ms a
-  28-layer step against 25 ms lane by lane); slots outside the submission get a stand-in lane's queries and
-  their rows are dropped. When the read slots number exactly the lanes (``AttentionPlan.slot_order``), the decoder
-  runs the whole forward in slot order instead: its rows rearranged once before the embedding and once after the
-  final norm (``recipes/transformer.py`` ``gqa_decoder``), so no layer places queries, picks outputs or gathers
-  the rows it writes (GEMM rows are independent of their position, so every lane's bits are the lane-ordered
-  forward's; ``tests/test_transformer.py``). BF16/FP16 lanes always copy their own slots' windows once, together
-  (``[lanes, kv_heads, W, head_dim]``: the cells the per-lane copies would move, in one node): their products would
-  copy a strided view anyway, one head at a time.
 - **Transformers' softmax order for short forwards (BF16/FP16).** ATen's CPU softmax sums a row shorter than its
   vector (``SHORT_ROW`` FP32 lanes) one element after another, and a longer row lane by lane. Transformers' eager
   attention softmaxes rows as long as its forward's keys (a decode step's context, a prompt's length), while ours
@@ -53,14 +29,14 @@ and ``scaled_dot_product_attention`` reads it in place.
 - **Live context only.** The extent ``W`` of ``Rows.key_window`` (a prefix of the ``KEY_WINDOW``
   input, a dynamic extent of the graph) bounds the keys read to ``[0, W)``; the runtime passes a
   window past every row's position, so no key beyond it could be visible.
-- **Planned once per forward.** What depends only on the rows (the window, the mask, where each
-  group's queries go) is an ``AttentionPlan`` built once and shared by every layer: a layer adds only
+- **Planned once per forward.** What depends only on the rows (the window, the mask, the cells each
+  group reads) is an ``AttentionPlan`` built once and shared by every layer: a layer adds only
   its own products, so a 2-layer graph and a 28-layer one pay for the mask once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -74,37 +50,16 @@ from ignition.recipes.window_pages import window_keys, window_mask
 class AttentionPlan:
     """The layer-independent part of ``cached_attention`` for one forward's rows (``plan_attention``)."""
 
-    groups: int  # G attention groups (read slots)
+    groups: int  # G attention groups
     per_group: int  # R // G rows per group
-    window: int  # W keys read, [0, W) (a symbolic size in a windowed graph)
-    slots: torch.Tensor  # int64 [G]: each group's read slot, clamped into range
-    placement: torch.Tensor | None  # int64 [read]: the group queried at each of the first ``read`` slots (G: none); or
-    per_lane: bool  # each group's own slot window copied and attended alone (LANE_WINDOWS), not every slot's
-    # (placement None and per_lane False: the groups' slot windows copied together, one group or BF16/FP16 lanes)
-    mask: torch.Tensor  # [batch, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
-    read: int = 0  # with a placement: the slots attended in place, ``[0, read)`` (the rows' slot limit, or every slot)
+    window: int  # W keys read a group (a symbolic size in a windowed graph)
+    mask: torch.Tensor  # [G, 1, share * R/G, W]: FP32 additive (0 or the FP32 minimum); BF16/FP16 True where hidden
+    # int64 [G * W]: the cell of one layer's pool holding each group's key j at g * W + j (``page_cells``)
+    cells: torch.Tensor
     # BF16/FP16 [G, 1, share * R/G, 1]: True where the row's forward (its group's, or with ``Rows.row_forwards`` its
     # own) covers fewer than SHORT_ROW keys
     short: torch.Tensor | None = None
-    views: dict = field(default_factory=dict, compare=False, repr=False)  # ``_windows``: each cache's, once a forward
-    slot_ordered: bool = False  # the rows are in slot order (``in_slot_order``): row r attends at slot r, in place
     scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
-    # a pool of blocks (``_paged_plan``): int64 [G * W], the cell of one layer holding each group's key j at G * W + j
-    cells: torch.Tensor | None = None
-
-    def slot_order(self, rows: Rows) -> torch.Tensor | None:
-        """The row at each read slot (``placement``) when ``rows`` may run in slot order instead (``in_slot_order``):
-        one decode lane a group, attended in place, with as many read slots as lanes (so the forward's products keep
-        their row count); None otherwise."""
-        if self.placement is None or self.per_group != 1 or self.read != self.groups or rows.row_forwards:
-            return None
-        return self.placement
-
-    def in_slot_order(self, slots: torch.Tensor) -> AttentionPlan:
-        """This plan for the rows rearranged by ``slot_order`` (``Rows.in_slot_order``, whose ``read_slots`` are
-        ``slots``, 0 to read - 1): row r's queries already sit at slot r's batch index, so no layer places or picks
-        rows. The mask was built in that order already."""
-        return replace(self, placement=None, slots=slots, views={}, slot_ordered=True)
 
 
 def key_positions(rows: Rows, max_seq_len: int, device: torch.device) -> torch.Tensor:
@@ -137,14 +92,6 @@ def brief_keys(max_seq_len: int) -> int:
     return min(SHORT_ROW - 1, max_seq_len)
 
 
-LANE_WINDOWS = 2
-"""Lanes attend each over its own slot's window, copied (one slot's cells per copy), when the slots number at least
-this many times the lanes; otherwise over every slot's window in place. Reading every slot costs the slots' windows
-whatever the lanes; a lane's copy costs its window twice (the copy, then the read) and a few graph nodes. At
-Qwen3-0.6B's width a decode step of 8 lanes on a 32-slot cache spent 57-93 ms of 550-700 in attention over all 32
-slots' windows."""
-
-
 def position_extent(rows: Rows, block_size: int) -> int:
     """The positions a slot's block table spans (``max_blocks * block_size``); without tables (the slot layout) a
     slot's one block, ``block_size`` positions."""
@@ -163,12 +110,12 @@ def _paged_plan(rows: Rows, kv_blocks, block_size: int, share: int, dtype: torch
     mask = causal_mask(window, positions, share, dtype)
     cells = page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size)  # [G, W]
     short = None
-    if dtype != torch.float32:  # as plan_attention's copied windows
+    if dtype != torch.float32:  # transformers' softmax order for short forwards (the module's note)
         extent = positions + 1 if rows.row_forwards else \
             rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1, keepdim=True) + 1
         short = short_forwards(extent.expand(groups, per_group)).repeat(1, share).view(groups, 1, share * per_group, 1)
-    return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=rows.read_slots,
-                         placement=None, per_lane=False, mask=mask, short=short, scale=scale, cells=cells.reshape(-1))
+    return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], mask=mask, cells=cells.reshape(-1),
+                         short=short, scale=scale)
 
 
 def gather_pages(cache: torch.Tensor, layer: int, cells: torch.Tensor, groups: int) -> torch.Tensor:
@@ -187,109 +134,51 @@ def _window_plan(rows: Rows, kv_blocks, block_size: int, share: int, dtype: torc
     per_group = rows.positions.shape[0] // groups
     positions = rows.positions.view(groups, per_group)
     keys, cells = window_keys(rows, positions[:, :1], rows.read_slots, sliding, window_cells, kv_blocks, block_size)
-    return AttentionPlan(groups=groups, per_group=per_group, window=keys.shape[1], slots=rows.read_slots,
-                         placement=None, per_lane=False, mask=window_mask(keys, positions, sliding, share, dtype),
-                         scale=scale, cells=cells)
+    return AttentionPlan(groups=groups, per_group=per_group, window=keys.shape[1],
+                         mask=window_mask(keys, positions, sliding, share, dtype), cells=cells, scale=scale)
 
 
-def plan_attention(rows: Rows, num_slots: int, max_seq_len: int, share: int, dtype: torch.dtype,
+def plan_attention(rows: Rows, kv_blocks, block_size: int, share: int, dtype: torch.dtype,
                    sliding: int | None = None, scale: float | None = None,
                    window_cells: int | None = None) -> AttentionPlan:
-    """Build the plan ``cached_attention`` reads for ``rows`` over a cache of ``num_slots x max_seq_len``
-    positions, with ``share`` query heads per KV head and the model ``dtype``.
+    """Build the plan ``cached_attention`` reads for ``rows`` over a pool of ``kv_blocks`` blocks of ``block_size``
+    positions (the cache's first two extents), with ``share`` query heads per KV head and the model ``dtype``.
 
-    A full layer's cache is a pool of blocks (``catalog.geometry.PAGED_STATE``): ``num_slots`` and ``max_seq_len``
-    are then its first two extents, ``kv_blocks`` and ``block_size`` (``_paged_plan``). The slot-indexed paths below
-    (in place, per lane, slot order) serve the sliding rings.
-
-    ``sliding`` with ``window_cells``: the cache is a sliding layer's pool of blocks (``_window_plan``: the positions a
-    step of the export's widest rows reads, ``catalog.cache_kinds.window_cells``). ``sliding`` alone: the cache is
-    a sliding layer's ring of ``max_seq_len`` cells (``catalog/cache_kinds.py``) and each
-    row attends over the last ``sliding`` positions up to its own (``sliding_mask``); every cell is read (the key
-    window bounds positions, not cells), and the BF16/FP16 short-forward order is not kept (the ring's cell order is
-    not transformers' key order anyway). ``scale``: the scores' scale (None: ``head_dim ** -0.5``)."""
+    A full layer's pool (``catalog.geometry.PAGED_STATE``) is read through ``rows.block_tables`` (``_paged_plan``).
+    ``sliding`` with ``window_cells``: the pool is a sliding layer's (``catalog.geometry.WINDOW_PAGED_STATE``), read
+    through ``rows.window_tables`` over the positions a step of the export's widest rows reads
+    (``catalog.cache_kinds.window_cells``; ``_window_plan``). ``scale``: the scores' scale (None: ``head_dim **
+    -0.5``)."""
     if not sliding:
-        return _paged_plan(rows, num_slots, max_seq_len, share, dtype, scale)
-    if window_cells is not None:  # a sliding layer's pool of blocks
-        return _window_plan(rows, num_slots, max_seq_len, share, dtype, sliding, window_cells, scale)
-    groups = rows.read_slots.shape[0]
-    per_group = rows.positions.shape[0] // groups
-    device = rows.positions.device
-    window = torch.arange(max_seq_len, device=device) if sliding else key_positions(rows, max_seq_len, device)
-    positions = rows.positions.view(groups, per_group)
-    # a slot limit: the lanes' slots are all below it, so only the first ``read`` slots can hold their windows
-    read = num_slots if rows.slot_limit is None else min(rows.slot_limit, num_slots)
-    slots = rows.read_slots.clamp(0, read - 1)
-    placement = None
-    # BF16/FP16 products copy a strided operand anyway (one head at a time), so lanes copy their own slots' windows
-    # once, together: the cells one copy a lane would move, in two graph nodes a layer instead of two a lane
-    gathered = dtype != torch.float32
-    per_lane = not gathered and groups > 1 and LANE_WINDOWS * groups <= read
-    if groups > 1 and not per_lane and not gathered:  # lanes: the read slots' windows in place, each query at its slot
-        placement = _placement(rows, slots, read)
-        positions = positions.index_select(0, placement)  # [read, R/G]; the first live group's at empty slots
-    mask = sliding_mask(window, positions, sliding, share, dtype) if sliding else \
-        causal_mask(window, positions, share, dtype)
-    short = None
-    if gathered and not sliding:  # each row's forward: its own (a verify row), or its group's valid rows' last position + 1
-        extent = positions + 1 if rows.row_forwards else \
-            rows.positions.masked_fill(~rows.valid, -1).view(groups, per_group).amax(1, keepdim=True) + 1
-        # [G, R/G] in the mask's row order (head share, then row)
-        short = short_forwards(extent.expand(groups, per_group)).repeat(1, share).view(groups, 1, share * per_group, 1)
-    return AttentionPlan(groups=groups, per_group=per_group, window=window.shape[0], slots=slots,
-                         placement=placement, per_lane=per_lane, mask=mask, read=read, short=short, scale=scale)
-
-
-def _windows(cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """``cache [layers, num_slots, T, kv_heads, head_dim]`` as ``[layers, slots, kv_heads, W, head_dim]``: a view over
-    the window's positions (and, with a placement, the first ``read`` slots), made once a forward for each cache;
-    every layer selects its own. Narrowing the position dim of the transposed cache keeps it strided, and as a view
-    it reads what each layer's ``write_rows`` wrote before it."""
-    if id(cache) not in plan.views:
-        view = cache.transpose(2, 3).narrow(3, 0, plan.window)
-        in_place = plan.placement is not None or plan.slot_ordered
-        plan.views[id(cache)] = view.narrow(1, 0, plan.read) if in_place else view
-    return plan.views[id(cache)]
+        return _paged_plan(rows, kv_blocks, block_size, share, dtype, scale)
+    if window_cells is None:
+        raise ValueError(f"plan_attention: a sliding layer's plan (sliding window {sliding}) needs window_cells, the "
+                         "positions its step reads (the config's with_steps); found None")
+    return _window_plan(rows, kv_blocks, block_size, share, dtype, sliding, window_cells, scale)
 
 
 def cached_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
                      plan: AttentionPlan, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of ``query [R, heads, head_dim]`` over layer ``layer`` of the caches
-    ``[layers, num_slots, T, kv_heads, head_dim]``.
+    """Causal attention of ``query [R, heads, head_dim]`` over layer ``layer`` of the pools
+    ``[layers, kv_blocks, block_size, kv_heads, head_dim]``.
 
     Row ``i`` of group ``g`` (``R // G`` rows per group, ``G = len(rows.read_slots)``) attends over the
-    positions ``<= rows.positions[i]`` of slot ``rows.read_slots[g]`` (``plan`` holds the rows' part).
-    ``sinks [heads]``: each head's learned sink logit (``attend``). Returns ``[R, heads * head_dim]``.
+    positions ``<= rows.positions[i]`` of slot ``rows.read_slots[g]`` (``plan`` holds the rows' part: the cells each
+    group reads, gathered once a layer). ``sinks [heads]``: each head's learned sink logit (``attend``). Returns
+    ``[R, heads * head_dim]``.
     """
     num_rows, heads, head_dim = query.shape
     kv_heads = key_cache.shape[3]
     groups, per_group, share = plan.groups, plan.per_group, heads // kv_heads
-    if plan.cells is None:
-        keys, values = _windows(key_cache, plan)[layer], _windows(value_cache, plan)[layer]  # [S, kv_heads, W, D] views
     # query: [G, R/G, kv_heads, share, D] -> [G, kv_heads, share * R/G, D]; row s * R/G + j is head (kv, s), row j
     if per_group == 1:  # a decode lane a group: the same order, one view
         grouped = query.view(groups, kv_heads, share, head_dim)
     else:
         grouped = query.view(groups, per_group, kv_heads, share, head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(groups, kv_heads, share * per_group, head_dim)
-    if plan.cells is not None:  # a pool: each group's window gathered through its block table, [G, kv_heads, W, D]
-        attended = attend(grouped, gather_pages(key_cache, layer, plan.cells, groups),
-                           gather_pages(value_cache, layer, plan.cells, groups), plan.mask, short=plan.short,
-                           scale=plan.scale, sinks=sinks)
-    elif plan.per_lane:  # each group alone on a copy of its slot's window: [1, kv_heads, W, D] a group
-        attended = torch.cat([attend(grouped[g:g + 1], keys.index_select(0, plan.slots[g:g + 1]),
-                                      values.index_select(0, plan.slots[g:g + 1]), plan.mask[g:g + 1],
-                                      scale=plan.scale, sinks=sinks)
-                              for g in range(groups)])
-    elif plan.slot_ordered:  # group r is slot r's: in place over the first read slots, nothing placed or picked
-        attended = attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks)
-    elif plan.placement is None:  # the groups' slot windows copied once for their rows: [G, kv_heads, W, D]
-        attended = attend(grouped, keys.index_select(0, plan.slots), values.index_select(0, plan.slots), plan.mask,
-                           short=plan.short, scale=plan.scale, sinks=sinks)
-    else:  # each group's queries at its slot's batch index, [read, kv_heads, share * R/G, D]; a stand-in elsewhere
-        grouped = grouped.index_select(0, plan.placement)  # the keys and values: the first read slots (_windows)
-        attended = attend(grouped, keys, values, plan.mask, scale=plan.scale, sinks=sinks).index_select(
-            0, plan.slots)  # [G, ...]
+    attended = attend(grouped, gather_pages(key_cache, layer, plan.cells, groups),
+                      gather_pages(value_cache, layer, plan.cells, groups), plan.mask, short=plan.short,
+                      scale=plan.scale, sinks=sinks)  # [G, kv_heads, share * R/G, D]
     if per_group > 1:
         attended = attended.view(groups, kv_heads, share, per_group, head_dim).permute(0, 3, 1, 2, 4)
     return attended.reshape(num_rows, heads * head_dim)  # [R, heads * head_dim]
@@ -305,25 +194,11 @@ def causal_mask(window: torch.Tensor, positions: torch.Tensor, share: int, dtype
     return torch.zeros(hidden.shape, dtype=dtype, device=window.device).masked_fill(hidden, torch.finfo(dtype).min)
 
 
-def sliding_mask(cells: torch.Tensor, positions: torch.Tensor, window: int, share: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """``causal_mask``'s form for a sliding layer's ring of ``S`` cells ``cells [S]`` (0..S-1): a row at ``p`` sees
-    cell ``c`` when ``d = (p - c) mod S`` is below ``window`` and at most ``p``; the cell then holds position
-    ``p - d`` (transformers' sliding window: keys ``k`` with ``p - window < k <= p``). Valid for steps of at most
-    ``S - window + 1`` rows a slot, which ``catalog.cache_kinds.window_cells`` sizes the ring for."""
-    rows = positions.repeat(1, share).unsqueeze(1).unsqueeze(-1)  # [batch, 1, share * rows, 1]
-    distance = (rows - cells.view(1, 1, 1, -1)).remainder(cells.shape[0])  # [batch, 1, share * rows, S]
-    hidden = (distance >= window) | (distance > rows)
-    if dtype != torch.float32:
-        return hidden
-    return torch.zeros(hidden.shape, dtype=dtype, device=cells.device).masked_fill(hidden, torch.finfo(dtype).min)
-
-
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
             per_head: bool = False, short: torch.Tensor | None = None, scale: float | None = None,
             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel for FP32, transformers' eager path for BF16/FP16 (``per_head``, ``short``: see
-    ``_eager_low_precision``); ``mask`` from ``causal_mask`` or ``sliding_mask``; ``scale``: the scores' scale
+    ``_eager_low_precision``); ``mask`` from ``causal_mask`` or ``window_pages.window_mask``; ``scale``: the scores' scale
     (None: ``head_dim ** -0.5``); ``sinks [heads]``: learned sink logits (``sink_attention``)."""
     if sinks is not None:
         return sink_attention(query, keys, values, mask, sinks, scale)
@@ -338,7 +213,7 @@ def sink_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     row's scores get one more column, its head's sink, the row is softmaxed in the scores' dtype after subtracting
     its maximum, and the sink's probability is dropped, so the keys' weights sum to less than one.
 
-    One product per KV head: ``keys[:, kv]`` of a strided cache view is a strided batch of matrices that ``bmm``
+    One product per KV head: ``keys[:, kv]`` of a strided window view (``gather_pages``') is a strided batch of matrices that ``bmm``
     reads in place, where a product over the merged batch and KV-head dims would copy the window. ``query [B, kv, M,
     D]`` (row ``s * M / share + j``: head ``(kv, s)``), ``keys``/``values [B, kv, W, D]``, ``mask [B, 1, M, W]``
     (FP32 additive, or True where hidden), ``sinks [heads]`` -> ``[B, kv, M, D]``."""
@@ -367,8 +242,8 @@ def _eager_low_precision(query: torch.Tensor, keys: torch.Tensor, values: torch.
     """Transformers' eager attention for BF16/FP16: scores rounded to the model dtype, softmax in FP32.
 
     A fused kernel keeps the scores in FP32, which moves BF16 logits by more than routing tolerates
-    (a MoE router flips experts). One batched product over the batch and KV-head dims of contiguous ``keys`` and
-    ``values`` (``cached_attention``'s window copies), a dozen graph nodes a layer; ``per_head`` (packed prefill):
+    (a MoE router flips experts). One batched product over the batch and KV-head dims of ``keys`` and
+    ``values`` (``cached_attention``'s gathered windows), a dozen graph nodes a layer; ``per_head`` (packed prefill):
     one batched product per KV head, the shape transformers' own products take there (a merged product of 64
     against eight of 8 rounded a few prefill logits differently, which moved greedy tokens).
     ``short`` (broadcast against ``[B, 1, M, 1]``): the rows that softmax as transformers' short forwards do
@@ -413,20 +288,3 @@ def _softmax_in_order(scores: torch.Tensor, short: torch.Tensor | None) -> torch
     brief = F.pad(scores, (0, SHORT_ROW), value=torch.finfo(scores.dtype).min).narrow(-1, 0, SHORT_ROW - 1)
     brief = F.pad(torch.softmax(brief, dim=-1, dtype=torch.float32), (0, window + 1)).narrow(-1, 0, window)
     return torch.where(short, brief, probs)
-
-
-def _placement(rows: Rows, slots: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """``[num_slots]``: the group whose queries sit at each slot's batch index.
-
-    Groups with a valid row own distinct slots. A group without one repeats the first valid group's
-    entry (same slot, same group), so duplicate writes always carry identical values. A slot no group
-    owns gets the first valid group's queries as a stand-in: its rows attend over that slot's (finite) cells
-    on their own batch index and are dropped, so nothing else reads them (a zero row there cost a padded copy
-    of the queries every layer).
-    """
-    groups = slots.shape[0]
-    live = rows.valid.view(groups, -1).any(1)  # [G]
-    first_live = torch.argmax(live.to(torch.int32))
-    source = torch.where(live, torch.arange(groups, device=slots.device), first_live)  # [G]
-    empty = slots.new_zeros((num_slots,)) + first_live  # [num_slots]: the stand-in group
-    return empty.index_put_((slots.index_select(0, source),), source)

@@ -45,13 +45,13 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: tor
     key = gemma_rms_norm(key, weights[prefix + "k_norm"], cfg.rms_norm_eps)
     cos, sin_signed = rope
     query, key = rotate_half_rope(query, cos, sin_signed), rotate_half_rope(key, cos, sin_signed)
-    ring = kind == "sliding"
-    write_rows(k_cache, index, rows, key, paged=True, window=ring)  # the sliding layers' pool: their own tables
-    write_rows(v_cache, index, rows, value, paged=True, window=ring)
-    sliding = cfg.sliding_window if ring else None
+    windowed = kind == "sliding"
+    write_rows(k_cache, index, rows, key, paged=True, window=windowed)  # the sliding layers' pool: their own tables
+    write_rows(v_cache, index, rows, value, paged=True, window=windowed)
+    sliding = cfg.sliding_window if windowed else None
     if plans[kind] is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[index], v_cache[index], rows, sliding, cfg.scale,
-                                    window_cells=cfg.window_cells if ring else None)
+                                    window_cells=cfg.window_cells if windowed else None)
     else:
         attended = cached_attention(query, k_cache, v_cache, index, plans[kind])  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], None, cfg.row_blocks, cfg.row_shard)  # [R, d_model]

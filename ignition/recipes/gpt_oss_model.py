@@ -57,14 +57,14 @@ def _attention(weights: Mapping[str, torch.Tensor], cfg, layer: int, normed: tor
                                                                                           head_dim)
     cos, sin_signed = rope
     query, key = rotate_half_rope(query, cos, sin_signed), rotate_half_rope(key, cos, sin_signed)
-    ring = kind == "sliding"
-    write_rows(k_cache, index, rows, key, paged=True, window=ring)  # the sliding layers' pool: their own tables
-    write_rows(v_cache, index, rows, value, paged=True, window=ring)
+    windowed = kind == "sliding"
+    write_rows(k_cache, index, rows, key, paged=True, window=windowed)  # the sliding layers' pool: their own tables
+    write_rows(v_cache, index, rows, value, paged=True, window=windowed)
     sinks = weights[prefix + "sinks"]
     if plans[kind] is None:  # packed prompt chunks (rows.segments)
         attended = packed_attention(query, k_cache[index], v_cache[index], rows,
-                                    cfg.sliding_window if ring else None, cfg.scale, sinks,
-                                    cfg.window_cells if ring else None)
+                                    cfg.sliding_window if windowed else None, cfg.scale, sinks,
+                                    cfg.window_cells if windowed else None)
     else:
         attended = cached_attention(query, k_cache, v_cache, index, plans[kind], sinks)  # [R, q_width]
     return row_linear(attended, weights[prefix + "o_proj"], weights[prefix + "o_bias"], cfg.row_blocks,

@@ -127,19 +127,14 @@ class _DecoderGraph(torch.nn.Module):
 
 
 class DecodeGraph(_DecoderGraph):
-    """One token per active lane: ``decode.c{capacity}``; ``slot_limit``: its variant's ``layout["slot_limit"]``."""
-
-    def __init__(self, cfg, vocab_size: int, k: int, decoder: Decoder = gqa_decoder, parallel=None,
-                 slot_limit: int | None = None):
-        super().__init__(cfg, vocab_size, k, decoder, parallel)
-        self.slot_limit = slot_limit
+    """One token per active lane: ``decode.c{capacity}``."""
 
     def forward(self, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor]:
         weights = self.weights(buffers)
         positions, slots = buffers["positions"], buffers["slot_ids"]  # int64 [capacity]
         active = buffers["active_lanes"] != 0
-        rows = Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW), self.slot_limit,
-                           buffers.get(BLOCK_TABLES), buffers.get(WINDOW_BLOCK_TABLES))
+        rows = Rows.decode(positions, slots, active, buffers.get(KEY_WINDOW), buffers.get(BLOCK_TABLES),
+                           buffers.get(WINDOW_BLOCK_TABLES))
         hidden = self.hidden(weights, buffers, buffers["input_ids"], rows)  # [capacity, d_model]
         raw_logits = lm_head_logits(weights, self.cfg, hidden)  # [capacity, vocab_padded]
         return (self.sample_and_commit(buffers, raw_logits, slots, Operation.DECODE, positions + 1),)

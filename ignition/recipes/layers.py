@@ -123,9 +123,7 @@ class Rows:
     read_slots: torch.Tensor  # int64 [G]: cache slot each group attends over
     key_window: torch.Tensor | None = None  # [W]: keys [0, W) are read, W its extent (None: every cached position)
     segments: Segments | None = None  # packed prompt chunks (recipes/packed_attention.py)
-    slot_limit: int | None = None  # every group's slot is below this (a decode variant's ``layout["slot_limit"]``)
     row_forwards: bool = False  # each row stands for its own forward (a verify row: the decode step at its position)
-    slot_ordered: bool = False  # row r is slot r's (``in_slot_order``): every row, valid or not, its own cell
     # int32 [num_slots, max_blocks]: each slot's blocks of the paged caches (``page_cells``); None: the slot layout
     block_tables: torch.Tensor | None = None
     # int32 [num_slots, max_blocks]: each slot's blocks of the sliding layers' pools (``page_cells(window=True)``)
@@ -173,49 +171,35 @@ class Rows:
 
     @classmethod
     def decode(cls, positions: torch.Tensor, slots: torch.Tensor, active: torch.Tensor,
-               key_window: torch.Tensor | None = None, slot_limit: int | None = None,
-               block_tables: torch.Tensor | None = None, window_tables: torch.Tensor | None = None) -> Rows:
-        """One row per lane, each its own group; active lanes must use distinct slots (below ``slot_limit``, when
-        the variant has one)."""
+               key_window: torch.Tensor | None = None, block_tables: torch.Tensor | None = None,
+               window_tables: torch.Tensor | None = None) -> Rows:
+        """One row per lane, each its own group; active lanes must use distinct slots."""
         return cls(positions=positions, write_slots=slots, valid=active, read_slots=slots, key_window=key_window,
-                   slot_limit=slot_limit, block_tables=block_tables, window_tables=window_tables)
-
-    def in_slot_order(self, order: torch.Tensor) -> Rows:
-        """These decode rows (one a group) rearranged so that row r belongs to slot r: ``order [S]`` holds the row at
-        each of the first S slots (a stand-in row at a slot no valid row owns, which becomes invalid there). Every
-        row then writes a cell of its own, so its write needs no gather of the rows (``write_rows``)."""
-        slot = torch.arange(order.shape[0], device=order.device)
-        owns = self.write_slots.index_select(0, order) == slot
-        return Rows(positions=self.positions.index_select(0, order), write_slots=slot,
-                    valid=self.valid.index_select(0, order) & owns, read_slots=slot, key_window=self.key_window,
-                    slot_limit=self.slot_limit, slot_ordered=True, block_tables=self.block_tables,
-                    window_tables=self.window_tables)
+                   block_tables=block_tables, window_tables=window_tables)
 
 
-def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor, ring: bool = False,
-               paged: bool = False, window: bool = False) -> None:
+def write_rows(cache: torch.Tensor, layer: int, rows: Rows, values: torch.Tensor, paged: bool = False,
+               window: bool = False) -> None:
     """``cache[layer, slot_i, position_i] = values[i]`` for valid rows; invalid rows leave it bit-identical.
 
-    ``ring``: ``cache`` is a sliding layer's ring (``catalog/cache_kinds.py``): position ``p`` goes to cell
-    ``p mod cells`` instead. ``paged``: ``cache`` is a pool of blocks ``[layers, kv_blocks, block_size, ...]``
-    (``catalog.geometry.PAGED_STATE``): position ``p`` of slot ``s`` goes to the cell ``page_cells`` names;
-    ``window``: through the sliding layers' tables (``Rows.window_tables``).
+    Without ``paged`` ``cache`` is in the slot layout ``[layers, num_slots, max_seq_len, ...]``. ``paged``: ``cache``
+    is a pool of blocks ``[layers, kv_blocks, block_size, ...]`` (``catalog.geometry.PAGED_STATE``): position ``p`` of
+    slot ``s`` goes to the cell ``page_cells`` names; ``window``: through the sliding layers' tables
+    (``Rows.window_tables``).
 
     One ``index_copy_`` into the cache's cells (its first three dims flattened, a view) writes every row. An
     invalid row repeats the first valid row's write (same cell, same value); if no row is valid, every row
-    rewrites row 0's cell with its old value. Rows in slot order (``Rows.in_slot_order``) each own their cell, so
-    an invalid one rewrites its own cell's old value instead and no row's value is gathered. Duplicate targets thus
+    rewrites row 0's cell with its old value. Duplicate targets thus
     always carry identical values and the result never depends on write order. Slots and positions are clamped
     into range. Valid rows must target distinct cells. Which cell each row writes depends on the rows alone: it is
     planned once per forward (``_write_plan``), each layer's cells once for its caches, and a decode batch reads
     every layer's old cell values in one gather at the cache's first write (``_cache_cells``); each write then adds
-    its gather of the rows (none in slot order), a ``where`` and the copy.
+    its gather of the rows, a ``where`` and the copy.
     """
-    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim(), ring, paged, window)
-    flat, old = _cache_cells(rows, cache, ring, paged, window)
+    source, cells, keep_new = _write_plan(rows, cache.shape[:3], layer, values.dim(), paged, window)
+    flat, old = _cache_cells(rows, cache, paged, window)
     old_values = old[layer] if old is not None else flat.index_select(0, cells)
-    new_values = values if source is None else values.index_select(0, source)
-    flat.index_copy_(0, cells, torch.where(keep_new, new_values, old_values))
+    flat.index_copy_(0, cells, torch.where(keep_new, values.index_select(0, source), old_values))
 
 
 OLD_CELLS_AHEAD = 4096
@@ -224,12 +208,12 @@ instead of one a layer) when they number at most this many (layers x rows: a dec
 (a symbolic count, or past the limit) read theirs layer by layer, so its forward holds one layer's copy at a time."""
 
 
-def _plan_key(extents: torch.Size, ring: bool, paged: bool = False, window: bool = False) -> tuple:
-    """``rows.writes``' key of the cell plan for caches of ``extents`` (layers, slots, positions or ring cells; or
-    layers, blocks, block positions, and which tables address them)."""
+def _plan_key(extents: torch.Size, paged: bool = False, window: bool = False) -> tuple:
+    """``rows.writes``' key of the cell plan for caches of ``extents`` (layers, slots, positions; or layers, blocks,
+    block positions, and which tables address them)."""
     if paged:  # the block count is symbolic in an exported graph (unhashable); a group's pools share it
         return extents[0], extents[2], "window" if window else "paged"
-    return (*tuple(extents), "ring" if ring else "slots")
+    return (*tuple(extents), "slots")
 
 
 def page_cells(rows: Rows, slots: torch.Tensor, positions: torch.Tensor, kv_blocks, block_size: int,
@@ -250,8 +234,7 @@ def page_cells(rows: Rows, slots: torch.Tensor, positions: torch.Tensor, kv_bloc
     return blocks.clamp(0, kv_blocks - 1) * block_size + positions.remainder(block_size)
 
 
-def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False, paged: bool = False,
-                 window: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _cache_cells(rows: Rows, cache: torch.Tensor, paged: bool = False, window: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(``cache`` with its first three dims flattened, a view; the values before this forward's writes of every
     layer's target cells ``[layers, R, ...]``, or None past OLD_CELLS_AHEAD), made at the cache's first write of the
     forward. Only a forward without a valid row writes those old values back (``write_rows``), so reading them
@@ -259,7 +242,7 @@ def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False, paged: boo
     key = ("cells", id(cache))
     if key not in rows.writes:
         flat = cache.view(-1, *cache.shape[3:])  # [layers * slots * positions, ...]: every cell, a view
-        cells = rows.writes[_plan_key(cache.shape[:3], ring, paged, window)].cells  # [layers, R]
+        cells = rows.writes[_plan_key(cache.shape[:3], paged, window)].cells  # [layers, R]
         old = None
         numel = cells.numel()  # a symbolic count (a prompt chunk's rows) never reads ahead: no guard on it
         if isinstance(numel, int) and numel <= OLD_CELLS_AHEAD:
@@ -271,33 +254,28 @@ def _cache_cells(rows: Rows, cache: torch.Tensor, ring: bool = False, paged: boo
 class _RowWrites(NamedTuple):
     """The rows' part of every write into caches of one extent (``_write_plan``)."""
 
-    source: torch.Tensor | None  # [R]: the row whose value each row writes (the first valid one for an invalid row);
-    # None for rows in slot order (each writes its own)
+    source: torch.Tensor  # [R]: the row whose value each row writes (the first valid one for an invalid row)
     cells: torch.Tensor  # [layers, R]: each layer's flattened cell of each row
-    keep_new: torch.Tensor  # [R]: False where a row rewrites its cell's old value (none valid; slot order: invalid)
+    keep_new: torch.Tensor  # [R]: False where a row rewrites its cell's old value (no row valid)
 
 
-def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int, ring: bool = False,
-                paged: bool = False, window: bool = False) -> tuple[torch.Tensor, ...]:
+def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int, paged: bool = False,
+                window: bool = False) -> tuple[torch.Tensor, ...]:
     """(source row ``[R]``, the layer's cell of each row ``[R]``, keep-new shaped for ``dims``-D values) of each
     row's write into a cache of ``extents`` (layers, slots, positions). The rows' part is built on the first call
     for these extents, a layer's cells on its first write; every later layer and cache reuses them
     (``rows.writes``)."""
-    key = _plan_key(extents, ring, paged, window)
+    key = _plan_key(extents, paged, window)
     if key not in rows.writes:
         layers, num_slots, max_seq_len = tuple(extents)
-        if rows.slot_ordered:  # every row its own slot's cell
-            source, slots, positions, keep_new = None, rows.write_slots, rows.positions, rows.valid
-        else:
-            first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
-            row = torch.arange(rows.valid.shape[0], device=rows.valid.device)
-            source = torch.where(rows.valid, row, first_valid)  # [R]
-            slots, positions, keep_new = rows.write_slots[source], rows.positions[source], rows.valid[source]
+        first_valid = torch.argmax(rows.valid.to(torch.int32))  # 0 when no row is valid
+        row = torch.arange(rows.valid.shape[0], device=rows.valid.device)
+        source = torch.where(rows.valid, row, first_valid)  # [R]
+        slots, positions, keep_new = rows.write_slots[source], rows.positions[source], rows.valid[source]
         if paged:  # extents: layers, kv_blocks, block_size
             cell = page_cells(rows, slots, positions, num_slots, max_seq_len, window)  # [R]: in one layer
         else:
-            position_cells = positions.remainder(max_seq_len) if ring else positions.clamp(0, max_seq_len - 1)
-            cell = slots.clamp(0, num_slots - 1) * max_seq_len + position_cells  # [R]: in one layer
+            cell = slots.clamp(0, num_slots - 1) * max_seq_len + positions.clamp(0, max_seq_len - 1)  # [R]: one layer
         layer_start = torch.arange(layers, device=cell.device) * (num_slots * max_seq_len)  # [layers]
         rows.writes[key] = _RowWrites(source, layer_start.unsqueeze(1) + cell.unsqueeze(0), keep_new)
     source, cells, keep_new = rows.writes[key]
@@ -306,11 +284,6 @@ def _write_plan(rows: Rows, extents: torch.Size, layer: int, dims: int, ring: bo
     if (key, "dims", dims) not in rows.writes:
         rows.writes[key, "dims", dims] = keep_new.view(-1, *([1] * (dims - 1)))
     return source, rows.writes[key, "layer", layer], rows.writes[key, "dims", dims]
-
-
-def read_slots(cache: torch.Tensor, layer: int, rows: Rows) -> torch.Tensor:
-    """The cached cells of each group's slot: ``[G, max_seq_len, ...]``."""
-    return cache[layer].index_select(0, rows.read_slots.clamp(0, cache.shape[1] - 1))
 
 
 def causal_softmax(scores: torch.Tensor, rows: Rows, dtype: torch.dtype) -> torch.Tensor:

@@ -161,9 +161,7 @@ def _graph_modules(options: ExportOptions, cfg, k: int, decoder: Decoder, parall
     verify families, the mixed variants (single-rank only: ``_shard`` refuses them with tensor parallelism) and
     the packed prefill (``packed``: its lanes; single-rank only, see ``packed_capacity``)."""
     modules = [PrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)]
-    dtype = getattr(torch, options.dtype) if options.dtype else cfg.dtype
-    modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel, slot_limit(options, capacity, decoder, dtype))
-                for capacity in options.capacities]
+    modules += [DecodeGraph(cfg, cfg.vocab_size, k, decoder, parallel) for _ in options.capacities]
     if options.prompt_logprobs:
         modules += [ScoredPrefillGraph(cfg, cfg.vocab_size, k, decoder, parallel)
                     for _ in scored_capacities(options.chunk_limit)]
@@ -227,9 +225,10 @@ def with_windows(variant: Variant, max_seq_len: int, vocab_padded: int, dynamic:
 
 
 def slot_limit(options: ExportOptions, capacity: int, decoder: Decoder, dtype: torch.dtype) -> int | None:
-    """A decode variant's slot limit (``catalog.model.decode_slot_limit``) where its graph reads it: grouped-query
-    attention in FP32, whose lanes then attend over the slots below the limit in place (``recipes/attention.py``).
-    BF16/FP16 lanes copy their windows whatever their slots, and MLA gathers its latents: no limit."""
+    """A decode variant's slot limit (``catalog.model.decode_slot_limit``), declared on grouped-query attention's
+    FP32 decode variants (``layout["slot_limit"]``); BF16/FP16 and MLA variants declare none. The graphs read every
+    lane's window through its block table (``recipes/attention.py``), so the limit does not change what they
+    compute: it restricts the slots the runtime may submit to the variant."""
     if decoder is not gqa_decoder or dtype != torch.float32:
         return None
     return decode_slot_limit(capacity, options.capacities, options.slots)

@@ -1,8 +1,8 @@
 """Packed prompt chunks' attention: several requests' chunks in one forward, each over its own slot's keys.
 
 ``packed_attention`` runs every lane's segment (``Rows.segments``) with the same per-row mask and kernel as
-``cached_attention``'s chunk path (recipes/attention.py): the lane's window is read once for all its rows, through
-the block table for a paged pool, never the whole cache.
+``cached_attention`` (recipes/attention.py): the lane's window is gathered once for all its rows through its block
+table, never the whole pool.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ignition.recipes.attention import (attend, brief_keys, causal_mask, gather_pages, key_positions,
-                                        position_extent, short_forwards, sliding_mask)
+                                        position_extent, short_forwards)
 from ignition.recipes.layers import Rows, page_cells
 from ignition.recipes.window_pages import window_keys, window_mask
 
@@ -22,11 +22,11 @@ class PackedPlan:
     """The layer-independent part of ``packed_attention`` for one forward's packed rows, made once a forward
     (``_packed_plan``): lane b's segment regrouped as rows ``b * E + j`` (E: the segment window's extent)."""
 
-    slots: torch.Tensor  # int64 [B]: each lane's read slot, clamped into range
     window: int  # W keys read, [0, W)
     source: torch.Tensor  # int64 [B, E]: the packed row of each lane's row j (clamped: rows past a segment are junk)
     mask: torch.Tensor  # [B, 1, share * E, W]: ``causal_mask`` of each lane's rows
     gather: torch.Tensor  # int64 [R]: each packed row's row in the regrouped rows (then the brief ones, BF16)
+    cells: torch.Tensor  # int64 [B * W]: the cell of the pool holding each lane's key j at b * W + j (``page_cells``)
     # BF16: each lane's first ``brief_keys`` rows (``source``'s form) and their mask over the slot's first
     # ``brief_keys`` positions, which a short forward's rows attend over instead (the module's note)
     brief_source: torch.Tensor | None = None
@@ -34,13 +34,10 @@ class PackedPlan:
     brief_keys: int = 0
     short: torch.Tensor | None = None  # FP16 [B, 1, 1, 1]: the lanes whose forward is short (``_softmax_in_order``)
     scale: float | None = None  # the scores' scale (None: head_dim ** -0.5)
-    # a pool of blocks: int64 [B * W], the cell holding each lane's key j at b * W + j (``page_cells``); with brief
-    # rows, [B * F] the cells of each lane's first F keys
-    cells: torch.Tensor | None = None
-    brief_cells: torch.Tensor | None = None
+    brief_cells: torch.Tensor | None = None  # with brief rows: int64 [B * F], the cells of each lane's first F keys
 
 
-def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, share: int,
+def _packed_plan(rows: Rows, num_rows: int, kv_blocks, block_size: int, share: int,
                  dtype: torch.dtype, sliding: int | None = None, scale: float | None = None,
                  window_cells: int | None = None) -> PackedPlan:
     """``packed_attention``'s plan for ``rows``, made by the forward's first layer and kept in ``rows.plans``.
@@ -51,34 +48,32 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
     every row of a short forward in order over the window, as ``cached_attention`` does: FP16 products over 15 keys
     rounded some rows differently from the chunk's over the window (``tests/test_packed_prefill.py``), so the packed
     rows would not be the serial ones. ``sliding``, ``scale``, ``window_cells``: as ``plan_attention``'s (a sliding
-    layer's pool or ring: no brief rows, no short-forward order)."""
+    layer's pool: no brief rows, no short-forward order)."""
     key = ("packed", sliding, scale, window_cells)
     if key in rows.plans:
         return rows.plans[key]
     segments = rows.segments
     device = rows.positions.device
     extent = segments.extent.shape[0]
-    # a full layer's pool: ``num_slots`` and ``max_seq_len`` are its kv_blocks and block_size (``_paged_plan``)
-    kv_blocks, block_size = num_slots, max_seq_len
-    positions_read = block_size if sliding else position_extent(rows, block_size)
-    window = torch.arange(positions_read, device=device) if sliding else key_positions(rows, positions_read, device)
     local = torch.ones_like(segments.extent).cumsum(0) - 1  # [E]: 0..E-1, from the extent alone
     source = (segments.offsets.unsqueeze(1) + local.unsqueeze(0)).clamp(0, num_rows - 1)  # [B, E]: packed rows
     row_positions = segments.starts.unsqueeze(1) + local.unsqueeze(0)  # [B, E]
-    slots = rows.read_slots.clamp(0, kv_blocks - 1) if sliding and window_cells is None else rows.read_slots
-    if sliding and window_cells is not None:  # a sliding layer's pool: the window's blocks of each lane (window_pages)
+    if sliding:  # a sliding layer's pool: the window's blocks of each lane (window_pages)
+        if window_cells is None:
+            raise ValueError(f"packed_attention: a sliding layer (sliding window {sliding}) needs window_cells, the "
+                             "positions its step reads (the config's with_steps); found None")
         keys, cells = window_keys(rows, segments.starts.unsqueeze(1), rows.read_slots, sliding, window_cells,
                                   kv_blocks, block_size)
         window, mask = keys[0], window_mask(keys, row_positions, sliding, share, dtype)  # [B, 1, share*E, K]
-    else:
-        mask = sliding_mask(window, row_positions, sliding, share, dtype) if sliding else \
-            causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
-        cells = None if sliding else \
-            page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size).reshape(-1)
+    else:  # a full layer's pool: each lane's key window [0, W) through its block table
+        positions_read = position_extent(rows, block_size)
+        window = key_positions(rows, positions_read, device)  # [W]
+        mask = causal_mask(window, row_positions, share, dtype)  # [B, 1, share*E, W]
+        cells = page_cells(rows, rows.read_slots.unsqueeze(1), window.unsqueeze(0), kv_blocks, block_size).reshape(-1)
     ends = None if dtype == torch.float32 or sliding else segments.starts + segments.lengths  # [B]: forwards' keys
     if dtype != torch.bfloat16 or sliding:
         short = None if ends is None else short_forwards(ends).view(-1, 1, 1, 1)
-        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask, gather=segments.row_source,
+        plan = PackedPlan(window=window.shape[0], source=source, mask=mask, gather=segments.row_source,
                           short=short, scale=scale, cells=cells)
     else:
         first = brief_keys(positions_read)
@@ -87,7 +82,7 @@ def _packed_plan(rows: Rows, num_rows: int, num_slots: int, max_seq_len: int, sh
         row = rows.positions - segments.starts.index_select(0, lane)  # [R]: each packed row's index in its segment
         take = short_forwards(ends).index_select(0, lane) & (row < first)
         regrouped = torch.where(take, row + extent, row.clamp(0, extent - 1))  # past a segment: junk, in range
-        plan = PackedPlan(slots=slots, window=window.shape[0], source=source, mask=mask,
+        plan = PackedPlan(window=window.shape[0], source=source, mask=mask,
                           gather=lane * (extent + first) + regrouped,
                           brief_source=(segments.offsets.unsqueeze(1) + head.unsqueeze(0)).clamp(0, num_rows - 1),
                           brief_mask=causal_mask(head, segments.starts.unsqueeze(1) + head.unsqueeze(0), share, dtype),
@@ -115,30 +110,27 @@ def _lane_outputs(attended: torch.Tensor, share: int, extent: int) -> torch.Tens
 def packed_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      rows: Rows, sliding: int | None = None, scale: float | None = None,
                      sinks: torch.Tensor | None = None, window_cells: int | None = None) -> torch.Tensor:
-    """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's cache.
+    """Causal attention of packed prompt chunks ``query [R, heads, head_dim]`` over one layer's pool
+    ``[kv_blocks, block_size, kv_heads, head_dim]``.
 
     Lane b's segment (``rows.segments``) attends over the positions ``<=`` each row's of slot
-    ``rows.read_slots[b]``, exactly as a prefill chunk does: its slot's window is copied once for all its rows
-    (one slot's cells per lane, never the cache), its rows are regrouped as ``[lanes, kv_heads, groups * E,
+    ``rows.read_slots[b]``, exactly as a prefill chunk does: its slot's window is gathered once for all its rows
+    through its block table (never the pool), its rows are regrouped as ``[lanes, kv_heads, groups * E,
     head_dim]`` (E: the segment window's extent) and one batched attention call runs every lane with the same
-    per-row mask and kernel as ``cached_attention``'s chunk path. With BF16 each lane's first ``brief_keys``
+    per-row mask and kernel as ``cached_attention``. With BF16 each lane's first ``brief_keys``
     rows attend over the slot's first ``brief_keys`` positions too, and the rows of short forwards take those
     (``_packed_plan``): only F rows a lane, not every row as ``cached_attention``'s. Rows past a segment's length
     (the next segment's, or padding) are computed and dropped. Returns ``[R, heads * head_dim]`` in packed row
     order. ``sliding``, ``scale``, ``window_cells``: as ``plan_attention``'s (``key_cache`` is then a sliding
-    layer's pool, or without ``window_cells`` its ring);
-    ``sinks [heads]``: learned sink logits (``sink_attention``).
+    layer's pool); ``sinks [heads]``: learned sink logits (``sink_attention``).
     """
     num_rows, heads, head_dim = query.shape
-    num_slots, max_seq_len, kv_heads, _ = key_cache.shape
+    kv_blocks, block_size, kv_heads, _ = key_cache.shape
     share = heads // kv_heads
-    plan = _packed_plan(rows, num_rows, num_slots, max_seq_len, share, query.dtype, sliding, scale, window_cells)
-    lanes = plan.slots.shape[0]
-    if plan.cells is not None:  # a pool: each lane's window gathered through its block table, [B, kv_heads, W, D]
-        keys, values = (gather_pages(cache.unsqueeze(0), 0, plan.cells, lanes) for cache in (key_cache, value_cache))
-    else:
-        keys = key_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)  # [B, kv_heads, W, D]
-        values = value_cache.transpose(1, 2).narrow(2, 0, plan.window).index_select(0, plan.slots)
+    plan = _packed_plan(rows, num_rows, kv_blocks, block_size, share, query.dtype, sliding, scale, window_cells)
+    lanes = plan.source.shape[0]
+    # each lane's window gathered through its block table: [B, kv_heads, W, D]
+    keys, values = (gather_pages(cache.unsqueeze(0), 0, plan.cells, lanes) for cache in (key_cache, value_cache))
     attended = attend(_lane_rows(query, plan.source, kv_heads, share), keys, values, plan.mask, per_head=True,
                        short=plan.short, scale=plan.scale, sinks=sinks)
     outputs = _lane_outputs(attended, share, plan.source.shape[1])  # [B, E, kv, share, D]

@@ -106,17 +106,10 @@ def gqa_decoder(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids
     _check_caches(cfg, weights, k_cache, v_cache)
     plan = None if rows.segments is not None else plan_attention(
         rows, k_cache.shape[1], k_cache.shape[2], cfg.num_heads // cfg.num_kv_heads, k_cache.dtype)
-    order = None if plan is None else plan.slot_order(rows)
-    lane_slots = None
-    if order is not None:  # decode lanes attending in place: the whole forward in slot order, rearranged once
-        lane_slots = plan.slots  # [R]: each lane's slot, where its row ends up
-        rows, input_ids = rows.in_slot_order(order), input_ids.index_select(0, order)
-        plan = plan.in_slot_order(rows.read_slots)
     signed = functools.cache(signed_sin)  # once per forward: every layer passes the same table
     qk_scales = qk_norm_scales(weights, cfg) if cfg.qk_norm else None
-    hidden = decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
+    return decoder_stack(weights, cfg, input_ids, rows, lambda layer, normed, cos, sin: _attention(
         weights, cfg, layer, normed, cos, signed(sin), rows, plan, k_cache, v_cache, qk_scales), parallel)
-    return hidden if lane_slots is None else hidden.index_select(0, lane_slots)  # back in lane order
 
 
 def prefill_hidden(weights: Mapping[str, torch.Tensor], cfg: ModelConfig, input_ids: torch.Tensor,

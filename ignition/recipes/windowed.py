@@ -1,6 +1,6 @@
 """What the decoder configs with sliding-window layers beside full ones share (``gemma3``, ``gpt_oss``): each
-layer's cache kind, the state caches those kinds need, the ring bound to the export's step rows, the manifest
-fields, and the refusal of ``config.json`` fields whose only supported value is fixed."""
+layer's cache kind, the state caches those kinds need, the window's read span bound to the export's step rows, the
+manifest fields, and the refusal of ``config.json`` fields whose only supported value is fixed."""
 
 from __future__ import annotations
 
