@@ -28,7 +28,7 @@ def core_dir(tmp_path_factory):
     from tests._decoder_cores import TinyCase, save_checkpoint
 
     root = tmp_path_factory.mktemp("prefix")
-    save_checkpoint(TinyCase("qwen3", torch.float32, False, 300), root / "ckpt")
+    save_checkpoint(TinyCase("qwen3", torch.float32, False, 300), root / "ckpt", reload=False)
     export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 2, 4), chunk_limit=16,
                               max_seq_len=64, block_size=BLOCK, prompt_logprobs=True), root / "core")
     return root / "core"
