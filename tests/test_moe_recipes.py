@@ -67,13 +67,14 @@ def hf_reload(directory: Path, dtype: torch.dtype = torch.float32):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """recipe -> (checkpoint directory, transformers model), written once by the example script; the
-    ``(recipe, "bfloat16")`` keys hold bf16 checkpoints."""
+def checkpoints(tmp_path_factory, moe_cores):
+    """recipe -> (checkpoint directory, transformers model), written once by the example script: the FP32 ones are
+    those tests/conftest.py's ``moe_cores`` exported (read only); the ``(recipe, "bfloat16")`` keys hold bf16
+    checkpoints."""
     root, example = tmp_path_factory.mktemp("moe"), load_example()
     made = {}
     for recipe in RECIPES:
-        directory = example.make_checkpoint(root / recipe, recipe)
+        directory = moe_cores[recipe][0]
         made[recipe] = (directory, hf_reload(directory))
         directory = example.make_checkpoint(root / f"{recipe}-bf16", recipe, torch.bfloat16)
         made[recipe, "bfloat16"] = (directory, hf_reload(directory, torch.bfloat16))
@@ -83,8 +84,8 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cores(moe_cores):
     """recipe -> (exported core, loaded core): tests/conftest.py's ``moe_cores`` (decode capacity 2, ``CHUNK``-row
-    chunks, ``MAX_SEQ_LEN`` positions, prompt scoring; the export validates it), loaded once. Its checkpoint is the
-    example's, seeded: the one ``checkpoints`` writes again."""
+    chunks, ``MAX_SEQ_LEN`` positions, prompt scoring; the export validates it) of ``checkpoints``' FP32 checkpoint,
+    loaded once."""
     made = {}
 
     def get(recipe: str):

@@ -29,8 +29,9 @@ def core_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("prefix")
     save_checkpoint(TinyCase("qwen3", torch.float32, False, 300), root / "ckpt", reload=False)
-    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 2, 4), chunk_limit=16,
-                              max_seq_len=64, block_size=BLOCK, prompt_logprobs=True), root / "core")
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 4), chunk_limit=16,
+                              max_seq_len=64, block_size=BLOCK, prompt_logprobs=True),
+                root / "core")  # one request alone runs decode.c1; 2 to 4 lanes (n=3, preemption's 4) decode.c4
     return root / "core"
 
 
