@@ -32,16 +32,19 @@ EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
 
 def make_checkpoint(out: Path, dtype: torch.dtype = torch.float32, seed: int = 0, kv_heads: int = 2,
-                    window: int = 8) -> Path:
-    """Write the tiny GPT-OSS (config.json, model.safetensors, tokenizer files) into ``out``."""
+                    window: int = 8, layers: int = len(LAYER_TYPES)) -> Path:
+    """Write the tiny GPT-OSS (config.json, model.safetensors, tokenizer files) into ``out``: the first ``layers``
+    of ``LAYER_TYPES`` (2 keep a sliding and a full layer)."""
+    if not 1 <= layers <= len(LAYER_TYPES):
+        raise ValueError(f"layers must be 1 to {len(LAYER_TYPES)}, got {layers}")
     out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
     tokenizer = make_tiny_qwen3.build_tokenizer()
     vocab_size = -(-len(tokenizer) // make_tiny_qwen3.VOCAB_MULTIPLE) * make_tiny_qwen3.VOCAB_MULTIPLE
     config = GptOssConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=len(LAYER_TYPES),
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=1024,
-        layer_types=LAYER_TYPES, sliding_window=window, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=LAYER_TYPES[:layers], sliding_window=window, num_local_experts=4, num_experts_per_tok=2,
         swiglu_limit=1.5, rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0,
                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                            "original_max_position_embeddings": 256},

@@ -1,10 +1,11 @@
 """Rank 0 of a tensor-parallel run, as its own process (tests/test_tensor_parallel.py).
 
-``python tests/_tp_runner.py CORE[,CORE...] RANKS [--kill] [--requests FILE]`` starts each core's ranks in turn
-(one process start for every core), runs ``requests()`` (or FILE's: a JSON list of ``Request`` fields) and prints
-one JSON line: a list of results per core, in the order given, and per core the ``prefix_requests()`` run one at a
-time with prefix caching off and on (``prefix``: both results and the cached tokens; None for a pool too small for
-them); with ``--kill`` it then kills rank 1 of the last core and reports how the next submission fails.
+``python tests/_tp_runner.py CORE[,CORE...] RANKS [--prefix] [--kill] [--requests FILE]`` starts each core's ranks
+in turn (one process start for every core), runs ``requests()`` (or FILE's: a JSON list of ``Request`` fields) and
+prints one JSON line: a list of results per core, in the order given; with ``--prefix``, per core the
+``prefix_requests()`` run one at a time with prefix caching off and on (``prefix``: both results and the cached
+tokens; None for a pool too small for them); with ``--kill`` it then kills rank 1 of the last core and reports how
+the next submission fails.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def as_json(result) -> dict:
             "prompt": result.prompt_entries}
 
 
-def run(cores: list[str], ranks: int, kill: bool, path: str | None = None) -> dict:
+def run(cores: list[str], ranks: int, kill: bool, path: str | None = None, prefix: bool = False) -> dict:
     from ignition.runtime.parallel.group import ParallelError, tensor_parallel
 
     report = {"results": [], "prefix": []}
@@ -67,7 +68,8 @@ def run(cores: list[str], ranks: int, kill: bool, path: str | None = None) -> di
         with tensor_parallel(core, ranks, device="cpu", timeout_s=60) as loaded:
             engine = Engine(loaded)
             report["results"].append([as_json(r) for r in engine.generate(requests(path))])
-            report["prefix"].append(prefix_run(loaded))
+            if prefix:
+                report["prefix"].append(prefix_run(loaded))
             if kill and index == len(cores) - 1:
                 group = loaded.group
                 os.kill(group.workers[0].pid, signal.SIGKILL)
@@ -84,4 +86,4 @@ def run(cores: list[str], ranks: int, kill: bool, path: str | None = None) -> di
 if __name__ == "__main__":
     options = sys.argv[3:]
     path = options[options.index("--requests") + 1] if "--requests" in options else None
-    print(json.dumps(run(sys.argv[1].split(","), int(sys.argv[2]), "--kill" in options, path)))
+    print(json.dumps(run(sys.argv[1].split(","), int(sys.argv[2]), "--kill" in options, path, "--prefix" in options)))

@@ -98,6 +98,32 @@ def toy_core_no_logprobs(tmp_path_factory) -> Path:
         ExportOptions(recipe="toy", capacities=(1, 4), logprobs=False), out))
 
 
+MOE_RECIPES = ("qwen3_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def moe_cores(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """recipe -> (checkpoint, core) of examples/make_tiny_moe.py's FP32 checkpoints (3 layers, 8 routed experts):
+    decode capacity 2, 8-row chunks, 64 positions, prompt scoring (test_moe_recipes.py, test_device_scan.py)."""
+    import importlib.util
+
+    def export(root: Path) -> None:
+        spec = importlib.util.spec_from_file_location(
+            "make_tiny_moe", Path(__file__).resolve().parents[1] / "examples" / "make_tiny_moe.py")
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        staging = root.with_name(root.name + ".partial")  # the pair appears whole, by one rename
+        shutil.rmtree(staging, ignore_errors=True)
+        for recipe in MOE_RECIPES:
+            checkpoint = example.make_checkpoint(staging / recipe / "ckpt", recipe)
+            export_core(ExportOptions(recipe=recipe, checkpoint=checkpoint, capacities=(2,), chunk_limit=8,
+                                      max_seq_len=64, prompt_logprobs=True), staging / recipe / "core")
+        staging.rename(root)
+
+    root = shared_core(tmp_path_factory, "moe", export)
+    return {recipe: (root / recipe / "ckpt", root / recipe / "core") for recipe in MOE_RECIPES}
+
+
 class CoreCopy:
     """A writable copy of a core with helpers that keep the file hashes honest."""
 

@@ -27,21 +27,20 @@ from ignition.runtime.device import foreign_devices, graph_modules, move_program
 from ignition.validate.graphs import read_graph
 
 META, CPU = torch.device("meta"), torch.device("cpu")
-FAMILIES = ("qwen3", "qwen3_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
-def cores(tmp_path_factory, toy_core) -> dict[str, Path]:
+def cores(tmp_path_factory, toy_core, moe_cores) -> dict[str, Path]:
+    """The toy core, a tiny dense qwen3 core exported here, and the session's MoE cores (tests/conftest.py
+    ``moe_cores``: qwen3_moe and deepseek_v3, which test_moe_recipes.py checks against transformers); all but the toy
+    with decode capacity 2 and prompt scoring."""
     from tests._decoder_cores import TinyCase, save_checkpoint
 
     root = tmp_path_factory.mktemp("scan")
-    found = {"toy": toy_core}
-    for family in FAMILIES:
-        save_checkpoint(TinyCase(family, torch.float32, False, 96), root / f"ckpt-{family}", reload=False)
-        export_core(ExportOptions(recipe=family, checkpoint=root / f"ckpt-{family}", capacities=(2,), chunk_limit=16,
-                                  max_seq_len=32, prompt_logprobs=True), root / family)
-        found[family] = root / family
-    return found
+    save_checkpoint(TinyCase("qwen3", torch.float32, False, 96), root / "ckpt-qwen3", reload=False)
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt-qwen3", capacities=(2,), chunk_limit=16,
+                              max_seq_len=32, prompt_logprobs=True), root / "qwen3")
+    return {"toy": toy_core, "qwen3": root / "qwen3"} | {recipe: core for recipe, (_, core) in moe_cores.items()}
 
 
 def _programs(core: Path, entries: bool = False):

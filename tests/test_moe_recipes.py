@@ -21,9 +21,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from ignition.cli import app
-from ignition.exporter.export import export_core
 from ignition.catalog.hashing import dump_json
-from ignition.recipes.base import ExportOptions
 from ignition.recipes.checkpoint import open_checkpoint, read_config
 from ignition.recipes.deepseek_v3 import FAMILY as DEEPSEEK_V3
 from ignition.recipes.layers import Rows
@@ -69,13 +67,14 @@ def hf_reload(directory: Path, dtype: torch.dtype = torch.float32):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """recipe -> (checkpoint directory, transformers model), written once by the example script; the
-    ``(recipe, "bfloat16")`` keys hold bf16 checkpoints."""
+def checkpoints(tmp_path_factory, moe_cores):
+    """recipe -> (checkpoint directory, transformers model), written once by the example script: the FP32 ones are
+    those tests/conftest.py's ``moe_cores`` exported (read only); the ``(recipe, "bfloat16")`` keys hold bf16
+    checkpoints."""
     root, example = tmp_path_factory.mktemp("moe"), load_example()
     made = {}
     for recipe in RECIPES:
-        directory = example.make_checkpoint(root / recipe, recipe)
+        directory = moe_cores[recipe][0]
         made[recipe] = (directory, hf_reload(directory))
         directory = example.make_checkpoint(root / f"{recipe}-bf16", recipe, torch.bfloat16)
         made[recipe, "bfloat16"] = (directory, hf_reload(directory, torch.bfloat16))
@@ -83,15 +82,16 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cores(checkpoints, tmp_path_factory):
-    """recipe -> (exported core, loaded core), each exported (export validates it) and loaded once."""
+def cores(moe_cores):
+    """recipe -> (exported core, loaded core): tests/conftest.py's ``moe_cores`` (decode capacity 2, ``CHUNK``-row
+    chunks, ``MAX_SEQ_LEN`` positions, prompt scoring; the export validates it) of ``checkpoints``' FP32 checkpoint,
+    loaded once."""
     made = {}
 
     def get(recipe: str):
         if recipe not in made:
-            out = tmp_path_factory.mktemp(f"{recipe}-core") / "core"
-            export_core(ExportOptions(recipe=recipe, checkpoint=checkpoints[recipe][0], capacities=(2,),
-                                      chunk_limit=CHUNK, max_seq_len=MAX_SEQ_LEN, prompt_logprobs=True), out)
+            out = moe_cores[recipe][1]
+            assert json.loads((out / "manifest.json").read_text())["chunk_limit"] == CHUNK  # MAX_SEQ_LEN: STATE
             made[recipe] = (out, load_core(out, device="cpu"))
         return made[recipe]
 

@@ -7,21 +7,20 @@ are loads of the same core with ``kv_cache_memory`` and ``kv_host_memory`` budge
 
 from __future__ import annotations
 
-import math
+from functools import partial
 
 import pytest
 import torch
 
+from _prefix_reuse import BLOCK, SHARED, assert_same, budgeted, one_by_one
+from _prefix_reuse import request as reuse_request
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
-from ignition.runtime.options import LoadOptions
 from ignition.runtime.requests import Request
 
-BLOCK = 8
-SHARED = [(5 * j + 3) % 280 + 1 for j in range(37)]  # 4 full blocks and 5 tokens
-TOLERANCE = 2e-5  # FP32: a cached block's keys come from another chunk split than a cold prefill's
+request = partial(reuse_request, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +28,16 @@ def core_dir(tmp_path_factory):
     from tests._decoder_cores import TinyCase, save_checkpoint
 
     root = tmp_path_factory.mktemp("prefix")
-    save_checkpoint(TinyCase("qwen3", torch.float32, False, 300), root / "ckpt")
-    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 2, 4), chunk_limit=16,
-                              max_seq_len=64, block_size=BLOCK, prompt_logprobs=True), root / "core")
+    save_checkpoint(TinyCase("qwen3", torch.float32, False, 300), root / "ckpt", reload=False)
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 4), chunk_limit=16,
+                              max_seq_len=64, block_size=BLOCK, prompt_logprobs=True),
+                root / "core")  # one request alone runs decode.c1; 2 to 4 lanes (n=3, preemption's 4) decode.c4
     return root / "core"
 
 
 @pytest.fixture(scope="module")
 def core(core_dir):
     return load_core(core_dir)
-
-
-def budgeted(core_dir, core, blocks: int, host_blocks: int = 0):
-    """The core loaded with a pool of ``blocks`` device blocks (block 0 included) and ``host_blocks`` host blocks."""
-    per_block = core.kv_pool.bytes_per_block
-    return load_core(core_dir, LoadOptions.create("cpu", kv_cache_memory=blocks * per_block,
-                                                  kv_host_memory=host_blocks * per_block))
 
 
 @pytest.fixture(scope="module")
@@ -56,24 +49,6 @@ def small(core_dir, core):
 @pytest.fixture(scope="module")
 def small_hosted(core_dir, core):
     return budgeted(core_dir, core, 9, host_blocks=8)
-
-
-def request(prompt, **fields) -> Request:
-    return Request(list(prompt), max_tokens=fields.pop("max_tokens", 6), logprobs=2, ignore_eos=True, **fields)
-
-
-def assert_same(results, expected):
-    for got, want in zip(results, expected, strict=True):
-        assert got.error is None and got.token_ids == want.token_ids
-        for a, b in zip(got.entries, want.entries, strict=True):
-            assert a.id == b.id and [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert math.isclose(a.logprob, b.logprob, abs_tol=TOLERANCE)
-        if want.prompt_entries is not None:  # scored requests compute their whole prompt: the same words
-            assert got.prompt_entries == want.prompt_entries
-
-
-def one_by_one(engine: Engine, requests: list[Request]):
-    return [engine.generate([r])[0] for r in requests]
 
 
 def test_a_shared_prefix_is_reused_and_gives_the_same_results(core):

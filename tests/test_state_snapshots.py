@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
+from _prefix_reuse import BLOCK, SHARED, assert_same, budgeted, one_by_one
+from _prefix_reuse import request as reuse_request
 from ignition.exporter.export import export_core
 from ignition.recipes.base import ExportOptions
 from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
-from ignition.runtime.options import LoadOptions
 from ignition.runtime.paging import prefix_reuse_refusal
 from ignition.runtime.requests import Request, SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_qwen3_5.py"
-BLOCK = CHUNK = 8
-SHARED = [(5 * j + 3) % 280 + 1 for j in range(37)]  # 4 full blocks and 5 tokens
-TOLERANCE = 2e-5  # FP32: a re-prefilled generated token takes the chunked delta rule, its decode the recurrent one
+CHUNK = BLOCK  # every chunk ends on the snapshot grid
+request = partial(reuse_request, max_tokens=3)
 
 
 @pytest.fixture(scope="module")
@@ -55,21 +55,10 @@ def per_snapshot(core) -> int:
                for name in ("conv_state", "recurrent_state"))
 
 
-def budgeted(core_dir, core, blocks: int, host_blocks: int = 0):
-    """The core loaded with a pool of ``blocks`` device blocks (block 0 included) and ``host_blocks`` host blocks."""
-    per_block = core.kv_pool.bytes_per_block
-    return load_core(core_dir, LoadOptions.create("cpu", kv_cache_memory=blocks * per_block,
-                                                  kv_host_memory=host_blocks * per_block))
-
-
 @pytest.fixture(scope="module")
 def small(core_dir, core):
     """9 blocks: 64 positions for requests, one max_seq_len sequence."""
     return budgeted(core_dir, core, 9)
-
-
-def request(prompt, **fields) -> Request:
-    return Request(list(prompt), max_tokens=fields.pop("max_tokens", 3), logprobs=2, ignore_eos=True, **fields)
 
 
 @pytest.fixture(scope="module")
@@ -83,27 +72,6 @@ def cold(core):
                 results[repr(r)] = engine.generate([r])[0]
         return [results[repr(r)] for r in requests]
     return run
-
-
-def assert_same(results, expected):
-    for got, want in zip(results, expected, strict=True):
-        assert got.error is None and got.token_ids == want.token_ids
-        for a, b in zip(got.entries, want.entries, strict=True):
-            assert a.id == b.id and [t for t, _ in a.top] == [t for t, _ in b.top]
-            assert math.isclose(a.logprob, b.logprob, abs_tol=TOLERANCE)
-        if want.prompt_entries is not None:  # scored requests compute their whole prompt: the same words
-            assert got.prompt_entries == want.prompt_entries
-
-
-def one_by_one(engine: Engine, requests: list[Request]):
-    """Each request alone, in order; after each, every snapshot's block is still cached (device or host)."""
-    results = []
-    for r in requests:
-        results.append(engine.generate([r])[0])
-        blocks = engine.scheduler.blocks
-        if blocks.states is not None:
-            assert set(blocks.states.entries) <= set(blocks.cached) | set(blocks.host_cached)
-    return results
 
 
 def test_a_shared_prefix_resumes_the_linear_state_from_a_snapshot(core, cold, per_snapshot):

@@ -90,14 +90,16 @@ def reference_results_of(options: ExportOptions) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sharded(cores):
-    """One runner process over every TP=2 core (saves a process start per core), then rank 1 of the last killed."""
-    report = run([cores[recipe][2] for recipe in RECIPES], 2, kill=True)
+    """One runner process over every TP=2 core (saves a process start per core), with the prefix-caching runs, then
+    rank 1 of the last killed."""
+    report = run([cores[recipe][2] for recipe in RECIPES], 2, kill=True, prefix=True)
     return dict(zip(RECIPES, report["results"], strict=True)), report
 
 
-def run(cores: list[Path], ranks: int, kill: bool = False) -> dict:
+def run(cores: list[Path], ranks: int, kill: bool = False, prefix: bool = False) -> dict:
     done = subprocess.run([sys.executable, str(RUNNER), ",".join(map(str, cores)), str(ranks)]
-                          + (["--kill"] if kill else []), capture_output=True, text=True, timeout=600)
+                          + (["--kill"] if kill else []) + (["--prefix"] if prefix else []),
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
