@@ -3,9 +3,9 @@
 ``python -m benchmarks.row_layouts --threads 2`` times ``mkldnn._linear_pointwise`` at 1, 8 and 32 rows over the
 weights of a 28-layer Qwen3-0.6B-shaped model, by shape (each shape's weights together, so no product runs from
 cache): once on each weight reordered for each row count of ``gemm_calibration.PACK_LAYOUTS`` (the layouts
-``runtime/backends/packed_linear.py`` chooses among at load), once on the raw row-major weight, and through ``aten.linear`` (what transformers calls: MKL's ``sgemm``
-for FP32, oneDNN for BF16). The best of ``--repeats`` passes, in milliseconds per pass. ``--dtype bfloat16`` times
-the BF16 weights. It is the measurement behind ``packed_linear.PACKED_DTYPES`` and ``BIT_EXACT_DTYPES``.
+``runtime/backends/packed_linear.py`` chooses among at load), once on the raw row-major weight, and through
+``aten.linear`` (what transformers calls: MKL's ``sgemm`` for FP32, oneDNN for BF16). The best of ``--repeats``
+passes, in milliseconds per pass. ``--dtype bfloat16`` times the BF16 weights. It is the measurement behind ``packed_linear.PACKED_DTYPES`` and ``BIT_EXACT_DTYPES``.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def main() -> None:
     def packed_heads(r: int) -> str:
         return " | ".join(f"{r} rows packed@{layout}" for layout in PACK_LAYOUTS)
 
-    print("| weights | " + " | ".join(f"{packed_heads(r)} | {r} rows plain | {r} rows aten.linear" for r in rows) + " |")
+    heads = " | ".join(f"{packed_heads(r)} | {r} rows plain | {r} rows aten.linear" for r in rows)
+    print(f"| weights | {heads} |")
     print("|---|" + "---|" * ((len(PACK_LAYOUTS) + 2) * len(rows)))
     for label, (shape, count) in SHAPES.items():
         raw = [torch.randn(*shape).to(dtype) for _ in range(count)]

@@ -11,7 +11,7 @@ import torch
 
 from ignition.runtime.backends import gemm_calibration
 from ignition.runtime.backends.gemm_calibration import (ATEN, FORCED_LAYOUT, PACK_LAYOUTS, PACKED, GemmPlan, choose,
-                                                        machine_key, packed_path, path_layout, time_paths)
+                                                        decode_rows, machine_key, packed_path, path_layout, time_paths)
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.options import LoadOptionError, LoadOptions
 
@@ -53,10 +53,11 @@ def test_measured_choices_are_honoured_cached_and_reused(tmp_path, monkeypatch):
     plan = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)
     assert plan.packs((512, 1024), torch.float32) and not plan.packs((1024, 512), torch.float32)
     assert plan.packs((512, 1024), torch.float32)  # decided once a load
-    assert calls == [(512, 1024), (1024, 512)] and plan.measured == ["float32 512x1024", "float32 1024x512"]
+    assert calls == [(512, 1024), (1024, 512)]
+    assert plan.measured == ["float32 512x1024 at rows 1,8", "float32 1024x512 at rows 1,8"]
     saved = json.loads(cache.read_text())
-    assert saved["machines"][machine_key()]["float32 512x1024"]["choice"] == P8
-    assert saved["machines"][machine_key()]["float32 1024x512"]["seconds"]["8"][ATEN] == 2e-3
+    assert saved["machines"][machine_key()]["float32 512x1024 at rows 1,8"]["choice"] == P8
+    assert saved["machines"][machine_key()]["float32 1024x512 at rows 1,8"]["seconds"]["8"][ATEN] == 2e-3
     again = GemmPlan("calibrate", allowed=lambda dtype: True, cache=cache)  # the next load reads the cache
     assert again.packs((512, 1024), torch.float32) and not again.packs((1024, 512), torch.float32)
     assert calls == [(512, 1024), (1024, 512)] and again.measured == []
@@ -85,6 +86,34 @@ def test_a_busy_hosts_timings_serve_the_load_and_are_not_cached(tmp_path, monkey
     assert gemm_calibration.quiet() is False
     monkeypatch.setattr(gemm_calibration.os, "getloadavg", lambda: (1.5, 1.0, 0.9))
     assert gemm_calibration.quiet() is True
+
+
+def test_the_row_counts_timed_are_the_loads_and_key_the_cache(tmp_path, monkeypatch):
+    """A plan times the paths at its row counts (a core's decode capacities), each weighing alike, and caches the
+    choice under them: the same shape at other row counts is another calibration. At one row the layout for one row
+    wins here; with 8 and 32 rows beside it, the layout for eight does."""
+    seen = []
+
+    def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):
+        seen.append(tuple(rows))
+        per_row = {1: {P1: 1.0, P8: 1.5, ATEN: 3.0}, 8: {P1: 2.0, P8: 1.0, ATEN: 3.0},
+                   32: {P1: 3.0, P8: 1.0, ATEN: 3.0}}
+        return {str(count): per_row[count] for count in rows}
+
+    monkeypatch.setattr(gemm_calibration, "time_paths", fake)
+    cache = tmp_path / "c.json"
+    assert GemmPlan("calibrate", cache=cache, rows=(1,)).layout((64, 64), torch.float32) == 1
+    assert GemmPlan("calibrate", cache=cache, rows=(32, 8, 1, 8)).layout((64, 64), torch.float32) == 8
+    assert seen == [(1,), (1, 8, 32)]
+    assert sorted(json.loads(cache.read_text())["machines"][machine_key()]) == [
+        "float32 64x64 at rows 1", "float32 64x64 at rows 1,8,32"]
+    assert GemmPlan("calibrate", cache=cache, rows=(1,)).layout((64, 64), torch.float32) == 1 and len(seen) == 2
+    for bad in ((), (0, 8), (True,), (1.5,)):
+        with pytest.raises(ValueError, match="GEMM calibration rows must be positive integers"):
+            GemmPlan("calibrate", rows=bad)
+    variants = [{"capacity": 8, "operation": 2}, {"capacity": 1, "operation": 2}, {"capacity": 256, "operation": 1},
+                {"capacity": 8, "operation": 2}]  # decode c8, c1; a prefill chunk of 256 rows is not decode
+    assert decode_rows(variants) == (1, 8) and decode_rows(variants[2:3]) == gemm_calibration.CALIBRATION_ROWS
 
 
 def test_a_corrupt_or_unwritable_cache_only_means_timing_again(tmp_path, monkeypatch):
@@ -153,7 +182,7 @@ def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path
     def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):
         """Square weights stream fastest reordered for one row, up to 4x taller ones for eight, others on aten."""
         calls.append(tuple(shape))
-        assert set(paths) == {P1, P8, ATEN}
+        assert set(paths) == {P1, P8, ATEN} and tuple(rows) == (1,)  # the core's one decode capacity
         best = P1 if shape[0] == shape[1] else P8 if shape[0] < 4 * shape[1] else ATEN
         return {"1": {path: 1.0 if path == best else 2.0 for path in paths}}
 
@@ -227,7 +256,7 @@ def test_the_avx2_familys_kernels_calibrate_apart_on_a_wider_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     key, choice, measured, quiet = json.loads(done.stdout.strip().splitlines()[-1])
     assert key.endswith(" | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2") and key != machine_key()
-    assert measured == ["float32 512x512"]
+    assert measured == ["float32 512x512 at rows 1,8"]
     if quiet:  # cached only where the host was quiet
         saved = json.loads((tmp_path / "c.json").read_text())["machines"]
-        assert (saved[key]["float32 512x512"]["choice"] != ATEN) is choice
+        assert (saved[key]["float32 512x512 at rows 1,8"]["choice"] != ATEN) is choice

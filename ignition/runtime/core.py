@@ -34,7 +34,7 @@ from ignition.catalog.softmax_order import short_row_mismatch
 from ignition.components.device_reduction import jit_opted_in
 from ignition.runtime.backends import backend_family
 from ignition.runtime.backends.select import select_backend
-from ignition.runtime.backends.gemm_calibration import GemmPlan
+from ignition.runtime.backends.gemm_calibration import GemmPlan, decode_rows
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.bindings import Windowed
 from ignition.runtime.graphs import CaptureError, CaptureReport, capture_variants
@@ -313,7 +313,7 @@ def _load(root: Path, options: LoadOptions, progress: Progress | None) -> Loaded
     weights_file = _rank_weights(root, spec, options)
     entries = catalog["variants"]
     declared = {entry["name"]: [BufferDecl.from_json(a) for a in entry["arguments"]] for entry in entries}
-    packs = LinearPacks(gemm=GemmPlan(options.gemm)) if options.pack_linears and \
+    packs = LinearPacks(gemm=GemmPlan(options.gemm, rows=decode_rows(entries))) if options.pack_linears and \
         backend_family(options.runtime).packs_linears else None
     # The weights are read and hashed on a worker thread (file reads and sha256 release the GIL) while this one
     # reads and checks the graph files (Python work), so load takes about the longer of the two, not their sum.

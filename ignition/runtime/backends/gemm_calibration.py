@@ -3,7 +3,8 @@
 NOTE: neither path wins on every x86 CPU. On the AMD EPYC hosts this project was built on, oneDNN's packed product
 read the Qwen3-0.6B weights 1.3-6x faster than MKL's FP32 ``aten.linear`` at 1 to 32 rows; on an Intel Xeon with
 AVX-512 and AMX, MKL streamed them at 22.6 GB/s at one row against the packed product's 17.6. So the choice is made per
-weight shape by timing both (``GemmPlan``), at the decode row counts ``CALIBRATION_ROWS``, and the result is kept
+weight shape by timing both (``GemmPlan``), at the row counts the core's decode graphs run (its decode capacities;
+``CALIBRATION_ROWS`` without them), and the result is kept
 in a small JSON cache keyed by the CPU model, the torch version and the shape (``cache_path``): a machine pays a
 few hundred milliseconds once per shape, and each later load reads the cache (timings taken while the host is
 oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
@@ -16,7 +17,10 @@ The packed path is several paths: oneDNN reorders a weight for a row count (``_r
 hint), and which layout streams fastest at decode's rows is the machine's too. On one AMD EPYC host a weight
 reordered for one row read 12-25% faster at one row than the same weight reordered for eight, while at eight rows
 the eight-row layout won; so each layout of ``PACK_LAYOUTS`` is a path of its own (``packed@1``, ``packed@8``),
-timed beside ``aten.linear``, and the weight is packed once, in the chosen layout.
+timed beside ``aten.linear``, and the weight is packed once, in the chosen layout. The row counts weigh alike, so
+the choice follows what the core serves: a core that decodes one lane at a time packs for one row (on that host
+the 28-layer Qwen3-0.6B shape then decoded 8.3 tokens/s against 7.0), while a core with capacities 1, 8 and 32 keeps
+the eight-row layout, which reads the LM head 1.5x faster at eight rows.
 
 ``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``aten`` to force
 one path everywhere; ``LinearPacks`` asks ``GemmPlan.packs`` once per weight as it rewrites the graphs, and nothing
@@ -34,10 +38,13 @@ from pathlib import Path
 
 import torch
 
+from ignition.catalog.enums import Operation
+
 PACKED, ATEN = "packed", "aten"
 GEMM_MODES = ("calibrate", PACKED, ATEN)
 CALIBRATION_ROWS = (1, 8)
-"""Decode at one lane and at eight: the row counts whose weight streaming the decode targets are set against."""
+"""Decode at one lane and at eight: the row counts timed where a load names none (``GemmPlan(rows=...)``: a core's
+decode capacities)."""
 PACK_LAYOUTS = CALIBRATION_ROWS
 """The row counts a packed weight's layout may be reordered for: each is a path of its own (``packed_path``)."""
 FORCED_LAYOUT = max(PACK_LAYOUTS)
@@ -49,7 +56,8 @@ CALIBRATION_REPEATS = 7
 """Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
 wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
 CACHE_VERSION = 2
-"""2: the packed paths name their layout (``packed@R``); a version-1 cache timed one layout only."""
+"""2: the packed paths name their layout (``packed@R``) and a key its row counts; a version-1 cache timed one
+layout at rows 1 and 8."""
 _lock = threading.Lock()
 
 
@@ -85,8 +93,9 @@ def machine_key() -> str:
     return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps}"
 
 
-def shape_key(shape, dtype: torch.dtype) -> str:
-    return f"{str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]}"
+def shape_key(shape, dtype: torch.dtype, rows=CALIBRATION_ROWS) -> str:
+    """A calibration's cache key: the weight's dtype and shape, and the row counts it was timed at."""
+    return f"{str(dtype).removeprefix('torch.')} {shape[0]}x{shape[1]} at rows {','.join(map(str, rows))}"
 
 
 def quiet() -> bool:
@@ -131,6 +140,13 @@ def path_layout(path: str) -> int | None:
     return int(rows)
 
 
+def decode_rows(variants: list[dict]) -> tuple[int, ...]:
+    """The row counts a core's decode graphs run (the capacities of its catalog's decode ``variants``), which a
+    calibration weighs alike; ``CALIBRATION_ROWS`` for a core without decode graphs."""
+    rows = sorted({entry["capacity"] for entry in variants if entry["operation"] == Operation.DECODE})
+    return tuple(rows) or CALIBRATION_ROWS
+
+
 def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[str, dict[str, float]]:
     """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` (``aten``, ``packed@R``) and each row count, on a
     random weight of ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``):
@@ -164,12 +180,17 @@ class GemmPlan:
 
     ``mode``: ``calibrate`` (time, or read the cache), ``packed`` or ``aten`` (forced). ``allowed(dtype)``: whether
     the packed product may run a weight of that dtype at all here (``LinearPacks`` also asks
-    ``packed_linear.packs_dtype`` first, and passes the layouts whose product it may use; default: every dtype)."""
+    ``packed_linear.packs_dtype`` first, and passes the layouts whose product it may use; default: every dtype).
+    ``rows``: the row counts the paths are timed at, each weighing alike (the core's decode capacities)."""
 
-    def __init__(self, mode: str = "calibrate", allowed=None, cache: Path | None = None):
+    def __init__(self, mode: str = "calibrate", allowed=None, cache: Path | None = None, rows=CALIBRATION_ROWS):
         if mode not in GEMM_MODES:
             raise ValueError(f"unknown GEMM mode {mode!r}; expected one of {', '.join(GEMM_MODES)}")
+        rows = tuple(sorted(set(rows)))
+        if not rows or any(isinstance(count, bool) or not isinstance(count, int) or count < 1 for count in rows):
+            raise ValueError(f"GEMM calibration rows must be positive integers, got {rows!r}")
         self.mode = mode
+        self.rows = rows
         self.allowed = allowed or (lambda dtype: True)
         self.cache = cache_path() if cache is None else cache
         self.choices: dict[str, str] = {}  # shape key -> path, as decided for this load
@@ -183,7 +204,7 @@ class GemmPlan:
             return None
         if self.mode == PACKED:
             return FORCED_LAYOUT if FORCED_LAYOUT in layouts else max(layouts)
-        key = shape_key(shape, dtype)
+        key = shape_key(shape, dtype, self.rows)
         if key not in self.choices:
             self.choices[key] = self._calibrated(tuple(shape), dtype, key, layouts)
         return path_layout(self.choices[key])
@@ -199,7 +220,7 @@ class GemmPlan:
             entries = self._read().get(machine, {})
             if key in entries and entries[key].get("choice") in paths:
                 return entries[key]["choice"]
-            timings = time_paths(shape, dtype, paths)
+            timings = time_paths(shape, dtype, paths, self.rows)
             choice = choose(timings)
             self.measured.append(key)
             if quiet():  # a busy host's timings serve this load only: the next one times again
@@ -229,5 +250,6 @@ class GemmPlan:
             pass
 
 
-__all__ = ["ATEN", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED", "PACK_LAYOUTS",
-           "cache_path", "choose", "cpu_model", "machine_key", "packed_path", "path_layout", "time_paths"]
+__all__ = ["ATEN", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
+           "PACK_LAYOUTS", "cache_path", "choose", "cpu_model", "decode_rows", "machine_key", "packed_path",
+           "path_layout", "time_paths"]
