@@ -35,7 +35,7 @@ from functools import cache
 import torch
 
 from ignition.catalog.model import BufferDecl, Role
-from ignition.runtime.backends.gemm_calibration import PACK_LAYOUTS, GemmPlan
+from ignition.runtime.backends.gemm_calibration import FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.weights import TensorEntry
@@ -75,7 +75,7 @@ row counts, the projections' reduction lengths of a Qwen3-0.6B-sized layer, and 
 
 
 @cache
-def keeps_bits(dtype: torch.dtype, layout: int = max(PACK_LAYOUTS)) -> bool:
+def keeps_bits(dtype: torch.dtype, layout: int = FORCED_LAYOUT) -> bool:
     """Whether oneDNN's product on a ``dtype`` weight packed for ``layout`` rows returns ``aten.linear``'s bits on
     this machine.
 
