@@ -17,7 +17,8 @@ The packed path is several paths: oneDNN reorders a weight for a row count (``_r
 hint), and which layout streams fastest at decode's rows is the machine's too. On one AMD EPYC host a weight
 reordered for eight rows took 1.21-1.34x the time of the one-row layout at one row, and the one-row layout took
 1.20-1.34x the eight-row one's at eight rows (``benchmarks.row_layouts``); so each layout of ``PACK_LAYOUTS`` is a
-path of its own (``packed@1``, ``packed@8``), timed beside ``aten.linear``, and the weight is packed once, in the chosen layout. The row counts weigh alike, so
+path of its own (``packed@1``, ``packed@8``), timed beside ``aten.linear``, and the weight is packed once, in the
+chosen layout. The row counts weigh alike, so
 the choice follows what the core serves: a core that decodes one lane at a time packs for one row (on that host
 the 28-layer Qwen3-0.6B shape then decoded 8.3 tokens/s against 7.0), while a core with capacities 1, 8 and 32 keeps
 the eight-row layout, which reads the LM head 1.5x faster at eight rows.
