@@ -29,7 +29,9 @@ the same checkpoint, prompts and threads:
   measured and whether it is met;
 - first, the machine (``benchmarks/machine.py``): the CPU model, the ISA flags its kernels rely on, the read
   bandwidth of a streaming one-row GEMV, and the weight-streaming floor (weight bytes / bandwidth), with each decode
-  row's fraction of it, ours and HF's.
+  row's fraction of it, ours and HF's. The bandwidth drifts on a shared host, so it is probed again just before and
+  just after each decode batch's rows, and those rows are put against the faster of the two (``floor_bandwidths``);
+  the header gives the probes' spread over the run and each batch's floor.
 
 ``--onnx`` and ``--compile`` export the core with ONNX graphs or AOTInductor packages too, and time every decode
 row on ``--runtime onnxruntime`` or the packages as well. ``--layers N`` builds a shallower variant for quick runs; ``--dtype bfloat16`` the bf16 one. ``--prefill-only``
@@ -71,8 +73,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from benchmarks import llama_cpp
 from benchmarks._steps import (StepRow, alternating_costs, decode_rates, hf_step_profile, paired_costs, spread,
                                step_profile, step_row, timed, write_rows)
-from benchmarks.machine import (cpu_flags, cpu_model, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
-                                header, relied_flags, weight_bytes)
+from benchmarks.machine import (BandwidthProbe, cpu_flags, cpu_model, floor_bandwidths, floor_fraction, floor_line,
+                                floor_targets, header, relied_flags, weight_bytes)
 from benchmarks.realsize_families import FAMILIES, Family, memory_rows
 from benchmarks.realsize_families import make_checkpoint as make_family_checkpoint
 from ignition.recipes.base import ExportOptions
@@ -391,7 +393,10 @@ def main() -> None:
     vocab = overrides.get("vocab_size", family.shape["vocab_size"])
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
-    bandwidth = gemv_bandwidth()  # before anything else holds memory or threads
+    probe = BandwidthProbe()  # before anything else holds memory or threads
+    bandwidth = probe.measure("start")
+    probed_before: dict[int, float] = {}  # each decode batch's probes, just before and just after its rows
+    probed_after: dict[int, float] = {}
     batches = [int(b) for b in args.batches.split(",")]
     settings = [int(k) or None for k in args.logprobs.split(",")]
 
@@ -462,6 +467,7 @@ def main() -> None:
                 # its buffers, which the first timed setting would otherwise carry alone (with a one-token baseline
                 # subtracted, the first setting of each batch read up to 2x too fast)
                 ours(loaded, batch, DECODE_TOKENS + 1, None)
+                before = probe.measure(f"before batch {size}{label}")["best"]
                 if size not in hf_runs:  # HF's rates once, for every runtime's rows
                     hf(model, batch, DECODE_TOKENS + 1, None)
                     hf_runs[size] = decode_rates(lambda p, n, k, t: hf(model, p, n, k, t), batch, settings,
@@ -481,6 +487,10 @@ def main() -> None:
                           + ", ".join(f"{cost:.3f}" for cost in paired_costs(measured, 20))
                           + f"; {len(logprob_costs[size])} alternating step pairs, median "
                           f"{statistics.median(logprob_costs[size]):.3f}", file=sys.stderr)
+                after = probe.measure(f"after batch {size}{label}")["best"]
+                read = floor_bandwidths({size: before}, {size: after})[size]
+                if not label:
+                    probed_before[size], probed_after[size] = before, after
                 for logprobs in settings:
                     rate_hf, tokens_hf = hf_runs[size][logprobs].rate, hf_runs[size][logprobs].tokens
                     rate_ours, tokens_ours = measured[logprobs].rate, measured[logprobs].tokens
@@ -488,7 +498,7 @@ def main() -> None:
                     differing += differ
                     if not label:
                         rates[size, logprobs] = rate_ours, rate_hf
-                    ours_floor, hf_floor = (floor_fraction(rate, size, streamed, bandwidth["best"])
+                    ours_floor, hf_floor = (floor_fraction(rate, size, streamed, read)
                                             for rate in (rate_ours, rate_hf))
                     rows.append((f"decode batch {size}, logprobs {logprobs or 'off'}{label}{_differ(differ)}",
                                  f"{rate_ours:.2f} tok/s ({ours_floor:.0%} of floor)",
@@ -543,8 +553,13 @@ def main() -> None:
             compiled = load_core(args.core, trust_compiled=True)
             mismatches += decode_rows(f", AOTInductor ({compiled.backend})", compiled)
             del compiled
+    floors = floor_bandwidths(probed_before, probed_after)
     print(header(args.threads, bandwidth))
-    print(floor_line(streamed, bandwidth["best"]))
+    print(f"read bandwidth over the run: {probe.spread()}; each decode batch's rows against the faster probe "
+          "beside them")
+    print(floor_line(streamed, bandwidth["best"]) + " (the start's probe)")
+    for size, read in floors.items():
+        print(f"decode batch {size}: " + floor_line(streamed, read))
     print(f"HF attention: {attention}")
     vocabulary = "" if args.vocab is None else f", vocabulary {vocab}"
     print(f"{family.label} shape, {args.layers} layers{vocabulary}, {args.dtype}, torch {torch.__version__}, "
@@ -555,12 +570,13 @@ def main() -> None:
     print(f"greedy tokens equal to HF: {'yes' if mismatches == 0 else f'NO ({mismatches} sequences differ)'}")
     verdicts = targets(export_s, [load_s, *(seconds for _, seconds, *_ in fresh)], load_rss / (weights_gib + state_gib),
                        prefill_ratio, rates, matrix_shares, mismatches, logprob_costs)
-    verdicts += floor_targets(rates, streamed, bandwidth["best"])
+    verdicts += floor_targets(rates, streamed, floors)
     verdicts += anchor_targets
     print(f"\n| target (issue 23; this run: {args.dtype}) | measured | met |\n|---|---|---|")
     for target, measured, met in verdicts:
         print(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
     print(json.dumps({"cpu": cpu_model(), "isa": relied_flags(cpu_flags()), "read_bandwidth": bandwidth,
+                      "probes": [[label, rates["best"]] for label, rates in probe.samples],
                       "weight_bytes": streamed, "rows": rows, "greedy_mismatches": mismatches,
                       "targets": [[t, m, bool(ok)] for t, m, ok in verdicts]}))
     if args.csv is not None:

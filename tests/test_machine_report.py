@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.machine import (RELIED_FLAGS, cpu_flags, floor_fraction, floor_line, floor_targets, gemv_bandwidth,
-                                header, relied_flags, weight_bytes)
+from benchmarks.machine import (RELIED_FLAGS, BandwidthProbe, cpu_flags, floor_bandwidths, floor_fraction, floor_line,
+                                floor_targets, gemv_bandwidth, header, relied_flags, weight_bytes)
 
 CPUINFO = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8480+
@@ -29,6 +29,24 @@ def test_the_gemv_probe_measures_both_products():
     rates = gemv_bandwidth(nbytes=4 << 20, width=256, repeats=3)
     assert {"aten", "best"} <= set(rates) and rates["best"] == max(v for k, v in rates.items() if k != "best")
     assert all(1e8 < rate < 1e13 for rate in rates.values())  # 0.1 GB/s to 10 TB/s: bytes over seconds, not a slip
+
+
+def test_a_probe_measures_again_on_its_weight_and_reports_the_spread():
+    probe = BandwidthProbe(nbytes=4 << 20, width=256, repeats=3)
+    first, second = probe.measure("start"), probe.measure("before batch 1")
+    assert [label for label, _ in probe.samples] == ["start", "before batch 1"]
+    assert probe.samples[1][1] is second and first["best"] == max(v for k, v in first.items() if k != "best")
+    low, high = sorted(rates["best"] / 1e9 for rates in (first, second))
+    assert probe.spread() == f"{low:.1f}-{high:.1f} GB/s over 2 probes"
+
+
+def test_each_batch_is_put_against_the_faster_probe_beside_it():
+    assert floor_bandwidths({1: 30e9, 8: 40e9}, {1: 35e9, 8: 28e9}) == {1: 35e9, 8: 40e9}
+    assert floor_bandwidths({32: 30e9}, {}) == {32: 30e9}  # no probe after: the one before
+    # at batch 1 a 50 ms floor (24 GB/s) and 18 tok/s is 90%; the same rate against a faster probe (30 GB/s) is 72%
+    rates = {(1, None): (18.0, 14.0)}
+    found = {t: m for t, m, _ in floor_targets(rates, 1_200_000_000, {1: 30e9})}
+    assert found["decode batch 1 at least 85% of the weight-streaming floor"] == "72% at worst"
 
 
 def test_a_row_at_the_floor_is_one_and_half_as_fast_is_a_half():
