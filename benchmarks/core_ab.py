@@ -10,7 +10,10 @@ otherwise idle. ``--new-logprobs K`` gives the NEW side's requests K logprobs in
 core twice it measures what logprobs cost (``OLD`` = ``NEW``, ``--logprobs 0 --new-logprobs 20``). ``--profiled N``
 then runs N more rounds of each, alternating, each under its own torch.profiler, and prints each core's median
 matrix-product share of a round's operator time (``benchmarks._steps.profiled_step``) and its range. ``--csv FILE``
-adds each core's rounds to a CSV of data rows (``benchmarks._steps.write_rows``).
+adds each core's rounds to a CSV of data rows (``benchmarks._steps.write_rows``). ``--old-gemm`` and ``--new-gemm``
+load each side with that ``LoadOptions.gemm`` (``calibrate``, ``packed``, ``blocked``, ``aten``): with the same core
+twice they compare two CPU GEMM paths, e.g. ``python -m benchmarks.core_ab CORE CORE --old-gemm packed --new-gemm
+blocked --batch 1 --logprobs 0``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ def main() -> None:
     parser.add_argument("--profiled", type=int, default=0, help="rounds of each core under torch.profiler, after the "
                         "timed ones: the matrix products' share of each")
     parser.add_argument("--csv", type=Path, default=None, help="also add each core's rounds to this CSV of data rows")
+    parser.add_argument("--old-gemm", default="calibrate", help="the OLD side's LoadOptions.gemm")
+    parser.add_argument("--new-gemm", default="calibrate", help="the NEW side's LoadOptions.gemm")
     args = parser.parse_args()
     if args.batch < 1 or args.steps < 1 or args.profiled < 0:
         parser.error("--batch and --steps must be at least 1, --profiled at least 0")
@@ -45,16 +50,16 @@ def main() -> None:
     from ignition.runtime.requests import Request
 
     settings = (args.logprobs, args.logprobs if args.new_logprobs is None else args.new_logprobs)
-    engines = [warmed_engine(load_core(path), [Request(prompt, max_tokens=args.steps + args.profiled + 8,
-                                                       logprobs=logprobs or None, ignore_eos=True)
-                                               for prompt in lane_prompts(args.batch)])
-               for path, logprobs in zip((args.old, args.new), settings)]
+    engines = [warmed_engine(load_core(path, gemm=gemm), [Request(prompt, max_tokens=args.steps + args.profiled + 8,
+                                                                  logprobs=logprobs or None, ignore_eos=True)
+                                                          for prompt in lane_prompts(args.batch)])
+               for path, logprobs, gemm in zip((args.old, args.new), settings, (args.old_gemm, args.new_gemm))]
     rounds: list[list[float]] = [[], []]
     for _ in range(args.steps):
         for side, engine in enumerate(engines):
             rounds[side].append(timed(engine.step)[0])
-    for path, logprobs, times in zip((args.old, args.new), settings, rounds):
-        print(f"{path} (logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, "
+    for path, logprobs, gemm, times in zip((args.old, args.new), settings, (args.old_gemm, args.new_gemm), rounds):
+        print(f"{path} (gemm {gemm}, logprobs {logprobs or 'off'}): median {statistics.median(times) * 1e3:.1f} ms, "
               f"min {min(times) * 1e3:.1f} ms a round")
     print(f"new / old (medians): {statistics.median(rounds[1]) / statistics.median(rounds[0]):.3f}")
     if args.csv is not None:

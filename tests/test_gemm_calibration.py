@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from ignition.runtime.backends import gemm_calibration
-from ignition.runtime.backends.gemm_calibration import (ATEN, FORCED_LAYOUT, PACK_LAYOUTS, PACKED, GemmPlan, choose,
-                                                        decode_rows, machine_key, packed_path, path_layout, time_paths)
+from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends.gemm_calibration import (ATEN, BLOCKED, FORCED_LAYOUT, PACK_LAYOUTS, PACKED, GemmPlan,
+                                                        choose, decode_rows, machine_key, packed_path, path_layout,
+                                                        time_paths)
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.options import LoadOptionError, LoadOptions
 
@@ -21,9 +23,10 @@ P1, P8 = packed_path(1), packed_path(8)
 
 
 def _timed(per_shape: dict[tuple, dict[str, dict[str, float]]], calls: list):
+    """A ``time_paths`` that returns ``per_shape``'s seconds; a path asked for and not given there takes 1 s."""
     def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):
         calls.append(tuple(shape))
-        return per_shape[tuple(shape)]
+        return {count: {path: per.get(path, 1.0) for path in paths} for count, per in per_shape[tuple(shape)].items()}
     return fake
 
 
@@ -37,10 +40,11 @@ def test_the_faster_path_summed_over_row_counts_relative_to_the_best_wins():
 
 
 def test_a_path_names_its_layout():
-    assert [path_layout(path) for path in (ATEN, PACKED, P1, P8)] == [None, FORCED_LAYOUT, 1, 8]
+    assert [path_layout(path) for path in (ATEN, BLOCKED, PACKED, P1, P8)] == [None, None, FORCED_LAYOUT, 1, 8]
     assert PACK_LAYOUTS == gemm_calibration.CALIBRATION_ROWS and FORCED_LAYOUT in PACK_LAYOUTS
-    for bad in ("packed@0", "packed@x", "mkl", "aten@1"):
-        with pytest.raises(ValueError, match=f"unknown GEMM path '{bad}'; expected aten, packed or packed@<rows>"):
+    for bad in ("packed@0", "packed@x", "mkl", "aten@1", "blocked@8"):
+        with pytest.raises(ValueError, match=f"unknown GEMM path '{bad}'; expected aten, blocked, packed or "
+                                             "packed@<rows>"):
             path_layout(bad)
 
 
@@ -130,6 +134,10 @@ def test_a_corrupt_or_unwritable_cache_only_means_timing_again(tmp_path, monkeyp
 def test_forced_modes_and_disallowed_dtypes_time_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_calibration, "time_paths", lambda *a, **k: pytest.fail("timed a forced choice"))
     assert GemmPlan(PACKED, allowed=lambda dtype: True, cache=tmp_path / "c.json").packs((8, 8), torch.float32)
+    forced = GemmPlan(BLOCKED, cache=tmp_path / "c.json")
+    assert forced.path((8, 8), torch.float32, (1, 8), blocked=True) == BLOCKED
+    assert forced.path((8, 8), torch.bfloat16, (1, 8), blocked=False) == ATEN  # not for the dtype: aten.linear
+    assert GemmPlan(PACKED).path((8, 8), torch.float32, (), blocked=True) == ATEN
     assert not GemmPlan(ATEN, allowed=lambda dtype: True, cache=tmp_path / "c.json").packs((8, 8), torch.float32)
     never = GemmPlan("calibrate", allowed=lambda dtype: False, cache=tmp_path / "c.json")  # e.g. BF16 rounding apart
     assert not never.packs((8, 8), torch.bfloat16)
@@ -138,17 +146,33 @@ def test_forced_modes_and_disallowed_dtypes_time_nothing(tmp_path, monkeypatch):
 
 
 def test_every_products_layout_is_timed_on_this_machine():
-    timings = time_paths((256, 512), torch.float32, (P1, P8, ATEN), rows=(1, 8))
+    paths = (P1, P8, ATEN) if blocked_linear.unavailable() else (P1, P8, BLOCKED, ATEN)
+    timings = time_paths((256, 512), torch.float32, paths, rows=(1, 8))
     assert set(timings) == {"1", "8"}
-    assert all(set(per) == {P1, P8, ATEN} and all(0 < s < 1 for s in per.values()) for per in timings.values())
-    assert choose(timings) in (P1, P8, ATEN)
+    assert all(set(per) == set(paths) and all(0 < s < 1 for s in per.values()) for per in timings.values())
+    assert choose(timings) in paths
+
+
+def test_a_cached_choice_stands_only_for_the_paths_it_timed(tmp_path, monkeypatch):
+    """A calibration timed without the blocked product (no compiler then) is timed again once the product can run:
+    the cached choice was never measured against it."""
+    calls = []
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed({(64, 64): {"1": {P8: 1.0, ATEN: 2.0}}}, calls))
+    cache = tmp_path / "c.json"
+    assert GemmPlan("calibrate", cache=cache, rows=(1,)).path((64, 64), torch.float32, (8,)) == P8
+    assert GemmPlan("calibrate", cache=cache, rows=(1,)).path((64, 64), torch.float32, (8,)) == P8 and len(calls) == 1
+    monkeypatch.setattr(gemm_calibration, "time_paths", _timed(
+        {(64, 64): {"1": {P8: 1.0, BLOCKED: 0.5, ATEN: 2.0}}}, calls))
+    again = GemmPlan("calibrate", cache=cache, rows=(1,))
+    assert again.path((64, 64), torch.float32, (8,), blocked=True) == BLOCKED and len(calls) == 2
+    assert again.layout((64, 64), torch.float32, (8,)) == 8  # asked without the blocked product: timed apart
 
 
 def test_the_load_option_is_validated_and_travels_to_worker_ranks():
     assert LoadOptions.create("cpu").gemm == "calibrate"
     options = LoadOptions.create("cpu", gemm=ATEN)
     assert LoadOptions.from_json(options.to_json()).gemm == ATEN
-    with pytest.raises(LoadOptionError, match="--gemm must be one of calibrate, packed, aten, got 'fastest'"):
+    with pytest.raises(LoadOptionError, match="--gemm must be one of calibrate, packed, blocked, aten, got 'fastest'"):
         LoadOptions.create("cpu", gemm="fastest")
 
 
@@ -180,10 +204,13 @@ def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path
     calls = []
 
     def fake(shape, dtype, paths, rows=gemm_calibration.CALIBRATION_ROWS):
-        """Square weights stream fastest reordered for one row, up to 4x taller ones for eight, others on aten."""
+        """Square weights stream fastest reordered for one row, up to 4x taller ones for eight, others on the
+        blocked product where it is offered (on aten where not)."""
         calls.append(tuple(shape))
-        assert set(paths) == {P1, P8, ATEN} and tuple(rows) == (1,)  # the core's one decode capacity
-        best = P1 if shape[0] == shape[1] else P8 if shape[0] < 4 * shape[1] else ATEN
+        assert set(paths) - {BLOCKED} == {P1, P8, ATEN} and tuple(rows) == (1,)  # the core's one decode capacity
+        assert (BLOCKED in paths) is (blocked_linear.unavailable() is None)
+        best = P1 if shape[0] == shape[1] else P8 if shape[0] < 4 * shape[1] else BLOCKED if BLOCKED in paths \
+            else ATEN
         return {"1": {path: 1.0 if path == best else 2.0 for path in paths}}
 
     reorders = {}  # weight shape -> the rows its packed copy was reordered for
@@ -194,9 +221,13 @@ def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path
     calibrated = _packed_weights(load_core(core))
     shapes = set(calls)
     assert len(calls) == len(shapes) > 1  # each shape timed once
-    assert calibrated == {shape for shape in shapes if shape[0] < 4 * shape[1]}
+    tall = {shape for shape in shapes if shape[0] >= 4 * shape[1]}
+    assert tall  # the LM head
+    blocks = {shape for shape in calibrated if len(shape) == 3}  # a blocked copy: [ceil(N / 16), K, 16]
+    assert blocks == ({(-(-n // 16), k, 16) for n, k in tall} if blocked_linear.unavailable() is None else set())
+    assert calibrated - blocks == {shape for shape in shapes if shape[0] < 4 * shape[1]}
     assert calibrated and calibrated != shapes
-    assert reorders == {shape: 1 if shape[0] == shape[1] else 8 for shape in calibrated}  # packed in its layout
+    assert reorders == {shape: 1 if shape[0] == shape[1] else 8 for shape in calibrated - blocks}  # in its layout
     assert {1, 8} <= set(reorders.values())
     assert _packed_weights(load_core(core)) == calibrated and len(calls) == len(shapes)  # from the cache
     reorders.clear()

@@ -226,9 +226,11 @@ def _read_weights(root: Path, manifest: dict, files, catalog: dict, weights_file
     scratch (``drop_cache``: the file's page cache dropped as it is read); then checked against the catalog's
     declarations again."""
     weights, header = read_verified_weights(root, weights_file, files, packs, drop_cache)
+    read = weights
     if packs is not None:
         weights |= packs.streamed_weights()
-    check_loaded_weights(root, manifest, catalog, weights, weights_file)
+        read = weights | packs.streamed_as_read()  # a packed layout's shape is not the file's
+    check_loaded_weights(root, manifest, catalog, read, weights_file)
     return {name: t.to(device) for name, t in weights.items()}, header
 
 

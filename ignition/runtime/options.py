@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT_S
-from ignition.runtime.backends import RUNTIMES, backend_family
-from ignition.runtime.backends.gemm_calibration import GEMM_MODES
+from ignition.runtime.backends import RUNTIMES, backend_family, blocked_linear
+from ignition.runtime.backends.gemm_calibration import BLOCKED, GEMM_MODES
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
 from ignition.runtime.parallel.rendezvous import LOOPBACK
@@ -39,7 +39,7 @@ class LoadOptions:
     retain_host_memory: bool = True  # CPU: glibc keeps freed blocks for the next replay (runtime/host_memory.py)
     pack_linears: bool = True  # CPU: linear weights packed once for oneDNN (runtime/backends/packed_linear.py)
     drop_file_cache: bool = True  # the weights file's page cache dropped as it is read (runtime/verified.py)
-    gemm: str = "calibrate"  # CPU: packed or aten.linear per weight shape, timed here (backends/gemm_calibration.py)
+    gemm: str = "calibrate"  # CPU: packed, blocked or aten.linear per weight shape, timed here (gemm_calibration.py)
     kv_cache_memory: int | None = None  # bytes of the paged KV pool (runtime/kv_pool.py); None: the core's upper bound
     kv_host_memory: int = 0  # bytes of the host tier evicted KV blocks move to
 
@@ -75,6 +75,9 @@ class LoadOptions:
         pack_linears = bool(pack_linears) and not is_cuda(resolved) and packing_available()  # a CPU choice only
         if gemm not in GEMM_MODES:
             raise LoadOptionError(f"--gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
+        if gemm == BLOCKED and pack_linears and blocked_linear.unavailable():
+            raise LoadOptionError(f"--gemm {BLOCKED} needs the blocked product, which this machine cannot build: "
+                                  f"{blocked_linear.unavailable()}; use --gemm calibrate, packed or aten")
         for option, value, least in (("--kv-cache-memory", kv_cache_memory, 1), ("--kv-host-memory", kv_host_memory, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise LoadOptionError(f"{option} must be a byte count of at least {least}, got {value!r}")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import threading
 import time
 from pathlib import Path
@@ -40,9 +39,11 @@ from pathlib import Path
 import torch
 
 from ignition.catalog.enums import Operation
+from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends.host_cache import cache_dir, cpu_model
 
-PACKED, ATEN = "packed", "aten"
-GEMM_MODES = ("calibrate", PACKED, ATEN)
+PACKED, BLOCKED, ATEN = "packed", "blocked", "aten"
+GEMM_MODES = ("calibrate", PACKED, BLOCKED, ATEN)
 CALIBRATION_ROWS = (1, 8)
 """Decode at one lane and at eight: the row counts timed where a load names none (``GemmPlan(rows=...)``: a core's
 decode capacities)."""
@@ -56,29 +57,15 @@ streams from memory as the real one does, while a shape takes tens of millisecon
 CALIBRATION_REPEATS = 7
 """Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
 wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
-CACHE_VERSION = 2
-"""2: the packed paths name their layout (``packed@R``) and a key its row counts; a version-1 cache timed one
-layout at rows 1 and 8."""
+CACHE_VERSION = 3
+"""3: the blocked product is a path (``BLOCKED``), and an entry is reused only where it timed the paths this load
+offers; 2: the packed paths name their layout (``packed@R``) and a key its row counts."""
 _lock = threading.Lock()
 
 
 def cache_path() -> Path:
-    """``$IGNITION_CACHE_DIR``, else ``$XDG_CACHE_HOME/ignition``, else ``~/.cache/ignition``; the file in it."""
-    root = os.environ.get("IGNITION_CACHE_DIR")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ignition"
-    return Path(root) / "gemm-calibration.json"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    """The calibration's file in the machine's cache directory (``host_cache.cache_dir``)."""
+    return cache_dir() / "gemm-calibration.json"
 
 
 ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
@@ -129,15 +116,15 @@ def packed_path(layout: int) -> str:
 
 
 def path_layout(path: str) -> int | None:
-    """The row count a path's weight is reordered for: None for ``aten.linear``; ``packed`` alone is
-    ``FORCED_LAYOUT``'s."""
-    if path == ATEN:
+    """The row count a path's weight is reordered for by oneDNN: None for ``aten.linear`` and the blocked product
+    (no oneDNN reorder); ``packed`` alone is ``FORCED_LAYOUT``'s."""
+    if path in (ATEN, BLOCKED):
         return None
     if path == PACKED:
         return FORCED_LAYOUT
     family, _, rows = path.partition("@")
     if family != PACKED or not rows.isdigit() or int(rows) < 1:
-        raise ValueError(f"unknown GEMM path {path!r}; expected {ATEN}, {PACKED} or {PACKED}@<rows>")
+        raise ValueError(f"unknown GEMM path {path!r}; expected {ATEN}, {BLOCKED}, {PACKED} or {PACKED}@<rows>")
     return int(rows)
 
 
@@ -149,22 +136,27 @@ def decode_rows(variants: list[dict]) -> tuple[int, ...]:
 
 
 def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[str, dict[str, float]]:
-    """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` (``aten``, ``packed@R``) and each row count, on a
-    random weight of ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``):
+    """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` (``aten``, ``packed@R``, ``blocked``) and each row
+    count, on a random weight of ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``):
     ``{str(rows): {path: seconds}}``."""
     out_features, in_features = shape
     element = torch.empty((), dtype=dtype).element_size()
     kept = max(1, min(out_features, CALIBRATION_BYTES // (element * in_features)))
     generator = torch.Generator().manual_seed(0)
     weight = torch.empty(kept, in_features, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator).to(dtype)
-    packs = {path: torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path)) for path in paths
-             if path != ATEN}
+    packs = {path: blocked_linear.pack(weight) if path == BLOCKED else
+             torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path)) for path in paths if path != ATEN}
     timings = {}
     for count in rows:
         x = torch.randn(count, in_features, generator=generator).to(dtype)
-        products = {path: (lambda: torch.nn.functional.linear(x, weight)) if path == ATEN else
-                    (lambda packed=packs[path]: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-                    for path in paths}
+
+        def product(path, x=x):
+            if path == ATEN:
+                return lambda: torch.nn.functional.linear(x, weight)
+            if path == BLOCKED:
+                return lambda: blocked_linear.TARGET(x, packs[path], None, kept)
+            return lambda: torch.ops.mkldnn._linear_pointwise(x, packs[path], None, "none", [], "")
+        products = {path: product(path) for path in paths}
         timings[str(count)] = _best_seconds(products)
     return timings
 
@@ -177,11 +169,12 @@ def choose(timings: dict[str, dict[str, float]]) -> str:
 
 
 class GemmPlan:
-    """The path of each weight shape's linear on this machine, decided once per shape at load (``layout``).
+    """The path of each weight shape's linear on this machine, decided once per shape at load (``path``).
 
-    ``mode``: ``calibrate`` (time, or read the cache), ``packed`` or ``aten`` (forced). ``allowed(dtype)``: whether
-    the packed product may run a weight of that dtype at all here (``LinearPacks`` also asks
-    ``packed_linear.packs_dtype`` first, and passes the layouts whose product it may use; default: every dtype).
+    ``mode``: ``calibrate`` (time, or read the cache), ``packed``, ``blocked`` or ``aten`` (forced where the dtype
+    allows it, else ``aten.linear``). ``allowed(dtype)``: whether a weight of that dtype may leave ``aten.linear`` at
+    all here (``LinearPacks`` also passes the oneDNN layouts whose product it may use and whether the blocked product
+    may run the dtype; default: every dtype).
     ``rows``: the row counts the paths are timed at, each weighing alike (the core's decode capacities)."""
 
     def __init__(self, mode: str = "calibrate", allowed=None, cache: Path | None = None, rows=CALIBRATION_ROWS):
@@ -194,33 +187,43 @@ class GemmPlan:
         self.rows = rows
         self.allowed = allowed or (lambda dtype: True)
         self.cache = cache_path() if cache is None else cache
-        self.choices: dict[str, str] = {}  # shape key -> path, as decided for this load
+        self.choices: dict[tuple[str, tuple[str, ...]], str] = {}  # (shape key, paths) -> path, this load
         self.measured: list[str] = []  # the shape keys this load timed (not found in the cache)
 
-    def layout(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS) -> int | None:
-        """The row count a weight of ``shape`` and ``dtype`` is packed for on this machine, one of ``layouts`` (the
-        ones whose product may run it); None: it stays on ``aten.linear``."""
+    def path(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS, blocked: bool = False) -> str:
+        """The path of a linear on a weight of ``shape`` and ``dtype`` on this machine: ``aten``, ``packed@R`` with R
+        one of ``layouts`` (the oneDNN layouts whose product may run it), or ``blocked`` where ``blocked`` (the
+        blocked product may run it)."""
         layouts = tuple(layouts)
-        if self.mode == ATEN or not layouts or not self.allowed(dtype):
-            return None
+        if self.mode == ATEN or not (layouts or blocked) or not self.allowed(dtype):
+            return ATEN
         if self.mode == PACKED:
-            return FORCED_LAYOUT if FORCED_LAYOUT in layouts else max(layouts)
+            return packed_path(FORCED_LAYOUT if FORCED_LAYOUT in layouts else max(layouts)) if layouts else ATEN
+        if self.mode == BLOCKED:
+            return BLOCKED if blocked else ATEN
         key = shape_key(shape, dtype, self.rows)
-        if key not in self.choices:
-            self.choices[key] = self._calibrated(tuple(shape), dtype, key, layouts)
-        return path_layout(self.choices[key])
+        paths = (*(packed_path(rows) for rows in layouts), *((BLOCKED,) if blocked else ()), ATEN)
+        if (key, paths) not in self.choices:
+            self.choices[key, paths] = self._calibrated(tuple(shape), dtype, key, paths)
+        return self.choices[key, paths]
+
+    def layout(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS) -> int | None:
+        """The row count a weight of ``shape`` and ``dtype`` is packed for by oneDNN on this machine, one of
+        ``layouts``; None: it stays on ``aten.linear``."""
+        return path_layout(self.path(shape, dtype, layouts))
 
     def packs(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS) -> bool:
-        """Whether a linear on a weight of ``shape`` and ``dtype`` runs packed on this machine."""
+        """Whether a linear on a weight of ``shape`` and ``dtype`` runs packed by oneDNN on this machine."""
         return self.layout(shape, dtype, layouts) is not None
 
-    def _calibrated(self, shape, dtype: torch.dtype, key: str, layouts: tuple[int, ...]) -> str:
-        paths = (*(packed_path(rows) for rows in layouts), ATEN)
+    def _calibrated(self, shape, dtype: torch.dtype, key: str, paths: tuple[str, ...]) -> str:
         with _lock:  # one load times at a time: two would share the memory bandwidth they measure
             machine = machine_key()
-            entries = self._read().get(machine, {})
-            if key in entries and entries[key].get("choice") in paths:
-                return entries[key]["choice"]
+            entry = self._read().get(machine, {}).get(key, {})
+            timed = entry.get("seconds")
+            if isinstance(timed, dict) and timed and all(isinstance(per, dict) and set(per) == set(paths)
+                                                         for per in timed.values()) and entry.get("choice") in paths:
+                return entry["choice"]
             timings = time_paths(shape, dtype, paths, self.rows)
             choice = choose(timings)
             self.measured.append(key)
@@ -251,6 +254,6 @@ class GemmPlan:
             pass
 
 
-__all__ = ["ATEN", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
+__all__ = ["ATEN", "BLOCKED", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
            "PACK_LAYOUTS", "cache_path", "choose", "cpu_model", "decode_rows", "machine_key", "packed_path",
            "path_layout", "time_paths"]

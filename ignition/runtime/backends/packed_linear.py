@@ -35,7 +35,8 @@ from functools import cache
 import torch
 
 from ignition.catalog.model import BufferDecl, Role
-from ignition.runtime.backends.gemm_calibration import FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan
+from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends.gemm_calibration import ATEN, BLOCKED, FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan, path_layout
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.weights import TensorEntry
@@ -132,7 +133,7 @@ class LinearPacks:
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
         self.attributes: dict[str, str] = {}  # weight name -> the graph attribute of its packed copy
         self.reorders: dict[str, Future] = {}  # weight name -> its reorder (as the file is read, or ``start``)
-        self.streamed: set[str] = set()  # weights packed from scratch: no raw copy was kept
+        self.streamed: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # packed from scratch: shape, dtype
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
         self.raw_readers: set[str] = set()  # weights some rewritten graph still reads unpacked
         self.programs: list[tuple[StaticProgram, dict[str, str]]] = []  # each rewritten program: attribute -> weight
@@ -143,21 +144,21 @@ class LinearPacks:
         self._worker = ThreadPoolExecutor(max_workers=PACK_WORKERS, thread_name_prefix="ignition-pack")
 
     def _packs(self, shape, dtype: torch.dtype) -> bool:
-        """Whether a weight of this shape and dtype is packed where a graph multiplies by it (``GemmPlan.packs``:
+        """Whether a weight of this shape and dtype is packed where a graph multiplies by it (``GemmPlan.path``:
         decided once per shape, the first time a graph or the weights' reader asks)."""
-        return self._layout(shape, dtype) is not None
+        return self._path(shape, dtype) != ATEN
 
-    def _layout(self, shape, dtype: torch.dtype) -> int | None:
-        """The row count a weight of this shape and dtype is packed for (``GemmPlan.layout``), None where it is not
-        packed."""
+    def _path(self, shape, dtype: torch.dtype) -> str:
+        """The path of a weight of this shape and dtype (``GemmPlan.path``): ``aten`` where it is not packed,
+        ``packed@R`` (oneDNN's layout for R rows) or ``blocked`` (``blocked_linear``)."""
         if not self._may_pack(shape, dtype):
-            return None
-        return self.gemm.layout(shape, dtype, pack_layouts(dtype))
+            return ATEN
+        return self.gemm.path(shape, dtype, pack_layouts(dtype), blocked_linear.blocks_dtype(dtype))
 
     def _may_pack(self, shape, dtype: torch.dtype) -> bool:
         """Whether a weight of this shape and dtype could be packed at all (nothing timed)."""
-        return len(shape) == 2 and math.prod(shape) >= self.min_elements and self.gemm.mode != "aten" and \
-            packs_dtype(dtype) and self.gemm.allowed(dtype)
+        return len(shape) == 2 and math.prod(shape) >= self.min_elements and self.gemm.mode != ATEN and \
+            (packs_dtype(dtype) or blocked_linear.blocks_dtype(dtype)) and self.gemm.allowed(dtype)
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
         """Rewrite the linears of ``program``'s graph whose weight is a large weight argument of a packed dtype (by its
@@ -177,7 +178,8 @@ class LinearPacks:
             if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
             name = weight_of[node.args[1]]
-            if not self._packs(decls[name].shape, decls[name].torch_dtype):
+            path = self._path(decls[name].shape, decls[name].torch_dtype)
+            if path == ATEN:
                 continue
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with graph.inserting_before(node):
@@ -186,7 +188,10 @@ class LinearPacks:
                     root.register_buffer(attribute, torch.empty(0), persistent=False)
                     attributes[attribute] = name
                 weight = graph.get_attr(attribute)
-                call = graph.call_function(_POINTWISE, (node.args[0], weight, bias, "none", [], ""))
+                if path == BLOCKED:
+                    call = graph.call_function(blocked_linear.TARGET, (node.args[0], weight, bias, decls[name].shape[0]))
+                else:
+                    call = graph.call_function(_POINTWISE, (node.args[0], weight, bias, "none", [], ""))
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             graph.erase_node(node)
@@ -224,7 +229,7 @@ class LinearPacks:
 
     def pack(self, entry: TensorEntry, tensor: torch.Tensor) -> Future:
         """Pack ``tensor``, scratch read until the future is done, on the worker threads."""
-        self.streamed.add(entry.name)
+        self.streamed[entry.name] = tuple(entry.shape), entry.dtype
         future = self.reorders[entry.name] = self._worker.submit(self._pack, tensor, False)
         return future
 
@@ -238,20 +243,34 @@ class LinearPacks:
         """The packed tensor of every streamed weight, once each is packed: what the core's weights dict holds."""
         return {name: self.reorders[name].result() for name in self.streamed}
 
+    def streamed_as_read(self) -> dict[str, torch.Tensor]:
+        """Each streamed weight as the file held it, shape and dtype only (meta tensors): what the load checks
+        against the catalog's declarations (a blocked pack is ``[ceil(N / 16), K, 16]``)."""
+        return {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in self.streamed.items()}
+
     def start(self, weights: dict[str, torch.Tensor]) -> None:
         """After every graph is rewritten: a streamed weight that a graph read after the first reads raw gets its
         exact raw tensor back in ``weights`` (the reorder undone); each weight some graph multiplies by and the reader
         did not pack is packed on the worker threads, its raw copy released as soon as its pack exists if no graph
         reads it."""
         self._started = True
-        for name in self.streamed & self.raw_readers:
-            weights[name] = self.reorders[name].result().to_dense()
+        for name in self.streamed.keys() & self.raw_readers:
+            weights[name] = self._unpack(name)
         for name in self.attributes:
             if name not in self.reorders:
                 self.reorders[name] = self._worker.submit(self._pack, weights[name], name not in self.raw_readers)
 
+    def _unpack(self, name: str) -> torch.Tensor:
+        """The exact raw tensor of streamed weight ``name`` from its packed one (oneDNN's reorder or the blocks
+        undone)."""
+        shape, dtype = self.streamed[name]
+        packed = self.reorders[name].result()
+        return blocked_linear.unpack(packed, shape[0]) if self._path(shape, dtype) == BLOCKED else packed.to_dense()
+
     def _pack(self, weight: torch.Tensor, release: bool) -> torch.Tensor:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, self._layout(weight.shape, weight.dtype))
+        path = self._path(weight.shape, weight.dtype)
+        packed = blocked_linear.pack(weight) if path == BLOCKED else \
+            torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path))
         if release:  # nothing reads it until ``finish`` swaps the packed tensor in
             release_pages(weight)
         return packed

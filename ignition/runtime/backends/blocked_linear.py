@@ -1,0 +1,146 @@
+"""CPU replay: an FP32 linear on a weight packed in blocks of 16 output features (``blocked_linear.c``), compiled for
+this CPU at load.
+
+NOTE: oneDNN reorders a weight for one row count (``gemm_calibration.PACK_LAYOUTS``), and no layout of its wins at
+every decode capacity: on one AMD EPYC host the eight-row layout read the Qwen3-0.6B projections 1.2-1.3x slower at
+one row than the one-row layout, which in turn lost as much at eight rows. This product streams one layout
+(``[ceil(N / 16), K, 16]``) at one row as eight sequential reads a thread and at more rows eight at a time against
+two blocks, and every output is one FMA chain over ``k`` in order: the same bits at every row count (a row's result
+does not depend on its batch). It is one more path ``GemmPlan`` times at load (``BLOCKED``), FP32 only (a BF16
+product must keep ``aten.linear``'s bits, ``packed_linear.BIT_EXACT_DTYPES``), and taken only where it measured
+faster on the machine.
+
+The source is compiled once per CPU model, compiler and source (``library``: ``-O3 -march=native -fopenmp``, so the
+product runs on the process's OpenMP threads, torch's), into the machine's cache directory (``host_cache.cache_dir``); a machine without
+a C compiler, or where the build fails, does not offer the path (``unavailable`` says why), and ``--gemm blocked``
+is refused at load with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from ignition.runtime.backends.host_cache import cache_dir, cpu_model
+
+SOURCE = Path(__file__).with_name("blocked_linear.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+LANES = 16
+"""Output features a block (the C source's ``LANES``: one AVX-512 vector, two AVX2 ones)."""
+DTYPES = (torch.float32,)
+_build_lock = threading.Lock()
+
+
+class BlockedUnavailable(RuntimeError):
+    """This machine cannot build or load the blocked product; the message says why."""
+
+
+def _compiler() -> str:
+    named = os.environ.get("CC")
+    found = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc")
+    if not found:
+        raise BlockedUnavailable(f"no C compiler: {f'$CC={named} is not on PATH' if named else 'no cc or gcc on PATH'}"
+                                 " (set $CC to one)")
+    return found
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The compiled product, built on first use into ``<cache dir>/kernels`` under a name that hashes the source, the
+    flags, the compiler's version and the CPU model, and loaded; BlockedUnavailable with the reason where it cannot
+    be."""
+    compiler = _compiler()
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BlockedUnavailable(f"{compiler} --version failed: {exc}") from exc
+    digest = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, compiler, version, cpu_model())).encode())
+    built = cache_dir() / "kernels" / f"blocked_linear-{digest.hexdigest()[:16]}.so"
+    with _build_lock:
+        if not built.exists():
+            built.parent.mkdir(parents=True, exist_ok=True)
+            scratch = built.with_name(f"{built.name}.{os.getpid()}.tmp")
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(scratch)], capture_output=True, text=True)
+            if done.returncode != 0:
+                scratch.unlink(missing_ok=True)
+                raise BlockedUnavailable(f"{compiler} {' '.join(FLAGS)} {SOURCE.name} failed: "
+                                         f"{done.stderr.strip()[-500:]}")
+            os.replace(scratch, built)  # atomically: another process may be loading the same name
+    try:
+        loaded = ctypes.CDLL(str(built))
+    except OSError as exc:
+        raise BlockedUnavailable(f"loading {built} failed: {exc}") from exc
+    loaded.blocked_pack_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+    loaded.blocked_pack_f32.restype = None
+    loaded.blocked_linear_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    loaded.blocked_linear_f32.restype = ctypes.c_int
+    return loaded
+
+
+@cache
+def unavailable() -> str | None:
+    """None where the blocked product builds and loads here; else why not."""
+    try:
+        library()
+    except BlockedUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def blocks_dtype(dtype: torch.dtype) -> bool:
+    """Whether a weight of ``dtype`` may take the blocked product on this machine."""
+    return dtype in DTYPES and unavailable() is None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (FP32) as ``[ceil(N / 16), K, 16]``: block b holds features 16b .. 16b+15, k-major; the
+    features past N are zero."""
+    if weight.dtype not in DTYPES or weight.dim() != 2:
+        raise ValueError(f"the blocked product packs a 2-D float32 weight, got {tuple(weight.shape)} {weight.dtype}")
+    weight = weight.contiguous()
+    out_features, in_features = weight.shape
+    packed = torch.empty(-(-out_features // LANES), in_features, LANES, dtype=weight.dtype)
+    library().blocked_pack_f32(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    return packed
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The exact ``[N, K]`` weight a ``pack`` came from."""
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features].contiguous()
+
+
+@torch.library.custom_op("ignition::blocked_linear", mutates_args=())
+def blocked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear(x, unpack(packed, out_features), bias)`` on the blocked product: ``x [..., K]`` float32."""
+    in_features = packed.shape[1]
+    rows = x.reshape(-1, in_features).contiguous()
+    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    if bias is not None:
+        bias = bias.contiguous()
+    if rows.shape[0] and library().blocked_linear_f32(rows.data_ptr(), packed.data_ptr(),
+                                                      None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                                      rows.shape[0], out_features, in_features,
+                                                      torch.get_num_threads()):
+        raise MemoryError(f"the blocked product could not allocate scratch for {rows.shape[0]} x {in_features} rows")
+    return y.view(*x.shape[:-1], out_features)
+
+
+@blocked_linear.register_fake
+def _blocked_linear_fake(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+TARGET = torch.ops.ignition.blocked_linear.default
+"""What a linear rewritten onto the blocked product calls (its profiler name is ``ignition::blocked_linear``)."""
+
+__all__ = ["BlockedUnavailable", "DTYPES", "LANES", "TARGET", "blocked_linear", "blocks_dtype", "library", "pack",
+           "unavailable", "unpack"]

@@ -1,0 +1,94 @@
+"""runtime/backends/blocked_linear.py: the FP32 linear on weights packed in blocks of 16 features, compiled for this
+CPU at load. Its products against a float64 reference, its bits the same at every row count, its pack undone
+exactly, a core loaded on it, and the path refused with its reason where it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends.gemm_calibration import BLOCKED
+from ignition.runtime.options import LoadOptionError, LoadOptions
+
+pytestmark = pytest.mark.skipif(blocked_linear.unavailable() is not None,
+                                reason=f"the blocked product cannot be built here: {blocked_linear.unavailable()}")
+
+SHAPES = [(37, 19, 1), (100, 64, 3), (16, 1, 2), (1000, 300, 33), (64, 1024, 300), (512, 256, 8)]
+"""(out, in, rows): a partial last block, rows that are not a chunk's multiple, K of one, more rows than a tile."""
+
+
+@pytest.mark.parametrize("out_features,in_features,rows", SHAPES)
+def test_the_product_is_the_linear_to_fp32_rounding_and_a_rows_bits_ignore_its_batch(out_features, in_features,
+                                                                                     rows):
+    generator = torch.Generator().manual_seed(out_features * 7 + rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    packed = blocked_linear.pack(weight)
+    assert packed.shape == (-(-out_features // 16), in_features, 16)
+    assert torch.equal(blocked_linear.unpack(packed, out_features), weight)
+    for b in (None, bias):
+        y = blocked_linear.blocked_linear(x, packed, b, out_features)
+        exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        # one FP32 FMA chain over K terms of size ~1: within K * 2^-24 of the sum's magnitude, far under aten's 1e-3
+        bound = 4 * in_features * 2.0 ** -24 * (x.abs().double() @ weight.abs().double().T + 1)
+        assert ((y.double() - exact).abs() <= bound).all()
+        alone = torch.cat([blocked_linear.blocked_linear(x[i:i + 1], packed, b, out_features) for i in range(rows)])
+        assert torch.equal(alone, y)  # a row's bits do not depend on the rows beside it
+
+
+def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profiler():
+    weight, x = torch.randn(40, 24), torch.randn(2, 3, 48)[..., ::2]  # non-contiguous [2, 3, 24]
+    packed = blocked_linear.pack(weight)
+    with torch.profiler.profile() as profile:
+        y = blocked_linear.TARGET(x, packed, None, 40)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+    assert "ignition::blocked_linear" in {event.key for event in profile.key_averages()}
+    assert blocked_linear.TARGET(x[:, :0], packed, None, 40).shape == (2, 0, 40)
+    with pytest.raises(ValueError, match=r"packs a 2-D float32 weight, got \(40, 24\) torch.bfloat16"):
+        blocked_linear.pack(weight.bfloat16())
+
+
+def test_a_machine_without_a_compiler_is_told_why_and_the_forced_mode_refused(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(blocked_linear.BlockedUnavailable, match=r"\$CC=no-such-cc is not on PATH \(set \$CC"):
+        blocked_linear._compiler()
+    monkeypatch.setattr(blocked_linear, "unavailable", lambda: "no C compiler: no cc or gcc on PATH (set $CC to one)")
+    assert not blocked_linear.blocks_dtype(torch.float32)
+    with pytest.raises(LoadOptionError, match=r"--gemm blocked needs the blocked product, which this machine cannot "
+                                              r"build: no C compiler: .*; use --gemm calibrate, packed or aten"):
+        LoadOptions.create("cpu", gemm=BLOCKED)
+    assert LoadOptions.create("cpu").gemm == "calibrate"  # the calibration just does not offer the path
+
+
+def test_a_core_loaded_on_the_blocked_product_keeps_its_logprobs(tmp_path_factory, monkeypatch):
+    """Every projection and the tied LM head of an FP32 core run blocked (``--gemm blocked``, no size floor): the
+    greedy tokens and the logprobs are the plain core's to FP32 summation order, and the raw embedding the lookup
+    reads is kept exact beside the LM head's blocked copy."""
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+    from ignition.runtime.backends import packed_linear
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+    from tests._decoder_cores import TinyCase, save_checkpoint
+
+    root = tmp_path_factory.mktemp("blocked")
+    save_checkpoint(TinyCase("qwen3", torch.float32, True, 300), root / "ckpt")  # tied: the LM head is the embedding
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "ckpt", capacities=(1, 4), chunk_limit=16,
+                              max_seq_len=64), root / "core")
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    blocked, plain = load_core(root / "core", gemm=BLOCKED), load_core(root / "core", pack_linears=False)
+    for name, variant in blocked.variants.items():
+        targets = [str(n.target) for n in variant.runner.graph_module.graph.nodes if n.op == "call_function"
+                   and "linear" in str(n.target)]
+        assert targets and set(targets) == {"ignition.blocked_linear.default"}, name
+    embedding = next(name for name in blocked.weights if "embed" in name)
+    assert torch.equal(blocked.weights[embedding], plain.weights[embedding])
+    requests = [Request([i + 1, 7, 9, 11 + i], max_tokens=6, logprobs=5, ignore_eos=True) for i in range(5)]
+    for ours, theirs in zip(Engine(blocked).generate(requests), Engine(plain).generate(requests), strict=True):
+        assert [e.id for e in ours.entries] == [e.id for e in theirs.entries]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in ours.entries]),
+                                   torch.tensor([e.logprob for e in theirs.entries]), rtol=0, atol=2e-5)
