@@ -226,11 +226,8 @@ def _read_weights(root: Path, manifest: dict, files, catalog: dict, weights_file
     scratch (``drop_cache``: the file's page cache dropped as it is read); then checked against the catalog's
     declarations again."""
     weights, header = read_verified_weights(root, weights_file, files, packs, drop_cache)
-    read = weights
-    if packs is not None:
-        weights |= packs.streamed_weights()
-        read = weights | packs.streamed_as_read()  # a packed layout's shape is not the file's
-    check_loaded_weights(root, manifest, catalog, read, weights_file)
+    weights |= packs.streamed_weights() if packs is not None else {}  # checked as read: packed is not the file's
+    check_loaded_weights(root, manifest, catalog, weights | (packs.streamed_as_read() if packs else {}), weights_file)
     return {name: t.to(device) for name, t in weights.items()}, header
 
 

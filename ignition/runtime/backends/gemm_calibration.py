@@ -1,4 +1,5 @@
-"""Which product a CPU linear runs on, measured on this machine at load: oneDNN on a packed weight, or ``aten.linear``.
+"""Which product a CPU linear runs on, measured on this machine at load: oneDNN on a packed weight, the blocked product
+(``blocked_linear``), or ``aten.linear``.
 
 NOTE: neither path wins on every x86 CPU. On the AMD EPYC hosts this project was built on, oneDNN's packed product
 read the Qwen3-0.6B weights 1.3-6x faster than MKL's FP32 ``aten.linear`` at 1 to 32 rows; on an Intel Xeon with
@@ -21,11 +22,15 @@ path of its own (``packed@1``, ``packed@8``), timed beside ``aten.linear``, and 
 chosen layout. The row counts weigh alike, so
 the choice follows what the core serves: a core that decodes one lane at a time packs for one row (on that host
 the 28-layer Qwen3-0.6B shape then decoded 8.3 tokens/s against 7.0), while a core with capacities 1, 8 and 32 keeps
-the eight-row layout, which reads the LM head 1.5x faster at eight rows.
+the eight-row layout, which reads the LM head 1.5x faster at eight rows. An FP32 weight has one more path, the
+blocked product (``BLOCKED``), one layout for every row count, compiled for the CPU at load where a C compiler is
+(``blocked_linear.unavailable`` says why not); on that host it ran the same core's decode rounds 0.92x, 0.88x and
+0.99x as long as the eight-row layout at batches 1, 8 and 32 (``benchmarks.core_ab --old-gemm packed --new-gemm
+blocked``).
 
-``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``aten`` to force
-one path everywhere; ``LinearPacks`` asks ``GemmPlan.layout`` once per weight as it rewrites the graphs, and nothing
-re-decides while a core runs.
+``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``blocked`` /
+``aten`` to force one path wherever the dtype allows it; ``LinearPacks`` asks ``GemmPlan.path`` once per weight as
+it rewrites the graphs, and nothing re-decides while a core runs.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ the weights stay in memory once. The weights the first graph reads only packed a
 from a reused scratch buffer (``runtime/weights.py``: their raw bytes never get memory of their own); any other
 packed weight is packed from its raw copy once every graph is read, and that copy released (``finish``).
 ``LoadOptions.pack_linears`` makes the choice, at load, and ``LoadOptions.gemm`` which weights: each weight shape's
-faster path on this machine, ``aten.linear`` or the packed product in the layout oneDNN reorders for one or for eight
-rows (``gemm_calibration.GemmPlan``: timed once per CPU model and cached), or one forced.
+faster path on this machine, ``aten.linear``, the packed product in the layout oneDNN reorders for one or for eight
+rows, or (FP32) the blocked product on a weight packed in blocks of 16 features (``blocked_linear``: a linear
+rewritten onto it calls ``ignition::blocked_linear``) (``gemm_calibration.GemmPlan``: timed once per CPU model and
+cached), or one forced.
 The same pass folds what a graph computes from weights alone
 (views of them, the q/k norm scales' concatenation) into constants computed once (``weight_constants.py``).
 """
@@ -189,7 +191,8 @@ class LinearPacks:
                     attributes[attribute] = name
                 weight = graph.get_attr(attribute)
                 if path == BLOCKED:
-                    call = graph.call_function(blocked_linear.TARGET, (node.args[0], weight, bias, decls[name].shape[0]))
+                    out_features = decls[name].shape[0]
+                    call = graph.call_function(blocked_linear.TARGET, (node.args[0], weight, bias, out_features))
                 else:
                     call = graph.call_function(_POINTWISE, (node.args[0], weight, bias, "none", [], ""))
             call.meta = dict(node.meta)
