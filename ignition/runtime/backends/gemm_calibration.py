@@ -35,6 +35,7 @@ it rewrites the graphs, and nothing re-decides while a core runs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -57,14 +58,19 @@ PACK_LAYOUTS = CALIBRATION_ROWS
 FORCED_LAYOUT = max(PACK_LAYOUTS)
 """The layout ``gemm="packed"`` (nothing timed) reorders for, where the dtype allows it."""
 CALIBRATION_BYTES = 64 << 20
-"""A larger weight is timed on its first rows up to this size: past every L2 and most L3 caches, so the product
-streams from memory as the real one does, while a shape takes tens of milliseconds, not seconds, to time."""
+"""A larger weight is timed on its first rows up to this size, and a smaller one on as many copies as fit in it
+(``CALIBRATION_COPIES`` at most), a call on each in turn: past every L2 and most L3 caches, so each product streams
+its weight from memory as a decode step's layers do, while a shape takes tens of milliseconds, not seconds, to time.
+NOTE: timed on one copy, a 4-12 MiB projection of the Qwen3-0.6B shape was read from a 32 MiB L3 after the first
+call, and the calibration picked products by their speed from cache, not from memory."""
+CALIBRATION_COPIES = 16
 CALIBRATION_REPEATS = 7
 """Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
 wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
-CACHE_VERSION = 3
-"""3: the blocked product is a path (``BLOCKED``), and an entry is reused only where it timed the paths this load
-offers; 2: the packed paths name their layout (``packed@R``) and a key its row counts."""
+CACHE_VERSION = 4
+"""4: a small weight is timed on copies past the caches (``CALIBRATION_COPIES``); 3: the blocked product is a path
+(``BLOCKED``), and an entry is reused only where it timed the paths this load offers; 2: the packed paths name their
+layout (``packed@R``) and a key its row counts."""
 _lock = threading.Lock()
 
 
@@ -142,26 +148,29 @@ def decode_rows(variants: list[dict]) -> tuple[int, ...]:
 
 def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[str, dict[str, float]]:
     """Best seconds of ``x [rows, in] @ w.T`` for each of ``paths`` (``aten``, ``packed@R``, ``blocked``) and each row
-    count, on a random weight of ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``):
-    ``{str(rows): {path: seconds}}``."""
+    count, on random weights of ``shape`` (``[out, in]``; its first rows only, past ``CALIBRATION_BYTES``; copies of
+    a smaller one up to that size, called in turn): ``{str(rows): {path: seconds}}``."""
     out_features, in_features = shape
     element = torch.empty((), dtype=dtype).element_size()
     kept = max(1, min(out_features, CALIBRATION_BYTES // (element * in_features)))
+    copies = max(1, min(CALIBRATION_COPIES, CALIBRATION_BYTES // (element * in_features * kept)))
     generator = torch.Generator().manual_seed(0)
-    weight = torch.empty(kept, in_features, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator).to(dtype)
-    packs = {path: blocked_linear.pack(weight) if path == BLOCKED else
-             torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path)) for path in paths if path != ATEN}
+    weights = [torch.empty(kept, in_features, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator).to(dtype)
+               for _ in range(copies)]
+    packs = {path: [blocked_linear.pack(weight) if path == BLOCKED else
+                    torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path)) for weight in weights]
+             for path in paths if path != ATEN}
     timings = {}
     for count in rows:
         x = torch.randn(count, in_features, generator=generator).to(dtype)
 
-        def product(path, x=x):
+        def product(path, x=x, turn=itertools.count()):
             if path == ATEN:
-                return lambda: torch.nn.functional.linear(x, weight)
+                return lambda: torch.nn.functional.linear(x, weights[next(turn) % copies])
             if path == BLOCKED:
-                return lambda: blocked_linear.TARGET(x, packs[path], None, kept)
-            return lambda: torch.ops.mkldnn._linear_pointwise(x, packs[path], None, "none", [], "")
-        products = {path: product(path) for path in paths}
+                return lambda: blocked_linear.TARGET(x, packs[path][next(turn) % copies], None, kept)
+            return lambda: torch.ops.mkldnn._linear_pointwise(x, packs[path][next(turn) % copies], None, "none", [], "")
+        products = {path: product(path, turn=itertools.count()) for path in paths}
         timings[str(count)] = _best_seconds(products)
     return timings
 
