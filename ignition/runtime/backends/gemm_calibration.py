@@ -35,7 +35,6 @@ it rewrites the graphs, and nothing re-decides while a core runs.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import threading
@@ -59,8 +58,9 @@ FORCED_LAYOUT = max(PACK_LAYOUTS)
 """The layout ``gemm="packed"`` (nothing timed) reorders for, where the dtype allows it."""
 CALIBRATION_BYTES = 64 << 20
 """A larger weight is timed on its first rows up to this size, and a smaller one on as many copies as fit in it
-(``CALIBRATION_COPIES`` at most), a call on each in turn: past every L2 and most L3 caches, so each product streams
-its weight from memory as a decode step's layers do, while a shape takes tens of milliseconds, not seconds, to time.
+(``CALIBRATION_COPIES`` at most), one call on each, back to back, a round: past every L2 and most L3 caches, so the
+products stream their weights from memory one after another as a decode step's layers do, while a shape takes tens
+of milliseconds, not seconds, to time.
 NOTE: timed on one copy, a 4-12 MiB projection of the Qwen3-0.6B shape was read from a 32 MiB L3 after the first
 call, and the calibration picked products by their speed from cache, not from memory."""
 CALIBRATION_COPIES = 16
@@ -164,14 +164,16 @@ def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[
     for count in rows:
         x = torch.randn(count, in_features, generator=generator).to(dtype)
 
-        def product(path, x=x, turn=itertools.count()):
+        def product(path, x=x):
+            """One call on each copy, back to back (as a decode step's layers stream their weights)."""
             if path == ATEN:
-                return lambda: torch.nn.functional.linear(x, weights[next(turn) % copies])
+                return lambda: [torch.nn.functional.linear(x, weight) for weight in weights]
             if path == BLOCKED:
-                return lambda: blocked_linear.TARGET(x, packs[path][next(turn) % copies], None, kept)
-            return lambda: torch.ops.mkldnn._linear_pointwise(x, packs[path][next(turn) % copies], None, "none", [], "")
-        products = {path: product(path, turn=itertools.count()) for path in paths}
-        timings[str(count)] = _best_seconds(products)
+                return lambda: [blocked_linear.TARGET(x, packed, None, kept) for packed in packs[path]]
+            return lambda: [torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+                            for packed in packs[path]]
+        best = _best_seconds({path: product(path) for path in paths})
+        timings[str(count)] = {path: seconds / copies for path, seconds in best.items()}
     return timings
 
 
