@@ -24,9 +24,9 @@ the choice follows what the core serves: a core that decodes one lane at a time 
 the 28-layer Qwen3-0.6B shape then decoded 8.3 tokens/s against 7.0), while a core with capacities 1, 8 and 32 keeps
 the eight-row layout, which reads the LM head 1.5x faster at eight rows. An FP32 weight has one more path, the
 blocked product (``BLOCKED``), one layout for every row count, compiled for the CPU at load where a C compiler is
-(``blocked_linear.unavailable`` says why not); on that host it ran the same core's decode rounds 0.92x, 0.88x and
+(``blocked_linear.unavailable`` says why not); on that host it ran the same core's decode rounds 0.91x, 0.84x and
 0.99x as long as the eight-row layout at batches 1, 8 and 32 (``benchmarks.core_ab --old-gemm packed --new-gemm
-blocked``).
+blocked``), and the calibration picks it for every Qwen3-0.6B shape at capacities 1, 8 and 32.
 
 ``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``blocked`` /
 ``aten`` to force one path wherever the dtype allows it; ``LinearPacks`` asks ``GemmPlan.path`` once per weight as
@@ -68,7 +68,8 @@ CALIBRATION_REPEATS = 7
 """Rounds of one call per path, the paths interleaved; each path's best round counts: on a shared host a call can
 wait a whole time slice at a thread barrier (tens of milliseconds), which the best of several rounds leaves out."""
 CACHE_VERSION = 4
-"""4: a small weight is timed on copies past the caches (``CALIBRATION_COPIES``); 3: the blocked product is a path
+"""4: a small weight is timed on copies past the caches, back to back (``CALIBRATION_COPIES``); 3: the blocked
+product is a path
 (``BLOCKED``), and an entry is reused only where it timed the paths this load offers; 2: the packed paths name their
 layout (``packed@R``) and a key its row counts."""
 _lock = threading.Lock()
