@@ -13,7 +13,7 @@ faster on the machine.
 The source is compiled once per CPU model, compiler and source (``library``: ``-O3 -march=native -fopenmp``, so the
 product runs on the process's OpenMP threads, torch's), into the machine's cache directory
 (``host_cache.cache_dir``); a machine without a C compiler, or where the build fails, does not offer the path
-(``unavailable`` says why), and ``--gemm blocked`` is refused at load with that reason.
+(``unavailable`` says why), and ``gemm="blocked"`` is refused at load with that reason.
 """
 
 from __future__ import annotations
