@@ -395,8 +395,7 @@ def main() -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the export subprocess too
     probe = BandwidthProbe()  # before anything else holds memory or threads
     bandwidth = probe.measure("start")
-    probed_before: dict[int, float] = {}  # each decode batch's probes, just before and just after its rows
-    probed_after: dict[int, float] = {}
+    floors: dict[int, float] = {}  # each decode batch's floor bandwidth, from the probes beside its rows
     batches = [int(b) for b in args.batches.split(",")]
     settings = [int(k) or None for k in args.logprobs.split(",")]
 
@@ -490,7 +489,7 @@ def main() -> None:
                 after = probe.measure(f"after batch {size}{label}")["best"]
                 read = floor_bandwidths({size: before}, {size: after})[size]
                 if not label:
-                    probed_before[size], probed_after[size] = before, after
+                    floors[size] = read
                 for logprobs in settings:
                     rate_hf, tokens_hf = hf_runs[size][logprobs].rate, hf_runs[size][logprobs].tokens
                     rate_ours, tokens_ours = measured[logprobs].rate, measured[logprobs].tokens
@@ -553,7 +552,6 @@ def main() -> None:
             compiled = load_core(args.core, trust_compiled=True)
             mismatches += decode_rows(f", AOTInductor ({compiled.backend})", compiled)
             del compiled
-    floors = floor_bandwidths(probed_before, probed_after)
     print(header(args.threads, bandwidth))
     print(f"read bandwidth over the run: {probe.spread()}; each decode batch's rows against the faster probe "
           "beside them")

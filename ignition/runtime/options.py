@@ -75,9 +75,10 @@ class LoadOptions:
         pack_linears = bool(pack_linears) and not is_cuda(resolved) and packing_available()  # a CPU choice only
         if gemm not in GEMM_MODES:
             raise LoadOptionError(f"--gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
-        if gemm == BLOCKED and pack_linears and blocked_linear.unavailable():
+        missing = blocked_linear.unavailable() if gemm == BLOCKED and pack_linears else None
+        if missing:
             raise LoadOptionError(f"--gemm {BLOCKED} needs the blocked product, which this machine cannot build: "
-                                  f"{blocked_linear.unavailable()}; use --gemm calibrate, packed or aten")
+                                  f"{missing}; use --gemm calibrate, packed or aten")
         for option, value, least in (("--kv-cache-memory", kv_cache_memory, 1), ("--kv-host-memory", kv_host_memory, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise LoadOptionError(f"{option} must be a byte count of at least {least}, got {value!r}")

@@ -140,6 +140,13 @@ def path_layout(path: str) -> int | None:
     return int(rows)
 
 
+def pack(path: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in the form ``path``'s product reads: oneDNN's reorder for ``packed@R``, the blocks for
+    ``blocked`` (``aten`` reads the weight as it is)."""
+    return blocked_linear.pack(weight) if path == BLOCKED else \
+        torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path))
+
+
 def decode_rows(variants: list[dict]) -> tuple[int, ...]:
     """The row counts a core's decode graphs run (the capacities of its catalog's decode ``variants``), which a
     calibration weighs alike; ``CALIBRATION_ROWS`` for a core without decode graphs."""
@@ -158,9 +165,7 @@ def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[
     generator = torch.Generator().manual_seed(0)
     weights = [torch.empty(kept, in_features, dtype=torch.float32).uniform_(-0.05, 0.05, generator=generator).to(dtype)
                for _ in range(copies)]
-    packs = {path: [blocked_linear.pack(weight) if path == BLOCKED else
-                    torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path)) for weight in weights]
-             for path in paths if path != ATEN}
+    packs = {path: [pack(path, weight) for weight in weights] for path in paths if path != ATEN}
     timings = {}
     for count in rows:
         x = torch.randn(count, in_features, generator=generator).to(dtype)
@@ -272,5 +277,5 @@ class GemmPlan:
 
 
 __all__ = ["ATEN", "BLOCKED", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
-           "PACK_LAYOUTS", "cache_path", "choose", "cpu_model", "decode_rows", "machine_key", "packed_path",
+           "PACK_LAYOUTS", "cache_path", "pack", "choose", "cpu_model", "decode_rows", "machine_key", "packed_path",
            "path_layout", "time_paths"]

@@ -38,7 +38,8 @@ import torch
 
 from ignition.catalog.model import BufferDecl, Role
 from ignition.runtime.backends import blocked_linear
-from ignition.runtime.backends.gemm_calibration import ATEN, BLOCKED, FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan, path_layout
+from ignition.runtime.backends import gemm_calibration
+from ignition.runtime.backends.gemm_calibration import ATEN, BLOCKED, FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.weights import TensorEntry
@@ -271,9 +272,7 @@ class LinearPacks:
         return blocked_linear.unpack(packed, shape[0]) if self._path(shape, dtype) == BLOCKED else packed.to_dense()
 
     def _pack(self, weight: torch.Tensor, release: bool) -> torch.Tensor:
-        path = self._path(weight.shape, weight.dtype)
-        packed = blocked_linear.pack(weight) if path == BLOCKED else \
-            torch.ops.mkldnn._reorder_linear_weight(weight, path_layout(path))
+        packed = gemm_calibration.pack(self._path(weight.shape, weight.dtype), weight)
         if release:  # nothing reads it until ``finish`` swaps the packed tensor in
             release_pages(weight)
         return packed
