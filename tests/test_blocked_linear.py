@@ -92,3 +92,18 @@ def test_a_core_loaded_on_the_blocked_product_keeps_its_logprobs(tmp_path_factor
         assert [e.id for e in ours.entries] == [e.id for e in theirs.entries]
         torch.testing.assert_close(torch.tensor([e.logprob for e in ours.entries]),
                                    torch.tensor([e.logprob for e in theirs.entries]), rtol=0, atol=2e-5)
+
+
+def test_an_unwritable_cache_directory_only_withholds_the_path(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("IGNITION_CACHE_DIR", str(tmp_path / "file"))  # its kernels/ cannot be made
+    blocked_linear.library.cache_clear()
+    blocked_linear.unavailable.cache_clear()
+    try:
+        assert blocked_linear.unavailable().startswith(f"building into {tmp_path / 'file' / 'kernels'} failed")
+        assert not blocked_linear.blocks_dtype(torch.float32)
+    finally:
+        monkeypatch.undo()
+        blocked_linear.library.cache_clear()
+        blocked_linear.unavailable.cache_clear()
+    assert blocked_linear.unavailable() is None

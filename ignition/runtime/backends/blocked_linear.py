@@ -66,14 +66,19 @@ def library() -> ctypes.CDLL:
     built = cache_dir() / "kernels" / f"blocked_linear-{digest.hexdigest()[:16]}.so"
     with _build_lock:
         if not built.exists():
-            built.parent.mkdir(parents=True, exist_ok=True)
             scratch = built.with_name(f"{built.name}.{os.getpid()}.tmp")
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(scratch)], capture_output=True, text=True)
+            try:
+                built.parent.mkdir(parents=True, exist_ok=True)
+                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(scratch)], capture_output=True,
+                                      text=True)
+                if done.returncode == 0:
+                    os.replace(scratch, built)  # atomically: another process may be loading the same name
+            except OSError as exc:  # a read-only cache directory: the path is not offered, the load goes on
+                raise BlockedUnavailable(f"building into {built.parent} failed: {exc}") from exc
             if done.returncode != 0:
                 scratch.unlink(missing_ok=True)
                 raise BlockedUnavailable(f"{compiler} {' '.join(FLAGS)} {SOURCE.name} failed: "
                                          f"{done.stderr.strip()[-500:]}")
-            os.replace(scratch, built)  # atomically: another process may be loading the same name
     try:
         loaded = ctypes.CDLL(str(built))
     except OSError as exc:
