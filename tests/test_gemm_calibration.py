@@ -224,7 +224,12 @@ def test_the_load_follows_the_plan_per_shape_and_the_forced_modes(core, tmp_path
     tall = {shape for shape in shapes if shape[0] >= 4 * shape[1]}
     assert tall  # the LM head
     blocks = {shape for shape in calibrated if len(shape) == 3}  # a blocked copy: [ceil(N / 16), K, 16]
-    assert blocks == ({(-(-n // 16), k, 16) for n, k in tall} if blocked_linear.unavailable() is None else set())
+    plain = load_core(core, pack_linears=False).weights
+    row_parallel = {(-(-w.shape[0] // 16), w.shape[1], 16) for name, w in plain.items()
+                    if name.endswith(("o_proj", "down_proj"))}  # their leaves: blocked, untimed
+    assert row_parallel and len(calls) == len(shapes)
+    assert blocks == ({(-(-n // 16), k, 16) for n, k in tall} | row_parallel if blocked_linear.unavailable() is None
+                      else set())
     assert calibrated - blocks == {shape for shape in shapes if shape[0] < 4 * shape[1]}
     assert calibrated and calibrated != shapes
     assert reorders == {shape: 1 if shape[0] == shape[1] else 8 for shape in calibrated - blocks}  # in its layout

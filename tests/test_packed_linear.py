@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ignition.catalog.enums import Role
-from ignition.runtime.backends import packed_linear
+from ignition.runtime.backends import blocked_linear, packed_linear
 from ignition.runtime.backends.gemm_calibration import ATEN, PACK_LAYOUTS, GemmPlan, packed_path
 from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
 from ignition.runtime.core import load_core
@@ -119,9 +119,9 @@ def test_every_weight_linear_runs_packed_and_each_weight_is_packed_once(decoder_
     for variant in packed.variants.values():
         for attribute, tensor in variant.runner.graph_module.named_buffers():
             if attribute.startswith("_packed_"):
-                assert tensor.is_mkldnn
+                assert tensor.is_mkldnn or tensor.dim() == 3  # oneDNN's, or a row-parallel weight's blocked pack
                 assert constants.setdefault(attribute, tensor) is tensor  # one pack, every variant's graph
-    released = {name for name, tensor in packed.weights.items() if tensor.is_mkldnn}
+    released = {name for name, tensor in packed.weights.items() if tensor.is_mkldnn or tensor.dim() == 3}
     assert len(released) == len(constants) - 1  # the tied embedding is packed for the LM head, kept raw
     embedding = next(name for name in packed.weights if "embed" in name)
     assert not packed.weights[embedding].is_mkldnn
@@ -369,7 +369,41 @@ def test_streamed_loads_keep_no_raw_copy_of_a_projection(decoder_core, pack_tiny
                         lambda self, *a, **k: (real_init(self, *a, **k), seen.append(self))[0])
     core = load_core(decoder_core)
     (packs,) = seen
-    released = {name for name, tensor in core.weights.items() if tensor.is_mkldnn}
-    assert released and set(packs.streamed) == released
+    released = {name for name, tensor in core.weights.items() if tensor.is_mkldnn or tensor.dim() == 3}
+    assert released and set(packs.streamed) == released  # oneDNN's packs and the row-parallel weights' blocked ones
     embedding = next(name for name in core.weights if "embed" in name)
     assert embedding in packs.reorders and embedding not in packs.streamed
+
+
+def _leaves(core) -> dict[str, tuple[int, int]]:
+    """Variant -> (its ``ignition::blocked_leaves`` calls, its ``bmm`` calls on a weight's leaves: a view of the
+    weight folded into a constant, ``weight_constants.py``)."""
+    counts = {}
+    for name, variant in core.variants.items():
+        nodes = [n for n in variant.runner.graph_module.graph.nodes if n.op == "call_function"]
+        counts[name] = (sum(n.target is blocked_linear.LEAVES_TARGET for n in nodes),
+                        sum(n.target is torch.ops.aten.bmm.default and n.args[1].op == "get_attr" for n in nodes))
+    return counts
+
+
+@pytest.mark.skipif(blocked_linear.unavailable() is not None, reason="the blocked product cannot be built here")
+def test_row_parallel_leaves_run_on_the_blocked_product_whatever_their_size(decoder_core):
+    """o_proj's and down_proj's reduction leaves (``row_linear``: one ``bmm`` over views of the weight) run as
+    ``ignition::blocked_leaves`` on the blocked pack of the weight at every size (a tensor-parallel rank's shard must
+    get the single rank's leaves), the raw weights released; the logprobs are the unrewritten core's to FP32 order.
+    ``--gemm packed`` keeps the batched product."""
+    plain = load_core(decoder_core, pack_linears=False)
+    if _dtype(plain) != "float32":
+        pytest.skip("row_linear splits FP32 weights only")
+    layers = plain.manifest["model"]["num_layers"]
+    core = load_core(decoder_core)  # every weight under PACK_MIN_ELEMENTS: only the leaves are rewritten
+    assert set(_leaves(core).values()) == {(2 * layers, 0)}
+    for name, tensor in core.weights.items():
+        if name.endswith(("o_proj", "down_proj")):
+            assert tensor.shape == (-(-plain.weights[name].shape[0] // 16), plain.weights[name].shape[1], 16), name
+            assert torch.equal(blocked_linear.unpack(tensor, plain.weights[name].shape[0]), plain.weights[name])
+    for (ids, logprobs), (plain_ids, plain_logprobs) in zip(_words(Engine(core).generate(_requests())),
+                                                            _words(Engine(plain).generate(_requests())), strict=True):
+        assert ids == plain_ids
+        torch.testing.assert_close(logprobs, plain_logprobs, rtol=0, atol=2e-5)
+    assert set(_leaves(load_core(decoder_core, gemm="packed")).values()) == {(0, 2 * layers)}

@@ -1,12 +1,18 @@
-/* The blocked FP32 linear of runtime/backends/blocked_linear.py: y [M, N] = x [M, K] @ W.T (+ bias), on W packed
- * once as [ceil(N / 16), K, 16] (16 output features a block, their K weights interleaved; rows past N zero).
+/* The blocked linear of runtime/backends/blocked_linear.py: y [M, N] = x [M, K] @ W.T (+ bias), on W packed once as
+ * [ceil(N / 16), K, 16] (16 output features a block, their K weights interleaved; rows past N zero), in FP32 or BF16.
  *
- * Every output is one FMA chain over k = 0 .. K-1 from zero, then the bias: the same order at every row count, so a
- * row's result does not depend on the rows beside it. One row (a decode lane) reads ONE_ROW_BLOCKS blocks at once,
- * far apart in each thread's share (that many sequential reads in flight); more rows are taken CHUNK at a time,
- * transposed into scratch (x^T [K, CHUNK]), against BLOCKS blocks at once (CHUNK x BLOCKS vector accumulators), the
- * rows in tiles of TILE so a tile's transposed rows stay in cache while every block of the thread's share passes.
+ * Every output is one FP32 FMA chain over k = 0 .. K-1 from zero, then the bias: the same order at every row count,
+ * so a row's result does not depend on the rows beside it. A BF16 weight and input are widened to FP32 exactly (a
+ * 16-bit shift) and the FP32 sum plus the bias is rounded to BF16 once, to nearest even, as torch rounds.
+ * One row (a decode lane) reads ONE_ROW_BLOCKS blocks at once, far apart in each thread's share (that many sequential
+ * reads in flight); more rows are taken CHUNK at a time, transposed into FP32 scratch (x^T [K, CHUNK]), against
+ * BLOCKS blocks at once (CHUNK x BLOCKS vector accumulators), the rows in tiles of TILE so a tile's transposed rows
+ * stay in cache while every block of the thread's share passes.
+ * With leaves > 1 the K inputs are that many equal slices (a row-parallel projection's reduction leaves,
+ * recipes/layers.py row_linear): y is [leaves, M, N], leaf l one FMA chain over its slice from zero, the bias (if
+ * any) in leaf 0 only; each block is still read once, its leaves one after another.
  * Built by blocked_linear.py with -O3 -march=native -fopenmp: the threads are the process's OpenMP threads (torch's). */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,54 +21,89 @@
 #define BLOCKS 2
 #define CHUNK 8
 #define TILE 256
-#define PREFETCH 32 /* k steps (cache lines of a block) ahead */
+#define PREFETCH_BYTES 2048 /* how far ahead in a block's stream (32 cache lines) */
+#define INLINE static inline __attribute__((always_inline))
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float)), aligned(LANES * sizeof(float))));
+typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(LANES * sizeof(uint16_t))));
+typedef uint32_t words __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
 
-void blocked_pack_f32(const float *w, float *packed, long n_out, long k_in) {
+INLINE float from_bf16(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+INLINE uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* k-th vector of 16 weights of a block; bf16: the element size is 2 */
+INLINE lanes load(const void *block, long k, const int bf16) {
+  if (!bf16) return ((const lanes *)block)[k];
+  words wide = __builtin_convertvector(((const halves *)block)[k], words) << 16;
+  return (lanes)wide;
+}
+
+INLINE void pack(const void *w, void *packed, long n_out, long k_in, const int bf16) {
   long blocks = (n_out + LANES - 1) / LANES;
 #pragma omp parallel for
   for (long block = 0; block < blocks; block++)
     for (long j = 0; j < LANES; j++) {
       long n = block * LANES + j;
-      float *to = packed + block * k_in * LANES + j;
-      for (long k = 0; k < k_in; k++) to[k * LANES] = n < n_out ? w[n * k_in + k] : 0.0f;
+      for (long k = 0; k < k_in; k++) {
+        long to = (block * k_in + k) * LANES + j, from = n * k_in + k;
+        if (bf16) ((uint16_t *)packed)[to] = n < n_out ? ((const uint16_t *)w)[from] : 0;
+        else ((float *)packed)[to] = n < n_out ? ((const float *)w)[from] : 0.0f;
+      }
     }
 }
 
-static void one_row(const float *x, const float *packed, long k_in, const long *block, lanes *out) {
-  const lanes *w[ONE_ROW_BLOCKS];
+void blocked_pack_f32(const float *w, float *packed, long n_out, long k_in) { pack(w, packed, n_out, k_in, 0); }
+void blocked_pack_bf16(const uint16_t *w, uint16_t *packed, long n_out, long k_in) { pack(w, packed, n_out, k_in, 1); }
+
+/* x: K floats; k over [k0, k1) */
+INLINE void one_row(const float *x, const char *packed, long k_in, long k0, long k1, const long *block, lanes *out,
+                    const int bf16) {
+  const long element = bf16 ? 2 : 4;
+  const char *w[ONE_ROW_BLOCKS];
   lanes sum[ONE_ROW_BLOCKS];
   for (int b = 0; b < ONE_ROW_BLOCKS; b++) {
-    w[b] = (const lanes *)(packed + block[b] * k_in * LANES);
+    w[b] = packed + block[b] * k_in * LANES * element;
     sum[b] = (lanes){0};
   }
-  for (long k = 0; k < k_in; k++) {
+  for (long k = k0; k < k1; k++) {
     float xk = x[k];
 #pragma GCC unroll 16
     for (int b = 0; b < ONE_ROW_BLOCKS; b++) {
-      __builtin_prefetch(w[b] + k + PREFETCH, 0, 0);
-      sum[b] += xk * w[b][k];
+      __builtin_prefetch(w[b] + k * LANES * element + PREFETCH_BYTES, 0, 0);
+      sum[b] += xk * load(w[b], k, bf16);
     }
   }
   for (int b = 0; b < ONE_ROW_BLOCKS; b++) out[b] = sum[b];
 }
 
-/* xt [K, CHUNK]: CHUNK rows of x, transposed; out [CHUNK][BLOCKS] */
-static void chunk_rows(const float *xt, const float *packed, long k_in, const long *block, lanes *out, int prefetch) {
-  const lanes *w[BLOCKS];
+/* xt [K, CHUNK]: CHUNK rows of x, transposed, in FP32; out [CHUNK][BLOCKS]; k over [k0, k1) */
+INLINE void chunk_rows(const float *xt, const char *packed, long k_in, long k0, long k1, const long *block,
+                       lanes *out, int prefetch, const int bf16) {
+  const long element = bf16 ? 2 : 4;
+  const char *w[BLOCKS];
   lanes sum[CHUNK][BLOCKS];
-  for (int b = 0; b < BLOCKS; b++) w[b] = (const lanes *)(packed + block[b] * k_in * LANES);
+  for (int b = 0; b < BLOCKS; b++) w[b] = packed + block[b] * k_in * LANES * element;
   for (int i = 0; i < CHUNK; i++)
     for (int b = 0; b < BLOCKS; b++) sum[i][b] = (lanes){0};
-  for (long k = 0; k < k_in; k++) {
+  for (long k = k0; k < k1; k++) {
     lanes wk[BLOCKS];
     for (int b = 0; b < BLOCKS; b++) {
-      if (prefetch) __builtin_prefetch(w[b] + k + PREFETCH, 0, 0);
-      wk[b] = w[b][k];
+      if (prefetch) __builtin_prefetch(w[b] + k * LANES * element + PREFETCH_BYTES, 0, 0);
+      wk[b] = load(w[b], k, bf16);
     }
     const float *xk = xt + k * CHUNK;
 #pragma GCC unroll 16
@@ -75,27 +116,69 @@ static void chunk_rows(const float *xt, const float *packed, long k_in, const lo
     for (int b = 0; b < BLOCKS; b++) out[i * BLOCKS + b] = sum[i][b];
 }
 
-static void store(float *y, const float *bias, long n_out, long row, long block, lanes v) {
+/* y [.., n_out] row `row`, the 16 features of `block` (those below n_out): v + bias, rounded to BF16 where bf16 */
+INLINE void store(void *y, const void *bias, long n_out, long row, long block, lanes v, const int bf16) {
   for (int j = 0; j < LANES; j++) {
     long n = block * LANES + j;
-    if (n < n_out) y[row * n_out + n] = bias ? v[j] + bias[n] : v[j];
+    if (n >= n_out) break;
+    if (bf16) {
+      float b = bias ? from_bf16(((const uint16_t *)bias)[n]) : 0.0f;
+      ((uint16_t *)y)[row * n_out + n] = to_bf16(bias ? v[j] + b : v[j]);
+    } else {
+      ((float *)y)[row * n_out + n] = bias ? v[j] + ((const float *)bias)[n] : v[j];
+    }
   }
 }
 
-/* 0, or 1 where the scratch for the transposed rows could not be allocated (nothing written) */
-int blocked_linear_f32(const float *x, const float *packed, const float *bias, float *y, long rows, long n_out,
-                       long k_in, int threads) {
-  long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + CHUNK - 1) / CHUNK;
+typedef struct {
+  void (*one_row)(const float *, const char *, long, long, long, const long *, lanes *);
+  void (*chunk_rows)(const float *, const char *, long, long, long, const long *, lanes *, int);
+  void (*store)(void *, const void *, long, long, long, lanes);
+  long element;
+} kernels;
+
+static void one_row_f32(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
+  one_row(x, p, k_in, k0, k1, b, out, 0);
+}
+static void one_row_bf16(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
+  one_row(x, p, k_in, k0, k1, b, out, 1);
+}
+static void chunk_rows_f32(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
+                           int prefetch) {
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0);
+}
+static void chunk_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
+                            int prefetch) {
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1);
+}
+static void store_f32(void *y, const void *bias, long n_out, long row, long block, lanes v) {
+  store(y, bias, n_out, row, block, v, 0);
+}
+static void store_bf16(void *y, const void *bias, long n_out, long row, long block, lanes v) {
+  store(y, bias, n_out, row, block, v, 1);
+}
+static const kernels F32 = {one_row_f32, chunk_rows_f32, store_f32, 4};
+static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, store_bf16, 2};
+
+/* 0, or 1 where the FP32 scratch for the rows could not be allocated (nothing written); leaves divides k_in */
+static int run(const kernels *kernel, const void *x, const char *packed, const void *bias, char *y, long rows,
+               long n_out, long k_in, long leaves, int threads) {
+  long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + CHUNK - 1) / CHUNK, step = k_in / leaves;
+  int bf16 = kernel->element == 2;
+  const float *x32 = x; /* one FP32 row */
   float *xt = NULL;
-  if (rows > 1) {
-    xt = aligned_alloc(64, ((size_t)chunks * k_in * CHUNK * sizeof(float) + 63) / 64 * 64);
+  if (rows > 1 || bf16) {
+    long width = rows > 1 ? CHUNK : 1;
+    xt = aligned_alloc(64, ((size_t)chunks * k_in * width * sizeof(float) + 63) / 64 * 64);
     if (!xt) return 1;
     for (long c = 0; c < chunks; c++)
       for (long k = 0; k < k_in; k++)
-        for (int i = 0; i < CHUNK; i++) {
-          long row = c * CHUNK + i;
-          xt[(c * k_in + k) * CHUNK + i] = row < rows ? x[row * k_in + k] : 0.0f;
+        for (int i = 0; i < width; i++) {
+          long row = c * CHUNK + i, at = row * k_in + k;
+          float v = row >= rows ? 0.0f : bf16 ? from_bf16(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+          xt[(c * k_in + k) * width + i] = v;
         }
+    if (rows == 1) x32 = xt;
   }
   int at_once = rows == 1 ? ONE_ROW_BLOCKS : BLOCKS;
 #pragma omp parallel num_threads(threads)
@@ -115,20 +198,37 @@ int blocked_linear_f32(const float *x, const float *packed, const float *bias, f
           block[b] = live[b] ? at : first + i; /* a spent run reads a live block again, its sums dropped */
         }
         if (rows == 1) {
-          one_row(x, packed, k_in, block, out);
-          for (int b = 0; b < at_once; b++)
-            if (live[b]) store(y, bias, n_out, 0, block[b], out[b]);
+          for (long leaf = 0; leaf < leaves; leaf++) {
+            kernel->one_row(x32, packed, k_in, leaf * step, (leaf + 1) * step, block, out);
+            for (int b = 0; b < at_once; b++)
+              if (live[b])
+                kernel->store(y + leaf * n_out * kernel->element, leaf ? NULL : bias, n_out, 0, block[b], out[b]);
+          }
           continue;
         }
-        for (long c = tile; c < tile_end; c++) {
-          chunk_rows(xt + c * k_in * CHUNK, packed, k_in, block, out, c == tile);
-          for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
-            for (int b = 0; b < at_once; b++)
-              if (live[b]) store(y, bias, n_out, c * CHUNK + r, block[b], out[r * BLOCKS + b]);
-        }
+        for (long c = tile; c < tile_end; c++)
+          for (long leaf = 0; leaf < leaves; leaf++) {
+            kernel->chunk_rows(xt + c * k_in * CHUNK, packed, k_in, leaf * step, (leaf + 1) * step, block, out,
+                               c == tile);
+            for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
+              for (int b = 0; b < at_once; b++)
+                if (live[b])
+                  kernel->store(y + leaf * rows * n_out * kernel->element, leaf ? NULL : bias, n_out, c * CHUNK + r,
+                                block[b], out[r * BLOCKS + b]);
+          }
       }
     }
   }
   free(xt);
   return 0;
+}
+
+int blocked_linear_f32(const float *x, const float *packed, const float *bias, float *y, long rows, long n_out,
+                       long k_in, long leaves, int threads) {
+  return run(&F32, x, (const char *)packed, bias, (char *)y, rows, n_out, k_in, leaves, threads);
+}
+
+int blocked_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, long rows,
+                        long n_out, long k_in, long leaves, int threads) {
+  return run(&BF16, x, (const char *)packed, bias, (char *)y, rows, n_out, k_in, leaves, threads);
 }

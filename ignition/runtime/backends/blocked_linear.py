@@ -1,14 +1,20 @@
-"""CPU replay: an FP32 linear on a weight packed in blocks of 16 output features (``blocked_linear.c``), compiled for
-this CPU at load.
+"""CPU replay: a linear on a weight packed in blocks of 16 output features (``blocked_linear.c``), FP32 or BF16,
+compiled for this CPU at load.
 
 NOTE: oneDNN reorders a weight for one row count (``gemm_calibration.PACK_LAYOUTS``), and no layout of its wins at
 every decode capacity: on one AMD EPYC host the eight-row layout read the Qwen3-0.6B projections 1.2-1.3x slower at
 one row than the one-row layout, which in turn lost as much at eight rows. This product streams one layout
 (``[ceil(N / 16), K, 16]``) at one row as eight sequential reads a thread and at more rows eight at a time against
-two blocks, and every output is one FMA chain over ``k`` in order: the same bits at every row count (a row's result
-does not depend on its batch). It is one more path ``GemmPlan`` times at load (``BLOCKED``), FP32 only (a BF16
-product must keep ``aten.linear``'s bits, ``packed_linear.BIT_EXACT_DTYPES``), and taken only where it measured
-faster on the machine.
+two blocks, and every output is one FP32 FMA chain over ``k`` in order: the same bits at every row count (a row's
+result does not depend on its batch). A BF16 weight is widened exactly and the FP32 sum plus the bias rounded to BF16
+once, as ``aten.linear`` accumulates, in another order (BF16 promises no bits against transformers across CPUs,
+docs/recipes.md; its deviation from the FP32 product is tested against ``aten.linear``'s). It is one more path
+``GemmPlan`` times at load (``BLOCKED``), taken only where it measured faster on the machine.
+
+``blocked_leaves`` runs a row-parallel projection's reduction leaves (``recipes/layers.py`` ``row_linear``, FP32):
+leaf ``l`` one FMA chain over its slice of ``K`` from zero, so a rank of a tensor-parallel core that holds some of
+the leaves computes them with the same bits (``packed_linear.LinearPacks`` puts every such product on it wherever the
+blocked product runs, whatever the shape, so that the ranks and the single rank agree).
 
 The source is compiled once per CPU model, compiler and source (``library``: ``-O3 -march=native -fopenmp``, so the
 product runs on the process's OpenMP threads, torch's), into the machine's cache directory
@@ -35,7 +41,8 @@ SOURCE = Path(__file__).with_name("blocked_linear.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 LANES = 16
 """Output features a block (the C source's ``LANES``: one AVX-512 vector, two AVX2 ones)."""
-DTYPES = (torch.float32,)
+DTYPES = (torch.float32, torch.bfloat16)
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _build_lock = threading.Lock()
 
 
@@ -83,11 +90,13 @@ def library() -> ctypes.CDLL:
         loaded = ctypes.CDLL(str(built))
     except OSError as exc:
         raise BlockedUnavailable(f"loading {built} failed: {exc}") from exc
-    loaded.blocked_pack_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
-    loaded.blocked_pack_f32.restype = None
-    loaded.blocked_linear_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                          ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    loaded.blocked_linear_f32.restype = ctypes.c_int
+    for suffix in _SUFFIX.values():
+        pack_function, linear = getattr(loaded, f"blocked_pack_{suffix}"), getattr(loaded, f"blocked_linear_{suffix}")
+        pack_function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
+        pack_function.restype = None
+        linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                           ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        linear.restype = ctypes.c_int
     return loaded
 
 
@@ -107,14 +116,16 @@ def blocks_dtype(dtype: torch.dtype) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` (FP32) as ``[ceil(N / 16), K, 16]``: block b holds features 16b .. 16b+15, k-major; the
-    features past N are zero."""
+    """``weight [N, K]`` (FP32 or BF16) as ``[ceil(N / 16), K, 16]``: block b holds features 16b .. 16b+15, k-major;
+    the features past N are zero."""
     if weight.dtype not in DTYPES or weight.dim() != 2:
-        raise ValueError(f"the blocked product packs a 2-D float32 weight, got {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(f"the blocked product packs a 2-D float32 or bfloat16 weight, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
     weight = weight.contiguous()
     out_features, in_features = weight.shape
     packed = torch.empty(-(-out_features // LANES), in_features, LANES, dtype=weight.dtype)
-    library().blocked_pack_f32(weight.data_ptr(), packed.data_ptr(), out_features, in_features)
+    getattr(library(), f"blocked_pack_{_SUFFIX[weight.dtype]}")(weight.data_ptr(), packed.data_ptr(), out_features,
+                                                               in_features)
     return packed
 
 
@@ -123,21 +134,34 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features].contiguous()
 
 
-@torch.library.custom_op("ignition::blocked_linear", mutates_args=())
-def blocked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``F.linear(x, unpack(packed, out_features), bias)`` on the blocked product: ``x [..., K]`` float32."""
-    in_features = packed.shape[1]
-    flat = x.dim() == 2 and x.is_contiguous()  # a decode step's rows: no view, no copy (each is a profiler event)
-    rows = x if flat else x.reshape(-1, in_features).contiguous()
-    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+def _run(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, out_features: int,
+         leaves: int) -> None:
+    if packed.dtype != rows.dtype or (bias is not None and bias.dtype != rows.dtype):
+        raise ValueError(f"the blocked product multiplies {rows.dtype} rows by a {packed.dtype} weight"
+                         f"{'' if bias is None else f' and a {bias.dtype} bias'}; expected one dtype")
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if rows.shape[0] and library().blocked_linear_f32(rows.data_ptr(), packed.data_ptr(),
-                                                      None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                                      rows.shape[0], out_features, in_features,
-                                                      torch.get_num_threads()):
-        raise MemoryError(f"the blocked product could not allocate scratch for {rows.shape[0]} x {in_features} rows")
-    return y if flat else y.view(*x.shape[:-1], out_features)
+    if rows.shape[0] and getattr(library(), f"blocked_linear_{_SUFFIX[rows.dtype]}")(
+            rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+            rows.shape[0], out_features, packed.shape[1], leaves, torch.get_num_threads()):
+        raise MemoryError(f"the blocked product could not allocate scratch for {rows.shape[0]} x {packed.shape[1]} "
+                          "rows")
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x [..., K]`` as contiguous ``[rows, K]``: a decode step's rows as they are (no view, no copy: each is a
+    profiler event)."""
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
+
+
+@torch.library.custom_op("ignition::blocked_linear", mutates_args=())
+def blocked_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``F.linear(x, unpack(packed, out_features), bias)`` on the blocked product: ``x [..., K]`` float32 or bfloat16,
+    the weight's dtype."""
+    rows = _rows(x, packed.shape[1])
+    y = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    _run(rows, packed, bias, y, out_features, 1)
+    return y if rows is x else y.view(*x.shape[:-1], out_features)
 
 
 @blocked_linear.register_fake
@@ -145,8 +169,33 @@ def _blocked_linear_fake(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@torch.library.custom_op("ignition::blocked_leaves", mutates_args=())
+def blocked_leaves(x: torch.Tensor, packed: torch.Tensor, out_features: int, leaves: int) -> torch.Tensor:
+    """The reduction leaves of ``row_linear``: ``[leaves, rows, N]``, leaf ``l`` the product of ``x``'s slice
+    ``l * K / leaves ..`` with the weight's same columns (``x [..., K]`` flattened to rows, K a multiple of
+    ``leaves``): what ``torch.bmm`` of those slices returns, each leaf one FMA chain from zero."""
+    in_features = packed.shape[1]
+    if leaves < 1 or in_features % leaves:
+        raise ValueError(f"{leaves} reduction leaves do not divide the weight's {in_features} inputs")
+    rows = _rows(x, in_features)
+    y = torch.empty(leaves, rows.shape[0], out_features, dtype=x.dtype)
+    _run(rows, packed, None, y, out_features, leaves)
+    return y
+
+
+@blocked_leaves.register_fake
+def _blocked_leaves_fake(x, packed, out_features, leaves):
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    return x.new_empty(leaves, rows, out_features)
+
+
 TARGET = torch.ops.ignition.blocked_linear.default
 """What a linear rewritten onto the blocked product calls (its profiler name is ``ignition::blocked_linear``)."""
+LEAVES_TARGET = torch.ops.ignition.blocked_leaves.default
+"""What a row-parallel projection's batched leaves rewritten onto the blocked product call
+(``ignition::blocked_leaves``)."""
 
-__all__ = ["BlockedUnavailable", "DTYPES", "LANES", "TARGET", "blocked_linear", "blocks_dtype", "library", "pack",
-           "unavailable", "unpack"]
+__all__ = ["BlockedUnavailable", "DTYPES", "LANES", "LEAVES_TARGET", "TARGET", "blocked_leaves", "blocked_linear",
+           "blocks_dtype", "library", "pack", "unavailable", "unpack"]

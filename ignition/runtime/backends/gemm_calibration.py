@@ -10,7 +10,9 @@ in a small JSON cache keyed by the CPU model, the torch version and the shape (`
 few hundred milliseconds once per shape, and each later load reads the cache (timings taken while the host is
 oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
 the CPU's best BF16 kernels (AMX where present); it is a candidate only where it returns ``aten.linear``'s bits
-(``packed_linear.keeps_bits``), so the choice never changes a BF16 core's numbers. One choice per weight shape, not
+(``packed_linear.keeps_bits``). The blocked BF16 product sums in FP32 in its own order and rounds once, so where the
+calibration picks it a BF16 core's roundings are its own, tested no further from the exact product than
+``aten.linear``'s (BF16 promises no bits against transformers across CPUs). One choice per weight shape, not
 per row count: a weight used both ways would be held twice (its raw and its packed copy), so the shape takes the
 path whose times, each relative to the faster path at that row count, sum lowest.
 
@@ -22,8 +24,8 @@ path of its own (``packed@1``, ``packed@8``), timed beside ``aten.linear``, and 
 chosen layout. The row counts weigh alike, so
 the choice follows what the core serves: a core that decodes one lane at a time packs for one row (on that host
 the 28-layer Qwen3-0.6B shape then decoded 8.3 tokens/s against 7.0), while a core with capacities 1, 8 and 32 keeps
-the eight-row layout, which reads the LM head 1.5x faster at eight rows. An FP32 weight has one more path, the
-blocked product (``BLOCKED``), one layout for every row count, compiled for the CPU at load where a C compiler is
+the eight-row layout, which reads the LM head 1.5x faster at eight rows. FP32 and BF16 weights have one more path,
+the blocked product (``BLOCKED``), one layout for every row count, compiled for the CPU at load where a C compiler is
 (``blocked_linear.unavailable`` says why not); on that host it ran the same core's decode rounds 0.91x, 0.84x and
 0.99x as long as the eight-row layout at batches 1, 8 and 32 (``benchmarks.core_ab --old-gemm packed --new-gemm
 blocked``), and the calibration picks it for every Qwen3-0.6B shape at capacities 1, 8 and 32.
@@ -47,8 +49,8 @@ from ignition.catalog.enums import Operation
 from ignition.runtime.backends import blocked_linear
 from ignition.runtime.backends.host_cache import cache_dir, cpu_model
 
-PACKED, BLOCKED, ATEN = "packed", "blocked", "aten"
-GEMM_MODES = ("calibrate", PACKED, BLOCKED, ATEN)
+CALIBRATE, PACKED, BLOCKED, ATEN = "calibrate", "packed", "blocked", "aten"
+GEMM_MODES = (CALIBRATE, PACKED, BLOCKED, ATEN)
 CALIBRATION_ROWS = (1, 8)
 """Decode at one lane and at eight: the row counts timed where a load names none (``GemmPlan(rows=...)``: a core's
 decode capacities)."""
@@ -199,7 +201,7 @@ class GemmPlan:
     may run the dtype; default: every dtype).
     ``rows``: the row counts the paths are timed at, each weighing alike (the core's decode capacities)."""
 
-    def __init__(self, mode: str = "calibrate", allowed=None, cache: Path | None = None, rows=CALIBRATION_ROWS):
+    def __init__(self, mode: str = CALIBRATE, allowed=None, cache: Path | None = None, rows=CALIBRATION_ROWS):
         if mode not in GEMM_MODES:
             raise ValueError(f"unknown GEMM mode {mode!r}; expected one of {', '.join(GEMM_MODES)}")
         rows = tuple(sorted(set(rows)))
@@ -276,6 +278,6 @@ class GemmPlan:
             pass
 
 
-__all__ = ["ATEN", "BLOCKED", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
+__all__ = ["ATEN", "BLOCKED", "CALIBRATE", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
            "PACK_LAYOUTS", "cache_path", "pack", "choose", "cpu_model", "decode_rows", "machine_key", "packed_path",
            "path_layout", "time_paths"]

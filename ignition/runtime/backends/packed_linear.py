@@ -7,8 +7,9 @@ machines this project has run on. oneDNN's matmul on a weight reordered once int
 (``benchmarks.row_layouts``). It accumulates in FP32, as ``aten.linear`` does, so only the summation order changes
 (logprobs within 3e-6 of the unpacked core's on that checkpoint). BF16's ``aten.linear`` already calls oneDNN, on the
 plain layout; on the Zen 5 machine the blocked one is 1.1-2.4x faster (the LM head at one row: 8.7 ms against 21)
-and returns the same bits, so BF16 weights are packed where a probe finds those bits (``keeps_bits``, per layout): a
-BF16 core keeps transformers' rounding either way.
+and returns the same bits, so BF16 weights are packed for oneDNN only where a probe finds those bits (``keeps_bits``,
+per layout): how oneDNN accumulates a BF16 product it picked is not specified, while the blocked product's BF16 (an
+FP32 sum rounded once) is, and is tested no further from the exact product than ``aten.linear``'s.
 
 ``LinearPacks.rewrite`` turns every ``aten.linear(x, w[, b])`` of a graph whose ``w`` is a weight argument of a
 packed dtype with at least ``PACK_MIN_ELEMENTS`` elements into ``mkldnn._linear_pointwise(x, packed(w), b)``, the
@@ -35,11 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 
 import torch
+from torch.fx import Node
 
 from ignition.catalog.model import BufferDecl, Role
 from ignition.runtime.backends import blocked_linear
 from ignition.runtime.backends import gemm_calibration
-from ignition.runtime.backends.gemm_calibration import ATEN, BLOCKED, FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan
+from ignition.runtime.backends.gemm_calibration import ATEN, BLOCKED, CALIBRATE, FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
 from ignition.runtime.weights import TensorEntry
@@ -54,8 +56,8 @@ choice is the machine's (``GemmPlan`` times each shape): where oneDNN's call ove
 PACKED_DTYPES = (torch.float32,)
 """Packed wherever oneDNN is: the summation order is the only change (FP32 tolerances)."""
 BIT_EXACT_DTYPES = (torch.bfloat16,)
-"""Packed only where the packed product returns ``aten.linear``'s bits (``keeps_bits``): a BF16 core reproduces
-transformers' BF16 rounding, and a product rounded differently flips greedy tokens of a random-weight checkpoint."""
+"""Packed for oneDNN only where its packed product returns ``aten.linear``'s bits (``keeps_bits``): its BF16
+accumulation is not specified (the blocked product's is, ``blocked_linear``)."""
 PACK_WORKERS = 2
 """Threads that pack at once (the reorders release the GIL; most of their time is faulting in the packed copies' fresh
 pages, which two threads do side by side)."""
@@ -66,6 +68,9 @@ PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
 _LINEAR = torch.ops.aten.linear.default
 _POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+_BMM, _EXPAND = torch.ops.aten.bmm.default, torch.ops.aten.expand.default
+_TRANSPOSE, _PERMUTE = torch.ops.aten.transpose.int, torch.ops.aten.permute.default
+_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
 
 
 def packing_available() -> bool:
@@ -135,6 +140,7 @@ class LinearPacks:
         self.gemm = GemmPlan() if gemm is None else gemm  # which weight shapes run packed on this machine
         self.min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
         self.attributes: dict[str, str] = {}  # weight name -> the graph attribute of its packed copy
+        self.paths: dict[str, str] = {}  # weight name -> the path its graphs multiply by it on (``GemmPlan.path``)
         self.reorders: dict[str, Future] = {}  # weight name -> its reorder (as the file is read, or ``start``)
         self.streamed: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # packed from scratch: shape, dtype
         self.packed: dict[str, torch.Tensor] = {}  # filled by ``finish``
@@ -177,20 +183,28 @@ class LinearPacks:
                      if name in decls}
         attributes: dict[str, str] = {}
         rewritten = 0
+        def packed_weight(name: str) -> Node:  # ``finish`` sets the packed tensor
+            attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
+            if attribute not in attributes:
+                root.register_buffer(attribute, torch.empty(0), persistent=False)
+                attributes[attribute] = name
+            return graph.get_attr(attribute)
+
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target is not _LINEAR or node.args[1] not in weight_of:
+            if node.op != "call_function":
+                continue
+            if node.target is _BMM:
+                rewritten += self._rewrite_leaves(graph, node, weight_of, decls, packed_weight)
+                continue
+            if node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
             name = weight_of[node.args[1]]
             path = self._path(decls[name].shape, decls[name].torch_dtype)
-            if path == ATEN:
+            if path == ATEN or self.paths.setdefault(name, path) != path:  # one pack a weight
                 continue
             bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             with graph.inserting_before(node):
-                attribute = self.attributes.setdefault(name, f"_packed_{len(self.attributes)}")
-                if attribute not in attributes:  # ``finish`` sets the packed one
-                    root.register_buffer(attribute, torch.empty(0), persistent=False)
-                    attributes[attribute] = name
-                weight = graph.get_attr(attribute)
+                weight = packed_weight(name)
                 if path == BLOCKED:
                     out_features = decls[name].shape[0]
                     call = graph.call_function(blocked_linear.TARGET, (node.args[0], weight, bias, out_features))
@@ -209,6 +223,58 @@ class LinearPacks:
             self.programs.append((program, attributes))
         self.constants.rewrite(program, weight_of, decls)
         return rewritten
+
+    def _rewrite_leaves(self, graph, node: Node, weight_of: dict[Node, str], decls: dict[str, BufferDecl],
+                        packed_weight) -> int:
+        """A row-parallel projection's leaves (``recipes/layers.py`` ``row_linear``: ``bmm`` of ``x.reshape(-1, L,
+        K / L).transpose(0, 1)`` and ``w.view(N, L, K / L).permute(1, 2, 0)``, or a one-leaf shard's two copies of
+        them) onto ``blocked_linear.blocked_leaves``, whose leaves are each one FMA chain: 1 where rewritten.
+
+        Every such product goes on the blocked product wherever it runs FP32 here and the mode allows it (not
+        timed per shape): a tensor-parallel rank computes some of the same leaves on its shard's shape, and they
+        must be the single rank's bits."""
+        expanded = False
+        leaves_view, slices = node.args
+        if not isinstance(leaves_view, Node) or not isinstance(slices, Node):
+            return 0
+        if leaves_view.target is _EXPAND and slices.target is _EXPAND:  # a rank's one leaf as a batch of two
+            if list(leaves_view.args[1])[0] != 2 or list(slices.args[1])[0] != 2:
+                return 0
+            expanded, leaves_view, slices = True, leaves_view.args[0], slices.args[0]
+        if leaves_view.target is not _TRANSPOSE or tuple(leaves_view.args[1:]) != (0, 1) or \
+                slices.target is not _PERMUTE or list(slices.args[1]) != [1, 2, 0]:
+            return 0
+        flat, view = leaves_view.args[0], slices.args[0]
+        if flat.target not in _RESHAPES or view.target not in _RESHAPES or view.args[0] not in weight_of:
+            return 0
+        name = weight_of[view.args[0]]
+        decl = decls[name]
+        out_features, in_features = decl.shape
+        leaves = list(view.args[1])[1]
+        if list(view.args[1]) != [out_features, leaves, in_features // leaves] or \
+                list(flat.args[1])[1:] != [leaves, in_features // leaves] or in_features % leaves or \
+                not self._leaves_blocked(decl.torch_dtype) or self.paths.setdefault(name, BLOCKED) != BLOCKED:
+            return 0
+        with graph.inserting_before(node):
+            call = graph.call_function(blocked_linear.LEAVES_TARGET,
+                                       (flat.args[0], packed_weight(name), out_features, leaves))
+            result = graph.call_function(_EXPAND, (call, [2, -1, -1])) if expanded else call
+        result.meta = dict(node.meta)
+        if expanded and "val" in node.meta:
+            call.meta = {**node.meta, "val": node.meta["val"][:1]}
+        copies = node.args if expanded else ()
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        for unused in (*copies, leaves_view, slices, flat, view):  # in order: each one's users erased before it
+            if not unused.users:
+                graph.erase_node(unused)
+        return 1
+
+    def _leaves_blocked(self, dtype: torch.dtype) -> bool:
+        """Whether row-parallel leaves of ``dtype`` run on the blocked product: FP32 (the only dtype ``row_linear``
+        splits), the product built here, and the mode ``calibrate`` or ``blocked``."""
+        return dtype == torch.float32 and blocked_linear.blocks_dtype(dtype) and \
+            self.gemm.mode in (CALIBRATE, BLOCKED) and self.gemm.allowed(dtype)
 
     def decline(self) -> None:
         """No graph will say which weights to pack (the backend packs nothing, or the graphs stopped): a weight the
@@ -234,14 +300,14 @@ class LinearPacks:
     def pack(self, entry: TensorEntry, tensor: torch.Tensor) -> Future:
         """Pack ``tensor``, scratch read until the future is done, on the worker threads."""
         self.streamed[entry.name] = tuple(entry.shape), entry.dtype
-        future = self.reorders[entry.name] = self._worker.submit(self._pack, tensor, False)
+        future = self.reorders[entry.name] = self._worker.submit(self._pack, entry.name, tensor, False)
         return future
 
     def read(self, entry: TensorEntry, tensor: torch.Tensor) -> None:
         """A weight read into memory of its own: packed from there at once if the first graph packs it."""
         first = self._first_packs(entry)
         if first is not None and first[0]:
-            self.reorders[entry.name] = self._worker.submit(self._pack, tensor, False)
+            self.reorders[entry.name] = self._worker.submit(self._pack, entry.name, tensor, False)
 
     def streamed_weights(self) -> dict[str, torch.Tensor]:
         """The packed tensor of every streamed weight, once each is packed: what the core's weights dict holds."""
@@ -262,17 +328,18 @@ class LinearPacks:
             weights[name] = self._unpack(name)
         for name in self.attributes:
             if name not in self.reorders:
-                self.reorders[name] = self._worker.submit(self._pack, weights[name], name not in self.raw_readers)
+                self.reorders[name] = self._worker.submit(self._pack, name, weights[name],
+                                                          name not in self.raw_readers)
 
     def _unpack(self, name: str) -> torch.Tensor:
         """The exact raw tensor of streamed weight ``name`` from its packed one (oneDNN's reorder or the blocks
         undone)."""
         shape, dtype = self.streamed[name]
         packed = self.reorders[name].result()
-        return blocked_linear.unpack(packed, shape[0]) if self._path(shape, dtype) == BLOCKED else packed.to_dense()
+        return blocked_linear.unpack(packed, shape[0]) if self.paths[name] == BLOCKED else packed.to_dense()
 
-    def _pack(self, weight: torch.Tensor, release: bool) -> torch.Tensor:
-        packed = gemm_calibration.pack(self._path(weight.shape, weight.dtype), weight)
+    def _pack(self, name: str, weight: torch.Tensor, release: bool) -> torch.Tensor:
+        packed = gemm_calibration.pack(self.paths[name], weight)
         if release:  # nothing reads it until ``finish`` swaps the packed tensor in
             release_pages(weight)
         return packed
