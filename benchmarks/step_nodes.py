@@ -32,9 +32,14 @@ def node_table(core, batch: int, steps: int) -> tuple[list[tuple[str, int, int, 
 
     engine = warmed_engine(core, decode_requests(lane_prompts(batch), 5, steps))
     variant = next(v for v in core.variants.values() if v.operation is Operation.DECODE and v.capacity == batch)
+    from ignition.runtime.backends.blocked_linear import GRAPH_CALLS
+
+    def operator(node) -> str:  # namespace.name: the blocked product's graph calls by their profiler names
+        return GRAPH_CALLS[node.target].replace("::", ".") if node.target in GRAPH_CALLS else str(node.target)
+
     nodes = [n for n in variant.runner.graph_module.graph.nodes
-             if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
-    kinds = [str(n.target).split(".")[1] + (f" {n.args[1]}" if str(n.target).startswith("aten.rms_norm") else "")
+             if n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload) or n.target in GRAPH_CALLS)]
+    kinds = [operator(n).split(".")[1] + (f" {n.args[1]}" if operator(n).startswith("aten.rms_norm") else "")
              for n in nodes]
     count, calls, times = collections.Counter(), collections.Counter(), collections.Counter()
     total = outside = 0.0
@@ -44,13 +49,13 @@ def node_table(core, batch: int, steps: int) -> tuple[list[tuple[str, int, int, 
         top = sorted((e for e in trace.events() if e.cpu_parent is None), key=lambda e: e.time_range.start)
         total += sum(e.cpu_time_total for e in top)
         start = next(i for i, e in enumerate(top) if e.name == "aten::embedding")
-        position = start - next(i for i, n in enumerate(nodes) if str(n.target).startswith("aten.embedding"))
+        position = start - next(i for i, n in enumerate(nodes) if operator(n).startswith("aten.embedding"))
         matched = set()
         for node, kind in zip(nodes, kinds):
             if position >= len(top):
                 break
             event = top[position]
-            if event.name.split("::")[-1] != str(node.target).split(".")[1]:
+            if event.name.split("::")[-1] != operator(node).split(".")[1]:
                 continue  # a node that calls no operator here (a shape read)
             count[kind] += 1
             calls[kind] += _calls(event)

@@ -381,7 +381,7 @@ def _leaves(core) -> dict[str, tuple[int, int]]:
     counts = {}
     for name, variant in core.variants.items():
         nodes = [n for n in variant.runner.graph_module.graph.nodes if n.op == "call_function"]
-        counts[name] = (sum(n.target is blocked_linear.LEAVES_TARGET for n in nodes),
+        counts[name] = (sum(n.target is blocked_linear.graph_leaves for n in nodes),
                         sum(n.target is torch.ops.aten.bmm.default and n.args[1].op == "get_attr" for n in nodes))
     return counts
 

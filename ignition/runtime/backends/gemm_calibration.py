@@ -177,7 +177,7 @@ def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[
             if path == ATEN:
                 return lambda: [torch.nn.functional.linear(x, weight) for weight in weights]
             if path == BLOCKED:
-                return lambda: [blocked_linear.TARGET(x, packed, None, kept) for packed in packs[path]]
+                return lambda: [blocked_linear.graph_linear(x, packed, None, kept) for packed in packs[path]]
             return lambda: [torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
                             for packed in packs[path]]
         best = _best_seconds({path: product(path) for path in paths})

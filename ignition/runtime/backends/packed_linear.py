@@ -22,7 +22,7 @@ packed weight is packed from its raw copy once every graph is read, and that cop
 ``LoadOptions.pack_linears`` makes the choice, at load, and ``LoadOptions.gemm`` which weights: each weight shape's
 faster path on this machine, ``aten.linear``, the packed product in the layout oneDNN reorders for one or for eight
 rows, or (FP32) the blocked product on a weight packed in blocks of 16 features (``blocked_linear``: a linear
-rewritten onto it calls ``ignition::blocked_linear``) (``gemm_calibration.GemmPlan``: timed once per CPU model and
+rewritten onto it calls ``blocked_linear.graph_linear``, ``ignition::blocked_linear`` in a profile) (``gemm_calibration.GemmPlan``: timed once per CPU model and
 cached), or one forced.
 The same pass folds what a graph computes from weights alone
 (views of them, the q/k norm scales' concatenation) into constants computed once (``weight_constants.py``).
@@ -207,7 +207,7 @@ class LinearPacks:
                 weight = packed_weight(name)
                 if path == BLOCKED:
                     out_features = decls[name].shape[0]
-                    call = graph.call_function(blocked_linear.TARGET, (node.args[0], weight, bias, out_features))
+                    call = graph.call_function(blocked_linear.graph_linear, (node.args[0], weight, bias, out_features))
                 else:
                     call = graph.call_function(_POINTWISE, (node.args[0], weight, bias, "none", [], ""))
             call.meta = dict(node.meta)
@@ -256,7 +256,7 @@ class LinearPacks:
                 not self._leaves_blocked(decl.torch_dtype) or self.paths.setdefault(name, BLOCKED) != BLOCKED:
             return 0
         with graph.inserting_before(node):
-            call = graph.call_function(blocked_linear.LEAVES_TARGET,
+            call = graph.call_function(blocked_linear.graph_leaves,
                                        (flat.args[0], packed_weight(name), out_features, leaves))
             result = graph.call_function(_EXPAND, (call, [2, -1, -1])) if expanded else call
         result.meta = dict(node.meta)
