@@ -89,6 +89,26 @@ def test_the_leaves_are_each_slices_product_one_chain_whatever_the_rows(out_feat
         blocked_linear.blocked_leaves(x, blocked_linear.pack(weight), out_features, 5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9, 20])
+@pytest.mark.parametrize("leaves", [2, 4, 8])
+def test_the_row_linear_is_row_linears_tree_of_the_leaves_bit_for_bit(rows, leaves):
+    """``blocked_row_linear``: the leaves of ``blocked_leaves``, the bias added to leaf 0, summed as
+    ``recipes/layers.py`` ``row_linear`` sums them (``parts[0::2] + parts[1::2]`` until one is left), bit for bit."""
+    generator = torch.Generator().manual_seed(rows * 10 + leaves)
+    weight, x = torch.randn(70, 128, generator=generator), torch.randn(rows, 128, generator=generator)
+    packed = blocked_linear.pack(weight)
+    for bias in (None, torch.randn(70, generator=generator)):
+        parts = blocked_linear.blocked_leaves(x, packed, 70, leaves)
+        if bias is not None:
+            parts = torch.cat((parts[:1] + bias, parts[1:]))
+        while parts.shape[0] > 1:
+            parts = parts[0::2] + parts[1::2]
+        assert torch.equal(blocked_linear.ROW_LINEAR_TARGET(x, packed, bias, 70, leaves), parts)
+    with pytest.raises(ValueError, match=r"3 reduction leaves of the weight's 128 inputs: expected a power of two up "
+                                         r"to 16 that divides them"):
+        blocked_linear.ROW_LINEAR_TARGET(x, packed, None, 70, 3)
+
+
 def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profiler():
     weight, x = torch.randn(40, 24), torch.randn(2, 3, 48)[..., ::2]  # non-contiguous [2, 3, 24]
     packed = blocked_linear.pack(weight)
@@ -101,7 +121,8 @@ def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profi
         assert torch.equal(blocked_linear.graph_linear(x, packed, None, 40), y)
         assert torch.equal(blocked_linear.graph_leaves(x, packed, 40, 2), blocked_linear.LEAVES_TARGET(x, packed, 40, 2))
     assert {"ignition::blocked_linear", "ignition::blocked_leaves"} <= {event.key for event in profile.key_averages()}
-    assert set(blocked_linear.GRAPH_CALLS.values()) == {"ignition::blocked_linear", "ignition::blocked_leaves"}
+    assert set(blocked_linear.GRAPH_CALLS.values()) == {"ignition::blocked_linear", "ignition::blocked_leaves",
+                                                        "ignition::blocked_row_linear"}
     assert blocked_linear.TARGET(x[:, :0], packed, None, 40).shape == (2, 0, 40)
     with pytest.raises(ValueError, match=r"packs a 2-D float32 or bfloat16 weight, got \(40, 24\) torch.float16"):
         blocked_linear.pack(weight.half())
@@ -122,7 +143,8 @@ def test_a_machine_without_a_compiler_is_told_why_and_the_forced_mode_refused(mo
 
 
 def test_a_core_loaded_on_the_blocked_product_keeps_its_logprobs(tmp_path_factory, monkeypatch):
-    """Every projection and the tied LM head of an FP32 core run blocked (``--gemm blocked``, no size floor): the
+    """Every projection and the tied LM head of an FP32 core run blocked (``--gemm blocked``, no size floor; o_proj and
+    down_proj as their reduction leaves, summed): the
     greedy tokens and the logprobs are the plain core's to FP32 summation order, and the raw embedding the lookup
     reads is kept exact beside the LM head's blocked copy."""
     from ignition.exporter.export import export_core
@@ -142,7 +164,7 @@ def test_a_core_loaded_on_the_blocked_product_keeps_its_logprobs(tmp_path_factor
     for name, variant in blocked.variants.items():
         targets = [n.target for n in variant.runner.graph_module.graph.nodes if n.op == "call_function"
                    and "linear" in getattr(n.target, "__name__", str(n.target))]
-        assert targets and set(targets) == {blocked_linear.graph_linear}, name
+        assert targets and set(targets) == {blocked_linear.graph_linear, blocked_linear.graph_row_linear}, name
     embedding = next(name for name in blocked.weights if "embed" in name)
     assert torch.equal(blocked.weights[embedding], plain.weights[embedding])
     requests = [Request([i + 1, 7, 9, 11 + i], max_tokens=6, logprobs=5, ignore_eos=True) for i in range(5)]

@@ -40,9 +40,10 @@ def decoder_core(request, tmp_path_factory):
 
 
 def _linears(core) -> dict[str, list]:
-    """Variant -> the targets of its linear calls (aten's or oneDNN's)."""
+    """Variant -> the targets of its linear calls (aten's or oneDNN's; the row-parallel leaves are ``_leaves``)."""
     return {name: [str(n.target) for n in v.runner.graph_module.graph.nodes
-                   if n.op == "call_function" and "linear" in str(n.target)] for name, v in core.variants.items()}
+                   if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+                   and "linear" in str(n.target)] for name, v in core.variants.items()}
 
 
 def _words(results) -> list[tuple[list[int], torch.Tensor]]:
@@ -376,12 +377,12 @@ def test_streamed_loads_keep_no_raw_copy_of_a_projection(decoder_core, pack_tiny
 
 
 def _leaves(core) -> dict[str, tuple[int, int]]:
-    """Variant -> (its ``ignition::blocked_leaves`` calls, its ``bmm`` calls on a weight's leaves: a view of the
-    weight folded into a constant, ``weight_constants.py``)."""
+    """Variant -> (its calls of the blocked leaves, summed or not, its ``bmm`` calls on a weight's leaves: a view of
+    the weight folded into a constant, ``weight_constants.py``)."""
     counts = {}
     for name, variant in core.variants.items():
         nodes = [n for n in variant.runner.graph_module.graph.nodes if n.op == "call_function"]
-        counts[name] = (sum(n.target is blocked_linear.graph_leaves for n in nodes),
+        counts[name] = (sum(n.target in (blocked_linear.graph_leaves, blocked_linear.graph_row_linear) for n in nodes),
                         sum(n.target is torch.ops.aten.bmm.default and n.args[1].op == "get_attr" for n in nodes))
     return counts
 

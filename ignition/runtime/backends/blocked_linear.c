@@ -10,7 +10,9 @@
  * stay in cache while every block of the thread's share passes.
  * With leaves > 1 the K inputs are that many equal slices (a row-parallel projection's reduction leaves,
  * recipes/layers.py row_linear): y is [leaves, M, N], leaf l one FMA chain over its slice from zero, the bias (if
- * any) in leaf 0 only; each block is still read once, its leaves one after another.
+ * any) in leaf 0 only; each block is still read once, its leaves one after another. With tree (leaves a power of
+ * two, at most MAX_TREE_LEAVES), y is [M, N]: the leaves (the bias added to leaf 0) summed as row_linear sums them,
+ * each level adding leaf 2i + 1 to leaf 2i.
  * Built by blocked_linear.py with -O3 -march=native -fopenmp: the threads are the process's OpenMP threads (torch's). */
 #include <stdint.h>
 #include <stdlib.h>
@@ -21,6 +23,8 @@
 #define BLOCKS 2
 #define CHUNK 8
 #define TILE 256
+#define MAX_TREE_LEAVES 16
+#define PER_LEAF (CHUNK * BLOCKS > ONE_ROW_BLOCKS ? CHUNK * BLOCKS : ONE_ROW_BLOCKS) /* a leaf's vectors, one group */
 #define PREFETCH_BYTES 2048 /* how far ahead in a block's stream (32 cache lines) */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -160,11 +164,28 @@ static void store_bf16(void *y, const void *bias, long n_out, long row, long blo
 static const kernels F32 = {one_row_f32, chunk_rows_f32, store_f32, 4};
 static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, store_bf16, 2};
 
-/* 0, or 1 where the FP32 scratch for the rows could not be allocated (nothing written); leaves divides k_in */
+/* the leaves' sums of `count` vectors each, summed pairwise in place into sums[0] (row_linear's tree) */
+static void tree_sum(lanes sums[][PER_LEAF], long leaves, int count) {
+  for (long width = leaves; width > 1; width /= 2)
+    for (long i = 0; i < width / 2; i++)
+      for (int v = 0; v < count; v++) sums[i][v] = sums[2 * i][v] + sums[2 * i + 1][v];
+}
+
+/* bias (FP32 or BF16) for the features of `block`, as a vector (zeros past n_out) */
+static lanes bias_lanes(const void *bias, long n_out, long block, int bf16) {
+  lanes v = {0};
+  for (int j = 0; j < LANES && block * LANES + j < n_out; j++)
+    v[j] = bf16 ? from_bf16(((const uint16_t *)bias)[block * LANES + j]) : ((const float *)bias)[block * LANES + j];
+  return v;
+}
+
+/* 0; 1 where the FP32 scratch for the rows could not be allocated; 2 where tree and leaves is not a power of two of
+ * at most MAX_TREE_LEAVES (nothing written either way); leaves divides k_in */
 static int run(const kernels *kernel, const void *x, const char *packed, const void *bias, char *y, long rows,
-               long n_out, long k_in, long leaves, int threads) {
+               long n_out, long k_in, long leaves, int tree, int threads) {
   long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + CHUNK - 1) / CHUNK, step = k_in / leaves;
   int bf16 = kernel->element == 2;
+  if (tree && (leaves > MAX_TREE_LEAVES || (leaves & (leaves - 1)))) return 2;
   const float *x32 = x; /* one FP32 row */
   float *xt = NULL;
   if (rows > 1 || bf16) {
@@ -186,7 +207,7 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
     int t = omp_get_thread_num(), count = omp_get_num_threads();
     long first = blocks * t / count, end = blocks * (t + 1) / count;
     long stride = (end - first + at_once - 1) / at_once; /* run b of the share starts at first + b * stride */
-    lanes out[CHUNK * BLOCKS > ONE_ROW_BLOCKS ? CHUNK * BLOCKS : ONE_ROW_BLOCKS];
+    lanes out[PER_LEAF], sums[MAX_TREE_LEAVES][PER_LEAF];
     for (long tile = 0; tile < chunks; tile += TILE / CHUNK) {
       long tile_end = tile + TILE / CHUNK < chunks ? tile + TILE / CHUNK : chunks;
       for (long i = 0; i < stride; i++) {
@@ -199,23 +220,42 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
         }
         if (rows == 1) {
           for (long leaf = 0; leaf < leaves; leaf++) {
-            kernel->one_row(x32, packed, k_in, leaf * step, (leaf + 1) * step, block, out);
+            kernel->one_row(x32, packed, k_in, leaf * step, (leaf + 1) * step, block, tree ? sums[leaf] : out);
+            if (!tree)
+              for (int b = 0; b < at_once; b++)
+                if (live[b])
+                  kernel->store(y + leaf * n_out * kernel->element, leaf ? NULL : bias, n_out, 0, block[b], out[b]);
+          }
+          if (tree) {
+            if (bias)
+              for (int b = 0; b < at_once; b++) sums[0][b] += bias_lanes(bias, n_out, block[b], bf16);
+            tree_sum(sums, leaves, at_once);
             for (int b = 0; b < at_once; b++)
-              if (live[b])
-                kernel->store(y + leaf * n_out * kernel->element, leaf ? NULL : bias, n_out, 0, block[b], out[b]);
+              if (live[b]) kernel->store(y, NULL, n_out, 0, block[b], sums[0][b]);
           }
           continue;
         }
-        for (long c = tile; c < tile_end; c++)
+        for (long c = tile; c < tile_end; c++) {
           for (long leaf = 0; leaf < leaves; leaf++) {
-            kernel->chunk_rows(xt + c * k_in * CHUNK, packed, k_in, leaf * step, (leaf + 1) * step, block, out,
-                               c == tile);
+            kernel->chunk_rows(xt + c * k_in * CHUNK, packed, k_in, leaf * step, (leaf + 1) * step, block,
+                               tree ? sums[leaf] : out, c == tile);
+            if (!tree)
+              for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
+                for (int b = 0; b < at_once; b++)
+                  if (live[b])
+                    kernel->store(y + leaf * rows * n_out * kernel->element, leaf ? NULL : bias, n_out,
+                                  c * CHUNK + r, block[b], out[r * BLOCKS + b]);
+          }
+          if (tree) {
+            if (bias)
+              for (int r = 0; r < CHUNK; r++)
+                for (int b = 0; b < at_once; b++) sums[0][r * BLOCKS + b] += bias_lanes(bias, n_out, block[b], bf16);
+            tree_sum(sums, leaves, CHUNK * BLOCKS);
             for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
               for (int b = 0; b < at_once; b++)
-                if (live[b])
-                  kernel->store(y + leaf * rows * n_out * kernel->element, leaf ? NULL : bias, n_out, c * CHUNK + r,
-                                block[b], out[r * BLOCKS + b]);
+                if (live[b]) kernel->store(y, NULL, n_out, c * CHUNK + r, block[b], sums[0][r * BLOCKS + b]);
           }
+        }
       }
     }
   }
@@ -224,11 +264,11 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
 }
 
 int blocked_linear_f32(const float *x, const float *packed, const float *bias, float *y, long rows, long n_out,
-                       long k_in, long leaves, int threads) {
-  return run(&F32, x, (const char *)packed, bias, (char *)y, rows, n_out, k_in, leaves, threads);
+                       long k_in, long leaves, int tree, int threads) {
+  return run(&F32, x, (const char *)packed, bias, (char *)y, rows, n_out, k_in, leaves, tree, threads);
 }
 
 int blocked_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y, long rows,
-                        long n_out, long k_in, long leaves, int threads) {
-  return run(&BF16, x, (const char *)packed, bias, (char *)y, rows, n_out, k_in, leaves, threads);
+                        long n_out, long k_in, long leaves, int tree, int threads) {
+  return run(&BF16, x, (const char *)packed, bias, (char *)y, rows, n_out, k_in, leaves, tree, threads);
 }

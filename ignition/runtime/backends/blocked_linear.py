@@ -95,7 +95,7 @@ def library() -> ctypes.CDLL:
         pack_function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
         pack_function.restype = None
         linear.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                           ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+                           ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
         linear.restype = ctypes.c_int
     return loaded
 
@@ -137,8 +137,13 @@ def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
 _functions: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> the library's product, looked up once
 
 
+MAX_TREE_LEAVES = 16
+"""The most leaves ``blocked_row_linear`` sums (the C source's ``MAX_TREE_LEAVES``; ``row_linear`` splits into at most
+``catalog.parallel.ROW_REDUCTION_BLOCKS``)."""
+
+
 def _run(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, out_features: int,
-         leaves: int) -> None:
+         leaves: int, tree: bool = False) -> None:
     function = _functions.get(rows.dtype)
     if function is None or packed.dtype != rows.dtype or (bias is not None and bias.dtype != rows.dtype):
         if rows.dtype not in DTYPES or packed.dtype != rows.dtype or (bias is not None and bias.dtype != rows.dtype):
@@ -149,7 +154,7 @@ def _run(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y:
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     if rows.shape[0] and function(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                  y.data_ptr(), rows.shape[0], out_features, packed.shape[1], leaves,
+                                  y.data_ptr(), rows.shape[0], out_features, packed.shape[1], leaves, tree,
                                   torch.get_num_threads()):
         raise MemoryError(f"the blocked product could not allocate scratch for {rows.shape[0]} x {packed.shape[1]} "
                           "rows")
@@ -178,6 +183,18 @@ def _leaves(x: torch.Tensor, packed: torch.Tensor, out_features: int, leaves: in
     return y
 
 
+def _row_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                leaves: int) -> torch.Tensor:
+    in_features = packed.shape[1]
+    if leaves < 1 or in_features % leaves or leaves > MAX_TREE_LEAVES or leaves & (leaves - 1):
+        raise ValueError(f"{leaves} reduction leaves of the weight's {in_features} inputs: expected a power of two "
+                         f"up to {MAX_TREE_LEAVES} that divides them")
+    rows = _rows(x, in_features)
+    y = torch.empty(1, rows.shape[0], out_features, dtype=x.dtype)
+    _run(rows, packed, bias, y, out_features, leaves, tree=True)
+    return y
+
+
 _profiling = torch._C._autograd._profiler_enabled
 
 
@@ -200,7 +217,18 @@ def graph_leaves(x: torch.Tensor, packed: torch.Tensor, out_features: int, leave
     return _leaves(x, packed, out_features, leaves)
 
 
-GRAPH_CALLS = {graph_linear: "ignition::blocked_linear", graph_leaves: "ignition::blocked_leaves"}
+def graph_row_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                     leaves: int) -> torch.Tensor:
+    """What a row-parallel projection (its leaves and their pairwise sum) rewritten onto the blocked product calls:
+    ``blocked_row_linear`` without the dispatcher (``graph_linear``)."""
+    if _profiling():
+        with torch.profiler.record_function("ignition::blocked_row_linear"):
+            return _row_linear(x, packed, bias, out_features, leaves)
+    return _row_linear(x, packed, bias, out_features, leaves)
+
+
+GRAPH_CALLS = {graph_linear: "ignition::blocked_linear", graph_leaves: "ignition::blocked_leaves",
+               graph_row_linear: "ignition::blocked_row_linear"}
 """The functions rewritten graphs call, by the name a profiler shows them under."""
 
 
@@ -224,6 +252,23 @@ def blocked_leaves(x: torch.Tensor, packed: torch.Tensor, out_features: int, lea
     return _leaves(x, packed, out_features, leaves)
 
 
+@torch.library.custom_op("ignition::blocked_row_linear", mutates_args=())
+def blocked_row_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                       leaves: int) -> torch.Tensor:
+    """``row_linear`` whole: the leaves of ``blocked_leaves``, the bias added to leaf 0, summed as a balanced pairwise
+    tree of neighbours (each level leaf 2i + leaf 2i+1), ``[1, rows, N]``; ``leaves`` a power of two up to
+    ``MAX_TREE_LEAVES``."""
+    return _row_linear(x, packed, bias, out_features, leaves)
+
+
+@blocked_row_linear.register_fake
+def _blocked_row_linear_fake(x, packed, bias, out_features, leaves):
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    return x.new_empty(1, rows, out_features)
+
+
 @blocked_leaves.register_fake
 def _blocked_leaves_fake(x, packed, out_features, leaves):
     rows = 1
@@ -236,6 +281,9 @@ TARGET = torch.ops.ignition.blocked_linear.default
 """The blocked product as an operator (``ignition::blocked_linear``; graphs call ``graph_linear``)."""
 LEAVES_TARGET = torch.ops.ignition.blocked_leaves.default
 """The blocked leaves as an operator (``ignition::blocked_leaves``; graphs call ``graph_leaves``)."""
+ROW_LINEAR_TARGET = torch.ops.ignition.blocked_row_linear.default
+"""The blocked leaves summed, as an operator (``ignition::blocked_row_linear``; graphs call ``graph_row_linear``)."""
 
-__all__ = ["BlockedUnavailable", "DTYPES", "GRAPH_CALLS", "LANES", "LEAVES_TARGET", "TARGET", "blocked_leaves",
-           "blocked_linear", "blocks_dtype", "graph_leaves", "graph_linear", "library", "pack", "unavailable", "unpack"]
+__all__ = ["BlockedUnavailable", "DTYPES", "GRAPH_CALLS", "LANES", "LEAVES_TARGET", "MAX_TREE_LEAVES",
+           "ROW_LINEAR_TARGET", "TARGET", "blocked_leaves", "blocked_linear", "blocked_row_linear", "blocks_dtype",
+           "graph_leaves", "graph_linear", "graph_row_linear", "library", "pack", "unavailable", "unpack"]
