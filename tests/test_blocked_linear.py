@@ -39,15 +39,46 @@ def test_the_product_is_the_linear_to_fp32_rounding_and_a_rows_bits_ignore_its_b
         assert torch.equal(alone, y)  # a row's bits do not depend on the rows beside it
 
 
+def _rebuild(flags: tuple[str, ...]) -> None:
+    """Build (or take from the cache) the product with ``flags`` and use it from here on."""
+    blocked_linear.FLAGS = flags
+    for cached in (blocked_linear.library, blocked_linear.unavailable, blocked_linear.bf16_pairs):
+        cached.cache_clear()
+    blocked_linear._functions.clear()
+
+
+@pytest.fixture(params=["native", "widened"])
+def bf16_build(request):
+    """The BF16 product as this CPU builds it and, where that build multiplies in k pairs (AVX512-BF16), the build of
+    a CPU without those instructions (``-mno-avx512bf16``: each BF16 value widened to FP32), the other family's
+    path on this machine."""
+    native = blocked_linear.FLAGS
+    if request.param == "widened":
+        if not blocked_linear.bf16_pairs():
+            pytest.skip("this CPU's build already widens BF16 (no AVX512-BF16)")
+        _rebuild((*native, "-mno-avx512bf16"))
+        assert not blocked_linear.bf16_pairs()
+    yield request.param
+    if request.param == "widened":
+        _rebuild(native)
+
+
 @pytest.mark.parametrize("out_features,in_features,rows", SHAPES)
-def test_the_bf16_product_rounds_the_fp32_sum_once_no_further_from_exact_than_aten(out_features, in_features, rows):
-    """A BF16 weight and input widened exactly, summed as FP32, plus the bias, rounded to nearest even once: every
-    output within half a BF16 ulp of the exact sum (plus the FP32 sum's own error), and on the whole no further from
-    it than ``aten.linear``'s BF16 product (which accumulates in FP32 too, in another order)."""
+def test_the_bf16_product_rounds_the_fp32_sum_once_no_further_from_exact_than_aten(out_features, in_features, rows,
+                                                                                   bf16_build):
+    """A BF16 weight and input, multiplied exactly (widened, or two k at a time by VDPBF16PS), summed as FP32, plus
+    the bias, rounded to nearest even once: every output within half a BF16 ulp of the exact sum (plus the FP32 sum's
+    own error), and on the whole no further from it than ``aten.linear``'s BF16 product (which accumulates in FP32
+    too, in another order); a row's bits the same at every row count. In k pairs an odd K is refused."""
     generator = torch.Generator().manual_seed(out_features * 5 + rows)
     weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
     x = torch.randn(rows, in_features, generator=generator).bfloat16()
     bias = torch.randn(out_features, generator=generator).bfloat16()
+    if blocked_linear.bf16_pairs() and in_features % 2:
+        assert not blocked_linear.blocks(weight.shape, weight.dtype)
+        with pytest.raises(ValueError, match=rf"needs an even K, got \({out_features}, {in_features}\)"):
+            blocked_linear.pack(weight)
+        return
     packed = blocked_linear.pack(weight)
     assert packed.dtype == torch.bfloat16 and torch.equal(blocked_linear.unpack(packed, out_features), weight)
     ours_total = theirs_total = 0.0
@@ -123,6 +154,9 @@ def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profi
     assert {"ignition::blocked_linear", "ignition::blocked_leaves"} <= {event.key for event in profile.key_averages()}
     assert set(blocked_linear.GRAPH_CALLS.values()) == {"ignition::blocked_linear", "ignition::blocked_leaves",
                                                         "ignition::blocked_row_linear"}
+    from benchmarks._steps import MATRIX_PRODUCTS  # the benchmarks' matrix-product share counts every one
+
+    assert set(blocked_linear.GRAPH_CALLS.values()) <= set(MATRIX_PRODUCTS)
     assert blocked_linear.TARGET(x[:, :0], packed, None, 40).shape == (2, 0, 40)
     with pytest.raises(ValueError, match=r"packs a 2-D float32 or bfloat16 weight, got \(40, 24\) torch.float16"):
         blocked_linear.pack(weight.half())

@@ -13,10 +13,20 @@
  * any) in leaf 0 only; each block is still read once, its leaves one after another. With tree (leaves a power of
  * two, at most MAX_TREE_LEAVES), y is [M, N]: the leaves (the bias added to leaf 0) summed as row_linear sums them,
  * each level adding leaf 2i + 1 to leaf 2i.
+ * Where the compiler targets AVX512-BF16 (-march=native on such a CPU: AMD Zen 4, Intel Cooper Lake and later),
+ * a BF16 weight is packed as [ceil(N / 16), K / 2, 16, 2] instead (k in pairs, K even) and multiplied with
+ * VDPBF16PS: each k pair's two exact products are added to the FP32 sum one after the other, k + 1 first, with
+ * denormals flushed (blocked_bf16_pairs says which form this build uses; one form for every row count).
  * Built by blocked_linear.py with -O3 -march=native -fopenmp: the threads are the process's OpenMP threads (torch's). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define PAIRS 1
+#else
+#define PAIRS 0
+#endif
 
 #define LANES 16
 #define ONE_ROW_BLOCKS 8
@@ -56,6 +66,8 @@ INLINE lanes load(const void *block, long k, const int bf16) {
   return (lanes)wide;
 }
 
+int blocked_bf16_pairs(void) { return PAIRS; }
+
 INLINE void pack(const void *w, void *packed, long n_out, long k_in, const int bf16) {
   long blocks = (n_out + LANES - 1) / LANES;
 #pragma omp parallel for
@@ -64,6 +76,7 @@ INLINE void pack(const void *w, void *packed, long n_out, long k_in, const int b
       long n = block * LANES + j;
       for (long k = 0; k < k_in; k++) {
         long to = (block * k_in + k) * LANES + j, from = n * k_in + k;
+        if (bf16 && PAIRS) to = (block * k_in + k / 2 * 2) * LANES + j * 2 + k % 2; /* [.., K / 2, 16, 2] */
         if (bf16) ((uint16_t *)packed)[to] = n < n_out ? ((const uint16_t *)w)[from] : 0;
         else ((float *)packed)[to] = n < n_out ? ((const float *)w)[from] : 0.0f;
       }
@@ -120,6 +133,54 @@ INLINE void chunk_rows(const float *xt, const char *packed, long k_in, long k0, 
     for (int b = 0; b < BLOCKS; b++) out[i * BLOCKS + b] = sum[i][b];
 }
 
+#if PAIRS
+/* BF16 in pairs: x as K / 2 words (x[2p] low, x[2p + 1] high); k over [k0, k1), both even */
+static void one_row_pairs(const float *x, const char *packed, long k_in, long k0, long k1, const long *block,
+                          lanes *out) {
+  const uint32_t *pairs = (const uint32_t *)x;
+  const __m512i *w[ONE_ROW_BLOCKS];
+  __m512 sum[ONE_ROW_BLOCKS];
+  for (int b = 0; b < ONE_ROW_BLOCKS; b++) {
+    w[b] = (const __m512i *)(packed + block[b] * k_in * LANES * 2);
+    sum[b] = _mm512_setzero_ps();
+  }
+  for (long p = k0 / 2; p < k1 / 2; p++) {
+    __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pairs[p]);
+#pragma GCC unroll 16
+    for (int b = 0; b < ONE_ROW_BLOCKS; b++) {
+      __builtin_prefetch((const char *)(w[b] + p) + PREFETCH_BYTES, 0, 0);
+      sum[b] = _mm512_dpbf16_ps(sum[b], (__m512bh)_mm512_load_si512(w[b] + p), xp);
+    }
+  }
+  for (int b = 0; b < ONE_ROW_BLOCKS; b++) out[b] = (lanes)sum[b];
+}
+
+/* xt [K / 2, CHUNK] words: CHUNK rows' k pairs, transposed; out [CHUNK][BLOCKS]; k over [k0, k1), both even */
+static void chunk_rows_pairs(const float *xt, const char *packed, long k_in, long k0, long k1, const long *block,
+                             lanes *out, int prefetch) {
+  const uint32_t *pairs = (const uint32_t *)xt;
+  const __m512i *w[BLOCKS];
+  __m512 sum[CHUNK][BLOCKS];
+  for (int b = 0; b < BLOCKS; b++) w[b] = (const __m512i *)(packed + block[b] * k_in * LANES * 2);
+  for (int i = 0; i < CHUNK; i++)
+    for (int b = 0; b < BLOCKS; b++) sum[i][b] = _mm512_setzero_ps();
+  for (long p = k0 / 2; p < k1 / 2; p++) {
+    __m512bh wp[BLOCKS];
+    for (int b = 0; b < BLOCKS; b++) {
+      if (prefetch) __builtin_prefetch((const char *)(w[b] + p) + PREFETCH_BYTES, 0, 0);
+      wp[b] = (__m512bh)_mm512_load_si512(w[b] + p);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < CHUNK; i++) {
+      __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pairs[p * CHUNK + i]);
+      for (int b = 0; b < BLOCKS; b++) sum[i][b] = _mm512_dpbf16_ps(sum[i][b], wp[b], xp);
+    }
+  }
+  for (int i = 0; i < CHUNK; i++)
+    for (int b = 0; b < BLOCKS; b++) out[i * BLOCKS + b] = (lanes)sum[i][b];
+}
+#endif
+
 /* y [.., n_out] row `row`, the 16 features of `block` (those below n_out): v + bias, rounded to BF16 where bf16 */
 INLINE void store(void *y, const void *bias, long n_out, long row, long block, lanes v, const int bf16) {
   for (int j = 0; j < LANES; j++) {
@@ -162,7 +223,11 @@ static void store_bf16(void *y, const void *bias, long n_out, long row, long blo
   store(y, bias, n_out, row, block, v, 1);
 }
 static const kernels F32 = {one_row_f32, chunk_rows_f32, store_f32, 4};
+#if PAIRS
+static const kernels BF16 = {one_row_pairs, chunk_rows_pairs, store_bf16, 2};
+#else
 static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, store_bf16, 2};
+#endif
 
 /* the leaves' sums of `count` vectors each, summed pairwise in place into sums[0] (row_linear's tree) */
 static void tree_sum(lanes sums[][PER_LEAF], long leaves, int count) {
@@ -180,15 +245,17 @@ static lanes bias_lanes(const void *bias, long n_out, long block, int bf16) {
 }
 
 /* 0; 1 where the FP32 scratch for the rows could not be allocated; 2 where tree and leaves is not a power of two of
- * at most MAX_TREE_LEAVES (nothing written either way); leaves divides k_in */
+ * at most MAX_TREE_LEAVES; 3 where BF16 pairs and a leaf's k is odd (nothing written in any case); leaves divides
+ * k_in */
 static int run(const kernels *kernel, const void *x, const char *packed, const void *bias, char *y, long rows,
                long n_out, long k_in, long leaves, int tree, int threads) {
   long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + CHUNK - 1) / CHUNK, step = k_in / leaves;
-  int bf16 = kernel->element == 2;
+  int bf16 = kernel->element == 2, pairs = bf16 && PAIRS;
   if (tree && (leaves > MAX_TREE_LEAVES || (leaves & (leaves - 1)))) return 2;
-  const float *x32 = x; /* one FP32 row */
+  if (pairs && step % 2) return 3;
+  const float *x32 = x; /* one FP32 row (pairs: its BF16 words) */
   float *xt = NULL;
-  if (rows > 1 || bf16) {
+  if (rows > 1 || (bf16 && !pairs)) {
     long width = rows > 1 ? CHUNK : 1;
     xt = aligned_alloc(64, ((size_t)chunks * k_in * width * sizeof(float) + 63) / 64 * 64);
     if (!xt) return 1;
@@ -196,6 +263,11 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
       for (long k = 0; k < k_in; k++)
         for (int i = 0; i < width; i++) {
           long row = c * CHUNK + i, at = row * k_in + k;
+          if (pairs) { /* [K / 2, CHUNK] words of two BF16, the even k low */
+            uint16_t *words = (uint16_t *)xt;
+            words[((c * k_in / 2 + k / 2) * width + i) * 2 + k % 2] = row < rows ? ((const uint16_t *)x)[at] : 0;
+            continue;
+          }
           float v = row >= rows ? 0.0f : bf16 ? from_bf16(((const uint16_t *)x)[at]) : ((const float *)x)[at];
           xt[(c * k_in + k) * width + i] = v;
         }
@@ -237,8 +309,8 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
         }
         for (long c = tile; c < tile_end; c++) {
           for (long leaf = 0; leaf < leaves; leaf++) {
-            kernel->chunk_rows(xt + c * k_in * CHUNK, packed, k_in, leaf * step, (leaf + 1) * step, block,
-                               tree ? sums[leaf] : out, c == tile);
+            kernel->chunk_rows(xt + c * k_in * CHUNK / (pairs ? 2 : 1), packed, k_in, leaf * step, (leaf + 1) * step,
+                               block, tree ? sums[leaf] : out, c == tile);
             if (!tree)
               for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
                 for (int b = 0; b < at_once; b++)

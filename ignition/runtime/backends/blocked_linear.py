@@ -6,8 +6,9 @@ every decode capacity: on one AMD EPYC host the eight-row layout read the Qwen3-
 one row than the one-row layout, which in turn lost as much at eight rows. This product streams one layout
 (``[ceil(N / 16), K, 16]``) at one row as eight sequential reads a thread and at more rows eight at a time against
 two blocks, and every output is one FP32 FMA chain over ``k`` in order: the same bits at every row count (a row's
-result does not depend on its batch). A BF16 weight is widened exactly and the FP32 sum plus the bias rounded to BF16
-once, as ``aten.linear`` accumulates, in another order (BF16 promises no bits against transformers across CPUs,
+result does not depend on its batch). A BF16 weight is widened exactly (or, where the CPU has AVX512-BF16, multiplied
+two k at a time by VDPBF16PS, ``bf16_pairs``) and the FP32 sum plus the bias rounded to BF16 once, as
+``aten.linear`` accumulates, in another order (BF16 promises no bits against transformers across CPUs,
 docs/recipes.md; its deviation from the FP32 product is tested against ``aten.linear``'s). It is one more path
 ``GemmPlan`` times at load (``BLOCKED``), taken only where it measured faster on the machine.
 
@@ -90,6 +91,7 @@ def library() -> ctypes.CDLL:
         loaded = ctypes.CDLL(str(built))
     except OSError as exc:
         raise BlockedUnavailable(f"loading {built} failed: {exc}") from exc
+    loaded.blocked_bf16_pairs.argtypes, loaded.blocked_bf16_pairs.restype = [], ctypes.c_int
     for suffix in _SUFFIX.values():
         pack_function, linear = getattr(loaded, f"blocked_pack_{suffix}"), getattr(loaded, f"blocked_linear_{suffix}")
         pack_function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long]
@@ -115,6 +117,19 @@ def blocks_dtype(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and unavailable() is None
 
 
+@cache
+def bf16_pairs() -> bool:
+    """Whether this machine's build multiplies BF16 in k pairs (AVX512-BF16's VDPBF16PS), on weights packed as
+    ``[ceil(N / 16), K / 2, 16, 2]`` (K even)."""
+    return bool(library().blocked_bf16_pairs())
+
+
+def blocks(shape, dtype: torch.dtype) -> bool:
+    """Whether a ``[N, K]`` weight of ``dtype`` may take the blocked product on this machine (``blocks_dtype``; in
+    BF16 pairs, K even)."""
+    return blocks_dtype(dtype) and (dtype != torch.bfloat16 or not bf16_pairs() or shape[-1] % 2 == 0)
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight [N, K]`` (FP32 or BF16) as ``[ceil(N / 16), K, 16]``: block b holds features 16b .. 16b+15, k-major;
     the features past N are zero."""
@@ -123,6 +138,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
                          f"{weight.dtype}")
     weight = weight.contiguous()
     out_features, in_features = weight.shape
+    if not blocks(weight.shape, weight.dtype) and unavailable() is None:
+        raise ValueError(f"this machine multiplies BF16 in k pairs (AVX512-BF16), so a blocked BF16 weight needs an "
+                         f"even K, got {tuple(weight.shape)}")
     packed = torch.empty(-(-out_features // LANES), in_features, LANES, dtype=weight.dtype)
     getattr(library(), f"blocked_pack_{_SUFFIX[weight.dtype]}")(weight.data_ptr(), packed.data_ptr(), out_features,
                                                                in_features)
@@ -131,7 +149,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The exact ``[N, K]`` weight a ``pack`` came from."""
-    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:out_features].contiguous()
+    blocks_count, in_features = packed.shape[:2]
+    if packed.dtype == torch.bfloat16 and bf16_pairs():  # [.., K / 2, 16, 2]
+        return packed.view(blocks_count, in_features // 2, LANES, 2).permute(0, 2, 1, 3) \
+            .reshape(-1, in_features)[:out_features].contiguous()
+    return packed.permute(0, 2, 1).reshape(-1, in_features)[:out_features].contiguous()
 
 
 _functions: dict[torch.dtype, ctypes._CFuncPtr] = {}  # dtype -> the library's product, looked up once
@@ -156,6 +178,9 @@ def _run(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y:
     if rows.shape[0] and function(rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                   y.data_ptr(), rows.shape[0], out_features, packed.shape[1], leaves, tree,
                                   torch.get_num_threads()):
+        if rows.dtype == torch.bfloat16 and bf16_pairs() and packed.shape[1] // leaves % 2:
+            raise ValueError(f"this machine multiplies BF16 in k pairs (AVX512-BF16): {leaves} leaves of "
+                             f"{packed.shape[1]} inputs leave an odd number a leaf")
         raise MemoryError(f"the blocked product could not allocate scratch for {rows.shape[0]} x {packed.shape[1]} "
                           "rows")
 
@@ -285,5 +310,6 @@ ROW_LINEAR_TARGET = torch.ops.ignition.blocked_row_linear.default
 """The blocked leaves summed, as an operator (``ignition::blocked_row_linear``; graphs call ``graph_row_linear``)."""
 
 __all__ = ["BlockedUnavailable", "DTYPES", "GRAPH_CALLS", "LANES", "LEAVES_TARGET", "MAX_TREE_LEAVES",
-           "ROW_LINEAR_TARGET", "TARGET", "blocked_leaves", "blocked_linear", "blocked_row_linear", "blocks_dtype",
+           "ROW_LINEAR_TARGET", "TARGET", "bf16_pairs", "blocked_leaves", "blocked_linear", "blocked_row_linear",
+           "blocks", "blocks_dtype",
            "graph_leaves", "graph_linear", "graph_row_linear", "library", "pack", "unavailable", "unpack"]

@@ -218,12 +218,12 @@ class LinearPacks:
         ``packed@R`` (oneDNN's layout for R rows) or ``blocked`` (``blocked_linear``)."""
         if not self._may_pack(shape, dtype):
             return ATEN
-        return self.gemm.path(shape, dtype, pack_layouts(dtype), blocked_linear.blocks_dtype(dtype))
+        return self.gemm.path(shape, dtype, pack_layouts(dtype), blocked_linear.blocks(shape, dtype))
 
     def _may_pack(self, shape, dtype: torch.dtype) -> bool:
         """Whether a weight of this shape and dtype could be packed at all (nothing timed)."""
         return len(shape) == 2 and math.prod(shape) >= self.min_elements and self.gemm.mode != ATEN and \
-            (packs_dtype(dtype) or blocked_linear.blocks_dtype(dtype)) and self.gemm.allowed(dtype)
+            (packs_dtype(dtype) or blocked_linear.blocks(shape, dtype)) and self.gemm.allowed(dtype)
 
     def rewrite(self, program: StaticProgram, arguments: list[BufferDecl]) -> int:
         """Rewrite the linears of ``program``'s graph whose weight is a large weight argument of a packed dtype (by its
