@@ -260,11 +260,15 @@ def test_every_shape_from_the_floor_up_is_timed_not_assumed(tmp_path, monkeypatc
     assert packed_linear.PACK_MIN_ELEMENTS <= 1 << 16  # no floor above a few hundred KiB: those sizes are timed
 
 
-def test_an_instruction_set_cap_is_another_machine(monkeypatch):
+def test_an_instruction_set_cap_or_another_blocked_build_is_another_machine(monkeypatch):
     plain = machine_key()
+    build = f" | blocked {blocked_linear.build_id()}"
+    assert plain.endswith(build)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-    assert machine_key() == plain + " | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2"
+    assert machine_key() == plain.removesuffix(build) + " | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2" + build
+    monkeypatch.setattr(blocked_linear, "build_id", lambda: "another")  # the product's source or compiler changed
+    assert machine_key().endswith(" | blocked another")
 
 
 _EMULATED = """\
@@ -291,7 +295,7 @@ def test_the_avx2_familys_kernels_calibrate_apart_on_a_wider_cpu(tmp_path):
                           text=True, timeout=300, env=os.environ | caps | {"PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-2000:]
     key, choice, measured, quiet = json.loads(done.stdout.strip().splitlines()[-1])
-    assert key.endswith(" | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2") and key != machine_key()
+    assert " | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2 | blocked " in key and key != machine_key()
     assert measured == ["float32 512x512 at rows 1,8"]
     if quiet:  # cached only where the host was quiet
         saved = json.loads((tmp_path / "c.json").read_text())["machines"]

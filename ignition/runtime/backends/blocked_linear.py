@@ -72,6 +72,7 @@ def library() -> ctypes.CDLL:
         raise BlockedUnavailable(f"{compiler} --version failed: {exc}") from exc
     digest = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, compiler, version, cpu_model())).encode())
     built = cache_dir() / "kernels" / f"blocked_linear-{digest.hexdigest()[:16]}.so"
+    _built.append(digest.hexdigest()[:16])
     with _build_lock:
         if not built.exists():
             scratch = built.with_name(f"{built.name}.{os.getpid()}.tmp")
@@ -100,6 +101,15 @@ def library() -> ctypes.CDLL:
                            ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int]
         linear.restype = ctypes.c_int
     return loaded
+
+
+_built: list[str] = []  # the digests ``library`` built or loaded, the last one in use
+
+
+def build_id() -> str:
+    """Which build of the product this process runs (its source, flags, compiler and CPU model, hashed), or
+    ``unavailable``: a GEMM calibration is valid only for the build it timed (``gemm_calibration.machine_key``)."""
+    return _built[-1] if unavailable() is None else "unavailable"
 
 
 @cache
@@ -310,6 +320,6 @@ ROW_LINEAR_TARGET = torch.ops.ignition.blocked_row_linear.default
 """The blocked leaves summed, as an operator (``ignition::blocked_row_linear``; graphs call ``graph_row_linear``)."""
 
 __all__ = ["BlockedUnavailable", "DTYPES", "GRAPH_CALLS", "LANES", "LEAVES_TARGET", "MAX_TREE_LEAVES",
-           "ROW_LINEAR_TARGET", "TARGET", "bf16_pairs", "blocked_leaves", "blocked_linear", "blocked_row_linear",
+           "ROW_LINEAR_TARGET", "TARGET", "bf16_pairs", "build_id", "blocked_leaves", "blocked_linear", "blocked_row_linear",
            "blocks", "blocks_dtype",
            "graph_leaves", "graph_linear", "graph_row_linear", "library", "pack", "unavailable", "unpack"]

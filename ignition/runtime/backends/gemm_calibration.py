@@ -89,10 +89,12 @@ another machine's."""
 
 
 def machine_key() -> str:
-    """What a calibration is valid for: this CPU model under this torch (its oneDNN and MKL), thread count and
-    instruction-set caps (``ISA_LIMITS`` that are set)."""
+    """What a calibration is valid for: this CPU model under this torch (its oneDNN and MKL), thread count,
+    instruction-set caps (``ISA_LIMITS`` that are set) and build of the blocked product (``blocked_linear.build_id``:
+    another source or compiler times otherwise)."""
     caps = "".join(f" | {name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name))
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps}"
+    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps} | blocked " \
+           f"{blocked_linear.build_id()}"
 
 
 def shape_key(shape, dtype: torch.dtype, rows=CALIBRATION_ROWS) -> str:
