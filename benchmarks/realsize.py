@@ -25,8 +25,11 @@ the same checkpoint, prompts and threads:
   same batches, prompt length, token count and threads, ``--decode-repeats`` runs, each batch's median beside our
   logprobs-off rate; where llama.cpp is not built the rows say so, with the command that builds it
   (``python -m benchmarks.llama_cpp build``), and its targets read not met; ``--no-llama-cpp`` skips them;
-- that greedy tokens equal HF's, the ratios, and a last table of the issue's targets, each with what this run
-  measured and whether it is met;
+- in FP32, that greedy tokens equal HF's; in BF16, where no bits are promised against transformers (issue 53), the
+  fidelity instead: each side's greedy tokens' logprobs against an FP32 reference (the checkpoint's BF16 values in
+  FP32, teacher-forced on that side's tokens), our mean deviation at most ``FIDELITY_SLACK`` times HF's BF16
+  (``bf16_fidelity``); the ratios, and a last table of the issue's targets, each with what this run measured and
+  whether it is met;
 - first, the machine (``benchmarks/machine.py``): the CPU model, the ISA flags its kernels rely on, the read
   bandwidth of a streaming one-row GEMV, and the weight-streaming floor (weight bytes / bandwidth), with each decode
   row's fraction of it, ours and HF's. The bandwidth drifts on a shared host, so it is probed again just before and
@@ -252,6 +255,44 @@ def hf(model, prompts: list[list[int]], tokens: int, logprobs: int | None,
     return seconds, sequences
 
 
+FIDELITY_TOKENS = 16
+"""Greedy tokens a sequence of the BF16 fidelity row (``bf16_fidelity``) generates."""
+
+
+def bf16_fidelity(core, model, reference, prompts: list[list[int]]) -> tuple[float, float, int]:
+    """BF16 fidelity as issue 53 measures it, no bits promised: each side's greedy tokens (ours, logprobs 1; HF's
+    BF16 ``generate``), each token's logprob as that side computed it, against the FP32 reference's logprob of the
+    same token after the same tokens (``reference``: the checkpoint's BF16 values in FP32, teacher-forced). Returns
+    (our mean absolute deviation, HF's, the sequences whose tokens differ from HF's)."""
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    results = Engine(core).generate([Request(p, max_tokens=FIDELITY_TOKENS, logprobs=1, ignore_eos=True)
+                                     for p in prompts])
+    our_tokens = [[e.id for e in r.entries] for r in results]
+    our_values = torch.tensor([[e.logprob for e in r.entries] for r in results], dtype=torch.float64)
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompts), max_new_tokens=FIDELITY_TOKENS, min_new_tokens=FIDELITY_TOKENS,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+        hf_tokens = out.sequences[:, len(prompts[0]):]
+        hf_values = torch.stack([torch.log_softmax(step.float(), -1).gather(1, hf_tokens[:, i:i + 1])[:, 0]
+                                 for i, step in enumerate(out.logits)], 1).double()
+
+        def expected(tokens: torch.Tensor) -> torch.Tensor:  # the FP32 reference's logprob of each generated token
+            logits = reference(torch.cat([torch.tensor(prompts), tokens], 1)).logits.float()
+            steps = torch.log_softmax(logits[:, len(prompts[0]) - 1:-1], -1)
+            return steps.gather(2, tokens[:, :, None])[:, :, 0].double()
+
+        ours_deviation = float((our_values - expected(torch.tensor(our_tokens))).abs().mean())
+        hf_deviation = float((hf_values - expected(hf_tokens)).abs().mean())
+    return ours_deviation, hf_deviation, sum(a != b for a, b in zip(our_tokens, hf_tokens.tolist()))
+
+
+FIDELITY_SLACK = 1.05
+"""The BF16 fidelity target: our mean deviation from the FP32 reference at most this times transformers' own (the
+two sides' tokens part ways on a random-weight checkpoint, so each mean covers other positions)."""
+
+
 def stages(timings: dict[str, float]) -> str:
     """``LoadedCore.timings`` as one cell: the seconds of each load stage."""
     return ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in timings.items())
@@ -322,7 +363,8 @@ def load_cell(timings: dict[str, float], faulted: float, rate: float) -> str:
 
 def targets(export_s: float, loads: list[float], rss_ratio: float, prefill_ratio: float | None,
             rates: dict[tuple[int, int | None], tuple[float, float]], matrix_shares: dict[int, float],
-            mismatches: int, logprob_costs: dict[int, list[float]]) -> list[tuple[str, str, bool]]:
+            mismatches: int, logprob_costs: dict[int, list[float]],
+            fidelity: tuple[float, float, int] | None = None) -> list[tuple[str, str, bool]]:
     """The issue's targets against this run: (target, what was measured, whether it is met), for the rows it ran.
     ``logprob_costs``: batch -> logprobs 20's cost over off, step pair by step pair (``alternating_costs``); the
     target reads their median."""
@@ -348,7 +390,13 @@ def targets(export_s: float, loads: list[float], rss_ratio: float, prefill_ratio
         found.append((f"batch {size}: logprobs 20 costs at most 1.05x of logprobs off",
                       f"{cost:.3f}x (median of {len(costs)} step pairs, quartiles {low:.3f}-{high:.3f})",
                       cost <= 1.05))
-    found.append(("greedy tokens equal HF's", f"{mismatches} sequences differ", mismatches == 0))
+    if fidelity is None:
+        found.append(("greedy tokens equal HF's", f"{mismatches} sequences differ", mismatches == 0))
+    else:  # BF16: no bits promised against transformers (issue 53), the deviation from FP32 instead
+        ours_deviation, hf_deviation, _ = fidelity
+        found.append((f"BF16 logprobs' mean deviation from the FP32 reference at most {FIDELITY_SLACK:.2f}x HF's BF16",
+                      f"{ours_deviation:.4f} against {hf_deviation:.4f} ({ours_deviation / hf_deviation:.2f}x)",
+                      ours_deviation <= FIDELITY_SLACK * hf_deviation))
     return [row for row in found if row is not None]
 
 
@@ -521,6 +569,14 @@ def main() -> None:
         logprob_costs: dict[int, list[float]] = {}  # batch -> logprobs 20's cost over off, step pair by step pair
         prompts_for = {size: prompts(size, PROMPT) for size in batches}
         mismatches += decode_rows("", core)
+        fidelity = None
+        if args.dtype == "bfloat16":
+            reference = family.pretrained(checkpoint, "float32", attention)
+            fidelity = bf16_fidelity(core, model, reference, prompts_for[max(batches)])
+            del reference
+            rows.append((f"BF16 fidelity: mean |logprob - FP32 reference's| over {max(batches)} x {FIDELITY_TOKENS} "
+                         "greedy tokens", f"{fidelity[0]:.4f}", f"{fidelity[1]:.4f}",
+                         f"{fidelity[0] / fidelity[1]:.2f}x HF's; {fidelity[2]} sequences' tokens differ from HF's"))
         manifest = core.manifest
         anchor_targets: list[tuple[str, str, bool]] = []
         if not args.prefill_only and not args.no_llama_cpp and family.recipe == "qwen3":
@@ -565,9 +621,10 @@ def main() -> None:
     print("| measure | Ignition | HF eager | ratio |\n|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"greedy tokens equal to HF: {'yes' if mismatches == 0 else f'NO ({mismatches} sequences differ)'}")
+    print(f"greedy tokens equal to HF: {'yes' if mismatches == 0 else f'NO ({mismatches} sequences differ)'}"
+          + (" (BF16: no bits promised; the fidelity row and target measure it)" if fidelity else ""))
     verdicts = targets(export_s, [load_s, *(seconds for _, seconds, *_ in fresh)], load_rss / (weights_gib + state_gib),
-                       prefill_ratio, rates, matrix_shares, mismatches, logprob_costs)
+                       prefill_ratio, rates, matrix_shares, mismatches, logprob_costs, fidelity)
     verdicts += floor_targets(rates, streamed, floors)
     verdicts += anchor_targets
     print(f"\n| target (issue 23; this run: {args.dtype}) | measured | met |\n|---|---|---|")
@@ -575,12 +632,12 @@ def main() -> None:
         print(f"| {target} | {measured} | {'yes' if met else '**no**'} |")
     print(json.dumps({"cpu": cpu_model(), "isa": relied_flags(cpu_flags()), "read_bandwidth": bandwidth,
                       "probes": [[label, rates["best"]] for label, rates in probe.samples],
-                      "weight_bytes": streamed, "rows": rows, "greedy_mismatches": mismatches,
+                      "weight_bytes": streamed, "rows": rows, "greedy_mismatches": mismatches, "bf16_fidelity": fidelity,
                       "targets": [[t, m, bool(ok)] for t, m, ok in verdicts]}))
     if args.csv is not None:
         write_rows(args.csv, data_rows)
         print(f"{len(data_rows)} decode step rows written to {args.csv}")
-    if mismatches:
+    if (mismatches and fidelity is None) or (fidelity and fidelity[0] > FIDELITY_SLACK * fidelity[1]):
         sys.exit(1)
 
 
