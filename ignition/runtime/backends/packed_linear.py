@@ -39,8 +39,7 @@ import torch
 from torch.fx import Node
 
 from ignition.catalog.model import BufferDecl, Role
-from ignition.runtime.backends import blocked_linear
-from ignition.runtime.backends import gemm_calibration
+from ignition.runtime.backends import blocked_linear, gemm_calibration, row_leaves
 from ignition.runtime.backends.gemm_calibration import ATEN, BLOCKED, CALIBRATE, FORCED_LAYOUT, PACK_LAYOUTS, GemmPlan
 from ignition.runtime.backends.weight_constants import WeightConstants
 from ignition.runtime.host_memory import release_pages
@@ -68,10 +67,6 @@ PACKED_TARGET = "mkldnn._linear_pointwise.default"
 """What a rewritten linear calls (its profiler name is ``mkldnn::_linear_pointwise``)."""
 _LINEAR = torch.ops.aten.linear.default
 _POINTWISE = torch.ops.mkldnn._linear_pointwise.default
-_BMM, _EXPAND = torch.ops.aten.bmm.default, torch.ops.aten.expand.default
-_TRANSPOSE, _PERMUTE = torch.ops.aten.transpose.int, torch.ops.aten.permute.default
-_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
-_SLICE, _ADD, _CAT = torch.ops.aten.slice.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.cat.default
 
 
 def packing_available() -> bool:
@@ -121,61 +116,6 @@ def pack_layouts(dtype: torch.dtype) -> tuple[int, ...]:
 def packs_dtype(dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` are packed on this machine, in some layout (``pack_layouts``)."""
     return bool(pack_layouts(dtype))
-
-
-_FULL = (None, 2**63 - 1)  # a slice's end that keeps the rest
-
-
-def _slice_of(node, dim: int, start: int, step: int, end=_FULL) -> bool:
-    """Whether ``node`` is ``aten.slice.Tensor(input, dim, start, end, step)`` with those values (the end any of
-    ``end``)."""
-    if not isinstance(node, Node) or node.target is not _SLICE:
-        return False
-    args = (*node.args[1:], *[None] * 4)[:4]
-    got = (0 if args[0] is None else args[0], 0 if args[1] is None else args[1], args[2], 1 if args[3] is None else
-           args[3])
-    return got[0] == dim and got[1] == start and got[3] == step and got[2] in (end if isinstance(end, tuple)
-                                                                               else (end,))
-
-
-def _only_user(node: Node) -> Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _leaf_tree(leaves_node: Node, leaves: int) -> tuple[Node, Node | None, list[Node]] | None:
-    """``row_linear``'s sum of the leaves ``leaves_node`` (``[L, rows, N]``) as the graph has it: optionally
-    ``cat((parts[:1] + bias, parts[1:]))``, then ``parts[0::2] + parts[1::2]`` until one leaf is left. (the last
-    node, the bias node or None, every node of the sum in program order), or None where the graph sums otherwise."""
-    if leaves < 2 or leaves & (leaves - 1) or leaves > blocked_linear.MAX_TREE_LEAVES:
-        return None
-    summed: list[Node] = []
-    current, bias = leaves_node, None
-    users = list(current.users)
-    if len(users) == 2 and any(_slice_of(u, 0, 0, 1, 1) for u in users):  # the bias in the first leaf
-        first = next((u for u in users if _slice_of(u, 0, 0, 1, 1)), None)
-        rest = next((u for u in users if _slice_of(u, 0, 1, 1)), None)
-        added = _only_user(first) if first is not None else None
-        if rest is None or added is None or added.target is not _ADD or added.args[0] is not first:
-            return None
-        joined = _only_user(added)
-        if joined is None or joined.target is not _CAT or _only_user(rest) is not joined or \
-                list(joined.args[0]) != [added, rest] or (len(joined.args) > 1 and joined.args[1] != 0):
-            return None
-        bias, current = added.args[1], joined
-        summed += [first, rest, added, joined]
-    for _ in range(leaves.bit_length() - 1):
-        users = list(current.users)
-        even = next((u for u in users if _slice_of(u, 0, 0, 2)), None)
-        odd = next((u for u in users if _slice_of(u, 0, 1, 2)), None)
-        if len(users) != 2 or even is None or odd is None:
-            return None
-        added = _only_user(even)
-        if added is None or _only_user(odd) is not added or added.target is not _ADD or \
-                tuple(added.args) != (even, odd):
-            return None
-        summed += [even, odd, added]
-        current = added
-    return current, bias, summed
 
 
 class LinearPacks:
@@ -249,8 +189,9 @@ class LinearPacks:
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
-            if node.target is _BMM:
-                rewritten += self._rewrite_leaves(graph, node, weight_of, decls, packed_weight)
+            if node.target is row_leaves.BMM:
+                rewritten += row_leaves.rewrite_leaves(graph, node, weight_of, decls, self._claim_leaves,
+                                                       packed_weight)
                 continue
             if node.target is not _LINEAR or node.args[1] not in weight_of:
                 continue
@@ -280,70 +221,13 @@ class LinearPacks:
         self.constants.rewrite(program, weight_of, decls)
         return rewritten
 
-    def _rewrite_leaves(self, graph, node: Node, weight_of: dict[Node, str], decls: dict[str, BufferDecl],
-                        packed_weight) -> int:
-        """A row-parallel projection's leaves (``recipes/layers.py`` ``row_linear``: ``bmm`` of ``x.reshape(-1, L,
-        K / L).transpose(0, 1)`` and ``w.view(N, L, K / L).permute(1, 2, 0)``, or a one-leaf shard's two copies of
-        them) onto ``blocked_linear.blocked_leaves``, whose leaves are each one FMA chain, and where the graph sums
-        them as ``row_linear`` does (``_leaf_tree``), the leaves and their sum onto ``blocked_row_linear`` (the same
-        additions, in the product's registers): 1 where rewritten.
-
-        Every such product goes on the blocked product wherever it runs FP32 here and the mode allows it (not
-        timed per shape): a tensor-parallel rank computes some of the same leaves on its shard's shape, and they
-        must be the single rank's bits."""
-        expanded = False
-        leaves_view, slices = node.args
-        if not isinstance(leaves_view, Node) or not isinstance(slices, Node):
-            return 0
-        if leaves_view.target is _EXPAND and slices.target is _EXPAND:  # a rank's one leaf as a batch of two
-            if list(leaves_view.args[1])[0] != 2 or list(slices.args[1])[0] != 2:
-                return 0
-            expanded, leaves_view, slices = True, leaves_view.args[0], slices.args[0]
-        if leaves_view.target is not _TRANSPOSE or tuple(leaves_view.args[1:]) != (0, 1) or \
-                slices.target is not _PERMUTE or list(slices.args[1]) != [1, 2, 0]:
-            return 0
-        flat, view = leaves_view.args[0], slices.args[0]
-        if flat.target not in _RESHAPES or view.target not in _RESHAPES or view.args[0] not in weight_of:
-            return 0
-        name = weight_of[view.args[0]]
-        decl = decls[name]
-        out_features, in_features = decl.shape
-        leaves = list(view.args[1])[1]
-        if list(view.args[1]) != [out_features, leaves, in_features // leaves] or \
-                list(flat.args[1])[1:] != [leaves, in_features // leaves] or in_features % leaves or \
-                not self._leaves_blocked(decl.torch_dtype) or self.paths.setdefault(name, BLOCKED) != BLOCKED:
-            return 0
-        tree = None if expanded else _leaf_tree(node, leaves)
-        if tree is not None:  # the leaves and their sum, one call
-            end, bias, summed = tree
-            with graph.inserting_before(end):
-                call = graph.call_function(blocked_linear.graph_row_linear,
-                                           (flat.args[0], packed_weight(name), bias, out_features, leaves))
-            call.meta = dict(end.meta)
-            end.replace_all_uses_with(call)
-            for unused in reversed(summed):  # each one's users before it
-                graph.erase_node(unused)
-        else:
-            with graph.inserting_before(node):
-                call = graph.call_function(blocked_linear.graph_leaves,
-                                           (flat.args[0], packed_weight(name), out_features, leaves))
-                result = graph.call_function(_EXPAND, (call, [2, -1, -1])) if expanded else call
-            result.meta = dict(node.meta)
-            if expanded and "val" in node.meta:
-                call.meta = {**node.meta, "val": node.meta["val"][:1]}
-            node.replace_all_uses_with(result)
-        copies = node.args if expanded else ()
-        graph.erase_node(node)
-        for unused in (*copies, leaves_view, slices, flat, view):  # in order: each one's users erased before it
-            if not unused.users:
-                graph.erase_node(unused)
-        return 1
-
-    def _leaves_blocked(self, dtype: torch.dtype) -> bool:
-        """Whether row-parallel leaves of ``dtype`` run on the blocked product: FP32 (the only dtype ``row_linear``
-        splits), the product built here, and the mode ``calibrate`` or ``blocked``."""
+    def _claim_leaves(self, name: str, dtype: torch.dtype) -> bool:
+        """Whether weight ``name``'s row-parallel leaves run on the blocked product (``row_leaves``): FP32 (the only
+        dtype ``row_linear`` splits), the product built here, the mode ``calibrate`` or ``blocked``, and no other path
+        taken by the weight; recorded as its path."""
         return dtype == torch.float32 and blocked_linear.blocks_dtype(dtype) and \
-            self.gemm.mode in (CALIBRATE, BLOCKED) and self.gemm.allowed(dtype)
+            self.gemm.mode in (CALIBRATE, BLOCKED) and self.gemm.allowed(dtype) and \
+            self.paths.setdefault(name, BLOCKED) == BLOCKED
 
     def decline(self) -> None:
         """No graph will say which weights to pack (the backend packs nothing, or the graphs stopped): a weight the
