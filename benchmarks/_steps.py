@@ -28,6 +28,8 @@ import ignition  # noqa: F401  (first: its allocator setting, HUGE_PAGES_VARIABL
 import numpy as np
 import torch
 
+from ignition.runtime.backends import blocked_linear
+
 WARM_ROUNDS = 3
 """Decode rounds ``warmed_engine`` runs after the prefill, before any timed step."""
 
@@ -140,11 +142,10 @@ def alternating_costs(core, prompts: list[list[int]], logprobs: int, rounds: int
 
 
 MATRIX_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
-                   "ignition::blocked_linear", "ignition::blocked_leaves", "ignition::blocked_row_linear",
-                   "aten::_scaled_dot_product_flash_attention_for_cpu")
+                   *blocked_linear.GRAPH_CALLS.values(), "aten::_scaled_dot_product_flash_attention_for_cpu")
 """The profiler names of the matrix products: torch's GEMMs, oneDNN's packed linear, the blocked product and its
-row-parallel leaves, summed or not (``runtime/backends/blocked_linear.py`` ``GRAPH_CALLS``: a test holds the two
-lists together) and the attention kernel."""
+row-parallel leaves, summed or not (the names its graph calls record, ``blocked_linear.GRAPH_CALLS``) and the
+attention kernel."""
 
 PROFILED_STEPS = 5
 """Decode steps profiled one after another for each batch's row: the row reports their medians (one step can catch

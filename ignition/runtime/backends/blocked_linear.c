@@ -205,16 +205,9 @@ typedef struct {
 static void one_row_f32(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
   one_row(x, p, k_in, k0, k1, b, out, 0);
 }
-static void one_row_bf16(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
-  one_row(x, p, k_in, k0, k1, b, out, 1);
-}
 static void chunk_rows_f32(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
                            int prefetch) {
   chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0);
-}
-static void chunk_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
-                            int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1);
 }
 static void store_f32(void *y, const void *bias, long n_out, long row, long block, lanes v) {
   store(y, bias, n_out, row, block, v, 0);
@@ -226,6 +219,13 @@ static const kernels F32 = {one_row_f32, chunk_rows_f32, store_f32, 4};
 #if PAIRS
 static const kernels BF16 = {one_row_pairs, chunk_rows_pairs, store_bf16, 2};
 #else
+static void one_row_bf16(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
+  one_row(x, p, k_in, k0, k1, b, out, 1);
+}
+static void chunk_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
+                            int prefetch) {
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1);
+}
 static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, store_bf16, 2};
 #endif
 

@@ -72,7 +72,6 @@ def library() -> ctypes.CDLL:
         raise BlockedUnavailable(f"{compiler} --version failed: {exc}") from exc
     digest = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, compiler, version, cpu_model())).encode())
     built = cache_dir() / "kernels" / f"blocked_linear-{digest.hexdigest()[:16]}.so"
-    _built.append(digest.hexdigest()[:16])
     with _build_lock:
         if not built.exists():
             scratch = built.with_name(f"{built.name}.{os.getpid()}.tmp")
@@ -92,6 +91,7 @@ def library() -> ctypes.CDLL:
         loaded = ctypes.CDLL(str(built))
     except OSError as exc:
         raise BlockedUnavailable(f"loading {built} failed: {exc}") from exc
+    loaded.build_id = digest.hexdigest()[:16]
     loaded.blocked_bf16_pairs.argtypes, loaded.blocked_bf16_pairs.restype = [], ctypes.c_int
     for suffix in _SUFFIX.values():
         pack_function, linear = getattr(loaded, f"blocked_pack_{suffix}"), getattr(loaded, f"blocked_linear_{suffix}")
@@ -103,13 +103,11 @@ def library() -> ctypes.CDLL:
     return loaded
 
 
-_built: list[str] = []  # the digests ``library`` built or loaded, the last one in use
-
-
 def build_id() -> str:
-    """Which build of the product this process runs (its source, flags, compiler and CPU model, hashed), or
-    ``unavailable``: a GEMM calibration is valid only for the build it timed (``gemm_calibration.machine_key``)."""
-    return _built[-1] if unavailable() is None else "unavailable"
+    """Which build of the product this process runs (its source, flags, compiler and CPU model, hashed: the name it
+    is cached under), or ``unavailable``: a GEMM calibration is valid only for the build it timed
+    (``gemm_calibration.machine_key``)."""
+    return library().build_id if unavailable() is None else "unavailable"
 
 
 @cache
@@ -176,12 +174,12 @@ MAX_TREE_LEAVES = 16
 
 def _run(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, out_features: int,
          leaves: int, tree: bool = False) -> None:
+    if rows.dtype not in DTYPES or packed.dtype != rows.dtype or (bias is not None and bias.dtype != rows.dtype):
+        raise ValueError(f"the blocked product multiplies {rows.dtype} rows by a {packed.dtype} weight"
+                         f"{'' if bias is None else f' and a {bias.dtype} bias'}; expected one dtype of "
+                         f"{', '.join(str(d) for d in DTYPES)}")
     function = _functions.get(rows.dtype)
-    if function is None or packed.dtype != rows.dtype or (bias is not None and bias.dtype != rows.dtype):
-        if rows.dtype not in DTYPES or packed.dtype != rows.dtype or (bias is not None and bias.dtype != rows.dtype):
-            raise ValueError(f"the blocked product multiplies {rows.dtype} rows by a {packed.dtype} weight"
-                             f"{'' if bias is None else f' and a {bias.dtype} bias'}; expected one dtype of "
-                             f"{', '.join(str(d) for d in DTYPES)}")
+    if function is None:
         function = _functions[rows.dtype] = getattr(library(), f"blocked_linear_{_SUFFIX[rows.dtype]}")
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()

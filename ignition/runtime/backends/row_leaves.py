@@ -103,7 +103,8 @@ def rewrite_leaves(graph, node: Node, weight_of: dict[Node, str], decls: dict[st
             slices.target is not _PERMUTE or list(slices.args[1]) != [1, 2, 0]:
         return 0
     flat, view = leaves_view.args[0], slices.args[0]
-    if flat.target not in _RESHAPES or view.target not in _RESHAPES or view.args[0] not in weight_of:
+    if flat.target not in _RESHAPES or view.target not in _RESHAPES or view.args[0] not in weight_of or \
+            len(view.args[1]) != 3:
         return 0
     name = weight_of[view.args[0]]
     decl = decls[name]
