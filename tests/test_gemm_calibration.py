@@ -14,6 +14,7 @@ from ignition.runtime.backends import blocked_linear
 from ignition.runtime.backends.gemm_calibration import (ATEN, BLOCKED, FORCED_LAYOUT, PACK_LAYOUTS, PACKED, GemmPlan,
                                                         choose, decode_rows, machine_key, packed_path, path_layout,
                                                         time_paths)
+from ignition.runtime.backends.host_cache import cpu_key, cpu_model
 from ignition.runtime.backends.packed_linear import packing_available
 from ignition.runtime.options import LoadOptionError, LoadOptions
 
@@ -269,6 +270,18 @@ def test_an_instruction_set_cap_or_another_blocked_build_is_another_machine(monk
     assert machine_key() == plain.removesuffix(build) + " | ONEDNN_MAX_CPU_ISA=AVX2 | MKL_ENABLE_INSTRUCTIONS=AVX2" + build
     monkeypatch.setattr(blocked_linear, "build_id", lambda: "another")  # the product's source or compiler changed
     assert machine_key().endswith(" | blocked another")
+
+
+def test_two_cpus_of_one_model_name_are_two_machines():
+    # a virtual machine names an AVX2 Zen 2 and an AVX-512 Zen 4 "AMD EPYC" alike: the instruction set tells them apart
+    zen2 = "processor\t: 0\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\nstepping\t: 0\nflags\t\t: fma avx2\n"
+    zen4 = zen2.replace("23", "25").replace("49", "17").replace("avx2", "avx2 avx512f avx512_bf16")
+    assert cpu_model(zen2) == cpu_model(zen4) == "AMD EPYC"
+    assert cpu_key(zen2) != cpu_key(zen4)
+    assert cpu_key(zen2) != cpu_key(zen2.replace("fma avx2", "fma avx2 avx512f"))  # the flags alone differ
+    assert cpu_key(zen2) == cpu_key(zen2.replace("fma avx2", "avx2 fma"))  # in another order, the same CPU
+    assert cpu_key(zen2).startswith("AMD EPYC (23/49/0; flags ")
+    assert machine_key().startswith(cpu_key() + " | ")
 
 
 _EMULATED = """\

@@ -7,7 +7,9 @@
  * One row (a decode lane) reads ONE_ROW_BLOCKS blocks at once, far apart in each thread's share (that many sequential
  * reads in flight); more rows are taken CHUNK at a time, transposed into FP32 scratch (x^T [K, CHUNK]), against
  * BLOCKS blocks at once (CHUNK x BLOCKS vector accumulators), the rows in tiles of TILE so a tile's transposed rows
- * stay in cache while every block of the thread's share passes.
+ * stay in cache while every block of the thread's share passes. The sums live in the ISA's own vectors (WIDTH floats:
+ * a block's 16 features in one AVX-512 register or two AVX2 ones) and the tiles are sized to its register file, so
+ * none spills to the stack; the tiles change which products are computed together, never an output's order.
  * With leaves > 1 the K inputs are that many equal slices (a row-parallel projection's reduction leaves,
  * recipes/layers.py row_linear): y is [leaves, M, N], leaf l one FMA chain over its slice from zero, the bias (if
  * any) in leaf 0 only; each block is still read once, its leaves one after another. With tree (leaves a power of
@@ -29,9 +31,18 @@
 #endif
 
 #define LANES 16
+#if defined(__AVX512F__) /* 32 vector registers of 16 floats: a block's k-vector in one */
+#define WIDTH 16
 #define ONE_ROW_BLOCKS 8
 #define BLOCKS 2
 #define CHUNK 8
+#else /* AVX2 and narrower (16 registers of 8 floats): a k-vector in two, tiles that fit the register file */
+#define WIDTH 8
+#define ONE_ROW_BLOCKS 6
+#define BLOCKS 1
+#define CHUNK 4
+#endif
+#define HALVES (LANES / WIDTH) /* native vectors a block's k-vector */
 #define TILE 256
 #define MAX_TREE_LEAVES 16
 #define PER_LEAF (CHUNK * BLOCKS > ONE_ROW_BLOCKS ? CHUNK * BLOCKS : ONE_ROW_BLOCKS) /* a leaf's vectors, one group */
@@ -39,8 +50,10 @@
 #define INLINE static inline __attribute__((always_inline))
 
 typedef float lanes __attribute__((vector_size(LANES * sizeof(float)), aligned(LANES * sizeof(float))));
-typedef uint16_t halves __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(LANES * sizeof(uint16_t))));
-typedef uint32_t words __attribute__((vector_size(LANES * sizeof(uint32_t))));
+/* the native vector the sums are kept in (a 64-byte lanes on an AVX2 build lives on the stack) */
+typedef float vec __attribute__((vector_size(WIDTH * sizeof(float)), aligned(WIDTH * sizeof(float))));
+typedef uint16_t vec_halves __attribute__((vector_size(WIDTH * sizeof(uint16_t)), aligned(WIDTH * sizeof(uint16_t))));
+typedef uint32_t vec_words __attribute__((vector_size(WIDTH * sizeof(uint32_t))));
 
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
@@ -59,11 +72,17 @@ INLINE uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays a (quie
   return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* k-th vector of 16 weights of a block; bf16: the element size is 2 */
-INLINE lanes load(const void *block, long k, const int bf16) {
-  if (!bf16) return ((const lanes *)block)[k];
-  words wide = __builtin_convertvector(((const halves *)block)[k], words) << 16;
-  return (lanes)wide;
+/* part h (of HALVES) of the k-th vector of 16 weights of a block; bf16: the element size is 2 */
+INLINE vec load(const void *block, long k, int h, const int bf16) {
+  if (!bf16) return ((const vec *)block)[k * HALVES + h];
+  vec_words wide = __builtin_convertvector(((const vec_halves *)block)[k * HALVES + h], vec_words) << 16;
+  return (vec)wide;
+}
+
+INLINE lanes join(const vec *parts) {
+  lanes whole;
+  memcpy(&whole, parts, sizeof whole);
+  return whole;
 }
 
 int blocked_bf16_pairs(void) { return PAIRS; }
@@ -91,20 +110,20 @@ INLINE void one_row(const float *x, const char *packed, long k_in, long k0, long
                     const int bf16) {
   const long element = bf16 ? 2 : 4;
   const char *w[ONE_ROW_BLOCKS];
-  lanes sum[ONE_ROW_BLOCKS];
+  vec sum[ONE_ROW_BLOCKS][HALVES];
   for (int b = 0; b < ONE_ROW_BLOCKS; b++) {
     w[b] = packed + block[b] * k_in * LANES * element;
-    sum[b] = (lanes){0};
+    for (int h = 0; h < HALVES; h++) sum[b][h] = (vec){0};
   }
   for (long k = k0; k < k1; k++) {
     float xk = x[k];
 #pragma GCC unroll 16
     for (int b = 0; b < ONE_ROW_BLOCKS; b++) {
       __builtin_prefetch(w[b] + k * LANES * element + PREFETCH_BYTES, 0, 0);
-      sum[b] += xk * load(w[b], k, bf16);
+      for (int h = 0; h < HALVES; h++) sum[b][h] += xk * load(w[b], k, h, bf16);
     }
   }
-  for (int b = 0; b < ONE_ROW_BLOCKS; b++) out[b] = sum[b];
+  for (int b = 0; b < ONE_ROW_BLOCKS; b++) out[b] = join(sum[b]);
 }
 
 /* xt [K, CHUNK]: CHUNK rows of x, transposed, in FP32; out [CHUNK][BLOCKS]; k over [k0, k1) */
@@ -112,25 +131,27 @@ INLINE void chunk_rows(const float *xt, const char *packed, long k_in, long k0, 
                        lanes *out, int prefetch, const int bf16) {
   const long element = bf16 ? 2 : 4;
   const char *w[BLOCKS];
-  lanes sum[CHUNK][BLOCKS];
+  vec sum[CHUNK][BLOCKS][HALVES];
   for (int b = 0; b < BLOCKS; b++) w[b] = packed + block[b] * k_in * LANES * element;
   for (int i = 0; i < CHUNK; i++)
-    for (int b = 0; b < BLOCKS; b++) sum[i][b] = (lanes){0};
+    for (int b = 0; b < BLOCKS; b++)
+      for (int h = 0; h < HALVES; h++) sum[i][b][h] = (vec){0};
   for (long k = k0; k < k1; k++) {
-    lanes wk[BLOCKS];
+    vec wk[BLOCKS][HALVES];
     for (int b = 0; b < BLOCKS; b++) {
       if (prefetch) __builtin_prefetch(w[b] + k * LANES * element + PREFETCH_BYTES, 0, 0);
-      wk[b] = load(w[b], k, bf16);
+      for (int h = 0; h < HALVES; h++) wk[b][h] = load(w[b], k, h, bf16);
     }
     const float *xk = xt + k * CHUNK;
 #pragma GCC unroll 16
     for (int i = 0; i < CHUNK; i++) {
       float xi = xk[i];
-      for (int b = 0; b < BLOCKS; b++) sum[i][b] += xi * wk[b];
+      for (int b = 0; b < BLOCKS; b++)
+        for (int h = 0; h < HALVES; h++) sum[i][b][h] += xi * wk[b][h];
     }
   }
   for (int i = 0; i < CHUNK; i++)
-    for (int b = 0; b < BLOCKS; b++) out[i * BLOCKS + b] = sum[i][b];
+    for (int b = 0; b < BLOCKS; b++) out[i * BLOCKS + b] = join(sum[i][b]);
 }
 
 #if PAIRS

@@ -17,7 +17,7 @@ leaf ``l`` one FMA chain over its slice of ``K`` from zero, so a rank of a tenso
 the leaves computes them with the same bits (``packed_linear.LinearPacks`` puts every such product on it wherever the
 blocked product runs, whatever the shape, so that the ranks and the single rank agree).
 
-The source is compiled once per CPU model, compiler and source (``library``: ``-O3 -march=native -fopenmp``, so the
+The source is compiled once per CPU (``host_cache.cpu_key``: its model and instruction set), compiler and source (``library``: ``-O3 -march=native -fopenmp``, so the
 product runs on the process's OpenMP threads, torch's), into the machine's cache directory
 (``host_cache.cache_dir``); a machine without a C compiler, or where the build fails, does not offer the path
 (``unavailable`` says why), and ``gemm="blocked"`` is refused at load with that reason.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ignition.runtime.backends.host_cache import cache_dir, cpu_model
+from ignition.runtime.backends.host_cache import cache_dir, cpu_key
 
 SOURCE = Path(__file__).with_name("blocked_linear.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
@@ -63,14 +63,14 @@ def _compiler() -> str:
 @cache
 def library() -> ctypes.CDLL:
     """The compiled product, built on first use into ``<cache dir>/kernels`` under a name that hashes the source, the
-    flags, the compiler's version and the CPU model, and loaded; BlockedUnavailable with the reason where it cannot
+    flags, the compiler's version and the CPU (``cpu_key``), and loaded; BlockedUnavailable with the reason where it cannot
     be."""
     compiler = _compiler()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BlockedUnavailable(f"{compiler} --version failed: {exc}") from exc
-    digest = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, compiler, version, cpu_model())).encode())
+    digest = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, compiler, version, cpu_key())).encode())
     built = cache_dir() / "kernels" / f"blocked_linear-{digest.hexdigest()[:16]}.so"
     with _build_lock:
         if not built.exists():
@@ -104,7 +104,7 @@ def library() -> ctypes.CDLL:
 
 
 def build_id() -> str:
-    """Which build of the product this process runs (its source, flags, compiler and CPU model, hashed: the name it
+    """Which build of the product this process runs (its source, flags, compiler and CPU, hashed: the name it
     is cached under), or ``unavailable``: a GEMM calibration is valid only for the build it timed
     (``gemm_calibration.machine_key``)."""
     return library().build_id if unavailable() is None else "unavailable"

@@ -6,7 +6,7 @@ read the Qwen3-0.6B weights 1.3-6x faster than MKL's FP32 ``aten.linear`` at 1 t
 AVX-512 and AMX, MKL streamed them at 22.6 GB/s at one row against the packed product's 17.6. So the choice is made per
 weight shape by timing both (``GemmPlan``), at the row counts the core's decode graphs run (its decode capacities;
 ``CALIBRATION_ROWS`` without them), and the result is kept
-in a small JSON cache keyed by the CPU model, the torch version and the shape (``cache_path``): a machine pays a
+in a small JSON cache keyed by the CPU (its model and instruction set), the torch version and the shape (``cache_path``): a machine pays a
 few hundred milliseconds once per shape, and each later load reads the cache (timings taken while the host is
 oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
 the CPU's best BF16 kernels (AMX where present); it is a candidate only where it returns ``aten.linear``'s bits
@@ -47,7 +47,7 @@ import torch
 
 from ignition.catalog.enums import Operation
 from ignition.runtime.backends import blocked_linear
-from ignition.runtime.backends.host_cache import cache_dir, cpu_model
+from ignition.runtime.backends.host_cache import cache_dir, cpu_key, cpu_model
 
 CALIBRATE, PACKED, BLOCKED, ATEN = "calibrate", "packed", "blocked", "aten"
 GEMM_MODES = (CALIBRATE, PACKED, BLOCKED, ATEN)
@@ -89,11 +89,11 @@ another machine's."""
 
 
 def machine_key() -> str:
-    """What a calibration is valid for: this CPU model under this torch (its oneDNN and MKL), thread count,
+    """What a calibration is valid for: this CPU (``host_cache.cpu_key``) under this torch (its oneDNN and MKL), thread count,
     instruction-set caps (``ISA_LIMITS`` that are set) and build of the blocked product (``blocked_linear.build_id``:
     another source or compiler times otherwise)."""
     caps = "".join(f" | {name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name))
-    return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps} | blocked " \
+    return f"{cpu_key()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps} | blocked " \
            f"{blocked_linear.build_id()}"
 
 
