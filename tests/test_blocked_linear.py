@@ -95,6 +95,41 @@ def test_the_bf16_product_rounds_the_fp32_sum_once_no_further_from_exact_than_at
     assert ours_total <= 1.02 * theirs_total + 1e-6, (ours_total, theirs_total)
 
 
+def _products(dtype: torch.dtype) -> list[torch.Tensor]:
+    """The blocked products of a few shapes, row counts and leaves in ``dtype`` on the current build (each weight
+    packed by that build)."""
+    found = []
+    for out_features, in_features, rows in [(37, 20, 1), (100, 64, 3), (1000, 300, 33), (64, 1024, 300)]:
+        generator = torch.Generator().manual_seed(out_features + rows)
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        packed = blocked_linear.pack(weight)
+        found += [blocked_linear.blocked_linear(x, packed, b, out_features) for b in (None, bias)]
+        found.append(blocked_linear.blocked_leaves(x, packed, out_features, 2))
+        found.append(blocked_linear.blocked_row_linear(x, packed, bias, out_features, 4))
+    return found
+
+
+def test_the_avx2_build_returns_the_avx512_builds_bits():
+    """The register tiles follow the instruction set (AVX-512: 16-float sums in 8 x 2 tiles; AVX2: two 8-float
+    halves in 4 x 1), never an output's order: on an AVX-512 CPU the AVX2 family's build (``-mno-avx512f``) returns the
+    native build's FP32 bits, and its widened BF16 the bits of the native build without VDPBF16PS."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("no AVX-512 here: this CPU's build is the AVX2 one")
+    native = blocked_linear.FLAGS
+    try:
+        _rebuild((*native, "-mno-avx512bf16"))
+        expected = {dtype: _products(dtype) for dtype in blocked_linear.DTYPES}
+        _rebuild((*native, "-mno-avx512f"))
+        assert not blocked_linear.bf16_pairs()
+        for dtype in blocked_linear.DTYPES:
+            for got, want in zip(_products(dtype), expected[dtype], strict=True):
+                assert torch.equal(got, want), dtype
+    finally:
+        _rebuild(native)
+
+
 @pytest.mark.parametrize("out_features,in_features,rows,leaves", [(40, 64, 3, 4), (1000, 256, 1, 8), (24, 32, 17, 2),
                                                                   (33, 48, 9, 1)])
 def test_the_leaves_are_each_slices_product_one_chain_whatever_the_rows(out_features, in_features, rows, leaves):
