@@ -99,7 +99,7 @@ def _products(dtype: torch.dtype) -> list[torch.Tensor]:
     """The blocked products of a few shapes, row counts and leaves in ``dtype`` on the current build (each weight
     packed by that build)."""
     found = []
-    for out_features, in_features, rows in [(37, 20, 1), (100, 64, 3), (1000, 300, 33), (64, 1024, 300)]:
+    for out_features, in_features, rows in [(37, 20, 1), (100, 64, 3), (48, 64, 7), (1000, 300, 33), (64, 1024, 300)]:
         generator = torch.Generator().manual_seed(out_features + rows)
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
         x = torch.randn(rows, in_features, generator=generator).to(dtype)
@@ -131,7 +131,7 @@ def test_the_avx2_build_returns_the_avx512_builds_bits():
 
 
 @pytest.mark.parametrize("out_features,in_features,rows,leaves", [(40, 64, 3, 4), (1000, 256, 1, 8), (24, 32, 17, 2),
-                                                                  (33, 48, 9, 1)])
+                                                                  (33, 48, 9, 1), (48, 64, 6, 4)])
 def test_the_leaves_are_each_slices_product_one_chain_whatever_the_rows(out_features, in_features, rows, leaves):
     """``blocked_leaves``: what ``row_linear``'s batched product returns (to FP32 order), each leaf bit for bit the
     blocked product of its slice alone (a tensor-parallel rank's shard), and a row's leaves the same alone."""
@@ -155,7 +155,7 @@ def test_the_leaves_are_each_slices_product_one_chain_whatever_the_rows(out_feat
         blocked_linear.blocked_leaves(x, blocked_linear.pack(weight), out_features, 5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 9, 20])
+@pytest.mark.parametrize("rows", [1, 3, 7, 9, 20])
 @pytest.mark.parametrize("leaves", [2, 4, 8])
 def test_the_row_linear_is_row_linears_tree_of_the_leaves_bit_for_bit(rows, leaves):
     """``blocked_row_linear``: the leaves of ``blocked_leaves``, the bias added to leaf 0, summed as

@@ -5,11 +5,13 @@
  * so a row's result does not depend on the rows beside it. A BF16 weight and input are widened to FP32 exactly (a
  * 16-bit shift) and the FP32 sum plus the bias is rounded to BF16 once, to nearest even, as torch rounds.
  * One row (a decode lane) reads ONE_ROW_BLOCKS blocks at once, far apart in each thread's share (that many sequential
- * reads in flight); more rows are taken CHUNK at a time, transposed into FP32 scratch (x^T [K, CHUNK]), against
- * BLOCKS blocks at once (CHUNK x BLOCKS vector accumulators), the rows in tiles of TILE so a tile's transposed rows
- * stay in cache while every block of the thread's share passes. The sums live in the ISA's own vectors (WIDTH floats:
- * a block's 16 features in one AVX-512 register or two AVX2 ones) and the tiles are sized to its register file, so
- * none spills to the stack; the tiles change which products are computed together, never an output's order.
+ * reads in flight); more rows are taken CHUNK at a time (FEW_CHUNK where that makes one chunk of a decode batch, so
+ * each block is read once), transposed into FP32 scratch (x^T [K, chunk]), against BLOCKS blocks at once (chunk x
+ * BLOCKS vector accumulators), the rows in tiles of TILE so a tile's transposed rows stay in cache while every block
+ * of the thread's share passes. The sums live in the ISA's own vectors (WIDTH floats: a block's 16 features in one
+ * AVX-512 register or two AVX2 ones) and the tiles are sized to its register file (AVX2's eight-row chunk spills a
+ * few sums, cheaper than reading each block twice); the tiles change which products are computed together, never an
+ * output's order.
  * With leaves > 1 the K inputs are that many equal slices (a row-parallel projection's reduction leaves,
  * recipes/layers.py row_linear): y is [leaves, M, N], leaf l one FMA chain over its slice from zero, the bias (if
  * any) in leaf 0 only; each block is still read once, its leaves one after another. With tree (leaves a power of
@@ -38,16 +40,20 @@
 #define ONE_ROW_BLOCKS 8
 #define BLOCKS 2
 #define CHUNK 8
+#define FEW_CHUNK 8
 #else /* AVX2 and narrower (16 registers of 8 floats): a k-vector in two, tiles that fit the register file */
 #define WIDTH 8
 #define ONE_ROW_BLOCKS 6
 #define BLOCKS 1
 #define CHUNK 4
+#define FEW_CHUNK 8 /* up to 8 rows (a decode batch) in one chunk: each block read once, a few sums spilled */
 #endif
+#define MAX_CHUNK (CHUNK > FEW_CHUNK ? CHUNK : FEW_CHUNK)
 #define HALVES (LANES / WIDTH) /* native vectors a block's k-vector */
 #define TILE 256
 #define MAX_TREE_LEAVES 16
-#define PER_LEAF (CHUNK * BLOCKS > ONE_ROW_BLOCKS ? CHUNK * BLOCKS : ONE_ROW_BLOCKS) /* a leaf's vectors, one group */
+/* a leaf's vectors, one group */
+#define PER_LEAF (MAX_CHUNK * BLOCKS > ONE_ROW_BLOCKS ? MAX_CHUNK * BLOCKS : ONE_ROW_BLOCKS)
 #define PREFETCH_BYTES 2048 /* how far ahead in a block's stream (32 cache lines) */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -134,14 +140,14 @@ INLINE void one_row(const float *x, const char *packed, long k_in, long k0, long
   for (int b = 0; b < ONE_ROW_BLOCKS; b++) out[b] = join(sum[b]);
 }
 
-/* xt [K, CHUNK]: CHUNK rows of x, transposed, in FP32; out [CHUNK][BLOCKS]; k over [k0, k1) */
+/* xt [K, chunk]: chunk rows of x, transposed, in FP32; out [chunk][BLOCKS]; k over [k0, k1) */
 INLINE void chunk_rows(const float *xt, const char *packed, long k_in, long k0, long k1, const long *block,
-                       lanes *out, int prefetch, const int bf16) {
+                       lanes *out, int prefetch, const int bf16, const int chunk) {
   const long element = bf16 ? 2 : 4;
   const char *w[BLOCKS];
-  vec sum[CHUNK][BLOCKS][HALVES];
+  vec sum[MAX_CHUNK][BLOCKS][HALVES];
   for (int b = 0; b < BLOCKS; b++) w[b] = packed + block[b] * k_in * LANES * element;
-  for (int i = 0; i < CHUNK; i++)
+  for (int i = 0; i < chunk; i++)
     for (int b = 0; b < BLOCKS; b++)
       for (int h = 0; h < HALVES; h++) sum[i][b][h] = (vec){0};
   for (long k = k0; k < k1; k++) {
@@ -150,19 +156,22 @@ INLINE void chunk_rows(const float *xt, const char *packed, long k_in, long k0, 
       if (prefetch) __builtin_prefetch(w[b] + k * LANES * element + PREFETCH_BYTES, 0, 0);
       for (int h = 0; h < HALVES; h++) wk[b][h] = load(w[b], k, h, bf16);
     }
-    const float *xk = xt + k * CHUNK;
+    const float *xk = xt + k * chunk;
 #pragma GCC unroll 16
-    for (int i = 0; i < CHUNK; i++) {
+    for (int i = 0; i < chunk; i++) {
       float xi = xk[i];
       for (int b = 0; b < BLOCKS; b++)
         for (int h = 0; h < HALVES; h++) sum[i][b][h] += xi * wk[b][h];
     }
   }
-  for (int i = 0; i < CHUNK; i++)
+  for (int i = 0; i < chunk; i++)
     for (int b = 0; b < BLOCKS; b++) out[i * BLOCKS + b] = join(sum[i][b]);
 }
 
 #if PAIRS
+#if FEW_CHUNK != CHUNK
+#error "the pair kernels take CHUNK rows at every row count"
+#endif
 /* BF16 in pairs: x as K / 2 words (x[2p] low, x[2p + 1] high); k over [k0, k1), both even */
 static void one_row_pairs(const float *x, const char *packed, long k_in, long k0, long k1, const long *block,
                           lanes *out) {
@@ -226,7 +235,8 @@ INLINE void store(void *y, const void *bias, long n_out, long row, long block, l
 
 typedef struct {
   void (*one_row)(const float *, const char *, long, long, long, const long *, lanes *);
-  void (*chunk_rows)(const float *, const char *, long, long, long, const long *, lanes *, int);
+  void (*chunk_rows)(const float *, const char *, long, long, long, const long *, lanes *, int); /* CHUNK rows */
+  void (*few_rows)(const float *, const char *, long, long, long, const long *, lanes *, int); /* FEW_CHUNK */
   void (*store)(void *, const void *, long, long, long, lanes);
   long element;
 } kernels;
@@ -236,7 +246,11 @@ static void one_row_f32(const float *x, const char *p, long k_in, long k0, long 
 }
 static void chunk_rows_f32(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
                            int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0);
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0, CHUNK);
+}
+static void few_rows_f32(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
+                         int prefetch) {
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0, FEW_CHUNK);
 }
 static void store_f32(void *y, const void *bias, long n_out, long row, long block, lanes v) {
   store(y, bias, n_out, row, block, v, 0);
@@ -244,18 +258,22 @@ static void store_f32(void *y, const void *bias, long n_out, long row, long bloc
 static void store_bf16(void *y, const void *bias, long n_out, long row, long block, lanes v) {
   store(y, bias, n_out, row, block, v, 1);
 }
-static const kernels F32 = {one_row_f32, chunk_rows_f32, store_f32, 4};
+static const kernels F32 = {one_row_f32, chunk_rows_f32, few_rows_f32, store_f32, 4};
 #if PAIRS
-static const kernels BF16 = {one_row_pairs, chunk_rows_pairs, store_bf16, 2};
+static const kernels BF16 = {one_row_pairs, chunk_rows_pairs, chunk_rows_pairs, store_bf16, 2};
 #else
 static void one_row_bf16(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
   one_row(x, p, k_in, k0, k1, b, out, 1);
 }
 static void chunk_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
                             int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1);
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1, CHUNK);
 }
-static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, store_bf16, 2};
+static void few_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
+                          int prefetch) {
+  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1, FEW_CHUNK);
+}
+static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, few_rows_bf16, store_bf16, 2};
 #endif
 
 /* the leaves' sums of `count` vectors each, summed pairwise in place into sums[0] (row_linear's tree) */
@@ -278,21 +296,24 @@ static lanes bias_lanes(const void *bias, long n_out, long block, int bf16) {
  * k_in */
 static int run(const kernels *kernel, const void *x, const char *packed, const void *bias, char *y, long rows,
                long n_out, long k_in, long leaves, int tree, int threads) {
-  long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + CHUNK - 1) / CHUNK, step = k_in / leaves;
+  const int chunk = rows > CHUNK && rows <= FEW_CHUNK ? FEW_CHUNK : CHUNK; /* a decode batch in one chunk */
+  void (*chunk_kernel)(const float *, const char *, long, long, long, const long *, lanes *, int) =
+      chunk == CHUNK ? kernel->chunk_rows : kernel->few_rows;
+  long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + chunk - 1) / chunk, step = k_in / leaves;
   int bf16 = kernel->element == 2, pairs = bf16 && PAIRS;
   if (tree && (leaves > MAX_TREE_LEAVES || (leaves & (leaves - 1)))) return 2;
   if (pairs && step % 2) return 3;
   const float *x32 = x; /* one FP32 row (pairs: its BF16 words) */
   float *xt = NULL;
   if (rows > 1 || (bf16 && !pairs)) {
-    long width = rows > 1 ? CHUNK : 1;
+    long width = rows > 1 ? chunk : 1;
     xt = aligned_alloc(64, ((size_t)chunks * k_in * width * sizeof(float) + 63) / 64 * 64);
     if (!xt) return 1;
     for (long c = 0; c < chunks; c++)
       for (long k = 0; k < k_in; k++)
         for (int i = 0; i < width; i++) {
-          long row = c * CHUNK + i, at = row * k_in + k;
-          if (pairs) { /* [K / 2, CHUNK] words of two BF16, the even k low */
+          long row = c * chunk + i, at = row * k_in + k;
+          if (pairs) { /* [K / 2, chunk] words of two BF16, the even k low */
             uint16_t *words = (uint16_t *)xt;
             words[((c * k_in / 2 + k / 2) * width + i) * 2 + k % 2] = row < rows ? ((const uint16_t *)x)[at] : 0;
             continue;
@@ -309,8 +330,8 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
     long first = blocks * t / count, end = blocks * (t + 1) / count;
     long stride = (end - first + at_once - 1) / at_once; /* run b of the share starts at first + b * stride */
     lanes out[PER_LEAF], sums[MAX_TREE_LEAVES][PER_LEAF];
-    for (long tile = 0; tile < chunks; tile += TILE / CHUNK) {
-      long tile_end = tile + TILE / CHUNK < chunks ? tile + TILE / CHUNK : chunks;
+    for (long tile = 0; tile < chunks; tile += TILE / chunk) {
+      long tile_end = tile + TILE / chunk < chunks ? tile + TILE / chunk : chunks;
       for (long i = 0; i < stride; i++) {
         long block[ONE_ROW_BLOCKS];
         int live[ONE_ROW_BLOCKS];
@@ -338,23 +359,23 @@ static int run(const kernels *kernel, const void *x, const char *packed, const v
         }
         for (long c = tile; c < tile_end; c++) {
           for (long leaf = 0; leaf < leaves; leaf++) {
-            kernel->chunk_rows(xt + c * k_in * CHUNK / (pairs ? 2 : 1), packed, k_in, leaf * step, (leaf + 1) * step,
+            chunk_kernel(xt + c * k_in * chunk / (pairs ? 2 : 1), packed, k_in, leaf * step, (leaf + 1) * step,
                                block, tree ? sums[leaf] : out, c == tile);
             if (!tree)
-              for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
+              for (int r = 0; r < chunk && c * chunk + r < rows; r++)
                 for (int b = 0; b < at_once; b++)
                   if (live[b])
                     kernel->store(y + leaf * rows * n_out * kernel->element, leaf ? NULL : bias, n_out,
-                                  c * CHUNK + r, block[b], out[r * BLOCKS + b]);
+                                  c * chunk + r, block[b], out[r * BLOCKS + b]);
           }
           if (tree) {
             if (bias)
-              for (int r = 0; r < CHUNK; r++)
+              for (int r = 0; r < chunk; r++)
                 for (int b = 0; b < at_once; b++) sums[0][r * BLOCKS + b] += bias_lanes(bias, n_out, block[b], bf16);
-            tree_sum(sums, leaves, CHUNK * BLOCKS);
-            for (int r = 0; r < CHUNK && c * CHUNK + r < rows; r++)
+            tree_sum(sums, leaves, chunk * BLOCKS);
+            for (int r = 0; r < chunk && c * chunk + r < rows; r++)
               for (int b = 0; b < at_once; b++)
-                if (live[b]) kernel->store(y, NULL, n_out, c * CHUNK + r, block[b], sums[0][r * BLOCKS + b]);
+                if (live[b]) kernel->store(y, NULL, n_out, c * chunk + r, block[b], sums[0][r * BLOCKS + b]);
           }
         }
       }
