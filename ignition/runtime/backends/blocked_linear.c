@@ -233,10 +233,11 @@ INLINE void store(void *y, const void *bias, long n_out, long row, long block, l
   }
 }
 
+typedef void (*rows_kernel)(const float *, const char *, long, long, long, const long *, lanes *, int);
 typedef struct {
   void (*one_row)(const float *, const char *, long, long, long, const long *, lanes *);
-  void (*chunk_rows)(const float *, const char *, long, long, long, const long *, lanes *, int); /* CHUNK rows */
-  void (*few_rows)(const float *, const char *, long, long, long, const long *, lanes *, int); /* FEW_CHUNK */
+  rows_kernel chunk_rows; /* CHUNK rows */
+  rows_kernel few_rows;   /* FEW_CHUNK rows */
   void (*store)(void *, const void *, long, long, long, lanes);
   long element;
 } kernels;
@@ -244,14 +245,14 @@ typedef struct {
 static void one_row_f32(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
   one_row(x, p, k_in, k0, k1, b, out, 0);
 }
-static void chunk_rows_f32(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
-                           int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0, CHUNK);
-}
-static void few_rows_f32(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
-                         int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 0, FEW_CHUNK);
-}
+/* a rows_kernel: chunk_rows for one dtype and chunk width, both constants */
+#define ROWS_KERNEL(name, bf16, chunk)                                                                                \
+  static void name(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,         \
+                   int prefetch) {                                                                                  \
+    chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, bf16, chunk);                                                 \
+  }
+ROWS_KERNEL(chunk_rows_f32, 0, CHUNK)
+ROWS_KERNEL(few_rows_f32, 0, FEW_CHUNK)
 static void store_f32(void *y, const void *bias, long n_out, long row, long block, lanes v) {
   store(y, bias, n_out, row, block, v, 0);
 }
@@ -265,14 +266,8 @@ static const kernels BF16 = {one_row_pairs, chunk_rows_pairs, chunk_rows_pairs, 
 static void one_row_bf16(const float *x, const char *p, long k_in, long k0, long k1, const long *b, lanes *out) {
   one_row(x, p, k_in, k0, k1, b, out, 1);
 }
-static void chunk_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
-                            int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1, CHUNK);
-}
-static void few_rows_bf16(const float *xt, const char *p, long k_in, long k0, long k1, const long *b, lanes *out,
-                          int prefetch) {
-  chunk_rows(xt, p, k_in, k0, k1, b, out, prefetch, 1, FEW_CHUNK);
-}
+ROWS_KERNEL(chunk_rows_bf16, 1, CHUNK)
+ROWS_KERNEL(few_rows_bf16, 1, FEW_CHUNK)
 static const kernels BF16 = {one_row_bf16, chunk_rows_bf16, few_rows_bf16, store_bf16, 2};
 #endif
 
@@ -297,8 +292,7 @@ static lanes bias_lanes(const void *bias, long n_out, long block, int bf16) {
 static int run(const kernels *kernel, const void *x, const char *packed, const void *bias, char *y, long rows,
                long n_out, long k_in, long leaves, int tree, int threads) {
   const int chunk = rows > CHUNK && rows <= FEW_CHUNK ? FEW_CHUNK : CHUNK; /* a decode batch in one chunk */
-  void (*chunk_kernel)(const float *, const char *, long, long, long, const long *, lanes *, int) =
-      chunk == CHUNK ? kernel->chunk_rows : kernel->few_rows;
+  rows_kernel chunk_kernel = chunk == CHUNK ? kernel->chunk_rows : kernel->few_rows;
   long blocks = (n_out + LANES - 1) / LANES, chunks = (rows + chunk - 1) / chunk, step = k_in / leaves;
   int bf16 = kernel->element == 2, pairs = bf16 && PAIRS;
   if (tree && (leaves > MAX_TREE_LEAVES || (leaves & (leaves - 1)))) return 2;
