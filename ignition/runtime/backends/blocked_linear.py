@@ -17,8 +17,9 @@ leaf ``l`` one FMA chain over its slice of ``K`` from zero, so a rank of a tenso
 the leaves computes them with the same bits (``packed_linear.LinearPacks`` puts every such product on it wherever the
 blocked product runs, whatever the shape, so that the ranks and the single rank agree).
 
-The source is compiled once per CPU (``host_cache.cpu_key``: its model and instruction set), compiler and source (``library``: ``-O3 -march=native -fopenmp``, so the
-product runs on the process's OpenMP threads, torch's), into the machine's cache directory
+The source is compiled once per CPU (``host_cache.cpu_key``: its model and instruction set), compiler and source
+(``library``: ``-O3 -march=native -fopenmp``, so the product runs on the process's OpenMP threads, torch's), into the
+machine's cache directory
 (``host_cache.cache_dir``); a machine without a C compiler, or where the build fails, does not offer the path
 (``unavailable`` says why), and ``gemm="blocked"`` is refused at load with that reason.
 """
@@ -63,8 +64,8 @@ def _compiler() -> str:
 @cache
 def library() -> ctypes.CDLL:
     """The compiled product, built on first use into ``<cache dir>/kernels`` under a name that hashes the source, the
-    flags, the compiler's version and the CPU (``cpu_key``), and loaded; BlockedUnavailable with the reason where it cannot
-    be."""
+    flags, the compiler's version and the CPU (``cpu_key``), and loaded; BlockedUnavailable with the reason where it
+    cannot be."""
     compiler = _compiler()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -6,9 +6,9 @@ read the Qwen3-0.6B weights 1.3-6x faster than MKL's FP32 ``aten.linear`` at 1 t
 AVX-512 and AMX, MKL streamed them at 22.6 GB/s at one row against the packed product's 17.6. So the choice is made per
 weight shape by timing both (``GemmPlan``), at the row counts the core's decode graphs run (its decode capacities;
 ``CALIBRATION_ROWS`` without them), and the result is kept
-in a small JSON cache keyed by the CPU (its model and instruction set), the torch version and the shape (``cache_path``): a machine pays a
-few hundred milliseconds once per shape, and each later load reads the cache (timings taken while the host is
-oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
+in a small JSON cache keyed by the CPU (its model and instruction set), the torch version and the shape
+(``cache_path``): a machine pays a few hundred milliseconds once per shape, and each later load reads the cache
+(timings taken while the host is oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
 the CPU's best BF16 kernels (AMX where present); it is a candidate only where it returns ``aten.linear``'s bits
 (``packed_linear.keeps_bits``). The blocked BF16 product sums in FP32 in its own order and rounds once, so where the
 calibration picks it a BF16 core's roundings are its own, tested no further from the exact product than
@@ -89,9 +89,9 @@ another machine's."""
 
 
 def machine_key() -> str:
-    """What a calibration is valid for: this CPU (``host_cache.cpu_key``) under this torch (its oneDNN and MKL), thread count,
-    instruction-set caps (``ISA_LIMITS`` that are set) and build of the blocked product (``blocked_linear.build_id``:
-    another source or compiler times otherwise)."""
+    """What a calibration is valid for: this CPU (``host_cache.cpu_key``) under this torch (its oneDNN and MKL),
+    thread count, instruction-set caps (``ISA_LIMITS`` that are set) and build of the blocked product
+    (``blocked_linear.build_id``: another source or compiler times otherwise)."""
     caps = "".join(f" | {name}={os.environ[name]}" for name in ISA_LIMITS if os.environ.get(name))
     return f"{cpu_key()} | torch {torch.__version__} | {torch.get_num_threads()} threads{caps} | blocked " \
            f"{blocked_linear.build_id()}"
