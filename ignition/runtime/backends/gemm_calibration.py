@@ -8,13 +8,13 @@ weight shape by timing both (``GemmPlan``), at the row counts the core's decode 
 ``CALIBRATION_ROWS`` without them), and the result is kept
 in a small JSON cache keyed by the CPU (its model and instruction set), the torch version and the shape
 (``cache_path``): a machine pays a few hundred milliseconds once per shape, and each later load reads the cache
-(timings taken while the host is oversubscribed are used for that load and not cached: ``quiet``). A BF16 weight's packed product takes
-the CPU's best BF16 kernels (AMX where present); it is a candidate only where it returns ``aten.linear``'s bits
-(``packed_linear.keeps_bits``). The blocked BF16 product sums in FP32 in its own order and rounds once, so where the
-calibration picks it a BF16 core's roundings are its own, tested no further from the exact product than
-``aten.linear``'s (BF16 promises no bits against transformers across CPUs). One choice per weight shape, not
-per row count: a weight used both ways would be held twice (its raw and its packed copy), so the shape takes the
-path whose times, each relative to the faster path at that row count, sum lowest.
+(timings taken while the host is oversubscribed are used for that load and not cached: ``quiet``). A BF16
+weight's packed product takes the CPU's best BF16 kernels (AMX where present); it is a candidate only where it
+returns ``aten.linear``'s bits (``packed_linear.keeps_bits``). The blocked BF16 product sums in FP32 in its own
+order and rounds once, so where the calibration picks it a BF16 core's roundings are its own, tested no further
+from the exact product than ``aten.linear``'s (BF16 promises no bits against transformers across CPUs). One choice
+per weight shape, not per row count: a weight used both ways would be held twice (its raw and its packed copy), so
+the shape takes the path whose times, each relative to the faster path at that row count, sum lowest.
 
 The packed path is several paths: oneDNN reorders a weight for a row count (``_reorder_linear_weight``'s batch-size
 hint), and which layout streams fastest at decode's rows is the machine's too. On one AMD EPYC host a weight
