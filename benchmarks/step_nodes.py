@@ -33,12 +33,13 @@ def node_table(core, batch: int, steps: int) -> tuple[list[tuple[str, int, int, 
     engine = warmed_engine(core, decode_requests(lane_prompts(batch), 5, steps))
     variant = next(v for v in core.variants.values() if v.operation is Operation.DECODE and v.capacity == batch)
     from ignition.runtime.backends.blocked_linear import GRAPH_CALLS
+    from ignition.runtime.backends.direct_calls import overload
 
     def operator(node) -> str:  # namespace.name: the blocked product's graph calls by their profiler names
-        return GRAPH_CALLS[node.target].replace("::", ".") if node.target in GRAPH_CALLS else str(node.target)
+        return GRAPH_CALLS[node.target].replace("::", ".") if node.target in GRAPH_CALLS else str(overload(node))
 
-    nodes = [n for n in variant.runner.graph_module.graph.nodes
-             if n.op == "call_function" and (isinstance(n.target, torch._ops.OpOverload) or n.target in GRAPH_CALLS)]
+    nodes = [n for n in variant.runner.graph_module.graph.nodes if n.op == "call_function" and
+             (isinstance(overload(n), torch._ops.OpOverload) or n.target in GRAPH_CALLS)]
     kinds = [operator(n).split(".")[1] + (f" {n.args[1]}" if operator(n).startswith("aten.rms_norm") else "")
              for n in nodes]
     count, calls, times = collections.Counter(), collections.Counter(), collections.Counter()

@@ -37,6 +37,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
 from ignition.validate.core import validate_core
+from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads
 
 transformers = pytest.importorskip("transformers")
 
@@ -357,3 +358,11 @@ def test_unsupported_options_are_refused(exported, options, words):
     with pytest.raises(RecipeError, match=words):
         build_recipe(ExportOptions(recipe="deepseek_v4", checkpoint=checkpoint, capacities=(2,), chunk_limit=CHUNK,
                                    max_seq_len=MAX_SEQ, **options))
+
+
+def test_the_graphs_call_bindings_that_dispatch_as_their_overloads(exported):
+    """The loader's rewrite onto torch's Python bindings (runtime/backends/direct_calls.py) keeps every operator
+    call and every bit of each variant."""
+    _, _, core, _ = exported
+    Engine(core).generate([Request([3, 1, 4, 1, 5, 9, 2, 6], max_tokens=3, logprobs=2, ignore_eos=True)])
+    assert assert_direct_calls_dispatch_as_overloads(core) > 0

@@ -34,6 +34,7 @@ from ignition.runtime.options import LoadOptions
 from ignition.runtime.requests import Request
 from ignition.runtime.engine import Engine
 from ignition.validate.core import validate_core
+from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads
 
 _SPEC = importlib.util.spec_from_file_location(
     "make_tiny_gemma3", Path(__file__).parents[1] / "examples" / "make_tiny_gemma3.py")
@@ -369,3 +370,11 @@ def test_a_sliding_core_drafts_for_itself(gemma):
     tokens, _ = hf_incremental(hf, PROMPTS[0], 16)
     assert result.token_ids == tokens
     assert engine.stats["proposed"] == engine.stats["accepted"] > 0
+
+
+def test_the_graphs_call_bindings_that_dispatch_as_their_overloads(gemma):
+    """The loader's rewrite onto torch's Python bindings (runtime/backends/direct_calls.py) keeps every operator
+    call and every bit of each variant."""
+    _, _, core, _ = gemma
+    Engine(core).generate([Request([3, 1, 4, 1, 5, 9, 2, 6], max_tokens=3, logprobs=2, ignore_eos=True)])
+    assert assert_direct_calls_dispatch_as_overloads(core) > 0

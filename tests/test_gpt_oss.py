@@ -30,6 +30,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.drafters import NgramDrafter
 from ignition.runtime.requests import Request
 from ignition.runtime.engine import Engine
+from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads
 
 _SPEC = importlib.util.spec_from_file_location(
     "make_tiny_gpt_oss", Path(__file__).parents[1] / "examples" / "make_tiny_gpt_oss.py")
@@ -294,3 +295,11 @@ def test_a_published_config_parses_and_its_yarn_is_transformers():
     hf = GptOssRotaryEmbedding(HfConfig(**{k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"}))
     inv_freq, multiplier = rope_frequencies(parsed.rope)
     assert torch.equal(inv_freq, hf.inv_freq) and multiplier == hf.attention_scaling
+
+
+def test_the_graphs_call_bindings_that_dispatch_as_their_overloads(gpt_oss):
+    """The loader's rewrite onto torch's Python bindings (runtime/backends/direct_calls.py) keeps every operator
+    call and every bit of each variant."""
+    _, _, core, _ = gpt_oss
+    Engine(core).generate([Request([3, 1, 4, 1, 5, 9, 2, 6], max_tokens=3, logprobs=2, ignore_eos=True)])
+    assert assert_direct_calls_dispatch_as_overloads(core) > 0

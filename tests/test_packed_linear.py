@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ignition.catalog.enums import Role
-from ignition.runtime.backends import blocked_linear, packed_linear
+from ignition.runtime.backends import blocked_linear, direct_calls, packed_linear
 from ignition.runtime.backends.gemm_calibration import ATEN, PACK_LAYOUTS, GemmPlan, packed_path
 from ignition.runtime.backends.packed_linear import PACKED_TARGET, packing_available
 from ignition.runtime.core import load_core
@@ -41,9 +41,9 @@ def decoder_core(request, tmp_path_factory):
 
 def _linears(core) -> dict[str, list]:
     """Variant -> the targets of its linear calls (aten's or oneDNN's; the row-parallel leaves are ``_leaves``)."""
-    return {name: [str(n.target) for n in v.runner.graph_module.graph.nodes
-                   if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                   and "linear" in str(n.target)] for name, v in core.variants.items()}
+    return {name: [str(direct_calls.overload(n)) for n in v.runner.graph_module.graph.nodes
+                   if n.op == "call_function" and isinstance(direct_calls.overload(n), torch._ops.OpOverload)
+                   and "linear" in str(direct_calls.overload(n))] for name, v in core.variants.items()}
 
 
 def _words(results) -> list[tuple[list[int], torch.Tensor]]:
@@ -256,7 +256,7 @@ def test_loaded_graphs_compute_nothing_from_weights_alone_and_keep_their_numbers
         graph = variant.runner.graph_module.graph
         placeholders = {n for n, name in zip((n for n in graph.nodes if n.op == "placeholder"), variant.buffers)
                         if name in weights}
-        assert not [n for n in graph.nodes if n.op == "call_function" and n.target in FOLDED_TARGETS
+        assert not [n for n in graph.nodes if n.op == "call_function" and direct_calls.overload(n) in FOLDED_TARGETS
                     and n.all_input_nodes and set(n.all_input_nodes) <= placeholders], variant.name
         constants += sum(1 for n in graph.nodes if n.op == "get_attr" and n.target.startswith("_weight_constant_"))
     assert constants > 0  # qwen3's q/k norm scales, at least
@@ -408,3 +408,13 @@ def test_row_parallel_leaves_run_on_the_blocked_product_whatever_their_size(deco
         assert ids == plain_ids
         torch.testing.assert_close(logprobs, plain_logprobs, rtol=0, atol=2e-5)
     assert set(_leaves(load_core(decoder_core, gemm="packed")).values()) == {(0, 2 * layers)}
+
+
+def test_the_packed_graphs_call_bindings_that_dispatch_as_their_overloads(decoder_core):
+    """Qwen3 in FP32 and BF16 with its linears packed: the rewrite onto torch's Python bindings
+    (runtime/backends/direct_calls.py) keeps every operator call and every bit of each variant."""
+    from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads
+
+    core = load_core(decoder_core)
+    Engine(core).generate(_requests())
+    assert assert_direct_calls_dispatch_as_overloads(core) > 0

@@ -37,6 +37,7 @@ from ignition.runtime.core import load_core
 from ignition.runtime.requests import Request
 from ignition.runtime.engine import Engine
 from ignition.validate.core import validate_core
+from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "make_tiny_qwen3_5.py"
 CHUNK, MAX_SEQ_LEN, VOCAB = 8, 48, 320
@@ -374,3 +375,11 @@ def test_packed_lanes_are_their_prefill_chunk_bit_for_bit(checkpoint, lane_rows:
     for name in ("conv_state", "recurrent_state"):
         assert torch.equal(alone[name][:, 1], packed[name][:, 1]), name
         assert not torch.equal(packed[name][:, 1], start[name][:, 1]), name  # the chunk moved the state
+
+
+def test_the_graphs_call_bindings_that_dispatch_as_their_overloads(core):
+    """The loader's rewrite onto torch's Python bindings (runtime/backends/direct_calls.py) keeps every operator
+    call and every bit of each variant."""
+    _, core = core
+    Engine(core).generate([Request([3, 1, 4, 1, 5, 9, 2, 6], max_tokens=3, logprobs=2, ignore_eos=True)])
+    assert assert_direct_calls_dispatch_as_overloads(core) > 0

@@ -1,6 +1,7 @@
 """The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and Ignition's own
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
-metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``)."""
+metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``) and its
+other ATen calls through torch's Python bindings (``direct_calls.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
+from ignition.runtime.backends import direct_calls
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.backends.protocol import Runner, graph_files
 from ignition.runtime.device import CAPTURE_DEVICE, move_program
@@ -47,6 +49,7 @@ class Pt2Backend:
         if self.packs is not None:  # by the declarations: every packed weight is known before the weights arrive
             self.packs.rewrite(program, arguments)
         if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
+            direct_calls.rewrite(program.graph)  # replayed op by op in Python: the cheaper calls
             program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
 
     def program(self, entry: dict):
