@@ -30,6 +30,9 @@ the blocked product (``BLOCKED``), one layout for every row count, compiled for 
 0.99x as long as the eight-row layout at batches 1, 8 and 32 (``benchmarks.core_ab --old-gemm packed --new-gemm
 blocked``), and the calibration picks it for every Qwen3-0.6B shape at capacities 1, 8 and 32.
 
+A BF16 or FP16 core's attention products (``bmm``) are timed the same way, in their dtype against FP32 copies
+rounded once (``batched_products``; ``GemmPlan.batched_path``, the key window at ``WINDOW_PROBE`` positions).
+
 ``LoadOptions.gemm`` chooses the mode once, at load: ``calibrate`` (the default), or ``packed`` / ``blocked`` /
 ``aten`` to force one path wherever the dtype allows it; ``LinearPacks`` asks ``GemmPlan.path`` once per weight as
 it rewrites the graphs, and nothing re-decides while a core runs.
@@ -47,6 +50,7 @@ import torch
 
 from ignition.catalog.enums import Operation
 from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends.batched_products import BATCHED_DTYPES, WIDENED, widened_bmm
 from ignition.runtime.backends.host_cache import cache_dir, cpu_key, cpu_model
 
 CALIBRATE, PACKED, BLOCKED, ATEN = "calibrate", "packed", "blocked", "aten"
@@ -74,6 +78,8 @@ CACHE_VERSION = 4
 product is a path
 (``BLOCKED``), and an entry is reused only where it timed the paths this load offers; 2: the packed paths name their
 layout (``packed@R``) and a key its row counts."""
+WINDOW_PROBE = 256
+"""The extent a batched product's dynamic dimension (the key window) is timed at."""
 _lock = threading.Lock()
 
 
@@ -187,6 +193,22 @@ def time_paths(shape, dtype: torch.dtype, paths, rows=CALIBRATION_ROWS) -> dict[
     return timings
 
 
+def batched_shapes(first, second) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``bmm``'s operand shapes as timed: each extent an int as it is, a symbolic one (the key window) at
+    ``WINDOW_PROBE``."""
+    def extent(value) -> int:
+        return value if isinstance(value, int) else WINDOW_PROBE
+    return tuple(map(extent, first)), tuple(map(extent, second))
+
+
+def time_batched(first, second, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Best seconds of ``bmm(a [B, M, K], b [B, K, N])`` in ``dtype`` (``aten``) and on FP32 copies rounded back
+    (``fp32``), on random operands of those shapes: ``{"batched": {path: seconds}}`` (``choose``'s form)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=generator).to(dtype) for shape in (first, second))
+    return {"batched": _best_seconds({ATEN: lambda: torch.bmm(a, b), WIDENED: lambda: widened_bmm(a, b)})}
+
+
 def choose(timings: dict[str, dict[str, float]]) -> str:
     """The path whose times, each over the faster one's at its row count, sum lowest (ties: ``aten``)."""
     paths = sorted(next(iter(timings.values())))
@@ -242,7 +264,22 @@ class GemmPlan:
         """Whether a linear on a weight of ``shape`` and ``dtype`` runs packed by oneDNN on this machine."""
         return self.layout(shape, dtype, layouts) is not None
 
-    def _calibrated(self, shape, dtype: torch.dtype, key: str, paths: tuple[str, ...]) -> str:
+    def batched_path(self, first, second, dtype: torch.dtype) -> str:
+        """The path of ``bmm`` on ``dtype`` operands of shapes ``first`` and ``second`` (extents, a symbolic one
+        as a string) on this machine: ``fp32`` where the calibration timed it faster, ``aten`` otherwise and in
+        every forced mode (``gemm`` ``packed``, ``blocked`` or ``aten`` names a linear's path, and leaves the batched
+        products as the graph has them)."""
+        if self.mode != CALIBRATE or dtype not in BATCHED_DTYPES:
+            return ATEN
+        first, second = batched_shapes(first, second)
+        key = f"bmm {str(dtype).removeprefix('torch.')} {'x'.join(map(str, first))} @ {'x'.join(map(str, second))}"
+        paths = (WIDENED, ATEN)
+        if (key, paths) not in self.choices:
+            self.choices[key, paths] = self._calibrated(
+                None, dtype, key, paths, timer=lambda: time_batched(first, second, dtype))
+        return self.choices[key, paths]
+
+    def _calibrated(self, shape, dtype: torch.dtype, key: str, paths: tuple[str, ...], timer=None) -> str:
         with _lock:  # one load times at a time: two would share the memory bandwidth they measure
             machine = machine_key()
             entry = self._read().get(machine, {}).get(key, {})
@@ -250,7 +287,7 @@ class GemmPlan:
             if isinstance(timed, dict) and timed and all(isinstance(per, dict) and set(per) == set(paths)
                                                          for per in timed.values()) and entry.get("choice") in paths:
                 return entry["choice"]
-            timings = time_paths(shape, dtype, paths, self.rows)
+            timings = time_paths(shape, dtype, paths, self.rows) if timer is None else timer()
             choice = choose(timings)
             self.measured.append(key)
             if quiet():  # a busy host's timings serve this load only: the next one times again
@@ -280,6 +317,6 @@ class GemmPlan:
             pass
 
 
-__all__ = ["ATEN", "BLOCKED", "CALIBRATE", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS", "PACKED",
-           "PACK_LAYOUTS", "cache_path", "pack", "choose", "cpu_model", "decode_rows", "machine_key", "packed_path",
-           "path_layout", "time_paths"]
+__all__ = ["ATEN", "BLOCKED", "CALIBRATE", "CALIBRATION_ROWS", "FORCED_LAYOUT", "GEMM_MODES", "GemmPlan", "ISA_LIMITS",
+           "PACKED", "PACK_LAYOUTS", "WINDOW_PROBE", "batched_shapes", "cache_path", "choose", "cpu_model",
+           "decode_rows", "machine_key", "pack", "packed_path", "path_layout", "time_batched", "time_paths"]

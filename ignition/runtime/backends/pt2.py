@@ -1,7 +1,8 @@
 """The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and Ignition's own
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
-metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``) and its
-other ATen calls through torch's Python bindings (``direct_calls.py``)."""
+metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``), its
+BF16 and FP16 batched products on FP32 copies where that is faster (``batched_products.py``), and its other ATen
+calls through torch's Python bindings (``direct_calls.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
-from ignition.runtime.backends import direct_calls
+from ignition.runtime.backends import batched_products, direct_calls
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.backends.protocol import Runner, graph_files
 from ignition.runtime.device import CAPTURE_DEVICE, move_program
@@ -48,6 +49,7 @@ class Pt2Backend:
         program = self.program(entry)
         if self.packs is not None:  # by the declarations: every packed weight is known before the weights arrive
             self.packs.rewrite(program, arguments)
+            batched_products.rewrite(program.graph, self.packs.gemm)  # BF16 attention products, as timed here
         if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
             direct_calls.rewrite(program.graph)  # replayed op by op in Python: the cheaper calls
             program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
