@@ -73,7 +73,10 @@ class ProgramModule(torch.nn.Module):
         self._single = out_spec.is_leaf()
 
     def forward(self, buffers: dict):
-        result = self.graph_module(*[buffers[name] for name in self.names])
+        # the generated code itself: GraphModule.__call__ prints the failing line of it to stderr when an operator
+        # raises straight from that code (a Python binding, runtime/backends/direct_calls.py), and the caller reports
+        # the error, once, its own way
+        result = self.graph_module.forward(*[buffers[name] for name in self.names])
         if self._single:
             return result
         return pytree.tree_unflatten(list(result) if isinstance(result, (tuple, list)) else [result], self.out_spec)
