@@ -108,6 +108,32 @@ def save_checkpoint(case: TinyCase, directory: Path, reload: bool = True) -> tor
     return hf
 
 
+def bf16_cores_with_fp32_reference(root: Path) -> tuple[Path, Path, list[list[int]]]:
+    """A tiny tied Qwen3 in BF16 and the same BF16 values in FP32, each exported (capacities 1 and 4, prompt
+    logprobs) under ``root``: (BF16 core, FP32 core, four 14-token prompts), for BF16 fidelity against the FP32
+    reference."""
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+
+    model = build_hf_model(TinyCase("qwen3", torch.bfloat16, True, 300))
+    model.save_pretrained(root / "bf16")
+    model.float().save_pretrained(root / "fp32")  # the BF16 values, in FP32: the reference
+    for dtype in ("bf16", "fp32"):
+        export_core(ExportOptions(recipe="qwen3", checkpoint=root / dtype, capacities=(1, 4), chunk_limit=16,
+                                  max_seq_len=64, prompt_logprobs=True), root / f"core-{dtype}")
+    prompts = [[(7 * i + 13 * j) % 300 for j in range(14)] for i in range(4)]
+    return root / "core-bf16", root / "core-fp32", prompts
+
+
+def prompt_scores(core, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt token's logprob after the first, from ``core`` (FP64, prompt order)."""
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    results = Engine(core).generate([Request(p, max_tokens=1, prompt_logprobs=0) for p in prompts])
+    return torch.tensor([entry["logprob"] for r in results for entry in r.prompt_entries[1:]], dtype=torch.float64)
+
+
 INPUT_DEFAULTS = {"active_lanes": 1, "token_budget": 1 << 20, "eos_token_ids": -1, "forced_token_ids": -1,
                   "temperature": 0.0, "top_p": 1.0, "repetition_penalty": 1.0, "logprob_requested": 1}
 """Inputs not given to ``CoreReplay.run``: greedy, no penalties, logprobs requested, no stop."""

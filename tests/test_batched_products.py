@@ -104,37 +104,25 @@ def test_a_bf16_core_with_widened_attention_strays_from_fp32_no_further_than_wit
     """BF16 fidelity of a whole core: its prompt logprobs' deviation from the same weights' FP32 core, every
     attention product widened (on any machine), is no larger than with ``torch.bmm`` in BF16 (2% on the mean, one
     BF16 ulp of the largest logprob at worst); the linears on ``aten.linear`` both ways."""
-    from ignition.exporter.export import export_core
-    from ignition.recipes.base import ExportOptions
     from ignition.runtime.core import load_core
-    from ignition.runtime.engine import Engine
-    from ignition.runtime.requests import Request
-    from tests._decoder_cores import TinyCase, build_hf_model
+    from tests._decoder_cores import bf16_cores_with_fp32_reference, prompt_scores
 
-    root = tmp_path_factory.mktemp("widened_bf16")
-    model = build_hf_model(TinyCase("qwen3", torch.bfloat16, True, 300))
-    model.save_pretrained(root / "bf16")
-    model.float().save_pretrained(root / "fp32")  # the BF16 values, in FP32: the reference
-    for dtype in ("bf16", "fp32"):
-        export_core(ExportOptions(recipe="qwen3", checkpoint=root / dtype, capacities=(1, 4), chunk_limit=16,
-                                  max_seq_len=64, prompt_logprobs=True), root / f"core-{dtype}")
-    prompts = [[(7 * i + 13 * j) % 300 for j in range(14)] for i in range(4)]
+    bf16, fp32, prompts = bf16_cores_with_fp32_reference(tmp_path_factory.mktemp("widened_bf16"))
 
     def scores(core) -> torch.Tensor:
-        results = Engine(core).generate([Request(p, max_tokens=1, prompt_logprobs=0) for p in prompts])
-        return torch.tensor([entry["logprob"] for r in results for entry in r.prompt_entries[1:]], dtype=torch.float64)
+        return prompt_scores(core, prompts)
 
     def widened(core) -> int:
         return sum(n.target is widened_bmm for v in core.variants.values() for n in v.runner.graph_module.graph.nodes)
 
-    reference = scores(load_core(root / "core-fp32", pack_linears=False))
+    reference = scores(load_core(fp32, pack_linears=False))
     monkeypatch.setattr(GemmPlan, "path", lambda self, shape, dtype, layouts=(), blocked=False: ATEN)
     monkeypatch.setattr(GemmPlan, "batched_path", lambda self, first, second, dtype: ATEN)
-    bf16_core = load_core(root / "core-bf16")
+    bf16_core = load_core(bf16)
     assert widened(bf16_core) == 0
     theirs = (scores(bf16_core) - reference).abs()
     monkeypatch.setattr(GemmPlan, "batched_path", lambda self, first, second, dtype: WIDENED)
-    widened_core = load_core(root / "core-bf16")
+    widened_core = load_core(bf16)
     assert widened(widened_core) >= 2 * len(widened_core.variants)  # scores and mix, in every variant
     ours = (scores(widened_core) - reference).abs()
     assert float(ours.mean()) <= 1.02 * float(theirs.mean()), (float(ours.mean()), float(theirs.mean()))

@@ -262,34 +262,22 @@ def test_a_bf16_core_on_the_blocked_product_strays_from_fp32_no_further_than_on_
     """BF16 fidelity of a whole core: its prompt logprobs' deviation from the same weights' FP32 core, every
     projection and the LM head on the blocked product (``--gemm blocked``, no size floor), is no larger than with
     every one on ``aten.linear`` (2% on the mean, one BF16 ulp of the largest logprob at worst)."""
-    from ignition.exporter.export import export_core
-    from ignition.recipes.base import ExportOptions
     from ignition.runtime.backends import packed_linear
     from ignition.runtime.backends.gemm_calibration import ATEN
     from ignition.runtime.core import load_core
-    from ignition.runtime.engine import Engine
-    from ignition.runtime.requests import Request
-    from tests._decoder_cores import TinyCase, build_hf_model
+    from tests._decoder_cores import bf16_cores_with_fp32_reference, prompt_scores
 
-    root = tmp_path_factory.mktemp("blocked_bf16")
-    model = build_hf_model(TinyCase("qwen3", torch.bfloat16, True, 300))
-    model.save_pretrained(root / "bf16")
-    model.float().save_pretrained(root / "fp32")  # the BF16 values, in FP32: the reference
-    for dtype in ("bf16", "fp32"):
-        export_core(ExportOptions(recipe="qwen3", checkpoint=root / dtype, capacities=(1, 4), chunk_limit=16,
-                                  max_seq_len=64, prompt_logprobs=True), root / f"core-{dtype}")
+    bf16, fp32, prompts = bf16_cores_with_fp32_reference(tmp_path_factory.mktemp("blocked_bf16"))
     monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
-    prompts = [[(7 * i + 13 * j) % 300 for j in range(14)] for i in range(4)]
 
     def scores(core) -> torch.Tensor:
-        results = Engine(core).generate([Request(p, max_tokens=1, prompt_logprobs=0) for p in prompts])
-        return torch.tensor([entry["logprob"] for r in results for entry in r.prompt_entries[1:]], dtype=torch.float64)
+        return prompt_scores(core, prompts)
 
-    reference = scores(load_core(root / "core-fp32", pack_linears=False))
-    blocked_core = load_core(root / "core-bf16", gemm=BLOCKED)
+    reference = scores(load_core(fp32, pack_linears=False))
+    blocked_core = load_core(bf16, gemm=BLOCKED)
     assert any(n.target is blocked_linear.graph_linear for v in blocked_core.variants.values()
                for n in v.runner.graph_module.graph.nodes)
-    ours, theirs = (scores(blocked_core) - reference).abs(), (scores(load_core(root / "core-bf16", gemm=ATEN))
+    ours, theirs = (scores(blocked_core) - reference).abs(), (scores(load_core(bf16, gemm=ATEN))
                                                              - reference).abs()
     assert float(ours.mean()) <= 1.02 * float(theirs.mean()), (float(ours.mean()), float(theirs.mean()))
     assert float(ours.max()) <= float(theirs.max()) + float(reference.abs().max()) * 2.0 ** -7
