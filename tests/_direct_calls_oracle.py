@@ -26,6 +26,17 @@ class _Calls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def restored(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` whose nodes call the overloads ``direct_calls.rewrite`` replaced: the graph as it was
+    read."""
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    for node in copy.nodes:
+        if direct_calls.OVERLOAD in node.meta:
+            node.target = node.meta.pop(direct_calls.OVERLOAD)
+    return copy
+
+
 def _run(graph_module, variant):
     buffers = {name: value.clone() if isinstance(value, torch.Tensor) else value
                for name, value in variant.buffers.items()}
@@ -43,7 +54,7 @@ def assert_direct_calls_dispatch_as_overloads(core) -> int:
         nodes = [n for n in module.graph.nodes if direct_calls.OVERLOAD in n.meta]
         assert all(n.target is direct_calls.BINDINGS[n.meta[direct_calls.OVERLOAD]] for n in nodes), name
         rewritten += len(nodes)
-        original = torch.fx.GraphModule(module, direct_calls.restored(module.graph))
+        original = torch.fx.GraphModule(module, restored(module.graph))
         assert not any(direct_calls.OVERLOAD in n.meta for n in original.graph.nodes)
         calls, outputs, buffers = _run(module, variant)
         their_calls, their_outputs, their_buffers = _run(original, variant)

@@ -9,7 +9,7 @@ from ignition.runtime.backends import direct_calls
 from ignition.runtime.core import load_core
 from ignition.runtime.engine import Engine
 from ignition.runtime.requests import Request
-from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads
+from _direct_calls_oracle import assert_direct_calls_dispatch_as_overloads, restored
 
 
 def test_every_binding_is_a_builtin_that_reaches_its_overload():
@@ -39,7 +39,7 @@ def test_a_node_keeps_its_overload_and_a_refused_keyword_keeps_the_call():
     assert sliced.target is torch.ops.aten.slice.Tensor
     module = torch.fx.GraphModule(torch.nn.Module(), graph)
     assert torch.equal(module(torch.arange(4.0)), torch.tensor([[0.0, 1.0]]))
-    assert [n.target for n in direct_calls.restored(graph).nodes if n.op == "call_function"] == \
+    assert [n.target for n in restored(graph).nodes if n.op == "call_function"] == \
         [torch.ops.aten.view.default, torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor]
 
 

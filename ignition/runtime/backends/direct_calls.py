@@ -120,16 +120,4 @@ def rewrite(graph: Graph) -> int:
     return count
 
 
-def restored(graph: Graph) -> Graph:
-    """A copy of ``graph`` whose nodes call the overloads ``rewrite`` replaced: the graph as it was read."""
-    copy = Graph()
-    nodes: dict[Node, Node] = {}
-    output = copy.graph_copy(graph, nodes)
-    copy.output(output)
-    for node in copy.nodes:
-        if OVERLOAD in node.meta:
-            node.target = node.meta.pop(OVERLOAD)
-    return copy
-
-
-__all__ = ["BINDINGS", "OVERLOAD", "overload", "restored", "rewrite"]
+__all__ = ["BINDINGS", "OVERLOAD", "overload", "rewrite"]

@@ -252,7 +252,8 @@ class GemmPlan:
         key = shape_key(shape, dtype, self.rows)
         paths = (*(packed_path(rows) for rows in layouts), *((BLOCKED,) if blocked else ()), ATEN)
         if (key, paths) not in self.choices:
-            self.choices[key, paths] = self._calibrated(tuple(shape), dtype, key, paths)
+            self.choices[key, paths] = self._calibrated(key, paths, lambda: time_paths(tuple(shape), dtype, paths,
+                                                                                       self.rows))
         return self.choices[key, paths]
 
     def layout(self, shape, dtype: torch.dtype, layouts=PACK_LAYOUTS) -> int | None:
@@ -275,11 +276,11 @@ class GemmPlan:
         key = f"bmm {str(dtype).removeprefix('torch.')} {'x'.join(map(str, first))} @ {'x'.join(map(str, second))}"
         paths = (WIDENED, ATEN)
         if (key, paths) not in self.choices:
-            self.choices[key, paths] = self._calibrated(
-                None, dtype, key, paths, timer=lambda: time_batched(first, second, dtype))
+            self.choices[key, paths] = self._calibrated(key, paths, lambda: time_batched(first, second, dtype))
         return self.choices[key, paths]
 
-    def _calibrated(self, shape, dtype: torch.dtype, key: str, paths: tuple[str, ...], timer=None) -> str:
+    def _calibrated(self, key: str, paths: tuple[str, ...], timer) -> str:
+        """The cached choice among ``paths`` for ``key`` on this machine, else ``choose(timer())``, cached."""
         with _lock:  # one load times at a time: two would share the memory bandwidth they measure
             machine = machine_key()
             entry = self._read().get(machine, {}).get(key, {})
@@ -287,7 +288,7 @@ class GemmPlan:
             if isinstance(timed, dict) and timed and all(isinstance(per, dict) and set(per) == set(paths)
                                                          for per in timed.values()) and entry.get("choice") in paths:
                 return entry["choice"]
-            timings = time_paths(shape, dtype, paths, self.rows) if timer is None else timer()
+            timings = timer()
             choice = choose(timings)
             self.measured.append(key)
             if quiet():  # a busy host's timings serve this load only: the next one times again
