@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends import blocked_linear, native_build
+from ignition.runtime.backends.native_build import NativeUnavailable
 from ignition.runtime.backends.gemm_calibration import BLOCKED
 from ignition.runtime.options import LoadOptionError, LoadOptions
 
@@ -200,15 +201,21 @@ def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profi
 
 
 def test_a_machine_without_a_compiler_is_told_why_and_the_forced_mode_refused(monkeypatch):
+    from ignition.runtime import options
+    from ignition.runtime.backends import paged_attention
+
+    paged_attention.unavailable()  # this process's build, made (or found) before $CC is hidden
     monkeypatch.setenv("CC", "no-such-cc")
-    with pytest.raises(blocked_linear.BlockedUnavailable, match=r"\$CC=no-such-cc is not on PATH \(set \$CC"):
-        blocked_linear._compiler()
+    with pytest.raises(NativeUnavailable, match=r"\$CC=no-such-cc is not on PATH \(set \$CC"):
+        native_build.compiler()
     monkeypatch.setattr(blocked_linear, "unavailable", lambda: "no C compiler: no cc or gcc on PATH (set $CC to one)")
     assert not blocked_linear.blocks_dtype(torch.float32)
     with pytest.raises(LoadOptionError, match=r"--gemm blocked needs the blocked product, which this machine cannot "
                                               r"build: no C compiler: .*; use --gemm calibrate, packed or aten"):
         LoadOptions.create("cpu", gemm=BLOCKED)
     assert LoadOptions.create("cpu").gemm == "calibrate"  # the calibration just does not offer the path
+    monkeypatch.setattr(options, "paged_kernel_unavailable", lambda: "no C compiler")
+    assert not LoadOptions.create("cpu").paged_attention  # attention stays on ATen's kernel
 
 
 def test_a_core_loaded_on_the_blocked_product_keeps_its_logprobs(tmp_path_factory, monkeypatch):

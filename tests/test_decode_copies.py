@@ -8,7 +8,9 @@ operator may read a pool and produce a new tensor larger than the lanes' live ke
 one gather a layer makes through the block tables, ``[lanes, window, kv_heads, head_dim]``; a clone, an expansion
 of the grouped heads or a gather of whole slots or of the pool would be larger), the gathers of a step add up
 to at most that window for each layer's K and V, and attention must read the live window, not all
-``max_seq_len`` positions.
+``max_seq_len`` positions. With the paged attention kernel (``runtime/backends/paged_attention.py``, the CPU's
+default), a step gathers no window at all: only the old values of the cells it writes, and the kernel is handed the
+live window's cells.
 
 DeepSeek V4's state (rings and entry tables per slot, recipes/deepseek_v4_attention.py) obeys the same rule: a
 decode step of the tiny checkpoint gathers from each buffer only the ring cells its rows read, the slot's entry
@@ -80,17 +82,61 @@ def loaded(real_width_core):
     return load_core(real_width_core, gemm="packed")  # the packed path, whichever this CPU's calibration picks
 
 
-@pytest.mark.parametrize("lanes", [SLOTS, 2, 1])
-def test_a_decode_step_copies_no_cache_and_reads_the_live_window(loaded, lanes: int):
+@pytest.fixture(scope="module")
+def gathering(real_width_core):
+    """The same core with attention on ATen's kernel over the gathered windows (no paged attention kernel)."""
+    from ignition.runtime.core import load_core
+    return load_core(real_width_core, gemm="packed", paged_attention=False)
+
+
+def decode_round(core, lanes: int):
+    """An engine whose next step is one decode round of ``lanes`` lanes (their prompts prefilled)."""
     from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
-    core = loaded
     engine = Engine(core)
     for lane in range(lanes):
         engine.submit(Request([lane + 1, 7, 9, 11, 13], max_tokens=8, logprobs=5, ignore_eos=True))
     while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
         engine.step()  # every prompt prefilled: the next step is one decode round of every lane
+    return engine
+
+
+@pytest.mark.parametrize("lanes", [SLOTS, 2, 1])
+def test_a_paged_decode_step_gathers_no_window_and_attends_over_the_live_one(loaded, lanes: int, monkeypatch):
+    from ignition.runtime.backends import paged_attention
+
+    if not loaded.options.paged_attention:
+        pytest.skip(f"this machine cannot build the paged attention kernel: {paged_attention.unavailable()}")
+    core = loaded
+    engine = decode_round(core, lanes)
+    window = WINDOWS[KEY_WINDOW].granule  # the prompts and their 8 tokens fit in one
+    calls = []
+    attend = paged_attention._attend
+
+    def recorded(query, key_cache, value_cache, layer, cells, mask, scale):
+        calls.append((tuple(query.shape), layer, cells.shape[0], key_cache.untyped_storage().data_ptr()))
+        return attend(query, key_cache, value_cache, layer, cells, mask, scale)
+
+    monkeypatch.setattr(paged_attention, "_attend", recorded)
+    watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, 0)
+    with watch:
+        engine.step()
+    copied = sum(torch.Size(shape).numel() * 4 for func, shape in watch.copies if "index_select" in func)
+    # K and V of 4 layers: only the old values of the cells each lane writes (write_rows)
+    assert 0 < copied <= 2 * 4 * lanes * KV_HEADS * HEAD_DIM * 4, watch.copies
+    assert not watch.attention_keys
+    # one call a layer, each over the lanes' live window (one 32-position granule, not the 256 cached)
+    assert sorted(call[1] for call in calls) == [0, 1, 2, 3]
+    assert {call[0] for call in calls} == {(lanes, KV_HEADS, 2, HEAD_DIM)}
+    assert {call[2] for call in calls} == {lanes * window}
+    assert {call[3] for call in calls} <= watch.cache_storages
+
+
+@pytest.mark.parametrize("lanes", [SLOTS, 2, 1])
+def test_a_decode_step_copies_no_cache_and_reads_the_live_window(gathering, lanes: int):
+    core = gathering
+    engine = decode_round(core, lanes)
     window = WINDOWS[KEY_WINDOW].granule  # the prompts and their 8 tokens fit in one
     live = lanes * window * KV_HEADS * HEAD_DIM * 4  # the lanes' live window of one layer's pool, fp32
     watch = CacheCopies({t.untyped_storage().data_ptr() for t in core.state.values()}, live)
@@ -141,15 +187,8 @@ def test_a_greedy_decode_step_makes_one_vocabulary_wide_row_per_lane(loaded, lan
     """The LM head's logits are the step's only ``[lanes, vocabulary]`` float32 tensor: the sampling transforms write
     their window of columns in place and put it back (``components.sampling.transformed_row``), the greedy pick and
     the logprob reduction read the logits where they are."""
-    from ignition.runtime.engine import Engine
-    from ignition.runtime.requests import Request
-
     core = loaded
-    engine = Engine(core)
-    for lane in range(lanes):
-        engine.submit(Request([lane + 1, 7, 9, 11, 13], max_tokens=8, logprobs=5, ignore_eos=True))
-    while not engine.running or any(s.prefilled < len(s.context()) for s in engine.running):
-        engine.step()
+    engine = decode_round(core, lanes)
     watch = VocabularyRows(core.manifest["vocab_size"], lanes)
     with watch:
         engine.step()

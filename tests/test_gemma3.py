@@ -276,13 +276,15 @@ def test_tensor_parallel_two_ranks_match_one(gemma, tmp_path):
 
 
 @pytest.mark.parametrize("lanes", [2, 1])
-def test_a_decode_step_copies_no_pool(gemma, lanes):
-    """A decode step gathers each lane's window blocks from the sliding layers' pools (two blocks of 16: the 15
+def test_a_decode_step_copies_no_pool(gemma, lanes, monkeypatch):
+    """A decode step reads each lane's window blocks from the sliding layers' pools (two blocks of 16: the 15
     positions a step reads from anywhere in a block) and its full layer's live key window, never a pool
-    (tests/test_decode_copies.py's watch)."""
+    (tests/test_decode_copies.py's watch): gathered for ATen's attention, or read in place by the paged attention
+    kernel (``runtime/backends/paged_attention.py``), which then gathers nothing."""
     from test_decode_copies import CacheCopies
 
     from ignition.catalog.buffers import KEY_WINDOW, WINDOWS
+    from ignition.runtime.backends import paged_attention
 
     _, _, core, _ = gemma
     engine = Engine(core)
@@ -293,11 +295,21 @@ def test_a_decode_step_copies_no_pool(gemma, lanes):
     pools = [core.state[name] for name in ("k_window_cache", "v_window_cache", "k_cache", "v_cache")]
     window = lanes * 2 * 16 * pools[0][0, 0, 0].nbytes  # a layer's gather: the lanes' two blocks
     watch = CacheCopies({t.untyped_storage().data_ptr() for t in pools}, window)
+    windows = []
+    attend = paged_attention._attend
+
+    def recorded(query, key_cache, value_cache, layer, cells, mask, scale):
+        windows.append(cells.shape[0] // query.shape[0])
+        return attend(query, key_cache, value_cache, layer, cells, mask, scale)
+
+    monkeypatch.setattr(paged_attention, "_attend", recorded)
     with watch:
         engine.step()
     assert watch.copies == [], watch.copies[:5]
     granule = WINDOWS[KEY_WINDOW].granule
-    assert sorted(keys[2] for keys in watch.attention_keys) == sorted([32, 32, granule])  # sliding, sliding, full
+    read = windows if core.options.paged_attention else [keys[2] for keys in watch.attention_keys]
+    assert sorted(read) == sorted([32, 32, granule])  # sliding, sliding, full
+    assert not (windows and watch.attention_keys)
 
 
 def test_a_long_requests_sliding_blocks_stay_bounded_while_its_full_blocks_grow(gemma):

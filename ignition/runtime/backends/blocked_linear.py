@@ -17,82 +17,44 @@ leaf ``l`` one FMA chain over its slice of ``K`` from zero, so a rank of a tenso
 the leaves computes them with the same bits (``packed_linear.LinearPacks`` puts every such product on it wherever the
 blocked product runs, whatever the shape, so that the ranks and the single rank agree).
 
-The source is compiled once per CPU (``host_cache.cpu_key``: its model and instruction set), compiler and source
-(``library``: ``-O3 -march=native -fopenmp``, so the product runs on the process's OpenMP threads, torch's), into the
-machine's cache directory
-(``host_cache.cache_dir``); a machine without a C compiler, or where the build fails, does not offer the path
-(``unavailable`` says why), and ``gemm="blocked"`` is refused at load with that reason.
+The source is compiled once per CPU, compiler and source (``native_build``: ``-O3 -march=native -fopenmp``, so the
+product runs on the process's OpenMP threads, torch's) into the machine's cache directory; a machine without a C
+compiler, or where the build fails, does not offer the path (``unavailable`` says why), and ``gemm="blocked"`` is
+refused at load with that reason.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import threading
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from ignition.runtime.backends.host_cache import cache_dir, cpu_key
+from ignition.runtime.backends import native_build
+from ignition.runtime.backends.native_build import NativeUnavailable, build
 
 SOURCE = Path(__file__).with_name("blocked_linear.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
+FLAGS = native_build.FLAGS
 LANES = 16
 """Output features a block (the C source's ``LANES``: one AVX-512 vector, two AVX2 ones)."""
 DTYPES = (torch.float32, torch.bfloat16)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_build_lock = threading.Lock()
 
 
-class BlockedUnavailable(RuntimeError):
+class BlockedUnavailable(NativeUnavailable):
     """This machine cannot build or load the blocked product; the message says why."""
-
-
-def _compiler() -> str:
-    named = os.environ.get("CC")
-    found = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc")
-    if not found:
-        raise BlockedUnavailable(f"no C compiler: {f'$CC={named} is not on PATH' if named else 'no cc or gcc on PATH'}"
-                                 " (set $CC to one)")
-    return found
 
 
 @cache
 def library() -> ctypes.CDLL:
-    """The compiled product, built on first use into ``<cache dir>/kernels`` under a name that hashes the source, the
-    flags, the compiler's version and the CPU (``cpu_key``), and loaded; BlockedUnavailable with the reason where it
-    cannot be."""
-    compiler = _compiler()
+    """The compiled product (``native_build.build`` of ``SOURCE`` with ``FLAGS``), built on first use and loaded;
+    BlockedUnavailable with the reason where it cannot be."""
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise BlockedUnavailable(f"{compiler} --version failed: {exc}") from exc
-    digest = hashlib.sha256("\0".join((SOURCE.read_text(), *FLAGS, compiler, version, cpu_key())).encode())
-    built = cache_dir() / "kernels" / f"blocked_linear-{digest.hexdigest()[:16]}.so"
-    with _build_lock:
-        if not built.exists():
-            scratch = built.with_name(f"{built.name}.{os.getpid()}.tmp")
-            try:
-                built.parent.mkdir(parents=True, exist_ok=True)
-                done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(scratch)], capture_output=True,
-                                      text=True)
-                if done.returncode == 0:
-                    os.replace(scratch, built)  # atomically: another process may be loading the same name
-            except OSError as exc:  # a read-only cache directory: the path is not offered, the load goes on
-                raise BlockedUnavailable(f"building into {built.parent} failed: {exc}") from exc
-            if done.returncode != 0:
-                scratch.unlink(missing_ok=True)
-                raise BlockedUnavailable(f"{compiler} {' '.join(FLAGS)} {SOURCE.name} failed: "
-                                         f"{done.stderr.strip()[-500:]}")
-    try:
-        loaded = ctypes.CDLL(str(built))
-    except OSError as exc:
-        raise BlockedUnavailable(f"loading {built} failed: {exc}") from exc
-    loaded.build_id = digest.hexdigest()[:16]
+        loaded, digest = build(SOURCE, FLAGS)
+    except NativeUnavailable as exc:
+        raise BlockedUnavailable(str(exc)) from exc
+    loaded.build_id = digest
     loaded.blocked_bf16_pairs.argtypes, loaded.blocked_bf16_pairs.restype = [], ctypes.c_int
     for suffix in _SUFFIX.values():
         pack_function, linear = getattr(loaded, f"blocked_pack_{suffix}"), getattr(loaded, f"blocked_linear_{suffix}")

@@ -41,7 +41,8 @@ def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: di
     if options.prefer_compiled and _compiled_allowed(catalog, options.trust_compiled or trusted) \
             and has_packages(catalog) and not options.cuda:
         return AotiBackend(root, manifest, catalog, options.rank, options.device, spec=spec)
-    return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs, spec=spec)
+    return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs, spec=spec,
+                      paged_attention=options.paged_attention)
 
 
 __all__ = ["select_backend"]

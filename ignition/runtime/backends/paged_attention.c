@@ -1,0 +1,184 @@
+/* The paged attention of runtime/backends/paged_attention.py: FP32 softmax(q k^T * scale + mask) v over one layer's
+ * pool of cached keys and values, read in place at the cells each group's key window names (no gathered copy).
+ *
+ * q [G, H, M, D] (strided; d contiguous), a layer's pools [cells, H, D] (contiguous), cells [G * W] (group g's key j at
+ * g * W + j), mask [G or 1, 1, M, W] (strided, additive FP32), out [G, H, M, D] contiguous. Row (g, h, m):
+ *   s_j = dot(q, k_j) * scale + mask_j;  p_j = exp(s_j - max_j s_j);  out = (sum_j p_j v_j) / (sum_j p_j)
+ * Every row is computed on its own in one fixed order, whatever the rows beside it, the window's extent W or the
+ * threads: a dot product is eight FP32 FMA chains over d = l mod 8 summed as ((0+4)+(2+6))+((1+5)+(3+7)); the sum of
+ * p is eight chains over j mod 8 summed the same way; the mix is one FMA chain over j per output. A key masked at
+ * the FP32 minimum (or -inf) in a row that has a key open (mask above half the FP32 minimum) has p_j = 0 exactly, so
+ * it is skipped: adding it would leave every sum's bits as they are (keys past a row's position cost nothing, and
+ * a longer window of masked keys changes no bit). A row with no open key takes every key.
+ * exp is Cephes' single-precision polynomial on a rounded exponent (within 2 ulp of expf), 0 below -87.3.
+ * Built by paged_attention.py with -O3 -march=native -fopenmp: the threads are the process's OpenMP threads. */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHAINS 8
+#define ROWS 8 /* rows of one (group, head) taken together: each key row read once for them */
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float v8 __attribute__((vector_size(CHAINS * sizeof(float))));
+typedef int32_t v8i __attribute__((vector_size(CHAINS * sizeof(int32_t))));
+
+extern int omp_get_thread_num(void);
+
+INLINE float reduce(v8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+INLINE v8 load(const float *p) {
+  v8 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+INLINE float dot(const float *q, const float *k, long d_len) {
+  v8 acc = {0};
+  long d = 0;
+  for (; d + CHAINS <= d_len; d += CHAINS) acc += load(q + d) * load(k + d);
+  for (long l = 0; d < d_len; d++, l++) acc[l] += q[d] * k[d];
+  return reduce(acc);
+}
+
+INLINE v8 pick(v8i where, v8 a, v8 b) { /* a where set, else b */
+  v8i ai, bi;
+  memcpy(&ai, &a, sizeof ai);
+  memcpy(&bi, &b, sizeof bi);
+  ai = (ai & where) | (bi & ~where);
+  memcpy(&a, &ai, sizeof a);
+  return a;
+}
+
+INLINE v8 exp8(v8 x) { /* Cephes expf: x = n ln2 + r, |r| <= ln2 / 2; 0 below -87.3 */
+  const v8 lo = (v8){0} - 87.3f, hi = (v8){0} + 88.3f;
+  v8i open = ~(x < lo); /* a NaN stays NaN */
+  x = pick(x < lo, lo, x);
+  x = pick(x > hi, hi, x);
+  const v8 magic = (v8){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+  v8 t = x * 1.44269504088896341f + magic;
+  v8i n;
+  memcpy(&n, &t, sizeof n);
+  n -= 0x4B400000;
+  v8 fn = t - magic;
+  v8 r = x - fn * 0.693359375f;
+  r = r - fn * -2.12194440e-4f;
+  v8 y = 1.9875691500E-4f * r + 1.3981999507E-3f;
+  y = y * r + 8.3334519073E-3f;
+  y = y * r + 4.1665795894E-2f;
+  y = y * r + 1.6666665459E-1f;
+  y = y * r + 5.0000001201E-1f;
+  y = y * (r * r) + r + 1.0f;
+  v8i bits = (n + 127) << 23;
+  v8 pow2;
+  memcpy(&pow2, &bits, sizeof pow2);
+  y = y * pow2;
+  return pick(open, y, (v8){0});
+}
+
+INLINE int closed(float mask) { return mask <= -FLT_MAX; }
+
+/* rows [m0, m0 + rows) of group g, heads [h0, h1); scores: (h1 - h0) x ROWS x W scratch. Each key's cell is read
+ * once for all the heads (one contiguous run of the pool) */
+static void block(const float *q, long q_sg, long q_sh, long q_sm, const float *k_pool, const float *v_pool,
+                  const int64_t *cells, const float *mask, long m_sg, long m_sm, long m_sw, float *out, long g,
+                  long h0, long h1, long m0, int rows, long heads, long m_len, long w_len, long d_len, float scale,
+                  float *scores) {
+  const float *mr[ROWS];
+  int any_open[ROWS];
+  for (int r = 0; r < rows; r++) {
+    mr[r] = mask + g * m_sg + (m0 + r) * m_sm;
+    any_open[r] = 0;
+    for (long j = 0; j < w_len && !any_open[r]; j++) any_open[r] = mr[r][j * m_sw] > -FLT_MAX / 2;
+  }
+  const int64_t *window = cells + g * w_len;
+  for (long j = 0; j < w_len; j++) {
+    const float *key = k_pool + window[j] * heads * d_len;
+    for (int r = 0; r < rows; r++) {
+      float m = mr[r][j * m_sw];
+      int skip = any_open[r] && closed(m);
+      for (long h = h0; h < h1; h++) {
+        float *s = scores + ((h - h0) * ROWS + r) * w_len + j;
+        *s = skip ? -INFINITY : dot(q + g * q_sg + h * q_sh + (m0 + r) * q_sm, key + h * d_len, d_len) * scale + m;
+      }
+    }
+  }
+  float total[ROWS * 64]; /* heads a task: at most 64 (the caller's split) */
+  for (long h = h0; h < h1; h++)
+    for (int r = 0; r < rows; r++) {
+      float *s = scores + ((h - h0) * ROWS + r) * w_len, top = -INFINITY;
+      for (long j = 0; j < w_len; j++)
+        if (s[j] > top) top = s[j];
+      v8 sum = {0}, shift = (v8){0} + top;
+      long j = 0;
+      for (; j + CHAINS <= w_len; j += CHAINS) {
+        v8 p = exp8(load(s + j) - shift);
+        memcpy(s + j, &p, sizeof p);
+        sum += p;
+      }
+      if (j < w_len) {
+        v8 tail = (v8){0} - INFINITY;
+        memcpy(&tail, s + j, (w_len - j) * sizeof(float));
+        v8 p = exp8(tail - shift); /* the lanes past W are -inf: 0 */
+        memcpy(s + j, &p, (w_len - j) * sizeof(float));
+        sum += p;
+      }
+      total[(h - h0) * ROWS + r] = reduce(sum);
+      float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len;
+      memset(o, 0, d_len * sizeof(float));
+    }
+  for (long j = 0; j < w_len; j++) {
+    const float *value = v_pool + window[j] * heads * d_len;
+    for (long h = h0; h < h1; h++)
+      for (int r = 0; r < rows; r++) {
+        float p = scores[((h - h0) * ROWS + r) * w_len + j];
+        if (p == 0.0f) continue; /* adds nothing */
+        float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len;
+        const float *v = value + h * d_len;
+        for (long d = 0; d < d_len; d++) o[d] += p * v[d];
+      }
+  }
+  for (long h = h0; h < h1; h++)
+    for (int r = 0; r < rows; r++) {
+      float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len, t = total[(h - h0) * ROWS + r];
+      for (long d = 0; d < d_len; d++) o[d] /= t;
+    }
+}
+
+/* 0, or 1: a cell outside [0, pool_cells) (nothing written), 2: no scratch */
+int paged_attention_f32(const float *q, long q_sg, long q_sh, long q_sm, const float *k_pool, const float *v_pool,
+                        long pool_cells, const int64_t *cells, const float *mask, long m_sg, long m_sm, long m_sw,
+                        float *out, long groups, long heads, long m_len, long w_len, long d_len, float scale,
+                        int threads) {
+  for (long i = 0; i < groups * w_len; i++)
+    if (cells[i] < 0 || cells[i] >= pool_cells) return 1;
+  long row_blocks = (m_len + ROWS - 1) / ROWS, slices = (long)groups * row_blocks;
+  /* heads split into parts so that every thread has a task, at most 64 heads a part */
+  long parts = slices >= threads ? 1 : (threads + slices - 1) / slices;
+  if (parts > heads) parts = heads;
+  if ((heads + parts - 1) / parts > 64) parts = (heads + 63) / 64;
+  long tasks = slices * parts, per_part = (heads + parts - 1) / parts;
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float *scores = malloc((size_t)per_part * ROWS * (w_len ? w_len : 1) * sizeof(float));
+    if (!scores) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (long task = 0; task < tasks; task++) {
+      if (!scores) continue;
+      long slice = task / parts, part = task % parts, g = slice / row_blocks, m0 = slice % row_blocks * ROWS;
+      long h0 = part * per_part, h1 = h0 + per_part < heads ? h0 + per_part : heads;
+      int rows = m_len - m0 < ROWS ? (int)(m_len - m0) : ROWS;
+      if (h0 < h1)
+        block(q, q_sg, q_sh, q_sm, k_pool, v_pool, cells, mask, m_sg, m_sm, m_sw, out, g, h0, h1, m0, rows, heads,
+              m_len, w_len, d_len, scale, scores);
+    }
+    free(scores);
+  }
+  return failed ? 2 : 0;
+}

@@ -1,0 +1,206 @@
+"""CPU replay: FP32 attention over a layer's KV pool read in place (``paged_attention.c``), in place of the gathered
+windows and ATen's fused kernel.
+
+A recipe's graph attends over each group's key window in one gather a layer (``recipes/attention.py``
+``gather_pages``: ``index_select`` of the window's cells from the layer's pool, ``[G, kv_heads, W, head_dim]``), then
+``scaled_dot_product_attention``. The gather copies every live key and value once a layer and the kernel reads the
+copy again: at Qwen3-0.6B's width and a 300-position context, 20 MB a layer at eight lanes. ``rewrite`` points each
+such ``scaled_dot_product_attention`` (FP32, an additive mask, no dropout or causal flag) at ``paged_attention``,
+which reads the pool's cells where they are.
+
+Every row is computed on its own, in one order whatever the rows beside it, the window's extent past the row's
+keys, or the threads (the C source's note): a decode step, a verify row at the same position and a prompt's row in a
+packed or serial chunk give the same bits, as they do through ATen's kernel where its blocking agrees. Against
+ATen's kernel the rows differ by FP32 rounding (the exp polynomial and the sums' order), well inside the tolerances
+transformers is held to (``tests/test_paged_attention.py``).
+
+The rewrite is made at load on the CPU, wherever the kernel builds (``native_build``), for every variant of a core
+alike, so that no variant pairs it with ATen's kernel; where it does not build (``unavailable`` says why), the graphs
+keep ATen's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch.fx import Graph, Node
+
+from ignition.runtime.backends.native_build import NativeUnavailable, build
+from ignition.validate.graph_json import FACTS
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+ROWS_LIMIT = 128
+"""The most query rows a group and KV head (a fixed extent of the graph) that ``rewrite`` points at the kernel: a
+decode step's heads (``share`` rows a lane) and a verify round's (``share`` x its tokens). A prompt chunk's rows (a
+dynamic extent) stay on ATen's kernel, whose blocked products are three times faster at 1,024 rows."""
+_aten = torch.ops.aten
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The compiled kernel (``native_build.build`` of ``SOURCE``); NativeUnavailable with the reason where it cannot
+    be built or loaded."""
+    loaded, _ = build(SOURCE)
+    function = loaded.paged_attention_f32
+    function.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                         ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                         ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                         ctypes.c_long, ctypes.c_float, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return loaded
+
+
+@cache
+def unavailable() -> str | None:
+    """None where the kernel builds and loads here; else why not."""
+    try:
+        library()
+    except NativeUnavailable as exc:
+        return str(exc)
+    return None
+
+
+_profiling = torch._C._autograd._profiler_enabled
+
+
+def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cells: torch.Tensor,
+           mask: torch.Tensor) -> None:
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "mask": mask}
+    wrong = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors.items() if t.dtype != torch.float32]
+    if wrong or query.dim() != 4 or key_cache.dim() != 5 or key_cache.shape != value_cache.shape or \
+            cells.dtype != torch.int64 or cells.dim() != 1 or mask.dim() != 4 or \
+            key_cache.shape[3:] != query.shape[1:2] + query.shape[3:] or (query.shape[0] and cells.shape[0] % query.shape[0]) or \
+            not key_cache.is_contiguous() or not value_cache.is_contiguous():
+        raise ValueError(
+            "paged_attention takes a float32 query [G, kv_heads, M, head_dim], contiguous float32 pools [layers, "
+            "blocks, block_size, kv_heads, head_dim], int64 cells [G * W] and a float32 mask [G or 1, 1, M or 1, W]; "
+            f"got query {tuple(query.shape)} {query.dtype}, pools {tuple(key_cache.shape)} {key_cache.dtype} and "
+            f"{tuple(value_cache.shape)} {value_cache.dtype}, cells {tuple(cells.shape)} {cells.dtype}, mask "
+            f"{tuple(mask.shape)} {mask.dtype}")
+    groups = query.shape[0]
+    window = cells.shape[0] // groups if groups else 0
+    if mask.shape[0] not in (1, groups) or mask.shape[1] != 1 or mask.shape[2] not in (1, query.shape[2]) or \
+            mask.shape[3] != window:
+        raise ValueError(f"paged_attention: a mask {tuple(mask.shape)} does not broadcast against {groups} groups "
+                         f"of {query.shape[2]} rows over {window} keys")
+
+
+def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
+            cells: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+    _check(query, key_cache, value_cache, cells, mask)
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    if not cells.is_contiguous():
+        cells = cells.contiguous()
+    groups, kv_heads, rows, head_dim = query.shape
+    layers, blocks, block_size = key_cache.shape[:3]
+    window = cells.shape[0] // groups if groups else 0
+    if not -layers <= layer < layers:
+        raise IndexError(f"paged_attention: layer {layer} of a pool of {layers} layers")
+    layer %= layers
+    out = torch.empty(groups, kv_heads, rows, head_dim)
+    if not out.numel():
+        return out
+    offset = layer * key_cache.stride(0) * 4
+    m_sg = mask.stride(0) if mask.shape[0] > 1 else 0
+    m_sm = mask.stride(2) if mask.shape[2] > 1 else 0
+    failed = library().paged_attention_f32(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2), key_cache.data_ptr() + offset,
+        value_cache.data_ptr() + offset, blocks * block_size, cells.data_ptr(), mask.data_ptr(), m_sg, m_sm,
+        mask.stride(3), out.data_ptr(), groups, kv_heads, rows, window, head_dim,
+        head_dim ** -0.5 if scale is None else scale, torch.get_num_threads())
+    if failed == 1:
+        raise IndexError(f"paged_attention: a cell outside the layer's pool of {blocks * block_size} cells "
+                         f"(cells {int(cells.min())} .. {int(cells.max())})")
+    if failed:
+        raise MemoryError(f"paged_attention could not allocate scratch for {window} keys")
+    return out
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
+                    cells: torch.Tensor, mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``scaled_dot_product_attention(query, gather(key_cache), gather(value_cache), attn_mask=mask, scale=scale)``
+    with ``gather(c) = c[layer].flatten(0, 1).index_select(0, cells).view(G, -1, kv_heads, head_dim).transpose(1,
+    2)`` (``recipes/attention.py`` ``gather_pages``), reading the pools in place: ``query [G, kv_heads, M,
+    head_dim]`` float32, pools ``[layers, blocks, block_size, kv_heads, head_dim]`` contiguous float32, ``cells [G *
+    W]`` int64, ``mask`` additive float32 broadcast against ``[G, 1, M, W]``; returns ``[G, kv_heads, M, head_dim]``.
+    Shown as ``ignition::paged_attention`` while a profiler runs."""
+    if _profiling():
+        with torch.profiler.record_function("ignition::paged_attention"):
+            return _attend(query, key_cache, value_cache, layer, cells, mask, scale)
+    return _attend(query, key_cache, value_cache, layer, cells, mask, scale)
+
+
+GRAPH_CALLS = {paged_attention: "ignition::paged_attention"}
+"""The function rewritten graphs call, by the name a profiler shows it under."""
+
+
+def _gather(node) -> tuple[Node, int, Node, Node] | None:
+    """``(pool, layer, cells, transpose)`` where ``node`` is ``gather_pages``' chain over a graph input's pool: a
+    ``transpose(1, 2)`` of a ``view`` of ``index_select(flatten(select(pool, 0, layer), 0, 1), 0, cells)``."""
+    if not isinstance(node, Node) or node.target is not _aten.transpose.int or node.args[1:] != (1, 2):
+        return None
+    view = node.args[0]
+    if view.target is not _aten.view.default or len(view.args[1]) != 4:
+        return None
+    gathered = view.args[0]
+    if gathered.target is not _aten.index_select.default or gathered.args[1] != 0:
+        return None
+    flat = gathered.args[0]
+    if flat.target is not _aten.flatten.using_ints or tuple(flat.args[1:]) != (0, 1):
+        return None
+    picked = flat.args[0]
+    if picked.target is not _aten.select.int or picked.args[1] != 0 or not isinstance(picked.args[2], int):
+        return None
+    pool = picked.args[0]
+    facts = pool.meta.get(FACTS)
+    if pool.op != "placeholder" or facts is None or facts.dim() != 5 or facts.dtype != torch.float32:
+        return None
+    return pool, picked.args[2], gathered.args[2], node
+
+
+def _unused(chain: Node) -> None:
+    """Erase ``chain`` (a gather's transpose) and the nodes above it that nothing else reads."""
+    for _ in range(4):
+        above = chain.args[0]
+        if chain.users:
+            return
+        chain.graph.erase_node(chain)
+        chain = above
+
+
+def rewrite(graph: Graph) -> int:
+    """Point each FP32 ``scaled_dot_product_attention`` of ``graph`` over at most ``ROWS_LIMIT`` query rows whose keys
+    and values are ``gather_pages`` of one layer's pools through the same cells, with an additive FP32 mask and no
+    dropout, causal flag or grouped-query broadcast, at ``paged_attention``; returns how many. Before the graph module's code is generated."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA or len(node.args) != 4 or \
+                set(node.kwargs) - {"scale"}:
+            continue
+        query, keys, values, mask = node.args
+        found_keys, found_values = _gather(keys), _gather(values)
+        if found_keys is None or found_values is None or found_keys[1] != found_values[1] or \
+                found_keys[2] is not found_values[2]:
+            continue
+        facts = [getattr(argument, "meta", {}).get(FACTS) for argument in (query, mask)]
+        if any(fact is None or fact.dtype != torch.float32 or fact.dim() != 4 for fact in facts) or \
+                not isinstance(facts[0].shape[2], int) or facts[0].shape[2] > ROWS_LIMIT:
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_function(paged_attention, (query, found_keys[0], found_values[0], found_keys[1],
+                                                         found_keys[2], mask, node.kwargs.get("scale")))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        _unused(found_keys[3])
+        _unused(found_values[3])
+        count += 1
+    return count
+
+
+__all__ = ["GRAPH_CALLS", "ROWS_LIMIT", "SDPA", "library", "paged_attention", "rewrite", "unavailable"]

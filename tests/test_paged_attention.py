@@ -1,0 +1,167 @@
+"""FP32 decode attention on the KV pool in place (``runtime/backends/paged_attention.py``): ATen's attention over
+the gathered windows within FP32 rounding, each row's bits its own (whatever the rows beside it, the masked keys
+past it or the threads), bad input refused by name, and a core's decode graphs rewritten onto it with their
+logprobs kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ignition.catalog.enums import Operation
+from ignition.recipes.attention import gather_pages
+from ignition.runtime.backends import paged_attention
+from ignition.runtime.backends.paged_attention import paged_attention as attend
+
+pytestmark = pytest.mark.skipif(paged_attention.unavailable() is not None,
+                                reason=f"no paged attention kernel here: {paged_attention.unavailable()}")
+MINIMUM = torch.finfo(torch.float32).min
+LAYERS, BLOCK = 3, 16
+
+
+def pools(blocks: int, kv_heads: int, head_dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (LAYERS, blocks, BLOCK, kv_heads, head_dim)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def window_cells(groups: int, window: int, blocks: int, seed: int = 1) -> torch.Tensor:
+    """Each group's window through its own blocks, in a shuffled order of the pool (a block table's cells)."""
+    per_group = -(-window // BLOCK)
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(seed))[:groups * per_group]
+    cells = (order.view(groups, per_group, 1) * BLOCK + torch.arange(BLOCK)).view(groups, -1)[:, :window]
+    return cells.reshape(-1).contiguous()
+
+
+def causal(groups: int, rows: int, window: int, last: list[int]) -> torch.Tensor:
+    """``[G, 1, rows, W]``: group g's row r sees keys up to ``last[g] - rows // 2 + r // 2`` (two heads a row pair)."""
+    keys = torch.arange(window).view(1, 1, 1, -1)
+    seen = torch.tensor(last).view(-1, 1, 1, 1) - (rows // 2 - 1) + torch.arange(rows).view(1, 1, -1, 1) // 2
+    return torch.zeros(groups, 1, rows, window).masked_fill(keys > seen, MINIMUM)
+
+
+def reference(query, key_cache, value_cache, layer, cells, mask, scale=None, dtype=torch.float32):
+    groups = query.shape[0]
+    keys, values = (gather_pages(c, layer, cells, groups).to(dtype) for c in (key_cache, value_cache))
+    return F.scaled_dot_product_attention(query.to(dtype), keys, values, attn_mask=mask.to(dtype), scale=scale)
+
+
+@pytest.mark.parametrize("groups, kv_heads, rows, window, head_dim", [
+    (1, 8, 2, 96, 128),  # a decode lane at Qwen3-0.6B's width
+    (4, 2, 2, 64, 64),  # four lanes
+    (2, 4, 10, 160, 128),  # a verify round of five tokens
+    (3, 2, 16, 33, 20),  # a head_dim that is no multiple of eight, a window off the granule
+])
+def test_it_attends_as_atens_kernel_within_fp32_rounding(groups, kv_heads, rows, window, head_dim):
+    blocks = groups * (window // BLOCK + 1) + 2
+    key_cache, value_cache = pools(blocks, kv_heads, head_dim)
+    cells = window_cells(groups, window, blocks)
+    query = torch.randn(groups, kv_heads, rows, head_dim, generator=torch.Generator().manual_seed(2))
+    mask = causal(groups, rows, window, [window - 6 - 3 * g for g in range(groups)])
+    for scale in (None, 0.3):
+        ours = attend(query, key_cache, value_cache, 1, cells, mask, scale)
+        exact = reference(query.double(), key_cache.double(), value_cache.double(), 1, cells, mask, scale, torch.float64)
+        atens = reference(query, key_cache, value_cache, 1, cells, mask, scale)
+        assert ours.shape == atens.shape and ours.is_contiguous()
+        ours_error, atens_error = (ours.double() - exact).abs().max(), (atens.double() - exact).abs().max()
+        assert ours_error <= max(4 * atens_error, 1e-6), (ours_error, atens_error)
+    # a wrong scale or a dropped mask is far outside that
+    assert (attend(query, key_cache, value_cache, 1, cells, mask, 0.31) - ours).abs().max() > 1e-4
+    assert (attend(query, key_cache, value_cache, 1, cells, torch.zeros_like(mask), 0.3) - ours).abs().max() > 1e-3
+
+
+def test_a_rows_bits_are_its_own_whatever_the_rows_keys_and_threads_beside_it():
+    kv_heads, head_dim, window = 8, 128, 64
+    blocks = 2 * (window // BLOCK + 2) + 2
+    key_cache, value_cache = pools(blocks, kv_heads, head_dim)
+    cells = window_cells(2, window + 2 * BLOCK, blocks)
+    query = torch.randn(2, kv_heads, 10, head_dim)
+    mask = causal(2, 10, window + 2 * BLOCK, [40, 50])
+    whole = attend(query, key_cache, value_cache, 2, cells, mask)
+    # one group, then only its last two rows (a decode step at the verify round's last position)
+    first = attend(query[:1], key_cache, value_cache, 2, cells[:window + 2 * BLOCK], mask[:1])
+    assert torch.equal(first, whole[:1])
+    last = attend(query[1:, :, 8:], key_cache, value_cache, 2, cells[window + 2 * BLOCK:], mask[1:, :, 8:])
+    assert torch.equal(last, whole[1:, :, 8:])
+    # the window cut to its first 64 keys: every key past each row's position was masked
+    narrow = cells.view(2, -1)[:, :window].reshape(-1).contiguous()
+    assert torch.equal(attend(query, key_cache, value_cache, 2, narrow, mask[..., :window].contiguous()), whole)
+    # a broadcast mask row, a strided query and one thread
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        strided = torch.randn(2, 10, kv_heads, head_dim).transpose(1, 2)
+        strided.copy_(query)
+        assert torch.equal(attend(strided, key_cache, value_cache, 2, cells, mask), whole)
+    finally:
+        torch.set_num_threads(threads)
+    shared = mask[:1, :, :1].expand(2, 1, 10, -1)
+    assert torch.equal(attend(query, key_cache, value_cache, 2, cells, shared),
+                       attend(query, key_cache, value_cache, 2, cells, shared.contiguous()))
+
+
+def test_a_row_with_every_key_masked_or_a_nan_key_is_atens_result():
+    key_cache, value_cache = pools(8, 2, 16)
+    cells = window_cells(1, 32, 8)
+    query = torch.randn(1, 2, 2, 16)
+    hidden = torch.full((1, 1, 2, 32), MINIMUM)
+    torch.testing.assert_close(attend(query, key_cache, value_cache, 0, cells, hidden),
+                               reference(query, key_cache, value_cache, 0, cells, hidden), rtol=1e-5, atol=1e-6)
+    poisoned = key_cache.clone()
+    poisoned[0].view(-1, 2, 16)[cells[3], 1, 5] = float("nan")  # a visible key of KV head 1
+    out = attend(query, poisoned, value_cache, 0, cells, causal(1, 2, 32, [10]))
+    assert out[:, 1].isnan().all() and not out[:, 0].isnan().any()
+
+
+def test_bad_input_is_refused_by_name():
+    key_cache, value_cache = pools(4, 2, 16)
+    cells = window_cells(1, 32, 4)
+    query, mask = torch.randn(1, 2, 2, 16), torch.zeros(1, 1, 2, 32)
+    with pytest.raises(IndexError, match="a cell outside the layer's pool of 64 cells"):
+        attend(query, key_cache, value_cache, 0, torch.cat([cells[:-1], torch.tensor([64])]), mask)
+    with pytest.raises(IndexError, match="layer 3 of a pool of 3 layers"):
+        attend(query, key_cache, value_cache, 3, cells, mask)
+    with pytest.raises(ValueError, match=r"float32 query .* got query \(1, 2, 2, 16\) torch.bfloat16"):
+        attend(query.bfloat16(), key_cache, value_cache, 0, cells, mask)
+    with pytest.raises(ValueError, match=r"got query \(1, 3, 2, 16\)"):  # three KV heads against the pool's two
+        attend(torch.randn(1, 3, 2, 16), key_cache, value_cache, 0, cells, mask)
+    with pytest.raises(ValueError, match=r"a mask \(1, 1, 2, 31\) does not broadcast against 1 groups of 2 rows "
+                                         r"over 32 keys"):
+        attend(query, key_cache, value_cache, 0, cells, mask[..., :31])
+
+
+@pytest.fixture(scope="module")
+def qwen3_core(tmp_path_factory):
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+    from tests._decoder_cores import TinyCase, save_checkpoint
+
+    root = tmp_path_factory.mktemp("paged-qwen3")
+    save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=150), root / "checkpoint")
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2), chunk_limit=8,
+                              max_seq_len=64), root / "core")
+    return root / "core"
+
+
+def test_a_cores_decode_graphs_attend_on_the_pool_and_keep_their_logprobs(qwen3_core):
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+
+    paged, gathering = load_core(qwen3_core), load_core(qwen3_core, paged_attention=False)
+    assert paged.options.paged_attention and not gathering.options.paged_attention
+
+    def calls(core, operation):
+        return [sum(node.target is attend for node in variant.runner.graph_module.graph.nodes)
+                for variant in core.by_operation(operation)]
+
+    decode = calls(paged, Operation.DECODE)
+    assert len(decode) == 2 and decode == [paged.manifest["model"]["num_layers"]] * 2  # one call a layer
+    assert not any(calls(paged, Operation.PREFILL)) and not any(calls(gathering, Operation.DECODE))
+    requests = [Request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], max_tokens=40, logprobs=3, ignore_eos=True),
+                Request([6, 7], max_tokens=30, logprobs=3, ignore_eos=True)]
+    for ours, theirs in zip(Engine(paged).generate(requests), Engine(gathering).generate(requests), strict=True):
+        assert [e.id for e in ours.entries] == [e.id for e in theirs.entries]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in ours.entries]),
+                                   torch.tensor([e.logprob for e in theirs.entries]), rtol=0, atol=2e-5)
