@@ -23,7 +23,7 @@ from pathlib import Path
 import ignition  # noqa: F401  (huge pages for the weights, as a load has them)
 import torch
 
-from ignition.runtime.backends import blocked_linear
+from ignition.runtime.backends import blocked_linear, native_build
 
 SHAPES = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)]
 """Qwen3-0.6B's linear weights of one layer, [N, K]: q, k, v, o, gate, up, down."""
@@ -32,7 +32,7 @@ SHAPES = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), 
 def build(source: str, directory: Path, name: str) -> ctypes.CDLL:
     path = directory / f"{name}.c"
     path.write_text(source)
-    command = [blocked_linear._compiler(), *blocked_linear.FLAGS, str(path), "-o", str(directory / f"{name}.so")]
+    command = [native_build.compiler(), *blocked_linear.FLAGS, str(path), "-o", str(directory / f"{name}.so")]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"building {name} failed:\n{done.stderr[-2000:]}")

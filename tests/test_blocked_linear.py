@@ -202,9 +202,9 @@ def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profi
 
 def test_a_machine_without_a_compiler_is_told_why_and_the_forced_mode_refused(monkeypatch):
     from ignition.runtime import options
-    from ignition.runtime.backends import paged_attention
+    from ignition.runtime.backends.native_build import native_kernels_unavailable
 
-    paged_attention.unavailable()  # this process's build, made (or found) before $CC is hidden
+    native_kernels_unavailable()  # this process's builds, made (or found) before $CC is hidden
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(NativeUnavailable, match=r"\$CC=no-such-cc is not on PATH \(set \$CC"):
         native_build.compiler()
@@ -214,8 +214,8 @@ def test_a_machine_without_a_compiler_is_told_why_and_the_forced_mode_refused(mo
                                               r"build: no C compiler: .*; use --gemm calibrate, packed or aten"):
         LoadOptions.create("cpu", gemm=BLOCKED)
     assert LoadOptions.create("cpu").gemm == "calibrate"  # the calibration just does not offer the path
-    monkeypatch.setattr(options, "paged_kernel_unavailable", lambda: "no C compiler")
-    assert not LoadOptions.create("cpu").paged_attention  # attention stays on ATen's kernel
+    monkeypatch.setattr(options, "native_kernels_unavailable", lambda: "no C compiler")
+    assert not LoadOptions.create("cpu").native_kernels  # attention and norms stay on ATen's kernels
 
 
 def test_a_core_loaded_on_the_blocked_product_keeps_its_logprobs(tmp_path_factory, monkeypatch):

@@ -86,7 +86,7 @@ def loaded(real_width_core):
 def gathering(real_width_core):
     """The same core with attention on ATen's kernel over the gathered windows (no paged attention kernel)."""
     from ignition.runtime.core import load_core
-    return load_core(real_width_core, gemm="packed", paged_attention=False)
+    return load_core(real_width_core, gemm="packed", native_kernels=False)
 
 
 def decode_round(core, lanes: int):
@@ -106,7 +106,7 @@ def decode_round(core, lanes: int):
 def test_a_paged_decode_step_gathers_no_window_and_attends_over_the_live_one(loaded, lanes: int, monkeypatch):
     from ignition.runtime.backends import paged_attention
 
-    if not loaded.options.paged_attention:
+    if not loaded.options.native_kernels:
         pytest.skip(f"this machine cannot build the paged attention kernel: {paged_attention.unavailable()}")
     core = loaded
     engine = decode_round(core, lanes)

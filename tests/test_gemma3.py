@@ -307,7 +307,7 @@ def test_a_decode_step_copies_no_pool(gemma, lanes, monkeypatch):
         engine.step()
     assert watch.copies == [], watch.copies[:5]
     granule = WINDOWS[KEY_WINDOW].granule
-    read = windows if core.options.paged_attention else [keys[2] for keys in watch.attention_keys]
+    read = windows if core.options.native_kernels else [keys[2] for keys in watch.attention_keys]
     assert sorted(read) == sorted([32, 32, granule])  # sliding, sliding, full
     assert not (windows and watch.attention_keys)
 

@@ -149,8 +149,8 @@ def test_a_cores_decode_graphs_attend_on_the_pool_and_keep_their_logprobs(qwen3_
     from ignition.runtime.engine import Engine
     from ignition.runtime.requests import Request
 
-    paged, gathering = load_core(qwen3_core), load_core(qwen3_core, paged_attention=False)
-    assert paged.options.paged_attention and not gathering.options.paged_attention
+    paged, gathering = load_core(qwen3_core), load_core(qwen3_core, native_kernels=False)
+    assert paged.options.native_kernels and not gathering.options.native_kernels
 
     def calls(core, operation):
         return [sum(node.target is attend for node in variant.runner.graph_module.graph.nodes)

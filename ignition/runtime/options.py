@@ -18,7 +18,7 @@ from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT
 from ignition.runtime.backends import RUNTIMES, backend_family, blocked_linear
 from ignition.runtime.backends.gemm_calibration import BLOCKED, GEMM_MODES
 from ignition.runtime.backends.packed_linear import packing_available
-from ignition.runtime.backends.paged_attention import unavailable as paged_kernel_unavailable
+from ignition.runtime.backends.native_build import native_kernels_unavailable
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
 from ignition.runtime.parallel.rendezvous import LOOPBACK
 from ignition.runtime.verified import LoadOptionError
@@ -43,7 +43,7 @@ class LoadOptions:
     gemm: str = "calibrate"  # CPU: packed, blocked or aten.linear per weight shape, timed here (gemm_calibration.py)
     kv_cache_memory: int | None = None  # bytes of the paged KV pool (runtime/kv_pool.py); None: the core's upper bound
     kv_host_memory: int = 0  # bytes of the host tier evicted KV blocks move to
-    paged_attention: bool = True  # CPU: FP32 decode attention read from the KV pool in place (backends/paged_attention.py)
+    native_kernels: bool = True  # CPU: FP32 decode attention on the KV pool in place, RMSNorm in one call (backends/)
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,
@@ -51,7 +51,7 @@ class LoadOptions:
                tp_host: str = LOOPBACK, timeout_s: float = PROCESS_GROUP_TIMEOUT_S,
                retain_host_memory: bool = True, pack_linears: bool = True,
                drop_file_cache: bool = True, gemm: str = "calibrate", kv_cache_memory: int | None = None,
-               kv_host_memory: int = 0, paged_attention: bool = True) -> "LoadOptions":
+               kv_host_memory: int = 0, native_kernels: bool = True) -> "LoadOptions":
         """Validate and resolve; LoadOptionError naming the option that cannot work here."""
         if runtime not in RUNTIMES:
             raise LoadOptionError(f"unknown runtime {runtime!r}; expected one of {', '.join(RUNTIMES)}")
@@ -87,7 +87,7 @@ class LoadOptions:
         options = cls(resolved, runtime, ranks, 0, bool(eager), bool(prefer_compiled), bool(trust_compiled),
                       trusted_key, tp_host, float(timeout_s), bool(retain_host_memory), pack_linears,
                       bool(drop_file_cache), gemm, kv_cache_memory, kv_host_memory,
-                      bool(paged_attention) and not is_cuda(resolved) and paged_kernel_unavailable() is None)
+                      bool(native_kernels) and not is_cuda(resolved) and native_kernels_unavailable() is None)
         options.rank_device(ranks - 1)  # every rank must get a device before anything starts
         return options
 

@@ -14,8 +14,8 @@ packed or serial chunk give the same bits, as they do through ATen's kernel wher
 ATen's kernel the rows differ by FP32 rounding (the exp polynomial and the sums' order), well inside the tolerances
 transformers is held to (``tests/test_paged_attention.py``).
 
-The rewrite is made at load on the CPU, wherever the kernel builds (``native_build``), for every variant of a core
-alike, so that no variant pairs it with ATen's kernel; where it does not build (``unavailable`` says why), the graphs
+The rewrite is made at load on the CPU (``LoadOptions.native_kernels``), wherever the kernel builds (``native_build``), for
+every variant of a core alike, so that no variant pairs it with ATen's kernel; where it does not build (``unavailable`` says why), the graphs
 keep ATen's.
 """
 

@@ -2,7 +2,7 @@
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
 metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``), its
 BF16 and FP16 batched products on FP32 copies where that is faster (``batched_products.py``), its FP32 decode
-attention on the KV pool in place (``paged_attention.py``), and its other ATen calls through torch's Python bindings
+attention on the KV pool in place (``paged_attention.py``) and its FP32 RMSNorm in one call (``rms_norm.py``), and its other ATen calls through torch's Python bindings
 (``direct_calls.py``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
-from ignition.runtime.backends import batched_products, direct_calls, paged_attention
+from ignition.runtime.backends import batched_products, direct_calls, paged_attention, rms_norm
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.backends.protocol import Runner, graph_files
 from ignition.runtime.device import CAPTURE_DEVICE, move_program
@@ -35,10 +35,10 @@ class Pt2Backend:
     windowed = True
 
     def __init__(self, root: Path, manifest: dict, catalog: dict, rank: int, device: torch.device,
-                 packs: LinearPacks | None = None, *, spec: Manifest, paged_attention: bool = False):
+                 packs: LinearPacks | None = None, *, spec: Manifest, native_kernels: bool = False):
         self.root, self.manifest, self.spec, self.device = root, manifest, spec, device
         self.packs = packs  # CPU: linear weights packed for oneDNN (LoadOptions.pack_linears)
-        self.paged_attention = paged_attention  # CPU: LoadOptions.paged_attention
+        self.native_kernels = native_kernels  # CPU: LoadOptions.native_kernels
         self.graphs = graph_files(catalog, manifest, rank)
         self.sharded = spec.sharded
         self.programs: dict[str, StaticProgram] = {}  # variant name -> its program (what CUDA capture traces)
@@ -53,8 +53,9 @@ class Pt2Backend:
             self.packs.rewrite(program, arguments)
             batched_products.rewrite(program.graph, self.packs.gemm)  # BF16 attention products, as timed here
         if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
-            if self.paged_attention:
+            if self.native_kernels:
                 paged_attention.rewrite(program.graph)  # decode attention reads the KV pool in place
+                rms_norm.rewrite(program.graph)  # each FP32 RMSNorm one call
             direct_calls.rewrite(program.graph)  # replayed op by op in Python: the cheaper calls
             program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
 

@@ -42,7 +42,7 @@ def select_backend(options: LoadOptions, root: Path, manifest: dict, catalog: di
             and has_packages(catalog) and not options.cuda:
         return AotiBackend(root, manifest, catalog, options.rank, options.device, spec=spec)
     return Pt2Backend(root, manifest, catalog, options.rank, options.device, packs, spec=spec,
-                      paged_attention=options.paged_attention)
+                      native_kernels=options.native_kernels)
 
 
 __all__ = ["select_backend"]

@@ -1,0 +1,171 @@
+"""CPU replay: an FP32 graph's RMSNorm in one native call (``rms_norm.c``) in place of the six ATen calls the recipes
+write it out in.
+
+The recipes write RMSNorm as transformers' ops (``recipes/layers.py``): ``mul(x, x)``, ``sum(-1, keepdim)``,
+``addcdiv(eps, sum, n)``, ``rsqrt``, ``mul(x, rsqrt)``, ``mul(weight, ·)``. A decode step of Qwen3-0.6B runs 85 of
+them, each six calls on a few KiB, so most of their time is the calls. ``rewrite`` points each such chain (FP32, its
+intermediates read by nothing else, the constants ``new_full`` scalars) at ``rms_norm``: the same arithmetic in the
+same roundings, but for the order of the sum of squares (eight FP32 chains, the C source's note), which is fixed
+whatever the rows beside a row or the threads, so a decode row, a verify row and a prompt chunk's row at the same
+values give the same bits. Against ATen's ``sum`` the norm differs by FP32 rounding.
+
+Made at load on the CPU, for every variant of a core alike (``LoadOptions.native_kernels``), wherever the kernel builds
+(``native_build``); where it does not (``unavailable``), the graphs keep ATen's calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch.fx import Graph, Node
+
+from ignition.runtime.backends.native_build import NativeUnavailable, build
+from ignition.validate.graph_json import FACTS
+
+SOURCE = Path(__file__).with_name("rms_norm.c")
+_aten = torch.ops.aten
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The compiled kernel (``native_build.build`` of ``SOURCE``); NativeUnavailable with the reason where it cannot
+    be built or loaded."""
+    loaded, _ = build(SOURCE)
+    loaded.rms_norm_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                    ctypes.c_long, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    loaded.rms_norm_f32.restype = None
+    return loaded
+
+
+@cache
+def unavailable() -> str | None:
+    """None where the kernel builds and loads here; else why not."""
+    try:
+        library()
+    except NativeUnavailable as exc:
+        return str(exc)
+    return None
+
+
+_profiling = torch._C._autograd._profiler_enabled
+
+
+_F32 = torch.float32
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dtype != _F32 or weight.dtype != _F32 or not x.dim() or not x.shape[-1] or weight.dim() > x.dim() or \
+            weight.shape != x.shape[x.dim() - weight.dim():]:
+        raise ValueError(f"rms_norm takes float32 x [..., n] and a float32 weight of x's trailing extents; got x "
+                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    return x.contiguous(), weight.contiguous()
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
+    width = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // width
+    if rows:
+        library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width, weight.numel() // width,
+                               eps, count, torch.get_num_threads())
+    return y
+
+
+def graph_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
+    """What a rewritten graph calls: ``rms_norm`` without its shape checks (``rewrite`` checked the graph's extents
+    once; a decode step makes 85 calls on a few KiB each, and reading a shape costs about as much as the norm), shown
+    as ``ignition::rms_norm`` while a profiler runs."""
+    if x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_contiguous() or not weight.is_contiguous():
+        x, weight = _checked(x, weight)
+    if _profiling():
+        with torch.profiler.record_function("ignition::rms_norm"):
+            return _norm(x, weight, eps, count)
+    return _norm(x, weight, eps, count)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(eps + (x * x).sum(-1, keepdim=True) / count))`` for float32 ``x [..., n]`` and a float32
+    ``weight`` of x's trailing extents (``[n]``, or ``[heads, n]`` against ``[..., heads, n]``), the scalars in FP32.
+    """
+    x, weight = _checked(x, weight)
+    return _norm(x, weight, eps, count)
+
+
+GRAPH_CALLS = {graph_rms_norm: "ignition::rms_norm"}
+"""The function rewritten graphs call, by the name a profiler shows it under."""
+
+
+def _only_user(node: Node, user: Node) -> bool:
+    return isinstance(node, Node) and list(node.users) == [user]
+
+
+def _scalar(node) -> float | None:
+    """The FP32 value of a ``new_full(_, [], value, dtype=float32)`` node, else None."""
+    if not isinstance(node, Node) or node.target is not _aten.new_full.default or list(node.args[1]) != [] or \
+            node.kwargs.get("dtype") is not torch.float32 or not isinstance(node.args[2], (int, float)):
+        return None
+    return float(torch.tensor(node.args[2], dtype=torch.float32))
+
+
+def _float32(node, dims: int | None = None) -> bool:
+    facts = getattr(node, "meta", {}).get(FACTS)
+    return facts is not None and facts.dtype == torch.float32 and (dims is None or facts.dim() >= dims)
+
+
+def _match(node: Node) -> tuple[Node, Node, float, float, list[Node]] | None:
+    """``(x, weight, eps, count, intermediates)`` where ``node`` is ``mul(weight, mul(x, rsqrt(addcdiv(eps,
+    sum(mul(x, x), [-1], True), count))))`` (either operand order of the outer ``mul``)."""
+    if node.op != "call_function" or node.target is not _aten.mul.Tensor or node.kwargs:
+        return None
+    for weight, scaled in (node.args, node.args[::-1]):
+        if not isinstance(scaled, Node) or scaled.target is not _aten.mul.Tensor or not _only_user(scaled, node):
+            continue
+        x, root = scaled.args
+        if not isinstance(root, Node) or root.target is not _aten.rsqrt.default or not _only_user(root, scaled):
+            continue
+        mean = root.args[0]
+        if not isinstance(mean, Node) or mean.target is not _aten.addcdiv.default or mean.kwargs.get("value", 1) != 1 \
+                or len(mean.args) != 3 or not _only_user(mean, root):
+            continue
+        eps, total, count = _scalar(mean.args[0]), mean.args[1], _scalar(mean.args[2])
+        if eps is None or count is None or not isinstance(total, Node) or \
+                total.target is not _aten.sum.dim_IntList or list(total.args[1]) != [-1] or total.args[2:] != (True,) \
+                or total.kwargs or not _only_user(total, mean):
+            continue
+        squares = total.args[0]
+        if not isinstance(squares, Node) or squares.target is not _aten.mul.Tensor or squares.args != (x, x) or \
+                not _only_user(squares, total):
+            continue
+        weight_facts, x_facts = getattr(weight, "meta", {}).get(FACTS), getattr(x, "meta", {}).get(FACTS)
+        if not _float32(x, 1) or not _float32(weight, 1) or not _float32(node) or \
+                weight_facts.dim() > x_facts.dim() or weight_facts.shape != x_facts.shape[x_facts.dim() -
+                                                                                             weight_facts.dim():]:
+            continue
+        return x, weight, eps, count, [scaled, root, mean, total, squares]
+    return None
+
+
+def rewrite(graph: Graph) -> int:
+    """Point each FP32 RMSNorm chain of ``graph`` (``_match``) at ``rms_norm`` (``graph_rms_norm``); returns how many. Before the graph
+    module's code is generated."""
+    count = 0
+    for node in list(graph.nodes):
+        found = _match(node)
+        if found is None:
+            continue
+        x, weight, eps, width, chain = found
+        with graph.inserting_before(node):
+            call = graph.call_function(graph_rms_norm, (x, weight, eps, width))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        for dead in chain:
+            graph.erase_node(dead)
+        count += 1
+    return count
+
+
+__all__ = ["GRAPH_CALLS", "graph_rms_norm", "library", "rewrite", "rms_norm", "unavailable"]
