@@ -1,6 +1,6 @@
 """FP32 RMSNorm in one native call (``runtime/backends/rms_norm.py``): ATen's chain of six ops to the order of the
-sum of squares, each row's bits its own, bad input refused by name, and every norm of a core's graphs rewritten
-onto it, prompt chunks and decode steps alike, with the logprobs kept."""
+sum of squares, each row's bits its own, the rotary embedding after it ATen's bit for bit, bad input refused by name,
+and every norm of a core's graphs rewritten onto it, prompt chunks and decode steps alike, with the logprobs kept."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ignition.runtime.backends import rms_norm
-from ignition.runtime.backends.rms_norm import graph_rms_norm, rms_norm as norm
+from ignition.runtime.backends.rms_norm import graph_rms_norm, graph_rms_norm_rope, rms_norm as norm, rms_norm_rope
 
 pytestmark = pytest.mark.skipif(rms_norm.unavailable() is not None,
                                 reason=f"no RMSNorm kernel here: {rms_norm.unavailable()}")
@@ -58,6 +58,20 @@ def test_a_rows_bits_are_its_own_whatever_the_rows_and_threads_beside_it():
     strided = torch.randn(1024, 300).t()
     strided.copy_(x)
     assert torch.equal(norm(strided, weight, EPS, 1024.0), whole)
+
+
+@pytest.mark.parametrize("shift", [64, 5, -3])
+def test_the_rotary_embedding_after_it_is_atens_mul_roll_mul_add_bit_for_bit(shift):
+    generator = torch.Generator().manual_seed(shift % 7)
+    x, weight = torch.randn(3, 24, 128, generator=generator), torch.randn(24, 128, generator=generator)
+    cos, sin = torch.randn(3, 1, 128, generator=generator), torch.randn(3, 1, 128, generator=generator)
+    normed = norm(x, weight, EPS, 128.0)
+    rotated = rms_norm_rope(x, weight, EPS, 128.0, cos, sin, 24, shift)
+    assert torch.equal(rotated, normed * cos + torch.roll(normed, [shift], [-1]) * sin)
+    full = cos.expand(3, 24, 128).contiguous(), sin.expand(3, 24, 128).contiguous()  # a trig row for every row
+    assert torch.equal(rms_norm_rope(x, weight, EPS, 128.0, *full, 1, shift), rotated)
+    with pytest.raises(ValueError, match=r"one row of 128 per 24 rows of x \(3, 24, 128\); got cos \(2, 1, 128\)"):
+        rms_norm_rope(x, weight, EPS, 128.0, cos[:2], sin, 24, shift)
 
 
 def test_bad_input_is_refused_by_name():
@@ -117,10 +131,12 @@ def test_every_norm_of_a_core_runs_native_and_keeps_the_logprobs(qwen3_core):
 
     native, plain = load_core(qwen3_core), load_core(qwen3_core, native_kernels=False)
     layers = native.manifest["model"]["num_layers"]
-    for variant in native.variants.values():  # a layer's two norms and its heads' one, and the final norm
+    # a layer's two norms and its heads' one (its rotary embedding folded in), and the final norm
+    for variant in native.variants.values():
         nodes = list(variant.runner.graph_module.graph.nodes)
-        assert sum(node.target is graph_rms_norm for node in nodes) == 3 * layers + 1, variant.name
-        assert not any(getattr(node.target, "__name__", "") == "rsqrt" for node in nodes), variant.name
+        assert sum(node.target is graph_rms_norm for node in nodes) == 2 * layers + 1, variant.name
+        assert sum(node.target is graph_rms_norm_rope for node in nodes) == layers, variant.name  # the heads' norm
+        assert not any(getattr(node.target, "__name__", "") in ("rsqrt", "roll") for node in nodes), variant.name
     requests = [Request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], max_tokens=30, logprobs=3, prompt_logprobs=2,
                         ignore_eos=True), Request([6, 7], max_tokens=20, logprobs=3, ignore_eos=True)]
     for ours, theirs in zip(Engine(native).generate(requests), Engine(plain).generate(requests), strict=True):

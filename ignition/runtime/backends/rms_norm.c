@@ -1,16 +1,20 @@
 /* The RMSNorm of runtime/backends/rms_norm.py: y = w * (x * rsqrt(eps + sum(x * x) / n)) over each row of n FP32
  * values, as the recipes write it out in ATen ops (recipes/layers.py), in one pass.
  *
+ * Compiled with -ffp-contract=off (rms_norm.py FLAGS): every product and sum is rounded on its own.
  * x [rows, n] contiguous, w [weight_rows, n] contiguous (row r takes weight row r mod weight_rows: a per-head weight
- * of a [tokens, heads, head_dim] input), y [rows, n]. The sum of squares is eight FP32 FMA chains over i mod 8,
+ * of a [tokens, heads, head_dim] input), y [rows, n]. The sum of squares is eight FP32 chains (a product, then a sum) over i mod 8,
  * summed as ((0+4)+(2+6))+((1+5)+(3+7)): one fixed order whatever the rows beside it or the threads. The rest is
  * ATen's arithmetic, each step rounded as its op rounds: t = s / n, v = eps + t, r = 1 / sqrt(v), x * r, then w *.
- * Built by rms_norm.py with -O3 -march=native -fopenmp (native_build). */
+ * Optionally followed by the rotary embedding (rms_norm_rope_f32). Built by rms_norm.py with -O3 -march=native
+ * -fopenmp (native_build), without FMA contraction. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define CHAINS 8
+extern int omp_get_thread_num(void);
+extern int omp_get_num_threads(void);
 typedef float v8 __attribute__((vector_size(CHAINS * sizeof(float))));
 
 static inline float reduce(v8 a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
@@ -29,6 +33,46 @@ static inline void row(const float *x, const float *w, float *y, long n, float e
   for (i = 0; i < n; i++) {
     float scaled = x[i] * r;
     y[i] = w[i] * scaled;
+  }
+}
+
+/* rotary embedding on a normed row (recipes' rotate-half form): y[i] = v[i] * cos[i] + v[(i - shift) mod n] * sin[i],
+ * each product and the sum rounded on its own, as ATen's mul, roll, mul and add round them (no FMA: the file is
+ * compiled with -ffp-contract=off) */
+static void rotate(const float *v, const float *c, const float *s, float *y, long n, long shift) {
+  long sh = (shift % n + n) % n; /* v[(i - sh) mod n]: the last sh values first */
+  for (long i = 0; i < sh; i++) {
+    float first = v[i] * c[i], second = v[i - sh + n] * s[i];
+    y[i] = first + second;
+  }
+  for (long i = sh; i < n; i++) {
+    float first = v[i] * c[i], second = v[i - sh] * s[i];
+    y[i] = first + second;
+  }
+}
+
+/* rms_norm_f32, then row r rotated by trig row r / per_trig_row of cos and sin [*, n] */
+static void norm_rope_rows(const float *x, const float *w, float *y, long r0, long r1, long n, long weight_rows,
+                           float eps, float count, const float *c, const float *s, long per_trig_row, long shift) {
+  float scratch[n];
+  for (long r = r0; r < r1; r++) {
+    row(x + r * n, w + r % weight_rows * n, scratch, n, eps, count);
+    long t = r / per_trig_row;
+    rotate(scratch, c + t * n, s + t * n, y + r * n, n, shift);
+  }
+}
+
+void rms_norm_rope_f32(const float *x, const float *w, float *y, long rows, long n, long weight_rows, float eps,
+                       float count, const float *c, const float *s, long per_trig_row, long shift, int threads) {
+  if (rows * n < 65536 || threads < 2) { /* small inputs on the calling thread */
+    norm_rope_rows(x, w, y, 0, rows, n, weight_rows, eps, count, c, s, per_trig_row, shift);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), count_threads = omp_get_num_threads();
+    norm_rope_rows(x, w, y, rows * t / count_threads, rows * (t + 1) / count_threads, n, weight_rows, eps, count, c,
+                   s, per_trig_row, shift);
   }
 }
 

@@ -22,10 +22,13 @@ from pathlib import Path
 import torch
 from torch.fx import Graph, Node
 
+from ignition.runtime.backends import native_build
 from ignition.runtime.backends.native_build import NativeUnavailable, build
 from ignition.validate.graph_json import FACTS
 
 SOURCE = Path(__file__).with_name("rms_norm.c")
+FLAGS = tuple("-ffp-contract=off" if flag.startswith("-ffp-contract") else flag for flag in native_build.FLAGS)
+"""``native_build.FLAGS`` without FMA contraction: the rotary embedding's products and sum round as ATen's ops."""
 _aten = torch.ops.aten
 
 
@@ -33,10 +36,14 @@ _aten = torch.ops.aten
 def library() -> ctypes.CDLL:
     """The compiled kernel (``native_build.build`` of ``SOURCE``); NativeUnavailable with the reason where it cannot
     be built or loaded."""
-    loaded, _ = build(SOURCE)
+    loaded, _ = build(SOURCE, FLAGS)
     loaded.rms_norm_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                     ctypes.c_long, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     loaded.rms_norm_f32.restype = None
+    loaded.rms_norm_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                                         ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    loaded.rms_norm_rope_f32.restype = None
     return loaded
 
 
@@ -86,6 +93,54 @@ def graph_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: flo
     return _norm(x, weight, eps, count)
 
 
+def _norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor, sin: torch.Tensor,
+               per_trig_row: int, shift: int) -> torch.Tensor:
+    width = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // width
+    if rows:
+        library().rms_norm_rope_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width,
+                                    weight.numel() // width, eps, count, cos.data_ptr(), sin.data_ptr(), per_trig_row,
+                                    shift, torch.get_num_threads())
+    return y
+
+
+def graph_rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor,
+                        sin: torch.Tensor, per_trig_row: int, shift: int) -> torch.Tensor:
+    """What a rewritten graph calls for a norm its rotary embedding follows (``rms_norm_rope``, its shapes checked by
+    ``rewrite``), shown as ``ignition::rms_norm_rope`` while a profiler runs."""
+    if x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_contiguous() or not weight.is_contiguous():
+        x, weight = _checked(x, weight)
+    if cos.dtype is not _F32 or sin.dtype is not _F32 or not cos.is_contiguous() or not sin.is_contiguous():
+        cos, sin = _trig_checked(x, cos, sin, per_trig_row)
+    if _profiling():
+        with torch.profiler.record_function("ignition::rms_norm_rope"):
+            return _norm_rope(x, weight, eps, count, cos, sin, per_trig_row, shift)
+    return _norm_rope(x, weight, eps, count, cos, sin, per_trig_row, shift)
+
+
+def _trig_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  per_trig_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = x.numel() // x.shape[-1]
+    for name, trig in (("cos", cos), ("sin", sin)):
+        if trig.dtype != _F32 or trig.shape[-1] != x.shape[-1] or per_trig_row < 1 or rows % per_trig_row or \
+                trig.numel() != rows // per_trig_row * x.shape[-1]:
+            raise ValueError(f"rms_norm_rope takes float32 cos and sin with one row of {x.shape[-1]} per "
+                             f"{per_trig_row} rows of x {tuple(x.shape)}; got {name} {tuple(trig.shape)} {trig.dtype}")
+    return cos.contiguous(), sin.contiguous()
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor,
+                  sin: torch.Tensor, per_trig_row: int, shift: int) -> torch.Tensor:
+    """``rms_norm(x, weight, eps, count)`` rotated as the recipes rotate half (``v * cos + roll(v, shift, -1) *
+    sin``, ``sin`` signed), each product and the sum rounded as ATen's ``mul``, ``roll`` and ``add`` round them: row
+    ``r`` of ``x`` (flattened to ``[rows, n]``) takes row ``r // per_trig_row`` of ``cos`` and ``sin`` (``[R, 1, n]``
+    against ``x [R, heads, n]``: ``per_trig_row`` = heads)."""
+    x, weight = _checked(x, weight)
+    cos, sin = _trig_checked(x, cos, sin, per_trig_row)
+    return _norm_rope(x, weight, eps, count, cos, sin, per_trig_row, shift)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
     """``weight * (x * rsqrt(eps + (x * x).sum(-1, keepdim=True) / count))`` for float32 ``x [..., n]`` and a float32
     ``weight`` of x's trailing extents (``[n]``, or ``[heads, n]`` against ``[..., heads, n]``), the scalars in FP32.
@@ -94,7 +149,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) ->
     return _norm(x, weight, eps, count)
 
 
-GRAPH_CALLS = {graph_rms_norm: "ignition::rms_norm"}
+GRAPH_CALLS = {graph_rms_norm: "ignition::rms_norm", graph_rms_norm_rope: "ignition::rms_norm_rope"}
 """The function rewritten graphs call, by the name a profiler shows it under."""
 
 
@@ -148,6 +203,36 @@ def _match(node: Node) -> tuple[Node, Node, float, float, list[Node]] | None:
     return None
 
 
+def _rope(norm: Node) -> tuple[Node, Node, Node, int, int] | None:
+    """``(add, cos, sin, per_trig_row, shift)`` where ``norm``'s only readers are ``add(mul(norm, cos), mul(roll(norm,
+    [shift], [-1]), sin))`` (either operand order of each), ``cos`` and ``sin`` FP32 of norm's extents or with 1 at
+    the heads' (dim -2)."""
+    users = list(norm.users)
+    if len(users) != 2:
+        return None
+    rolled = next((u for u in users if u.target is _aten.roll.default), None)
+    scaled = next((u for u in users if u.target is _aten.mul.Tensor), None)
+    if rolled is None or scaled is None or len(rolled.args) != 3 or list(rolled.args[2]) != [-1] or \
+            len(rolled.args[1]) != 1 or not isinstance(rolled.args[1][0], int) or len(rolled.users) != 1 or \
+            len(scaled.users) != 1:
+        return None
+    turned = next(iter(rolled.users))
+    total = next(iter(scaled.users))
+    if turned.target is not _aten.mul.Tensor or total.target is not _aten.add.Tensor or total.kwargs or \
+            list(turned.users) != [total] or set(total.args) != {scaled, turned} or scaled.kwargs or turned.kwargs:
+        return None
+    cos = scaled.args[1] if scaled.args[0] is norm else scaled.args[0]
+    sin = turned.args[1] if turned.args[0] is rolled else turned.args[0]
+    shape = norm.meta[FACTS].shape
+    trig = [getattr(t, "meta", {}).get(FACTS) for t in (cos, sin)]
+    if any(f is None or f.dtype != torch.float32 or len(f.shape) != len(shape) or len(shape) < 2 or
+           f.shape[-1] != shape[-1] or f.shape[:-2] != shape[:-2] or f.shape[-2] not in (1, shape[-2]) for f in trig) \
+            or trig[0].shape != trig[1].shape or not isinstance(shape[-2], int):
+        return None
+    per_trig_row = shape[-2] if trig[0].shape[-2] == 1 else 1
+    return total, cos, sin, per_trig_row, rolled.args[1][0]
+
+
 def rewrite(graph: Graph) -> int:
     """Point each FP32 RMSNorm chain of ``graph`` (``_match``) at ``rms_norm`` (``graph_rms_norm``); returns how many. Before the graph
     module's code is generated."""
@@ -165,7 +250,20 @@ def rewrite(graph: Graph) -> int:
         for dead in chain:
             graph.erase_node(dead)
         count += 1
+        rotated = _rope(call)
+        if rotated is not None:  # its rotary embedding folded in, the call moved to where the sum was
+            total, cos, sin, per_trig_row, shift = rotated
+            products = list(total.args)
+            (rolled,) = [a for p in products for a in p.args if getattr(a, "target", None) is _aten.roll.default]
+            total.prepend(call)
+            call.target = graph_rms_norm_rope
+            call.args = (x, weight, eps, width, cos, sin, per_trig_row, shift)
+            call.meta.update(total.meta)
+            total.replace_all_uses_with(call)
+            for dead in (total, *products, rolled):
+                graph.erase_node(dead)
     return count
 
 
-__all__ = ["GRAPH_CALLS", "graph_rms_norm", "library", "rewrite", "rms_norm", "unavailable"]
+__all__ = ["GRAPH_CALLS", "graph_rms_norm", "graph_rms_norm_rope", "library", "rewrite", "rms_norm", "rms_norm_rope",
+           "unavailable"]
