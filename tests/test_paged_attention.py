@@ -61,7 +61,8 @@ def test_it_attends_as_atens_kernel_within_fp32_rounding(groups, kv_heads, rows,
     mask = causal(groups, rows, window, [window - 6 - 3 * g for g in range(groups)])
     for scale in (None, 0.3):
         ours = attend(query, key_cache, value_cache, 1, cells, mask, scale)
-        exact = reference(query.double(), key_cache.double(), value_cache.double(), 1, cells, mask, scale, torch.float64)
+        exact = reference(query.double(), key_cache.double(), value_cache.double(), 1, cells, mask, scale,
+                          torch.float64)
         atens = reference(query, key_cache, value_cache, 1, cells, mask, scale)
         assert ours.shape == atens.shape and ours.is_contiguous()
         ours_error, atens_error = (ours.double() - exact).abs().max(), (atens.double() - exact).abs().max()

@@ -77,7 +77,7 @@ def test_the_rotary_embedding_after_it_is_atens_mul_roll_mul_add_bit_for_bit(shi
 def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match=r"got x \(2, 8\) torch.bfloat16, weight \(8,\) torch.float32"):
         norm(torch.randn(2, 8).bfloat16(), torch.randn(8), EPS, 8.0)
-    with pytest.raises(ValueError, match=r"weight of x's trailing extents; got x \(2, 8\) torch.float32, weight \(4,\)"):
+    with pytest.raises(ValueError, match=r"trailing extents; got x \(2, 8\) torch.float32, weight \(4,\)"):
         norm(torch.randn(2, 8), torch.randn(4), EPS, 8.0)
 
 

@@ -9,14 +9,13 @@ such ``scaled_dot_product_attention`` (FP32, an additive mask, no dropout or cau
 which reads the pool's cells where they are.
 
 Every row is computed on its own, in one order whatever the rows beside it, the window's extent past the row's
-keys, or the threads (the C source's note): a decode step, a verify row at the same position and a prompt's row in a
-packed or serial chunk give the same bits, as they do through ATen's kernel where its blocking agrees. Against
-ATen's kernel the rows differ by FP32 rounding (the exp polynomial and the sums' order), well inside the tolerances
-transformers is held to (``tests/test_paged_attention.py``).
+keys, or the threads (the C source's note): a decode step and a verify row at the same position give the same bits.
+Against ATen's kernel (a prompt chunk's rows, ``ROWS_LIMIT``) the rows differ by FP32 rounding (the exp polynomial and
+the sums' order), well inside the tolerances transformers is held to (``tests/test_paged_attention.py``).
 
-The rewrite is made at load on the CPU (``LoadOptions.native_kernels``), wherever the kernel builds (``native_build``), for
-every variant of a core alike, so that no variant pairs it with ATen's kernel; where it does not build (``unavailable`` says why), the graphs
-keep ATen's.
+The rewrite is made at load on the CPU (``LoadOptions.native_kernels``), wherever the kernel builds
+(``native_build``), for every decode and verify variant of a core alike; where it does not build (``unavailable`` says
+why), the graphs keep ATen's kernel.
 """
 
 from __future__ import annotations
@@ -73,7 +72,8 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
     wrong = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors.items() if t.dtype != torch.float32]
     if wrong or query.dim() != 4 or key_cache.dim() != 5 or key_cache.shape != value_cache.shape or \
             cells.dtype != torch.int64 or cells.dim() != 1 or mask.dim() != 4 or \
-            key_cache.shape[3:] != query.shape[1:2] + query.shape[3:] or (query.shape[0] and cells.shape[0] % query.shape[0]) or \
+            key_cache.shape[3:] != query.shape[1:2] + query.shape[3:] or \
+            (query.shape[0] and cells.shape[0] % query.shape[0]) or \
             not key_cache.is_contiguous() or not value_cache.is_contiguous():
         raise ValueError(
             "paged_attention takes a float32 query [G, kv_heads, M, head_dim], contiguous float32 pools [layers, "
@@ -176,7 +176,8 @@ def _unused(chain: Node) -> None:
 def rewrite(graph: Graph) -> int:
     """Point each FP32 ``scaled_dot_product_attention`` of ``graph`` over at most ``ROWS_LIMIT`` query rows whose keys
     and values are ``gather_pages`` of one layer's pools through the same cells, with an additive FP32 mask and no
-    dropout, causal flag or grouped-query broadcast, at ``paged_attention``; returns how many. Before the graph module's code is generated."""
+    dropout, causal flag or grouped-query broadcast, at ``paged_attention``; returns how many. Before the graph
+    module's code is generated."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or len(node.args) != 4 or \

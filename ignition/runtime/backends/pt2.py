@@ -2,8 +2,8 @@
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
 metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``), its
 BF16 and FP16 batched products on FP32 copies where that is faster (``batched_products.py``), its FP32 decode
-attention on the KV pool in place (``paged_attention.py``) and its FP32 RMSNorm in one call (``rms_norm.py``), and its other ATen calls through torch's Python bindings
-(``direct_calls.py``)."""
+attention on the KV pool in place (``paged_attention.py``) and its FP32 RMSNorm in one call (``rms_norm.py``), and
+its other ATen calls through torch's Python bindings (``direct_calls.py``)."""
 
 from __future__ import annotations
 

@@ -234,8 +234,9 @@ def _rope(norm: Node) -> tuple[Node, Node, Node, int, int] | None:
 
 
 def rewrite(graph: Graph) -> int:
-    """Point each FP32 RMSNorm chain of ``graph`` (``_match``) at ``rms_norm`` (``graph_rms_norm``); returns how many. Before the graph
-    module's code is generated."""
+    """Point each FP32 RMSNorm chain of ``graph`` (``_match``) at ``rms_norm`` (``graph_rms_norm``), with the rotary
+    embedding that follows it where one does (``_rope``: ``graph_rms_norm_rope``); returns how many norms. Before the
+    graph module's code is generated."""
     count = 0
     for node in list(graph.nodes):
         found = _match(node)
