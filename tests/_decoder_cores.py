@@ -108,6 +108,18 @@ def save_checkpoint(case: TinyCase, directory: Path, reload: bool = True) -> tor
     return hf
 
 
+def fp32_qwen3_core(root: Path) -> Path:
+    """A tiny untied FP32 Qwen3 exported under ``root`` (capacities 1 and 2, 8-row prompt chunks, max_seq_len 64,
+    prompt logprobs): its core's path, for the CPU's native kernels against ATen's."""
+    from ignition.exporter.export import export_core
+    from ignition.recipes.base import ExportOptions
+
+    save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=150), root / "checkpoint", reload=False)
+    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2), chunk_limit=8,
+                              max_seq_len=64, prompt_logprobs=True), root / "core")
+    return root / "core"
+
+
 def bf16_cores_with_fp32_reference(root: Path) -> tuple[Path, Path, list[list[int]]]:
     """A tiny tied Qwen3 in BF16 and the same BF16 values in FP32, each exported (capacities 1 and 4, prompt
     logprobs) under ``root``: (BF16 core, FP32 core, four 14-token prompts), for BF16 fidelity against the FP32

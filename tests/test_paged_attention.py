@@ -134,15 +134,9 @@ def test_bad_input_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def qwen3_core(tmp_path_factory):
-    from ignition.exporter.export import export_core
-    from ignition.recipes.base import ExportOptions
-    from tests._decoder_cores import TinyCase, save_checkpoint
+    from tests._decoder_cores import fp32_qwen3_core
 
-    root = tmp_path_factory.mktemp("paged-qwen3")
-    save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=150), root / "checkpoint")
-    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2), chunk_limit=8,
-                              max_seq_len=64), root / "core")
-    return root / "core"
+    return fp32_qwen3_core(tmp_path_factory.mktemp("paged-qwen3"))
 
 
 def test_a_cores_decode_graphs_attend_on_the_pool_and_keep_their_logprobs(qwen3_core):

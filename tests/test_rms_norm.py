@@ -113,15 +113,9 @@ def test_the_rewrite_takes_the_chain_and_leaves_a_chain_read_elsewhere():
 
 @pytest.fixture(scope="module")
 def qwen3_core(tmp_path_factory):
-    from ignition.exporter.export import export_core
-    from ignition.recipes.base import ExportOptions
-    from tests._decoder_cores import TinyCase, save_checkpoint
+    from tests._decoder_cores import fp32_qwen3_core
 
-    root = tmp_path_factory.mktemp("rms-qwen3")
-    save_checkpoint(TinyCase("qwen3", torch.float32, tie=False, vocab_size=150), root / "checkpoint")
-    export_core(ExportOptions(recipe="qwen3", checkpoint=root / "checkpoint", capacities=(1, 2), chunk_limit=8,
-                              max_seq_len=64, prompt_logprobs=True), root / "core")
-    return root / "core"
+    return fp32_qwen3_core(tmp_path_factory.mktemp("rms-qwen3"))
 
 
 def test_every_norm_of_a_core_runs_native_and_keeps_the_logprobs(qwen3_core):

@@ -66,6 +66,15 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> tuple[ctypes.CDLL, st
         raise NativeUnavailable(f"loading {built} failed: {exc}") from exc
 
 
+def failure(load) -> str | None:
+    """None where ``load()`` (a kernel module's ``library``) builds and loads its kernel; else the reason why not."""
+    try:
+        load()
+    except NativeUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def native_kernels_unavailable() -> str | None:
     """None where every kernel the ``.pt2`` graphs' native rewrites call builds and loads here (the paged attention
     and the RMSNorm: ``LoadOptions.native_kernels``); else the first reason why not."""
@@ -73,4 +82,4 @@ def native_kernels_unavailable() -> str | None:
     return paged_attention.unavailable() or rms_norm.unavailable()
 
 
-__all__ = ["FLAGS", "NativeUnavailable", "build", "compiler", "native_kernels_unavailable"]
+__all__ = ["FLAGS", "NativeUnavailable", "build", "compiler", "failure", "native_kernels_unavailable"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.fx import Graph, Node
 
-from ignition.runtime.backends.native_build import NativeUnavailable, build
+from ignition.runtime.backends.native_build import build, failure
 from ignition.validate.graph_json import FACTS
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -56,11 +56,7 @@ def library() -> ctypes.CDLL:
 @cache
 def unavailable() -> str | None:
     """None where the kernel builds and loads here; else why not."""
-    try:
-        library()
-    except NativeUnavailable as exc:
-        return str(exc)
-    return None
+    return failure(library)
 
 
 _profiling = torch._C._autograd._profiler_enabled
