@@ -202,9 +202,8 @@ def test_the_op_takes_leading_dimensions_and_strided_rows_and_shows_in_the_profi
 
 def test_a_machine_without_a_compiler_is_told_why_and_the_forced_mode_refused(monkeypatch):
     from ignition.runtime import options
-    from ignition.runtime.backends.native_build import native_kernels_unavailable
 
-    native_kernels_unavailable()  # this process's builds, made (or found) before $CC is hidden
+    options.native_kernels_unavailable()  # this process's builds, made (or found) before $CC is hidden
     monkeypatch.setenv("CC", "no-such-cc")
     with pytest.raises(NativeUnavailable, match=r"\$CC=no-such-cc is not on PATH \(set \$CC"):
         native_build.compiler()

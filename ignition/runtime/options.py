@@ -18,10 +18,16 @@ from ignition.catalog.parallel import MAX_TENSOR_PARALLEL, PROCESS_GROUP_TIMEOUT
 from ignition.runtime.backends import RUNTIMES, backend_family, blocked_linear
 from ignition.runtime.backends.gemm_calibration import BLOCKED, GEMM_MODES
 from ignition.runtime.backends.packed_linear import packing_available
-from ignition.runtime.backends.native_build import native_kernels_unavailable
+from ignition.runtime.backends import paged_attention, rms_norm
 from ignition.runtime.cuda_driver import DEVICE_CHOICES, is_cuda, resolve_device
 from ignition.runtime.parallel.rendezvous import LOOPBACK
 from ignition.runtime.verified import LoadOptionError
+
+def native_kernels_unavailable() -> str | None:
+    """None where every kernel of ``LoadOptions.native_kernels`` (the paged attention, the RMSNorm) builds and loads
+    here; else the first reason why not."""
+    return paged_attention.unavailable() or rms_norm.unavailable()
+
 
 @dataclass(frozen=True, slots=True)
 class LoadOptions:

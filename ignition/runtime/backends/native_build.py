@@ -75,11 +75,4 @@ def failure(load) -> str | None:
     return None
 
 
-def native_kernels_unavailable() -> str | None:
-    """None where every kernel the ``.pt2`` graphs' native rewrites call builds and loads here (the paged attention
-    and the RMSNorm: ``LoadOptions.native_kernels``); else the first reason why not."""
-    from ignition.runtime.backends import paged_attention, rms_norm  # they build through this module
-    return paged_attention.unavailable() or rms_norm.unavailable()
-
-
-__all__ = ["FLAGS", "NativeUnavailable", "build", "compiler", "failure", "native_kernels_unavailable"]
+__all__ = ["FLAGS", "NativeUnavailable", "build", "compiler", "failure"]
