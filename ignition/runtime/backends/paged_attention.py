@@ -35,7 +35,7 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 ROWS_LIMIT = 128
 """The most query rows a group and KV head (a fixed extent of the graph) that ``rewrite`` points at the kernel: a
 decode step's heads (``share`` rows a lane) and a verify round's (``share`` x its tokens). A prompt chunk's rows (a
-dynamic extent) stay on ATen's kernel, whose blocked products are three times faster at 1,024 rows."""
+dynamic extent) stay on ATen's kernel, whose blocked products win at many rows."""
 _aten = torch.ops.aten
 
 
