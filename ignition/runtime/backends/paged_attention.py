@@ -64,9 +64,7 @@ _profiling = torch._C._autograd._profiler_enabled
 
 def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cells: torch.Tensor,
            mask: torch.Tensor) -> None:
-    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "mask": mask}
-    wrong = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors.items() if t.dtype != torch.float32]
-    if wrong or query.dim() != 4 or key_cache.dim() != 5 or key_cache.shape != value_cache.shape or \
+    if any(t.dtype != torch.float32 for t in (query, key_cache, value_cache, mask)) or query.dim() != 4 or key_cache.dim() != 5 or key_cache.shape != value_cache.shape or \
             cells.dtype != torch.int64 or cells.dim() != 1 or mask.dim() != 4 or \
             key_cache.shape[3:] != query.shape[1:2] + query.shape[3:] or \
             (query.shape[0] and cells.shape[0] % query.shape[0]) or \
@@ -101,7 +99,7 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     out = torch.empty(groups, kv_heads, rows, head_dim)
     if not out.numel():
         return out
-    offset = layer * key_cache.stride(0) * 4
+    offset = layer * key_cache.stride(0) * key_cache.element_size()
     m_sg = mask.stride(0) if mask.shape[0] > 1 else 0
     m_sm = mask.stride(2) if mask.shape[2] > 1 else 0
     failed = library().paged_attention_f32(
