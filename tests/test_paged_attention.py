@@ -1,7 +1,7 @@
-"""FP32 decode attention on the KV pool in place (``runtime/backends/paged_attention.py``): ATen's attention over
-the gathered windows within FP32 rounding, each row's bits its own (whatever the rows beside it, the masked keys
-past it or the threads), bad input refused by name, and a core's decode graphs rewritten onto it with their
-logprobs kept."""
+"""Decode attention on the KV pool in place (``runtime/backends/paged_attention.py``): in FP32, ATen's attention over
+the gathered windows within FP32 rounding; in BF16, transformers' eager attention as close to an FP32 reference as
+ATen's own BF16 products; each row's bits its own (whatever the rows beside it, the masked keys past it or the
+threads), bad input refused by name, and a core's decode graphs rewritten onto it with their logprobs kept."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ignition.catalog.enums import Operation
-from ignition.recipes.attention import gather_pages
+from ignition.recipes.attention import _eager_product, gather_pages
 from ignition.runtime.backends import paged_attention
 from ignition.runtime.backends.paged_attention import paged_attention as attend
 
@@ -123,13 +123,70 @@ def test_bad_input_is_refused_by_name():
         attend(query, key_cache, value_cache, 0, torch.cat([cells[:-1], torch.tensor([64])]), mask)
     with pytest.raises(IndexError, match="layer 3 of a pool of 3 layers"):
         attend(query, key_cache, value_cache, 3, cells, mask)
-    with pytest.raises(ValueError, match=r"float32 query .* got query \(1, 2, 2, 16\) torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"both float32 .* or both bfloat16 .* got query \(1, 2, 2, 16\) "
+                                         r"torch.bfloat16, pools \(3, 4, 16, 2, 16\) torch.float32"):
         attend(query.bfloat16(), key_cache, value_cache, 0, cells, mask)
+    with pytest.raises(ValueError, match=r"a bool mask, True where hidden.* mask \(1, 1, 2, 32\) torch.float32"):
+        attend(query.bfloat16(), key_cache.bfloat16(), value_cache.bfloat16(), 0, cells, mask)
+    with pytest.raises(ValueError, match=r"a float32 additive mask.* mask \(1, 1, 2, 32\) torch.bool"):
+        attend(query, key_cache, value_cache, 0, cells, mask.bool())
     with pytest.raises(ValueError, match=r"got query \(1, 3, 2, 16\)"):  # three KV heads against the pool's two
         attend(torch.randn(1, 3, 2, 16), key_cache, value_cache, 0, cells, mask)
     with pytest.raises(ValueError, match=r"a mask \(1, 1, 2, 31\) does not broadcast against 1 groups of 2 rows "
                                          r"over 32 keys"):
         attend(query, key_cache, value_cache, 0, cells, mask[..., :31])
+
+
+def eager_bf16(query, key_cache, value_cache, layer, cells, hidden, scale=None, dtype=torch.bfloat16):
+    """What a BF16 graph runs without the kernel (``recipes/attention.py`` ``_eager_product`` over ``gather_pages``),
+    in ``dtype``: in float32 on the BF16 values, the reference."""
+    groups = query.shape[0]
+    keys, values = (gather_pages(c, layer, cells, groups).to(dtype) for c in (key_cache, value_cache))
+    return _eager_product(query.to(dtype), keys, values, hidden, None, scale)
+
+
+@pytest.mark.parametrize("groups, kv_heads, rows, window, head_dim", [
+    (1, 8, 2, 96, 128), (4, 2, 2, 64, 64), (2, 4, 10, 160, 128), (3, 2, 16, 33, 20)])
+def test_in_bf16_it_is_as_close_to_fp32_as_atens_bf16_eager_attention(groups, kv_heads, rows, window, head_dim):
+    """Both round the scores, the probabilities and the output to BF16 at the same points and differ in the order of
+    their FP32 sums, so their deviations from the FP32 reference match: at worst one BF16 ulp apart, 2% on the mean
+    (``tests/test_attention.py`` ``_assert_bf16_fidelity``'s bounds). A wrong scale is far outside that."""
+    blocks = groups * (window // BLOCK + 1) + 2
+    key_cache, value_cache = (pool.bfloat16() for pool in pools(blocks, kv_heads, head_dim))
+    cells = window_cells(groups, window, blocks)
+    query = torch.randn(groups, kv_heads, rows, head_dim, generator=torch.Generator().manual_seed(3)).bfloat16()
+    hidden = causal(groups, rows, window, [window - 6 - 3 * g for g in range(groups)]) < 0
+    ours_total = atens_total = 0.0
+    for scale in (None, 0.3):
+        ours = attend(query, key_cache, value_cache, 1, cells, hidden, scale)
+        assert ours.dtype == torch.bfloat16 and ours.shape == (groups, kv_heads, rows, head_dim)
+        reference = eager_bf16(query, key_cache, value_cache, 1, cells, hidden, scale, torch.float32)
+        atens = eager_bf16(query, key_cache, value_cache, 1, cells, hidden, scale)
+        ours_deviation, atens_deviation = ((out.float() - reference).abs() for out in (ours, atens))
+        ulp = 2.0 ** (float(torch.floor(torch.log2(reference.abs().max()))) - 7)
+        assert float(ours_deviation.max()) <= float(atens_deviation.max()) + ulp
+        ours_total, atens_total = ours_total + float(ours_deviation.mean()), atens_total + float(atens_deviation.mean())
+    assert ours_total <= 1.02 * atens_total, (ours_total, atens_total)
+    wrong = attend(query, key_cache, value_cache, 1, cells, hidden, 0.35)
+    assert float((wrong.float() - reference).abs().mean()) > 5 * float(atens_deviation.mean())
+
+
+def test_in_bf16_a_rows_bits_are_its_own_and_a_row_with_every_key_hidden_is_atens():
+    kv_heads, head_dim, window = 4, 64, 64
+    blocks = 2 * (window // BLOCK + 2) + 2
+    key_cache, value_cache = (pool.bfloat16() for pool in pools(blocks, kv_heads, head_dim))
+    cells = window_cells(2, window + 2 * BLOCK, blocks)
+    query = torch.randn(2, kv_heads, 10, head_dim).bfloat16()
+    hidden = causal(2, 10, window + 2 * BLOCK, [40, 50]) < 0
+    whole = attend(query, key_cache, value_cache, 0, cells, hidden)
+    last = attend(query[1:, :, 8:], key_cache, value_cache, 0, cells[window + 2 * BLOCK:], hidden[1:, :, 8:])
+    assert torch.equal(last, whole[1:, :, 8:])
+    narrow = cells.view(2, -1)[:, :window].reshape(-1).contiguous()
+    assert torch.equal(attend(query, key_cache, value_cache, 0, narrow, hidden[..., :window].contiguous()), whole)
+    everything = torch.ones(1, 1, 10, window + 2 * BLOCK, dtype=torch.bool)  # every key hidden: a uniform mix
+    torch.testing.assert_close(attend(query[:1], key_cache, value_cache, 0, cells[:window + 2 * BLOCK], everything),
+                               eager_bf16(query[:1], key_cache, value_cache, 0, cells[:window + 2 * BLOCK],
+                                          everything), rtol=2.0 ** -7, atol=2.0 ** -9)
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +217,45 @@ def test_a_cores_decode_graphs_attend_on_the_pool_and_keep_their_logprobs(qwen3_
         assert [e.id for e in ours.entries] == [e.id for e in theirs.entries]
         torch.testing.assert_close(torch.tensor([e.logprob for e in ours.entries]),
                                    torch.tensor([e.logprob for e in theirs.entries]), rtol=0, atol=2e-5)
+
+
+def test_a_bf16_cores_kernels_stray_from_fp32_no_further_than_atens(tmp_path_factory):
+    """A BF16 core's decode graphs attend on the pool and norm in one call a norm; its greedy tokens' logprobs,
+    each side's scored by the same weights' FP32 core (teacher-forced on that side's tokens), deviate from the FP32
+    ones no more than with ATen's ops (``native_kernels=False``): 5% on the mean, one BF16 ulp of the largest at
+    worst. So do its prompt logprobs (the norms of a prompt chunk)."""
+    from ignition.runtime.backends.rms_norm import graph_rms_norm, graph_rms_norm_rope
+    from ignition.runtime.core import load_core
+    from ignition.runtime.engine import Engine
+    from ignition.runtime.requests import Request
+    from tests._decoder_cores import bf16_cores_with_fp32_reference, prompt_scores
+
+    bf16, fp32, prompts = bf16_cores_with_fp32_reference(tmp_path_factory.mktemp("paged-bf16"))
+    native, plain, reference = load_core(bf16), load_core(bf16, native_kernels=False), load_core(fp32)
+    layers = native.manifest["model"]["num_layers"]
+
+    def softmaxes(variant) -> int:
+        return sum(getattr(node.target, "__name__", "").startswith("softmax")
+                   for node in variant.runner.graph_module.graph.nodes)
+
+    for variant in native.variants.values():
+        targets = [node.target for node in variant.runner.graph_module.graph.nodes]
+        assert targets.count(graph_rms_norm) == 2 * layers + 1 and targets.count(graph_rms_norm_rope) == layers
+        if variant.operation is Operation.DECODE:  # a layer's softmax and its short forwards' one gone
+            assert targets.count(attend) == layers, variant.name
+            assert softmaxes(variant) == softmaxes(plain.variants[variant.name]) - 2 * layers, variant.name
+    steps = 12
+
+    def deviations(core) -> torch.Tensor:
+        results = Engine(core).generate([Request(p, max_tokens=steps, logprobs=0, ignore_eos=True) for p in prompts])
+        ours = torch.tensor([e.logprob for r in results for e in r.entries], dtype=torch.float64)
+        forced = [prompt + [e.id for e in r.entries] for prompt, r in zip(prompts, results, strict=True)]
+        scored = prompt_scores(reference, forced).view(len(prompts), -1)[:, -steps:].reshape(-1)
+        return (ours - scored).abs()
+
+    ours, theirs = deviations(native), deviations(plain)
+    assert float(ours.mean()) <= 1.05 * float(theirs.mean()), (float(ours.mean()), float(theirs.mean()))
+    reference_prompts = prompt_scores(reference, prompts)
+    assert float(ours.max()) <= float(theirs.max()) + float(reference_prompts.abs().max()) * 2.0 ** -7
+    ours, theirs = ((prompt_scores(core, prompts) - reference_prompts).abs() for core in (native, plain))
+    assert float(ours.mean()) <= 1.05 * float(theirs.mean()), (float(ours.mean()), float(theirs.mean()))

@@ -49,7 +49,7 @@ class LoadOptions:
     gemm: str = "calibrate"  # CPU: packed, blocked or aten.linear per weight shape, timed here (gemm_calibration.py)
     kv_cache_memory: int | None = None  # bytes of the paged KV pool (runtime/kv_pool.py); None: the core's upper bound
     kv_host_memory: int = 0  # bytes of the host tier evicted KV blocks move to
-    native_kernels: bool = True  # CPU: FP32 decode attention on the KV pool in place, RMSNorm in one call (backends/)
+    native_kernels: bool = True  # CPU: decode attention on the KV pool in place, RMSNorm in one call (backends/)
 
     @classmethod
     def create(cls, device: str | torch.device = "auto", runtime: str = "torch", ranks: int = 1, *, eager: bool = False,

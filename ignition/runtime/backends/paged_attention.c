@@ -11,6 +11,10 @@
  * it is skipped: adding it would leave every sum's bits as they are (keys past a row's position cost nothing, and
  * a longer window of masked keys changes no bit). A row with no open key takes every key.
  * exp is Cephes' single-precision polynomial on a rounded exponent (within 2 ulp of expf), 0 below -87.3.
+ *
+ * paged_attention_bf16 is transformers' eager attention for BF16 in the same order: q, the pools and out BF16, the
+ * mask boolean (nonzero: hidden); s_j = bf16(bf16(dot(q, k_j)) * scale), a hidden key at the BF16 minimum; the softmax
+ * in FP32 as above, each p_j = bf16(e_j / sum e); out = bf16(sum_j p_j v_j), one FP32 FMA chain over j.
  * Built by paged_attention.py with -O3 -march=native -fopenmp: the threads are the process's OpenMP threads. */
 #include <float.h>
 #include <math.h>
@@ -177,6 +181,146 @@ int paged_attention_f32(const float *q, long q_sg, long q_sh, long q_sm, const f
       if (h0 < h1)
         block(q, q_sg, q_sh, q_sm, k_pool, v_pool, cells, mask, m_sg, m_sm, m_sw, out, g, h0, h1, m0, rows, heads,
               m_len, w_len, d_len, scale, scores);
+    }
+    free(scores);
+  }
+  return failed ? 2 : 0;
+}
+
+
+/* BF16 (paged_attention_bf16) */
+INLINE float widen(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+INLINE uint16_t narrow(float f) { /* to nearest even, as c10::BFloat16 rounds; NaN stays NaN */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if (f != f) return 0x7FC0;
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+INLINE float round_bf16(float f) { return widen(narrow(f)); }
+
+static void widen_row(const uint16_t *in, float *out, long n) {
+  for (long i = 0; i < n; i++) out[i] = widen(in[i]);
+}
+
+#define BF16_LOWEST -3.38953138925153547590470800371487866880e+38f /* the BF16 minimum, a hidden key's score */
+
+/* block() for BF16; scratch: (h1 - h0) x ROWS x W scores, then (h1 - h0) x ROWS x D queries, then heads x D for a
+ * widened key or value cell */
+static void block_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const uint16_t *k_pool,
+                       const uint16_t *v_pool, const int64_t *cells, const uint8_t *mask, long m_sg, long m_sm,
+                       long m_sw, uint16_t *out, long g, long h0, long h1, long m0, int rows, long heads, long m_len,
+                       long w_len, long d_len, float scale, float *scores) {
+  float *queries = scores + (h1 - h0) * ROWS * w_len, *cell = queries + (h1 - h0) * ROWS * d_len;
+  const uint8_t *mr[ROWS];
+  int any_open[ROWS];
+  for (int r = 0; r < rows; r++) {
+    mr[r] = mask + g * m_sg + (m0 + r) * m_sm;
+    any_open[r] = 0;
+    for (long j = 0; j < w_len && !any_open[r]; j++) any_open[r] = !mr[r][j * m_sw];
+    for (long h = h0; h < h1; h++)
+      widen_row(q + g * q_sg + h * q_sh + (m0 + r) * q_sm, queries + ((h - h0) * ROWS + r) * d_len, d_len);
+  }
+  const int64_t *window = cells + g * w_len;
+  for (long j = 0; j < w_len; j++) {
+    int needed = 0;
+    for (int r = 0; r < rows; r++) needed |= !any_open[r] || !mr[r][j * m_sw];
+    if (needed) widen_row(k_pool + window[j] * heads * d_len + h0 * d_len, cell, (h1 - h0) * d_len);
+    for (int r = 0; r < rows; r++) {
+      int hidden = mr[r][j * m_sw] != 0, skip = any_open[r] && hidden;
+      for (long h = h0; h < h1; h++) {
+        float *s = scores + ((h - h0) * ROWS + r) * w_len + j;
+        if (skip)
+          *s = -INFINITY;
+        else if (hidden)
+          *s = BF16_LOWEST;
+        else
+          *s = round_bf16(round_bf16(dot(queries + ((h - h0) * ROWS + r) * d_len, cell + (h - h0) * d_len, d_len)) *
+                          scale);
+      }
+    }
+  }
+  float *mix = queries; /* the queries are read; their scratch holds the FP32 sums now */
+  memset(mix, 0, (h1 - h0) * ROWS * d_len * sizeof(float));
+  for (long h = h0; h < h1; h++)
+    for (int r = 0; r < rows; r++) {
+      float *s = scores + ((h - h0) * ROWS + r) * w_len, top = -INFINITY;
+      for (long j = 0; j < w_len; j++)
+        if (s[j] > top) top = s[j];
+      v8 sum = {0}, shift = (v8){0} + top;
+      long j = 0;
+      for (; j + CHAINS <= w_len; j += CHAINS) {
+        v8 p = exp8(load(s + j) - shift);
+        memcpy(s + j, &p, sizeof p);
+        sum += p;
+      }
+      if (j < w_len) {
+        v8 tail = (v8){0} - INFINITY;
+        memcpy(&tail, s + j, (w_len - j) * sizeof(float));
+        v8 p = exp8(tail - shift);
+        memcpy(s + j, &p, (w_len - j) * sizeof(float));
+        sum += p;
+      }
+      float total = reduce(sum);
+      for (j = 0; j < w_len; j++) s[j] = round_bf16(s[j] / total);
+    }
+  for (long j = 0; j < w_len; j++) {
+    int needed = 0;
+    for (long h = h0; h < h1 && !needed; h++)
+      for (int r = 0; r < rows; r++) needed |= scores[((h - h0) * ROWS + r) * w_len + j] != 0.0f;
+    if (!needed) continue; /* adds nothing */
+    widen_row(v_pool + window[j] * heads * d_len + h0 * d_len, cell, (h1 - h0) * d_len);
+    for (long h = h0; h < h1; h++)
+      for (int r = 0; r < rows; r++) {
+        float p = scores[((h - h0) * ROWS + r) * w_len + j];
+        if (p == 0.0f) continue;
+        float *o = mix + ((h - h0) * ROWS + r) * d_len;
+        const float *v = cell + (h - h0) * d_len;
+        for (long d = 0; d < d_len; d++) o[d] += p * v[d];
+      }
+  }
+  for (long h = h0; h < h1; h++)
+    for (int r = 0; r < rows; r++) {
+      uint16_t *o = out + ((g * heads + h) * m_len + m0 + r) * d_len;
+      const float *m = mix + ((h - h0) * ROWS + r) * d_len;
+      for (long d = 0; d < d_len; d++) o[d] = narrow(m[d]);
+    }
+}
+
+int paged_attention_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const uint16_t *k_pool,
+                         const uint16_t *v_pool, long pool_cells, const int64_t *cells, const uint8_t *mask, long m_sg,
+                         long m_sm, long m_sw, uint16_t *out, long groups, long heads, long m_len, long w_len,
+                         long d_len, float scale, int threads) {
+  for (long i = 0; i < groups * w_len; i++)
+    if (cells[i] < 0 || cells[i] >= pool_cells) return 1;
+  long row_blocks = (m_len + ROWS - 1) / ROWS, slices = (long)groups * row_blocks;
+  long parts = slices >= threads ? 1 : (threads + slices - 1) / slices;
+  if (parts > heads) parts = heads;
+  long tasks = slices * parts, per_part = (heads + parts - 1) / parts;
+  int failed = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    float *scores = malloc(((size_t)per_part * ROWS * ((w_len ? w_len : 1) + d_len) + (size_t)per_part * d_len) *
+                           sizeof(float));
+    if (!scores) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(static)
+    for (long task = 0; task < tasks; task++) {
+      if (!scores) continue;
+      long slice = task / parts, part = task % parts, g = slice / row_blocks, m0 = slice % row_blocks * ROWS;
+      long h0 = part * per_part, h1 = h0 + per_part < heads ? h0 + per_part : heads;
+      int rows = m_len - m0 < ROWS ? (int)(m_len - m0) : ROWS;
+      if (h0 < h1)
+        block_bf16(q, q_sg, q_sh, q_sm, k_pool, v_pool, cells, mask, m_sg, m_sm, m_sw, out, g, h0, h1, m0, rows, heads,
+                   m_len, w_len, d_len, scale, scores);
     }
     free(scores);
   }

@@ -1,9 +1,9 @@
 """The ``pt2`` backend: each variant's torch.export program, read once through the safe reader and Ignition's own
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
 metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``), its
-BF16 and FP16 batched products on FP32 copies where that is faster (``batched_products.py``), its FP32 decode
-attention on the KV pool in place (``paged_attention.py``) and its FP32 RMSNorm in one call (``rms_norm.py``), and
-its other ATen calls through torch's Python bindings (``direct_calls.py``)."""
+BF16 and FP16 batched products on FP32 copies where that is faster (``batched_products.py``), its FP32 and BF16
+decode attention on the KV pool in place (``paged_attention.py``) and its FP32 and BF16 RMSNorm in one call
+(``rms_norm.py``), and its other ATen calls through torch's Python bindings (``direct_calls.py``)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Pt2Backend:
         if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
             if self.native_kernels:
                 paged_attention.rewrite(program.graph)  # decode attention reads the KV pool in place
-                rms_norm.rewrite(program.graph)  # each FP32 RMSNorm one call
+                rms_norm.rewrite(program.graph)  # each FP32 or BF16 RMSNorm one call
             direct_calls.rewrite(program.graph)  # replayed op by op in Python: the cheaper calls
             program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
 

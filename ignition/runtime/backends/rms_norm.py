@@ -1,17 +1,18 @@
-"""CPU replay: an FP32 graph's RMSNorm in one native call (``rms_norm.c``) in place of the six ATen calls the recipes
-write it out in.
+"""CPU replay: a graph's RMSNorm, FP32 or BF16, in one native call (``rms_norm.c``) in place of the six to nine ATen
+calls the recipes write it out in.
 
 The recipes write RMSNorm as transformers' ops (``recipes/layers.py``): ``mul(x, x)``, ``sum(-1, keepdim)``,
-``addcdiv(eps, sum, n)``, ``rsqrt``, ``mul(x, rsqrt)``, ``mul(weight, ·)``. A decode step of Qwen3-0.6B runs 85 of
-them, each six calls on a few KiB, so most of their time is the calls. ``rewrite`` points each such chain (FP32, its
-intermediates read by nothing else, the constants ``new_full`` scalars) at ``rms_norm``: the same arithmetic in the
-same roundings, but for the order of the sum of squares (eight FP32 chains, the C source's note), which is fixed
-whatever the rows beside a row or the threads, so a decode row, a verify row and a prompt chunk's row at the same
-values give the same bits. Against ATen's ``sum`` the norm differs by FP32 rounding.
+``addcdiv(eps, sum, n)``, ``rsqrt``, ``mul(x, rsqrt)``, ``mul(weight, ·)``; in BF16, ``x`` is widened to FP32 first
+and the norm rounded to BF16 before the weight's product. A decode step of Qwen3-0.6B runs 85 of them, each six to
+nine calls on a few KiB, so most of their time is the calls. ``rewrite`` points each such chain (its intermediates
+read by nothing else, the constants ``new_full`` scalars) at ``rms_norm``: the same arithmetic in the same roundings,
+but for the order of the sum of squares (eight FP32 chains, the C source's note), which is fixed whatever the rows
+beside a row or the threads, so a decode row, a verify row and a prompt chunk's row at the same values give the same
+bits. Against ATen's ``sum`` the norm differs by FP32 rounding (in BF16, where that moves a rounding to BF16, by one
+BF16 ulp).
 
 Made at load on the CPU, for every variant of a core alike (``LoadOptions.native_kernels``), wherever the kernel builds
-(``native_build``); where it does not (``unavailable``), the graphs keep ATen's calls.
-"""
+(``native_build``); where it does not (``unavailable``), the graphs keep ATen's calls."""
 
 from __future__ import annotations
 
@@ -37,13 +38,13 @@ def library() -> ctypes.CDLL:
     """The compiled kernel (``native_build.build`` of ``SOURCE``); NativeUnavailable with the reason where it cannot
     be built or loaded."""
     loaded, _ = build(SOURCE, FLAGS)
-    loaded.rms_norm_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                                    ctypes.c_long, ctypes.c_float, ctypes.c_float, ctypes.c_int]
-    loaded.rms_norm_f32.restype = None
-    loaded.rms_norm_rope_f32.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                                         ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_float, ctypes.c_void_p,
-                                         ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    loaded.rms_norm_rope_f32.restype = None
+    common = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+              ctypes.c_float, ctypes.c_float]
+    for suffix in ("f32", "bf16"):
+        plain, rotated = getattr(loaded, f"rms_norm_{suffix}"), getattr(loaded, f"rms_norm_rope_{suffix}")
+        plain.argtypes, plain.restype = [*common, ctypes.c_int], None
+        rotated.argtypes = [*common, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        rotated.restype = None
     return loaded
 
 
@@ -56,93 +57,101 @@ def unavailable() -> str | None:
 _profiling = torch._C._autograd._profiler_enabled
 
 
-_F32 = torch.float32
+_F32, _BF16 = torch.float32, torch.bfloat16
+DTYPES = (_F32, _BF16)
+"""The dtypes the kernel norms: FP32, and BF16 as transformers writes it (widened to FP32, normed, rounded)."""
 
 
 def _checked(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dtype != _F32 or weight.dtype != _F32 or not x.dim() or not x.shape[-1] or weight.dim() > x.dim() or \
-            weight.shape != x.shape[x.dim() - weight.dim():]:
-        raise ValueError(f"rms_norm takes float32 x [..., n] and a float32 weight of x's trailing extents; got x "
-                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype or not x.dim() or not x.shape[-1] or \
+            weight.dim() > x.dim() or weight.shape != x.shape[x.dim() - weight.dim():]:
+        raise ValueError(f"rms_norm takes x [..., n] and a weight of x's trailing extents, both float32 or both "
+                         f"bfloat16; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     return x.contiguous(), weight.contiguous()
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
-    width = x.shape[-1]
-    y = torch.empty_like(x)
-    rows = x.numel() // width
-    if rows:
-        library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width, weight.numel() // width,
-                               eps, count, torch.get_num_threads())
-    return y
-
-
-def graph_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
-    """What a rewritten graph calls: ``rms_norm`` without its shape checks (``rewrite`` checked the graph's extents
-    once; a decode step makes 85 calls on a few KiB each, and reading a shape costs about as much as the norm), shown
-    as ``ignition::rms_norm`` while a profiler runs."""
-    if x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_contiguous() or not weight.is_contiguous():
-        x, weight = _checked(x, weight)
-    if _profiling():
-        with torch.profiler.record_function("ignition::rms_norm"):
-            return _norm(x, weight, eps, count)
-    return _norm(x, weight, eps, count)
-
-
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor, sin: torch.Tensor,
-               per_trig_row: int, shift: int) -> torch.Tensor:
-    width = x.shape[-1]
-    y = torch.empty_like(x)
-    rows = x.numel() // width
-    if rows:
-        library().rms_norm_rope_f32(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width,
-                                    weight.numel() // width, eps, count, cos.data_ptr(), sin.data_ptr(), per_trig_row,
-                                    shift, torch.get_num_threads())
-    return y
-
-
-def graph_rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor,
-                        sin: torch.Tensor, per_trig_row: int, shift: int) -> torch.Tensor:
-    """What a rewritten graph calls for a norm its rotary embedding follows (``rms_norm_rope``, its shapes checked by
-    ``rewrite``), shown as ``ignition::rms_norm_rope`` while a profiler runs."""
-    if x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_contiguous() or not weight.is_contiguous():
-        x, weight = _checked(x, weight)
-    if cos.dtype is not _F32 or sin.dtype is not _F32 or not cos.is_contiguous() or not sin.is_contiguous():
-        cos, sin = _trig_checked(x, cos, sin, per_trig_row)
-    if _profiling():
-        with torch.profiler.record_function("ignition::rms_norm_rope"):
-            return _norm_rope(x, weight, eps, count, cos, sin, per_trig_row, shift)
-    return _norm_rope(x, weight, eps, count, cos, sin, per_trig_row, shift)
 
 
 def _trig_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   per_trig_row: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = x.numel() // x.shape[-1]
     for name, trig in (("cos", cos), ("sin", sin)):
-        if trig.dtype != _F32 or trig.shape[-1] != x.shape[-1] or per_trig_row < 1 or rows % per_trig_row or \
+        if trig.dtype != x.dtype or trig.shape[-1] != x.shape[-1] or per_trig_row < 1 or rows % per_trig_row or \
                 trig.numel() != rows // per_trig_row * x.shape[-1]:
-            raise ValueError(f"rms_norm_rope takes float32 cos and sin with one row of {x.shape[-1]} per "
-                             f"{per_trig_row} rows of x {tuple(x.shape)}; got {name} {tuple(trig.shape)} {trig.dtype}")
+            raise ValueError(f"rms_norm_rope takes {x.dtype} cos and sin (x's dtype) with one row of {x.shape[-1]} "
+                             f"per {per_trig_row} rows of x {tuple(x.shape)}; got {name} {tuple(trig.shape)} "
+                             f"{trig.dtype}")
     return cos.contiguous(), sin.contiguous()
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float,
+         rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
+    """The kernel on checked, contiguous operands; ``rope``: ``(cos, sin, per_trig_row, shift)``."""
+    width = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // width
+    if rows:
+        kernels = library()
+        common = (x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, width, weight.numel() // width, eps, count)
+        if rope is None:
+            kernel = kernels.rms_norm_f32 if x.dtype is _F32 else kernels.rms_norm_bf16
+            kernel(*common, torch.get_num_threads())
+        else:
+            cos, sin, per_trig_row, shift = rope
+            kernel = kernels.rms_norm_rope_f32 if x.dtype is _F32 else kernels.rms_norm_rope_bf16
+            kernel(*common, cos.data_ptr(), sin.data_ptr(), per_trig_row, shift, torch.get_num_threads())
+    return y
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True where ``x`` and ``weight`` need no check: one dtype of ``DTYPES``, contiguous (cheaper than
+    ``_checked``)."""
+    return (x.dtype is _F32 or x.dtype is _BF16) and weight.dtype is x.dtype and x.is_contiguous() and \
+        weight.is_contiguous()
+
+
+def graph_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
+    """What a rewritten graph calls: ``rms_norm`` without its shape checks (``rewrite`` checked the graph's extents
+    once; a decode step makes 85 calls on a few KiB each, and reading a shape costs about as much as the norm), shown
+    as ``ignition::rms_norm`` while a profiler runs."""
+    if not _plain(x, weight):
+        x, weight = _checked(x, weight)
+    if _profiling():
+        with torch.profiler.record_function("ignition::rms_norm"):
+            return _run(x, weight, eps, count)
+    return _run(x, weight, eps, count)
+
+
+def graph_rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor,
+                        sin: torch.Tensor, per_trig_row: int, shift: int) -> torch.Tensor:
+    """What a rewritten graph calls for a norm its rotary embedding follows (``rms_norm_rope``, its shapes checked by
+    ``rewrite``), shown as ``ignition::rms_norm_rope`` while a profiler runs."""
+    if not _plain(x, weight):
+        x, weight = _checked(x, weight)
+    if cos.dtype is not x.dtype or sin.dtype is not x.dtype or not cos.is_contiguous() or not sin.is_contiguous():
+        cos, sin = _trig_checked(x, cos, sin, per_trig_row)
+    if _profiling():
+        with torch.profiler.record_function("ignition::rms_norm_rope"):
+            return _run(x, weight, eps, count, (cos, sin, per_trig_row, shift))
+    return _run(x, weight, eps, count, (cos, sin, per_trig_row, shift))
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float, cos: torch.Tensor,
                   sin: torch.Tensor, per_trig_row: int, shift: int) -> torch.Tensor:
     """``rms_norm(x, weight, eps, count)`` rotated as the recipes rotate half (``v * cos + roll(v, shift, -1) *
-    sin``, ``sin`` signed), each product and the sum rounded as ATen's ``mul``, ``roll`` and ``add`` round them: row
-    ``r`` of ``x`` (flattened to ``[rows, n]``) takes row ``r // per_trig_row`` of ``cos`` and ``sin`` (``[R, 1, n]``
-    against ``x [R, heads, n]``: ``per_trig_row`` = heads)."""
+    sin``, ``sin`` signed), each product and the sum rounded as ATen's ``mul``, ``roll`` and ``add`` round them in
+    x's dtype: row ``r`` of ``x`` (flattened to ``[rows, n]``) takes row ``r // per_trig_row`` of ``cos`` and ``sin``
+    (``[R, 1, n]`` against ``x [R, heads, n]``: ``per_trig_row`` = heads)."""
     x, weight = _checked(x, weight)
     cos, sin = _trig_checked(x, cos, sin, per_trig_row)
-    return _norm_rope(x, weight, eps, count, cos, sin, per_trig_row, shift)
+    return _run(x, weight, eps, count, (cos, sin, per_trig_row, shift))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, count: float) -> torch.Tensor:
-    """``weight * (x * rsqrt(eps + (x * x).sum(-1, keepdim=True) / count))`` for float32 ``x [..., n]`` and a float32
-    ``weight`` of x's trailing extents (``[n]``, or ``[heads, n]`` against ``[..., heads, n]``), the scalars in FP32.
-    """
+    """``weight * (x * rsqrt(eps + (x * x).sum(-1, keepdim=True) / count))`` for ``x [..., n]`` and a ``weight`` of
+    x's trailing extents (``[n]``, or ``[heads, n]`` against ``[..., heads, n]``), the scalars in FP32. Both float32,
+    or both bfloat16 as transformers norms BF16: ``x`` widened to FP32 and normed, the norm rounded to BF16 before
+    the weight's product (rounded again)."""
     x, weight = _checked(x, weight)
-    return _norm(x, weight, eps, count)
+    return _run(x, weight, eps, count)
 
 
 GRAPH_CALLS = {graph_rms_norm: "ignition::rms_norm", graph_rms_norm_rope: "ignition::rms_norm_rope"}
@@ -161,18 +170,34 @@ def _scalar(node) -> float | None:
     return float(torch.tensor(node.args[2], dtype=torch.float32))
 
 
-def _float32(node, dims: int | None = None) -> bool:
+def _dtype(node, dims: int = 0) -> torch.dtype | None:
+    """The dtype the export recorded for ``node`` (None: none, or fewer than ``dims`` dims)."""
     facts = getattr(node, "meta", {}).get(FACTS)
-    return facts is not None and facts.dtype == torch.float32 and (dims is None or facts.dim() >= dims)
+    return facts.dtype if facts is not None and facts.dim() >= dims else None
+
+
+def _cast(node, dtype: torch.dtype) -> Node | None:
+    """``x`` where ``node`` is ``to.dtype(x, dtype)``, else None."""
+    if isinstance(node, Node) and node.target is _aten.to.dtype and len(node.args) == 2 and node.args[1] == dtype \
+            and not node.kwargs:
+        return node.args[0]
+    return None
 
 
 def _match(node: Node) -> tuple[Node, Node, float, float, list[Node]] | None:
     """``(x, weight, eps, count, intermediates)`` where ``node`` is ``mul(weight, mul(x, rsqrt(addcdiv(eps,
-    sum(mul(x, x), [-1], True), count))))`` (either operand order of the outer ``mul``)."""
+    sum(mul(x, x), [-1], True), count))))`` (either operand order of the outer ``mul``), all FP32; or transformers'
+    BF16 form, ``x`` BF16 and read as ``to(x, float32)``, the inner product rounded by ``to(·, bfloat16)`` before the
+    BF16 weight's."""
     if node.op != "call_function" or node.target is not _aten.mul.Tensor or node.kwargs:
         return None
-    for weight, scaled in (node.args, node.args[::-1]):
-        if not isinstance(scaled, Node) or scaled.target is not _aten.mul.Tensor or not _only_user(scaled, node):
+    for weight, outer in (node.args, node.args[::-1]):
+        narrowed = _cast(outer, _BF16)
+        scaled = outer if narrowed is None else narrowed
+        if not isinstance(scaled, Node) or scaled.target is not _aten.mul.Tensor or \
+                not _only_user(scaled, node if narrowed is None else outer):
+            continue
+        if narrowed is not None and not _only_user(outer, node):
             continue
         x, root = scaled.args
         if not isinstance(root, Node) or root.target is not _aten.rsqrt.default or not _only_user(root, scaled):
@@ -190,19 +215,28 @@ def _match(node: Node) -> tuple[Node, Node, float, float, list[Node]] | None:
         if not isinstance(squares, Node) or squares.target is not _aten.mul.Tensor or squares.args != (x, x) or \
                 not _only_user(squares, total):
             continue
-        weight_facts, x_facts = getattr(weight, "meta", {}).get(FACTS), getattr(x, "meta", {}).get(FACTS)
-        if not _float32(x, 1) or not _float32(weight, 1) or not _float32(node) or \
-                weight_facts.dim() > x_facts.dim() or weight_facts.shape != x_facts.shape[x_facts.dim() -
-                                                                                             weight_facts.dim():]:
+        chain = [scaled, root, mean, total, squares]
+        dtype = _F32
+        if narrowed is not None:  # BF16: x is the FP32 copy of a BF16 input that only this chain reads
+            source = _cast(x, _F32)
+            if source is None or set(x.users) != {squares, scaled}:
+                continue
+            chain, x, dtype = [outer, *chain, x], source, _BF16
+        elif _dtype(x) != _F32:
             continue
-        return x, weight, eps, count, [scaled, root, mean, total, squares]
+        if _dtype(x, 1) != dtype or _dtype(weight, 1) != dtype or _dtype(node) != dtype:
+            continue
+        weight_shape, x_shape = weight.meta[FACTS].shape, x.meta[FACTS].shape
+        if len(weight_shape) > len(x_shape) or weight_shape != x_shape[len(x_shape) - len(weight_shape):]:
+            continue
+        return x, weight, eps, count, chain
     return None
 
 
 def _rope(norm: Node) -> tuple[Node, Node, Node, int, int] | None:
     """``(add, cos, sin, per_trig_row, shift)`` where ``norm``'s only readers are ``add(mul(norm, cos), mul(roll(norm,
-    [shift], [-1]), sin))`` (either operand order of each), ``cos`` and ``sin`` FP32 of norm's extents or with 1 at
-    the heads' (dim -2)."""
+    [shift], [-1]), sin))`` (either operand order of each), ``cos`` and ``sin`` of norm's dtype and extents or with 1 at
+    the heads' (dim -2), in norm's dtype."""
     users = list(norm.users)
     if len(users) != 2:
         return None
@@ -221,7 +255,7 @@ def _rope(norm: Node) -> tuple[Node, Node, Node, int, int] | None:
     sin = turned.args[1] if turned.args[0] is rolled else turned.args[0]
     shape = norm.meta[FACTS].shape
     trig = [getattr(t, "meta", {}).get(FACTS) for t in (cos, sin)]
-    if any(f is None or f.dtype != torch.float32 or len(f.shape) != len(shape) or len(shape) < 2 or
+    if any(f is None or f.dtype != norm.meta[FACTS].dtype or len(f.shape) != len(shape) or len(shape) < 2 or
            f.shape[-1] != shape[-1] or f.shape[:-2] != shape[:-2] or f.shape[-2] not in (1, shape[-2]) for f in trig) \
             or trig[0].shape != trig[1].shape or not isinstance(shape[-2], int):
         return None
@@ -230,9 +264,9 @@ def _rope(norm: Node) -> tuple[Node, Node, Node, int, int] | None:
 
 
 def rewrite(graph: Graph) -> int:
-    """Point each FP32 RMSNorm chain of ``graph`` (``_match``) at ``rms_norm`` (``graph_rms_norm``), with the rotary
-    embedding that follows it where one does (``_rope``: ``graph_rms_norm_rope``); returns how many norms. Before the
-    graph module's code is generated."""
+    """Point each FP32 or BF16 RMSNorm chain of ``graph`` (``_match``) at ``rms_norm`` (``graph_rms_norm``), with the
+    rotary embedding that follows it where one does (``_rope``: ``graph_rms_norm_rope``); returns how many norms.
+    Before the graph module's code is generated."""
     count = 0
     for node in list(graph.nodes):
         found = _match(node)
@@ -262,5 +296,5 @@ def rewrite(graph: Graph) -> int:
     return count
 
 
-__all__ = ["GRAPH_CALLS", "graph_rms_norm", "graph_rms_norm_rope", "library", "rewrite", "rms_norm", "rms_norm_rope",
-           "unavailable"]
+__all__ = ["DTYPES", "GRAPH_CALLS", "graph_rms_norm", "graph_rms_norm_rope", "library", "rewrite", "rms_norm",
+           "rms_norm_rope", "unavailable"]
