@@ -206,9 +206,9 @@ _BF16_LOWEST = torch.finfo(torch.bfloat16).min
 def _eager(node: Node) -> tuple[Node, tuple, tuple, Node, float] | None:
     """``(query, key gather, value gather, hidden, scale)`` where ``node`` is the mix product of
     ``recipes/attention.py`` ``_eager_product`` in BF16 over ``gather_pages`` windows: ``bmm(view(to(P, bf16)),
-    reshape(values))`` with ``P`` ``softmax(S, -1, float32)`` (or ``_softmax_in_order``'s ``where(short, ·, softmax(S))``) and ``S`` ``masked_fill(
-    view(mul(bmm(reshape(query), transpose(reshape(keys), 1, 2)), scale)), hidden, BF16 minimum)``, ``query [G,
-    kv_heads, M, head_dim]`` of a fixed ``M`` of at most ``ROWS_LIMIT``."""
+    reshape(values))`` with ``P`` ``softmax(S, -1, float32)`` (or ``_softmax_in_order``'s ``where(short, ·,
+    softmax(S))``) and ``S`` ``masked_fill(view(mul(bmm(reshape(query), transpose(reshape(keys), 1, 2)), scale)),
+    hidden, BF16 minimum)``, ``query [G, kv_heads, M, head_dim]`` of a fixed ``M`` of at most ``ROWS_LIMIT``."""
     if not (_call(node, BMM, 2) or _call(node, widened_bmm, 2)) or node.kwargs:
         return None
     weights, values = node.args
