@@ -296,13 +296,13 @@ def test_a_decode_step_copies_no_pool(gemma, lanes, monkeypatch):
     window = lanes * 2 * 16 * pools[0][0, 0, 0].nbytes  # a layer's gather: the lanes' two blocks
     watch = CacheCopies({t.untyped_storage().data_ptr() for t in pools}, window)
     windows = []
-    attend = paged_attention._attend
+    attend = paged_attention._graph_attend
 
     def recorded(query, key_cache, value_cache, layer, cells, mask, scale):
         windows.append(cells.shape[0] // query.shape[0])
         return attend(query, key_cache, value_cache, layer, cells, mask, scale)
 
-    monkeypatch.setattr(paged_attention, "_attend", recorded)
+    monkeypatch.setattr(paged_attention, "_graph_attend", recorded)
     with watch:
         engine.step()
     assert watch.copies == [], watch.copies[:5]

@@ -39,12 +39,73 @@ INLINE v8 load(const float *p) {
   return v;
 }
 
-INLINE float dot(const float *q, const float *k, long d_len) {
-  v8 acc = {0};
+/* four dot products side by side (independent FMA chains, so the core overlaps them), each in dot order: eight
+ * FP32 FMA chains over d = l mod 8, then reduce() */
+INLINE void dot4(const float *const *q, const float *const *k, long d_len, float *out) {
+  v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
   long d = 0;
-  for (; d + CHAINS <= d_len; d += CHAINS) acc += load(q + d) * load(k + d);
-  for (long l = 0; d < d_len; d++, l++) acc[l] += q[d] * k[d];
-  return reduce(acc);
+  for (; d + CHAINS <= d_len; d += CHAINS) {
+    a0 += load(q[0] + d) * load(k[0] + d);
+    a1 += load(q[1] + d) * load(k[1] + d);
+    a2 += load(q[2] + d) * load(k[2] + d);
+    a3 += load(q[3] + d) * load(k[3] + d);
+  }
+  for (long l = 0; d < d_len; d++, l++) {
+    a0[l] += q[0][d] * k[0][d];
+    a1[l] += q[1][d] * k[1][d];
+    a2[l] += q[2][d] * k[2][d];
+    a3[l] += q[3][d] * k[3][d];
+  }
+  out[0] = reduce(a0);
+  out[1] = reduce(a1);
+  out[2] = reduce(a2);
+  out[3] = reduce(a3);
+}
+
+/* out[i] = dot(q[i], k[i]) for i < n, four at a time (the last four padded with the last pair): every dot the same
+ * code, so its bits do not depend on its neighbours */
+static void dots(long n, const float **q, const float **k, long d_len, float *out) {
+  float pad[4];
+  long i = 0;
+  for (; i + 4 <= n; i += 4) dot4(q + i, k + i, d_len, out + i);
+  if (i < n) {
+    const float *qs[4], *ks[4];
+    for (int l = 0; l < 4; l++) {
+      qs[l] = q[i + l < n ? i + l : n - 1];
+      ks[l] = k[i + l < n ? i + l : n - 1];
+    }
+    dot4(qs, ks, d_len, pad);
+    for (long l = 0; i + l < n; l++) out[i + l] = pad[l];
+  }
+}
+
+/* o[d] = sum_j p[j] * v_j[d] with v_j = base + window[j] * stride: for each output one FMA chain over j ascending
+ * from 0, a zero weight skipped (it adds nothing); the sums held in registers across the window, 64 outputs a pass */
+static void mix(const float *p, const float *base, const int64_t *window, long stride, long w_len, long d_len,
+                float *o) {
+  long d = 0;
+  for (; d + 8 * CHAINS <= d_len; d += 8 * CHAINS) {
+    v8 a[8] = {{0}};
+    for (long j = 0; j < w_len; j++) {
+      if (p[j] == 0.0f) continue;
+      const float *v = base + window[j] * stride + d;
+      v8 weight = (v8){0} + p[j];
+      for (int c = 0; c < 8; c++) a[c] += weight * load(v + c * CHAINS);
+    }
+    memcpy(o + d, a, sizeof a);
+  }
+  for (; d + CHAINS <= d_len; d += CHAINS) {
+    v8 a = {0};
+    for (long j = 0; j < w_len; j++)
+      if (p[j] != 0.0f) a += ((v8){0} + p[j]) * load(base + window[j] * stride + d);
+    memcpy(o + d, &a, sizeof a);
+  }
+  for (; d < d_len; d++) {
+    float a = 0.0f;
+    for (long j = 0; j < w_len; j++)
+      if (p[j] != 0.0f) a += p[j] * base[window[j] * stride + d];
+    o[d] = a;
+  }
 }
 
 INLINE v8 pick(v8i where, v8 a, v8 b) { /* a where set, else b */
@@ -98,16 +159,29 @@ static void block(const float *q, long q_sg, long q_sh, long q_sm, const float *
     for (long j = 0; j < w_len && !any_open[r]; j++) any_open[r] = mr[r][j * m_sw] > -FLT_MAX / 2;
   }
   const int64_t *window = cells + g * w_len;
+  const float *qs[64 * ROWS], *ks[64 * ROWS];
+  long at[64 * ROWS];
+  float found[64 * ROWS], masks[64 * ROWS];
   for (long j = 0; j < w_len; j++) {
     const float *key = k_pool + window[j] * heads * d_len;
+    long n = 0;
     for (int r = 0; r < rows; r++) {
       float m = mr[r][j * m_sw];
       int skip = any_open[r] && closed(m);
       for (long h = h0; h < h1; h++) {
-        float *s = scores + ((h - h0) * ROWS + r) * w_len + j;
-        *s = skip ? -INFINITY : dot(q + g * q_sg + h * q_sh + (m0 + r) * q_sm, key + h * d_len, d_len) * scale + m;
+        long i = ((h - h0) * ROWS + r) * w_len + j;
+        if (skip) {
+          scores[i] = -INFINITY;
+          continue;
+        }
+        qs[n] = q + g * q_sg + h * q_sh + (m0 + r) * q_sm;
+        ks[n] = key + h * d_len;
+        masks[n] = m;
+        at[n++] = i;
       }
     }
+    dots(n, qs, ks, d_len, found);
+    for (long i = 0; i < n; i++) scores[at[i]] = found[i] * scale + masks[i];
   }
   float total[ROWS * 64]; /* heads a task: at most 64 (the caller's split) */
   for (long h = h0; h < h1; h++)
@@ -130,23 +204,11 @@ static void block(const float *q, long q_sg, long q_sh, long q_sm, const float *
         sum += p;
       }
       total[(h - h0) * ROWS + r] = reduce(sum);
-      float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len;
-      memset(o, 0, d_len * sizeof(float));
     }
-  for (long j = 0; j < w_len; j++) {
-    const float *value = v_pool + window[j] * heads * d_len;
-    for (long h = h0; h < h1; h++)
-      for (int r = 0; r < rows; r++) {
-        float p = scores[((h - h0) * ROWS + r) * w_len + j];
-        if (p == 0.0f) continue; /* adds nothing */
-        float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len;
-        const float *v = value + h * d_len;
-        for (long d = 0; d < d_len; d++) o[d] += p * v[d];
-      }
-  }
   for (long h = h0; h < h1; h++)
     for (int r = 0; r < rows; r++) {
       float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len, t = total[(h - h0) * ROWS + r];
+      mix(scores + ((h - h0) * ROWS + r) * w_len, v_pool + h * d_len, window, heads * d_len, w_len, d_len, o);
       for (long d = 0; d < d_len; d++) o[d] /= t;
     }
 }
@@ -209,6 +271,42 @@ static void widen_row(const uint16_t *in, float *out, long n) {
   for (long i = 0; i < n; i++) out[i] = widen(in[i]);
 }
 
+INLINE v8 load_bf16(const uint16_t *p) {
+  v8i bits;
+  for (int l = 0; l < CHAINS; l++) bits[l] = (int32_t)((uint32_t)p[l] << 16);
+  v8 f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* mix() over BF16 values, each widened */
+static void mix_bf16(const float *p, const uint16_t *base, const int64_t *window, long stride, long w_len,
+                     long d_len, float *o) {
+  long d = 0;
+  for (; d + 8 * CHAINS <= d_len; d += 8 * CHAINS) {
+    v8 a[8] = {{0}};
+    for (long j = 0; j < w_len; j++) {
+      if (p[j] == 0.0f) continue;
+      const uint16_t *v = base + window[j] * stride + d;
+      v8 weight = (v8){0} + p[j];
+      for (int c = 0; c < 8; c++) a[c] += weight * load_bf16(v + c * CHAINS);
+    }
+    memcpy(o + d, a, sizeof a);
+  }
+  for (; d + CHAINS <= d_len; d += CHAINS) {
+    v8 a = {0};
+    for (long j = 0; j < w_len; j++)
+      if (p[j] != 0.0f) a += ((v8){0} + p[j]) * load_bf16(base + window[j] * stride + d);
+    memcpy(o + d, &a, sizeof a);
+  }
+  for (; d < d_len; d++) {
+    float a = 0.0f;
+    for (long j = 0; j < w_len; j++)
+      if (p[j] != 0.0f) a += p[j] * widen(base[window[j] * stride + d]);
+    o[d] = a;
+  }
+}
+
 #define BF16_LOWEST -3.38953138925153547590470800371487866880e+38f /* the BF16 minimum, a hidden key's score */
 
 /* block() for BF16; scratch: (h1 - h0) x ROWS x W scores, then (h1 - h0) x ROWS x D queries, then heads x D for a
@@ -228,26 +326,31 @@ static void block_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const
       widen_row(q + g * q_sg + h * q_sh + (m0 + r) * q_sm, queries + ((h - h0) * ROWS + r) * d_len, d_len);
   }
   const int64_t *window = cells + g * w_len;
+  const float *qs[64 * ROWS], *ks[64 * ROWS];
+  long at[64 * ROWS];
+  float found[64 * ROWS];
   for (long j = 0; j < w_len; j++) {
     int needed = 0;
     for (int r = 0; r < rows; r++) needed |= !any_open[r] || !mr[r][j * m_sw];
     if (needed) widen_row(k_pool + window[j] * heads * d_len + h0 * d_len, cell, (h1 - h0) * d_len);
+    long n = 0;
     for (int r = 0; r < rows; r++) {
       int hidden = mr[r][j * m_sw] != 0, skip = any_open[r] && hidden;
       for (long h = h0; h < h1; h++) {
-        float *s = scores + ((h - h0) * ROWS + r) * w_len + j;
-        if (skip)
-          *s = -INFINITY;
-        else if (hidden)
-          *s = BF16_LOWEST;
-        else
-          *s = round_bf16(round_bf16(dot(queries + ((h - h0) * ROWS + r) * d_len, cell + (h - h0) * d_len, d_len)) *
-                          scale);
+        long i = ((h - h0) * ROWS + r) * w_len + j;
+        if (skip || hidden) {
+          scores[i] = skip ? -INFINITY : BF16_LOWEST;
+          continue;
+        }
+        qs[n] = queries + ((h - h0) * ROWS + r) * d_len;
+        ks[n] = cell + (h - h0) * d_len;
+        at[n++] = i;
       }
     }
+    dots(n, qs, ks, d_len, found);
+    for (long i = 0; i < n; i++) scores[at[i]] = round_bf16(round_bf16(found[i]) * scale);
   }
   float *mix = queries; /* the queries are read; their scratch holds the FP32 sums now */
-  memset(mix, 0, (h1 - h0) * ROWS * d_len * sizeof(float));
   for (long h = h0; h < h1; h++)
     for (int r = 0; r < rows; r++) {
       float *s = scores + ((h - h0) * ROWS + r) * w_len, top = -INFINITY;
@@ -270,25 +373,11 @@ static void block_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const
       float total = reduce(sum);
       for (j = 0; j < w_len; j++) s[j] = round_bf16(s[j] / total);
     }
-  for (long j = 0; j < w_len; j++) {
-    int needed = 0;
-    for (long h = h0; h < h1 && !needed; h++)
-      for (int r = 0; r < rows; r++) needed |= scores[((h - h0) * ROWS + r) * w_len + j] != 0.0f;
-    if (!needed) continue; /* adds nothing */
-    widen_row(v_pool + window[j] * heads * d_len + h0 * d_len, cell, (h1 - h0) * d_len);
-    for (long h = h0; h < h1; h++)
-      for (int r = 0; r < rows; r++) {
-        float p = scores[((h - h0) * ROWS + r) * w_len + j];
-        if (p == 0.0f) continue;
-        float *o = mix + ((h - h0) * ROWS + r) * d_len;
-        const float *v = cell + (h - h0) * d_len;
-        for (long d = 0; d < d_len; d++) o[d] += p * v[d];
-      }
-  }
   for (long h = h0; h < h1; h++)
     for (int r = 0; r < rows; r++) {
       uint16_t *o = out + ((g * heads + h) * m_len + m0 + r) * d_len;
-      const float *m = mix + ((h - h0) * ROWS + r) * d_len;
+      float *m = mix + ((h - h0) * ROWS + r) * d_len;
+      mix_bf16(scores + ((h - h0) * ROWS + r) * w_len, v_pool + h * d_len, window, heads * d_len, w_len, d_len, m);
       for (long d = 0; d < d_len; d++) o[d] = narrow(m[d]);
     }
 }
@@ -302,6 +391,7 @@ int paged_attention_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, con
   long row_blocks = (m_len + ROWS - 1) / ROWS, slices = (long)groups * row_blocks;
   long parts = slices >= threads ? 1 : (threads + slices - 1) / slices;
   if (parts > heads) parts = heads;
+  if ((heads + parts - 1) / parts > 64) parts = (heads + 63) / 64;
   long tasks = slices * parts, per_part = (heads + parts - 1) / parts;
   int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -325,4 +415,16 @@ int paged_attention_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, con
     free(scores);
   }
   return failed ? 2 : 0;
+}
+
+/* The cache write of a layer (paged_attention.py write_cells): for i < n where valid[i], pool row cells[i] takes
+ * source row order[i] (row_bytes bytes at source + order[i] * source_stride), copied as bytes; rows not valid are
+ * left as they are. 0, or 1: a valid row's cell or order out of range (nothing written). */
+int write_cells(char *pool, long pool_rows, long row_bytes, const int64_t *cells, const char *source, long source_rows,
+                long source_stride, const int64_t *order, const uint8_t *valid, long n) {
+  for (long i = 0; i < n; i++)
+    if (valid[i] && (cells[i] < 0 || cells[i] >= pool_rows || order[i] < 0 || order[i] >= source_rows)) return 1;
+  for (long i = 0; i < n; i++)
+    if (valid[i]) memcpy(pool + cells[i] * row_bytes, source + order[i] * source_stride, row_bytes);
+  return 0;
 }

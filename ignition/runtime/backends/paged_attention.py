@@ -18,6 +18,10 @@ only where an FP32 sum's order moves a BF16 rounding (its deviation from an FP32
 The BF16 graph's softmax of short forwards in transformers' order (``recipes/attention.py``
 ``_softmax_in_order``) has no counterpart: the kernel's order is its own.
 
+The same library writes a layer's cache (``write_cells``): the recipes' ``index_copy_`` of ``where(valid, new rows,
+old values)``, four to five calls a cache and layer and a gather of the old values of every layer's cells, becomes one
+copy of the valid rows' bytes into their cells, bit for bit the same pool, in every variant.
+
 The rewrite is made at load on the CPU (``LoadOptions.native_kernels``), wherever the kernel builds
 (``native_build``), for every decode and verify variant of a core alike; where it does not build (``unavailable`` says
 why), the graphs keep ATen's kernels."""
@@ -55,6 +59,9 @@ def library() -> ctypes.CDLL:
                              ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                              ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int]
         function.restype = ctypes.c_int
+    loaded.write_cells.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
+    loaded.write_cells.restype = ctypes.c_int
     return loaded
 
 
@@ -145,8 +152,82 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return _attend(query, key_cache, value_cache, layer, cells, mask, scale)
 
 
-GRAPH_CALLS = {paged_attention: "ignition::paged_attention"}
-"""The function rewritten graphs call, by the name a profiler shows it under."""
+def _graph_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
+                  cells: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    dtype = query.dtype
+    if (dtype is not torch.float32 and dtype is not torch.bfloat16) or key_cache.dtype is not dtype or \
+            value_cache.dtype is not dtype or mask.dtype is not MASKS[dtype] or query.stride(3) != 1 or \
+            not cells.is_contiguous() or cells.dtype is not torch.int64 or not key_cache.is_contiguous() or \
+            not value_cache.is_contiguous():
+        return _attend(query, key_cache, value_cache, layer, cells, mask, scale)
+    groups, kv_heads, rows, head_dim = query.shape
+    window = cells.size(0) // groups if groups else 0
+    if not groups or mask.size(3) != window or cells.size(0) != groups * window or key_cache.size(3) != kv_heads \
+            or key_cache.size(4) != head_dim or not 0 <= layer < key_cache.size(0) or \
+            value_cache.shape != key_cache.shape or mask.size(0) not in (1, groups) or mask.size(2) not in (1, rows):
+        return _attend(query, key_cache, value_cache, layer, cells, mask, scale)  # refused there, by name
+    out = torch.empty(groups, kv_heads, rows, head_dim, dtype=dtype)
+    offset = layer * key_cache.stride(0) * key_cache.element_size()
+    kernels = library()
+    failed = (kernels.paged_attention_f32 if dtype is torch.float32 else kernels.paged_attention_bf16)(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2), key_cache.data_ptr() + offset,
+        value_cache.data_ptr() + offset, key_cache.size(1) * key_cache.size(2), cells.data_ptr(), mask.data_ptr(),
+        mask.stride(0) if mask.size(0) > 1 else 0, mask.stride(2) if mask.size(2) > 1 else 0, mask.stride(3),
+        out.data_ptr(), groups, kv_heads, rows, window, head_dim, scale, torch.get_num_threads())
+    if failed:
+        return _attend(query, key_cache, value_cache, layer, cells, mask, scale)  # refused there, by name
+    return out
+
+
+def graph_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
+                          cells: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a rewritten graph calls: ``paged_attention`` with the checks ``rewrite`` made once on the graph's
+    extents left out (a decode step makes one call a layer, and the checks cost about as much as the kernel at a
+    short window), its layer in range and its scale a number; where a check that remains fails, or the kernel
+    refuses a cell, ``paged_attention`` says why. Shown as ``ignition::paged_attention`` while a profiler runs."""
+    if _profiling():
+        with torch.profiler.record_function("ignition::paged_attention"):
+            return _graph_attend(query, key_cache, value_cache, layer, cells, mask, scale)
+    return _graph_attend(query, key_cache, value_cache, layer, cells, mask, scale)
+
+
+def write_cells(pool: torch.Tensor, cells: torch.Tensor, source: torch.Tensor, order: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+    """A layer's cache write as the recipes' graphs make it, ``pool.index_copy_(0, cells, where(valid,
+    source.index_select(0, order), old))`` (``old``: the cells' values before the step), in one call that copies
+    only the valid rows' bytes: ``pool [rows, ...]`` contiguous, ``source [S, ...]`` of pool's dtype with rows laid
+    out as pool's, ``cells`` and ``order`` int64 ``[n]``, ``valid`` bool of ``n`` elements. Returns ``pool``. Shown
+    as ``ignition::write_cells`` while a profiler runs."""
+    if _profiling():
+        with torch.profiler.record_function("ignition::write_cells"):
+            return _write(pool, cells, source, order, valid)
+    return _write(pool, cells, source, order, valid)
+
+
+def _write(pool: torch.Tensor, cells: torch.Tensor, source: torch.Tensor, order: torch.Tensor,
+           valid: torch.Tensor) -> torch.Tensor:
+    count = cells.numel()
+    if source.dtype is not pool.dtype or not pool.is_contiguous() or source.dim() != pool.dim() or \
+            source.shape[1:] != pool.shape[1:] or source.stride()[1:] != pool.stride()[1:] or \
+            cells.dtype is not torch.int64 or order.dtype is not torch.int64 or valid.dtype is not torch.bool or \
+            cells.dim() != 1 or order.shape != cells.shape or valid.numel() != count or not cells.is_contiguous() or \
+            not order.is_contiguous() or not valid.is_contiguous():
+        raise ValueError(
+            "write_cells takes a contiguous pool [rows, ...], a source [S, ...] of its dtype and row layout, int64 "
+            "cells and order [n] and n bool valid flags; got pool "
+            f"{tuple(pool.shape)} {pool.dtype}, source {tuple(source.shape)} {source.dtype} strides "
+            f"{source.stride()}, cells {tuple(cells.shape)} {cells.dtype}, order {tuple(order.shape)} {order.dtype}, "
+            f"valid {tuple(valid.shape)} {valid.dtype}")
+    row = pool.stride(0) * pool.element_size()
+    if library().write_cells(pool.data_ptr(), pool.size(0), row, cells.data_ptr(), source.data_ptr(), source.size(0),
+                             source.stride(0) * source.element_size(), order.data_ptr(), valid.data_ptr(), count):
+        raise IndexError(f"write_cells: a valid row's cell outside the pool's {pool.size(0)} rows or its source row "
+                         f"outside the source's {source.size(0)} (cells {cells.tolist()}, order {order.tolist()})")
+    return pool
+
+
+GRAPH_CALLS = {graph_paged_attention: "ignition::paged_attention", write_cells: "ignition::write_cells"}
+"""The functions rewritten graphs call, by the names a profiler shows them under."""
 
 
 def _gather(node, dtype: torch.dtype = torch.float32) -> tuple[Node, int, Node, Node] | None:
@@ -254,23 +335,64 @@ def _eager(node: Node) -> tuple[Node, tuple, tuple, Node, float] | None:
 
 
 def _erase_unread(nodes) -> None:
-    """Erase the pure calls among ``nodes`` that nothing reads, and the ones above them that this leaves unread."""
+    """Erase the ATen calls among ``nodes`` that nothing reads and that mutate nothing, and the ones above them that
+    this leaves unread."""
     pending = list(nodes)
     while pending:
         node = pending.pop()
-        if not isinstance(node, Node) or node.op != "call_function" or node.users or node.graph is None or \
-                node.is_impure():
+        if not isinstance(node, Node) or node.op != "call_function" or node.users or \
+                not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable or \
+                getattr(node, "_erased", False) or node.is_impure():  # impure: an assertion, a random draw's state
             continue
         above = [a for a in node.all_input_nodes]
         node.graph.erase_node(node)
         pending.extend(above)
 
 
+def _layer(found: tuple[Node, int, Node, Node]) -> int:
+    """The gather's layer in ``[0, layers)``, or as given where the pool's extent is unknown or it is out of range
+    (``paged_attention`` refuses it)."""
+    pool, layer = found[0], found[1]
+    layers = pool.meta[FACTS].shape[0]
+    return layer % layers if isinstance(layers, int) and -layers <= layer < layers else layer
+
+
+def _scale(scale: float | None, query: Node) -> float:
+    """SDPA's scale: as given, or ``head_dim ** -0.5``."""
+    return float(query.meta[FACTS].shape[-1] ** -0.5 if scale is None else scale)
+
+
+def _write_match(node: Node) -> tuple[Node, Node, Node, Node, Node, list[Node]] | None:
+    """``(pool, cells, source, order, valid, replaced)`` where ``node`` is ``index_copy_(pool, 0, cells, where(valid,
+    index_select(source, 0, order), old))`` (the recipes' cache write, ``recipes/layers.py``) over rows of one dtype,
+    ``valid`` boolean with one flag a cell."""
+    if not _call(node, _aten.index_copy_.default, 4) or node.args[1] != 0 or node.kwargs:
+        return None
+    pool, _, cells, merged = node.args
+    if not _call(merged, _aten.where.self, 3) or list(merged.users) != [node]:
+        return None
+    valid, fresh, old = merged.args
+    if not _call(fresh, _aten.index_select.default, 3) or fresh.args[1] != 0 or list(fresh.users) != [merged]:
+        return None
+    source, order = fresh.args[0], fresh.args[2]
+    facts = [getattr(n, "meta", {}).get(FACTS) for n in (pool, source, fresh, old, valid, cells, order)]
+    if any(f is None for f in facts):
+        return None
+    rows, source_rows, written, olds, flags, cell_ids, order_ids = facts
+    if any(f.dtype != rows.dtype or f.shape[1:] != rows.shape[1:] for f in (source_rows, written, olds)) or \
+            flags.dtype != torch.bool or cell_ids.dtype != torch.int64 or order_ids.dtype != torch.int64 or \
+            cell_ids.dim() != 1 or order_ids.shape != cell_ids.shape or \
+            flags.shape != (cell_ids.shape[0],) + (1,) * (rows.dim() - 1):
+        return None
+    return pool, cells, source, order, valid, [merged, fresh, old]
+
+
 def rewrite(graph: Graph) -> int:
     """Point each FP32 ``scaled_dot_product_attention`` of ``graph`` over at most ``ROWS_LIMIT`` query rows whose keys
     and values are ``gather_pages`` of one layer's pools through the same cells, with an additive FP32 mask and no
-    dropout, causal flag or grouped-query broadcast, at ``paged_attention``; returns how many. Before the graph
-    module's code is generated."""
+    dropout, causal flag or grouped-query broadcast, and each BF16 eager attention over such windows (``_eager``), at
+    ``paged_attention``, and each cache write (``_write_match``) at ``write_cells``; returns how many calls. Before
+    the graph module's code is generated."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or len(node.args) != 4 or \
@@ -286,8 +408,9 @@ def rewrite(graph: Graph) -> int:
                 not isinstance(facts[0].shape[2], int) or facts[0].shape[2] > ROWS_LIMIT:
             continue
         with graph.inserting_before(node):
-            call = graph.call_function(paged_attention, (query, found_keys[0], found_values[0], found_keys[1],
-                                                         found_keys[2], mask, node.kwargs.get("scale")))
+            call = graph.call_function(graph_paged_attention, (query, found_keys[0], found_values[0],
+                                                               _layer(found_keys), found_keys[2], mask,
+                                                               _scale(node.kwargs.get("scale"), query)))
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)
         graph.erase_node(node)
@@ -297,8 +420,8 @@ def rewrite(graph: Graph) -> int:
     eager = [(node, found) for node in graph.nodes if (found := _eager(node)) is not None]
     for node, (query, found_keys, found_values, hidden, scale) in eager:  # BF16: the plan's nodes erased at the last
         with graph.inserting_before(node):
-            call = graph.call_function(paged_attention, (query, found_keys[0], found_values[0], found_keys[1],
-                                                         found_keys[2], hidden, scale))
+            call = graph.call_function(graph_paged_attention, (query, found_keys[0], found_values[0],
+                                                               _layer(found_keys), found_keys[2], hidden, scale))
             shaped = graph.call_function(_aten.view.default, (call, list(node.meta[FACTS].shape)))
         call.meta[FACTS] = TensorFacts(torch.bfloat16, tuple(query.meta[FACTS].shape))
         shaped.meta.update(node.meta)
@@ -307,7 +430,21 @@ def rewrite(graph: Graph) -> int:
         graph.erase_node(node)
         _erase_unread(inputs)
         count += 1
+    for node in list(graph.nodes):  # the cache writes (a step's old values, read for the rows not written, go)
+        found = _write_match(node)
+        if found is None:
+            continue
+        pool, cells, source, order, valid, replaced = found
+        with graph.inserting_before(node):
+            call = graph.call_function(write_cells, (pool, cells, source, order, valid))
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        _erase_unread(replaced)
+        count += 1
+    _erase_unread([node for node in graph.nodes if node.op == "call_function"])  # the gathers' pool selects
     return count
 
 
-__all__ = ["GRAPH_CALLS", "ROWS_LIMIT", "SDPA", "library", "paged_attention", "rewrite", "unavailable"]
+__all__ = ["GRAPH_CALLS", "MASKS", "ROWS_LIMIT", "SDPA", "graph_paged_attention", "library", "paged_attention",
+           "rewrite", "unavailable", "write_cells"]

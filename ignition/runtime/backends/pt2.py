@@ -54,7 +54,7 @@ class Pt2Backend:
             batched_products.rewrite(program.graph, self.packs.gemm)  # BF16 attention products, as timed here
         if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
             if self.native_kernels:
-                paged_attention.rewrite(program.graph)  # decode attention reads the KV pool in place
+                paged_attention.rewrite(program.graph)  # decode attention reads the KV pool in place, writes copy
                 rms_norm.rewrite(program.graph)  # each FP32 or BF16 RMSNorm one call
             direct_calls.rewrite(program.graph)  # replayed op by op in Python: the cheaper calls
             program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
