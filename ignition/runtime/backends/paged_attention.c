@@ -79,33 +79,65 @@ static void dots(long n, const float **q, const float **k, long d_len, float *ou
   }
 }
 
-/* o[d] = sum_j p[j] * v_j[d] with v_j = base + window[j] * stride: for each output one FMA chain over j ascending
- * from 0, a zero weight skipped (it adds nothing); the sums held in registers across the window, 64 outputs a pass */
-static void mix(const float *p, const float *base, const int64_t *window, long stride, long w_len, long d_len,
-                float *o) {
-  long d = 0;
+INLINE v8 load_bf16(const uint16_t *p) { /* eight BF16 values widened */
+  v8i bits;
+  for (int l = 0; l < CHAINS; l++) bits[l] = (int32_t)((uint32_t)p[l] << 16);
+  v8 f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+/* value i of a row of FP32 values, or of BF16 ones (bf16) widened; inlined with a constant bf16 */
+INLINE v8 load_at(const void *row, long i, int bf16) {
+  return bf16 ? load_bf16((const uint16_t *)row + i) : load((const float *)row + i);
+}
+
+INLINE float value_at(const void *row, long i, int bf16) {
+  if (!bf16) return ((const float *)row)[i];
+  uint32_t u = (uint32_t)((const uint16_t *)row)[i] << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+/* o[d] = sum_j p[j] * v_j[d] with v_j the row at element window[j] * stride of base (FP32, or BF16 widened): for
+ * each output one FMA chain over j ascending from 0, a zero weight skipped (it adds nothing); the sums held in
+ * registers across the window, 64 outputs a pass */
+INLINE void mix_rows(const float *p, const void *base, int bf16, const int64_t *window, long stride, long w_len,
+                     long d_len, float *o) {
+  long size = bf16 ? 2 : 4, d = 0;
   for (; d + 8 * CHAINS <= d_len; d += 8 * CHAINS) {
     v8 a[8] = {{0}};
     for (long j = 0; j < w_len; j++) {
       if (p[j] == 0.0f) continue;
-      const float *v = base + window[j] * stride + d;
+      const char *v = (const char *)base + (window[j] * stride + d) * size;
       v8 weight = (v8){0} + p[j];
-      for (int c = 0; c < 8; c++) a[c] += weight * load(v + c * CHAINS);
+      for (int c = 0; c < 8; c++) a[c] += weight * load_at(v, c * CHAINS, bf16);
     }
     memcpy(o + d, a, sizeof a);
   }
   for (; d + CHAINS <= d_len; d += CHAINS) {
     v8 a = {0};
     for (long j = 0; j < w_len; j++)
-      if (p[j] != 0.0f) a += ((v8){0} + p[j]) * load(base + window[j] * stride + d);
+      if (p[j] != 0.0f) a += ((v8){0} + p[j]) * load_at((const char *)base + (window[j] * stride + d) * size, 0, bf16);
     memcpy(o + d, &a, sizeof a);
   }
   for (; d < d_len; d++) {
     float a = 0.0f;
     for (long j = 0; j < w_len; j++)
-      if (p[j] != 0.0f) a += p[j] * base[window[j] * stride + d];
+      if (p[j] != 0.0f) a += p[j] * value_at(base, window[j] * stride + d, bf16);
     o[d] = a;
   }
+}
+
+static void mix(const float *p, const float *base, const int64_t *window, long stride, long w_len, long d_len,
+                float *o) {
+  mix_rows(p, base, 0, window, stride, w_len, d_len, o);
+}
+
+static void mix_bf16(const float *p, const uint16_t *base, const int64_t *window, long stride, long w_len,
+                     long d_len, float *o) {
+  mix_rows(p, base, 1, window, stride, w_len, d_len, o);
 }
 
 INLINE v8 pick(v8i where, v8 a, v8 b) { /* a where set, else b */
@@ -141,6 +173,28 @@ INLINE v8 exp8(v8 x) { /* Cephes expf: x = n ln2 + r, |r| <= ln2 / 2; 0 below -8
   memcpy(&pow2, &bits, sizeof pow2);
   y = y * pow2;
   return pick(open, y, (v8){0});
+}
+
+/* s[j] = exp(s[j] - max s) in place over a row of W scores; returns their sum (eight chains over j mod 8, reduce()) */
+static float exponentials(float *s, long w_len) {
+  float top = -INFINITY;
+  for (long j = 0; j < w_len; j++)
+    if (s[j] > top) top = s[j];
+  v8 sum = {0}, shift = (v8){0} + top;
+  long j = 0;
+  for (; j + CHAINS <= w_len; j += CHAINS) {
+    v8 p = exp8(load(s + j) - shift);
+    memcpy(s + j, &p, sizeof p);
+    sum += p;
+  }
+  if (j < w_len) {
+    v8 tail = (v8){0} - INFINITY;
+    memcpy(&tail, s + j, (w_len - j) * sizeof(float));
+    v8 p = exp8(tail - shift); /* the lanes past W are -inf: 0 */
+    memcpy(s + j, &p, (w_len - j) * sizeof(float));
+    sum += p;
+  }
+  return reduce(sum);
 }
 
 INLINE int closed(float mask) { return mask <= -FLT_MAX; }
@@ -185,26 +239,8 @@ static void block(const float *q, long q_sg, long q_sh, long q_sm, const float *
   }
   float total[ROWS * 64]; /* heads a task: at most 64 (the caller's split) */
   for (long h = h0; h < h1; h++)
-    for (int r = 0; r < rows; r++) {
-      float *s = scores + ((h - h0) * ROWS + r) * w_len, top = -INFINITY;
-      for (long j = 0; j < w_len; j++)
-        if (s[j] > top) top = s[j];
-      v8 sum = {0}, shift = (v8){0} + top;
-      long j = 0;
-      for (; j + CHAINS <= w_len; j += CHAINS) {
-        v8 p = exp8(load(s + j) - shift);
-        memcpy(s + j, &p, sizeof p);
-        sum += p;
-      }
-      if (j < w_len) {
-        v8 tail = (v8){0} - INFINITY;
-        memcpy(&tail, s + j, (w_len - j) * sizeof(float));
-        v8 p = exp8(tail - shift); /* the lanes past W are -inf: 0 */
-        memcpy(s + j, &p, (w_len - j) * sizeof(float));
-        sum += p;
-      }
-      total[(h - h0) * ROWS + r] = reduce(sum);
-    }
+    for (int r = 0; r < rows; r++)
+      total[(h - h0) * ROWS + r] = exponentials(scores + ((h - h0) * ROWS + r) * w_len, w_len);
   for (long h = h0; h < h1; h++)
     for (int r = 0; r < rows; r++) {
       float *o = out + ((g * heads + h) * m_len + m0 + r) * d_len, t = total[(h - h0) * ROWS + r];
@@ -212,43 +248,6 @@ static void block(const float *q, long q_sg, long q_sh, long q_sm, const float *
       for (long d = 0; d < d_len; d++) o[d] /= t;
     }
 }
-
-/* 0, or 1: a cell outside [0, pool_cells) (nothing written), 2: no scratch */
-int paged_attention_f32(const float *q, long q_sg, long q_sh, long q_sm, const float *k_pool, const float *v_pool,
-                        long pool_cells, const int64_t *cells, const float *mask, long m_sg, long m_sm, long m_sw,
-                        float *out, long groups, long heads, long m_len, long w_len, long d_len, float scale,
-                        int threads) {
-  for (long i = 0; i < groups * w_len; i++)
-    if (cells[i] < 0 || cells[i] >= pool_cells) return 1;
-  long row_blocks = (m_len + ROWS - 1) / ROWS, slices = (long)groups * row_blocks;
-  /* heads split into parts so that every thread has a task, at most 64 heads a part */
-  long parts = slices >= threads ? 1 : (threads + slices - 1) / slices;
-  if (parts > heads) parts = heads;
-  if ((heads + parts - 1) / parts > 64) parts = (heads + 63) / 64;
-  long tasks = slices * parts, per_part = (heads + parts - 1) / parts;
-  int failed = 0;
-#pragma omp parallel num_threads(threads)
-  {
-    float *scores = malloc((size_t)per_part * ROWS * (w_len ? w_len : 1) * sizeof(float));
-    if (!scores) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp for schedule(static)
-    for (long task = 0; task < tasks; task++) {
-      if (!scores) continue;
-      long slice = task / parts, part = task % parts, g = slice / row_blocks, m0 = slice % row_blocks * ROWS;
-      long h0 = part * per_part, h1 = h0 + per_part < heads ? h0 + per_part : heads;
-      int rows = m_len - m0 < ROWS ? (int)(m_len - m0) : ROWS;
-      if (h0 < h1)
-        block(q, q_sg, q_sh, q_sm, k_pool, v_pool, cells, mask, m_sg, m_sm, m_sw, out, g, h0, h1, m0, rows, heads,
-              m_len, w_len, d_len, scale, scores);
-    }
-    free(scores);
-  }
-  return failed ? 2 : 0;
-}
-
 
 /* BF16 (paged_attention_bf16) */
 INLINE float widen(uint16_t h) {
@@ -269,42 +268,6 @@ INLINE float round_bf16(float f) { return widen(narrow(f)); }
 
 static void widen_row(const uint16_t *in, float *out, long n) {
   for (long i = 0; i < n; i++) out[i] = widen(in[i]);
-}
-
-INLINE v8 load_bf16(const uint16_t *p) {
-  v8i bits;
-  for (int l = 0; l < CHAINS; l++) bits[l] = (int32_t)((uint32_t)p[l] << 16);
-  v8 f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-/* mix() over BF16 values, each widened */
-static void mix_bf16(const float *p, const uint16_t *base, const int64_t *window, long stride, long w_len,
-                     long d_len, float *o) {
-  long d = 0;
-  for (; d + 8 * CHAINS <= d_len; d += 8 * CHAINS) {
-    v8 a[8] = {{0}};
-    for (long j = 0; j < w_len; j++) {
-      if (p[j] == 0.0f) continue;
-      const uint16_t *v = base + window[j] * stride + d;
-      v8 weight = (v8){0} + p[j];
-      for (int c = 0; c < 8; c++) a[c] += weight * load_bf16(v + c * CHAINS);
-    }
-    memcpy(o + d, a, sizeof a);
-  }
-  for (; d + CHAINS <= d_len; d += CHAINS) {
-    v8 a = {0};
-    for (long j = 0; j < w_len; j++)
-      if (p[j] != 0.0f) a += ((v8){0} + p[j]) * load_bf16(base + window[j] * stride + d);
-    memcpy(o + d, &a, sizeof a);
-  }
-  for (; d < d_len; d++) {
-    float a = 0.0f;
-    for (long j = 0; j < w_len; j++)
-      if (p[j] != 0.0f) a += p[j] * widen(base[window[j] * stride + d]);
-    o[d] = a;
-  }
 }
 
 #define BF16_LOWEST -3.38953138925153547590470800371487866880e+38f /* the BF16 minimum, a hidden key's score */
@@ -353,25 +316,8 @@ static void block_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const
   float *mix = queries; /* the queries are read; their scratch holds the FP32 sums now */
   for (long h = h0; h < h1; h++)
     for (int r = 0; r < rows; r++) {
-      float *s = scores + ((h - h0) * ROWS + r) * w_len, top = -INFINITY;
-      for (long j = 0; j < w_len; j++)
-        if (s[j] > top) top = s[j];
-      v8 sum = {0}, shift = (v8){0} + top;
-      long j = 0;
-      for (; j + CHAINS <= w_len; j += CHAINS) {
-        v8 p = exp8(load(s + j) - shift);
-        memcpy(s + j, &p, sizeof p);
-        sum += p;
-      }
-      if (j < w_len) {
-        v8 tail = (v8){0} - INFINITY;
-        memcpy(&tail, s + j, (w_len - j) * sizeof(float));
-        v8 p = exp8(tail - shift);
-        memcpy(s + j, &p, (w_len - j) * sizeof(float));
-        sum += p;
-      }
-      float total = reduce(sum);
-      for (j = 0; j < w_len; j++) s[j] = round_bf16(s[j] / total);
+      float *s = scores + ((h - h0) * ROWS + r) * w_len, total = exponentials(s, w_len);
+      for (long j = 0; j < w_len; j++) s[j] = round_bf16(s[j] / total);
     }
   for (long h = h0; h < h1; h++)
     for (int r = 0; r < rows; r++) {
@@ -382,22 +328,30 @@ static void block_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const
     }
 }
 
-int paged_attention_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const uint16_t *k_pool,
-                         const uint16_t *v_pool, long pool_cells, const int64_t *cells, const uint8_t *mask, long m_sg,
-                         long m_sm, long m_sw, uint16_t *out, long groups, long heads, long m_len, long w_len,
-                         long d_len, float scale, int threads) {
+static void block_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const uint16_t *k_pool,
+                       const uint16_t *v_pool, const int64_t *cells, const uint8_t *mask, long m_sg, long m_sm,
+                       long m_sw, uint16_t *out, long g, long h0, long h1, long m0, int rows, long heads, long m_len,
+                       long w_len, long d_len, float scale, float *scores);
+
+/* Rows split into tasks of (group, ROWS rows, a part of the heads) over the threads, each with its scratch: block()
+ * (FP32) or block_bf16(). 0, or 1: a cell outside [0, pool_cells) (nothing written), 2: no scratch */
+static int launch(int bf16, const void *q, long q_sg, long q_sh, long q_sm, const void *k_pool, const void *v_pool,
+                  long pool_cells, const int64_t *cells, const void *mask, long m_sg, long m_sm, long m_sw, void *out,
+                  long groups, long heads, long m_len, long w_len, long d_len, float scale, int threads) {
   for (long i = 0; i < groups * w_len; i++)
     if (cells[i] < 0 || cells[i] >= pool_cells) return 1;
   long row_blocks = (m_len + ROWS - 1) / ROWS, slices = (long)groups * row_blocks;
+  /* heads split into parts so that every thread has a task, at most 64 heads a part */
   long parts = slices >= threads ? 1 : (threads + slices - 1) / slices;
   if (parts > heads) parts = heads;
   if ((heads + parts - 1) / parts > 64) parts = (heads + 63) / 64;
   long tasks = slices * parts, per_part = (heads + parts - 1) / parts;
+  /* scores; BF16 also the widened queries (then the sums) and a widened key cell */
+  size_t scratch = (size_t)per_part * ROWS * (w_len ? w_len : 1) + (bf16 ? (size_t)per_part * (ROWS + 1) * d_len : 0);
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
-    float *scores = malloc(((size_t)per_part * ROWS * ((w_len ? w_len : 1) + d_len) + (size_t)per_part * d_len) *
-                           sizeof(float));
+    float *scores = malloc(scratch * sizeof(float));
     if (!scores) {
 #pragma omp atomic write
       failed = 1;
@@ -408,13 +362,33 @@ int paged_attention_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, con
       long slice = task / parts, part = task % parts, g = slice / row_blocks, m0 = slice % row_blocks * ROWS;
       long h0 = part * per_part, h1 = h0 + per_part < heads ? h0 + per_part : heads;
       int rows = m_len - m0 < ROWS ? (int)(m_len - m0) : ROWS;
-      if (h0 < h1)
+      if (h0 >= h1) continue;
+      if (bf16)
         block_bf16(q, q_sg, q_sh, q_sm, k_pool, v_pool, cells, mask, m_sg, m_sm, m_sw, out, g, h0, h1, m0, rows, heads,
                    m_len, w_len, d_len, scale, scores);
+      else
+        block(q, q_sg, q_sh, q_sm, k_pool, v_pool, cells, mask, m_sg, m_sm, m_sw, out, g, h0, h1, m0, rows, heads,
+              m_len, w_len, d_len, scale, scores);
     }
     free(scores);
   }
   return failed ? 2 : 0;
+}
+
+int paged_attention_f32(const float *q, long q_sg, long q_sh, long q_sm, const float *k_pool, const float *v_pool,
+                        long pool_cells, const int64_t *cells, const float *mask, long m_sg, long m_sm, long m_sw,
+                        float *out, long groups, long heads, long m_len, long w_len, long d_len, float scale,
+                        int threads) {
+  return launch(0, q, q_sg, q_sh, q_sm, k_pool, v_pool, pool_cells, cells, mask, m_sg, m_sm, m_sw, out, groups, heads,
+                m_len, w_len, d_len, scale, threads);
+}
+
+int paged_attention_bf16(const uint16_t *q, long q_sg, long q_sh, long q_sm, const uint16_t *k_pool,
+                         const uint16_t *v_pool, long pool_cells, const int64_t *cells, const uint8_t *mask, long m_sg,
+                         long m_sm, long m_sw, uint16_t *out, long groups, long heads, long m_len, long w_len,
+                         long d_len, float scale, int threads) {
+  return launch(1, q, q_sg, q_sh, q_sm, k_pool, v_pool, pool_cells, cells, mask, m_sg, m_sm, m_sw, out, groups, heads,
+                m_len, w_len, d_len, scale, threads);
 }
 
 /* The cache write of a layer (paged_attention.py write_cells): for i < n where valid[i], pool row cells[i] takes
