@@ -32,10 +32,11 @@ def node_table(core, batch: int, steps: int) -> tuple[list[tuple[str, int, int, 
 
     engine = warmed_engine(core, decode_requests(lane_prompts(batch), 5, steps))
     variant = next(v for v in core.variants.values() if v.operation is Operation.DECODE and v.capacity == batch)
-    from ignition.runtime.backends import blocked_linear, paged_attention, rms_norm
+    from ignition.runtime.backends import blocked_linear, cell_writes, paged_attention, rms_norm
     from ignition.runtime.backends.direct_calls import overload
 
-    GRAPH_CALLS = blocked_linear.GRAPH_CALLS | paged_attention.GRAPH_CALLS | rms_norm.GRAPH_CALLS
+    GRAPH_CALLS = blocked_linear.GRAPH_CALLS | paged_attention.GRAPH_CALLS | cell_writes.GRAPH_CALLS | \
+        rms_norm.GRAPH_CALLS
 
     def operator(node) -> str:  # namespace.name: the native kernels' graph calls by their profiler names
         return GRAPH_CALLS[node.target].replace("::", ".") if node.target in GRAPH_CALLS else str(overload(node))

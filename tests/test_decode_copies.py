@@ -123,7 +123,7 @@ def test_a_paged_decode_step_gathers_no_window_and_attends_over_the_live_one(loa
     with watch:
         engine.step()
     # no gather of the pool at all: the writes copy each lane's new rows into their cells in place
-    # (paged_attention.write_cells), and attention reads the cells where they are
+    # (cell_writes.write_cells), and attention reads the cells where they are
     assert not [copy for copy in watch.copies if "index_select" in copy[0]], watch.copies
     assert not watch.attention_keys
     # one call a layer, each over the lanes' live window (one 32-position granule, not the 256 cached)

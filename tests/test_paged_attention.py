@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ignition.catalog.enums import Operation
 from ignition.recipes.attention import _eager_product, gather_pages
-from ignition.runtime.backends import paged_attention
+from ignition.runtime.backends import cell_writes, paged_attention
 from ignition.runtime.backends.paged_attention import graph_paged_attention, paged_attention as attend
 
 pytestmark = pytest.mark.skipif(paged_attention.unavailable() is not None,
@@ -189,33 +189,6 @@ def test_in_bf16_a_rows_bits_are_its_own_and_a_row_with_every_key_hidden_is_aten
                                           everything), rtol=2.0 ** -7, atol=2.0 ** -9)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_cache_write_is_the_graphs_index_copy_of_where_valid_bit_for_bit(dtype):
-    """``write_cells`` against the recipes' write: ``index_copy_(pool, 0, cells, where(valid, source[order], old))``;
-    the rows not valid keep their bytes (NaN payloads included), and the source may be a strided slice of heads."""
-    generator = torch.Generator().manual_seed(5)
-    pool = torch.randn(40, 8, 16, generator=generator).to(dtype)
-    pool[3, 0, 0] = float("nan")
-    heads = torch.randn(6, 24, 16, generator=generator).to(dtype)
-    source = heads[:, 16:]  # the key heads of a [rows, q + k heads, D] tensor: rows 24 x 16 apart
-    cells, order = torch.tensor([7, 3, 30, 12]), torch.tensor([2, 0, 5, 1])
-    valid = torch.tensor([True, False, True, True]).view(-1, 1, 1)
-    expected = pool.clone()
-    expected.index_copy_(0, cells, torch.where(valid, source.index_select(0, order), pool.index_select(0, cells)))
-    assert paged_attention.write_cells(pool, cells, source, order, valid) is pool
-    assert torch.equal(pool.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-    with pytest.raises(IndexError, match=r"a valid row's cell outside the pool's 40 rows"):
-        paged_attention.write_cells(pool, torch.tensor([7, 3, 40, 12]), source, order, valid)
-    paged_attention.write_cells(pool, torch.tensor([7, 99, 30, 12]), source, order, valid)  # row 1 is not written
-    with pytest.raises(IndexError, match=r"its source row outside the source's 6"):
-        paged_attention.write_cells(pool, cells, source, torch.tensor([2, 0, 6, 1]), valid)
-    with pytest.raises(ValueError, match=r"of its dtype and row layout.* source \(6, 8, 16\) torch.float16"):
-        paged_attention.write_cells(pool, cells, source.half(), order, valid)
-    with pytest.raises(ValueError, match=r"valid \(3, 1, 1\) torch.bool"):
-        paged_attention.write_cells(pool, cells, source, order, valid[:3])
-
-
 @pytest.fixture(scope="module")
 def qwen3_core(tmp_path_factory):
     from tests._decoder_cores import fp32_qwen3_core
@@ -245,7 +218,7 @@ def test_a_cores_decode_graphs_attend_on_the_pool_and_keep_their_logprobs(qwen3_
 
     for variant in paged.variants.values():  # every variant's cache writes: one call a cache and layer
         targets = [node.target for node in variant.runner.graph_module.graph.nodes]
-        assert targets.count(paged_attention.write_cells) == 2 * layers, variant.name
+        assert targets.count(cell_writes.write_cells) == 2 * layers, variant.name
         assert copies(variant) == copies(gathering.variants[variant.name]) - 2 * layers, variant.name
     assert not any(calls(paged, Operation.PREFILL)) and not any(calls(gathering, Operation.DECODE))
     requests = [Request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], max_tokens=40, logprobs=3, ignore_eos=True),

@@ -18,9 +18,7 @@ only where an FP32 sum's order moves a BF16 rounding (its deviation from an FP32
 The BF16 graph's softmax of short forwards in transformers' order (``recipes/attention.py``
 ``_softmax_in_order``) has no counterpart: the kernel's order is its own.
 
-The same library writes a layer's cache (``write_cells``): the recipes' ``index_copy_`` of ``where(valid, new rows,
-old values)``, four to five calls a cache and layer and a gather of the old values of every layer's cells, becomes one
-copy of the valid rows' bytes into their cells, bit for bit the same pool, in every variant.
+The same library writes a layer's cache for ``cell_writes.py`` (``write_cells`` in the C source).
 
 The rewrite is made at load on the CPU (``LoadOptions.native_kernels``), wherever the kernel builds
 (``native_build``), for every decode and verify variant of a core alike; where it does not build (``unavailable`` says
@@ -191,43 +189,8 @@ def graph_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     return _graph_attend(query, key_cache, value_cache, layer, cells, mask, scale)
 
 
-def write_cells(pool: torch.Tensor, cells: torch.Tensor, source: torch.Tensor, order: torch.Tensor,
-                valid: torch.Tensor) -> torch.Tensor:
-    """A layer's cache write as the recipes' graphs make it, ``pool.index_copy_(0, cells, where(valid,
-    source.index_select(0, order), old))`` (``old``: the cells' values before the step), in one call that copies
-    only the valid rows' bytes: ``pool [rows, ...]`` contiguous, ``source [S, ...]`` of pool's dtype with rows laid
-    out as pool's, ``cells`` and ``order`` int64 ``[n]``, ``valid`` bool of ``n`` elements. Returns ``pool``. Shown
-    as ``ignition::write_cells`` while a profiler runs."""
-    if _profiling():
-        with torch.profiler.record_function("ignition::write_cells"):
-            return _write(pool, cells, source, order, valid)
-    return _write(pool, cells, source, order, valid)
-
-
-def _write(pool: torch.Tensor, cells: torch.Tensor, source: torch.Tensor, order: torch.Tensor,
-           valid: torch.Tensor) -> torch.Tensor:
-    count = cells.numel()
-    if source.dtype is not pool.dtype or not pool.is_contiguous() or source.dim() != pool.dim() or \
-            source.shape[1:] != pool.shape[1:] or source.stride()[1:] != pool.stride()[1:] or \
-            cells.dtype is not torch.int64 or order.dtype is not torch.int64 or valid.dtype is not torch.bool or \
-            cells.dim() != 1 or order.shape != cells.shape or valid.numel() != count or not cells.is_contiguous() or \
-            not order.is_contiguous() or not valid.is_contiguous():
-        raise ValueError(
-            "write_cells takes a contiguous pool [rows, ...], a source [S, ...] of its dtype and row layout, int64 "
-            "cells and order [n] and n bool valid flags; got pool "
-            f"{tuple(pool.shape)} {pool.dtype}, source {tuple(source.shape)} {source.dtype} strides "
-            f"{source.stride()}, cells {tuple(cells.shape)} {cells.dtype}, order {tuple(order.shape)} {order.dtype}, "
-            f"valid {tuple(valid.shape)} {valid.dtype}")
-    row = pool.stride(0) * pool.element_size()
-    if library().write_cells(pool.data_ptr(), pool.size(0), row, cells.data_ptr(), source.data_ptr(), source.size(0),
-                             source.stride(0) * source.element_size(), order.data_ptr(), valid.data_ptr(), count):
-        raise IndexError(f"write_cells: a valid row's cell outside the pool's {pool.size(0)} rows or its source row "
-                         f"outside the source's {source.size(0)} (cells {cells.tolist()}, order {order.tolist()})")
-    return pool
-
-
-GRAPH_CALLS = {graph_paged_attention: "ignition::paged_attention", write_cells: "ignition::write_cells"}
-"""The functions rewritten graphs call, by the names a profiler shows them under."""
+GRAPH_CALLS = {graph_paged_attention: "ignition::paged_attention"}
+"""The function rewritten graphs call, by the name a profiler shows it under."""
 
 
 def _gather(node, dtype: torch.dtype = torch.float32) -> tuple[Node, int, Node, Node] | None:
@@ -256,8 +219,9 @@ def _gather(node, dtype: torch.dtype = torch.float32) -> tuple[Node, int, Node, 
 
 
 def _unused(chain: Node) -> None:
-    """Erase ``chain`` (a gather's transpose) and the nodes above it that nothing else reads."""
-    for _ in range(4):
+    """Erase ``chain`` (a gather's transpose) and the nodes above it up to the pool's ``select`` that nothing else
+    reads."""
+    for _ in range(5):
         above = chain.args[0]
         if chain.users:
             return
@@ -265,7 +229,8 @@ def _unused(chain: Node) -> None:
         chain = above
 
 
-def _call(node, target, arguments: int | None = None) -> bool:
+def call_of(node, target, arguments: int | None = None) -> bool:
+    """True where ``node`` calls ``target`` (with ``arguments`` positional arguments where given)."""
     return isinstance(node, Node) and node.op == "call_function" and node.target is target and \
         (arguments is None or len(node.args) == arguments)
 
@@ -290,37 +255,37 @@ def _eager(node: Node) -> tuple[Node, tuple, tuple, Node, float] | None:
     reshape(values))`` with ``P`` ``softmax(S, -1, float32)`` (or ``_softmax_in_order``'s ``where(short, ·,
     softmax(S))``) and ``S`` ``masked_fill(view(mul(bmm(reshape(query), transpose(reshape(keys), 1, 2)), scale)),
     hidden, BF16 minimum)``, ``query [G, kv_heads, M, head_dim]`` of a fixed ``M`` of at most ``ROWS_LIMIT``."""
-    if not (_call(node, BMM, 2) or _call(node, widened_bmm, 2)) or node.kwargs:
+    if not (call_of(node, BMM, 2) or call_of(node, widened_bmm, 2)) or node.kwargs:
         return None
     weights, values = node.args
-    if not _call(weights, _aten.view.default) or not _call(values, _aten.reshape.default):
+    if not call_of(weights, _aten.view.default) or not call_of(values, _aten.reshape.default):
         return None
     found_values = _gather(values.args[0], torch.bfloat16)
     rounded = weights.args[0]
-    if found_values is None or not _call(rounded, _aten.to.dtype, 2) or rounded.args[1] != torch.bfloat16:
+    if found_values is None or not call_of(rounded, _aten.to.dtype, 2) or rounded.args[1] != torch.bfloat16:
         return None
     probs = rounded.args[0]
-    if _call(probs, _aten.where.self, 3):
+    if call_of(probs, _aten.where.self, 3):
         if not _derives(probs.args[1], probs.args[2].args[0] if isinstance(probs.args[2], Node) else None, 6):
             return None
         probs = probs.args[2]
-    if not _call(probs, _aten.softmax.int, 3) or probs.args[1:] != (-1, torch.float32):
+    if not call_of(probs, _aten.softmax.int, 3) or probs.args[1:] != (-1, torch.float32):
         return None
     masked = probs.args[0]
-    if not _call(masked, _aten.masked_fill.Scalar, 3) or masked.args[2] != _BF16_LOWEST:
+    if not call_of(masked, _aten.masked_fill.Scalar, 3) or masked.args[2] != _BF16_LOWEST:
         return None
     scores, hidden = masked.args[:2]
-    if not _call(scores, _aten.view.default):
+    if not call_of(scores, _aten.view.default):
         return None
     scaled = scores.args[0]
-    if not _call(scaled, _aten.mul.Tensor, 2) or not isinstance(scaled.args[1], float):
+    if not call_of(scaled, _aten.mul.Tensor, 2) or not isinstance(scaled.args[1], float):
         return None
     product = scaled.args[0]
-    if not (_call(product, BMM, 2) or _call(product, widened_bmm, 2)):
+    if not (call_of(product, BMM, 2) or call_of(product, widened_bmm, 2)):
         return None
     query, keys = product.args
-    if not _call(query, _aten.reshape.default) or not _call(keys, _aten.transpose.int) or keys.args[1:] != (1, 2) or \
-            not _call(keys.args[0], _aten.reshape.default):
+    if not call_of(query, _aten.reshape.default) or not call_of(keys, _aten.transpose.int) or \
+            keys.args[1:] != (1, 2) or not call_of(keys.args[0], _aten.reshape.default):
         return None
     found_keys = _gather(keys.args[0].args[0], torch.bfloat16)
     if found_keys is None or found_keys[1] != found_values[1] or found_keys[2] is not found_values[2]:
@@ -334,7 +299,7 @@ def _eager(node: Node) -> tuple[Node, tuple, tuple, Node, float] | None:
     return query, found_keys, found_values, hidden, scaled.args[1]
 
 
-def _erase_unread(nodes) -> None:
+def erase_unread(nodes) -> None:
     """Erase the ATen calls among ``nodes`` that nothing reads and that mutate nothing, and the ones above them that
     this leaves unread."""
     pending = list(nodes)
@@ -362,37 +327,11 @@ def _scale(scale: float | None, query: Node) -> float:
     return float(query.meta[FACTS].shape[-1] ** -0.5 if scale is None else scale)
 
 
-def _write_match(node: Node) -> tuple[Node, Node, Node, Node, Node, list[Node]] | None:
-    """``(pool, cells, source, order, valid, replaced)`` where ``node`` is ``index_copy_(pool, 0, cells, where(valid,
-    index_select(source, 0, order), old))`` (the recipes' cache write, ``recipes/layers.py``) over rows of one dtype,
-    ``valid`` boolean with one flag a cell."""
-    if not _call(node, _aten.index_copy_.default, 4) or node.args[1] != 0 or node.kwargs:
-        return None
-    pool, _, cells, merged = node.args
-    if not _call(merged, _aten.where.self, 3) or list(merged.users) != [node]:
-        return None
-    valid, fresh, old = merged.args
-    if not _call(fresh, _aten.index_select.default, 3) or fresh.args[1] != 0 or list(fresh.users) != [merged]:
-        return None
-    source, order = fresh.args[0], fresh.args[2]
-    facts = [getattr(n, "meta", {}).get(FACTS) for n in (pool, source, fresh, old, valid, cells, order)]
-    if any(f is None for f in facts):
-        return None
-    rows, source_rows, written, olds, flags, cell_ids, order_ids = facts
-    if any(f.dtype != rows.dtype or f.shape[1:] != rows.shape[1:] for f in (source_rows, written, olds)) or \
-            flags.dtype != torch.bool or cell_ids.dtype != torch.int64 or order_ids.dtype != torch.int64 or \
-            cell_ids.dim() != 1 or order_ids.shape != cell_ids.shape or \
-            flags.shape != (cell_ids.shape[0],) + (1,) * (rows.dim() - 1):
-        return None
-    return pool, cells, source, order, valid, [merged, fresh, old]
-
-
 def rewrite(graph: Graph) -> int:
     """Point each FP32 ``scaled_dot_product_attention`` of ``graph`` over at most ``ROWS_LIMIT`` query rows whose keys
     and values are ``gather_pages`` of one layer's pools through the same cells, with an additive FP32 mask and no
     dropout, causal flag or grouped-query broadcast, and each BF16 eager attention over such windows (``_eager``), at
-    ``paged_attention``, and each cache write (``_write_match``) at ``write_cells``; returns how many calls. Before
-    the graph module's code is generated."""
+    ``paged_attention``; returns how many. Before the graph module's code is generated."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or len(node.args) != 4 or \
@@ -428,23 +367,10 @@ def rewrite(graph: Graph) -> int:
         node.replace_all_uses_with(shaped)
         inputs = node.all_input_nodes
         graph.erase_node(node)
-        _erase_unread(inputs)
+        erase_unread(inputs)
         count += 1
-    for node in list(graph.nodes):  # the cache writes (a step's old values, read for the rows not written, go)
-        found = _write_match(node)
-        if found is None:
-            continue
-        pool, cells, source, order, valid, replaced = found
-        with graph.inserting_before(node):
-            call = graph.call_function(write_cells, (pool, cells, source, order, valid))
-        call.meta.update(node.meta)
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        _erase_unread(replaced)
-        count += 1
-    _erase_unread([node for node in graph.nodes if node.op == "call_function"])  # the gathers' pool selects
     return count
 
 
-__all__ = ["GRAPH_CALLS", "MASKS", "ROWS_LIMIT", "SDPA", "graph_paged_attention", "library", "paged_attention",
-           "rewrite", "unavailable", "write_cells"]
+__all__ = ["GRAPH_CALLS", "MASKS", "ROWS_LIMIT", "SDPA", "call_of", "erase_unread", "graph_paged_attention", "library",
+           "paged_attention", "rewrite", "unavailable"]

@@ -2,8 +2,9 @@
 program reader (``validate/program_reader.py``: the graph without torch.export.load's FakeTensor and sympy
 metadata), checked and moved to the device; on the CPU, its linears run on packed weights (``packed_linear.py``), its
 BF16 and FP16 batched products on FP32 copies where that is faster (``batched_products.py``), its FP32 and BF16
-decode attention on the KV pool in place (``paged_attention.py``) and its FP32 and BF16 RMSNorm in one call
-(``rms_norm.py``), and its other ATen calls through torch's Python bindings (``direct_calls.py``)."""
+decode attention on the KV pool in place (``paged_attention.py``), its cache writes (``cell_writes.py``) and its
+FP32 and BF16 RMSNorm (``rms_norm.py``) in one call each, and its other ATen calls through torch's Python bindings
+(``direct_calls.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from ignition.catalog.manifest import Manifest
 from ignition.catalog.model import BufferDecl
-from ignition.runtime.backends import batched_products, direct_calls, paged_attention, rms_norm
+from ignition.runtime.backends import batched_products, cell_writes, direct_calls, paged_attention, rms_norm
 from ignition.runtime.backends.packed_linear import LinearPacks
 from ignition.runtime.backends.protocol import Runner, graph_files
 from ignition.runtime.device import CAPTURE_DEVICE, move_program
@@ -54,7 +55,8 @@ class Pt2Backend:
             batched_products.rewrite(program.graph, self.packs.gemm)  # BF16 attention products, as timed here
         if self.device == CAPTURE_DEVICE:  # its Python code generated now, while the weights are still being read
             if self.native_kernels:
-                paged_attention.rewrite(program.graph)  # decode attention reads the KV pool in place, writes copy
+                paged_attention.rewrite(program.graph)  # decode attention reads the KV pool in place
+                cell_writes.rewrite(program.graph)  # each layer's cache write one copy
                 rms_norm.rewrite(program.graph)  # each FP32 or BF16 RMSNorm one call
             direct_calls.rewrite(program.graph)  # replayed op by op in Python: the cheaper calls
             program.graph_module  # noqa: B018 (built once; another device's is built as the program moves there)
