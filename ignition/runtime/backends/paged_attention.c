@@ -79,6 +79,22 @@ static void dots(long n, const float **q, const float **k, long d_len, float *ou
   }
 }
 
+INLINE float widen(uint16_t h) {
+  uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+INLINE uint16_t narrow(float f) { /* to nearest even, as c10::BFloat16 rounds; NaN stays NaN */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if (f != f) return 0x7FC0;
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+INLINE float round_bf16(float f) { return widen(narrow(f)); }
+
 INLINE v8 load_bf16(const uint16_t *p) { /* eight BF16 values widened */
   v8i bits;
   for (int l = 0; l < CHAINS; l++) bits[l] = (int32_t)((uint32_t)p[l] << 16);
@@ -93,11 +109,7 @@ INLINE v8 load_at(const void *row, long i, int bf16) {
 }
 
 INLINE float value_at(const void *row, long i, int bf16) {
-  if (!bf16) return ((const float *)row)[i];
-  uint32_t u = (uint32_t)((const uint16_t *)row)[i] << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
+  return bf16 ? widen(((const uint16_t *)row)[i]) : ((const float *)row)[i];
 }
 
 /* o[d] = sum_j p[j] * v_j[d] with v_j the row at element window[j] * stride of base (FP32, or BF16 widened): for
@@ -250,22 +262,6 @@ static void block(const float *q, long q_sg, long q_sh, long q_sm, const float *
 }
 
 /* BF16 (paged_attention_bf16) */
-INLINE float widen(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-INLINE uint16_t narrow(float f) { /* to nearest even, as c10::BFloat16 rounds; NaN stays NaN */
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  if (f != f) return 0x7FC0;
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-INLINE float round_bf16(float f) { return widen(narrow(f)); }
-
 static void widen_row(const uint16_t *in, float *out, long n) {
   for (long i = 0; i < n; i++) out[i] = widen(in[i]);
 }

@@ -101,6 +101,22 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
                          f"of {query.shape[2]} rows over {window} keys")
 
 
+def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int, cells: torch.Tensor,
+            mask: torch.Tensor, scale: float, window: int) -> tuple[torch.Tensor, int]:
+    """The kernel of query's dtype on checked operands, ``layer`` in range: the output and the kernel's status (0;
+    1 a cell out of range; 2 no scratch)."""
+    groups, kv_heads, rows, head_dim = query.shape
+    out = torch.empty(groups, kv_heads, rows, head_dim, dtype=query.dtype)
+    offset = layer * key_cache.stride(0) * key_cache.element_size()
+    kernels = library()
+    failed = (kernels.paged_attention_f32 if query.dtype is torch.float32 else kernels.paged_attention_bf16)(
+        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2), key_cache.data_ptr() + offset,
+        value_cache.data_ptr() + offset, key_cache.size(1) * key_cache.size(2), cells.data_ptr(), mask.data_ptr(),
+        mask.stride(0) if mask.size(0) > 1 else 0, mask.stride(2) if mask.size(2) > 1 else 0, mask.stride(3),
+        out.data_ptr(), groups, kv_heads, rows, window, head_dim, scale, torch.get_num_threads())
+    return out, failed
+
+
 def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
             cells: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
     _check(query, key_cache, value_cache, cells, mask)
@@ -114,18 +130,10 @@ def _attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     if not -layers <= layer < layers:
         raise IndexError(f"paged_attention: layer {layer} of a pool of {layers} layers")
     layer %= layers
-    out = torch.empty(groups, kv_heads, rows, head_dim, dtype=query.dtype)
-    if not out.numel():
-        return out
-    offset = layer * key_cache.stride(0) * key_cache.element_size()
-    m_sg = mask.stride(0) if mask.shape[0] > 1 else 0
-    m_sm = mask.stride(2) if mask.shape[2] > 1 else 0
-    kernel = library().paged_attention_f32 if query.dtype == torch.float32 else library().paged_attention_bf16
-    failed = kernel(
-        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2), key_cache.data_ptr() + offset,
-        value_cache.data_ptr() + offset, blocks * block_size, cells.data_ptr(), mask.data_ptr(), m_sg, m_sm,
-        mask.stride(3), out.data_ptr(), groups, kv_heads, rows, window, head_dim,
-        head_dim ** -0.5 if scale is None else scale, torch.get_num_threads())
+    if not groups * kv_heads * rows * head_dim:
+        return torch.empty(groups, kv_heads, rows, head_dim, dtype=query.dtype)
+    scale = head_dim ** -0.5 if scale is None else scale
+    out, failed = _launch(query, key_cache, value_cache, layer, cells, mask, scale, window)
     if failed == 1:
         raise IndexError(f"paged_attention: a cell outside the layer's pool of {blocks * block_size} cells "
                          f"(cells {int(cells.min())} .. {int(cells.max())})")
@@ -153,8 +161,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 def _graph_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, layer: int,
                   cells: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     dtype = query.dtype
-    if (dtype is not torch.float32 and dtype is not torch.bfloat16) or key_cache.dtype is not dtype or \
-            value_cache.dtype is not dtype or mask.dtype is not MASKS[dtype] or query.stride(3) != 1 or \
+    if key_cache.dtype is not dtype or value_cache.dtype is not dtype or mask.dtype is not MASKS.get(dtype) or \
+            query.stride(3) != 1 or \
             not cells.is_contiguous() or cells.dtype is not torch.int64 or not key_cache.is_contiguous() or \
             not value_cache.is_contiguous():
         return _attend(query, key_cache, value_cache, layer, cells, mask, scale)
@@ -164,14 +172,7 @@ def _graph_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
             or key_cache.size(4) != head_dim or not 0 <= layer < key_cache.size(0) or \
             value_cache.shape != key_cache.shape or mask.size(0) not in (1, groups) or mask.size(2) not in (1, rows):
         return _attend(query, key_cache, value_cache, layer, cells, mask, scale)  # refused there, by name
-    out = torch.empty(groups, kv_heads, rows, head_dim, dtype=dtype)
-    offset = layer * key_cache.stride(0) * key_cache.element_size()
-    kernels = library()
-    failed = (kernels.paged_attention_f32 if dtype is torch.float32 else kernels.paged_attention_bf16)(
-        query.data_ptr(), query.stride(0), query.stride(1), query.stride(2), key_cache.data_ptr() + offset,
-        value_cache.data_ptr() + offset, key_cache.size(1) * key_cache.size(2), cells.data_ptr(), mask.data_ptr(),
-        mask.stride(0) if mask.size(0) > 1 else 0, mask.stride(2) if mask.size(2) > 1 else 0, mask.stride(3),
-        out.data_ptr(), groups, kv_heads, rows, window, head_dim, scale, torch.get_num_threads())
+    out, failed = _launch(query, key_cache, value_cache, layer, cells, mask, scale, window)
     if failed:
         return _attend(query, key_cache, value_cache, layer, cells, mask, scale)  # refused there, by name
     return out
@@ -216,17 +217,6 @@ def _gather(node, dtype: torch.dtype = torch.float32) -> tuple[Node, int, Node, 
     if pool.op != "placeholder" or facts is None or facts.dim() != 5 or facts.dtype != dtype:
         return None
     return pool, picked.args[2], gathered.args[2], node
-
-
-def _unused(chain: Node) -> None:
-    """Erase ``chain`` (a gather's transpose) and the nodes above it up to the pool's ``select`` that nothing else
-    reads."""
-    for _ in range(5):
-        above = chain.args[0]
-        if chain.users:
-            return
-        chain.graph.erase_node(chain)
-        chain = above
 
 
 def call_of(node, target, arguments: int | None = None) -> bool:
@@ -309,7 +299,7 @@ def erase_unread(nodes) -> None:
                 not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable or \
                 getattr(node, "_erased", False) or node.is_impure():  # impure: an assertion, a random draw's state
             continue
-        above = [a for a in node.all_input_nodes]
+        above = list(node.all_input_nodes)
         node.graph.erase_node(node)
         pending.extend(above)
 
@@ -353,8 +343,7 @@ def rewrite(graph: Graph) -> int:
         call.meta.update(node.meta)
         node.replace_all_uses_with(call)
         graph.erase_node(node)
-        _unused(found_keys[3])
-        _unused(found_values[3])
+        erase_unread([found_keys[3], found_values[3]])
         count += 1
     eager = [(node, found) for node in graph.nodes if (found := _eager(node)) is not None]
     for node, (query, found_keys, found_values, hidden, scale) in eager:  # BF16: the plan's nodes erased at the last

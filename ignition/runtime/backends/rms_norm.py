@@ -236,7 +236,7 @@ def _match(node: Node) -> tuple[Node, Node, float, float, list[Node]] | None:
 def _rope(norm: Node) -> tuple[Node, Node, Node, int, int] | None:
     """``(add, cos, sin, per_trig_row, shift)`` where ``norm``'s only readers are ``add(mul(norm, cos), mul(roll(norm,
     [shift], [-1]), sin))`` (either operand order of each), ``cos`` and ``sin`` of norm's dtype and extents or with 1 at
-    the heads' (dim -2), in norm's dtype."""
+    the heads' (dim -2)."""
     users = list(norm.users)
     if len(users) != 2:
         return None
